@@ -1,0 +1,26 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch is installed only when no torch is importable; a machine that already has
+# torch (CUDA or CPU) keeps it, because the venv sees the system site-packages.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: run test install clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(PY) -m flexsarathi demo
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,127 @@
+"""`Policy`: where every tensor kind lives and how passes are formed.
+
+A leaf module (stdlib only) so that both the runtime (offload/, flexsarathi/) and the planner
+import it without importing each other. FlexGen's symbols are given in brackets.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+
+SCHEDULERS = ("decode-maximal", "block")
+_FRACTION_KINDS = {
+    "weights": ("w_gpu", "w_cpu", "w_disk"),  # (wg, wc, wd)
+    "KV cache": ("kv_gpu", "kv_cpu", "kv_disk"),  # (cg, cc, cd)
+    "activations": ("act_gpu", "act_cpu", "act_disk"),  # (hg, hc, hd)
+}
+_TOL = 1e-6
+
+
+class PolicyError(ValueError):
+    """A policy field (or policy file) is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    gpu_batch_size: int = 8  # (gbs) sequences per micro-batch ("GPU batch")
+    num_gpu_batches: int = 1  # micro-batches per pass; weights are loaded once per pass for all
+    w_gpu: float = 1.0
+    w_cpu: float = 0.0
+    w_disk: float = 0.0
+    kv_gpu: float = 1.0
+    kv_cpu: float = 0.0
+    kv_disk: float = 0.0
+    act_gpu: float = 1.0
+    act_cpu: float = 0.0
+    act_disk: float = 0.0
+    compress_weight: bool = False  # 4-bit group-wise weights, dequantized right before use
+    compress_kv: bool = False  # 4-bit group-wise KV cache
+    cpu_attention: bool = False  # decode attention runs on the CPU where the KV cache lives there
+    prefill_budget: int = 512  # prompt tokens per pass (decode-maximal scheduler)
+    overlap: bool = True  # I/O of the next layer / micro-batch overlaps the current compute
+    scheduler: str = "decode-maximal"  # or "block" (FlexGen's schedule, the baseline)
+    pin_weight: bool = True  # pin CPU-tier weights on CUDA (faster copies, costs locked RAM)
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_batch_size", "num_gpu_batches", "prefill_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PolicyError(f"Policy.{name} must be a positive integer, got {value!r}")
+        for kind, names in _FRACTION_KINDS.items():
+            for name in names:
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise PolicyError(f"Policy.{name} must be a number in [0, 1], got {value!r}")
+                if not -_TOL <= value <= 1 + _TOL:
+                    raise PolicyError(f"Policy.{name} must be in [0, 1], got {value!r}")
+            total = sum(getattr(self, n) for n in names)
+            if abs(total - 1.0) > 1e-4:
+                parts = " + ".join(f"{n}={getattr(self, n):g}" for n in names)
+                raise PolicyError(f"Policy {kind} fractions must sum to 1: {parts} = {total:g}")
+        for name in ("compress_weight", "compress_kv", "cpu_attention", "overlap", "pin_weight"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyError(f"Policy.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise PolicyError(f"Policy.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def max_running(self) -> int:
+        """Sequences that may run at once (one decode token each per pass)."""
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @property
+    def weight_fractions(self) -> tuple[float, float, float]:
+        return (self.w_gpu, self.w_cpu, self.w_disk)
+
+    @property
+    def kv_fractions(self) -> tuple[float, float, float]:
+        return (self.kv_gpu, self.kv_cpu, self.kv_disk)
+
+    @property
+    def act_fractions(self) -> tuple[float, float, float]:
+        return (self.act_gpu, self.act_cpu, self.act_disk)
+
+    def replace(self, **changes) -> "Policy":
+        return dataclasses.replace(self, **changes)
+
+    # ---- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "policy") -> "Policy":
+        if not isinstance(data, dict):
+            raise PolicyError(f"{source}: expected a JSON object of policy fields, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PolicyError(f"{source}: unknown policy field(s) {unknown}; known fields: {sorted(known)}")
+        try:
+            return cls(**data)
+        except PolicyError as exc:
+            raise PolicyError(f"{source}: {exc}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)  # never leave a half-written policy file
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Policy":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise PolicyError(f"policy file {path} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise PolicyError(f"policy file {path} is not valid JSON: {exc}") from None
+        # A file written by `flexsarathi policy --json` holds {"policy": {...}, "estimate": {...}}.
+        if isinstance(data, dict) and "policy" in data and isinstance(data["policy"], dict):
+            data = data["policy"]
+        return cls.from_dict(data, source=f"policy file {path}")
