@@ -1,0 +1,72 @@
+"""Attention of query rows against a sequence's cached keys and values: pure math.
+
+Every attention call is a padded batch of sequences that each bring `n` query rows at known
+absolute positions and a context of `kv_len` cached tokens (the new tokens included). Decodes are
+batched together (n = 1); a prompt chunk [a, b) is one sequence with n = b - a and kv_len = b, so
+it sees all earlier tokens of its sequence and is causal within itself: chunked prefill is the same
+math as whole-prompt prefill.
+
+Scores and softmax are accumulated in fp32. The log-sum-exp of every row is returned so that
+partial attentions over disjoint pieces of a context (e.g. a cache split across tiers) merge exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+_QUERY_BLOCK = 256  # query rows per step: bounds the [heads, rows, context] score buffer
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+           kv_len: torch.Tensor, scale: float, sliding_window: int | None = None,
+           kv_pos_offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [B, n, heads, d]; k, v: [B, L, kv_heads, d]; q_pos: [B, n]; kv_len: [B].
+
+    Key j of sequence b (absolute position kv_pos_offset + j) is visible to query i when
+    j < kv_len[b], position <= q_pos[b, i], and (with a sliding window) position > q_pos - window.
+    Returns out [B, n, heads, d] in q's dtype and lse [B, n, heads] in fp32 (-inf where a row sees
+    no key, which only happens for a partial context; its output is then 0).
+    """
+    batch, n, heads, dim = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    kf = k.float().permute(0, 2, 3, 1)  # [B, kvh, d, L]
+    vf = v.float().permute(0, 2, 1, 3)  # [B, kvh, L, d]
+    key_pos = torch.arange(length, device=q.device) + (
+        kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
+    valid_len = torch.arange(length, device=q.device)[None, :] < kv_len[:, None]  # [B, L]
+    outs, lses = [], []
+    for start in range(0, n, _QUERY_BLOCK):
+        stop = min(n, start + _QUERY_BLOCK)
+        rows = stop - start
+        # [B, rows, kvh, g, d] -> [B, kvh, g*rows, d]: GQA without repeating K/V.
+        qb = q[:, start:stop].float().view(batch, rows, kv_heads, group, dim)
+        qb = qb.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * rows, dim)
+        scores = torch.matmul(qb, kf).mul_(scale).view(batch, kv_heads, group, rows, length)
+        qp = q_pos[:, start:stop, None]  # [B, rows, 1]
+        visible = valid_len[:, None, :] & (key_pos <= qp)  # [B, rows, L]
+        if sliding_window is not None:
+            visible &= key_pos > qp - sliding_window
+        scores.masked_fill_(~visible[:, None, None], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g, rows]
+        probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+        probs = torch.nan_to_num_(probs, nan=0.0)
+        out = torch.matmul(probs.view(batch, kv_heads, group * rows, length), vf)
+        outs.append(out.view(batch, kv_heads, group, rows, dim).permute(0, 3, 1, 2, 4)
+                    .reshape(batch, rows, heads, dim))
+        lses.append(lse.permute(0, 3, 1, 2).reshape(batch, rows, heads))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
+    return out.to(q.dtype), lse
+
+
+def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exact softmax over a union of disjoint key sets from per-part (out, lse) pairs.
+
+    out: [..., heads, d], lse: [..., heads]. out = sum_i exp(lse_i - lse) * out_i, where
+    lse = logsumexp_i(lse_i).
+    """
+    lses = torch.stack([lse for _, lse in parts])  # [P, ..., heads]
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.nan_to_num(torch.exp(lses - total), nan=0.0)  # rows seeing no key weigh 0
+    merged = sum(w.unsqueeze(-1) * o.float() for w, (o, _) in zip(weights, parts))
+    return merged.to(parts[0][0].dtype)

@@ -1,0 +1,179 @@
+"""`LLMEngine`: the step is schedule -> run the pass -> postprocess (nano-vllm's shape).
+
+The scheduler decides what runs, the executor (offload/) moves and computes, the model is pure
+math, and this file only glues them and turns logits into tokens.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+
+from flexsarathi.batch_builder import LogitSpan, build_micro_batch, wants_prompt_logprobs
+from flexsarathi.block_manager import BlockManager
+from flexsarathi.checkpoint import open_weight_source
+from flexsarathi.errors import FlexSarathiError
+from flexsarathi.model_config import parse_dtype
+from flexsarathi.sampling import SamplingParams, sample
+from flexsarathi.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from flexsarathi.sequence import Sequence, SequenceStatus
+from flexsarathi.tokenizer import Tokenizer
+from offload.executor import PassExecutor
+from offload.kv_cache import KVPool
+from offload.weights import ResidentWeights
+from policy_search.policy import Policy
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_logprobs: list[float] | None = None  # one per prompt token after the first
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Explicit dtype wins; else fp16/bf16 on a GPU (as the checkpoint, fp16 for fp32 ones) and
+    fp32 on the CPU, where half-precision matmuls are slow and lose accuracy."""
+    if dtype is not None:
+        return parse_dtype(dtype, "LLM(dtype=...)")
+    if device.type == "cuda":
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float16
+    return torch.float32
+
+
+class LLMEngine:
+    def __init__(self, model: str, *, dtype=None, device=None, policy: Policy | None = None,
+                 seed: int = 0, kv_block_size: int = 16):
+        self.device = resolve_device(device)
+        self.source = open_weight_source(model)
+        self.config, self.math = self.source.config, self.source.math
+        self.dtype = resolve_dtype(dtype, self.config.checkpoint_dtype, self.device)
+        self.policy = policy or Policy()
+        self.block_size = kv_block_size
+        self.tokenizer = (Tokenizer.from_folder(model, self.config.bos_token_id,
+                                                (self.config.eos_token_ids or (None,))[0])
+                          if os.path.isdir(model) else None)
+        eos = self.tokenizer.eos_token_id if self.tokenizer else None
+        self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
+        self.weights = ResidentWeights(
+            self.config.num_layers, lambda: self.source.global_weights(self.dtype),
+            lambda i: self.source.layer_weights(i, self.dtype), self.device)
+        self.kv_pools: dict[str, KVPool] = {}
+        self.executor = PassExecutor(self.math, self.weights, self.kv_pools, self.device, self.dtype)
+        self._rng = random.Random(seed)
+        self._next_id = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
+                      prompt: str | None = None) -> Sequence:
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seq = Sequence(
+            seq_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
+            max_len=min(len(prompt_token_ids) + params.max_tokens, self.config.max_position_embeddings),
+            stop_ids=frozenset(stop), generator=torch.Generator().manual_seed(seed), prompt=prompt)
+        self._next_id += 1
+        return seq
+
+    def validate_prompt(self, ids: list[int], index: int) -> None:
+        if len(ids) == 0:
+            raise FlexSarathiError(f"prompt {index} is empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise FlexSarathiError(f"prompt {index}: token id {bad[0]!r} is outside the vocabulary "
+                                   f"[0, {vocab})")
+        if len(ids) > self.config.max_position_embeddings:
+            raise FlexSarathiError(f"prompt {index} has {len(ids)} tokens, more than the model's "
+                                   f"context of {self.config.max_position_embeddings}")
+
+    def new_scheduler(self, seqs: list[Sequence]) -> Scheduler:
+        """A scheduler for this batch of requests, with KV pools sized for it."""
+        p = self.policy
+        running = min(p.max_running, len(seqs))
+        blocks_per_seq = math.ceil(max(s.max_len for s in seqs) / self.block_size)
+        blocks = {"gpu": running * blocks_per_seq}
+        self._ensure_pools(blocks)
+        manager = BlockManager(self.block_size, blocks, {"gpu": 1.0})
+        config = SchedulerConfig(max_running=p.max_running, num_micro_batches=p.num_gpu_batches,
+                                 prefill_budget=p.prefill_budget, mode=p.scheduler)
+        return Scheduler(config, manager)
+
+    def _ensure_pools(self, blocks_per_tier: dict[str, int]) -> None:
+        c = self.config
+        for tier, blocks in blocks_per_tier.items():
+            pool = self.kv_pools.get(tier)
+            if pool is None or pool.num_blocks < blocks:
+                self.kv_pools[tier] = None  # drop the old pool before allocating the new one
+                self.kv_pools[tier] = KVPool(c.num_layers, blocks, self.block_size, c.num_kv_heads,
+                                             c.head_dim, self.dtype, self.device)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self, scheduler: Scheduler) -> list[Sequence]:
+        """One pass; returns the sequences that finished in it."""
+        plan: SchedulerOutput = scheduler.schedule()
+        built = [build_micro_batch(items, self.block_size) for items in plan.micro_batches]
+        logits = self.executor.run([mb for mb, _ in built])
+        return self._postprocess(scheduler, [spans for _, spans in built], logits, plan)
+
+    def _postprocess(self, scheduler: Scheduler, spans: list[list[LogitSpan]],
+                     logits: list[torch.Tensor], plan: SchedulerOutput) -> list[Sequence]:
+        to_sample: list[tuple[Sequence, torch.Tensor]] = []
+        for mb_spans, mb_logits in zip(spans, logits):
+            mb_logits = mb_logits.cpu()
+            for span in mb_spans:
+                item, rows = span.item, mb_logits[span.offset:span.offset + span.count]
+                if wants_prompt_logprobs(item):
+                    _record_prompt_logprobs(item.seq, item.start, item.end, rows)
+                if item.samples:
+                    to_sample.append((item.seq, rows[-1]))
+        for mb in plan.micro_batches:
+            for item in mb:
+                item.seq.num_computed += item.num_tokens
+        finished = []
+        live = []
+        for seq, row in to_sample:
+            if seq.num_tokens >= seq.max_len:  # the prompt filled the whole context
+                seq.status = SequenceStatus.FINISHED_LENGTH
+            else:
+                live.append((seq, row))
+        if live:
+            tokens = sample(torch.stack([row for _, row in live]), [s.params for s, _ in live],
+                            [s.generator for s, _ in live])
+            for (seq, _), token in zip(live, tokens):
+                seq.append(token)
+        for seq, _ in to_sample:
+            if seq.status.finished:
+                scheduler.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def to_output(self, seq: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
+        return RequestOutput(
+            request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), text=text, finish_reason=seq.finish_reason,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None)
+
+
+def _record_prompt_logprobs(seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:
+    """rows[i] predicts position start + i + 1; keep those that land inside the prompt."""
+    stop = min(end, seq.num_prompt_tokens - 1)
+    if stop <= start:
+        return
+    targets = torch.tensor(seq.prompt_token_ids[start + 1:stop + 1])
+    logprobs = torch.log_softmax(rows[:stop - start].float(), dim=-1)
+    seq.prompt_logprobs += logprobs.gather(1, targets[:, None]).squeeze(1).tolist()

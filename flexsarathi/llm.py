@@ -1,0 +1,80 @@
+"""`LLM`: the offline batch API, in vLLM's vocabulary.
+
+    llm = LLM("path/to/checkpoint")          # or "dummy:opt-1.3b"
+    outputs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from flexsarathi.engine import LLMEngine, RequestOutput
+from flexsarathi.errors import FlexSarathiError
+from flexsarathi.sampling import SamplingParams
+from policy_search.policy import Policy
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, dtype=None, device=None, policy: Policy | str | None = None,
+                 seed: int = 0, kv_block_size: int = 16):
+        if isinstance(policy, str):
+            policy = Policy.load(policy)
+        self.engine = LLMEngine(model, dtype=dtype, device=device, policy=policy, seed=seed,
+                                kv_block_size=kv_block_size)
+        self.last_stats: dict = {}
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. Prompts are strings or lists of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise FlexSarathiError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        if not prompts:
+            return []
+        engine = self.engine
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            ids, text = self._encode(prompt, i)
+            engine.validate_prompt(ids, i)
+            seqs.append(engine.make_sequence(ids, p, text))
+        scheduler = engine.new_scheduler(seqs)
+        for seq in seqs:
+            scheduler.add(seq)
+        start, generated, passes = time.perf_counter(), 0, 0
+        with tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while scheduler.has_unfinished():
+                finished = engine.step(scheduler)
+                passes += 1
+                generated += sum(len(s.output_token_ids) for s in finished)
+                if finished:
+                    bar.update(len(finished))
+                    bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}")
+        elapsed = time.perf_counter() - start
+        self.last_stats = {"requests": len(seqs), "generated_tokens": generated, "passes": passes,
+                           "seconds": elapsed, "tokens_per_s": generated / elapsed if elapsed else 0.0}
+        return [engine.to_output(seq) for seq in seqs]
+
+    def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise FlexSarathiError(f"prompt {index} is text, but this model has no tokenizer.json; "
+                                       "give prompts as lists of token ids")
+            return self.engine.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt), None
+        raise FlexSarathiError(f"prompt {index} must be a string or a list of token ids, "
+                               f"got {type(prompt).__name__}")

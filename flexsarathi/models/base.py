@@ -1,0 +1,80 @@
+"""The contract every model family fulfils: pure functions of (weights, activations, metadata).
+
+A layer is split at attention so that the executor decides where attention runs (next to the KV
+cache, on the compute device or the CPU) and the model never knows where a weight came from:
+
+    hidden = embed(globals, token_ids, positions)              # [T, hidden]
+    for each layer:
+        q, k, v = qkv(layer, hidden, positions)                # [T, heads|kv_heads, head_dim]
+        attn = attend(q, k_ctx, v_ctx, ...)                     # per sequence, against the cache
+        hidden = finish(layer, hidden, attn)                    # o_proj, residual, MLP
+    logits = logits(globals, hidden[rows])                      # [rows, vocab] fp32
+
+Weights are dicts of canonical names (`qkv_proj.weight`, ...); q/k/v and gate/up projections are
+fused at load time so that each layer moves as few tensors as possible.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from flexsarathi import attention
+from flexsarathi.model_config import ModelConfig
+
+Weights = dict[str, torch.Tensor]
+
+
+class ModelMath(ABC):
+    config: ModelConfig
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.scale = config.head_dim ** -0.5
+
+    # ---- shapes (used by loaders, dummy weights and placement) -----------------------------
+    @abstractmethod
+    def global_shapes(self) -> dict[str, tuple[int, ...]]:
+        ...
+
+    @abstractmethod
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        ...
+
+    @abstractmethod
+    def hf_layer_names(self, layer: int) -> dict[str, list[str]]:
+        """Canonical layer weight -> the HF tensor names it is made of (concatenated on dim 0)."""
+        ...
+
+    @abstractmethod
+    def hf_global_names(self) -> dict[str, list[str]]:
+        ...
+
+    # ---- math ------------------------------------------------------------------------------
+    @abstractmethod
+    def embed(self, g: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ...
+
+    @abstractmethod
+    def qkv(self, w: Weights, hidden: torch.Tensor, positions: torch.Tensor):
+        ...
+
+    @abstractmethod
+    def finish(self, w: Weights, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        ...
+
+    @abstractmethod
+    def logits(self, g: Weights, hidden: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def attend(self, q, k, v, q_pos, kv_len, kv_pos_offset=0):
+        return attention.attend(q, k, v, q_pos, kv_len, self.scale, self.config.sliding_window,
+                                kv_pos_offset)
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        c = self.config
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        num_tokens = qkv.shape[0]
+        return (q.reshape(num_tokens, c.num_heads, c.head_dim),
+                k.reshape(num_tokens, c.num_kv_heads, c.head_dim),
+                v.reshape(num_tokens, c.num_kv_heads, c.head_dim))

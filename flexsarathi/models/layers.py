@@ -1,0 +1,57 @@
+"""Pure tensor functions shared by the model families. Norms accumulate in fp32."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from flexsarathi.model_config import RopeConfig
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias; `weight` may be a compressed QTensor (dequantized right before use)."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    from quant import quantized_linear  # a compressed QTensor
+
+    return quantized_linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As HF LlamaRMSNorm: normalise in fp32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (fp32), with linear or llama3-style scaling."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.kind == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in HF's rotate-half layout. x: [T, heads, head_dim], positions: [T]."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]  # [T, d/2]
+    cos = torch.cat((freqs, freqs), dim=-1).cos()[:, None, :].to(x.dtype)  # [T, 1, d]
+    sin = torch.cat((freqs, freqs), dim=-1).sin()[:, None, :].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,83 @@
+"""LLaMA family (llama, mistral, qwen2): RMSNorm, SwiGLU, RoPE, grouped-query attention."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flexsarathi.models.base import ModelMath, Weights
+from flexsarathi.models.layers import apply_rope, linear, rms_norm, rope_inv_freq
+
+
+class LlamaMath(ModelMath):
+    def __init__(self, config):
+        super().__init__(config)
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+
+    def global_shapes(self):
+        c = self.config
+        shapes = {"embed_tokens.weight": (c.vocab_size, c.hidden_size),
+                  "final_norm.weight": (c.hidden_size,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        return shapes
+
+    def layer_shapes(self):
+        c = self.config
+        qkv_out = c.q_size + 2 * c.kv_size
+        shapes = {
+            "attn_norm.weight": (c.hidden_size,),
+            "qkv_proj.weight": (qkv_out, c.hidden_size),
+            "o_proj.weight": (c.hidden_size, c.q_size),
+            "mlp_norm.weight": (c.hidden_size,),
+            "gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size),
+            "down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }
+        if c.qkv_bias:
+            shapes["qkv_proj.bias"] = (qkv_out,)
+        if c.o_bias:
+            shapes["o_proj.bias"] = (c.hidden_size,)
+        if c.mlp_bias:
+            shapes["gate_up_proj.bias"] = (2 * c.intermediate_size,)
+            shapes["down_proj.bias"] = (c.hidden_size,)
+        return shapes
+
+    def hf_layer_names(self, layer):
+        p = f"model.layers.{layer}."
+        names = {
+            "attn_norm.weight": [p + "input_layernorm.weight"],
+            "qkv_proj.weight": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+            "o_proj.weight": [p + "self_attn.o_proj.weight"],
+            "mlp_norm.weight": [p + "post_attention_layernorm.weight"],
+            "gate_up_proj.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            "down_proj.weight": [p + "mlp.down_proj.weight"],
+            "qkv_proj.bias": [p + f"self_attn.{x}_proj.bias" for x in "qkv"],
+            "o_proj.bias": [p + "self_attn.o_proj.bias"],
+            "gate_up_proj.bias": [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"],
+            "down_proj.bias": [p + "mlp.down_proj.bias"],
+        }
+        return {k: v for k, v in names.items() if k in self.layer_shapes()}
+
+    def hf_global_names(self):
+        names = {"embed_tokens.weight": ["model.embed_tokens.weight"],
+                 "final_norm.weight": ["model.norm.weight"],
+                 "lm_head.weight": ["lm_head.weight"]}
+        return {k: v for k, v in names.items() if k in self.global_shapes()}
+
+    def embed(self, g: Weights, token_ids, positions):
+        return F.embedding(token_ids, g["embed_tokens.weight"])  # [T, hidden]
+
+    def qkv(self, w: Weights, hidden, positions):
+        x = rms_norm(hidden, w["attn_norm.weight"], self.config.norm_eps)
+        q, k, v = self._split_qkv(linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")))
+        return apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq), v
+
+    def finish(self, w: Weights, hidden, attn):
+        hidden = hidden + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
+        x = rms_norm(hidden, w["mlp_norm.weight"], self.config.norm_eps)
+        gate, up = linear(x, w["gate_up_proj.weight"], w.get("gate_up_proj.bias")).chunk(2, dim=-1)
+        return hidden + linear(F.silu(gate) * up, w["down_proj.weight"], w.get("down_proj.bias"))
+
+    def logits(self, g: Weights, hidden):
+        x = rms_norm(hidden, g["final_norm.weight"], self.config.norm_eps)
+        head = g["lm_head.weight"] if "lm_head.weight" in g else g["embed_tokens.weight"]
+        return linear(x, head).float()  # [rows, vocab]

@@ -1,0 +1,70 @@
+"""A request's state as it moves through the engine (vLLM's vocabulary)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from flexsarathi.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS or a stop token
+    FINISHED_LENGTH = "length"  # max_tokens or the model's context
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH)
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_len: int  # prompt + max_tokens, capped by the model's context
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) and the request's stop tokens
+    generator: torch.Generator
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    kv_tier: str = "gpu"
+    prompt_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def append(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        if token in self.stop_ids:
+            self.status = SequenceStatus.FINISHED_STOPPED
+        elif self.num_tokens >= self.max_len:
+            self.status = SequenceStatus.FINISHED_LENGTH
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
