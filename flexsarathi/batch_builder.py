@@ -25,7 +25,8 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> tor
 
 
 def wants_prompt_logprobs(item: WorkItem) -> bool:
-    return item.seq.params.prompt_logprobs and item.start < item.seq.num_prompt_tokens
+    seq = item.seq
+    return (seq.params.prompt_logprobs or seq.keep_prompt_logits) and item.start < seq.num_prompt_tokens
 
 
 def build_micro_batch(items: list[WorkItem], block_size: int) -> tuple[MicroBatch, list[LogitSpan]]:

@@ -138,6 +138,8 @@ class LLMEngine:
                 item, rows = span.item, mb_logits[span.offset:span.offset + span.count]
                 if wants_prompt_logprobs(item):
                     _record_prompt_logprobs(item.seq, item.start, item.end, rows)
+                    if item.seq.keep_prompt_logits:
+                        item.seq.prompt_logits.append(rows[:item.num_tokens])
                 if item.samples:
                     to_sample.append((item.seq, rows[-1]))
         for mb in plan.micro_batches:
@@ -161,6 +163,22 @@ class LLMEngine:
                 finished.append(seq)
         return finished
 
+    def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Full-vocabulary fp32 logits [len, vocab] of every prompt position, computed through the
+        normal scheduler and executor (chunked and batched as the policy says)."""
+        seqs = []
+        for i, ids in enumerate(prompts):
+            self.validate_prompt(ids, i)
+            seq = self.make_sequence(ids, SamplingParams(max_tokens=1, temperature=0))
+            seq.keep_prompt_logits = True
+            seqs.append(seq)
+        scheduler = self.new_scheduler(seqs)
+        for seq in seqs:
+            scheduler.add(seq)
+        while any(seq.is_prefilling for seq in seqs):
+            self.step(scheduler)
+        return [torch.cat(seq.prompt_logits) for seq in seqs]
+
     def to_output(self, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
         return RequestOutput(
@@ -172,7 +190,7 @@ class LLMEngine:
 def _record_prompt_logprobs(seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:
     """rows[i] predicts position start + i + 1; keep those that land inside the prompt."""
     stop = min(end, seq.num_prompt_tokens - 1)
-    if stop <= start:
+    if not seq.params.prompt_logprobs or stop <= start:
         return
     targets = torch.tensor(seq.prompt_token_ids[start + 1:stop + 1])
     logprobs = torch.log_softmax(rows[:stop - start].float(), dim=-1)

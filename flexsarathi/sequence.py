@@ -35,6 +35,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     kv_tier: str = "gpu"
     prompt_logprobs: list[float] = field(default_factory=list)
+    keep_prompt_logits: bool = False  # keep full-vocabulary logits of every prompt row (scoring)
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [chunk, vocab] per chunk
 
     @property
     def num_prompt_tokens(self) -> int:

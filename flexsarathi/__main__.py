@@ -1,0 +1,5 @@
+import sys
+
+from flexsarathi.cli import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random-weight HF models saved as safetensors, and ../shared data."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+TINYSTORIES_TEXT = SHARED / "data" / "tinystories_valid_head.txt"
+
+# Small configs of every supported family and variant. Each is built with transformers (the
+# reference implementation), given random weights and saved with save_pretrained (safetensors).
+TINY_CONFIGS = {
+    "opt": dict(model_type="opt", vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                num_attention_heads=4, ffn_dim=64, max_position_embeddings=64,
+                word_embed_proj_dim=32, do_layer_norm_before=True),
+    # opt-350m style: post-norm, embeddings narrower than the hidden size (project_in/out).
+    "opt350m": dict(model_type="opt", vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, ffn_dim=64, max_position_embeddings=64,
+                    word_embed_proj_dim=16, do_layer_norm_before=False),
+    "llama_gqa_untied": dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=48,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64, tie_word_embeddings=False, rope_theta=10000.0),
+    "llama_tied_headdim": dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                               head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
+                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 16}),
+    "qwen2": dict(model_type="qwen2", vocab_size=128, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, tie_word_embeddings=True, rope_theta=1000000.0),
+    "mistral": dict(model_type="mistral", vocab_size=128, hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=64, sliding_window=None, tie_word_embeddings=False),
+}
+
+
+def build_hf_model(kind: str, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY_CONFIGS[kind])
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # larger-than-init weights so that mistakes show in the logits
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(kind) -> (folder, transformers model) saved once per session."""
+    cache: dict[str, tuple[str, object]] = {}
+
+    def make(kind: str):
+        if kind not in cache:
+            model = build_hf_model(kind)
+            folder = tmp_path_factory.mktemp(kind)
+            model.save_pretrained(folder, safe_serialization=True)
+            cache[kind] = (str(folder), model)
+        return cache[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> str:
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"{STORIES} is absent: the shared stories260K checkpoint is needed")
+    return str(STORIES)
+
+
+@pytest.fixture(scope="session")
+def stories_hf(stories_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(stories_dir, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tinystories_text() -> str:
+    if not TINYSTORIES_TEXT.is_file():
+        pytest.skip(f"{TINYSTORIES_TEXT} is absent")
+    return TINYSTORIES_TEXT.read_text()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
