@@ -1,0 +1,392 @@
+import errno
+import fcntl
+import json
+import os
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+
+import offload.disk_store as disk_store
+from offload.disk_store import (ALIGNMENT, DiskStore, OffloadError, aligned_empty, drop_page_cache,
+                                store_dir_name)
+
+KEY = "stories260K|float16|no-compression"
+SMALL_CHUNK = 64 << 10  # small chunks so a few hundred KiB already exercise the parallel chunked path
+
+
+def make_tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "layers.0.fp32": torch.randn(3, 7, generator=generator),
+        "layers.0.fp16": torch.randn(1001, generator=generator).half(),
+        "layers.0.bf16": torch.randn(17, 33, generator=generator).bfloat16(),
+        "layers.1.int8": torch.randint(-128, 128, (4097,), dtype=torch.int8, generator=generator),
+        "layers.1.uint8": torch.randint(0, 256, (1,), dtype=torch.uint8, generator=generator),
+        "layers.1.big_fp32": torch.randn(50_003, generator=generator),  # 4 chunks + ragged tail
+        "layers.1.transposed": torch.randn(5, 9, generator=generator).t(),  # not contiguous
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 5, dtype=torch.float16),
+        "flags": torch.tensor([True, False, True]),
+        "nan_and_inf": torch.tensor([float("nan"), float("inf"), -0.0]),
+    }
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Compare bytes, not values: NaN != NaN and -0.0 == 0.0 would hide or invent differences.
+    return (a.dtype == b.dtype and a.shape == b.shape and
+            torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                        b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def write_store(folder, tensors, key=KEY, **store_kwargs) -> None:
+    with DiskStore(folder, key, chunk_bytes=SMALL_CHUNK, **store_kwargs) as store:
+        with store.begin_write(total_bytes=sum(t.nbytes for t in tensors.values()),
+                               shard_bytes=128 << 10) as writer:
+            for name, tensor in tensors.items():
+                writer.add(name, tensor)
+            writer.commit()
+
+
+def unaligned_empty(shape, dtype) -> torch.Tensor:
+    # Starts one element past an allocation, so the address is never 4096-aligned.
+    numel = 1
+    for size in shape:
+        numel *= size
+    return torch.empty(numel + 1, dtype=dtype)[1:].reshape(shape)
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_write_then_new_store_object_reads_back_exact_bytes(tmp_path, direct_io):
+    tensors = make_tensors()
+    write_store(tmp_path, tensors, direct_io=direct_io)
+
+    with DiskStore(tmp_path, KEY, direct_io=direct_io, chunk_bytes=SMALL_CHUNK) as store:
+        assert store.is_complete()
+        assert sorted(store.names()) == sorted(tensors)
+        assert len(store.data_files()) > 1  # the 128 KiB shard limit split the data
+        for name, tensor in tensors.items():
+            out = store.read_into(name, torch.empty(tensor.shape, dtype=tensor.dtype))
+            assert same_bytes(out, tensor), name
+            assert same_bytes(store.read_into(name, unaligned_empty(tensor.shape, tensor.dtype)),
+                              tensor), name
+            assert same_bytes(store.read_tensor(name), tensor), name
+
+        outs = {name: aligned_empty(t.shape, t.dtype) for name, t in tensors.items()}
+        futures = {name: store.read_async(name, out) for name, out in outs.items()}
+        for name, future in futures.items():
+            assert future.result(timeout=30) is outs[name]
+            assert same_bytes(outs[name], tensors[name]), name
+        assert store.verify()
+
+
+def test_manifest_records_every_tensor(tmp_path):
+    tensors = make_tensors()
+    write_store(tmp_path, tensors)
+    store_path = tmp_path / store_dir_name(KEY)
+    manifest = json.loads((store_path / "manifest.json").read_text())
+    assert manifest["key"] == KEY
+    for name, tensor in tensors.items():
+        entry = manifest["tensors"][name]
+        assert entry["offset"] % ALIGNMENT == 0
+        assert entry["nbytes"] == tensor.nbytes
+        assert entry["dtype"] == str(tensor.dtype).removeprefix("torch.")
+        assert entry["shape"] == list(tensor.shape)
+        assert isinstance(entry["crc32"], int)
+        assert (store_path / entry["file"]).stat().st_size == manifest["files"][entry["file"]]
+    for size in manifest["files"].values():
+        assert size % ALIGNMENT == 0  # padded, so a rounded-up O_DIRECT read of a tail fits
+
+
+def test_store_dir_name_is_readable_and_collision_free():
+    assert store_dir_name("a|b") != store_dir_name("a/b")
+    assert store_dir_name(KEY).startswith("stories260K_float16_no-compression-")
+    assert len(store_dir_name("x" * 1000)) < 80
+
+
+def test_different_key_is_not_complete(tmp_path):
+    write_store(tmp_path, make_tensors())
+    with DiskStore(tmp_path, "other-checkpoint|float16") as other:
+        assert not other.is_complete()
+        with pytest.raises(OffloadError, match="must be .*written"):
+            other.read_tensor("scalar")
+    # A manifest copied under another key's folder is refused too: the key inside is checked.
+    wrong_dir = tmp_path / store_dir_name("other-checkpoint|float16")
+    shutil.copytree(tmp_path / store_dir_name(KEY), wrong_dir, dirs_exist_ok=True)
+    with DiskStore(tmp_path, "other-checkpoint|float16") as other:
+        assert not other.is_complete()
+
+
+def test_truncated_data_file_is_detected(tmp_path):
+    tensors = make_tensors()
+    write_store(tmp_path, tensors)
+    with DiskStore(tmp_path, KEY) as store:
+        assert store.is_complete()
+        victim = store.data_files()[0]
+        os.truncate(victim, victim.stat().st_size - ALIGNMENT)
+        assert not store.is_complete()
+        assert not store.verify()
+        with pytest.raises(OffloadError):
+            store.read_tensor("layers.0.fp32")
+
+
+def test_flipped_byte_fails_verify_only(tmp_path):
+    tensors = make_tensors()
+    write_store(tmp_path, tensors)
+    with DiskStore(tmp_path, KEY) as store:
+        assert store.verify()
+        entry = store.entry("layers.1.big_fp32")
+        with open(store.path / entry.file, "r+b") as data:
+            data.seek(entry.offset + 12345)
+            byte = data.read(1)
+            data.seek(entry.offset + 12345)
+            data.write(bytes([byte[0] ^ 0x01]))
+        assert store.is_complete()  # sizes are right: the cheap check cannot see it
+        assert not store.verify()
+
+
+def test_interrupted_write_leaves_nothing_trusted_and_next_write_succeeds(tmp_path):
+    tensors = make_tensors()
+    with DiskStore(tmp_path, KEY) as store:
+        with pytest.raises(KeyboardInterrupt):
+            with store.begin_write() as writer:
+                writer.add("layers.0.fp32", tensors["layers.0.fp32"])
+                raise KeyboardInterrupt
+        assert not store.manifest_path.exists()
+        assert store.data_files() == []  # partial data removed
+        assert not store.is_complete()
+
+        writer = store.begin_write()
+        writer.add("layers.0.fp32", tensors["layers.0.fp32"])
+        # process "dies" here: no commit
+
+    with DiskStore(tmp_path, KEY) as store:
+        assert not store.manifest_path.exists()
+        assert not store.is_complete()
+    write_store(tmp_path, tensors)
+    with DiskStore(tmp_path, KEY) as store:
+        assert store.is_complete()
+        assert same_bytes(store.read_tensor("flags"), tensors["flags"])
+
+
+def test_rewrite_removes_old_manifest_before_touching_data(tmp_path):
+    tensors = make_tensors()
+    write_store(tmp_path, tensors)
+    with DiskStore(tmp_path, KEY) as store:
+        assert store.is_complete()
+        writer = store.begin_write()
+        assert not store.manifest_path.exists()
+        assert not store.is_complete()
+        writer.add("only", torch.arange(10))
+        writer.commit()
+        assert store.names() == ["only"]
+        assert same_bytes(store.read_tensor("only"), torch.arange(10))
+
+
+FakeUsage = namedtuple("FakeUsage", "total used free")
+
+
+def test_too_little_free_space_up_front(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_store.shutil, "disk_usage",
+                        lambda path: FakeUsage(total=10**9, used=10**9 - 1000, free=1000))
+    with DiskStore(tmp_path, KEY) as store:
+        with pytest.raises(OffloadError) as info:
+            store.begin_write(total_bytes=5_000_000)
+        message = str(info.value)
+        assert str(store.path) in message
+        assert "needs 4.77 MiB (5000000 bytes)" in message
+        assert "free 1000 B (1000 bytes)" in message
+        assert not store.manifest_path.exists()
+    monkeypatch.undo()
+    write_store(tmp_path, make_tensors())
+    with DiskStore(tmp_path, KEY) as store:
+        assert store.is_complete()
+
+
+def test_enospc_mid_write(tmp_path, monkeypatch):
+    tensors = make_tensors()
+    real_pwrite = os.pwrite
+    calls = []
+
+    def pwrite_until_disk_full(fd, data, offset):
+        calls.append(len(data))
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(disk_store.os, "pwrite", pwrite_until_disk_full)
+    with DiskStore(tmp_path, KEY) as store:
+        writer = store.begin_write()
+        with pytest.raises(OffloadError) as info:
+            for name, tensor in tensors.items():
+                writer.add(name, tensor)
+        message = str(info.value)
+        assert str(store.path) in message
+        assert "needs at least" in message and "free" in message
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == errno.ENOSPC
+        assert not store.manifest_path.exists()
+        assert store.data_files() == []
+        with pytest.raises(RuntimeError, match="already committed or aborted"):
+            writer.commit()
+    monkeypatch.undo()
+    write_store(tmp_path, tensors)
+    with DiskStore(tmp_path, KEY) as store:
+        assert store.is_complete() and store.verify()
+
+
+def test_enospc_at_fsync_with_known_total(tmp_path, monkeypatch):
+    # Filesystems with delayed allocation (ext4, xfs) may report a full disk only when flushing.
+    def fsync_disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    tensors = make_tensors()
+    total = sum(t.nbytes for t in tensors.values())
+    with DiskStore(tmp_path, KEY) as store:
+        writer = store.begin_write(total_bytes=total)
+        for name, tensor in tensors.items():
+            writer.add(name, tensor)
+        monkeypatch.setattr(disk_store.os, "fsync", fsync_disk_full)
+        with pytest.raises(OffloadError, match=f"needs .*\\({total} bytes\\)"):
+            writer.commit()
+        monkeypatch.undo()
+        assert not store.manifest_path.exists()
+        assert not store.is_complete()
+
+
+def test_folder_that_cannot_be_created(tmp_path):
+    regular_file = tmp_path / "not-a-folder"
+    regular_file.write_text("x")
+    with DiskStore(regular_file / "offload", KEY) as store:
+        assert not store.is_complete()
+        with pytest.raises(OffloadError, match="not usable"):
+            store.begin_write()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
+def test_read_only_folder(tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    try:
+        with DiskStore(folder, KEY) as store:
+            with pytest.raises(OffloadError):
+                store.begin_write()
+    finally:
+        folder.chmod(0o700)
+
+
+def _fail_o_direct_open(monkeypatch):
+    real_open = os.open
+
+    def open_refusing_o_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(disk_store.os, "open", open_refusing_o_direct)
+
+
+def _fail_o_direct_reads(monkeypatch):
+    real_preadv = os.preadv
+
+    def preadv_refusing_o_direct(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(disk_store.os, "preadv", preadv_refusing_o_direct)
+
+
+@pytest.mark.parametrize("refuse", [_fail_o_direct_open, _fail_o_direct_reads])
+def test_o_direct_refused_falls_back_to_exact_buffered_reads(tmp_path, monkeypatch, refuse):
+    tensors = make_tensors()
+    write_store(tmp_path, tensors)
+    refuse(monkeypatch)
+    with DiskStore(tmp_path, KEY, direct_io=True, chunk_bytes=SMALL_CHUNK) as store:
+        with pytest.warns(RuntimeWarning, match="direct I/O refused"):
+            first = store.read_tensor("layers.1.big_fp32")
+        assert not store.direct_io_active
+        assert same_bytes(first, tensors["layers.1.big_fp32"])
+        for name, tensor in tensors.items():
+            assert same_bytes(store.read_tensor(name), tensor), name
+
+
+def test_wrong_destination_is_refused_clearly(tmp_path):
+    write_store(tmp_path, make_tensors())
+    with DiskStore(tmp_path, KEY) as store:
+        with pytest.raises(ValueError, match=r"dtype torch.float16 and shape \(3, 7\).*"
+                                             r"dtype torch.float32 and shape \(3, 7\)"):
+            store.read_into("layers.0.fp32", torch.empty(3, 7, dtype=torch.float16))
+        with pytest.raises(ValueError, match=r"shape \(7, 3\)"):
+            store.read_into("layers.0.fp32", torch.empty(7, 3))
+        with pytest.raises(ValueError, match="not contiguous"):
+            store.read_into("layers.0.fp32", torch.empty(7, 3).t())
+        with pytest.raises(KeyError, match="no tensor 'missing'"):
+            store.read_tensor("missing")
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_scratch_slots_overwrite_in_place(tmp_path, direct_io):
+    with DiskStore(tmp_path, "kv-spill", direct_io=direct_io, chunk_bytes=SMALL_CHUNK) as store:
+        kv = torch.randn(2, 40_001)  # > chunk_bytes, ragged tail
+        store.allocate("kv.layer0", kv.nbytes)
+        store.allocate("act.layer0", 100)
+        store.write_tensor("kv.layer0", kv)
+        store.write_tensor("act.layer0", torch.arange(25, dtype=torch.int32))
+        assert same_bytes(store.read_tensor("kv.layer0"), kv)
+
+        smaller = torch.randn(3, 5).bfloat16()
+        store.write_tensor("kv.layer0", smaller)  # same slot, other dtype / shape
+        assert same_bytes(store.read_tensor("kv.layer0"), smaller)
+        out = unaligned_empty((25,), torch.int32)
+        assert same_bytes(store.read_async("act.layer0", out).result(), torch.arange(25,
+                                                                             dtype=torch.int32))
+
+        with pytest.raises(ValueError, match="slot holds"):
+            store.write_tensor("act.layer0", torch.zeros(2000))
+        with pytest.raises(KeyError, match="allocate"):
+            store.write_tensor("never-allocated", torch.zeros(1))
+        store.allocate("unwritten", 10)
+        with pytest.raises(KeyError, match="never written"):
+            store.read_tensor("unwritten")
+        # The scratch file is unlinked at once: nothing is left behind, even after a crash.
+        assert list(store.path.iterdir()) == []
+
+
+def test_page_cache_drop_and_close(tmp_path):
+    write_store(tmp_path, make_tensors())
+    store = DiskStore(tmp_path, KEY)
+    store.drop_page_cache()
+    drop_page_cache(store.manifest_path)
+    assert same_bytes(store.read_tensor("scalar"), torch.tensor(3.5))
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        store.read_tensor("scalar")
+
+
+def test_invalidate_removes_the_store(tmp_path):
+    write_store(tmp_path, make_tensors())
+    with DiskStore(tmp_path, KEY) as store:
+        store.invalidate()
+        assert not store.path.exists()
+        assert not store.is_complete()
+
+
+def test_failed_scratch_write_leaves_slot_unreadable(tmp_path, monkeypatch):
+    with DiskStore(tmp_path, "kv-spill") as store:
+        store.allocate("kv", 4096)
+        store.write_tensor("kv", torch.ones(10))
+
+        def pwrite_disk_full(fd, data, offset):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(disk_store.os, "pwrite", pwrite_disk_full)
+        with pytest.raises(OffloadError, match="not enough disk space"):
+            store.write_tensor("kv", torch.zeros(10))
+        monkeypatch.undo()
+        with pytest.raises(KeyError, match="never written"):
+            store.read_tensor("kv")
+        store.write_tensor("kv", torch.zeros(10))
+        assert same_bytes(store.read_tensor("kv"), torch.zeros(10))
