@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flexsarathi.block_manager import TIERS, BlockManager
 from flexsarathi.scheduler import WorkItem
-from offload.batch import AttentionGroup, MicroBatch
+from offload.batch import AttentionGroup, KVPart, KVWrite, MicroBatch
 
 
 @dataclass(frozen=True)
@@ -18,23 +19,47 @@ class LogitSpan:
     count: int
 
 
-def _slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(start, end)
-    table = torch.tensor(block_table, dtype=torch.long)
-    return table[pos // block_size] * block_size + pos % block_size  # [end - start]
-
-
 def wants_prompt_logprobs(item: WorkItem) -> bool:
     seq = item.seq
     return (seq.params.prompt_logprobs or seq.keep_prompt_logits) and item.start < seq.num_prompt_tokens
 
 
-def build_micro_batch(items: list[WorkItem], block_size: int) -> tuple[MicroBatch, list[LogitSpan]]:
+@dataclass
+class _TierRun:
+    tier: str
+    start: int  # first position stored in this tier
+    visible: int  # positions of this run inside the item's context [0, end)
+    slots: torch.Tensor  # [visible] local slots in the tier's pool
+
+
+class _SeqView:
+    """One item's positions mapped to (tier, local slot)."""
+
+    def __init__(self, item: WorkItem, blocks: BlockManager):
+        bs = blocks.block_size
+        table = item.seq.block_table
+        pos = torch.arange(item.end)
+        block_ids = torch.tensor(table, dtype=torch.long)[pos // bs]
+        tier_index = torch.tensor([TIERS.index(blocks.tier_of(b)) for b in table], dtype=torch.long)[pos // bs]
+        base = torch.tensor([blocks.base[t] for t in TIERS], dtype=torch.long)
+        self.tier_index = tier_index  # [end]
+        self.local = (block_ids - base[tier_index]) * bs + pos % bs  # [end]
+        self.runs: list[_TierRun] = []
+        for i, tier in enumerate(TIERS):
+            where = (tier_index == i).nonzero().flatten()
+            if where.numel():  # contiguous by construction (blocks are taken tier by tier)
+                first = int(where[0])
+                self.runs.append(_TierRun(tier, first, where.numel(), self.local[where]))
+
+
+def build_micro_batch(items: list[WorkItem], blocks: BlockManager) -> tuple[MicroBatch, list[LogitSpan]]:
     token_ids, positions, logit_rows, spans, groups = [], [], [], [], []
-    decodes: dict[str, list[tuple[WorkItem, int]]] = {}  # tier -> (item, row)
+    writes: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {t: ([], []) for t in TIERS}
+    decodes: dict[tuple[str, ...], list[tuple[WorkItem, int, _SeqView]]] = {}
     row = 0
     for item in items:
         seq, n = item.seq, item.num_tokens
+        view = _SeqView(item, blocks)
         token_ids += seq.token_ids(item.start, item.end)
         positions += range(item.start, item.end)
         if wants_prompt_logprobs(item):
@@ -43,26 +68,49 @@ def build_micro_batch(items: list[WorkItem], block_size: int) -> tuple[MicroBatc
         elif item.samples:
             spans.append(LogitSpan(item, len(logit_rows), 1))
             logit_rows.append(row + n - 1)
+        new_tiers = view.tier_index[item.start:item.end]
+        for i, tier in enumerate(TIERS):
+            mask = new_tiers == i
+            if mask.any():
+                writes[tier][0].append(torch.arange(row, row + n)[mask])
+                writes[tier][1].append(view.local[item.start:item.end][mask])
         if n == 1:
-            decodes.setdefault(seq.kv_tier, []).append((item, row))
+            decodes.setdefault(tuple(r.tier for r in view.runs), []).append((item, row, view))
         else:
-            groups.append(AttentionGroup(
-                token_rows=torch.arange(row, row + n), num_queries=n,
-                store_slots=_slots(seq.block_table, item.start, item.end, block_size),
-                kv_slots=_slots(seq.block_table, 0, item.end, block_size)[None],
-                kv_len=torch.tensor([item.end]), q_pos=torch.arange(item.start, item.end)[None],
-                kv_tier=seq.kv_tier))
+            groups.append(_group([(item, row, view)], n))
         row += n
-    for tier, members in decodes.items():
-        longest = max(item.end for item, _ in members)
-        kv_slots = torch.zeros(len(members), longest, dtype=torch.long)  # padding -> slot 0, masked
-        for b, (item, _) in enumerate(members):
-            kv_slots[b, :item.end] = _slots(item.seq.block_table, 0, item.end, block_size)
-        groups.append(AttentionGroup(
-            token_rows=torch.tensor([r for _, r in members]), num_queries=1,
-            store_slots=kv_slots[torch.arange(len(members)), [item.start for item, _ in members]],
-            kv_slots=kv_slots, kv_len=torch.tensor([item.end for item, _ in members]),
-            q_pos=torch.tensor([[item.start] for item, _ in members]), kv_tier=tier))
+    groups += [_group(members, 1) for members in decodes.values()]
+    kv_writes = [KVWrite(t, torch.cat(r), torch.cat(s)) for t, (r, s) in writes.items() if r]
     batch = MicroBatch(token_ids=torch.tensor(token_ids), positions=torch.tensor(positions),
-                       groups=groups, logit_rows=torch.tensor(logit_rows, dtype=torch.long))
+                       groups=groups, kv_writes=kv_writes,
+                       logit_rows=torch.tensor(logit_rows, dtype=torch.long))
     return batch, spans
+
+
+def _group(members: list[tuple[WorkItem, int, _SeqView]], n: int) -> AttentionGroup:
+    """Sequences that each bring n query rows, with one KV part per tier their contexts touch."""
+    batch = len(members)
+    token_rows = torch.cat([torch.arange(row, row + n) for _, row, _ in members])
+    q_pos = torch.stack([torch.arange(item.start, item.end) for item, _, _ in members])  # [B, n]
+    parts = []
+    for tier in TIERS:
+        runs = [next((r for r in view.runs if r.tier == tier), None) for _, _, view in members]
+        if all(r is None for r in runs):
+            continue
+        length = max(r.visible for r in runs if r is not None)
+        kv_slots = torch.zeros(batch, length, dtype=torch.long)  # padding -> slot 0, masked
+        kv_start = torch.zeros(batch, dtype=torch.long)
+        kv_len = torch.zeros(batch, dtype=torch.long)
+        src, seq_index, pos_index = [], [], []
+        for b, ((item, _, _), run) in enumerate(zip(members, runs)):
+            if run is None:
+                continue
+            kv_slots[b, :run.visible] = run.slots
+            kv_start[b], kv_len[b] = run.start, run.visible
+            for p in range(max(item.start, run.start), min(item.end, run.start + run.visible)):
+                src.append(b * n + p - item.start)
+                seq_index.append(b)
+                pos_index.append(p - run.start)
+        parts.append(KVPart(tier, kv_slots, kv_start, kv_len, torch.tensor(src, dtype=torch.long),
+                            torch.tensor(seq_index, dtype=torch.long), torch.tensor(pos_index, dtype=torch.long)))
+    return AttentionGroup(token_rows=token_rows, num_queries=n, q_pos=q_pos, parts=parts)

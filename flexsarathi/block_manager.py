@@ -1,49 +1,60 @@
 """KV-cache block bookkeeping: which blocks of which tier's pool a sequence owns. No tensors.
 
-A sequence is admitted only when the blocks for its whole life (prompt + max_tokens, capped by the
-context) are free, and they are reserved at once: a running sequence never has to be preempted.
-Sequences are spread over tiers so that each tier's share of admitted sequences follows the
-policy's KV fractions (kv_gpu, kv_cpu, kv_disk).
+Blocks have global ids: tier t owns ids [base[t], base[t] + blocks[t]). Pools are sized by the
+policy's KV fractions, so each tier holds its share of the cache by bytes (to a block). A sequence
+is admitted only when the blocks for its whole life (prompt + max_tokens, capped by the context)
+are free, and takes them at once, fastest tier first: a running sequence is never preempted, and
+the blocks of each tier cover one contiguous range of its positions (a sequence that does not fit
+in the rest of one tier continues in the next; attention merges the parts exactly).
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from flexsarathi.sequence import Sequence
 
+TIERS = ("gpu", "cpu", "disk")
+
 
 class BlockManager:
-    def __init__(self, block_size: int, blocks_per_tier: dict[str, int],
-                 tier_fractions: dict[str, float]):
+    def __init__(self, block_size: int, blocks_per_tier: dict[str, int]):
+        unknown = set(blocks_per_tier) - set(TIERS)
+        if unknown:
+            raise ValueError(f"unknown KV tiers {sorted(unknown)}; tiers are {TIERS}")
         self.block_size = block_size
-        self.free: dict[str, list[int]] = {t: list(range(n - 1, -1, -1)) for t, n in blocks_per_tier.items()}
-        self.fractions = {t: tier_fractions.get(t, 0.0) for t in blocks_per_tier}
-        self.admitted = {t: 0 for t in blocks_per_tier}
+        self.base: dict[str, int] = {}
+        self.free: dict[str, deque[int]] = {}
+        start = 0
+        for tier in TIERS:
+            count = blocks_per_tier.get(tier, 0)
+            self.base[tier], self.free[tier] = start, deque(range(start, start + count))
+            start += count
+        self.num_blocks = start
+
+    def tier_of(self, block: int) -> str:
+        for tier in reversed(TIERS):
+            if block >= self.base[tier]:
+                return tier
+        raise ValueError(f"block {block} is negative")
 
     def blocks_needed(self, seq: Sequence) -> int:
         return math.ceil(seq.max_len / self.block_size)
 
-    def _tier_for(self, needed: int) -> str | None:
-        total = sum(self.admitted.values()) + 1
-        # The tier furthest below its share that still has room.
-        candidates = [t for t, free in self.free.items() if len(free) >= needed and self.fractions[t] > 0]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda t: (self.fractions[t] * total - self.admitted[t], self.fractions[t]))
-
     def can_allocate(self, seq: Sequence) -> bool:
-        return self._tier_for(self.blocks_needed(seq)) is not None
+        return sum(len(f) for f in self.free.values()) >= self.blocks_needed(seq)
 
     def allocate(self, seq: Sequence) -> None:
         needed = self.blocks_needed(seq)
-        tier = self._tier_for(needed)
-        if tier is None:
-            raise RuntimeError(f"no tier has {needed} free KV blocks for sequence {seq.seq_id}")
-        seq.kv_tier = tier
-        seq.block_table = [self.free[tier].pop() for _ in range(needed)]
-        self.admitted[tier] += 1
+        if not self.can_allocate(seq):
+            raise RuntimeError(f"no room for {needed} KV blocks of sequence {seq.seq_id}")
+        table = []
+        for tier in TIERS:
+            while len(table) < needed and self.free[tier]:
+                table.append(self.free[tier].popleft())
+        seq.block_table = table
 
     def free_blocks(self, seq: Sequence) -> None:
-        self.free[seq.kv_tier].extend(reversed(seq.block_table))
-        self.admitted[seq.kv_tier] -= 1
+        for block in seq.block_table:
+            self.free[self.tier_of(block)].append(block)
         seq.block_table = []

@@ -1,30 +1,48 @@
 """What the executor needs to run one micro-batch: flattened tokens and attention metadata.
 
 Built by the engine from the scheduler's decision; the executor only moves and computes.
+A sequence's KV blocks may lie in several tiers' pools (each tier a contiguous range of its
+positions); attention then runs per tier ("part") and the parts are merged exactly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 
+def _move(obj, device: torch.device):
+    changes = {f.name: getattr(obj, f.name).to(device, non_blocking=True) for f in fields(obj)
+               if isinstance(getattr(obj, f.name), torch.Tensor)}
+    return replace(obj, **changes)
+
+
+@dataclass
+class KVPart:
+    """The keys of a group's sequences that live in one tier."""
+
+    tier: str
+    kv_slots: torch.Tensor  # [B, L] slots in that tier's pool, padded with slot 0
+    kv_start: torch.Tensor  # [B] position of each sequence's first key in this tier
+    kv_len: torch.Tensor  # [B] keys of this tier visible to the group (new tokens included)
+    patch_src: torch.Tensor  # [P] group rows (0..B*n-1) whose new K/V belong in this part
+    patch_seq: torch.Tensor  # [P] which sequence b of the group
+    patch_pos: torch.Tensor  # [P] index into the part's L
+
+
 @dataclass
 class AttentionGroup:
-    """Sequences attended together, all with their KV in one tier's pool. Every sequence brings
-    `num_queries` rows: decodes are grouped (n = 1); a prompt chunk is alone in its group."""
+    """Sequences attended together; each brings `num_queries` rows (decodes: 1, grouped; a prompt
+    chunk: its length, alone in its group)."""
 
     token_rows: torch.Tensor  # [B * n] rows of the micro-batch, sequence-major
     num_queries: int  # n
-    store_slots: torch.Tensor  # [B * n] cache slots where the new rows' K/V are written
-    kv_slots: torch.Tensor  # [B, L] cache slots of each sequence's context, padded with slot 0
-    kv_len: torch.Tensor  # [B] context length, new tokens included
     q_pos: torch.Tensor  # [B, n] absolute positions of the query rows
-    kv_tier: str = "gpu"  # tier whose pool holds these sequences' KV
+    parts: list[KVPart]
 
     @property
     def num_seqs(self) -> int:
-        return self.kv_slots.shape[0]
+        return self.q_pos.shape[0]
 
     @property
     def is_decode(self) -> bool:
@@ -32,10 +50,20 @@ class AttentionGroup:
 
 
 @dataclass
+class KVWrite:
+    """New K/V of `rows` of the micro-batch go to `slots` of `tier`'s pool."""
+
+    tier: str
+    rows: torch.Tensor  # [S]
+    slots: torch.Tensor  # [S]
+
+
+@dataclass
 class MicroBatch:
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     groups: list[AttentionGroup]
+    kv_writes: list[KVWrite]
     logit_rows: torch.Tensor  # [R] rows whose next-token logits are wanted
 
     @property
@@ -43,10 +71,6 @@ class MicroBatch:
         return self.token_ids.shape[0]
 
     def to(self, device: torch.device) -> "MicroBatch":
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
-        groups = [replace(g, token_rows=move(g.token_rows), store_slots=move(g.store_slots),
-                          kv_slots=move(g.kv_slots), kv_len=move(g.kv_len), q_pos=move(g.q_pos))
-                  for g in self.groups]
-        return MicroBatch(move(self.token_ids), move(self.positions), groups, move(self.logit_rows))
+        groups = [replace(_move(g, device), parts=[_move(p, device) for p in g.parts]) for g in self.groups]
+        return MicroBatch(self.token_ids.to(device), self.positions.to(device), groups,
+                          [_move(w, device) for w in self.kv_writes], self.logit_rows.to(device))

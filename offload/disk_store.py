@@ -269,8 +269,8 @@ class DiskStore:
                  pin_memory: bool | None = None):
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        if chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
-            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, "
+        if chunk_bytes < 2 * ALIGNMENT or chunk_bytes % ALIGNMENT:  # range reads need one spare unit
+            raise ValueError(f"chunk_bytes must be a multiple of {ALIGNMENT} of at least {2 * ALIGNMENT}, "
                              f"got {chunk_bytes}")
         self.folder = Path(folder)
         self.key = key
@@ -416,6 +416,28 @@ class DiskStore:
         ]
         return _when_all_done(chunk_futures, out)
 
+    def read_range_async(self, name: str, byte_start: int, out: torch.Tensor) -> Future:
+        """Start filling `out` with `out.nbytes` stored bytes of `name` from `byte_start` on (e.g.
+        a range of rows of a row-major tensor). Same contract as `read_async` otherwise."""
+        self._check_open()
+        location = self._locate(name)
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"read_range_async({name!r}): out must be a contiguous CPU tensor")
+        nbytes = out.numel() * out.element_size()
+        if byte_start < 0 or byte_start + nbytes > location.nbytes:
+            raise ValueError(f"read_range_async({name!r}): bytes [{byte_start}, {byte_start + nbytes}) "
+                             f"are outside the stored {location.nbytes} bytes")
+        dest = _byte_view(out)
+        # Chunks one alignment unit short of chunk_bytes: an unaligned start then still fits the
+        # aligned bounce buffer of a direct read.
+        step = self.chunk_bytes - ALIGNMENT
+        chunk_futures = [
+            self._pool.submit(self._read_chunk, location.file, location.offset + byte_start + start,
+                              dest[start:start + step])
+            for start in range(0, nbytes, step)
+        ]
+        return _when_all_done(chunk_futures, out)
+
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """Fill `out` with the stored bytes and return it (blocking)."""
         return self.read_async(name, out).result()
@@ -468,11 +490,12 @@ class DiskStore:
         # The file offset is aligned by construction; the memory address and the length may not be
         # (arbitrary CPU tensors, the tail of a tensor), and then the bytes go through an aligned
         # bounce buffer with the length rounded up (the data file is padded, so that stays inside).
-        if dest.ctypes.data % ALIGNMENT == 0 and dest.nbytes % ALIGNMENT == 0:
+        delta = offset % ALIGNMENT  # non-zero only for range reads
+        if delta == 0 and dest.ctypes.data % ALIGNMENT == 0 and dest.nbytes % ALIGNMENT == 0:
             return _pread_all(fd, dest, offset)
-        bounce = self._bounce_buffer()[:_align_up(dest.nbytes)]
-        count = min(_pread_all(fd, bounce, offset), dest.nbytes)
-        dest[:count] = bounce[:count]
+        bounce = self._bounce_buffer()[:_align_up(dest.nbytes + delta)]
+        count = min(_pread_all(fd, bounce, offset - delta) - delta, dest.nbytes)
+        dest[:count] = bounce[delta:delta + count]
         return count
 
     def _bounce_buffer(self) -> np.ndarray:

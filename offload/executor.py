@@ -1,59 +1,120 @@
 """The pass executor: ONE loop, layer-major and micro-batch-minor (FlexGen's zig-zag order).
 
     for layer j:
-        start loading layer j+1's weights
+        start loading layer j+1's weights                       (prefetch thread / CUDA stream)
+        start loading hidden + KV context of micro-batch 0
         for micro-batch k:
+            start loading hidden + KV context of micro-batch k+1
             compute layer j on micro-batch k (attention next to where its KV lives)
-        release layer j
+            start storing micro-batch k's new KV and hidden
+        wait for the stores; release layer j
 
-Each layer's weights are brought to the compute device once per pass and reused by every
-micro-batch. The model is injected (offload/ never imports flexsarathi/): any object with
-`embed`, `qkv`, `attend`, `finish` and `logits` as in flexsarathi.models.base.
+Each layer's weights reach the compute device once per pass and serve every micro-batch. With
+`overlap=False` the same loop runs every load and store inline. The KV context is gathered before
+the micro-batch's new K/V exist, so the new rows are patched into the gathered context (as they
+will read back from the pool: round-tripped through compression when the pool compresses).
+
+The model is injected (offload/ never imports flexsarathi/): any object with `embed`, `qkv`,
+`attend`, `merge_attention`, `finish` and `logits` as in flexsarathi.models.base.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
+from offload.activations import ActivationStore
 from offload.batch import AttentionGroup, MicroBatch
 from offload.kv_cache import KVPool
 from offload.weights import LayerWeightStore
 
+CPU = torch.device("cpu")
+
 
 class PassExecutor:
     def __init__(self, math, weights: LayerWeightStore, kv_pools: dict[str, KVPool],
-                 device: torch.device, dtype: torch.dtype):
-        self.math, self.weights, self.kv_pools = math, weights, kv_pools
+                 activations: ActivationStore, device: torch.device, dtype: torch.dtype, *,
+                 overlap: bool = True, cpu_attention: bool = False):
+        self.math, self.weights, self.kv_pools, self.acts = math, weights, kv_pools, activations
         self.device, self.dtype = torch.device(device), dtype
+        self.cpu_attention = cpu_attention
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-act-io") if overlap else None
+
+    def _submit(self, fn, *args) -> Future:
+        if self._io is None:
+            done: Future = Future()
+            done.set_result(fn(*args))
+            return done
+        return self._io.submit(fn, *args)
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
 
     @torch.inference_mode()
     def run(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """Runs one pass; returns, per micro-batch, fp32 logits of its `logit_rows` [R, vocab]."""
         batches = [mb.to(self.device) for mb in micro_batches]
         g = self.weights.global_weights()
-        hidden = [self.math.embed(g, mb.token_ids, mb.positions).to(self.dtype) for mb in batches]
+        for k, mb in enumerate(batches):
+            self.acts.put(k, self.math.embed(g, mb.token_ids, mb.positions).to(self.dtype))
         num_layers = self.weights.num_layers
         self.weights.prefetch(0)
         for layer in range(num_layers):
             w = self.weights.get(layer)
             if layer + 1 < num_layers:
                 self.weights.prefetch(layer + 1)
+            loading = self._submit(self._load, layer, batches[0], 0)
+            storing = []
             for k, mb in enumerate(batches):
-                hidden[k] = self._layer(layer, w, mb, hidden[k])
+                hidden, contexts = loading.result()
+                if k + 1 < len(batches):
+                    loading = self._submit(self._load, layer, batches[k + 1], k + 1)
+                hidden, new_k, new_v = self._compute(w, mb, hidden, contexts)
+                storing.append(self._submit(self._store, layer, mb, k, hidden, new_k, new_v))
+            for future in storing:
+                future.result()
             self.weights.release(layer)
-        return [self.math.logits(g, h[mb.logit_rows]) for h, mb in zip(hidden, batches)]
+        return [self.math.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
 
-    def _layer(self, layer: int, w, mb: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
+    def attention_device(self, tier: str, group: AttentionGroup) -> torch.device:
+        """Decode attention runs on the CPU where the KV cache lives off the compute device and
+        cpu_attention is on: only q and the output cross, not the whole context."""
+        if tier != "gpu" and self.cpu_attention and group.is_decode:
+            return CPU
+        return self.device
+
+    # ---- the three steps of a micro-batch -----------------------------------------------------
+    @torch.inference_mode()
+    def _load(self, layer: int, mb: MicroBatch, k: int):
+        hidden = self.acts.take(k)
+        contexts = [[self.kv_pools[part.tier].gather(layer, part.kv_slots, self.attention_device(part.tier, group))
+                     for part in group.parts] for group in mb.groups]
+        return hidden, contexts
+
+    def _compute(self, w, mb: MicroBatch, hidden: torch.Tensor, contexts):
         q, k, v = self.math.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
         attn = torch.empty_like(q)
-        for group in mb.groups:
-            attn[group.token_rows] = self._attend(layer, group, q, k, v)
-        return self.math.finish(w, hidden, attn.flatten(1))  # [T, hidden]
+        for group, group_contexts in zip(mb.groups, contexts):
+            q_group = q[group.token_rows].unflatten(0, (group.num_seqs, group.num_queries))
+            k_rows, v_rows = k[group.token_rows], v[group.token_rows]
+            outs = []
+            for part, (k_ctx, v_ctx) in zip(group.parts, group_contexts):
+                dev, pool = k_ctx.device, self.kv_pools[part.tier]
+                if part.patch_src.numel():
+                    src = part.patch_src
+                    seq, pos = part.patch_seq.to(dev), part.patch_pos.to(dev)
+                    k_ctx[seq, pos] = pool.round_trip(k_rows[src]).to(dev, k_ctx.dtype)
+                    v_ctx[seq, pos] = pool.round_trip(v_rows[src]).to(dev, v_ctx.dtype)
+                out, lse = self.math.attend(q_group.to(dev), k_ctx, v_ctx, group.q_pos.to(dev),
+                                            part.kv_len.to(dev), part.kv_start.to(dev))
+                outs.append((out.to(self.device), lse.to(self.device)))
+            merged = outs[0][0] if len(outs) == 1 else self.math.merge_attention(outs)
+            attn[group.token_rows] = merged.flatten(0, 1)
+        return self.math.finish(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
 
-    def _attend(self, layer: int, group: AttentionGroup, q, k, v) -> torch.Tensor:
-        pool = self.kv_pools[group.kv_tier]
-        pool.store(layer, group.store_slots, k[group.token_rows], v[group.token_rows])
-        k_ctx, v_ctx = pool.gather(layer, group.kv_slots)  # [B, L, kv_heads, head_dim]
-        q_group = q[group.token_rows].unflatten(0, (group.num_seqs, group.num_queries))
-        out, _ = self.math.attend(q_group, k_ctx.to(self.device), v_ctx.to(self.device),
-                                  group.q_pos, group.kv_len)
-        return out.flatten(0, 1)  # [B * n, heads, head_dim]
+    @torch.inference_mode()
+    def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v) -> None:
+        for write in mb.kv_writes:
+            self.kv_pools[write.tier].store(layer, write.slots, new_k[write.rows], new_v[write.rows])
+        self.acts.put(k, hidden)

@@ -71,6 +71,10 @@ class ModelMath(ABC):
         return attention.attend(q, k, v, q_pos, kv_len, self.scale, self.config.sliding_window,
                                 kv_pos_offset)
 
+    @staticmethod
+    def merge_attention(parts):
+        return attention.merge_partial_attention(parts)
+
     def _split_qkv(self, qkv: torch.Tensor):
         c = self.config
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)

@@ -390,3 +390,19 @@ def test_failed_scratch_write_leaves_slot_unreadable(tmp_path, monkeypatch):
             store.read_tensor("kv")
         store.write_tensor("kv", torch.zeros(10))
         assert same_bytes(store.read_tensor("kv"), torch.zeros(10))
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_read_range_returns_the_exact_bytes_of_any_row_range(tmp_path, direct_io):
+    weight = torch.randn(257, 129)  # rows of 516 bytes: ranges start at unaligned offsets
+    with DiskStore(tmp_path, KEY, direct_io=direct_io, chunk_bytes=SMALL_CHUNK) as store:
+        writer = store.begin_write()
+        writer.add("w", weight)
+        writer.commit()
+        row_bytes = weight[0].numel() * weight.element_size()
+        for start, stop in [(0, 257), (1, 2), (3, 200), (100, 257), (256, 257)]:
+            out = torch.empty(stop - start, 129)
+            store.read_range_async("w", start * row_bytes, out).result()
+            assert torch.equal(out, weight[start:stop])
+        with pytest.raises(ValueError, match="outside the stored"):
+            store.read_range_async("w", row_bytes, torch.empty(257, 129)).result()

@@ -1,0 +1,275 @@
+"""Weight placement across tiers by byte fractions, and streaming to the compute device.
+
+Per layer, the large (2-D) weights are laid end to end and cut at `w_gpu` and `w_gpu + w_cpu` of
+their bytes; a tensor that straddles a cut is split by rows, so every tier holds its fraction to
+within one row (FlexGen assigns whole tensors by their midpoint, which makes GPU memory jump with
+the percentage). Norms and biases are tiny and stay on the compute device.
+
+A placed tensor is one or more flat components (a plain weight: itself; a compressed one: codes,
+scales, minimums), each with a fixed number of elements per original row, so a row range is a
+contiguous slice of every component: in memory, and as a byte range of the disk store.
+
+Before use, every non-resident tensor is assembled in a working buffer on the compute device (two
+buffers when overlapping: layer j+1 loads while layer j computes). On a CPU-only machine the
+compute device is the CPU and the gpu tier is a budgeted working set in host memory, so cpu-tier
+weights are still copied into working buffers, exactly as on a GPU.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from offload.disk_store import DiskStore
+from offload.memory import MemoryTracker
+from quant import QTensor, QuantConfig, quantize
+
+TIERS = ("gpu", "cpu", "disk")
+Weights = dict[str, object]
+
+
+@dataclass(frozen=True)
+class Component:
+    suffix: str  # "" for a plain tensor; "data" / "scale" / "minimum" for a QTensor
+    dtype: torch.dtype
+    per_row: int  # elements per original row
+
+    def numel(self, rows: int) -> int:
+        return rows * self.per_row
+
+    def nbytes(self, rows: int) -> int:
+        return rows * self.per_row * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Piece:
+    tier: str
+    row_start: int
+    row_end: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, int]
+    dtype: torch.dtype  # the compute dtype it dequantizes / loads to
+    quant: QuantConfig | None
+    components: tuple[Component, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(c.nbytes(1) for c in self.components)
+
+    def bytes_on(self, tier: str) -> int:
+        return sum(p.rows for p in self.pieces if p.tier == tier) * self.row_bytes
+
+    @property
+    def resident(self) -> bool:
+        return all(p.tier == "gpu" for p in self.pieces)
+
+
+def components_of(shape: tuple[int, int], dtype: torch.dtype, quant: QuantConfig | None) -> tuple[Component, ...]:
+    rows, cols = shape
+    if quant is None:
+        return (Component("", dtype, cols),)
+    groups_per_row = -(-cols // quant.group_size)
+    return (Component("data", torch.uint8, groups_per_row * quant.bytes_per_group),
+            Component("scale", torch.float16, groups_per_row),
+            Component("minimum", torch.float16, groups_per_row))
+
+
+def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: QuantConfig | None,
+               fractions: tuple[float, float, float]) -> list[TensorPlan]:
+    """Cut the layer's 2-D weights at the fraction boundaries of their total bytes (row granularity)."""
+    plans = [(name, shape, components_of(shape, dtype, quant)) for name, shape in shapes.items()
+             if len(shape) == 2]
+    row_bytes = {name: sum(c.nbytes(1) for c in comps) for name, _, comps in plans}
+    total = sum(shape[0] * row_bytes[name] for name, shape, _ in plans)
+    cuts = [fractions[0] * total, (fractions[0] + fractions[1]) * total]  # byte positions
+    out, offset = [], 0
+    for name, shape, comps in plans:
+        rows, rb = shape[0], row_bytes[name]
+        # Row index where each cut falls inside this tensor, rounded to the nearest row.
+        boundaries = [min(rows, max(0, round((cut - offset) / rb))) for cut in cuts]
+        edges = [0, boundaries[0], max(boundaries[0], boundaries[1]), rows]
+        pieces = tuple(Piece(tier, edges[i], edges[i + 1]) for i, tier in enumerate(TIERS)
+                       if edges[i + 1] > edges[i])
+        out.append(TensorPlan(name, (shape[0], shape[1]), dtype, quant, comps, pieces))
+        offset += rows * rb
+    return out
+
+
+def flat_components(tensor: torch.Tensor, plan: TensorPlan) -> list[torch.Tensor]:
+    """The tensor as it is stored: flat components (compressed when the plan says so)."""
+    if plan.quant is None:
+        return [tensor.reshape(-1)]
+    q = quantize(tensor, plan.quant)
+    return [q.data, q.scale, q.minimum]
+
+
+def assemble(plan: TensorPlan, components: list[torch.Tensor]):
+    """Flat components -> the weight the model uses (a tensor, or a QTensor)."""
+    if plan.quant is None:
+        return components[0].view(plan.shape)
+    data, scale, minimum = components
+    return QTensor(data=data, scale=scale, minimum=minimum, shape=plan.shape, dtype=plan.dtype,
+                   config=plan.quant)
+
+
+class TieredWeights:
+    """LayerWeightStore over gpu / cpu / disk tiers (see offload.weights)."""
+
+    def __init__(self, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]],
+                 read_globals: Callable[[], dict], read_layer: Callable[[int], dict],
+                 fractions: tuple[float, float, float], device: torch.device, dtype: torch.dtype,
+                 quant: QuantConfig | None, tracker: MemoryTracker, overlap: bool,
+                 disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False):
+        self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
+        self.plans = plan_layer(layer_shapes, dtype, quant, fractions)  # same for every layer
+        self.small_shapes = {k: s for k, s in layer_shapes.items() if len(s) != 2}
+        self.overlap = overlap
+        self.cuda = self.device.type == "cuda"
+        self.pin = pin_memory and self.cuda
+        num_slots = 2 if overlap else 1
+        streamed = [p for p in self.plans if not p.resident]
+        per_slot = sum(p.shape[0] * p.row_bytes for p in streamed)
+        resident = sum(p.bytes_on("gpu") for p in self.plans if p.resident) * num_layers
+        small = sum(torch.Size(s).numel() for s in self.small_shapes.values()) * dtype.itemsize * num_layers
+        split_gpu_rows = sum(p.bytes_on("gpu") for p in streamed) * num_layers
+        # Reserve everything before any weight is read: a policy that does not fit fails here,
+        # with the arithmetic, rather than halfway through loading.
+        tracker.reserve("gpu", resident + split_gpu_rows + small, "weights (gpu tier)")
+        tracker.reserve("gpu", num_slots * per_slot, "weight working buffers")
+        tracker.reserve("cpu", sum(p.bytes_on("cpu") for p in self.plans) * num_layers, "weights (cpu tier)")
+        disk_bytes = sum(p.shape[0] * p.row_bytes for p in self.plans) * num_layers
+        needs_disk = any(p.bytes_on("disk") for p in self.plans)
+        if needs_disk:
+            tracker.reserve("disk", disk_bytes, "weights (disk tier)")
+        self._globals = {k: v.to(self.device) for k, v in read_globals().items()}
+        tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
+
+        self.store = disk_store() if needs_disk else None
+        write = self.store is not None and not self.store.is_complete()
+        writer = self.store.begin_write(total_bytes=disk_bytes) if write else None
+        self._small: list[dict[str, torch.Tensor]] = []
+        self._parts: list[dict[tuple[str, int], list[torch.Tensor]]] = []  # (name, piece) -> comps
+        try:
+            for layer in range(num_layers):
+                weights = read_layer(layer)
+                self._small.append({k: weights[k].to(self.device) for k in self.small_shapes})
+                parts = {}
+                for plan in self.plans:
+                    comps = flat_components(weights[plan.name], plan)
+                    for i, piece in enumerate(plan.pieces):
+                        if piece.tier == "disk":
+                            continue
+                        target = self.device if piece.tier == "gpu" else torch.device("cpu")
+                        sliced = [c[cm.numel(piece.row_start):cm.numel(piece.row_end)].to(target).clone()
+                                  for c, cm in zip(comps, plan.components)]
+                        if piece.tier == "cpu" and self.pin:
+                            sliced = [t.pin_memory() for t in sliced]
+                        parts[(plan.name, i)] = sliced
+                    if writer is not None:
+                        for comp, cm in zip(comps, plan.components):
+                            writer.add(self._key(layer, plan.name, cm), comp)
+                self._parts.append(parts)
+                del weights
+            if writer is not None:
+                writer.commit()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        self._buffers = [{p.name: [torch.empty(cm.numel(p.shape[0]), dtype=cm.dtype, device=self.device)
+                                   for cm in p.components] for p in streamed} for _ in range(num_slots)]
+        self._staging = None
+        if self.cuda and needs_disk:  # disk -> pinned host staging -> device
+            self._staging = [{p.name: [torch.empty(cm.numel(p.shape[0]), dtype=cm.dtype, pin_memory=True)
+                                       for cm in p.components] for p in streamed} for _ in range(num_slots)]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch") if overlap else None
+        self._stream = torch.cuda.Stream(self.device) if self.cuda and overlap else None
+        self._pending: dict[int, tuple[int, Future | None, object]] = {}
+
+    @staticmethod
+    def _key(layer: int, name: str, comp: Component) -> str:
+        return f"{layer}.{name}{'.' + comp.suffix if comp.suffix else ''}"
+
+    # ---- LayerWeightStore -----------------------------------------------------------------
+    def global_weights(self) -> Weights:
+        return self._globals
+
+    def prefetch(self, layer: int) -> None:
+        if layer in self._pending:
+            return
+        slot = layer % len(self._buffers)
+        if self._pool is None:
+            self._load(layer, slot)
+            self._pending[layer] = (slot, None, None)
+        else:
+            self._pending[layer] = (slot, self._pool.submit(self._load, layer, slot), None)
+
+    def get(self, layer: int) -> Weights:
+        if layer not in self._pending:
+            self.prefetch(layer)
+        slot, future, _ = self._pending.pop(layer)
+        event = future.result() if future is not None else None
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        weights: Weights = dict(self._small[layer])
+        for plan in self.plans:
+            if plan.resident:
+                weights[plan.name] = assemble(plan, self._parts[layer][(plan.name, 0)])
+            else:
+                weights[plan.name] = assemble(plan, self._buffers[slot][plan.name])
+        return weights
+
+    def release(self, layer: int) -> None:
+        pass  # the slot is reused by layer + 2, whose prefetch starts after layer + 1's get
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
+
+    # ---- loading --------------------------------------------------------------------------
+    def _load(self, layer: int, slot: int):
+        """Assemble every streamed tensor of `layer` in working buffer `slot` (runs on the
+        prefetch thread when overlapping). Returns a CUDA event to wait on, or None."""
+        if self._stream is not None:
+            self._stream.synchronize()  # copies out of this slot's staging buffers are done
+        reads = []
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            for plan in self.plans:
+                if plan.resident:
+                    continue
+                buffers = self._buffers[slot][plan.name]
+                for i, piece in enumerate(plan.pieces):
+                    for c, (cm, buf) in enumerate(zip(plan.components, buffers)):
+                        lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
+                        if piece.tier == "disk":
+                            target = self._staging[slot][plan.name][c][lo:hi] if self._staging else buf[lo:hi]
+                            reads.append((self.store.read_range_async(
+                                self._key(layer, plan.name, cm), lo * cm.dtype.itemsize, target), buf[lo:hi], target))
+                        else:
+                            buf[lo:hi].copy_(self._parts[layer][(plan.name, i)][c], non_blocking=True)
+            for future, dest, staged in reads:
+                future.result()
+                if staged is not dest:
+                    dest.copy_(staged, non_blocking=True)
+            if self._stream is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                return event
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+        return None
+
