@@ -167,8 +167,23 @@ class LLMEngine:
         """One pass; returns the sequences that finished in it."""
         plan: SchedulerOutput = scheduler.schedule()
         built = [build_micro_batch(items, self.blocks) for items in plan.micro_batches]
-        logits = self.executor.run([mb for mb, _ in built])
+        working = self._pass_working_bytes([mb for mb, _ in built])
+        with self.memory.reservation("gpu", working, "pass activations"):
+            logits = self.executor.run([mb for mb, _ in built])
         return self._postprocess(scheduler, [spans for _, spans in built], logits, plan)
+
+    def _pass_working_bytes(self, batches) -> int:
+        """Compute-device bytes a pass needs beyond weights and KV pools: the hidden states kept on
+        the gpu tier, one micro-batch's layer intermediates and attention context, and logits."""
+        c, item = self.config, self.dtype.itemsize
+        act_gpu = self.policy.act_gpu
+        parked = sum(round(act_gpu * mb.num_tokens) for mb in batches) * c.hidden_size * item
+        widest = max(mb.num_tokens for mb in batches)
+        layer = widest * (2 * c.hidden_size + c.q_size + 2 * c.kv_size + 2 * c.intermediate_size) * item
+        context = max((p.kv_slots.numel() for mb in batches for g in mb.groups for p in g.parts), default=0)
+        attention = 2 * context * c.kv_size * item
+        logits = max(mb.logit_rows.numel() for mb in batches) * c.vocab_size * 4
+        return parked + layer + attention + logits
 
     def _postprocess(self, scheduler: Scheduler, spans: list[list[LogitSpan]],
                      logits: list[torch.Tensor], plan: SchedulerOutput) -> list[Sequence]:

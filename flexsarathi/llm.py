@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from flexsarathi.engine import LLMEngine, RequestOutput
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.sampling import SamplingParams
+from offload.memory import TierBudget
 from policy_search.policy import Policy
 
 Prompt = str | list[int]
@@ -20,11 +21,30 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str, dtype=None, device=None, policy: Policy | str | None = None,
-                 seed: int = 0, kv_block_size: int = 16):
+                 seed: int = 0, kv_block_size: int = 16, hardware=None, offload_dir: str | None = None,
+                 compress_weight: bool | None = None, compress_kv: bool | None = None,
+                 direct_io: bool = True):
+        """model: a checkpoint folder or `dummy:<name>`. policy: a Policy, a policy JSON file, or
+        None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,
+        `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
+        enforces. offload_dir: where disk-tier weights, KV and activations live (default
+        ~/.cache/flexsarathi/offload; placed weights are reused across runs)."""
         if isinstance(policy, str):
             policy = Policy.load(policy)
+        policy = policy or Policy()
+        overrides = {k: v for k, v in (("compress_weight", compress_weight), ("compress_kv", compress_kv))
+                     if v is not None}
+        if overrides:
+            policy = policy.replace(**overrides)
+        budget = None
+        if hardware is not None:
+            from policy_search.hardware import HardwareSpec
+
+            spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
+            budget = TierBudget(**{tier: int(b) for tier, b in spec.budgets().items()})
         self.engine = LLMEngine(model, dtype=dtype, device=device, policy=policy, seed=seed,
-                                kv_block_size=kv_block_size)
+                                kv_block_size=kv_block_size, budget=budget, offload_dir=offload_dir,
+                                direct_io=direct_io)
         self.last_stats: dict = {}
 
     @property
@@ -65,7 +85,8 @@ class LLM:
                     bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}")
         elapsed = time.perf_counter() - start
         self.last_stats = {"requests": len(seqs), "generated_tokens": generated, "passes": passes,
-                           "seconds": elapsed, "tokens_per_s": generated / elapsed if elapsed else 0.0}
+                           "seconds": elapsed, "tokens_per_s": generated / elapsed if elapsed else 0.0,
+                           "memory": engine.memory.report()}
         return [engine.to_output(seq) for seq in seqs]
 
     def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:

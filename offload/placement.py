@@ -196,7 +196,7 @@ class TieredWeights:
                                        for cm in p.components] for p in streamed} for _ in range(num_slots)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch") if overlap else None
         self._stream = torch.cuda.Stream(self.device) if self.cuda and overlap else None
-        self._pending: dict[int, tuple[int, Future | None, object]] = {}
+        self._pending: dict[int, tuple[int, Future | None, None]] = {}
 
     @staticmethod
     def _key(layer: int, name: str, comp: Component) -> str:
@@ -211,7 +211,7 @@ class TieredWeights:
             return
         slot = layer % len(self._buffers)
         if self._pool is None:
-            self._load(layer, slot)
+            # Serial: one working buffer, filled in get() once the previous layer is done with it.
             self._pending[layer] = (slot, None, None)
         else:
             self._pending[layer] = (slot, self._pool.submit(self._load, layer, slot), None)
@@ -220,7 +220,7 @@ class TieredWeights:
         if layer not in self._pending:
             self.prefetch(layer)
         slot, future, _ = self._pending.pop(layer)
-        event = future.result() if future is not None else None
+        event = future.result() if future is not None else self._load(layer, slot)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         weights: Weights = dict(self._small[layer])

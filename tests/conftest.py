@@ -38,6 +38,9 @@ TINY_CONFIGS = {
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     max_position_embeddings=64, sliding_window=None, tie_word_embeddings=False),
 }
+# Deeper variants for placement tests: with 6 layers, two working buffers are a third of the layers.
+TINY_CONFIGS["opt_deep"] = dict(TINY_CONFIGS["opt"], num_hidden_layers=6)
+TINY_CONFIGS["llama_deep"] = dict(TINY_CONFIGS["llama_gqa_untied"], num_hidden_layers=6)
 
 
 def build_hf_model(kind: str, seed: int = 0):

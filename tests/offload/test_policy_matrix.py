@@ -1,0 +1,123 @@
+"""Every placement, schedule and split gives the tokens (and logits, up to float rounding) of the
+everything-on-the-compute-device run; gpu-tier memory stays within its budget."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexsarathi import LLM, SamplingParams
+from offload.memory import MemoryBudgetError
+from policy_search import Policy
+from policy_search.hardware import HardwareSpec
+
+BASE = dict(gpu_batch_size=2, num_gpu_batches=1, prefill_budget=6)
+CASES = {
+    "weights_cpu": dict(w_gpu=0.0, w_cpu=1.0),
+    "weights_disk": dict(w_gpu=0.0, w_disk=1.0),
+    "weights_30_40_30": dict(w_gpu=0.3, w_cpu=0.4, w_disk=0.3),
+    "kv_cpu": dict(kv_gpu=0.0, kv_cpu=1.0),
+    "kv_cpu_cpu_attention": dict(kv_gpu=0.0, kv_cpu=1.0, cpu_attention=True),
+    "kv_disk": dict(kv_gpu=0.0, kv_disk=1.0),
+    "kv_split_cpu_attention": dict(kv_gpu=0.3, kv_cpu=0.4, kv_disk=0.3, cpu_attention=True),
+    "kv_split": dict(kv_gpu=0.5, kv_cpu=0.5),
+    "act_cpu": dict(act_gpu=0.0, act_cpu=1.0),
+    "act_split_disk": dict(act_gpu=0.2, act_cpu=0.4, act_disk=0.4),
+    "overlap_off": dict(overlap=False, w_gpu=0.5, w_cpu=0.5, kv_gpu=0.5, kv_cpu=0.5),
+    "two_micro_batches": dict(num_gpu_batches=2),
+    "three_micro_batches_offloaded": dict(num_gpu_batches=3, w_gpu=0.2, w_cpu=0.4, w_disk=0.4,
+                                          kv_gpu=0.0, kv_cpu=1.0, cpu_attention=True),
+    "block_schedule": dict(scheduler="block", num_gpu_batches=2, w_gpu=0.5, w_cpu=0.5),
+    "everything_off_gpu": dict(w_gpu=0.0, w_cpu=0.5, w_disk=0.5, kv_gpu=0.0, kv_cpu=0.5, kv_disk=0.5,
+                               act_gpu=0.0, act_cpu=0.5, act_disk=0.5, cpu_attention=True,
+                               num_gpu_batches=2),
+}
+COMPRESSED_CASES = ["weights_30_40_30", "kv_split_cpu_attention", "everything_off_gpu", "overlap_off"]
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (3, 13, 7, 20, 5)]
+
+
+def _run(folder: str, policy: Policy, prompts, tmp_path, **kwargs):
+    llm = LLM(folder, policy=policy, offload_dir=str(tmp_path / "offload"), **kwargs)
+    outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    logits = llm.engine.prompt_logits(prompts[:3])
+    return outputs, logits, llm
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint, stories_dir_or_none, tmp_path_factory):
+    """Per model and compression: the everything-on-the-compute-device run."""
+    cache = {}
+
+    def get(model: str, compressed: bool):
+        key = (model, compressed)
+        if key not in cache:
+            folder = stories_dir_or_none if model == "stories260K" else tiny_checkpoint(model)[0]
+            if folder is None:
+                pytest.skip("stories260K is absent")
+            policy = Policy(**BASE, compress_weight=compressed, compress_kv=compressed)
+            vocab = 512 if model == "stories260K" else 128
+            prompts = _prompts(vocab)
+            outputs, logits, llm = _run(folder, policy, prompts, tmp_path_factory.mktemp("ref"))
+            cache[key] = (folder, prompts, outputs, logits, _weight_bytes_on_gpu(llm))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def stories_dir_or_none():
+    from tests.conftest import STORIES
+
+    return str(STORIES) if (STORIES / "model.safetensors").is_file() else None
+
+
+def _weight_bytes_on_gpu(llm) -> int:
+    uses = llm.engine.memory.in_use_by_what("gpu")
+    return sum(n for what, n in uses.items() if "weight" in what or "embeddings" in what)
+
+
+def _check(references, model, compressed, changes, tmp_path):
+    folder, prompts, ref_outputs, ref_logits, ref_weight_bytes = references(model, compressed)
+    policy = Policy(**{**BASE, **changes, "compress_weight": compressed, "compress_kv": compressed})
+    outputs, logits, llm = _run(folder, policy, prompts, tmp_path)
+    assert outputs == ref_outputs
+    for got, ref in zip(logits, ref_logits):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
+    memory = llm.engine.memory
+    assert 0 < memory.peak("gpu")
+    if policy.w_gpu < 1:  # streamed weights: the gpu tier holds less than the whole model
+        assert _weight_bytes_on_gpu(llm) < ref_weight_bytes
+    for tier in ("cpu", "disk"):
+        uses = {"cpu": policy.w_cpu + policy.kv_cpu, "disk": policy.w_disk + policy.kv_disk}[tier]
+        assert (memory.peak(tier) > 0) == (uses > 0)
+
+
+@pytest.mark.parametrize("model", ["opt_deep", "llama_deep", "stories260K"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_placement_gives_reference_tokens(references, model, case, tmp_path):
+    _check(references, model, False, CASES[case], tmp_path)
+
+
+@pytest.mark.parametrize("model", ["opt_deep", "llama_deep", "stories260K"])
+@pytest.mark.parametrize("case", COMPRESSED_CASES)
+def test_compressed_placement_gives_compressed_reference_tokens(references, model, case, tmp_path):
+    _check(references, model, True, CASES[case], tmp_path)
+
+
+def test_gpu_budget_is_enforced_before_any_work(references, tmp_path):
+    folder, prompts, ref_outputs, _, ref_weight_bytes = references("llama_deep", False)
+    budget = int(ref_weight_bytes * 0.8)
+    hardware = HardwareSpec.preset("t4").with_memory(gpu=budget / 0.8)
+    assert hardware.budgets()["gpu"] == pytest.approx(budget, abs=1)
+    with pytest.raises(MemoryBudgetError, match="gpu"):
+        LLM(folder, policy=Policy(**BASE), hardware=hardware, offload_dir=str(tmp_path)) \
+            .generate(prompts, PARAMS, use_tqdm=False)
+    offloaded = Policy(**BASE, w_gpu=0.0, w_cpu=1.0)
+    llm = LLM(folder, policy=offloaded, hardware=hardware, offload_dir=str(tmp_path))
+    outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    assert outputs == ref_outputs
+    assert llm.engine.memory.peak("gpu") <= budget
