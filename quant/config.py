@@ -1,0 +1,45 @@
+"""`QuantConfig`: how a tensor is cut into groups and how many bits each value keeps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALLOWED_BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    bits: int = 4  # bits per stored value: 4 (two values per byte) or 8
+    group_size: int = 64  # consecutive values along `group_dim` that share one scale and minimum
+    group_dim: int = -1  # for a Linear weight [out, in], -1 groups along the input dimension
+    symmetric: bool = False  # False: min-max (asymmetric); True: zero-point fixed at the middle code
+
+    def __post_init__(self) -> None:
+        if _not_int(self.bits) or self.bits not in ALLOWED_BITS:
+            raise ValueError(f"QuantConfig.bits must be one of {ALLOWED_BITS}, got {self.bits!r}")
+        if _not_int(self.group_size) or self.group_size < 1:
+            raise ValueError(f"QuantConfig.group_size must be a positive integer, got {self.group_size!r}")
+        if self.bits == 4 and self.group_size % 2:
+            # Two 4-bit values share a byte and a byte never straddles two groups.
+            raise ValueError(f"QuantConfig.group_size must be even for bits=4, got {self.group_size}")
+        if _not_int(self.group_dim):
+            raise ValueError(f"QuantConfig.group_dim must be an integer, got {self.group_dim!r}")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"QuantConfig.symmetric must be a bool, got {self.symmetric!r}")
+
+    @property
+    def max_code(self) -> int:
+        """Largest stored code; codes run over [0, max_code]."""
+        return 2**self.bits - 1
+
+    @property
+    def zero_code(self) -> int:
+        """The code that stands for 0.0 in symmetric mode (the middle code)."""
+        return 2 ** (self.bits - 1)
+
+    @property
+    def bytes_per_group(self) -> int:
+        return self.group_size * self.bits // 8
+
+
+def _not_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)

@@ -1,0 +1,62 @@
+"""`quantized_linear(x, qweight, bias)`: `F.linear(x, dequantize(qweight), bias)`, fused on CUDA.
+
+CPU (and any non-CUDA device): dequantize, then `F.linear` - this is what the engine runs there.
+CUDA: a Triton kernel that reads the packed codes and dequantizes each tile in registers right
+before its `tl.dot`, so the fp16 weight never exists in memory; where Triton is missing or the
+layout is one the kernel does not cover, a `torch.compile`d dequantize + linear, which materialises
+the weight once. Triton and the compiler are imported lazily: the package imports without them.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from quant.groupwise import dequantize
+from quant.layout import GroupLayout
+from quant.qtensor import QTensor
+
+
+def quantized_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` `[..., in_features]`, `qweight` of shape `[out_features, in_features]` -> `[..., out_features]`."""
+    if len(qweight.shape) != 2 or x.shape[-1] != qweight.shape[1]:
+        raise ValueError(
+            f"quantized_linear: x {tuple(x.shape)} does not match a weight of shape {qweight.shape} "
+            "([out_features, in_features])"
+        )
+    if x.device.type != "cuda":
+        return F.linear(x, dequantize(qweight, x.dtype), bias)
+    if _triton_installed():
+        from quant import triton_kernels  # noqa: PLC0415 - lazy: imports triton
+
+        if triton_kernels.supports(x, qweight):
+            return triton_kernels.dequant_linear(x, qweight, bias)
+    return _compiled_dequant_linear()(x, qweight.data, qweight.scale, qweight.minimum, bias, qweight.layout,
+                                      qweight.config.bits)
+
+
+def dequant_linear_reference(x, data, scale, minimum, bias, layout: GroupLayout, bits: int) -> torch.Tensor:
+    """Plain-op dequantize + linear that `torch.compile` fuses into one dequant kernel and a matmul.
+
+    The same arithmetic as `dequantize` (fp32, one rounding to `x.dtype`) written without in-place or
+    `out=` tricks, which are there for eager CPU speed and only get in a compiler's way.
+    """
+    if bits == 4:
+        codes = torch.cat([data & 0x0F, data >> 4])  # [num_codes]: pack_4bit's split halves
+    else:
+        codes = data
+    codes = codes.view(layout.num_groups, layout.group_size)  # [num_groups, group_size]
+    values = codes.float() * scale.float()[:, None] + minimum.float()[:, None]
+    return F.linear(x, layout.from_groups(values.to(x.dtype)), bias)
+
+
+@functools.cache
+def _compiled_dequant_linear():
+    return torch.compile(dequant_linear_reference, dynamic=False)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None

@@ -1,0 +1,139 @@
+"""`quantize` and `dequantize`: group-wise min-max quantization with a guaranteed error bound.
+
+Every group stores an fp16 `minimum` (the value of code 0) and an fp16 `scale` (the step between
+codes), and a value is read back as `code * scale + minimum`. How they are chosen so that every
+value comes back within `scale / 2` is in `quant.group_params`.
+"""
+from __future__ import annotations
+
+import torch
+
+from quant.config import QuantConfig
+from quant.group_params import check_representable, scale_and_minimum
+from quant.layout import GroupLayout
+from quant.packing import pack_4bit, unpack_4bit, unpack_4bit_into
+from quant.qtensor import QTensor
+
+_CPU_CHUNK_VALUES = 2**20  # values per chunk in `quantize` on CPU: 4 MiB fp32 temporaries
+
+
+def quantize(x: torch.Tensor, config: QuantConfig) -> QTensor:
+    """Quantize a floating tensor of any shape, on its own device, group-wise along `config.group_dim`."""
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"quantize needs a floating tensor, got {x.dtype}")
+    layout = GroupLayout.of(x.shape, config)
+    groups = layout.to_groups(x)  # [num_groups, group_size], x's dtype
+    scale = torch.empty(layout.num_groups, dtype=torch.float16, device=x.device)
+    minimum = torch.empty_like(scale)
+    codes = torch.empty(layout.num_groups, config.group_size, dtype=torch.uint8, device=x.device)
+    # On CPU, chunks of many groups keep the fp32 temporaries small: they stay in cache and are
+    # reused by the allocator instead of being page-faulted in afresh (several times the arithmetic
+    # on a VM). On CUDA one launch per operation over the whole tensor is fastest.
+    rows_per_chunk = max(1, _CPU_CHUNK_VALUES // config.group_size) if x.device.type == "cpu" else layout.num_groups
+    for start in range(0, layout.num_groups, rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        _quantize_groups(groups[rows], config, scale[rows], minimum[rows], codes[rows])
+    if x.device.type != "cuda":
+        # On CUDA this would cost a host sync per call (KV is quantized on every store): skipped there.
+        check_representable(scale, minimum)
+    codes = codes.view(-1)  # [num_codes]
+    data = pack_4bit(codes) if config.bits == 4 else codes
+    return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(x.shape), dtype=x.dtype, config=config)
+
+
+def _quantize_groups(
+    groups: torch.Tensor, config: QuantConfig, scale_out: torch.Tensor, minimum_out: torch.Tensor, codes_out: torch.Tensor
+) -> None:
+    """`groups` `[rows, group_size]` -> fp16 scale and minimum `[rows]`, uint8 codes `[rows, group_size]`."""
+    values = groups.float()  # may be a view of the caller's fp32 tensor: not modified below
+    scale, minimum = scale_and_minimum(values, config)
+    scale_out.copy_(scale)
+    minimum_out.copy_(minimum)
+    # The exact step count lies in [0, max_code] and fp32 rounding moves it far less than half a
+    # step, so rounding already lands in range; the clamp is a cheap guarantee that codes fit.
+    steps = (values - minimum.float()[:, None]).div_(scale.float()[:, None])
+    codes_out.copy_(steps.round_().clamp_(0, config.max_code))
+
+
+def dequantize(q: QTensor, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`code * scale + minimum` in `dtype` (default: the original dtype), on `q`'s device.
+
+    `out` (contiguous, of `q.shape` and `dtype`) is a preallocated result buffer, e.g. a layer's
+    working buffer: when the groups run along the last dimension unpadded it is written in place.
+    """
+    dtype = q.dtype if dtype is None else dtype
+    layout = q.layout
+    if out is not None:
+        _check_out(out, q, dtype)
+    if out is not None and layout.groups_are_contiguous:
+        values = out.view(layout.num_groups, q.config.group_size)
+    else:
+        values = torch.empty(layout.num_groups, q.config.group_size, dtype=dtype, device=q.device)
+    if dtype == torch.float16:
+        work = values
+        _codes_as_fp16_subnormals(q, work)  # value c * 2**-24
+        code_unit = 2.0**-24
+    else:
+        # fp32 arithmetic for every other dtype: bf16 cannot even hold the fp16 scale and minimum.
+        work = values if dtype == torch.float32 else torch.empty_like(values, dtype=torch.float32)
+        work.view(-1).copy_(unpack_4bit(q.data) if q.config.bits == 4 else q.data)  # value c
+        code_unit = 1.0
+    _per_group_affine_(work, q.scale.float() / code_unit, q.minimum.float())  # c * scale + minimum
+    if work is not values:
+        values.copy_(work)
+    result = layout.from_groups(values)  # a view of `values` (a slice or a moved dimension)
+    if out is None:
+        return result.contiguous()
+    if not layout.groups_are_contiguous:
+        out.copy_(result)
+    return out
+
+
+def _codes_as_fp16_subnormals(q: QTensor, values: torch.Tensor) -> None:
+    """Write each code c into fp16 `values` as the bit pattern c, i.e. the subnormal c * 2**-24.
+
+    That value is exact and linear in c, and needs no int -> fp16 conversion, which torch does not
+    vectorise on CPU (it costs several copies' time); the widening and nibble ops below do vectorise.
+    """
+    bits = values.view(torch.int16).view(-1)  # [num_codes]
+    if q.config.bits == 8:
+        bits.copy_(q.data)
+        return
+    low, high = bits[: bits.numel() // 2], bits[bits.numel() // 2 :]  # see pack_4bit: split halves
+    low.copy_(q.data)  # uint8 -> int16: the whole byte
+    torch.bitwise_right_shift(low, 4, out=high)
+    low.bitwise_and_(0x0F)
+
+
+def _per_group_affine_(values: torch.Tensor, multiplier: torch.Tensor, offset: torch.Tensor) -> None:
+    """In place, `values[g, :] = values[g, :] * multiplier[g] + offset[g]`, computed in fp32, one rounding.
+
+    `values`: [num_groups, group_size]; `multiplier`, `offset`: fp32 [num_groups]. The product is
+    exact in fp32 (a code has at most 8 significant bits, an fp16 scale 11), so the only rounding
+    is that of the sum. On CUDA that is one `addcmul`. On CPU `addcmul` with two broadcast operands
+    falls back to a scalar loop (and `mul_` then `add_` costs two passes and two fp16 roundings), so
+    there it is inference-mode batch norm with the groups as channels, mean 0, variance 1, eps 0
+    (1 / sqrt(var + eps) is then exactly 1): the same arithmetic as one vectorised pass.
+    """
+    num_groups, group_size = values.shape
+    if values.numel() == 0:
+        return
+    if values.device.type != "cpu":
+        torch.addcmul(offset[:, None], values, multiplier[:, None], out=values)
+        return
+    channels = values.view(1, num_groups, group_size)  # [batch=1, channels=num_groups, length]
+    mean = torch.zeros_like(multiplier)
+    variance = torch.ones_like(multiplier)
+    unused = multiplier.new_empty(0)
+    torch.ops.aten.native_batch_norm.out(
+        channels, multiplier, offset, mean, variance, False, 0.0, 0.0,
+        out=channels, save_mean=unused, save_invstd=unused.clone(),
+    )
+
+
+def _check_out(out: torch.Tensor, q: QTensor, dtype: torch.dtype) -> None:
+    if tuple(out.shape) != q.shape or out.dtype != dtype or out.device != q.device or not out.is_contiguous():
+        raise ValueError(
+            f"dequantize: out must be a contiguous {dtype} tensor of shape {q.shape} on {q.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
+        )

@@ -1,0 +1,76 @@
+"""`QTensor`: a group-wise quantized tensor, a typed value that can move between devices."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from quant.config import QuantConfig
+from quant.layout import GroupLayout
+
+
+@dataclass(frozen=True, eq=False)
+class QTensor:
+    # uint8 [num_groups * bytes_per_group]: the codes of all groups as one flat sequence, at 4 bits
+    # packed two per byte by `pack_4bit` over that whole sequence.
+    data: torch.Tensor
+    scale: torch.Tensor  # fp16 [num_groups]: the step between consecutive codes
+    minimum: torch.Tensor  # fp16 [num_groups]: the value of code 0
+    shape: tuple[int, ...]  # the original shape
+    dtype: torch.dtype  # the original dtype, what `dequantize` returns by default
+    config: QuantConfig
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, QuantConfig):
+            raise ValueError(f"QTensor.config must be a QuantConfig, got {type(self.config).__name__}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ValueError(f"QTensor.dtype must be a floating torch.dtype, got {self.dtype!r}")
+        layout = self.layout
+        expected = {
+            "data": (torch.uint8, (layout.num_groups * self.config.bytes_per_group,)),
+            "scale": (torch.float16, (layout.num_groups,)),
+            "minimum": (torch.float16, (layout.num_groups,)),
+        }
+        where = f"shape {self.shape} with {self.config}"
+        for name, (dtype, shape) in expected.items():
+            buffer = getattr(self, name)
+            if not isinstance(buffer, torch.Tensor):
+                raise ValueError(f"QTensor.{name} must be a torch.Tensor, got {type(buffer).__name__}")
+            if buffer.dtype != dtype:
+                raise ValueError(f"QTensor.{name} must be {dtype}, got {buffer.dtype}")
+            if tuple(buffer.shape) != shape:
+                raise ValueError(
+                    f"QTensor.{name} has shape {tuple(buffer.shape)} ({buffer.numel()} elements) but "
+                    f"{where} needs {shape} ({torch.Size(shape).numel()} elements)"
+                )
+        if not (self.data.device == self.scale.device == self.minimum.device):
+            raise ValueError(
+                f"QTensor buffers must share one device, got data on {self.data.device}, "
+                f"scale on {self.scale.device}, minimum on {self.minimum.device}"
+            )
+
+    @property
+    def layout(self) -> GroupLayout:
+        return GroupLayout.of(self.shape, self.config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage: codes + scales + minimums."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.minimum))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "QTensor":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "QTensor":
+        return self._map(torch.Tensor.pin_memory)
+
+    def is_pinned(self) -> bool:
+        return all(t.is_pinned() for t in (self.data, self.scale, self.minimum))
+
+    def _map(self, fn) -> "QTensor":
+        return replace(self, data=fn(self.data), scale=fn(self.scale), minimum=fn(self.minimum))

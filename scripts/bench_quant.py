@@ -1,0 +1,116 @@
+"""Benchmarks of the quant package: storage size and CPU speed, printed as one table.
+
+    .venv/bin/python scripts/bench_quant.py                    # every section
+    .venv/bin/python scripts/bench_quant.py --section speed    # one section (repeatable)
+
+A section is a function `(args) -> list[Row]` registered in SECTIONS; add one (e.g. a quality /
+perplexity section) by writing the function and adding it there. Speed is reported as a ratio to a
+plain fp16 copy of the same tensor (`dst.copy_(src)`), measured the same way right next to it,
+because absolute numbers on a shared 2-core machine move with whatever else runs; every time is the
+median of several repeats after a warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from quant import QuantConfig, dequantize, quantize  # noqa: E402
+
+WEIGHT_SHAPE = (4096, 4096)  # a LLaMA-7B-sized projection [out_features, in_features]
+KV_SHAPE = (2048, 32, 128)  # [tokens, kv_heads, head_dim], grouped along head_dim
+CONFIGS = {"4-bit g64": QuantConfig(bits=4, group_size=64), "8-bit g64": QuantConfig(bits=8, group_size=64)}
+
+
+@dataclass
+class Row:
+    section: str
+    what: str
+    value: str
+    note: str = ""
+
+
+def bench_size(args: argparse.Namespace) -> list[Row]:
+    """Storage bytes (codes + fp16 scale + fp16 minimum) against the fp16 tensor."""
+    rows = []
+    for tensor_name, shape in (("weight", WEIGHT_SHAPE), ("KV", KV_SHAPE)):
+        x = torch.randn(shape, dtype=torch.float16)
+        fp16_bytes = x.numel() * x.element_size()
+        for config_name, config in CONFIGS.items():
+            q = quantize(x, config)
+            bits_per_value = 8 * q.nbytes / x.numel()
+            rows.append(Row("size", f"{tensor_name} {list(shape)} {config_name}", f"{q.nbytes / fp16_bytes:.5f}x fp16",
+                            f"{q.nbytes / 2**20:.2f} MiB, {bits_per_value:.3f} bits/value"))
+    return rows
+
+
+def bench_speed(args: argparse.Namespace) -> list[Row]:
+    """quantize / dequantize throughput in GB/s of fp16 data, against an fp16 copy of the same tensor."""
+    x = torch.randn(WEIGHT_SHAPE, dtype=torch.float16)
+    gb = x.numel() * x.element_size() / 1e9
+    dst = torch.empty_like(x)
+    copy_s = _median_seconds(lambda: dst.copy_(x), args.repeats)
+    rows = [Row("speed", f"fp16 copy {list(WEIGHT_SHAPE)}", f"{gb / copy_s:6.2f} GB/s", f"1.00x copy  ({copy_s * 1e3:.2f} ms)")]
+    clone_s = _median_seconds(lambda: x.clone(), args.repeats)  # what a fresh result costs by itself
+    rows.append(Row("speed", "fp16 clone (allocates)", f"{gb / clone_s:6.2f} GB/s",
+                    f"{copy_s / clone_s:.2f}x copy  ({clone_s * 1e3:.2f} ms)"))
+    for config_name, config in CONFIGS.items():
+        q = quantize(x, config)
+        timings = {
+            "quantize": lambda: quantize(x, config),
+            "dequantize(out=)": lambda: dequantize(q, out=dst),  # into a reused buffer, like the copy
+            "dequantize": lambda: dequantize(q),  # + allocating (page-faulting) a fresh 32 MiB result
+        }
+        for op, fn in timings.items():
+            seconds = _median_seconds(fn, args.repeats)
+            rows.append(Row("speed", f"{op} {config_name}", f"{gb / seconds:6.2f} GB/s",
+                            f"{copy_s / seconds:.2f}x copy  ({seconds * 1e3:.2f} ms)"))
+    return rows
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {"size": bench_size, "speed": bench_speed}
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def print_table(rows: list[Row]) -> None:
+    header = Row("section", "what", "value", "note")
+    widths = [max(len(getattr(r, f)) for r in [header, *rows]) for f in ("section", "what", "value")]
+    for r in [header, *rows]:
+        print(f"{r.section:<{widths[0]}}  {r.what:<{widths[1]}}  {r.value:>{widths[2]}}  {r.note}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--section", action="append", choices=sorted(SECTIONS), help="default: all sections")
+    parser.add_argument("--repeats", type=int, default=21, help="timed repeats per measurement (median)")
+    # One thread by default: on a shared 2-core machine a second intra-op thread stalls whenever its
+    # core is busy elsewhere (whole scheduler ticks per op), which no median removes.
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0: torch's default")
+    args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} repeats")
+    rows = [row for name in (args.section or list(SECTIONS)) for row in SECTIONS[name](args)]
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
