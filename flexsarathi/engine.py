@@ -24,7 +24,7 @@ from flexsarathi.tokenizer import Tokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
-from offload.kv_cache import KVPool
+from offload.kv_cache import KVPool, kv_quant_config
 from offload.memory import MemoryTracker, TierBudget
 from offload.placement import TieredWeights
 from policy_search.policy import Policy
@@ -66,7 +66,8 @@ def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) ->
 class LLMEngine:
     def __init__(self, model: str, *, dtype=None, device=None, policy: Policy | None = None,
                  seed: int = 0, kv_block_size: int = 16, budget: TierBudget | None = None,
-                 offload_dir: str | None = None, direct_io: bool = True):
+                 offload_dir: str | None = None, direct_io: bool = True,
+                 weight_quant: QuantConfig = WEIGHT_QUANT, kv_bits: int = 4, kv_group_size: int = 64):
         self.device = resolve_device(device)
         self.source = open_weight_source(model)
         self.config, self.math = self.source.config, self.source.math
@@ -81,7 +82,12 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
         self.memory = MemoryTracker(budget)
         cuda = self.device.type == "cuda"
-        quant = WEIGHT_QUANT if p.compress_weight else None
+        if weight_quant.group_dim not in (-1, 1):
+            raise FlexSarathiError(f"weight_quant must group along the input dimension (group_dim=-1): "
+                                   f"placement streams row ranges; got {weight_quant}")
+        quant = weight_quant if p.compress_weight else None
+        self.kv_quant = (kv_quant_config(self.config.head_dim, kv_bits, kv_group_size)
+                         if p.compress_kv else None)
         store_key = f"{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
             f"q{quant.bits}g{quant.group_size}d{quant.group_dim}" if quant else "plain")
         self.weights = TieredWeights(
@@ -154,12 +160,12 @@ class LLMEngine:
                 del self.kv_pools[tier], pool
             slots = blocks * self.block_size
             nbytes = slots * KVPool.bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype,
-                                                   p.compress_kv)
+                                                   self.kv_quant)
             self.memory.reserve(tier, nbytes, "KV cache")
             device = self.device if tier == "gpu" else torch.device("cpu")
             self.kv_pools[tier] = KVPool(
                 tier, c.num_layers, slots, c.num_kv_heads, c.head_dim, self.dtype, device,
-                compress=p.compress_kv, pin_memory=tier == "cpu" and self.device.type == "cuda",
+                quant=self.kv_quant, pin_memory=tier == "cpu" and self.device.type == "cuda",
                 folder=self._offload_folder() if tier == "disk" else None)
 
     # ---- the step ------------------------------------------------------------------------

@@ -23,12 +23,13 @@ class LLM:
     def __init__(self, model: str, dtype=None, device=None, policy: Policy | str | None = None,
                  seed: int = 0, kv_block_size: int = 16, hardware=None, offload_dir: str | None = None,
                  compress_weight: bool | None = None, compress_kv: bool | None = None,
-                 direct_io: bool = True):
+                 direct_io: bool = True, **engine_options):
         """model: a checkpoint folder or `dummy:<name>`. policy: a Policy, a policy JSON file, or
         None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,
         `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
         enforces. offload_dir: where disk-tier weights, KV and activations live (default
-        ~/.cache/flexsarathi/offload; placed weights are reused across runs)."""
+        ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options go
+        to LLMEngine (weight_quant, kv_bits, kv_group_size: the compression formats)."""
         if isinstance(policy, str):
             policy = Policy.load(policy)
         policy = policy or Policy()
@@ -44,7 +45,7 @@ class LLM:
             budget = TierBudget(**{tier: int(b) for tier, b in spec.budgets().items()})
         self.engine = LLMEngine(model, dtype=dtype, device=device, policy=policy, seed=seed,
                                 kv_block_size=kv_block_size, budget=budget, offload_dir=offload_dir,
-                                direct_io=direct_io)
+                                direct_io=direct_io, **engine_options)
         self.last_stats: dict = {}
 
     @property

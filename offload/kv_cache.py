@@ -17,9 +17,10 @@ import torch
 from quant import QTensor, QuantConfig, dequantize, quantize
 
 
-def kv_quant_config(head_dim: int) -> QuantConfig:
-    group = min(64, head_dim + head_dim % 2)
-    return QuantConfig(bits=4, group_size=group, group_dim=-1)
+def kv_quant_config(head_dim: int, bits: int = 4, group_size: int = 64) -> QuantConfig:
+    """Groups along the head dimension, never wider than one head (a group never mixes heads)."""
+    group = min(group_size, head_dim + head_dim % 2)
+    return QuantConfig(bits=bits, group_size=group, group_dim=-1)
 
 
 def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool,
@@ -40,12 +41,16 @@ def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pi
 
 class KVPool:
     def __init__(self, tier: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, *, compress: bool = False,
+                 dtype: torch.dtype, device: torch.device | str, *, quant: QuantConfig | None = None,
                  pin_memory: bool = False, folder: str | None = None):
+        """quant: None stores K/V in `dtype`; a QuantConfig (grouped along the head dimension,
+        group_dim=-1; see kv_quant_config) stores them compressed."""
         self.tier, self.num_slots, self.dtype = tier, num_slots, dtype
         self.device = torch.device(device)
         self.kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.quant = kv_quant_config(head_dim) if compress else None
+        if quant is not None and quant.group_dim not in (-1, 2):
+            raise ValueError(f"KV quantization must group along the head dimension (group_dim=-1), got {quant}")
+        self.quant = quant
         if self.quant is None:
             shapes = {"": ((num_layers, num_slots, num_kv_heads, head_dim), dtype)}
         else:
@@ -62,10 +67,10 @@ class KVPool:
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       compress: bool) -> int:
-        if not compress:
+                       quant: QuantConfig | None) -> int:
+        if quant is None:
             return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-        q = kv_quant_config(head_dim)
+        q = quant
         groups = num_kv_heads * -(-head_dim // q.group_size)
         return 2 * num_layers * groups * (q.bytes_per_group + 4)
 
