@@ -83,7 +83,8 @@ def run_policy(args) -> int:
             print()
             for scheduler, (_, best) in sorted(result.best_by_scheduler.items()):
                 print(f"best {scheduler:<15} {best.throughput:10.3f} tokens/s")
-            print(f"searched {result.lps_solved} placement LPs in {result.seconds:.2f} s")
+            print(f"searched {result.lps_solved} placement LPs in {result.seconds:.2f} s"
+                  + ("" if result.complete else " (stopped at the LP limit: best found so far)"))
         if args.json:
             write_policy_file(args.json, policy, est, model, hardware, workload)
             print(f"wrote {args.json}")

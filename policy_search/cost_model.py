@@ -1,0 +1,194 @@
+"""Per-pass time of each resource and per-tier memory, as affine expressions in the placement fractions.
+
+One pass runs every layer over its work items (DESIGN.md, "The pass"): while layer j computes, layer
+j+1's weights stream in, and each micro-batch's KV cache and hidden states move between tiers. The
+model follows FlexGen's (flexgen/cost_model.py) with these differences:
+  * one formula for prefill, decode and mixed passes: they differ only in what they carry;
+  * matmul time per micro-batch is max(compute at the prefill rate, decode rows at the decode rate,
+    weight bytes / HBM bandwidth), so prompt chunks piggybacked on decodes are nearly free until the
+    pass turns compute-bound, and tiny micro-batches pay for re-reading the weights;
+  * attention is causal (half of FlexGen's s^2), decode attention on the CPU covers the KV fractions on
+    CPU and disk, with grouped-query attention and 4-bit compression of weights and KV;
+  * memory counts the stage with the largest intermediates, not the sum of all stages.
+
+With overlap a pass lasts as long as its slowest chain (`time_terms`):
+  load     disk -> host -> device: a disk-resident tensor crosses both links before use
+  store    device -> host -> disk
+  compute  GPU + CPU: the pass loop runs a micro-batch's GPU work and its CPU attention in turn
+  host     host->device copies + CPU attention: both stream host memory (FlexGen adds the weight
+           copy to its decode time for the same reason: its fitted T4 runs show no overlap there)
+Without overlap every resource waits for the others: the sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from policy_search.hardware import HardwareSpec
+from policy_search.linear import FRACTION_EXPRS as f, const
+from policy_search.model_spec import ModelSpec
+from policy_search.passes import PassShape, RunShape
+from policy_search.policy import Policy
+
+RESOURCES = ("host->device", "device->host", "disk->host", "host->disk", "gpu", "cpu")
+TIERS = ("gpu", "cpu", "disk")
+SCORE_BYTES = 4  # attention scores and logits are kept in fp32
+
+
+@dataclass(frozen=True)
+class PassCost:
+    shape: PassShape
+    resources: dict[str, np.ndarray]  # seconds per pass, per resource
+    memory: dict[str, np.ndarray]  # bytes per tier while this pass runs (homes + working buffers)
+
+
+def time_terms(resources: dict[str, np.ndarray], overlap: bool) -> dict[str, np.ndarray]:
+    """Expressions whose maximum is the pass time (see the module docstring)."""
+    r = resources
+    if not overlap:
+        return {"serial": sum(r.values())}
+    return {
+        "load": r["disk->host"] + r["host->device"],
+        "store": r["device->host"] + r["host->disk"],
+        "compute": r["gpu"] + r["cpu"],
+        "host": r["host->device"] + r["cpu"],
+    }
+
+
+def pass_cost(shape: PassShape, run: RunShape, policy: Policy, model: ModelSpec,
+              hw: HardwareSpec) -> PassCost:
+    resources = _layer_resources(shape, policy, model, hw)
+    layers = model.num_layers
+    resources = {name: expr * layers for name, expr in resources.items()}
+    for name, expr in _head_resources(shape, model, hw).items():
+        resources[name] = resources[name] + expr
+    return PassCost(shape=shape, resources=resources, memory=_memory(shape, run, policy, model))
+
+
+def _matmul_seconds(params: float, tokens: float, decode_tokens: float, micro_batches: int,
+                    hw: HardwareSpec, bytes_per_value: int) -> float:
+    """GPU time of `micro_batches` equal matmuls over a `params` weight (all rows of the pass)."""
+    if tokens <= 0:
+        return 0.0
+    per_micro_batch = max(2 * params * tokens / micro_batches / hw.gpu_matmul_prefill_flops,
+                          2 * params * decode_tokens / micro_batches / hw.gpu_matmul_decode_flops,
+                          params * bytes_per_value / hw.gpu_memory_bandwidth)
+    return micro_batches * per_micro_batch
+
+
+def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
+                     hw: HardwareSpec) -> dict[str, np.ndarray]:
+    """Seconds per resource for one layer of one pass."""
+    weight_bytes = model.layer_weight_bytes(policy.compress_weight)
+    kv_bytes = model.kv_bytes_per_token(policy.compress_kv)  # per token per layer, as stored
+    hidden_bytes = model.hidden_bytes_per_token
+    query_bytes = model.q_dim * model.bytes_per_value  # a query row or an attention-output row
+    decode_kv_tokens = s.decode_tokens * s.context  # KV tokens decode attention reads
+    cpu_attention = policy.cpu_attention and s.decode_tokens > 0
+    # Share of decode attention done on the GPU: all of it, or only where the cache is on the GPU.
+    gpu_decode_share = f.kv_gpu if cpu_attention else const(1.0)
+
+    to_device = (f.w_off_gpu * weight_bytes
+                 + f.kv_off_gpu * s.prior_kv_tokens * kv_bytes  # earlier chunks' KV for chunk attention
+                 + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer input
+    if cpu_attention:
+        to_device = to_device + f.kv_off_gpu * s.decode_tokens * query_bytes  # attention outputs back
+    else:
+        to_device = to_device + f.kv_off_gpu * decode_kv_tokens * kv_bytes  # cache to the GPU
+    to_host = (f.kv_off_gpu * s.tokens * kv_bytes  # new K, V stored where the cache lives
+               + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer output
+    if cpu_attention:
+        to_host = to_host + f.kv_off_gpu * s.decode_tokens * query_bytes  # queries to the CPU
+    disk_read = (f.w_disk * weight_bytes + f.kv_disk * (decode_kv_tokens + s.prior_kv_tokens) * kv_bytes
+                 + f.act_disk * s.tokens * hidden_bytes)
+    disk_write = f.kv_disk * s.tokens * kv_bytes + f.act_disk * s.tokens * hidden_bytes
+
+    matmul = _matmul_seconds(model.layer_matrix_params, s.tokens, s.decode_tokens, s.micro_batches,
+                             hw, model.bytes_per_value)
+    pair_flops = model.attention_flops_per_pair()
+    prompt_attention = s.prompt_pairs * pair_flops / hw.gpu_attention_prefill_flops
+    decode_attention = max(decode_kv_tokens * pair_flops / hw.gpu_attention_decode_flops,
+                           decode_kv_tokens * model.kv_bytes_per_token(False) / hw.gpu_memory_bandwidth)
+    gpu = const(matmul + prompt_attention) + gpu_decode_share * decode_attention
+    if policy.compress_weight:  # dequantized right before each matmul: once per micro-batch
+        gpu = gpu + const(s.micro_batches * model.layer_matrix_params / hw.gpu_dequant_rate)
+    kv_values = model.kv_values_per_token
+    if policy.compress_kv:  # dequantize what GPU attention reads, quantize what the pass stores
+        gpu = gpu + (gpu_decode_share * decode_kv_tokens
+                     + const(s.prior_kv_tokens + s.tokens)) * (kv_values / hw.gpu_dequant_rate)
+    cpu = const(0.0)
+    if cpu_attention:
+        cpu_seconds = decode_kv_tokens * pair_flops / hw.cpu_attention_flops
+        if policy.compress_kv:
+            cpu_seconds += decode_kv_tokens * kv_values / hw.cpu_dequant_rate
+        cpu = f.kv_off_gpu * cpu_seconds
+    return {"host->device": to_device / hw.host_to_device, "device->host": to_host / hw.device_to_host,
+            "disk->host": disk_read / hw.disk_to_host, "host->disk": disk_write / hw.host_to_disk,
+            "gpu": gpu, "cpu": cpu}
+
+
+def _head_resources(s: PassShape, model: ModelSpec, hw: HardwareSpec) -> dict[str, np.ndarray]:
+    """The LM head, once per pass over the sampled rows; it lives with the other weights (fp16)."""
+    head_bytes = model.lm_head_params * model.bytes_per_value
+    seconds = _matmul_seconds(model.lm_head_params, s.sampled, s.sampled, 1, hw, model.bytes_per_value)
+    zero = const(0.0)
+    return {"host->device": f.w_off_gpu * (head_bytes / hw.host_to_device),
+            "device->host": zero, "disk->host": f.w_disk * (head_bytes / hw.disk_to_host),
+            "host->disk": zero, "gpu": const(seconds), "cpu": zero}
+
+
+def _intermediate_bytes(s: PassShape, model: ModelSpec) -> float:
+    """Largest live activations of one micro-batch inside a layer (or of the LM head)."""
+    rows = s.tokens / s.micro_batches
+    h, q, kv = model.hidden_size, model.q_dim, model.kv_dim
+    ffn_width = (2 if model.ffn_kind == "gated" else 1) * model.ffn_size
+    # Attention runs one sequence at a time (DESIGN.md), so one sequence's scores are live.
+    scores = model.num_heads * max(s.prompt_rows_per_sequence, 1) * s.max_context * SCORE_BYTES
+    stages = (rows * (h + q + 2 * kv),  # input and q, k, v
+              rows * (2 * q + 2 * kv) + scores / model.bytes_per_value,  # q, k, v, output, scores
+              rows * (2 * h + ffn_width))  # input, up (and gate), output
+    logits = s.sampled / s.micro_batches * model.vocab_size * SCORE_BYTES
+    return max(max(stages) * model.bytes_per_value, logits)
+
+
+def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> dict[str, np.ndarray]:
+    layers = model.num_layers
+    layer_weight_bytes = model.layer_weight_bytes(policy.compress_weight)
+    all_weight_bytes = model.weight_bytes(policy.compress_weight)
+    head_bytes = model.lm_head_params * model.bytes_per_value
+    kv_bytes = model.kv_bytes_per_token(policy.compress_kv)
+    kv_home = run.kv_tokens * layers * kv_bytes  # the reserved cache, all layers
+    hidden_bytes = model.hidden_bytes_per_token
+    act_home = s.tokens * hidden_bytes  # one layer's hidden states for every micro-batch
+    k = s.micro_batches
+    decode_rows = s.decode_tokens / k
+    rows = s.tokens / k
+    # One micro-batch's off-GPU cache read for one layer (decodes' context + earlier chunks).
+    kv_read_tokens = decode_rows * s.max_context + s.prior_kv_tokens / k
+    cpu_attention = policy.cpu_attention and s.decode_tokens > 0
+    gpu_read_tokens = (s.prior_kv_tokens / k) if cpu_attention else kv_read_tokens
+    # Streamed weights: the layer computing and the next one loading (double buffer), or the LM head.
+    stream_buffer = max(2 * layer_weight_bytes, layer_weight_bytes + head_bytes)
+
+    gpu = (f.w_gpu * all_weight_bytes + f.kv_gpu * kv_home + f.act_gpu * act_home
+           + f.w_off_gpu * stream_buffer
+           + f.act_off_gpu * (2 * rows * hidden_bytes)  # this and the next micro-batch's input
+           + f.kv_off_gpu * (2 * gpu_read_tokens * kv_bytes)
+           + const(_intermediate_bytes(s, model)))
+    if policy.compress_weight:  # one matrix dequantized at a time
+        gpu = gpu + const(model.largest_matrix_params * model.bytes_per_value)
+    if policy.compress_kv:  # fp16 copy of what one micro-batch attends to on the GPU
+        gpu = gpu + const(kv_read_tokens * model.kv_bytes_per_token(False))
+
+    cpu = (f.w_cpu * all_weight_bytes + f.kv_cpu * kv_home + f.act_cpu * act_home
+           + f.w_disk * stream_buffer  # disk weights pass through host buffers
+           + f.kv_disk * ((2 * kv_read_tokens + rows) * kv_bytes)  # disk cache read and written via host
+           + f.act_disk * (2 * rows * hidden_bytes))
+    if cpu_attention:  # one micro-batch's scores (fp32), and its dequantized cache when compressed
+        workspace = decode_rows * model.num_heads * s.max_context * SCORE_BYTES
+        if policy.compress_kv:
+            workspace += decode_rows * s.max_context * model.kv_bytes_per_token(False)
+        cpu = cpu + f.kv_off_gpu * workspace
+    disk = f.w_disk * all_weight_bytes + f.kv_disk * kv_home + f.act_disk * act_home
+    return {"gpu": gpu, "cpu": cpu, "disk": disk}

@@ -1,0 +1,118 @@
+"""`estimate(policy, model, hardware, workload) -> Estimate`: throughput, per-pass breakdown and
+per-tier peak memory of one policy, under the same arithmetic the LP optimises.
+
+Throughput is FlexGen's: generated tokens / total time, prefill included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policy_search.cost_model import RESOURCES, TIERS, PassCost, pass_cost, time_terms
+from policy_search.hardware import HardwareSpec
+from policy_search.linear import FRACTIONS, evaluate
+from policy_search.model_spec import ModelSpec
+from policy_search.passes import RunShape, run_shape
+from policy_search.policy import Policy
+from policy_search.workload import Workload
+
+_FIT_TOLERANCE = 1e-9  # relative slack for float rounding when comparing with a budget
+
+
+@dataclass(frozen=True)
+class PassEstimate:
+    kind: str  # "prefill", "decode i/k", "mixed", "ramp/drain"
+    count: float  # passes of this kind in the modelled run
+    decode_tokens: float
+    prompt_tokens: float
+    seconds: float  # one pass, all layers
+    resources: dict[str, float]  # seconds per pass each resource is busy
+    bound: str  # the busiest resource of the binding chain: what this pass waits on
+    memory: dict[str, float]  # bytes per tier while this pass runs
+
+    @property
+    def total_seconds(self) -> float:
+        return self.count * self.seconds
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "count": self.count, "decode_tokens": self.decode_tokens,
+                "prompt_tokens": self.prompt_tokens, "seconds": self.seconds, "bound": self.bound,
+                "resources_seconds": self.resources, "memory_bytes": self.memory}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    throughput: float  # generated tokens / s over the modelled run
+    total_seconds: float
+    generated_tokens: float
+    requests: float
+    steady_state: bool  # the modelled run is one turnover of an unbounded stream
+    passes: tuple[PassEstimate, ...]
+    peak_memory: dict[str, float]  # bytes per tier, the largest over the run's passes
+    budgets: dict[str, float]  # bytes per tier the hardware allows (usable fraction applied)
+
+    @property
+    def fits(self) -> bool:
+        return all(self.peak_memory[t] <= self.budgets[t] * (1 + _FIT_TOLERANCE) + 1 for t in TIERS)
+
+    @property
+    def over_budget(self) -> dict[str, float]:
+        """Bytes by which each tier that does not fit exceeds its budget."""
+        return {t: self.peak_memory[t] - self.budgets[t] for t in TIERS
+                if self.peak_memory[t] > self.budgets[t] * (1 + _FIT_TOLERANCE) + 1}
+
+    @property
+    def bound(self) -> str:
+        """The resource bounding the passes that take most of the time."""
+        return max(self.passes, key=lambda p: p.total_seconds).bound
+
+    def time_by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self.passes:
+            key = "decode" if p.kind.startswith("decode") else p.kind
+            out[key] = out.get(key, 0.0) + p.total_seconds
+        return out
+
+    def to_dict(self) -> dict:
+        return {"throughput_tokens_per_s": self.throughput, "total_seconds": self.total_seconds,
+                "generated_tokens": self.generated_tokens, "requests": self.requests,
+                "steady_state": self.steady_state, "fits": self.fits, "bound": self.bound,
+                "peak_memory_bytes": self.peak_memory, "budget_bytes": self.budgets,
+                "passes": [p.to_dict() for p in self.passes]}
+
+
+def pass_costs(policy: Policy, model: ModelSpec, hardware: HardwareSpec,
+               workload: Workload) -> tuple[RunShape, list[PassCost]]:
+    """The run's pass shapes and their cost expressions (what both `estimate` and the LP use)."""
+    run = run_shape(policy, workload)
+    return run, [pass_cost(shape, run, policy, model, hardware) for shape in run.passes]
+
+
+def estimate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Estimate:
+    run, costs = pass_costs(policy, model, hardware, workload)
+    fractions = {name: getattr(policy, name) for name in FRACTIONS}
+    passes = []
+    for cost in costs:
+        resources = {name: evaluate(cost.resources[name], fractions) for name in RESOURCES}
+        chains = {name: evaluate(expr, fractions) for name, expr in
+                  time_terms(cost.resources, policy.overlap).items()}
+        binding = max(chains, key=chains.get)
+        members = _CHAIN_MEMBERS.get(binding, RESOURCES)
+        passes.append(PassEstimate(
+            kind=cost.shape.kind, count=cost.shape.count, decode_tokens=cost.shape.decode_tokens,
+            prompt_tokens=cost.shape.prompt_tokens, seconds=chains[binding], resources=resources,
+            bound=max(members, key=resources.get),
+            memory={t: evaluate(cost.memory[t], fractions) for t in TIERS}))
+    total = sum(p.total_seconds for p in passes)
+    peak = {t: max(p.memory[t] for p in passes) for t in TIERS}
+    return Estimate(throughput=run.generated_tokens / total if total > 0 else float("inf"),
+                    total_seconds=total, generated_tokens=run.generated_tokens, requests=run.requests,
+                    steady_state=run.steady_state, passes=tuple(passes), peak_memory=peak,
+                    budgets=hardware.budgets())
+
+
+_CHAIN_MEMBERS = {
+    "load": ("disk->host", "host->device"),
+    "store": ("device->host", "host->disk"),
+    "compute": ("gpu", "cpu"),
+    "host": ("host->device", "cpu"),
+}

@@ -1,0 +1,302 @@
+"""`HardwareSpec`: capacities, link bandwidths and compute rates of one GPU machine.
+
+Presets: `t4` (FlexGen's machine and its fitted constants), `a100-40g`, `a100-80g`, `h100-80g`,
+`h200` (datasheet figures derated as noted), or a JSON profile (`HardwareSpec.load`) such as the one
+`flexsarathi profile` measures. All fields are SI: bytes, bytes/s, FLOP/s, values/s.
+
+JSON schema (`save` writes it, `load` reads it; unknown or missing fields are errors naming them):
+
+    {"format": "flexsarathi-hardware", "version": 1, "name": "...", "notes": "...",
+     "gpu_memory_bytes": ..., "cpu_memory_bytes": ..., "disk_memory_bytes": ...,
+     "memory_usable_fraction": 0.8,
+     "host_to_device_bytes_per_s": ..., "device_to_host_bytes_per_s": ...,
+     "disk_to_host_bytes_per_s": ..., "host_to_disk_bytes_per_s": ...,
+     "gpu_matmul_prefill_flops": ..., "gpu_matmul_decode_flops": ...,
+     "gpu_memory_bandwidth_bytes_per_s": ...,
+     "gpu_attention_prefill_flops": ..., "gpu_attention_decode_flops": ...,
+     "cpu_matmul_flops": ..., "cpu_attention_flops": ...,
+     "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...}
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+
+from policy_search.errors import SpecError
+from policy_search.units import GB, GiB, TFLOPS, fmt_bytes
+
+FORMAT = "flexsarathi-hardware"
+VERSION = 1
+
+# JSON key -> dataclass field. Keys carry their unit so a profile reads unambiguously.
+_JSON_KEYS = {
+    "gpu_memory_bytes": "gpu_memory",
+    "cpu_memory_bytes": "cpu_memory",
+    "disk_memory_bytes": "disk_memory",
+    "memory_usable_fraction": "memory_usable_fraction",
+    "host_to_device_bytes_per_s": "host_to_device",
+    "device_to_host_bytes_per_s": "device_to_host",
+    "disk_to_host_bytes_per_s": "disk_to_host",
+    "host_to_disk_bytes_per_s": "host_to_disk",
+    "gpu_matmul_prefill_flops": "gpu_matmul_prefill_flops",
+    "gpu_matmul_decode_flops": "gpu_matmul_decode_flops",
+    "gpu_memory_bandwidth_bytes_per_s": "gpu_memory_bandwidth",
+    "gpu_attention_prefill_flops": "gpu_attention_prefill_flops",
+    "gpu_attention_decode_flops": "gpu_attention_decode_flops",
+    "cpu_matmul_flops": "cpu_matmul_flops",
+    "cpu_attention_flops": "cpu_attention_flops",
+    "gpu_dequant_values_per_s": "gpu_dequant_rate",
+    "cpu_dequant_values_per_s": "cpu_dequant_rate",
+}
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    name: str
+    # capacities, bytes; a tier may be 0 (no disk, say)
+    gpu_memory: float
+    cpu_memory: float
+    disk_memory: float
+    # links, bytes/s
+    host_to_device: float
+    device_to_host: float
+    disk_to_host: float
+    host_to_disk: float
+    # GPU compute. A matmul of t tokens over a layer's weights costs
+    #   max(flops(t) / gpu_matmul_prefill_flops,              large, compute-bound shapes
+    #       flops(decode tokens) / gpu_matmul_decode_flops,    skinny decode-shaped rows
+    #       fp16 weight bytes / gpu_memory_bandwidth)          every micro-batch streams the weights from HBM
+    # so prompt tokens ride along decode tokens for free until the pass turns compute-bound (SARATHI).
+    gpu_matmul_prefill_flops: float
+    gpu_matmul_decode_flops: float
+    gpu_memory_bandwidth: float
+    gpu_attention_prefill_flops: float  # prompt (chunk) attention
+    gpu_attention_decode_flops: float  # one query token against its cache (also bounded by HBM bytes)
+    # CPU compute: delegated decode attention where the KV cache lives on the CPU (or disk)
+    cpu_matmul_flops: float  # recorded by profiles; passes never run matmuls on the CPU today
+    cpu_attention_flops: float
+    # 4-bit group-wise dequantization (and quantization on store), values/s
+    gpu_dequant_rate: float
+    cpu_dequant_rate: float
+    # FlexGen plans against 80% of each tier: its memory model (and ours) misses allocator slack,
+    # CUDA context, pinned staging and fragmentation.
+    memory_usable_fraction: float = 0.8
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise SpecError(f"HardwareSpec.name must be a non-empty string, got {self.name!r}")
+        for f in fields(self):
+            if f.name in ("name", "notes"):
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SpecError(f"HardwareSpec.{f.name} must be a finite number, got {value!r}")
+            capacity = f.name.endswith("_memory") and f.name != "gpu_memory"
+            if value < 0 or (value == 0 and not capacity):
+                raise SpecError(f"HardwareSpec.{f.name} must be {'>= 0' if capacity else '> 0'}, "
+                                f"got {value!r}")
+        if not 0 < self.memory_usable_fraction <= 1:
+            raise SpecError("HardwareSpec.memory_usable_fraction must be in (0, 1], got "
+                            f"{self.memory_usable_fraction!r}")
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def gpu_budget(self) -> float:
+        """Bytes of GPU memory the planner may fill."""
+        return self.gpu_memory * self.memory_usable_fraction
+
+    @property
+    def cpu_budget(self) -> float:
+        return self.cpu_memory * self.memory_usable_fraction
+
+    @property
+    def disk_budget(self) -> float:
+        return self.disk_memory * self.memory_usable_fraction
+
+    def budgets(self) -> dict[str, float]:
+        return {"gpu": self.gpu_budget, "cpu": self.cpu_budget, "disk": self.disk_budget}
+
+    def replace(self, **changes) -> "HardwareSpec":
+        return dataclasses.replace(self, **changes)
+
+    def with_memory(self, gpu: float | None = None, cpu: float | None = None,
+                    disk: float | None = None) -> "HardwareSpec":
+        """Override capacities (bytes); None keeps the preset's."""
+        changes = {k: v for k, v in (("gpu_memory", gpu), ("cpu_memory", cpu),
+                                     ("disk_memory", disk)) if v is not None}
+        return self.replace(**changes) if changes else self
+
+    def describe(self) -> str:
+        return (f"{self.name}: GPU {fmt_bytes(self.gpu_memory)}, CPU {fmt_bytes(self.cpu_memory)}, "
+                f"disk {fmt_bytes(self.disk_memory)} (planned at {self.memory_usable_fraction:.0%}); "
+                f"h2d {self.host_to_device / GB:.2f} GB/s, d2h {self.device_to_host / GB:.2f} GB/s, "
+                f"disk read {self.disk_to_host / GB:.2f} GB/s, write {self.host_to_disk / GB:.2f} GB/s; "
+                f"GPU {self.gpu_matmul_prefill_flops / TFLOPS:.1f} / "
+                f"{self.gpu_matmul_decode_flops / TFLOPS:.1f} TFLOP/s (prefill / decode), "
+                f"CPU attention {self.cpu_attention_flops / TFLOPS:.4f} TFLOP/s")
+
+    # ---- presets and JSON ------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> "HardwareSpec":
+        key = name.strip().lower()
+        if key not in PRESETS:
+            raise SpecError(f"unknown hardware preset {name!r}; presets: {', '.join(PRESETS)} "
+                            "(or a JSON profile path)")
+        return PRESETS[key]
+
+    @classmethod
+    def resolve(cls, name_or_path: str) -> "HardwareSpec":
+        """A preset name or a JSON profile path (what `--hardware` accepts)."""
+        if name_or_path.strip().lower() in PRESETS:
+            return cls.preset(name_or_path)
+        if os.path.exists(name_or_path) or name_or_path.endswith(".json"):
+            return cls.load(name_or_path)
+        raise SpecError(f"--hardware {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+                        "nor an existing JSON profile")
+
+    def to_dict(self) -> dict:
+        out = {"format": FORMAT, "version": VERSION, "name": self.name, "notes": self.notes}
+        for key, attr in _JSON_KEYS.items():
+            out[key] = getattr(self, attr)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "hardware profile") -> "HardwareSpec":
+        if not isinstance(data, dict):
+            raise SpecError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        if data.get("format", FORMAT) != FORMAT:
+            raise SpecError(f"{source}: field 'format' is {data.get('format')!r}, expected {FORMAT!r}")
+        if data.get("version", VERSION) != VERSION:
+            raise SpecError(f"{source}: field 'version' is {data.get('version')!r}; this planner "
+                            f"reads version {VERSION}")
+        known = set(_JSON_KEYS) | {"format", "version", "name", "notes"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
+        missing = sorted(k for k in _JSON_KEYS if k not in data and k != "memory_usable_fraction")
+        if missing:
+            raise SpecError(f"{source}: missing field(s) {missing}")
+        kwargs = {attr: data[key] for key, attr in _JSON_KEYS.items() if key in data}
+        try:
+            return cls(name=data.get("name") or os.path.basename(source), notes=data.get("notes", ""),
+                       **kwargs)
+        except SpecError as exc:
+            raise SpecError(f"{source}: {exc}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "HardwareSpec":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise SpecError(f"hardware profile {path} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"hardware profile {path} is not valid JSON: {exc}") from None
+        return cls.from_dict(data, source=f"hardware profile {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets. FlexGen's constants (flexgen/cost_model.py, CostModelConfig) are in GiB/s and 1e12 FLOP/s,
+# fitted by gradient descent to runs on its GCP machine: one T4 16 GB, n1-highmem-32 (208 GB RAM),
+# 1.5 TB local NVMe SSD (4 x 375 GB). For the other GPUs: datasheet peaks derated as noted; host
+# figures are those of a typical server hosting that GPU. Override capacities with `with_memory`
+# (CLI: --gpu-mem/--cpu-mem/--disk-mem), or measure the machine with `flexsarathi profile`.
+# ---------------------------------------------------------------------------------------------
+
+# Disk read on FlexGen's T4 machine. FlexGen fitted dtoc_bdw = 0.473 GiB/s, but with that figure its
+# own OPT-175B run (weights 50% on disk, KV cache 100% on disk, gbs 32 x 8, 0.69 tok/s) is impossible:
+# each decode layer-step reads 1.8 GB of weights + 6.5 GB of KV cache from disk, and the measured
+# 0.69 tok/s leaves ~3.3 s for it, i.e. >= 2.5 GB/s (FlexGen's cost model itself predicts 0.16 tok/s
+# for that policy). 2.65 GB/s is Google Cloud's documented read throughput of 4 x 375 GB NVMe local
+# SSD (the 1.5 TB of FlexGen's machine); its write figure is 1.4 GB/s, but FlexGen's fitted store
+# rate below is what its runs achieved and is kept.
+T4_DISK_READ = 2.65 * GB
+
+# Dequantization rate (values/s, weights once per micro-batch, KV on load and store). FlexGen gives no
+# constant; 1e10 values/s balances its three published compressed T4 runs under this cost model
+# (OPT-6.7B 29.12, OPT-30B 8.38, OPT-175B 1.12 tok/s -> estimates +15%, +4%, -12%). That is HBM bytes/s
+# / 32: unpack, scale and add as separate PyTorch kernels, each a pass over memory. Other GPUs: same
+# ratio to their datasheet HBM bandwidth.
+T4_DEQUANT = 1e10
+_DEQUANT_PER_HBM_BYTE = T4_DEQUANT / (320 * GB)
+
+_T4 = HardwareSpec(
+    name="t4",
+    gpu_memory=16 * GiB,  # T4 datasheet: 16 GB GDDR6
+    cpu_memory=208 * GiB,  # GCP n1-highmem-32
+    disk_memory=1500 * GiB,  # FlexGen paper: 1.5 TB SSD (its cost model's nvme-mem default 1500)
+    host_to_device=12.89 * GiB,  # FlexGen ctog_bdw (PCIe 3.0 x16)
+    device_to_host=0.97 * GiB,  # FlexGen gtoc_bdw_cache (its KV-cache store path; hidden: 4.82)
+    disk_to_host=T4_DISK_READ,  # see above (FlexGen's fitted dtoc_bdw: 0.473 GiB/s)
+    host_to_disk=0.746 * GiB,  # FlexGen ctod_bdw_cache_p
+    gpu_matmul_prefill_flops=21.24 * TFLOPS,  # FlexGen mm_flops_p
+    gpu_matmul_decode_flops=4.3 * TFLOPS,  # FlexGen mm_flops_g
+    gpu_memory_bandwidth=320 * GB * 0.8,  # T4 datasheet 320 GB/s, 80% achievable
+    gpu_attention_prefill_flops=9.97 * TFLOPS,  # FlexGen bmm_flops_p
+    gpu_attention_decode_flops=0.079 * TFLOPS,  # FlexGen bmm_flops_g
+    cpu_matmul_flops=0.5 * TFLOPS,  # 16 Skylake cores x 2.0 GHz x 32 fp32 FLOP/cycle = 1.0, half achieved
+    cpu_attention_flops=0.0123 * TFLOPS,  # FlexGen cpu_flops (fitted on CPU attention)
+    gpu_dequant_rate=T4_DEQUANT,
+    cpu_dequant_rate=2e9,  # estimate: a few cores of vectorised unpack + fma
+    notes="FlexGen's T4 machine and fitted constants; disk read from GCP local-SSD docs (see source)",
+)
+
+
+def _datacenter(name: str, *, gpu_gib: float, hbm_gbps: float, dense_tflops: float,
+                fp32_tflops: float, pcie_gbps: float, cpu_gib: float, disk_gib: float,
+                disk_read_gbps: float, disk_write_gbps: float, cpu_attention_tflops: float,
+                notes: str) -> HardwareSpec:
+    hbm = hbm_gbps * GB * 0.8  # ~80% of datasheet HBM bandwidth is achievable by streaming kernels
+    return HardwareSpec(
+        name=name, gpu_memory=gpu_gib * GiB, cpu_memory=cpu_gib * GiB, disk_memory=disk_gib * GiB,
+        # pinned cudaMemcpy reaches ~70% of the PCIe x16 theoretical rate each way
+        host_to_device=pcie_gbps * GB * 0.7, device_to_host=pcie_gbps * GB * 0.65,
+        disk_to_host=disk_read_gbps * GB, host_to_disk=disk_write_gbps * GB,
+        gpu_matmul_prefill_flops=dense_tflops * TFLOPS * 0.7,  # large bf16 GEMMs reach ~70% of dense peak
+        gpu_matmul_decode_flops=dense_tflops * TFLOPS * 0.35,  # skinny rows: ~half that, above the HBM floor
+        gpu_memory_bandwidth=hbm,
+        gpu_attention_prefill_flops=dense_tflops * TFLOPS * 0.5,  # FlashAttention-2: ~50% of peak
+        gpu_attention_decode_flops=fp32_tflops * TFLOPS * 0.5,  # CUDA-core math; HBM bytes usually bind
+        cpu_matmul_flops=1.0 * TFLOPS,  # two-socket server, AVX-512/AMX, rough
+        cpu_attention_flops=cpu_attention_tflops * TFLOPS,
+        gpu_dequant_rate=hbm_gbps * GB * _DEQUANT_PER_HBM_BYTE, cpu_dequant_rate=8e9,
+        notes=notes,
+    )
+
+
+PRESETS: dict[str, HardwareSpec] = {
+    "t4": _T4,
+    # A100 datasheet: 312 TFLOP/s dense bf16, 19.5 fp32; HBM2 1555 GB/s (40 GB), HBM2e 2039 GB/s (80 GB);
+    # PCIe 4.0 x16 32 GB/s per direction. Host: 256/512 GB RAM, one PCIe 4.0 NVMe SSD (~3 GB/s read,
+    # ~2 GB/s write through a filesystem). CPU attention: 4x FlexGen's T4 host (more cores, DDR4-3200).
+    "a100-40g": _datacenter("a100-40g", gpu_gib=40, hbm_gbps=1555, dense_tflops=312, fp32_tflops=19.5,
+                            pcie_gbps=32, cpu_gib=256, disk_gib=2000, disk_read_gbps=3.0,
+                            disk_write_gbps=2.0, cpu_attention_tflops=0.05,
+                            notes="A100 40GB PCIe4 datasheet, derated; typical host assumed"),
+    "a100-80g": _datacenter("a100-80g", gpu_gib=80, hbm_gbps=2039, dense_tflops=312, fp32_tflops=19.5,
+                            pcie_gbps=32, cpu_gib=512, disk_gib=4000, disk_read_gbps=3.0,
+                            disk_write_gbps=2.0, cpu_attention_tflops=0.05,
+                            notes="A100 80GB datasheet, derated; typical host assumed"),
+    # H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 fp32, HBM3 3.35 TB/s, PCIe 5.0 x16 64 GB/s.
+    # Host: 1 TB DDR5, PCIe 4.0 NVMe (~6 GB/s read / 4 write datasheet, about 2/3 through a filesystem).
+    "h100-80g": _datacenter("h100-80g", gpu_gib=80, hbm_gbps=3350, dense_tflops=989, fp32_tflops=67,
+                            pcie_gbps=64, cpu_gib=1024, disk_gib=4000, disk_read_gbps=4.0,
+                            disk_write_gbps=2.5, cpu_attention_tflops=0.08,
+                            notes="H100 SXM datasheet, derated; typical host assumed"),
+    # H200 datasheet: 141 GB HBM3e at 4.8 TB/s, same compute as H100 SXM, PCIe 5.0 x16.
+    "h200": _datacenter("h200", gpu_gib=141e9 / GiB, hbm_gbps=4800, dense_tflops=989, fp32_tflops=67,
+                        pcie_gbps=64, cpu_gib=2048, disk_gib=8000, disk_read_gbps=4.0,
+                        disk_write_gbps=2.5, cpu_attention_tflops=0.08,
+                        notes="H200 SXM datasheet, derated; typical host assumed"),
+}

@@ -1,0 +1,155 @@
+"""What the passes of a run carry, for each scheduler: the pass shapes and how many of each.
+
+Block (FlexGen's schedule): a block of B = gpu_batch_size x num_gpu_batches requests is prefilled
+whole in one pass, then decoded in lockstep for n-1 passes, every member padded to the block's
+longest prompt and output. Decode passes are grouped into a few segments so the KV cache the
+estimate reads grows with the context instead of sitting at its mean.
+
+Decode-maximal (SARATHI): every pass carries one decode token per running sequence plus prompt
+chunks. With prompt s, output n and D sequences decoding, D / (n-1) requests finish per pass, so
+s * D / (n-1) prompt tokens per pass keep the running set full (that is the prefill budget the
+search picks). A finite run adds a ramp (running set filling) and a drain (emptying): 2 (n-1)
+passes at half the steady content on average.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from policy_search.policy import Policy
+from policy_search.workload import Workload
+
+DECODE_SEGMENTS = 4  # block decode passes are modelled in this many context segments
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """The content of one pass; token counts are totals over all micro-batches."""
+    kind: str  # "prefill", "decode", "mixed", "ramp/drain"
+    count: float  # passes of this shape in the modelled run
+    decode_tokens: float  # sequences decoding one token each
+    prompt_tokens: float  # prompt tokens (whole prompts or chunks)
+    context: float  # mean KV tokens a decode token attends to, itself included
+    max_context: float  # longest context any sequence of this pass has (sizes KV buffers)
+    prior_kv_tokens: float  # KV tokens of earlier chunks that this pass's chunks read
+    prompt_pairs: float  # causal (query, key) pairs of the prompt tokens
+    sampled: float  # sequences that sample a token (LM head rows)
+    prompt_rows_per_sequence: float  # prompt rows of one sequence in this pass (attention scores)
+    micro_batches: int
+
+    @property
+    def tokens(self) -> float:
+        return self.decode_tokens + self.prompt_tokens
+
+
+@dataclass(frozen=True)
+class RunShape:
+    passes: tuple[PassShape, ...]
+    generated_tokens: float  # useful tokens the modelled run produces
+    requests: float  # requests the modelled run completes
+    kv_tokens: float  # KV-cache capacity reserved per layer, tokens
+    running: int  # sequences running at once (B)
+    steady_state: bool  # True when the run models an unbounded stream
+
+    @property
+    def total_passes(self) -> float:
+        return sum(p.count for p in self.passes)
+
+
+def steady_prefill_budget(policy: Policy, workload: Workload) -> int:
+    """Prompt tokens per pass that keep `policy.max_running` sequences decoding (decode-maximal)."""
+    running = policy.max_running
+    if workload.num_requests is not None:
+        running = min(running, workload.num_requests)
+    steps = workload.mean_decode_steps
+    if steps == 0:  # every request generates one token: passes are prefill only
+        return max(1, math.ceil(running * workload.mean_prompt_len))
+    return max(1, math.ceil(workload.mean_prompt_len * running / steps))
+
+
+def run_shape(policy: Policy, workload: Workload) -> RunShape:
+    if policy.scheduler == "block":
+        return _block(policy, workload)
+    return _decode_maximal(policy, workload)
+
+
+def _block(policy: Policy, workload: Workload) -> RunShape:
+    running = policy.max_running
+    if workload.num_requests is not None:
+        running = min(running, workload.num_requests)
+    k = policy.num_gpu_batches
+    if workload.is_fixed:
+        prompt, gen = (float(x) for x in workload.lengths[0])
+    else:
+        prompt, gen = workload.expected_block_max(running)
+    # A partial last block costs as much as a full one: the block is padded, and weight I/O is per pass.
+    blocks = 1 if workload.num_requests is None else math.ceil(workload.num_requests / running)
+    requests = running if workload.num_requests is None else workload.num_requests
+    passes = [PassShape(
+        kind="prefill", count=blocks, decode_tokens=0.0, prompt_tokens=running * prompt,
+        context=0.0, max_context=prompt, prior_kv_tokens=0.0,
+        prompt_pairs=running * prompt * (prompt + 1) / 2, sampled=running,
+        prompt_rows_per_sequence=prompt, micro_batches=k)]
+    steps = max(0, round(gen) - 1)
+    segments = min(DECODE_SEGMENTS, steps)
+    for j in range(segments):
+        first = 1 + steps * j // segments
+        last = steps * (j + 1) // segments  # decode steps first..last attend to prompt + step tokens
+        passes.append(PassShape(
+            kind="decode" if segments == 1 else f"decode {j + 1}/{segments}",
+            count=blocks * (last - first + 1), decode_tokens=running, prompt_tokens=0.0,
+            context=prompt + (first + last) / 2, max_context=prompt + last, prior_kv_tokens=0.0,
+            prompt_pairs=0.0, sampled=running, prompt_rows_per_sequence=0.0, micro_batches=k))
+    return RunShape(passes=tuple(passes), generated_tokens=requests * workload.mean_gen_len,
+                    requests=requests,
+                    kv_tokens=running * (workload.max_prompt_len + workload.max_gen_len),
+                    running=running, steady_state=workload.num_requests is None)
+
+
+def _decode_maximal(policy: Policy, workload: Workload) -> RunShape:
+    running = policy.max_running
+    if workload.num_requests is not None:
+        running = min(running, workload.num_requests)
+    k = policy.num_gpu_batches
+    prompt = workload.mean_prompt_len
+    steps = workload.mean_decode_steps
+    if steps == 0:
+        decoding = 0.0
+        prompt_per_pass = min(policy.prefill_budget, running * prompt)
+        finished_per_pass = prompt_per_pass / prompt
+    else:
+        # A budget below s * B / (n-1) cannot keep B sequences decoding: fewer run.
+        decoding = min(float(running), policy.prefill_budget * steps / prompt)
+        prompt_per_pass = decoding * prompt / steps
+        finished_per_pass = decoding / steps
+    chunk = min(prompt, prompt_per_pass)
+    chunks_per_prompt = max(1.0, prompt / chunk)
+    # A prompt cut in m chunks reads the KV of the chunks before each: s (m-1) / 2 tokens in all.
+    prior = prompt_per_pass * (chunks_per_prompt - 1) / 2
+    generated_per_pass = decoding + finished_per_pass
+
+    def shape(kind: str, count: float, scale: float) -> PassShape:
+        return PassShape(
+            kind=kind, count=count, decode_tokens=decoding * scale,
+            prompt_tokens=prompt_per_pass * scale, context=workload.mean_decode_context,
+            max_context=workload.max_total_len, prior_kv_tokens=prior * scale,
+            prompt_pairs=prompt_per_pass * scale * workload.mean_prompt_causal_pairs,
+            sampled=generated_per_pass * scale,
+            prompt_rows_per_sequence=min(chunk, workload.max_prompt_len), micro_batches=k)
+
+    if workload.num_requests is None:
+        # Reference run: the passes in which `running` requests complete, in steady state.
+        count = running / finished_per_pass
+        passes = (shape("mixed", count, 1.0),)
+        requests = running
+    else:
+        requests = workload.num_requests
+        total = requests / finished_per_pass  # pass-equivalents of steady content
+        ramp_drain = 2 * steps if steps else 0.0  # filling and emptying the running set
+        steady = max(0.0, total - steps)
+        passes = tuple(p for p in (shape("mixed", steady, 1.0), shape("ramp/drain", ramp_drain, 0.5))
+                       if p.count > 0)
+    in_flight_prompt = prompt_per_pass + workload.max_prompt_len  # prompts partly prefilled hold KV too
+    return RunShape(passes=passes, generated_tokens=requests * workload.mean_gen_len, requests=requests,
+                    kv_tokens=running * workload.max_total_len + in_flight_prompt, running=running,
+                    steady_state=workload.num_requests is None)

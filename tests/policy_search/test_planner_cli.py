@@ -1,0 +1,75 @@
+"""`flexsarathi policy`: the table, the JSON file LLM(policy=...) loads, and clean errors."""
+import argparse
+import json
+
+import pytest
+
+from flexsarathi.cli_policy import add_policy_parser
+from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate, search
+from policy_search.units import GiB
+
+
+def run(argv, capsys):
+    parser = argparse.ArgumentParser()
+    add_policy_parser(parser.add_subparsers())
+    args = parser.parse_args(["policy", *argv])
+    rc = args.func(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_search_prints_the_table_and_writes_a_loadable_policy(tmp_path, capsys):
+    out_path = tmp_path / "policy.json"
+    rc, out, err = run(["--model", "opt-1.3b", "--hardware", "t4", "--gpu-mem", "2", "--prompt-len", "128",
+                        "--gen-len", "16", "--json", str(out_path)], capsys)
+    assert rc == 0 and not err
+    for heading in ("Placement", "weights", "KV cache", "activations", "peak memory", "budget",
+                    "Throughput", "Bound by", "Passes", "best block", "best decode-maximal"):
+        assert heading in out
+    loaded = Policy.load(out_path)
+    model, hw = ModelSpec.from_name("opt-1.3b"), HardwareSpec.preset("t4").with_memory(gpu=2 * GiB)
+    workload = Workload(prompt_len=128, gen_len=16)
+    expected, est = search(model, hw, workload)
+    assert loaded == expected
+    data = json.loads(out_path.read_text())
+    assert data["estimate"]["throughput_tokens_per_s"] == pytest.approx(est.throughput)
+    assert data["estimate"]["peak_memory_bytes"]["gpu"] <= 0.8 * 2 * GiB
+    assert f"{est.throughput:.3f} generated tokens/s" in out
+
+    # --policy estimates a given file instead of searching
+    rc, out, _ = run(["--model", "opt-1.3b", "--gpu-mem", "2", "--prompt-len", "128", "--gen-len", "16",
+                      "--policy", str(out_path)], capsys)
+    assert rc == 0 and "Estimate of" in out and f"{est.throughput:.3f} generated tokens/s" in out
+
+
+def test_profile_workload_file_and_fixed_knobs(tmp_path, capsys):
+    profile = tmp_path / "machine.json"
+    HardwareSpec.preset("a100-40g").with_memory(gpu=20 * GiB).save(profile)
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("100 20\n400 60\n")
+    rc, out, _ = run(["--model", "llama-2-7b", "--hardware", str(profile), "--workload", str(lengths),
+                      "--num-requests", "50", "--scheduler", "block", "--no-compress-weight",
+                      "--gpu-batch-size", "8"], capsys)
+    assert rc == 0
+    assert "block: 8 sequences" in out and "4-bit weights off" in out and "50 requests" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "opt-175b", "--cpu-mem", "10", "--disk-mem", "0"], "no policy fits opt-175b"),
+    (["--model", "opt-9b"], "unknown model 'opt-9b'"),
+    (["--model", "opt-125m", "--hardware", "v100"], "neither a preset"),
+    (["--model", "opt-125m", "--prompt-len", "0"], "prompt_len"),
+])
+def test_errors_exit_2_with_a_message(argv, message, capsys):
+    rc, out, err = run(argv, capsys)
+    assert rc == 2 and err.startswith("error: ") and message in err
+
+
+def test_registered_in_the_engine_cli(tmp_path, capsys):
+    from flexsarathi.cli import main
+    assert main(["policy", "--model", "opt-125m", "--prompt-len", "64", "--gen-len", "8",
+                 "--json", str(tmp_path / "p.json")]) == 0
+    policy = Policy.load(tmp_path / "p.json")
+    est = estimate(policy, ModelSpec.from_name("opt-125m"), HardwareSpec.preset("t4"),
+                   Workload(prompt_len=64, gen_len=8))
+    assert est.fits and f"{est.throughput:.3f}" in capsys.readouterr().out

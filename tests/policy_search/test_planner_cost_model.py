@@ -1,0 +1,153 @@
+"""The cost model's arithmetic, checked against hand derivations for simple placements."""
+import math
+
+import pytest
+
+from policy_search import Policy, Workload, estimate
+from policy_search.cost_model import RESOURCES
+from policy_search.model_spec import ModelSpec
+from policy_search.passes import steady_prefill_budget
+from policy_search.units import GiB
+
+ALL_GPU = dict(w_gpu=1.0, w_cpu=0.0, w_disk=0.0, kv_gpu=1.0, kv_cpu=0.0, kv_disk=0.0,
+               act_gpu=1.0, act_cpu=0.0, act_disk=0.0)
+
+
+@pytest.fixture(scope="module")
+def opt13b():
+    return ModelSpec.from_name("opt-13b")
+
+
+def io(est):
+    return {r: sum(p.resources[r] * p.count for p in est.passes) for r in RESOURCES[:4]}
+
+
+def test_all_on_gpu_moves_nothing_and_counts_every_byte(opt13b, t4):
+    wl = Workload(prompt_len=128, gen_len=8)
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=2, scheduler="block", **ALL_GPU)
+    est = estimate(policy, opt13b, t4, wl)
+    assert all(v == 0 for v in io(est).values())
+    kv = 8 * (128 + 8) * opt13b.num_layers * opt13b.kv_bytes_per_token(False)
+    home = opt13b.weight_bytes(False) + kv
+    # on top of the homes, only one micro-batch's intermediates (smaller than 1% here)
+    assert home < est.peak_memory["gpu"] < home * 1.01
+    assert est.peak_memory["cpu"] == est.peak_memory["disk"] == 0
+    assert est.throughput == pytest.approx(est.generated_tokens / est.total_seconds)
+    assert est.generated_tokens == 8 * 8
+
+
+def test_weight_stream_time_is_bytes_over_bandwidth(opt13b, t4):
+    wl = Workload(prompt_len=128, gen_len=8)
+    policy = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.25, w_cpu=0.5, w_disk=0.25)))
+    for compressed in (False, True):
+        est = estimate(policy.replace(compress_weight=compressed), opt13b, t4, wl)
+        streamed = opt13b.num_layers * opt13b.layer_weight_bytes(compressed) + opt13b.lm_head_params * 2
+        decode = est.passes[-1]
+        assert decode.resources["host->device"] == pytest.approx(0.75 * streamed / t4.host_to_device)
+        assert decode.resources["disk->host"] == pytest.approx(0.25 * streamed / t4.disk_to_host)
+        assert decode.resources["device->host"] == 0
+        # disk data crosses both links before use: the load chain is their sum
+        assert decode.seconds >= decode.resources["host->device"] + decode.resources["disk->host"]
+
+
+def test_cpu_attention_runs_where_the_cache_lives(opt13b, t4):
+    wl = Workload(prompt_len=256, gen_len=16)
+    placement = ALL_GPU | dict(kv_gpu=0.5, kv_cpu=0.25, kv_disk=0.25)
+    base = Policy(gpu_batch_size=8, num_gpu_batches=2, scheduler="block", **placement)
+    on = estimate(base.replace(cpu_attention=True), opt13b, t4, wl)
+    off = estimate(base, opt13b, t4, wl)
+    decodes_on = [p for p in on.passes if p.kind.startswith("decode")]
+    decodes_off = [p for p in off.passes if p.kind.startswith("decode")]
+    # decode step i (1..15) of each of the 16 sequences attends to 256 + i tokens in every layer
+    kv_read = sum(16 * (256 + i) for i in range(1, 16)) * opt13b.num_layers
+    flops = kv_read * 4 * opt13b.q_dim
+    cpu_seconds = sum(p.resources["cpu"] * p.count for p in decodes_on)
+    assert cpu_seconds == pytest.approx(0.5 * flops / t4.cpu_attention_flops)
+    assert all(p.resources["cpu"] == 0 for p in off.passes)
+    # without CPU attention the off-GPU half of the cache crosses PCIe instead (q and output rows aside)
+    moved = sum((off_p.resources["host->device"] - on_p.resources["host->device"]) * on_p.count
+                for on_p, off_p in zip(decodes_on, decodes_off))
+    kv_bytes = kv_read * opt13b.kv_bytes_per_token(False) * 0.5
+    assert moved == pytest.approx(kv_bytes / t4.host_to_device, rel=0.01)
+
+
+def test_kv_cache_grows_with_context(opt13b, t4):
+    wl = Workload(prompt_len=512, gen_len=256)
+    policy = Policy(gpu_batch_size=16, scheduler="block", **(ALL_GPU | dict(kv_gpu=0.0, kv_cpu=1.0)))
+    decodes = [p for p in estimate(policy, opt13b, t4, wl).passes if p.kind.startswith("decode")]
+    assert len(decodes) == 4 and sum(p.count for p in decodes) == 255
+    reads = [p.resources["host->device"] for p in decodes]
+    assert reads == sorted(reads) and reads[-1] > reads[0] * 1.2
+    assert [p.seconds for p in decodes] == sorted(p.seconds for p in decodes)
+
+
+def test_without_overlap_a_pass_waits_for_every_resource(opt13b, t4):
+    wl = Workload(prompt_len=256, gen_len=16)
+    policy = Policy(gpu_batch_size=8, scheduler="block",
+                    **(ALL_GPU | dict(w_gpu=0.5, w_cpu=0.5, kv_gpu=0.0, kv_cpu=1.0)))
+    serial = estimate(policy.replace(overlap=False), opt13b, t4, wl)
+    for p in serial.passes:
+        assert p.seconds == pytest.approx(sum(p.resources.values()))
+    assert serial.throughput < estimate(policy, opt13b, t4, wl).throughput
+
+
+def test_decode_maximal_steady_state(opt13b, t4):
+    wl = Workload(prompt_len=512, gen_len=32)
+    policy = Policy(gpu_batch_size=16, num_gpu_batches=4, scheduler="decode-maximal", **ALL_GPU)
+    budget = steady_prefill_budget(policy, wl)
+    assert budget == math.ceil(512 * 64 / 31)
+    est = estimate(policy.replace(prefill_budget=budget), opt13b, t4, wl)
+    (mixed,) = est.passes
+    assert mixed.decode_tokens == 64 and mixed.prompt_tokens == pytest.approx(512 * 64 / 31)
+    assert mixed.count == pytest.approx(31) and est.generated_tokens == 64 * 32
+    # a smaller budget admits fewer requests: budget x 31 / 512 sequences keep decoding
+    half = estimate(policy.replace(prefill_budget=budget // 2), opt13b, t4, wl).passes[0]
+    assert half.decode_tokens == pytest.approx((budget // 2) * 31 / 512) and half.decode_tokens < 33
+
+
+def test_finite_runs(opt13b, t4):
+    policy = Policy(gpu_batch_size=10, num_gpu_batches=1, scheduler="block", **ALL_GPU)
+    wl = Workload(prompt_len=128, gen_len=8, num_requests=25)
+    est = estimate(policy, opt13b, t4, wl)
+    assert est.passes[0].count == 3  # ceil(25 / 10) blocks, the last one padded
+    assert est.generated_tokens == 25 * 8
+    dm = policy.replace(scheduler="decode-maximal", prefill_budget=steady_prefill_budget(policy, wl))
+    est = estimate(dm, opt13b, t4, wl)
+    assert est.generated_tokens == 25 * 8
+    # all prompts are processed: steady passes plus ramp/drain at half content
+    prompt_total = sum(p.prompt_tokens * p.count for p in est.passes)
+    assert prompt_total == pytest.approx(25 * 128)
+    ramp = [p for p in est.passes if p.kind == "ramp/drain"][0]
+    assert ramp.count == 2 * 7
+
+
+def test_block_pads_to_the_longest_member(opt13b, t4):
+    spread = Workload.from_pairs([(64, 4), (448, 28)])  # mean 256 / 16
+    fixed = Workload(prompt_len=256, gen_len=16)
+    policy = Policy(gpu_batch_size=8, scheduler="block", **ALL_GPU)
+    padded, even = estimate(policy, opt13b, t4, spread), estimate(policy, opt13b, t4, fixed)
+    s_pad, n_pad = spread.expected_block_max(8)
+    assert padded.passes[0].prompt_tokens == pytest.approx(8 * s_pad)
+    assert sum(p.count for p in padded.passes[1:]) == round(n_pad) - 1
+    assert padded.generated_tokens == even.generated_tokens == 8 * 16
+    assert padded.throughput < even.throughput
+
+
+def test_compression_trades_io_for_dequantization(opt13b, t4):
+    wl = Workload(prompt_len=256, gen_len=16)
+    policy = Policy(gpu_batch_size=8, num_gpu_batches=3, scheduler="block",
+                    **(ALL_GPU | dict(w_gpu=0.0, w_cpu=1.0, kv_gpu=0.0, kv_cpu=1.0)))
+    plain, packed = (estimate(policy.replace(compress_weight=c, compress_kv=c), opt13b, t4, wl)
+                     for c in (False, True))
+    decode_plain, decode_packed = plain.passes[-1], packed.passes[-1]
+    assert decode_packed.resources["host->device"] < 0.35 * decode_plain.resources["host->device"]
+    dequant = 3 * opt13b.num_layers * opt13b.layer_matrix_params / t4.gpu_dequant_rate  # per micro-batch
+    assert decode_packed.resources["gpu"] - decode_plain.resources["gpu"] > dequant
+    assert packed.peak_memory["cpu"] < 0.4 * plain.peak_memory["cpu"]
+
+
+def test_fits_reports_the_overflow(opt13b, t4):
+    policy = Policy(gpu_batch_size=8, scheduler="block", **ALL_GPU)
+    est = estimate(policy, opt13b, t4.with_memory(gpu=8 * GiB), Workload(prompt_len=64, gen_len=4))
+    assert not est.fits
+    assert est.over_budget["gpu"] == pytest.approx(est.peak_memory["gpu"] - 0.8 * 8 * GiB)

@@ -1,0 +1,80 @@
+import dataclasses
+import json
+
+import pytest
+
+from policy_search import ModelSpec, SpecError
+from policy_search.model_registry import KNOWN_MODELS, known_config
+from policy_search.units import QUANT_BYTES_PER_VALUE
+
+
+@pytest.mark.parametrize("name, published_params", [
+    ("opt-175b", 175e9), ("opt-30b", 30e9), ("opt-6.7b", 6.7e9),
+    ("llama-2-7b", 6.74e9), ("llama-2-70b", 68.98e9), ("llama-3-8b", 8.03e9),
+])
+def test_parameter_count_matches_the_published_size(name, published_params):
+    assert ModelSpec.from_name(name).num_params == pytest.approx(published_params, rel=0.015)
+
+
+def test_opt_layer_is_twelve_h_squared_and_mha():
+    spec = ModelSpec.from_name("opt-30b")
+    h = spec.hidden_size
+    assert spec.layer_matrix_params == 12 * h * h  # q, k, v, o (4 h^2) + fc1, fc2 (2 x 4h x h)
+    assert spec.num_kv_heads == spec.num_heads and spec.kv_dim == h
+    assert spec.ffn_kind == "mlp" and spec.linear_bias and spec.learned_positions and spec.tie_embeddings
+
+
+def test_llama_gqa_shapes():
+    spec = ModelSpec.from_name("llama-2-70b")
+    cfg = known_config("llama-2-70b")
+    assert spec.kv_dim == cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"]
+    h, ffn = spec.hidden_size, spec.ffn_size
+    assert spec.layer_matrix_params == 2 * h * h + 2 * h * spec.kv_dim + 3 * h * ffn
+    assert spec.kv_values_per_token == 2 * spec.kv_dim
+    assert not spec.tie_embeddings and spec.ffn_kind == "gated"
+
+
+def test_compressed_sizes_follow_the_4bit_group64_layout():
+    spec = ModelSpec.from_name("opt-1.3b")
+    assert QUANT_BYTES_PER_VALUE == 0.5 + 2 * 2 / 64
+    assert spec.layer_weight_bytes(True) == (spec.layer_matrix_params * QUANT_BYTES_PER_VALUE
+                                             + spec.layer_vector_params * 2)
+    assert spec.kv_bytes_per_token(True) / spec.kv_bytes_per_token(False) == QUANT_BYTES_PER_VALUE / 2
+    # the embeddings stay fp16 whatever the layers do
+    diff = spec.weight_bytes(False) - spec.weight_bytes(True)
+    assert diff == spec.num_layers * (spec.layer_weight_bytes(False) - spec.layer_weight_bytes(True))
+
+
+def test_names_prefixes_and_every_registered_model():
+    assert ModelSpec.from_name("dummy:opt-30b") == ModelSpec.from_name("facebook/opt-30b")
+    for name in KNOWN_MODELS:
+        assert ModelSpec.from_name(name).num_layers == known_config(name)["num_hidden_layers"]
+
+
+def test_checkpoint_folder(tmp_path):
+    cfg = known_config("llama-2-7b")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = ModelSpec.from_name(str(tmp_path))
+    assert spec.hidden_size == cfg["hidden_size"] and spec.name == tmp_path.name
+    assert dataclasses.replace(ModelSpec.from_config(cfg), name=spec.name) == spec
+
+
+def test_dtype_sets_bytes_per_value():
+    cfg = known_config("opt-125m") | {"torch_dtype": "float32"}
+    assert ModelSpec.from_config(cfg).bytes_per_value == 4
+    assert ModelSpec.from_config(cfg, bytes_per_value=2).bytes_per_value == 2
+
+
+def test_errors_name_the_field(tmp_path):
+    cfg = known_config("opt-125m")
+    del cfg["ffn_dim"]
+    with pytest.raises(SpecError, match="'ffn_dim'"):
+        ModelSpec.from_config(cfg)
+    with pytest.raises(SpecError, match="model_type 'gpt2'"):
+        ModelSpec.from_config({"model_type": "gpt2"})
+    with pytest.raises(SpecError, match="opt-30b"):  # lists the known names
+        ModelSpec.from_name("opt-31b")
+    with pytest.raises(SpecError, match="no config.json"):
+        ModelSpec.from_name(str(tmp_path))
+    with pytest.raises(SpecError, match="num_heads"):
+        ModelSpec.from_config(known_config("llama-2-7b") | {"num_key_value_heads": 5})

@@ -1,0 +1,135 @@
+"""search(): every returned policy fits, constraints hold, more memory never predicts slower, the
+branch and bound finds what brute force finds, and impossible workloads fail with the arithmetic."""
+import itertools
+
+import pytest
+
+from policy_search import (HardwareSpec, InfeasibleError, ModelSpec, Policy, SpecError, Workload,
+                           estimate, search, search_detailed)
+from policy_search import lp
+from policy_search.estimate import pass_costs
+from policy_search.passes import steady_prefill_budget
+from policy_search.search import TOLERANCE
+from policy_search.units import GiB
+
+CASES = {
+    "opt-30b on t4": ("opt-30b", HardwareSpec.preset("t4"), Workload(prompt_len=512, gen_len=32), {}),
+    "llama-2-7b on a100-40g, long outputs": (
+        "llama-2-7b", HardwareSpec.preset("a100-40g"), Workload(prompt_len=1024, gen_len=256), {}),
+    "llama-3-8b on t4, a length distribution": (
+        "llama-3-8b", HardwareSpec.preset("t4"),
+        Workload.from_pairs([(200, 50), (800, 20), (64, 300), (1500, 8)]), {}),
+    "opt-13b on a small machine, 100 requests": (
+        "opt-13b", HardwareSpec.preset("t4").with_memory(gpu=6 * GiB, cpu=24 * GiB, disk=200 * GiB),
+        Workload(prompt_len=256, gen_len=64, num_requests=100), {}),
+    "llama-2-70b on h100, block only": (
+        "llama-2-70b", HardwareSpec.preset("h100-80g"), Workload(prompt_len=512, gen_len=32),
+        {"scheduler": "block"}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def searched(request):
+    name, hardware, workload, constraints = CASES[request.param]
+    model = ModelSpec.from_name(name)
+    return model, hardware, workload, constraints, search_detailed(model, hardware, workload, **constraints)
+
+
+def test_every_returned_policy_fits_every_tier(searched):
+    model, hardware, workload, constraints, result = searched
+    assert result.best_by_scheduler
+    for policy, est in result.best_by_scheduler.values():
+        again = estimate(policy, model, hardware, workload)  # the model's own memory arithmetic
+        assert again == est
+        for tier, budget in hardware.budgets().items():
+            assert again.peak_memory[tier] <= budget
+        assert again.fits and again.throughput > 0
+        assert Policy.from_dict(policy.to_dict()) == policy
+        for knob, value in constraints.items():
+            assert getattr(policy, knob) == value
+    assert result.estimate.throughput == max(e.throughput for _, e in result.best_by_scheduler.values())
+
+
+def test_decode_maximal_budget_keeps_the_running_set_full(searched):
+    model, hardware, workload, _, result = searched
+    if "decode-maximal" in result.best_by_scheduler:
+        policy, est = result.best_by_scheduler["decode-maximal"]
+        assert policy.prefill_budget == steady_prefill_budget(policy, workload)
+        running = min(policy.max_running, workload.num_requests or policy.max_running)
+        assert est.passes[0].decode_tokens == pytest.approx(running)
+
+
+# The search is within TOLERANCE of the best policy of its enumeration, and that best can only grow
+# with memory (every placement that fitted still fits); so the search's answer never drops by more.
+def test_more_gpu_memory_never_predicts_slower():
+    model, workload = ModelSpec.from_name("opt-13b"), Workload(prompt_len=512, gen_len=32)
+    previous = 0.0
+    for gib in (2, 6, 16, 40):
+        _, est = search(model, HardwareSpec.preset("t4").with_memory(gpu=gib * GiB), workload)
+        assert est.throughput >= previous * (1 - TOLERANCE)
+        previous = est.throughput
+    assert previous > 1.2 * search(model, HardwareSpec.preset("t4").with_memory(gpu=2 * GiB), workload)[1].throughput
+
+
+def test_more_cpu_memory_never_predicts_slower():
+    model, workload = ModelSpec.from_name("opt-6.7b"), Workload(prompt_len=512, gen_len=32)
+    previous = 0.0
+    for gib in (16, 32, 64):
+        hw = HardwareSpec.preset("t4").with_memory(gpu=8 * GiB, cpu=gib * GiB, disk=0)
+        _, est = search(model, hw, workload, compress_weight=False, compress_kv=False)
+        assert est.throughput >= previous * (1 - TOLERANCE)
+        previous = est.throughput
+
+
+def test_branch_and_bound_finds_the_brute_force_optimum():
+    model = ModelSpec.from_name("opt-1.3b")
+    hw = HardwareSpec.preset("t4").with_memory(gpu=1 * GiB, cpu=4 * GiB, disk=16 * GiB)
+    workload = Workload(prompt_len=256, gen_len=16)
+    constraints = dict(compress_weight=False, cpu_attention=False)
+    result = search_detailed(model, hw, workload, **constraints)
+    for scheduler, (policy, est) in result.best_by_scheduler.items():
+        problems = []
+        for gbs, nb, compress_kv in itertools.product((1, 2, 4, 8, 16, 32, 64), range(1, 17), (False, True)):
+            knobs = Policy(gpu_batch_size=gbs, num_gpu_batches=nb, scheduler=scheduler, compress_kv=compress_kv)
+            if scheduler == "decode-maximal":
+                knobs = knobs.replace(prefill_budget=steady_prefill_budget(knobs, workload))
+            run, costs = pass_costs(knobs, model, hw, workload)
+            problems.append(lp.PlacementLP(tuple(costs), run.generated_tokens, True, hw.budgets()))
+        brute = max(1 / s.seconds_per_token for s in lp.solve(problems) if s.fits)
+        assert est.throughput * (1 + TOLERANCE) >= brute  # the search guarantee
+
+
+def test_constraints_fix_knobs_and_fractions():
+    model, hw, workload = ModelSpec.from_name("opt-30b"), HardwareSpec.preset("t4"), Workload(
+        prompt_len=512, gen_len=32)
+    policy, est = search(model, hw, workload, scheduler="block", cpu_attention=True, gpu_batch_size=48,
+                         w_gpu=0.1, kv_cpu=1.0, compress_weight=False, compress_kv=False)
+    assert (policy.scheduler, policy.cpu_attention, policy.gpu_batch_size) == ("block", True, 48)
+    assert policy.w_gpu == pytest.approx(0.1) and policy.kv_cpu == 1.0 and est.fits
+    policy, _ = search(model, hw, workload, num_gpu_batches=3, gpu_batch_size=16, scheduler="decode-maximal")
+    assert (policy.gpu_batch_size, policy.num_gpu_batches) == (16, 3)
+    policy, _ = search(model, hw, workload, max_running=20)
+    assert policy.max_running <= 20
+
+
+def test_bad_constraints_and_workloads_name_the_problem():
+    model, hw = ModelSpec.from_name("opt-125m"), HardwareSpec.preset("t4")
+    with pytest.raises(SpecError, match="unknown search constraint 'batch'"):
+        search(model, hw, Workload(prompt_len=8, gen_len=8), batch=3)
+    with pytest.raises(SpecError, match="scheduler"):
+        search(model, hw, Workload(prompt_len=8, gen_len=8), scheduler="fifo")
+    with pytest.raises(SpecError, match="max_position_embeddings 2048"):
+        search(model, hw, Workload(prompt_len=2000, gen_len=100))
+
+
+def test_infeasible_workloads_state_needed_against_available_memory():
+    model, workload = ModelSpec.from_name("opt-175b"), Workload(prompt_len=512, gen_len=32)
+    small = HardwareSpec.preset("t4").with_memory(cpu=10 * GiB, disk=0)
+    with pytest.raises(InfeasibleError) as info:
+        search(model, small, workload)
+    message = str(info.value)
+    assert "needs at least 93.02 GiB" in message  # 4-bit weights + one sequence's 4-bit KV cache
+    assert "gpu 12.80 GiB + cpu 8.00 GiB + disk 0 B" in message
+    tiny_gpu = HardwareSpec.preset("t4").with_memory(gpu=0.25 * GiB)
+    with pytest.raises(InfeasibleError, match="GPU working memory"):
+        search(model, tiny_gpu, workload)
