@@ -29,8 +29,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     batch, n, heads, dim = q.shape
     length, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    kf = k.float().permute(0, 2, 3, 1)  # [B, kvh, d, L]
-    vf = v.float().permute(0, 2, 1, 3)  # [B, kvh, L, d]
+    # One copy each into [B, kvh, L, d] fp32 (rows of d stay contiguous, so the copy streams);
+    # scores then use K transposed in place by the matmul rather than a transposing copy.
+    kf = k.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, kvh, L, d]
+    vf = v.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, kvh, L, d]
     key_pos = torch.arange(length, device=q.device) + (
         kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
     valid_len = torch.arange(length, device=q.device)[None, :] < kv_len[:, None]  # [B, L]
@@ -41,7 +43,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         # [B, rows, kvh, g, d] -> [B, kvh, g*rows, d]: GQA without repeating K/V.
         qb = q[:, start:stop].float().view(batch, rows, kv_heads, group, dim)
         qb = qb.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * rows, dim)
-        scores = torch.matmul(qb, kf).mul_(scale).view(batch, kv_heads, group, rows, length)
+        scores = torch.matmul(qb, kf.transpose(-1, -2)).mul_(scale).view(batch, kv_heads, group, rows, length)
         qp = q_pos[:, start:stop, None]  # [B, rows, 1]
         visible = valid_len[:, None, :] & (key_pos <= qp)  # [B, rows, L]
         if sliding_window is not None:

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from flexsarathi.cli_policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from policy_search.policy import PolicyError
 
@@ -55,6 +56,17 @@ def _cmd_perplexity(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from flexsarathi.engine import DEFAULT_OFFLOAD_DIR
+    from flexsarathi.profiler import profile_machine
+
+    spec = profile_machine(args.offload_dir or DEFAULT_OFFLOAD_DIR, disk_bytes=args.disk_mib << 20,
+                           log=lambda line: print(line, file=sys.stderr, flush=True))
+    spec.save(args.output)
+    print(f"wrote {args.output}: {spec.describe()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexsarathi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,12 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(ppl)
     ppl.set_defaults(func=_cmd_perplexity)
 
-    try:
-        from flexsarathi.cli_policy import add_policy_parser
-    except ImportError:  # pragma: no cover - the planner CLI module is optional at import time
-        pass
-    else:
-        add_policy_parser(sub)
+    prof = sub.add_parser("profile", help="measure this machine into a hardware JSON for --hardware")
+    prof.add_argument("--output", "-o", default="hardware_profile.json")
+    prof.add_argument("--offload-dir", default=None, help="folder whose disk is measured")
+    prof.add_argument("--disk-mib", type=int, default=512, help="size of the disk test file")
+    prof.set_defaults(func=_cmd_profile)
+
+    add_policy_parser(sub)
     return parser
 
 
