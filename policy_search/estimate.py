@@ -62,8 +62,11 @@ class Estimate:
 
     @property
     def bound(self) -> str:
-        """The resource bounding the passes that take most of the time."""
-        return max(self.passes, key=lambda p: p.total_seconds).bound
+        """The resource that bounds the most run time (summed over the passes it bounds)."""
+        by_resource: dict[str, float] = {}
+        for p in self.passes:
+            by_resource[p.bound] = by_resource.get(p.bound, 0.0) + p.total_seconds
+        return max(by_resource, key=by_resource.get)
 
     def time_by_kind(self) -> dict[str, float]:
         out: dict[str, float] = {}

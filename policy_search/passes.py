@@ -5,11 +5,14 @@ whole in one pass, then decoded in lockstep for n-1 passes, every member padded 
 longest prompt and output. Decode passes are grouped into a few segments so the KV cache the
 estimate reads grows with the context instead of sitting at its mean.
 
-Decode-maximal (SARATHI): every pass carries one decode token per running sequence plus prompt
-chunks. With prompt s, output n and D sequences decoding, D / (n-1) requests finish per pass, so
-s * D / (n-1) prompt tokens per pass keep the running set full (that is the prefill budget the
-search picks). A finite run adds a ramp (running set filling) and a drain (emptying): 2 (n-1)
-passes at half the steady content on average.
+Decode-maximal (SARATHI, flexsarathi/scheduler.py): `max_running` = B counts every admitted sequence,
+prefilling or decoding; each pass carries one decode token per decoding sequence plus prompt tokens up
+to `prefill_budget`. By Little's law a request holds its slot for its prefill passes (1, or s / budget
+when its prompt is cut into chunks) plus its n-1 decode passes, so with budget >= s at most
+r = B / n requests finish per pass: each pass carries s * B / n prompt tokens (the budget the search
+picks) and B (n-1) / n decode tokens, and generates B tokens. A smaller budget admits fewer
+(r = budget / s). A finite run adds a ramp (the running set filling) and a drain (emptying): about
+2 (n-1) passes at half the steady content.
 """
 from __future__ import annotations
 
@@ -57,14 +60,13 @@ class RunShape:
 
 
 def steady_prefill_budget(policy: Policy, workload: Workload) -> int:
-    """Prompt tokens per pass that keep `policy.max_running` sequences decoding (decode-maximal)."""
+    """Prompt tokens per pass that keep `policy.max_running` slots busy (decode-maximal): s * B / n,
+    and at least one whole mean prompt, so prompts are not cut into chunks for want of budget."""
     running = policy.max_running
     if workload.num_requests is not None:
         running = min(running, workload.num_requests)
-    steps = workload.mean_decode_steps
-    if steps == 0:  # every request generates one token: passes are prefill only
-        return max(1, math.ceil(running * workload.mean_prompt_len))
-    return max(1, math.ceil(workload.mean_prompt_len * running / steps))
+    prompt = workload.mean_prompt_len
+    return max(1, math.ceil(prompt * max(1.0, running / workload.mean_gen_len)))
 
 
 def run_shape(policy: Policy, workload: Workload) -> RunShape:
@@ -113,20 +115,15 @@ def _decode_maximal(policy: Policy, workload: Workload) -> RunShape:
     k = policy.num_gpu_batches
     prompt = workload.mean_prompt_len
     steps = workload.mean_decode_steps
-    if steps == 0:
-        decoding = 0.0
-        prompt_per_pass = min(policy.prefill_budget, running * prompt)
-        finished_per_pass = prompt_per_pass / prompt
-    else:
-        # A budget below s * B / (n-1) cannot keep B sequences decoding: fewer run.
-        decoding = min(float(running), policy.prefill_budget * steps / prompt)
-        prompt_per_pass = decoding * prompt / steps
-        finished_per_pass = decoding / steps
-    chunk = min(prompt, prompt_per_pass)
-    chunks_per_prompt = max(1.0, prompt / chunk)
+    budget = policy.prefill_budget
+    prefill_passes = max(1.0, prompt / budget)  # a prompt longer than the budget is cut into chunks
+    # Requests finishing per pass: limited by the budget, and by the slots (Little's law).
+    finished_per_pass = min(budget / prompt, running / (prefill_passes + steps))
+    decoding = finished_per_pass * steps
+    prompt_per_pass = finished_per_pass * prompt
     # A prompt cut in m chunks reads the KV of the chunks before each: s (m-1) / 2 tokens in all.
-    prior = prompt_per_pass * (chunks_per_prompt - 1) / 2
-    generated_per_pass = decoding + finished_per_pass
+    prior = prompt_per_pass * (prefill_passes - 1) / 2
+    generated_per_pass = decoding + finished_per_pass  # the prefill pass samples the first token
 
     def shape(kind: str, count: float, scale: float) -> PassShape:
         return PassShape(
@@ -135,21 +132,18 @@ def _decode_maximal(policy: Policy, workload: Workload) -> RunShape:
             max_context=workload.max_total_len, prior_kv_tokens=prior * scale,
             prompt_pairs=prompt_per_pass * scale * workload.mean_prompt_causal_pairs,
             sampled=generated_per_pass * scale,
-            prompt_rows_per_sequence=min(chunk, workload.max_prompt_len), micro_batches=k)
+            prompt_rows_per_sequence=min(budget, workload.max_prompt_len), micro_batches=k)
 
     if workload.num_requests is None:
         # Reference run: the passes in which `running` requests complete, in steady state.
-        count = running / finished_per_pass
-        passes = (shape("mixed", count, 1.0),)
+        passes = (shape("mixed", running / finished_per_pass, 1.0),)
         requests = running
     else:
         requests = workload.num_requests
         total = requests / finished_per_pass  # pass-equivalents of steady content
-        ramp_drain = 2 * steps if steps else 0.0  # filling and emptying the running set
-        steady = max(0.0, total - steps)
-        passes = tuple(p for p in (shape("mixed", steady, 1.0), shape("ramp/drain", ramp_drain, 0.5))
-                       if p.count > 0)
-    in_flight_prompt = prompt_per_pass + workload.max_prompt_len  # prompts partly prefilled hold KV too
+        fill = prefill_passes + steps - 1  # passes for the running set to fill (and to drain)
+        passes = tuple(p for p in (shape("mixed", max(0.0, total - fill), 1.0),
+                                   shape("ramp/drain", 2 * fill, 0.5)) if p.count > 0)
     return RunShape(passes=passes, generated_tokens=requests * workload.mean_gen_len, requests=requests,
-                    kv_tokens=running * workload.max_total_len + in_flight_prompt, running=running,
+                    kv_tokens=running * workload.max_total_len, running=running,
                     steady_state=workload.num_requests is None)

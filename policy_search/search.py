@@ -1,30 +1,31 @@
 """`search(model, hardware, workload, **constraints) -> (Policy, Estimate)`.
 
-The discrete knobs are enumerated, the placement fractions of each knob setting solved as an LP
-(lp.py). Enumeration, cheapest first:
+The discrete knobs are enumerated; the placement fractions of each knob setting are an LP (lp.py).
 
   * combos: scheduler (block | decode-maximal) x compress_weight x compress_kv x cpu_attention;
-  * for each combo, chains of one gpu_batch_size (powers of two, later also 3 x 2^k around the best,
-    where FlexGen's 48 x 3 lives) along num_gpu_batches;
-  * along a chain, num_gpu_batches starts at powers of two and is refined by branch and bound.
-    The bound: for a fixed gpu_batch_size, more micro-batches add tokens, cache and working memory
-    to every pass, so the best pass time never falls while the tokens a pass generates grow with
-    the running count B; throughput at B' >= B is at most (B'/B) x throughput at B (x2 for a finite
-    number of requests, whose ramp and partial blocks break proportionality). Intervals whose bound
-    cannot beat the best of their scheduler are dropped; the others are bisected. Feasibility is
-    monotone along a chain, so bisection also finds the largest block that fits (FlexGen's
-    "bisect the block count").
+  * for each combo, chains of one gpu_batch_size (powers of two, then 3/4 and 3/2 of each combo's
+    best, where FlexGen's 48 x 3 lives), each chain running along num_gpu_batches from 1 to the most
+    whose weights and KV cache fit all tiers together;
+  * best-first branch and bound over open intervals of num_gpu_batches: the interval with the highest
+    upper bound has its midpoint probed, until no interval can beat its scheduler's best by more than
+    TOLERANCE. Feasibility is monotone along a chain, so the bisection also finds the largest block
+    that fits (FlexGen doubles gbs and bisects the block count; this is the same walk with bounds).
+    Upper bounds on an interval (lo, hi), all from "a pass never gets shorter when the running count
+    B grows at fixed gpu_batch_size, while the tokens it generates grow in proportion":
+      - proportional: throughput(B') <= throughput(lo) * B' / lo;
+      - relaxation (bounds.py): the top's pass times minimised over the memory box of lo + 1;
+      - for intervals at most NARROW wide, an LP with the top's time rows and lo + 1's memory rows.
+    A probe is settled without its LP when the relaxation proves it cannot fit or cannot win.
   * prefill_budget is not free: below s * B / (n-1) the running set cannot stay full (the same as a
     smaller B), above it the budget goes unused; the search sets the steady-state value.
 
-Every candidate's LP runs on the same cost expressions `estimate()` evaluates, and the returned
-Estimate is recomputed by `estimate()` from the returned Policy, so it fits every tier's budget
-under the model's own memory arithmetic.
+Every LP runs on the same cost expressions `estimate()` evaluates, and the returned Estimate is
+recomputed by `estimate()` from the returned Policy, so the policy fits every tier's budget under the
+model's own memory arithmetic.
 """
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 

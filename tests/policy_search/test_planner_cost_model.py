@@ -94,15 +94,21 @@ def test_without_overlap_a_pass_waits_for_every_resource(opt13b, t4):
 def test_decode_maximal_steady_state(opt13b, t4):
     wl = Workload(prompt_len=512, gen_len=32)
     policy = Policy(gpu_batch_size=16, num_gpu_batches=4, scheduler="decode-maximal", **ALL_GPU)
+    # A request holds one of the 64 slots for 1 prefill pass + 31 decode passes: 64 / 32 finish per
+    # pass, so 512 * 64 / 32 prompt tokens per pass keep every slot busy.
     budget = steady_prefill_budget(policy, wl)
-    assert budget == math.ceil(512 * 64 / 31)
+    assert budget == 512 * 64 // 32
     est = estimate(policy.replace(prefill_budget=budget), opt13b, t4, wl)
     (mixed,) = est.passes
-    assert mixed.decode_tokens == 64 and mixed.prompt_tokens == pytest.approx(512 * 64 / 31)
-    assert mixed.count == pytest.approx(31) and est.generated_tokens == 64 * 32
-    # a smaller budget admits fewer requests: budget x 31 / 512 sequences keep decoding
+    assert mixed.decode_tokens == pytest.approx(64 * 31 / 32) and mixed.prompt_tokens == pytest.approx(budget)
+    assert mixed.count == pytest.approx(32) and est.generated_tokens == 64 * 32  # 64 tokens per pass
+    # half the budget admits one request per pass: 31 sequences decode, half the slots idle
     half = estimate(policy.replace(prefill_budget=budget // 2), opt13b, t4, wl).passes[0]
-    assert half.decode_tokens == pytest.approx((budget // 2) * 31 / 512) and half.decode_tokens < 33
+    assert half.decode_tokens == pytest.approx(31) and half.prompt_tokens == pytest.approx(512)
+    # a budget below the prompt cuts it into chunks, each reading the KV of the chunks before it
+    chunked = estimate(policy.replace(prefill_budget=128), opt13b, t4, wl)
+    assert chunked.passes[0].prompt_tokens == pytest.approx(128)
+    assert chunked.throughput < est.throughput
 
 
 def test_finite_runs(opt13b, t4):
@@ -151,3 +157,14 @@ def test_fits_reports_the_overflow(opt13b, t4):
     est = estimate(policy, opt13b, t4.with_memory(gpu=8 * GiB), Workload(prompt_len=64, gen_len=4))
     assert not est.fits
     assert est.over_budget["gpu"] == pytest.approx(est.peak_memory["gpu"] - 0.8 * 8 * GiB)
+
+
+def test_bound_names_the_resource_holding_most_time(opt13b, t4):
+    # all weights stream from the CPU every pass; 64 decode passes of 8 tokens each wait on PCIe
+    policy = Policy(gpu_batch_size=8, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_cpu=1.0)))
+    est = estimate(policy, opt13b, t4, Workload(prompt_len=64, gen_len=64))
+    decodes = [p for p in est.passes if p.kind.startswith("decode")]
+    for p in decodes:
+        assert p.bound == "host->device" and p.seconds == p.resources["host->device"] > p.resources["gpu"]
+    assert sum(p.total_seconds for p in decodes) > est.passes[0].total_seconds
+    assert est.bound == "host->device"

@@ -56,7 +56,11 @@ def test_decode_maximal_budget_keeps_the_running_set_full(searched):
         policy, est = result.best_by_scheduler["decode-maximal"]
         assert policy.prefill_budget == steady_prefill_budget(policy, workload)
         running = min(policy.max_running, workload.num_requests or policy.max_running)
-        assert est.passes[0].decode_tokens == pytest.approx(running)
+        mixed = est.passes[0]
+        # every slot is busy: the decoding sequences plus the prompts finishing fill all B of them
+        assert mixed.decode_tokens + mixed.prompt_tokens / workload.mean_prompt_len == pytest.approx(running)
+        assert mixed.decode_tokens == pytest.approx(running * workload.mean_decode_steps
+                                                    / workload.mean_gen_len, rel=1e-3)
 
 
 # The search is within TOLERANCE of the best policy of its enumeration, and that best can only grow
