@@ -7,6 +7,9 @@ import sys
 
 from flexsarathi.cli_policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
+from offload.disk_store import OffloadError
+from offload.memory import MemoryBudgetError
+from policy_search.errors import InfeasibleError, SpecError
 from policy_search.policy import PolicyError
 
 
@@ -101,6 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FlexSarathiError, PolicyError) as exc:
+    except (FlexSarathiError, PolicyError, SpecError, InfeasibleError, MemoryBudgetError, OffloadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -23,30 +23,48 @@ class LLM:
     def __init__(self, model: str, dtype=None, device=None, policy: Policy | str | None = None,
                  seed: int = 0, kv_block_size: int = 16, hardware=None, offload_dir: str | None = None,
                  compress_weight: bool | None = None, compress_kv: bool | None = None,
-                 direct_io: bool = True, **engine_options):
-        """model: a checkpoint folder or `dummy:<name>`. policy: a Policy, a policy JSON file, or
-        None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,
+                 direct_io: bool = True, workload=None, **engine_options):
+        """model: a checkpoint folder or `dummy:<name>`. policy: a Policy, a policy JSON file,
+        "auto" (searched by policy_search for `hardware` and `workload`, a policy_search.Workload,
+        default prompt 512 / output 32), or None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,
         `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
         enforces. offload_dir: where disk-tier weights, KV and activations live (default
         ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options go
         to LLMEngine (weight_quant, kv_bits, kv_group_size: the compression formats)."""
-        if isinstance(policy, str):
+        spec = None
+        if hardware is not None:
+            from policy_search import HardwareSpec
+
+            spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
+        if policy == "auto":
+            policy = self._search_policy(model, spec, workload, dtype)
+        elif isinstance(policy, str):
             policy = Policy.load(policy)
         policy = policy or Policy()
         overrides = {k: v for k, v in (("compress_weight", compress_weight), ("compress_kv", compress_kv))
                      if v is not None}
         if overrides:
             policy = policy.replace(**overrides)
-        budget = None
-        if hardware is not None:
-            from policy_search.hardware import HardwareSpec
-
-            spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
-            budget = TierBudget(**{tier: int(b) for tier, b in spec.budgets().items()})
+        budget = TierBudget(**{tier: int(b) for tier, b in spec.budgets().items()}) if spec else None
         self.engine = LLMEngine(model, dtype=dtype, device=device, policy=policy, seed=seed,
                                 kv_block_size=kv_block_size, budget=budget, offload_dir=offload_dir,
                                 direct_io=direct_io, **engine_options)
         self.last_stats: dict = {}
+
+    @staticmethod
+    def _search_policy(model: str, hardware, workload, dtype) -> Policy:
+        from policy_search import ModelSpec, Workload, search
+
+        if hardware is None:
+            raise FlexSarathiError('policy="auto" needs hardware= (a preset such as "t4", or a profile '
+                                   'written by `flexsarathi profile`)')
+        import torch
+
+        compute = str(dtype or ("float16" if torch.cuda.is_available() else "float32")).removeprefix("torch.")
+        bytes_per_value = 4 if compute in ("float32", "fp32", "float") else 2
+        spec = ModelSpec.from_name(model, bytes_per_value=bytes_per_value)
+        policy, est = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32))
+        return policy
 
     @property
     def tokenizer(self):
