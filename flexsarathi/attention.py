@@ -18,11 +18,15 @@ _QUERY_BLOCK = 256  # query rows per step: bounds the [heads, rows, context] sco
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
            kv_len: torch.Tensor, scale: float, sliding_window: int | None = None,
-           kv_pos_offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           kv_pos_offset: int | torch.Tensor = 0,
+           key_blocks: tuple[int, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, n, heads, d]; k, v: [B, L, kv_heads, d]; q_pos: [B, n]; kv_len: [B].
 
     Key j of sequence b (absolute position kv_pos_offset + j) is visible to query i when
     j < kv_len[b], position <= q_pos[b, i], and (with a sliding window) position > q_pos - window.
+    key_blocks=(block_size, "before" | "same") further keeps only keys in blocks before the
+    query's block, or in the query's own block (a cache whose complete blocks are stored
+    differently from the block being filled is attended as those two parts, then merged).
     Returns out [B, n, heads, d] in q's dtype and lse [B, n, heads] in fp32 (-inf where a row sees
     no key, which only happens for a partial context; its output is then 0).
     """
@@ -48,6 +52,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         visible = valid_len[:, None, :] & (key_pos <= qp)  # [B, rows, L]
         if sliding_window is not None:
             visible &= key_pos > qp - sliding_window
+        if key_blocks is not None:
+            size, rule = key_blocks
+            same = (key_pos // size) == (qp // size)
+            visible &= same if rule == "same" else (key_pos // size) < (qp // size)
         scores.masked_fill_(~visible[:, None, None], float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g, rows]
         probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))

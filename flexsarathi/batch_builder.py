@@ -54,7 +54,7 @@ class _SeqView:
 
 def build_micro_batch(items: list[WorkItem], blocks: BlockManager) -> tuple[MicroBatch, list[LogitSpan]]:
     token_ids, positions, logit_rows, spans, groups = [], [], [], [], []
-    writes: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {t: ([], []) for t in TIERS}
+    writes: dict[str, tuple[list, list, list]] = {t: ([], [], []) for t in TIERS}
     decodes: dict[tuple[str, ...], list[tuple[WorkItem, int, _SeqView]]] = {}
     row = 0
     for item in items:
@@ -74,20 +74,21 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager) -> tuple[Micr
             if mask.any():
                 writes[tier][0].append(torch.arange(row, row + n)[mask])
                 writes[tier][1].append(view.local[item.start:item.end][mask])
+                writes[tier][2].append(torch.full((int(mask.sum()),), seq.residual_id, dtype=torch.long))
         if n == 1:
             decodes.setdefault(tuple(r.tier for r in view.runs), []).append((item, row, view))
         else:
-            groups.append(_group([(item, row, view)], n))
+            groups.append(_group([(item, row, view)], n, blocks.block_size))
         row += n
-    groups += [_group(members, 1) for members in decodes.values()]
-    kv_writes = [KVWrite(t, torch.cat(r), torch.cat(s)) for t, (r, s) in writes.items() if r]
+    groups += [_group(members, 1, blocks.block_size) for members in decodes.values()]
+    kv_writes = [KVWrite(t, torch.cat(r), torch.cat(s), torch.cat(ids)) for t, (r, s, ids) in writes.items() if r]
     batch = MicroBatch(token_ids=torch.tensor(token_ids), positions=torch.tensor(positions),
                        groups=groups, kv_writes=kv_writes,
                        logit_rows=torch.tensor(logit_rows, dtype=torch.long))
     return batch, spans
 
 
-def _group(members: list[tuple[WorkItem, int, _SeqView]], n: int) -> AttentionGroup:
+def _group(members: list[tuple[WorkItem, int, _SeqView]], n: int, block_size: int) -> AttentionGroup:
     """Sequences that each bring n query rows, with one KV part per tier their contexts touch."""
     batch = len(members)
     token_rows = torch.cat([torch.arange(row, row + n) for _, row, _ in members])
@@ -101,16 +102,21 @@ def _group(members: list[tuple[WorkItem, int, _SeqView]], n: int) -> AttentionGr
         kv_slots = torch.zeros(batch, length, dtype=torch.long)  # padding -> slot 0, masked
         kv_start = torch.zeros(batch, dtype=torch.long)
         kv_len = torch.zeros(batch, dtype=torch.long)
+        complete_len = torch.zeros(batch, dtype=torch.long)
+        residual_ids = torch.tensor([item.seq.residual_id for item, _, _ in members], dtype=torch.long)
         src, seq_index, pos_index = [], [], []
         for b, ((item, _, _), run) in enumerate(zip(members, runs)):
             if run is None:
                 continue
             kv_slots[b, :run.visible] = run.slots
             kv_start[b], kv_len[b] = run.start, run.visible
+            # Blocks complete before this pass (item.start tokens are cached): read from codes.
+            complete_len[b] = min(max(item.start // block_size * block_size - run.start, 0), run.visible)
             for p in range(max(item.start, run.start), min(item.end, run.start + run.visible)):
                 src.append(b * n + p - item.start)
                 seq_index.append(b)
                 pos_index.append(p - run.start)
         parts.append(KVPart(tier, kv_slots, kv_start, kv_len, torch.tensor(src, dtype=torch.long),
-                            torch.tensor(seq_index, dtype=torch.long), torch.tensor(pos_index, dtype=torch.long)))
+                            torch.tensor(seq_index, dtype=torch.long), torch.tensor(pos_index, dtype=torch.long),
+                            residual_ids, complete_len))
     return AttentionGroup(token_rows=token_rows, num_queries=n, q_pos=q_pos, parts=parts)

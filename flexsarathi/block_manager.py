@@ -18,7 +18,9 @@ TIERS = ("gpu", "cpu", "disk")
 
 
 class BlockManager:
-    def __init__(self, block_size: int, blocks_per_tier: dict[str, int]):
+    def __init__(self, block_size: int, blocks_per_tier: dict[str, int], num_residual: int):
+        """num_residual: rows of the compressed pools' full-precision buffer, one per sequence
+        that may run at once (each has at most one block being filled)."""
         unknown = set(blocks_per_tier) - set(TIERS)
         if unknown:
             raise ValueError(f"unknown KV tiers {sorted(unknown)}; tiers are {TIERS}")
@@ -31,6 +33,7 @@ class BlockManager:
             self.base[tier], self.free[tier] = start, deque(range(start, start + count))
             start += count
         self.num_blocks = start
+        self.free_residual: deque[int] = deque(range(num_residual))
 
     def tier_of(self, block: int) -> str:
         for tier in reversed(TIERS):
@@ -42,7 +45,7 @@ class BlockManager:
         return math.ceil(seq.max_len / self.block_size)
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return sum(len(f) for f in self.free.values()) >= self.blocks_needed(seq)
+        return bool(self.free_residual) and sum(len(f) for f in self.free.values()) >= self.blocks_needed(seq)
 
     def allocate(self, seq: Sequence) -> None:
         needed = self.blocks_needed(seq)
@@ -53,8 +56,11 @@ class BlockManager:
             while len(table) < needed and self.free[tier]:
                 table.append(self.free[tier].popleft())
         seq.block_table = table
+        seq.residual_id = self.free_residual.popleft()
 
     def free_blocks(self, seq: Sequence) -> None:
         for block in seq.block_table:
             self.free[self.tier_of(block)].append(block)
         seq.block_table = []
+        self.free_residual.append(seq.residual_id)
+        seq.residual_id = -1

@@ -24,7 +24,7 @@ from flexsarathi.tokenizer import Tokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
-from offload.kv_cache import KVPool, kv_quant_config
+from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget
 from offload.placement import TieredWeights
 from policy_search.policy import Policy
@@ -65,15 +65,17 @@ def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) ->
 
 class LLMEngine:
     def __init__(self, model: str, *, dtype=None, device=None, policy: Policy | None = None,
-                 seed: int = 0, kv_block_size: int = 16, budget: TierBudget | None = None,
+                 seed: int = 0, kv_block_size: int | None = None, budget: TierBudget | None = None,
                  offload_dir: str | None = None, direct_io: bool = True,
-                 weight_quant: QuantConfig = WEIGHT_QUANT, kv_bits: int = 4, kv_group_size: int = 64):
+                 weight_quant: QuantConfig = WEIGHT_QUANT, kv_bits: int = 4, kv_value_group: int = 64):
         self.device = resolve_device(device)
         self.source = open_weight_source(model)
         self.config, self.math = self.source.config, self.source.math
         self.dtype = resolve_dtype(dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = policy or Policy()
-        self.block_size = kv_block_size
+        # A compressed K is grouped per channel over one block: 64-token blocks keep its scales
+        # and minimums at 1/16 of the codes (4.5 bits per value); plain pools use 16-token blocks.
+        self.block_size = kv_block_size or (64 if p.compress_kv else 16)
         self.offload_dir = offload_dir or DEFAULT_OFFLOAD_DIR
         self.tokenizer = (Tokenizer.from_folder(model, self.config.bos_token_id,
                                                 (self.config.eos_token_ids or (None,))[0])
@@ -86,8 +88,8 @@ class LLMEngine:
             raise FlexSarathiError(f"weight_quant must group along the input dimension (group_dim=-1): "
                                    f"placement streams row ranges; got {weight_quant}")
         quant = weight_quant if p.compress_weight else None
-        self.kv_quant = (kv_quant_config(self.config.head_dim, kv_bits, kv_group_size)
-                         if p.compress_kv else None)
+        self.kv_compression = (KVCompression(bits=kv_bits, block_size=self.block_size, value_group=kv_value_group)
+                               if p.compress_kv else None)
         store_key = f"{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
             f"q{quant.bits}g{quant.group_size}d{quant.group_dim}" if quant else "plain")
         self.weights = TieredWeights(
@@ -143,29 +145,31 @@ class LLMEngine:
         running = min(p.max_running, len(seqs))
         blocks_per_seq = math.ceil(max(s.max_len for s in seqs) / self.block_size)
         blocks = _split_by_fractions(running * blocks_per_seq, p.kv_fractions)
-        self._ensure_pools(blocks)
+        self._ensure_pools(blocks, running)
         config = SchedulerConfig(max_running=p.max_running, num_micro_batches=p.num_gpu_batches,
                                  prefill_budget=p.prefill_budget, mode=p.scheduler)
-        self.blocks = BlockManager(self.block_size, blocks)
+        self.blocks = BlockManager(self.block_size, blocks, num_residual=running)
         return Scheduler(config, self.blocks)
 
-    def _ensure_pools(self, blocks_per_tier: dict[str, int]) -> None:
-        c, p = self.config, self.policy
+    def _ensure_pools(self, blocks_per_tier: dict[str, int], num_residual: int) -> None:
+        c = self.config
         for tier, blocks in blocks_per_tier.items():
             pool = self.kv_pools.get(tier)
-            if pool is not None and pool.num_slots >= blocks * self.block_size:
+            if pool is not None and pool.num_slots >= blocks * self.block_size and (
+                    pool.compression is None or pool.k_residual.shape[1] >= num_residual):
                 continue
             if pool is not None:
                 self.memory.release(tier, pool.nbytes, "KV cache")
                 del self.kv_pools[tier], pool
             slots = blocks * self.block_size
-            nbytes = slots * KVPool.bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype,
-                                                   self.kv_quant)
+            nbytes = KVPool.nbytes_for(c.num_layers, slots, c.num_kv_heads, c.head_dim, self.dtype,
+                                       self.kv_compression, num_residual)
             self.memory.reserve(tier, nbytes, "KV cache")
             device = self.device if tier == "gpu" else torch.device("cpu")
             self.kv_pools[tier] = KVPool(
                 tier, c.num_layers, slots, c.num_kv_heads, c.head_dim, self.dtype, device,
-                quant=self.kv_quant, pin_memory=tier == "cpu" and self.device.type == "cuda",
+                block_size=self.block_size, compression=self.kv_compression, num_residual=num_residual,
+                pin_memory=tier == "cpu" and self.device.type == "cuda",
                 folder=self._offload_folder() if tier == "disk" else None)
 
     # ---- the step ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str, dtype=None, device=None, policy: Policy | str | None = None,
-                 seed: int = 0, kv_block_size: int = 16, hardware=None, offload_dir: str | None = None,
+                 seed: int = 0, kv_block_size: int | None = None, hardware=None, offload_dir: str | None = None,
                  compress_weight: bool | None = None, compress_kv: bool | None = None,
                  direct_io: bool = True, workload=None, **engine_options):
         """model: a checkpoint folder or `dummy:<name>`. policy: a Policy, a policy JSON file,
@@ -30,7 +30,7 @@ class LLM:
         `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
         enforces. offload_dir: where disk-tier weights, KV and activations live (default
         ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options go
-        to LLMEngine (weight_quant, kv_bits, kv_group_size: the compression formats)."""
+        to LLMEngine (weight_quant, kv_bits, kv_value_group: the compression formats)."""
         spec = None
         if hardware is not None:
             from policy_search import HardwareSpec

@@ -33,6 +33,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # global KV block ids (BlockManager)
+    residual_id: int = -1  # row of the pools' full-precision buffer for the block being filled
     prompt_logprobs: list[float] = field(default_factory=list)
     keep_prompt_logits: bool = False  # keep full-vocabulary logits of every prompt row (scoring)
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [chunk, vocab] per chunk

@@ -28,6 +28,8 @@ class KVPart:
     patch_src: torch.Tensor  # [P] group rows (0..B*n-1) whose new K/V belong in this part
     patch_seq: torch.Tensor  # [P] which sequence b of the group
     patch_pos: torch.Tensor  # [P] index into the part's L
+    residual_ids: torch.Tensor  # [B] each sequence's residual row (compressed pools)
+    complete_len: torch.Tensor  # [B] leading keys of this part in blocks completed before the pass
 
 
 @dataclass
@@ -56,6 +58,7 @@ class KVWrite:
     tier: str
     rows: torch.Tensor  # [S]
     slots: torch.Tensor  # [S]
+    residual_ids: torch.Tensor  # [S] residual row of each token's sequence
 
 
 @dataclass

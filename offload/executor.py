@@ -88,7 +88,8 @@ class PassExecutor:
     @torch.inference_mode()
     def _load(self, layer: int, mb: MicroBatch, k: int):
         hidden = self.acts.take(k)
-        contexts = [[self.kv_pools[part.tier].gather(layer, part.kv_slots, self.attention_device(part.tier, group))
+        contexts = [[self.kv_pools[part.tier].gather(layer, part.kv_slots, self.attention_device(part.tier, group),
+                                                     part.residual_ids, part.complete_len)
                      for part in group.parts] for group in mb.groups]
         return hidden, contexts
 
@@ -104,17 +105,44 @@ class PassExecutor:
                 if part.patch_src.numel():
                     src = part.patch_src
                     seq, pos = part.patch_seq.to(dev), part.patch_pos.to(dev)
-                    k_ctx[seq, pos] = pool.round_trip(k_rows[src]).to(dev, k_ctx.dtype)
-                    v_ctx[seq, pos] = pool.round_trip(v_rows[src]).to(dev, v_ctx.dtype)
-                out, lse = self.math.attend(q_group.to(dev), k_ctx, v_ctx, group.q_pos.to(dev),
-                                            part.kv_len.to(dev), part.kv_start.to(dev))
-                outs.append((out.to(self.device), lse.to(self.device)))
+                    k_ctx[seq, pos] = k_rows[src].to(dev, k_ctx.dtype)  # K is compressed by block
+                    v_ctx[seq, pos] = pool.round_trip_v(v_rows[src]).to(dev, v_ctx.dtype)
+                args = (q_group.to(dev), group.q_pos.to(dev), part.kv_len.to(dev), part.kv_start.to(dev))
+                if pool.compression is None:
+                    outs.append(self._attend(k_ctx, v_ctx, *args))
+                else:  # earlier blocks as stored (quantized), the query's own block in full precision
+                    bs = pool.block_size
+                    k_prior = self._prior_keys(pool, group, part, k_ctx)
+                    outs.append(self._attend(k_prior, v_ctx, *args, key_blocks=(bs, "before")))
+                    outs.append(self._attend(k_ctx, v_ctx, *args, key_blocks=(bs, "same")))
             merged = outs[0][0] if len(outs) == 1 else self.math.merge_attention(outs)
             attn[group.token_rows] = merged.flatten(0, 1)
         return self.math.finish(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
 
+    def _attend(self, k_ctx, v_ctx, q, q_pos, kv_len, kv_start, key_blocks=None):
+        out, lse = self.math.attend(q, k_ctx, v_ctx, q_pos, kv_len, kv_start, key_blocks)
+        return out.to(self.device), lse.to(self.device)
+
+    @staticmethod
+    def _prior_keys(pool: KVPool, group: AttentionGroup, part, k_ctx: torch.Tensor) -> torch.Tensor:
+        """Keys as queries of later blocks see them: blocks completed inside this pass are
+        round-tripped through the block quantization they are stored with (earlier blocks already
+        come dequantized from the pool; decodes have no later query in the pass)."""
+        if group.is_decode:
+            return k_ctx
+        bs, k_prior = pool.block_size, k_ctx
+        for b in range(group.num_seqs):
+            lo = int(part.complete_len[b])
+            hi = int(part.kv_len[b]) // bs * bs
+            if hi > lo:
+                if k_prior is k_ctx:
+                    k_prior = k_ctx.clone()
+                k_prior[b, lo:hi] = pool.round_trip_k_blocks(k_ctx[b, lo:hi])
+        return k_prior
+
     @torch.inference_mode()
     def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v) -> None:
         for write in mb.kv_writes:
-            self.kv_pools[write.tier].store(layer, write.slots, new_k[write.rows], new_v[write.rows])
+            self.kv_pools[write.tier].store(layer, write.slots, new_k[write.rows], new_v[write.rows],
+                                            write.residual_ids)
         self.acts.put(k, hidden)

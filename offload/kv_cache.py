@@ -1,26 +1,48 @@
 """Paged KV-cache pools (as in vLLM), one per tier: fixed-size token blocks, a block table per
 sequence (kept by the scheduler's block manager; the pool only stores and gathers).
 
-A pool holds, per layer, K and V for `num_slots` token slots. It lives in compute-device memory
-(gpu tier), host memory (cpu tier, pinned on CUDA) or a memory-mapped file in the offload folder
-(disk tier). With `compress=True` K and V are stored 4-bit, grouped along the head dimension,
-compressed on store and dequantized on gather on the device that attends (so a CPU-tier cache
-crosses PCIe compressed).
+A pool holds, per layer, K and V for `num_slots` token slots (slot = block * block_size + offset).
+It lives in compute-device memory (gpu tier), host memory (cpu tier, pinned on CUDA) or a
+memory-mapped file in the offload folder (disk tier).
+
+Compressed pools (`KVCompression`) store 4-bit codes, chosen by measurement on stories260K
+(scripts/bench_quant.py): grouping K per token along the head dimension costs +42% perplexity,
+because a few K channels carry outliers that swamp the others' step size; grouping K per channel
+along the tokens of a block costs about +1%. So:
+
+- V: per token, groups along the head dimension (no more than one head per group);
+- K: per channel, one group per block (block_size tokens). A block can only be quantized once all
+  its tokens exist, so each sequence's block being filled is kept in full precision in a small
+  "residual" buffer (one block per running sequence), quantized when its last token is stored.
+
+Semantics that do not depend on chunking or timing: a query at position p sees the keys of
+earlier blocks as quantized and the keys of its own block in full precision. A prompt chunk that
+spans blocks is attended in two parts (earlier blocks / own block) merged exactly; blocks that
+complete inside the pass are round-tripped for the queries after them, exactly as they are stored.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 
 import torch
 
 from quant import QTensor, QuantConfig, dequantize, quantize
 
 
-def kv_quant_config(head_dim: int, bits: int = 4, group_size: int = 64) -> QuantConfig:
-    """Groups along the head dimension, never wider than one head (a group never mixes heads)."""
-    group = min(group_size, head_dim + head_dim % 2)
-    return QuantConfig(bits=bits, group_size=group, group_dim=-1)
+@dataclass(frozen=True)
+class KVCompression:
+    bits: int = 4
+    block_size: int = 16  # K group: one block of tokens per channel
+    value_group: int = 64  # V group along the head dimension (capped at the head size)
+
+    def k_config(self) -> QuantConfig:
+        return QuantConfig(bits=self.bits, group_size=self.block_size, group_dim=-1)
+
+    def v_config(self, head_dim: int) -> QuantConfig:
+        return QuantConfig(bits=self.bits, group_size=min(self.value_group, head_dim + head_dim % 2),
+                           group_dim=-1)
 
 
 def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool,
@@ -39,69 +61,137 @@ def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pi
     return flat[:nbytes].view(dtype).view(shape)
 
 
+def _qtensor_shapes(config: QuantConfig, values_per_row: int) -> dict[str, tuple[int, torch.dtype]]:
+    groups = values_per_row // config.group_size
+    return {"data": (groups * config.bytes_per_group, torch.uint8), "scale": (groups, torch.float16),
+            "minimum": (groups, torch.float16)}
+
+
 class KVPool:
     def __init__(self, tier: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, *, quant: QuantConfig | None = None,
+                 dtype: torch.dtype, device: torch.device | str, *, block_size: int = 16,
+                 compression: KVCompression | None = None, num_residual: int = 0,
                  pin_memory: bool = False, folder: str | None = None):
-        """quant: None stores K/V in `dtype`; a QuantConfig (grouped along the head dimension,
-        group_dim=-1; see kv_quant_config) stores them compressed."""
         self.tier, self.num_slots, self.dtype = tier, num_slots, dtype
         self.device = torch.device(device)
-        self.kv_heads, self.head_dim = num_kv_heads, head_dim
-        if quant is not None and quant.group_dim not in (-1, 2):
-            raise ValueError(f"KV quantization must group along the head dimension (group_dim=-1), got {quant}")
-        self.quant = quant
-        if self.quant is None:
-            shapes = {"": ((num_layers, num_slots, num_kv_heads, head_dim), dtype)}
-        else:
-            groups = num_kv_heads * -(-head_dim // self.quant.group_size)  # per slot
-            shapes = {"data": ((num_layers, num_slots, groups * self.quant.bytes_per_group), torch.uint8),
-                      "scale": ((num_layers, num_slots, groups), torch.float16),
-                      "minimum": ((num_layers, num_slots, groups), torch.float16)}
-        self.k = {n: _buffer(s, d, self.device, pin_memory, folder) for n, (s, d) in shapes.items()}
-        self.v = {n: _buffer(s, d, self.device, pin_memory, folder) for n, (s, d) in shapes.items()}
+        self.kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
+        self.compression = compression
+        if num_slots % block_size:
+            raise ValueError(f"KVPool: {num_slots} slots is not a whole number of {block_size}-token blocks")
+
+        def alloc(shape, dt):
+            return _buffer(shape, dt, self.device, pin_memory, folder)
+
+        if compression is None:
+            shape = (num_layers, num_slots, num_kv_heads, head_dim)
+            self.k, self.v = alloc(shape, dtype), alloc(shape, dtype)
+            return
+        if compression.block_size != block_size:
+            raise ValueError(f"K is grouped by KV block: compression.block_size={compression.block_size} "
+                             f"must equal the pool's block_size={block_size}")
+        self.k_config, self.v_config = compression.k_config(), compression.v_config(head_dim)
+        v_width = num_kv_heads * -(-head_dim // self.v_config.group_size) * self.v_config.group_size
+        num_blocks = num_slots // block_size
+        self.k_codes = {n: alloc((num_layers, num_blocks, size), dt) for n, (size, dt) in
+                        _qtensor_shapes(self.k_config, num_kv_heads * head_dim * block_size).items()}
+        self.v_codes = {n: alloc((num_layers, num_slots, size), dt) for n, (size, dt) in
+                        _qtensor_shapes(self.v_config, v_width).items()}
+        # [layers, residual rows, block_size, kv_heads, head_dim]: blocks being filled, full precision.
+        self.k_residual = alloc((num_layers, max(num_residual, 1), block_size, num_kv_heads, head_dim), dtype)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in list(self.k.values()) + list(self.v.values()))
+        if self.compression is None:
+            return self.k.nbytes + self.v.nbytes
+        tensors = list(self.k_codes.values()) + list(self.v_codes.values()) + [self.k_residual]
+        return sum(t.nbytes for t in tensors)
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       quant: QuantConfig | None) -> int:
-        if quant is None:
-            return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-        q = quant
-        groups = num_kv_heads * -(-head_dim // q.group_size)
-        return 2 * num_layers * groups * (q.bytes_per_group + 4)
+    def nbytes_for(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   compression: KVCompression | None, num_residual: int = 0) -> int:
+        """Bytes a pool of this shape allocates (for budgets, before allocating)."""
+        if compression is None:
+            return 2 * num_layers * num_slots * num_kv_heads * head_dim * dtype.itemsize
+        k, v = compression.k_config(), compression.v_config(head_dim)
+        k_groups = num_kv_heads * head_dim  # per block
+        v_groups = num_kv_heads * -(-head_dim // v.group_size)  # per slot
+        num_blocks = num_slots // compression.block_size
+        residual = max(num_residual, 1) * compression.block_size * num_kv_heads * head_dim * dtype.itemsize
+        return num_layers * (num_blocks * k_groups * (k.bytes_per_group + 4)
+                             + num_slots * v_groups * (v.bytes_per_group + 4) + residual)
 
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What a stored value reads back as (identity unless compressed)."""
-        return x if self.quant is None else dequantize(quantize(x, self.quant), x.dtype)
+    # ---- compression helpers (pure functions of values: what a stored value reads back as) ---
+    def round_trip_v(self, v: torch.Tensor) -> torch.Tensor:
+        """V rows [T, kv_heads, head_dim] as they read back from the pool."""
+        return v if self.compression is None else dequantize(quantize(v, self.v_config), v.dtype)
 
-    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots: [T]; k, v: [T, kv_heads, head_dim] on any device."""
+    def round_trip_k_blocks(self, k: torch.Tensor) -> torch.Tensor:
+        """Whole K blocks [num_blocks * block_size, kv_heads, head_dim] as they read back."""
+        bs = self.block_size
+        blocks = k.unflatten(0, (-1, bs)).permute(0, 2, 3, 1)  # [nb, kvh, d, bs]
+        back = dequantize(quantize(blocks, self.k_config), k.dtype)
+        return back.permute(0, 3, 1, 2).reshape(k.shape)
+
+    # ---- store / gather -------------------------------------------------------------------
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              residual_ids: torch.Tensor | None = None) -> None:
+        """slots: [T]; k, v: [T, kv_heads, head_dim] on any device; residual_ids: [T] the
+        residual row of each token's sequence (compressed pools)."""
         slots = slots.to(self.device)
-        for pool, x in ((self.k, k), (self.v, v)):
-            if self.quant is None:
-                pool[""][layer].index_copy_(0, slots, x.to(self.device, self.dtype))
-                continue
-            q = quantize(x, self.quant)  # on x's device: less to copy
-            num = x.shape[0]
+        if self.compression is None:
+            self.k[layer].index_copy_(0, slots, k.to(self.device, self.dtype))
+            self.v[layer].index_copy_(0, slots, v.to(self.device, self.dtype))
+            return
+        q = quantize(v, self.v_config)
+        for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
+            self.v_codes[name][layer].index_copy_(0, slots, part.view(v.shape[0], -1).to(self.device))
+        rows = residual_ids.to(self.device)
+        k = k.to(self.device, self.dtype)
+        offsets = slots % self.block_size
+        blocks = slots // self.block_size
+        residual = self.k_residual[layer]
+        in_done = torch.zeros_like(slots, dtype=torch.bool)
+        done = offsets == self.block_size - 1  # tokens that complete their block
+        if bool(done.any()):
+            # A block completed here is assembled from its residual row (tokens stored by earlier
+            # passes) and this call's tokens of that block, then quantized. The row is not written
+            # first: later tokens of the same sequence in this call reuse it for the next block.
+            done_blocks = blocks[done]
+            in_done = torch.isin(blocks, done_blocks)
+            full = residual[rows[done]].clone()  # [nb, bs, kvh, d]
+            which = (blocks[in_done][:, None] == done_blocks[None, :]).int().argmax(dim=1)
+            full[which, offsets[in_done]] = k[in_done]
+            q = quantize(full.permute(0, 2, 3, 1), self.k_config)  # groups: bs tokens of one channel
             for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
-                pool[name][layer].index_copy_(0, slots, part.view(num, -1).to(self.device))
+                self.k_codes[name][layer].index_copy_(0, done_blocks, part.view(done_blocks.shape[0], -1))
+        keep = ~in_done
+        residual[rows[keep], offsets[keep]] = k[keep]
 
-    def gather(self, layer: int, slots: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots: [B, L] -> fresh k, v: [B, L, kv_heads, head_dim] in the pool dtype on `device`."""
+    def gather(self, layer: int, slots: torch.Tensor, device: torch.device,
+               residual_ids: torch.Tensor | None = None,
+               complete_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots: [B, L] (block-aligned: position j of a row is in the row's block j // block_size)
+        -> fresh k, v [B, L, kv_heads, head_dim] in the pool dtype on `device`. For compressed
+        pools, the first complete_len[b] positions come from quantized blocks, the rest from the
+        sequence's residual block."""
         slots = slots.to(self.device)
+        if self.compression is None:
+            return (self.k[layer][slots].to(device, non_blocking=True),
+                    self.v[layer][slots].to(device, non_blocking=True))
         batch, length = slots.shape
-        out = []
-        for pool in (self.k, self.v):
-            if self.quant is None:
-                out.append(pool[""][layer][slots].to(device, non_blocking=True))
-                continue
-            parts = {n: pool[n][layer][slots].reshape(-1).to(device, non_blocking=True) for n in pool}
-            q = QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
-                        shape=(batch * length, self.kv_heads, self.head_dim), dtype=self.dtype,
-                        config=self.quant)
-            out.append(dequantize(q).view(batch, length, self.kv_heads, self.head_dim))
-        return out[0], out[1]
+        kvh, d, bs = self.kv_heads, self.head_dim, self.block_size
+        parts = {n: t[layer][slots].reshape(-1).to(device, non_blocking=True) for n, t in self.v_codes.items()}
+        v = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
+                               shape=(batch * length, kvh, d), dtype=self.dtype, config=self.v_config))
+        v = v.view(batch, length, kvh, d)
+        num_blocks = -(-length // bs)
+        blocks = slots[:, ::bs] // bs  # [B, nb]
+        parts = {n: t[layer][blocks].reshape(-1).to(device, non_blocking=True) for n, t in self.k_codes.items()}
+        k = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
+                               shape=(batch * num_blocks, kvh, d, bs), dtype=self.dtype, config=self.k_config))
+        k = k.view(batch, num_blocks, kvh, d, bs).permute(0, 1, 4, 2, 3).reshape(batch, num_blocks * bs, kvh, d)
+        residual = self.k_residual[layer][residual_ids.to(self.device)].to(device, non_blocking=True)
+        residual = residual.repeat(1, num_blocks, 1, 1)  # position j -> residual row j % bs
+        from_blocks = torch.arange(num_blocks * bs, device=device)[None, :] < complete_len.to(device)[:, None]
+        k = torch.where(from_blocks[:, :, None, None], k, residual)[:, :length].contiguous()
+        return k, v

@@ -41,6 +41,25 @@ class Row:
 def bench_size(args: argparse.Namespace) -> list[Row]:
     """Storage bytes (codes + fp16 scale + fp16 minimum) against the fp16 tensor."""
     rows = []
+    # The KV cache as the engine stores it: a paged pool (one layer), K per channel over 64-token
+    # blocks, V per token along the head dimension. Stored blocks cost 4.5 bits per value; each
+    # running sequence also keeps its open block's K in full precision (a working buffer, like the
+    # weights' working buffers), shown separately for 8 sequences of 2048 tokens.
+    from offload.kv_cache import KVCompression, KVPool
+
+    tokens, heads, head_dim = KV_SHAPE
+    seqs = 8
+    for bits in (4, 8):
+        comp = KVCompression(bits=bits, block_size=64, value_group=64)
+        plain = KVPool.nbytes_for(1, seqs * tokens, heads, head_dim, torch.float16, None)
+        stored = KVPool.nbytes_for(1, seqs * tokens, heads, head_dim, torch.float16, comp, num_residual=0)
+        residual = 64 * heads * head_dim * 2  # one open block's K, fp16
+        stored -= residual  # nbytes_for counts at least one open block
+        rows.append(Row("size", f"KV blocks as stored, {bits}-bit (K g64 per channel, V g64)",
+                        f"{stored / plain:.5f}x fp16", f"{8 * stored / (plain / 2):.3f} bits/value"))
+        total = stored + seqs * residual
+        rows.append(Row("size", f"KV pool + open blocks, {bits}-bit, {seqs} seqs x {tokens} tokens",
+                        f"{total / plain:.5f}x fp16", f"{total / 2**20:.2f} MiB"))
     for tensor_name, shape in (("weight", WEIGHT_SHAPE), ("KV", KV_SHAPE)):
         x = torch.randn(shape, dtype=torch.float16)
         fp16_bytes = x.numel() * x.element_size()
@@ -77,9 +96,10 @@ def bench_speed(args: argparse.Namespace) -> list[Row]:
 
 
 def bench_quality(args: argparse.Namespace) -> list[Row]:
-    """Perplexity of stories260K on held-out TinyStories through the engine, fp32 compute, with
-    weights and/or KV cache compressed (weights grouped along the input dimension; KV along the
-    head dimension, whose 8 values per head here make each KV group 8 wide)."""
+    """Perplexity of stories260K on held-out TinyStories through the engine (fp32 compute), with
+    weights and/or KV cache compressed. Weights: groups along the input dimension. KV: V per token
+    along the head dimension (8 values per head here); K per channel over one KV block of tokens
+    (the block size is the K group: 16 by default, 64 for "g64")."""
     from flexsarathi import LLM
     from flexsarathi.perplexity import perplexity, split_documents
     from policy_search import Policy
@@ -91,29 +111,32 @@ def bench_quality(args: argparse.Namespace) -> list[Row]:
         return [Row("quality", "stories260K", "skipped", f"{model} or {text} is absent")]
     docs = split_documents(text.read_text(), "<|endoftext|>")
 
-    def ppl(weight: QuantConfig | None, kv: QuantConfig | None) -> float:
-        policy = Policy(gpu_batch_size=45, prefill_budget=4096, compress_weight=weight is not None,
-                        compress_kv=kv is not None)
+    def ppl(weight: QuantConfig | None, kv_bits: int | None, kv_block: int = 16) -> float:
+        policy = Policy(gpu_batch_size=45, prefill_budget=args.prefill_budget,
+                        compress_weight=weight is not None, compress_kv=kv_bits is not None)
         options = {"weight_quant": weight} if weight else {}
-        if kv:
-            options.update(kv_bits=kv.bits, kv_group_size=kv.group_size)
-        return perplexity(LLM(str(model), dtype="float32", policy=policy, **options), docs)["perplexity"]
+        if kv_bits:
+            options["kv_bits"] = kv_bits
+        llm = LLM(str(model), dtype="float32", policy=policy, kv_block_size=kv_block, **options)
+        return perplexity(llm, docs)["perplexity"]
 
     base = ppl(None, None)
     rows = [Row("quality", "fp32", f"{base:.4f}", "perplexity, 45 stories")]
     cases = [
-        ("weights 4-bit g64 (input dim)", QuantConfig(4, 64, -1), None, "target <= 3.80"),
-        ("KV 4-bit g64", None, QuantConfig(4, 64), "target within 3%"),
-        ("weights + KV 4-bit g64", QuantConfig(4, 64, -1), QuantConfig(4, 64), "target <= 3.90"),
-        ("weights 8-bit g64", QuantConfig(8, 64, -1), None, "target within 0.5%"),
-        ("KV 8-bit g64", None, QuantConfig(8, 64), "target within 0.5%"),
-        ("weights + KV 8-bit g64", QuantConfig(8, 64, -1), QuantConfig(8, 64), "target within 0.5%"),
+        ("weights 4-bit g64", QuantConfig(4, 64, -1), None, 16, "target <= 3.80"),
+        ("KV 4-bit (K g16 per channel)", None, 4, 16, "target within 3%"),
+        ("KV 4-bit (K g64 per channel)", None, 4, 64, "target within 3%"),
+        ("weights + KV 4-bit (K g16)", QuantConfig(4, 64, -1), 4, 16, "target <= 3.90"),
+        ("weights + KV 4-bit (K g64)", QuantConfig(4, 64, -1), 4, 64, "target <= 3.90"),
+        ("weights 8-bit g64", QuantConfig(8, 64, -1), None, 16, "target within 0.5%"),
+        ("KV 8-bit (K g16)", None, 8, 16, "target within 0.5%"),
+        ("weights + KV 8-bit", QuantConfig(8, 64, -1), 8, 16, "target within 0.5%"),
     ]
-    for name, weight, kv, note in cases:
-        value = ppl(weight, kv)
+    for name, weight, kv_bits, kv_block, note in cases:
+        value = ppl(weight, kv_bits, kv_block)
         rows.append(Row("quality", name, f"{value:.4f}", f"{100 * (value / base - 1):+.2f}% vs fp32; {note}"))
-    # Why groups run along the input dimension: the engine streams row ranges, so it only stores
-    # input-dim groups; the output-dim alternative is measured on a fake-quantized copy.
+    # Why weights group along the input dimension: the engine streams row ranges, so it only
+    # stores input-dim groups; the output-dim alternative is measured on a fake-quantized copy.
     for dim, label in ((-1, "input"), (0, "output")):
         value = _fake_quantized_perplexity(model, docs, QuantConfig(4, 64, dim))
         rows.append(Row("quality", f"weights 4-bit g64 along the {label} dim (fake-quant)", f"{value:.4f}",
@@ -168,6 +191,8 @@ def print_table(rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prefill-budget", type=int, default=64,
+                        help="quality: prompt tokens per pass (chunked prefill; results do not depend on it)")
     parser.add_argument("--section", action="append", choices=sorted(SECTIONS), help="default: all sections")
     parser.add_argument("--repeats", type=int, default=21, help="timed repeats per measurement (median)")
     # One thread by default: on a shared 2-core machine a second intra-op thread stalls whenever its

@@ -67,9 +67,9 @@ class ModelMath(ABC):
     def logits(self, g: Weights, hidden: torch.Tensor) -> torch.Tensor:
         ...
 
-    def attend(self, q, k, v, q_pos, kv_len, kv_pos_offset=0):
+    def attend(self, q, k, v, q_pos, kv_len, kv_pos_offset=0, key_blocks=None):
         return attention.attend(q, k, v, q_pos, kv_len, self.scale, self.config.sliding_window,
-                                kv_pos_offset)
+                                kv_pos_offset, key_blocks)
 
     @staticmethod
     def merge_attention(parts):

@@ -121,3 +121,18 @@ def test_bf16_compute_stays_close_to_fp32(tiny_checkpoint):
     ref = hf_logits(model, ids)
     # bf16 keeps 8 mantissa bits: relative error ~ 2^-8 per op, a few percent end to end.
     assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("budget", [1, 5, 64])
+def test_compressed_kv_results_do_not_depend_on_chunking(tiny_checkpoint, budget):
+    """K is quantized by block and read as stored by every later query, so chunked prefill
+    equals whole prefill under compression too (up to float rounding flipping a code)."""
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    whole = LLM(folder, policy=Policy(prefill_budget=64, compress_kv=True), kv_block_size=4)
+    chunked = LLM(folder, policy=Policy(prefill_budget=budget, compress_kv=True), kv_block_size=4)
+    prompts = _prompts(whole.engine.config.vocab_size, lengths=(17, 23))
+    for ref, got in zip(whole.engine.prompt_logits(prompts), chunked.engine.prompt_logits(prompts)):
+        torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+    ref_out = whole.generate(prompts, GREEDY, use_tqdm=False)
+    got_out = chunked.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got_out] == [o.token_ids for o in ref_out]

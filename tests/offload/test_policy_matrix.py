@@ -41,7 +41,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _run(folder: str, policy: Policy, prompts, tmp_path, **kwargs):
-    llm = LLM(folder, policy=policy, offload_dir=str(tmp_path / "offload"), **kwargs)
+    # Small KV blocks: sequences straddle tiers often (and K compression groups 8 tokens).
+    llm = LLM(folder, policy=policy, offload_dir=str(tmp_path / "offload"), kv_block_size=8, **kwargs)
     outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     logits = llm.engine.prompt_logits(prompts[:3])
     return outputs, logits, llm
@@ -85,8 +86,12 @@ def _check(references, model, compressed, changes, tmp_path):
     policy = Policy(**{**BASE, **changes, "compress_weight": compressed, "compress_kv": compressed})
     outputs, logits, llm = _run(folder, policy, prompts, tmp_path)
     assert outputs == ref_outputs
+    # Different micro-batch shapes round matmuls differently (~1e-6); with compression such a
+    # difference can move a value across a rounding boundary of its 4-bit code, one step of its
+    # group, which moves the logits by ~1e-4. Tokens must still be identical.
+    atol = 1e-3 if compressed else 2e-5
     for got, ref in zip(logits, ref_logits):
-        torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
+        torch.testing.assert_close(got, ref, atol=atol, rtol=0)
     memory = llm.engine.memory
     assert 0 < memory.peak("gpu")
     if policy.w_gpu < 1:  # streamed weights: the gpu tier holds less than the whole model

@@ -1,0 +1,61 @@
+"""Paged KV pools: what a stored value reads back as, for plain and compressed pools, in any
+store order (one token at a time, chunks crossing block boundaries, interleaved sequences)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.kv_cache import KVCompression, KVPool
+
+HEADS, DIM, BS = 2, 8, 4
+
+
+def _pool(compression):
+    return KVPool("cpu", 2, 12 * BS, HEADS, DIM, torch.float32, "cpu", block_size=BS,
+                  compression=compression, num_residual=3)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 11, [3, 5, 3], [11], [4, 4, 3], [2, 7, 2]])
+def test_compressed_pool_reads_complete_blocks_quantized_and_the_open_block_exactly(chunks):
+    comp = KVCompression(bits=4, block_size=BS, value_group=8)
+    pool = _pool(comp)
+    gen = torch.Generator().manual_seed(0)
+    length = sum(chunks)
+    k = torch.randn(length, HEADS, DIM, generator=gen) * torch.linspace(0.1, 10, DIM)  # outlier channels
+    v = torch.randn(length, HEADS, DIM, generator=gen)
+    blocks = [5, 2, 9]  # this sequence's block table (pool blocks)
+    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(length)])
+    other = torch.randn(3, HEADS, DIM, generator=gen)  # another sequence interleaved, residual row 0
+    start = 0
+    for n in chunks:
+        pool.store(1, slots[start:start + n], k[start:start + n], v[start:start + n],
+                   torch.full((n,), 2, dtype=torch.long))
+        pool.store(1, torch.tensor([0, 1, 2]), other, other, torch.zeros(3, dtype=torch.long))
+        start += n
+    complete = length // BS * BS
+    got_k, got_v = pool.gather(1, slots[None], torch.device("cpu"), torch.tensor([2]), torch.tensor([complete]))
+    expected_k = torch.cat([pool.round_trip_k_blocks(k[:complete]), k[complete:]])
+    torch.testing.assert_close(got_k[0], expected_k, atol=0, rtol=0)
+    torch.testing.assert_close(got_v[0], pool.round_trip_v(v), atol=0, rtol=0)
+    # Quantization is real: complete blocks differ from the input but stay within half a step
+    # of their (per-channel, per-block) group.
+    assert not torch.equal(got_k[0, :complete], k[:complete])
+    groups = k[:complete].unflatten(0, (-1, BS))  # [nb, bs, heads, dim]
+    step = (groups.amax(1) - groups.amin(1)) / 15  # [nb, heads, dim]
+    err = (got_k[0, :complete] - k[:complete]).abs().unflatten(0, (-1, BS))
+    assert bool((err <= step[:, None] * 0.5 * 1.01 + 1e-6).all())
+
+
+def test_plain_pool_is_exact():
+    pool = _pool(None)
+    k, v = torch.randn(6, HEADS, DIM), torch.randn(6, HEADS, DIM)
+    slots = torch.tensor([8, 9, 10, 11, 0, 1])
+    pool.store(0, slots, k, v)
+    got_k, got_v = pool.gather(0, slots[None], torch.device("cpu"))
+    assert torch.equal(got_k[0], k) and torch.equal(got_v[0], v)
+
+
+def test_pool_size_accounting_matches_allocation():
+    for comp in (None, KVCompression(bits=4, block_size=BS, value_group=8), KVCompression(bits=8, block_size=BS)):
+        pool = _pool(comp)
+        assert pool.nbytes == KVPool.nbytes_for(2, 12 * BS, HEADS, DIM, torch.float32, comp, num_residual=3)
