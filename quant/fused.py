@@ -1,6 +1,8 @@
 """`quantized_linear(x, qweight, bias)`: `F.linear(x, dequantize(qweight), bias)`, fused on CUDA.
 
-CPU (and any non-CUDA device): dequantize, then `F.linear` - this is what the engine runs there.
+CPU (and any non-CUDA device): dequantize into a reused buffer, then `F.linear` - this is what the
+engine runs there (a fresh allocation per call would cost more than the dequantization itself:
+page-faulting new memory runs at a fraction of copy speed).
 CUDA: a Triton kernel that reads the packed codes and dequantizes each tile in registers right
 before its `tl.dot`, so the fp16 weight never exists in memory; where Triton is missing or the
 layout is one the kernel does not cover, a `torch.compile`d dequantize + linear, which materialises
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +30,7 @@ def quantized_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | Non
             "([out_features, in_features])"
         )
     if x.device.type != "cuda":
-        return F.linear(x, dequantize(qweight, x.dtype), bias)
+        return F.linear(x, dequantize(qweight, x.dtype, out=_scratch(qweight.shape, x.dtype, x.device)), bias)
     if _triton_installed():
         from quant import triton_kernels  # noqa: PLC0415 - lazy: imports triton
 
@@ -35,6 +38,21 @@ def quantized_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | Non
             return triton_kernels.dequant_linear(x, qweight, bias)
     return _compiled_dequant_linear()(x, qweight.data, qweight.scale, qweight.minimum, bias, qweight.layout,
                                       qweight.config.bits)
+
+
+_local = threading.local()
+
+
+def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-thread buffer per (shape, dtype, device), reused by every call of that shape: a model
+    has a handful of weight shapes, so this holds at most one dequantized weight of each."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    key = (tuple(shape), dtype, device)
+    if key not in buffers:
+        buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buffers[key]
 
 
 def dequant_linear_reference(x, data, scale, minimum, bias, layout: GroupLayout, bits: int) -> torch.Tensor:
