@@ -146,6 +146,7 @@ class LLMEngine:
         blocks_per_seq = math.ceil(max(s.max_len for s in seqs) / self.block_size)
         blocks = _split_by_fractions(running * blocks_per_seq, p.kv_fractions)
         self._ensure_pools(blocks, running)
+        self._check_worst_pass(seqs, running)
         config = SchedulerConfig(max_running=p.max_running, num_micro_batches=p.num_gpu_batches,
                                  prefill_budget=p.prefill_budget, mode=p.scheduler)
         self.blocks = BlockManager(self.block_size, blocks, num_residual=running)
@@ -183,17 +184,35 @@ class LLMEngine:
         return self._postprocess(scheduler, [spans for _, spans in built], logits, plan)
 
     def _pass_working_bytes(self, batches) -> int:
-        """Compute-device bytes a pass needs beyond weights and KV pools: the hidden states kept on
-        the gpu tier, one micro-batch's layer intermediates and attention context, and logits."""
-        c, item = self.config, self.dtype.itemsize
-        act_gpu = self.policy.act_gpu
-        parked = sum(round(act_gpu * mb.num_tokens) for mb in batches) * c.hidden_size * item
-        widest = max(mb.num_tokens for mb in batches)
-        layer = widest * (2 * c.hidden_size + c.q_size + 2 * c.kv_size + 2 * c.intermediate_size) * item
         context = max((p.kv_slots.numel() for mb in batches for g in mb.groups for p in g.parts), default=0)
-        attention = 2 * context * c.kv_size * item
-        logits = max(mb.logit_rows.numel() for mb in batches) * c.vocab_size * 4
-        return parked + layer + attention + logits
+        return self._working_bytes(sum(mb.num_tokens for mb in batches),
+                                   max(mb.num_tokens for mb in batches), context,
+                                   max(mb.logit_rows.numel() for mb in batches))
+
+    def _working_bytes(self, total_tokens: int, widest: int, context_slots: int, logit_rows: int) -> int:
+        """Compute-device bytes a pass needs beyond weights and KV pools: the hidden states kept on
+        the gpu tier, one micro-batch's layer intermediates and attention context (K and V, and
+        a second K for compressed pools), and logits."""
+        c, item = self.config, self.dtype.itemsize
+        parked = round(self.policy.act_gpu * total_tokens) * c.hidden_size * item
+        layer = widest * (2 * c.hidden_size + c.q_size + 2 * c.kv_size + 2 * c.intermediate_size) * item
+        attention = (3 if self.kv_compression else 2) * context_slots * c.kv_size * item
+        return parked + layer + attention + logit_rows * c.vocab_size * 4
+
+    def _check_worst_pass(self, seqs: list[Sequence], running: int) -> None:
+        """Fail before any work when the largest pass this batch of requests can form would not
+        fit the gpu tier next to the weights and KV pools."""
+        p = self.policy
+        longest_prompt = max(s.num_prompt_tokens for s in seqs)
+        prompt_tokens = running * longest_prompt if p.scheduler == "block" else min(
+            p.prefill_budget, sum(s.num_prompt_tokens for s in seqs))
+        total = running + prompt_tokens
+        widest = total if p.num_gpu_batches == 1 else -(-total // p.num_gpu_batches) + longest_prompt
+        logit_rows = total if any(s.params.prompt_logprobs or s.keep_prompt_logits for s in seqs) else running
+        context = running * max(s.max_len for s in seqs)
+        need = self._working_bytes(total, min(widest, total), context, logit_rows)
+        with self.memory.reservation("gpu", need, "largest pass (activations)"):
+            pass
 
     def _postprocess(self, scheduler: Scheduler, spans: list[list[LogitSpan]],
                      logits: list[torch.Tensor], plan: SchedulerOutput) -> list[Sequence]:

@@ -141,3 +141,45 @@ def test_auto_policy_runs_the_searched_placement(references, tmp_path):
     if not (expected.compress_weight or expected.compress_kv):
         assert outputs == ref_outputs
     assert llm.engine.memory.peak("gpu") <= hardware.budgets()["gpu"]
+
+
+def test_a_pass_too_large_for_the_gpu_budget_fails_before_any_work(references, tmp_path):
+    from offload.memory import MemoryBudgetError
+
+    folder, prompts, _, _, ref_weight_bytes = references("llama_deep", False)
+    kv_on_cpu = Policy(**BASE, kv_gpu=0.0, kv_cpu=1.0)
+    llm = LLM(folder, policy=kv_on_cpu, offload_dir=str(tmp_path))
+    fixed = llm.engine.memory.in_use("gpu")  # weights and embeddings
+    hardware = HardwareSpec.preset("t4").with_memory(gpu=(fixed + 1024) / 0.8)  # no room to compute
+    llm = LLM(folder, policy=kv_on_cpu, offload_dir=str(tmp_path), hardware=hardware)
+    with pytest.raises(MemoryBudgetError, match="largest pass"):
+        llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert llm.last_stats == {}  # not a single pass ran
+
+
+def test_offload_folder_faults_are_clear_and_the_next_run_recovers(tiny_checkpoint, tmp_path, monkeypatch):
+    import errno
+    import shutil as shutil_module
+
+    from flexsarathi import FlexSarathiError
+    from offload.disk_store import OffloadError
+
+    folder, _ = tiny_checkpoint("opt_deep")
+    on_disk = Policy(**BASE, w_gpu=0.0, w_disk=1.0)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises((FlexSarathiError, OffloadError), match="a_file"):
+        LLM(folder, policy=on_disk, offload_dir=str(blocker / "offload"))
+    offload = tmp_path / "offload"
+    real_usage = shutil_module.disk_usage
+    monkeypatch.setattr(shutil_module, "disk_usage",
+                        lambda path: real_usage(path)._replace(free=1024))  # a full disk
+    with pytest.raises(OffloadError, match="free"):
+        LLM(folder, policy=on_disk, offload_dir=str(offload))
+    assert not list(offload.rglob("manifest.json"))  # nothing a later run could trust
+    monkeypatch.setattr(shutil_module, "disk_usage", real_usage)
+    prompts = [[5, 6, 7, 8]]
+    llm = LLM(folder, policy=on_disk, offload_dir=str(offload))  # recovers: writes the store
+    assert llm.generate(prompts, PARAMS, use_tqdm=False)[0].token_ids == \
+        LLM(folder, policy=Policy(**BASE)).generate(prompts, PARAMS, use_tqdm=False)[0].token_ids
+    assert len(list(offload.rglob("manifest.json"))) == 1
