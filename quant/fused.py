@@ -61,11 +61,12 @@ def dequant_linear_reference(x, data, scale, minimum, bias, layout: GroupLayout,
     The same arithmetic as `dequantize` (fp32, one rounding to `x.dtype`) written without in-place or
     `out=` tricks, which are there for eager CPU speed and only get in a compiler's way.
     """
-    packed = data.view(layout.num_groups, layout.group_size * bits // 8)  # [num_groups, bytes_per_group]
+    packed = data.view(layout.num_rows, layout.padded_len * bits // 8)  # one line of groups per row
     if bits == 4:
-        codes = torch.cat([packed & 0x0F, packed >> 4], dim=1)  # split halves of each group
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=1)  # split halves of each line
     else:
-        codes = packed  # [num_groups, group_size]
+        codes = packed
+    codes = codes.reshape(layout.num_groups, layout.group_size)  # [num_groups, group_size]
     values = codes.float() * scale.float()[:, None] + minimum.float()[:, None]
     return F.linear(x, layout.from_groups(values.to(x.dtype)), bias)
 

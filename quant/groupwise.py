@@ -36,9 +36,12 @@ def quantize(x: torch.Tensor, config: QuantConfig) -> QTensor:
     if x.device.type != "cuda":
         # On CUDA this would cost a host sync per call (KV is quantized on every store): skipped there.
         check_representable(scale, minimum)
-    # 4 bits: each group packed on its own (split halves within the group), so that any set of
-    # groups (a row range of a weight, the slots of a paged KV cache) is a self-contained byte range.
-    data = (pack_4bit(codes) if config.bits == 4 else codes).view(-1)
+    # 4 bits: each line of groups (all groups of one row along the group dimension) is packed on
+    # its own, split halves within the line: any set of lines (a row range of a weight, the slots
+    # or blocks of a paged KV cache) is a self-contained byte range, and unpacking still streams
+    # over runs as long as the line.
+    lines = codes.view(layout.num_rows, layout.padded_len)
+    data = (pack_4bit(lines) if config.bits == 4 else lines).reshape(-1)
     return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(x.shape), dtype=x.dtype, config=config)
 
 
@@ -77,8 +80,9 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, *, out: torch.Tenso
     else:
         # fp32 arithmetic for every other dtype: bf16 cannot even hold the fp16 scale and minimum.
         work = values if dtype == torch.float32 else torch.empty_like(values, dtype=torch.float32)
-        packed = q.data.view(layout.num_groups, q.config.bytes_per_group)
-        work.copy_(unpack_4bit(packed) if q.config.bits == 4 else packed)  # value c
+        packed = q.data.view(layout.num_rows, -1 if layout.num_rows else 0)
+        lines = work.view(layout.num_rows, layout.padded_len)
+        lines.copy_(unpack_4bit(packed) if q.config.bits == 4 else packed)  # value c
         code_unit = 1.0
     _per_group_affine_(work, q.scale.float() / code_unit, q.minimum.float())  # c * scale + minimum
     if work is not values:
@@ -97,13 +101,14 @@ def _codes_as_fp16_subnormals(q: QTensor, values: torch.Tensor) -> None:
     That value is exact and linear in c, and needs no int -> fp16 conversion, which torch does not
     vectorise on CPU (it costs several copies' time); the widening and nibble ops below do vectorise.
     """
-    bits = values.view(torch.int16)  # [num_groups, group_size]
-    packed = q.data.view(bits.shape[0], q.config.bytes_per_group)
+    layout = q.layout
+    bits = values.view(torch.int16).view(layout.num_rows, layout.padded_len)  # one line per row
+    packed = q.data.view(layout.num_rows, -1 if layout.num_rows else 0)
     if q.config.bits == 8:
         bits.copy_(packed)
         return
     half = bits.shape[1] // 2
-    low, high = bits[:, :half], bits[:, half:]  # see pack_4bit: split halves of each group
+    low, high = bits[:, :half], bits[:, half:]  # see pack_4bit: split halves of each line
     low.copy_(packed)  # uint8 -> int16: the whole byte
     torch.bitwise_right_shift(low, 4, out=high)
     low.bitwise_and_(0x0F)

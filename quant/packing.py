@@ -4,8 +4,9 @@ For `n` codes, byte `i` holds code `i` in its low nibble and code `i + ceil(n / 
 nibble. Why not adjacent pairs: unpacking is then two flat operations over contiguous memory
 (`packed & 15` -> first half, `packed >> 4` -> second half) instead of a strided interleave, and
 that is what makes `dequantize` run near copy speed on a CPU with eager torch ops. `quantize` packs
-each group on its own (`[num_groups, group_size]` -> `[num_groups, group_size / 2]`), so a group's
-codes never share a byte with another group's and any run of groups is a self-contained byte range.
+each line of groups on its own (the groups of one row along the group dimension, `[num_rows,
+padded_len]` -> `[num_rows, padded_len / 2]`), so any run of rows (weight rows, KV slots or blocks)
+is a self-contained byte range, while the runs stay long enough for fast unpacking.
 """
 from __future__ import annotations
 

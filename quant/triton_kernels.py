@@ -2,10 +2,10 @@
 
 Imported (with triton) only by `quant.fused`, on a CUDA input where triton is installed. Covered
 layout: a 2-d weight `[N, K]` grouped along K (`group_dim=-1`), K a multiple of `group_size`,
-`group_size` a multiple of 32 at 4 bits (16 at 8 bits), x in fp16 / bf16. At 4 bits each group is
-packed on its own in split halves: byte `j` of group `g` holds code `j` (low nibble) and code
-`j + group_size / 2` (high nibble). A K-tile that divides `group_size / 2` therefore lies in one
-half of one group: it is one contiguous byte tile and one shift.
+`group_size` a multiple of 16, x in fp16 / bf16. At 4 bits each weight row is packed on its own in
+split halves: byte `j` of row `n` holds code `(n, j)` (low nibble) and code `(n, j + K / 2)` (high
+nibble). A K-tile that divides both the group and `K / 2` lies in one half of the row and one group:
+it is one contiguous byte tile and one shift.
 """
 import torch
 import triton
@@ -15,8 +15,9 @@ from quant.qtensor import QTensor
 
 
 def _block_k(qweight: QTensor) -> int | None:
-    span = qweight.config.group_size // 2 if qweight.config.bits == 4 else qweight.config.group_size
-    return next((b for b in (64, 32, 16) if span % b == 0), None)
+    in_features, group = qweight.shape[1], qweight.config.group_size
+    half = in_features // 2 if qweight.config.bits == 4 else in_features
+    return next((b for b in (64, 32, 16) if group % b == 0 and half % b == 0), None)
 
 
 def supports(x: torch.Tensor, qweight: QTensor) -> bool:
@@ -70,11 +71,10 @@ def _dequant_matmul_kernel(
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         g = k0 // GROUP_SIZE
-        in_group = k0 % GROUP_SIZE
         if PACKED:
-            half = GROUP_SIZE // 2
-            high = in_group >= half  # this tile's codes are the high nibbles of its bytes
-            byte0 = g * half + in_group - half * high
+            half = K // 2
+            high = k0 >= half  # this tile's codes are the high nibbles of its row's bytes
+            byte0 = k0 - half * high
             shift = 4 * high
         else:
             byte0 = k0
@@ -84,7 +84,7 @@ def _dequant_matmul_kernel(
                         mask=mask_n[:, None] & mask_k[None, :], other=0)  # uint8 [BLOCK_N, BLOCK_K]
         if PACKED:
             codes = (codes >> shift) & 0x0F
-        group = offs_n * groups_per_row + g  # [BLOCK_N]: BLOCK_K divides the group (half)
+        group = offs_n * groups_per_row + g  # [BLOCK_N]: BLOCK_K divides the group
         scale = tl.load(scale_ptr + group, mask=mask_n, other=0.0).to(tl.float32)
         minimum = tl.load(minimum_ptr + group, mask=mask_n, other=0.0).to(tl.float32)
         w = (codes.to(tl.float32) * scale[:, None] + minimum[:, None]).to(x.dtype)  # [BLOCK_N, BLOCK_K]
