@@ -1,10 +1,18 @@
 """`flexsarathi profile`: measure this machine into a HardwareSpec JSON that `--hardware` accepts.
 
 Everything is measured on the compute device the engine would use (CUDA when present, else the
-CPU, whose "gpu tier" is then host memory): copy bandwidths between tiers, disk read (O_DIRECT,
-page cache bypassed) and write (fsync'd), matmul rates for prompt-sized and decode-sized shapes,
-attention rates, and dequantization rates. Each figure is the median of a few repeats after a
-warm-up; the whole run takes well under two minutes.
+CPU, whose "gpu tier" is then host memory), in the engine's dtype and on the shapes of one decoder
+layer (`model=`: a policy_search.ModelSpec; default: OPT-1.3B's, hidden 2048, MLP 8192, 32 heads):
+copy bandwidths between tiers, disk read (O_DIRECT, page cache bypassed) and write (fsync'd), the
+layer's four matmuls at several row counts, attention rates, and dequantization rates. Each figure
+is the median of the faster half of a few repeats after a warm-up (see `_typical_seconds`); the
+whole run takes well under a minute.
+
+Without CUDA the profile says `compute_on_host` (the planner then adds cpu-tier copies to the compute
+time) and the matmul figures are those of the cost model's host form, time = weight bytes /
+bandwidth + FLOPs / rate: a CPU GEMM's time is affine in its rows (it streams the weights once per
+call, then does the FMAs, and two cores overlap the two poorly), so the intercept and slope of the
+measured times give `gpu_memory_bandwidth` and `gpu_matmul_prefill_flops`.
 """
 from __future__ import annotations
 
@@ -13,16 +21,22 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
 from flexsarathi.attention import attend
-from offload.disk_store import DiskStore, aligned_empty
+from offload.disk_store import DiskStore
 from policy_search.hardware import HardwareSpec
+from policy_search.model_spec import ModelSpec
 from quant import QuantConfig, dequantize, quantize
 
 
-def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
+def _typical_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
+    """Median of the faster half of the repeats: what the machine does when not interrupted. On a
+    shared machine a neighbour's burst makes single calls several times slower (a small op's
+    OpenMP team waits for a descheduled thread); the median of all repeats would bake such bursts
+    into the profile, the faster half leaves them out, and on a quiet machine the two agree."""
     for _ in range(warmup):
         fn()
     times = []
@@ -30,7 +44,7 @@ def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(sorted(times)[:max(1, (len(times) + 1) // 2)])
 
 
 def _sync(device: torch.device) -> None:
@@ -47,60 +61,152 @@ def _copy_bandwidth(src_device, dst_device, nbytes: int, pin: bool) -> float:
         dst.copy_(src, non_blocking=True)
         _sync(torch.device("cuda") if "cuda" in (src_device.type, dst_device.type) else torch.device("cpu"))
 
-    return nbytes / _median_seconds(run)
+    return nbytes / _typical_seconds(run)
 
 
-def _matmul_rate(device, dtype, tokens: int, hidden: int) -> float:
-    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
-    w = torch.randn(4 * hidden, hidden, dtype=dtype, device=device)
+@dataclass(frozen=True)
+class LayerShapes:
+    """What the profile measures on: one decoder layer's matrices and its attention heads."""
+    matrices: tuple[tuple[int, int], ...]  # (out, in) of each weight matrix, as the engine fuses them
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def params(self) -> int:
+        return sum(o * i for o, i in self.matrices)
+
+    @classmethod
+    def of(cls, model: ModelSpec | None) -> "LayerShapes":
+        if model is None:  # OPT-1.3B: a mid-sized layer that needs offloading on small machines
+            h, f = 2048, 8192
+            return cls(((3 * h, h), (h, h), (f, h), (h, f)), heads=32, kv_heads=32, head_dim=64)
+        h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_size
+        up = (2 * f, h) if model.ffn_kind == "gated" else (f, h)  # gate and up fused
+        return cls(((q + 2 * kv, h), (h, q), up, (h, f)), heads=model.num_heads,
+                   kv_heads=model.num_kv_heads, head_dim=model.head_dim)
+
+
+def _layer_matmul_seconds(device, dtype, shapes: LayerShapes, tokens: int) -> float:
+    """Median seconds of the layer's matmuls over `tokens` rows (each on its own input)."""
+    weights = [torch.randn(shape, dtype=dtype, device=device) for shape in shapes.matrices]
+    inputs = [torch.randn(tokens, shape[1], dtype=dtype, device=device) for shape in shapes.matrices]
 
     def run():
-        torch.nn.functional.linear(x, w)
+        for x, w in zip(inputs, weights):
+            torch.nn.functional.linear(x, w)
         _sync(device)
 
-    return 2 * tokens * hidden * 4 * hidden / _median_seconds(run)
+    return _typical_seconds(run, repeats=7)
+
+
+def _matmul_figures(device, dtype, shapes: LayerShapes, on_host: bool) -> tuple[float, float, float]:
+    """(prefill FLOP/s, decode FLOP/s, weight-streaming bytes/s) of the layer's matmuls."""
+    flops_per_row = 2 * shapes.params
+    weight_bytes = shapes.params * dtype.itemsize
+    if not on_host:
+        decode = flops_per_row * 16 / _layer_matmul_seconds(device, dtype, shapes, 16)
+        prefill = flops_per_row * 512 / _layer_matmul_seconds(device, dtype, shapes, 512)
+        return prefill, decode, 0.0
+    rows = (8, 16, 32, 64, 128, 256, 512, 1024)  # decode micro-batches up to whole-block prefills
+    seconds = [_layer_matmul_seconds(device, dtype, shapes, t) for t in rows]
+    decode = flops_per_row * 16 / seconds[rows.index(16)]
+    # Line seconds = a + b * rows fitted in relative error (every row count matters alike): a streams
+    # the weights, b is the FMA time per row. On a 2-core EPYC (bf16) it fits 8..1024 rows within 6%.
+    # A point a busy neighbour spoiled (> 25% off the line) is dropped once and the line refitted.
+    points = list(zip(rows, seconds))
+    intercept, slope = _relative_line_fit(points)
+    worst = max(points, key=lambda p: abs((intercept + slope * p[0]) / p[1] - 1))
+    if abs((intercept + slope * worst[0]) / worst[1] - 1) > 0.25:
+        intercept, slope = _relative_line_fit([p for p in points if p != worst])
+    slope = max(slope, 1e-12)
+    intercept = max(intercept, seconds[0] * 0.05)
+    return flops_per_row / slope, decode, weight_bytes / intercept
+
+
+def _relative_line_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) minimising sum(((a + b * x) / y - 1)^2): least squares weighted by 1 / y^2."""
+    w = [1 / y ** 2 for _, y in points]
+    s0 = sum(w)
+    s1 = sum(wi * x for wi, (x, _) in zip(w, points))
+    s2 = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    t0 = sum(wi * y for wi, (_, y) in zip(w, points))
+    t1 = sum(wi * x * y for wi, (x, y) in zip(w, points))
+    det = s0 * s2 - s1 * s1
+    return (s2 * t0 - s1 * t1) / det, (s0 * t1 - s1 * t0) / det
 
 
 def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads: int = 32,
-                    head_dim: int = 128) -> float:
+                    head_dim: int = 128, kv_heads: int | None = None) -> float:
+    """Causal-pair FLOP/s of attention as the executor runs it: each sequence's K and V gathered
+    from a paged pool by slot (KVPool.gather), then `attend` (whose score matmuls are a small part of
+    its time on a CPU: fp32 copies of K and V, masks, softmax)."""
+    kv_heads = kv_heads or heads
     q = torch.randn(seqs, queries, heads, head_dim, dtype=dtype, device=device)
-    k = torch.randn(seqs, context, heads, head_dim, dtype=dtype, device=device)
-    v = torch.randn_like(k)
+    # Like the engine's pool, one cache per layer, each read once per pass: the call reads a layer
+    # that is not in the CPU caches (a hot 5 MB context would flatter the rate 2x on a CPU).
+    layers = max(2, -(-(256 << 20) // (2 * seqs * context * kv_heads * head_dim * dtype.itemsize)))
+    pool_k = torch.randn(layers, seqs * context, kv_heads, head_dim, dtype=dtype, device=device)
+    pool_v = torch.randn_like(pool_k)
+    # Sequences own runs of slots, in reverse order of admission as a busy pool leaves them.
+    slots = torch.arange(seqs * context, device=device).view(seqs, context).flip(0)
     q_pos = torch.arange(context - queries, context, device=device).expand(seqs, queries)
     kv_len = torch.full((seqs,), context, device=device)
+    layer = iter(range(1 << 62))
 
     def run():
-        attend(q, k, v, q_pos, kv_len, head_dim ** -0.5)
+        j = next(layer) % layers
+        attend(q, pool_k[j][slots], pool_v[j][slots], q_pos, kv_len, head_dim ** -0.5)
         _sync(device)
 
-    return 4 * seqs * queries * context * heads * head_dim / _median_seconds(run, repeats=3)
+    # FLOPs as the cost model counts them: the causal (query, key) pairs, 4 * heads * head_dim each
+    # (query i at position context - queries + i sees that many keys plus itself).
+    pairs = seqs * (queries * (context - queries) + queries * (queries + 1) // 2)
+    return 4 * pairs * heads * head_dim / _typical_seconds(run, repeats=7)
 
 
-def _dequant_rate(device, values: int = 1 << 22) -> float:
-    q = quantize(torch.randn(values // 4096, 4096, dtype=torch.float16, device=device), QuantConfig())
-    out = torch.empty(q.shape, dtype=torch.float16, device=device)
+def _dequant_rate(device, dtype, values: int = 1 << 22) -> float:
+    q = quantize(torch.randn(values // 4096, 4096, dtype=dtype, device=device), QuantConfig())
+    out = torch.empty(q.shape, dtype=dtype, device=device)
 
     def run():
         dequantize(q, out=out)
         _sync(device)
 
-    return values / _median_seconds(run)
+    return values / _typical_seconds(run)
 
 
-def _disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
-    """(read bytes/s with O_DIRECT, write bytes/s fsync'd) of a scratch store in `folder`."""
+def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype) -> tuple[float, float]:
+    """(read bytes/s, write bytes/s fsync'd) of a scratch store in `folder`, read the way the engine
+    streams disk weights (offload/placement.py): layer after layer, each of the layer's matrices
+    with `read_range_async` (O_DIRECT, the store's reader threads) into a working buffer, the next
+    layer's reads starting once the previous layer's are in. Working buffers are plain tensors,
+    which are not 4096-aligned, so every chunk passes the store's aligned bounce buffer and is copied
+    from there, as in the engine."""
     work = tempfile.mkdtemp(prefix="profile-", dir=folder)
     try:
         store = DiskStore(work, "profile", direct_io=True)
-        data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        layer_bytes = shapes.params * dtype.itemsize
+        layers = max(2, -(-nbytes // layer_bytes))
+        total = layers * layer_bytes
+        data = [torch.randint(0, 255, (o * i * dtype.itemsize,), dtype=torch.uint8) for o, i in shapes.matrices]
         start = time.perf_counter()
-        writer = store.begin_write(total_bytes=nbytes)
-        writer.add("blob", data)
+        writer = store.begin_write(total_bytes=total)
+        for layer in range(layers):
+            for i, tensor in enumerate(data):
+                writer.add(f"{layer}.{i}", tensor)
         writer.commit()
-        write = nbytes / (time.perf_counter() - start)
-        out = aligned_empty((nbytes,), torch.uint8)
+        write = total / (time.perf_counter() - start)
+        buffers = [torch.empty(o * i * dtype.itemsize, dtype=torch.uint8) for o, i in shapes.matrices]
         store.drop_page_cache()
-        read = nbytes / _median_seconds(lambda: store.read_into("blob", out), repeats=3)
+
+        def read_all():
+            for layer in range(layers):
+                reads = [store.read_range_async(f"{layer}.{i}", 0, buf) for i, buf in enumerate(buffers)]
+                for future in reads:
+                    future.result()
+
+        read = total / _typical_seconds(read_all, repeats=3)
         store.close()
         return read, write
     finally:
@@ -116,30 +222,46 @@ def _host_memory() -> int:
 
 
 def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_bytes: int = 512 << 20,
-                    log=print) -> HardwareSpec:
+                    log=print, model: ModelSpec | None = None, prompt_len: int = 128,
+                    decode_context: int = 256, decode_seqs: int = 16) -> HardwareSpec:
+    """Measure this machine. dtype: the engine's compute dtype (default fp16 on CUDA, bf16 on the
+    CPU); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
+    rates are measured on a whole prompt of `prompt_len` tokens and on `decode_seqs` sequences
+    decoding against `decode_context` cached tokens: on a CPU the rate per pair depends on the shape
+    (per-call costs weigh on short prompts), so a benchmark passes its workload's."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = dtype or (torch.float16 if cuda else torch.bfloat16)
     cpu = torch.device("cpu")
+    shapes = LayerShapes.of(model)
     os.makedirs(offload_dir, exist_ok=True)
-    log(f"profiling: compute device {device} ({dtype}), offload folder {offload_dir}")
+    log(f"profiling: compute device {device} ({dtype}), offload folder {offload_dir}, layer of "
+        f"{model.name if model else 'opt-1.3b'} ({shapes.params / 1e6:.1f}M matrix parameters)")
     h2d = _copy_bandwidth(cpu, device, 256 << 20, pin=cuda)
     d2h = _copy_bandwidth(device, cpu, 256 << 20, pin=cuda)
     log(f"  copies: host->device {h2d / 1e9:.2f} GB/s, device->host {d2h / 1e9:.2f} GB/s")
-    disk_read, disk_write = _disk_bandwidth(offload_dir, disk_bytes)
-    log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT), write {disk_write / 1e9:.2f} GB/s")
-    prefill = _matmul_rate(device, dtype, 512, 2048)
-    decode = _matmul_rate(device, dtype, 32, 2048)
-    cpu_matmul = prefill if not cuda else _matmul_rate(cpu, torch.float32, 512, 2048)
-    log(f"  matmul: prefill {prefill / 1e12:.3f} TFLOP/s, decode {decode / 1e12:.3f} TFLOP/s")
-    mem_bw = _copy_bandwidth(device, device, 256 << 20, pin=False) * 2  # read + write
-    attn_prefill = _attention_rate(device, dtype, 256, 512, 1)
-    attn_decode = _attention_rate(device, dtype, 1, 512, 16)
-    cpu_attn = attn_decode if not cuda else _attention_rate(cpu, torch.float32, 1, 512, 16)
-    log(f"  attention: prefill {attn_prefill / 1e12:.3f}, decode {attn_decode / 1e12:.4f}, "
-        f"CPU decode {cpu_attn / 1e12:.4f} TFLOP/s")
-    dequant = _dequant_rate(device)
-    cpu_dequant = dequant if not cuda else _dequant_rate(cpu)
+    disk_read, disk_write = _disk_bandwidth(offload_dir, disk_bytes, shapes, dtype)
+    log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT, layer by layer), write {disk_write / 1e9:.2f} GB/s")
+    prefill, decode, weight_stream = _matmul_figures(device, dtype, shapes, on_host=not cuda)
+    if cuda:
+        mem_bw = _copy_bandwidth(device, device, 256 << 20, pin=False) * 2  # read + write
+        cpu_matmul = _matmul_figures(cpu, torch.float32, shapes, on_host=True)[0]
+    else:
+        mem_bw, cpu_matmul = weight_stream, prefill
+    log(f"  matmul: {prefill / 1e12:.3f} TFLOP/s (prefill), {decode / 1e12:.3f} (16 rows), weights "
+        f"stream at {mem_bw / 1e9:.1f} GB/s" + ("" if cuda else " (host form: time = bytes / bw + FLOPs / rate)"))
+    heads = dict(heads=shapes.heads, head_dim=shapes.head_dim, kv_heads=shapes.kv_heads)
+    # A whole prompt (the engine computes the full square and masks it: twice the causal pairs), and
+    # a batch of sequences decoding one token each.
+    attn_prefill = _attention_rate(device, dtype, prompt_len, prompt_len, 1, **heads)
+    attn_decode = _attention_rate(device, dtype, 1, decode_context, decode_seqs, **heads)
+    cpu_attn = (attn_decode if not cuda else
+                _attention_rate(cpu, torch.float32, 1, decode_context, decode_seqs, **heads))
+    log(f"  attention: prefill {attn_prefill / 1e9:.2f} (a {prompt_len}-token prompt), decode "
+        f"{attn_decode / 1e9:.3f} ({decode_seqs} x {decode_context} tokens), CPU decode {cpu_attn / 1e9:.3f} "
+        f"GFLOP/s (causal pairs)")
+    dequant = _dequant_rate(device, dtype)
+    cpu_dequant = dequant if not cuda else _dequant_rate(cpu, torch.bfloat16)
     log(f"  dequantize: {dequant / 1e9:.2f} G values/s")
     gpu_memory = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory()
     return HardwareSpec(
@@ -149,6 +271,8 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
         gpu_matmul_decode_flops=decode, gpu_memory_bandwidth=mem_bw,
         gpu_attention_prefill_flops=attn_prefill, gpu_attention_decode_flops=attn_decode,
         cpu_matmul_flops=cpu_matmul, cpu_attention_flops=cpu_attn, gpu_dequant_rate=dequant,
-        cpu_dequant_rate=cpu_dequant,
+        cpu_dequant_rate=cpu_dequant, compute_on_host=not cuda,
         notes=f"measured by flexsarathi profile on {device} with {dtype}, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads" + ("" if cuda else "; no CUDA: the gpu tier is host memory"))
+              f"{torch.get_num_threads()} threads, layer of {model.name if model else 'opt-1.3b'}, attention "
+              f"on a {prompt_len}-token prompt and {decode_seqs} x {decode_context} decode tokens"
+              + ("" if cuda else "; no CUDA: the gpu tier is host memory, compute on the host"))

@@ -79,7 +79,7 @@ def time_lower_bound(costs: list[PassCost], overlap: bool, box) -> float:
     lower, upper = box
     seconds = 0.0
     for cost in costs:
-        chains = np.array(list(time_terms(cost.resources, overlap).values()))
+        chains = np.array(list(time_terms(cost.resources, overlap, cost.on_host).values()))
         mins = chains[:, 0] + _group_mins(chains[:, 1:].reshape(-1, _GROUPS, 3), lower, upper).sum(axis=1)
         seconds += cost.shape.count * mins.max()
     return seconds

@@ -18,9 +18,19 @@ With overlap a pass lasts as long as its slowest chain (`time_terms`):
   host     host->device copies + CPU attention: both stream host memory (FlexGen adds the weight
            copy to its decode time for the same reason: its fitted T4 runs show no overlap there)
 Without overlap every resource waits for the others: the sum.
+
+Without a GPU (`HardwareSpec.compute_on_host`: the compute device is the host CPU) the copies between
+the cpu tier and the "gpu" tier's working buffers are memcpys run by the very cores that compute, so
+the chains are: load = disk->host (the drive's DMA overlaps the cores), store = host->disk, and compute = gpu + cpu + host->device + device->host. Disk-resident weights
+still cost their memcpy (host->device): the engine's O_DIRECT reads land in an aligned bounce buffer
+and are copied into the working buffer from there.
+
+Embeddings, the final norm and the LM head stay on the compute device whatever the fractions, as the
+engine keeps them (offload/placement.py): they never stream and count on the gpu tier.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,13 +51,21 @@ class PassCost:
     shape: PassShape
     resources: dict[str, np.ndarray]  # seconds per pass, per resource
     memory: dict[str, np.ndarray]  # bytes per tier while this pass runs (homes + working buffers)
+    on_host: bool = False  # the compute device is the host CPU (HardwareSpec.compute_on_host)
 
 
-def time_terms(resources: dict[str, np.ndarray], overlap: bool) -> dict[str, np.ndarray]:
+def time_terms(resources: dict[str, np.ndarray], overlap: bool,
+               on_host: bool = False) -> dict[str, np.ndarray]:
     """Expressions whose maximum is the pass time (see the module docstring)."""
     r = resources
     if not overlap:
         return {"serial": sum(r.values())}
+    if on_host:
+        return {
+            "load": r["disk->host"],
+            "store": r["host->disk"],
+            "compute": r["gpu"] + r["cpu"] + r["host->device"] + r["device->host"],
+        }
     return {
         "load": r["disk->host"] + r["host->device"],
         "store": r["device->host"] + r["host->disk"],
@@ -63,7 +81,8 @@ def pass_cost(shape: PassShape, run: RunShape, policy: Policy, model: ModelSpec,
     resources = {name: expr * layers for name, expr in resources.items()}
     for name, expr in _head_resources(shape, model, hw).items():
         resources[name] = resources[name] + expr
-    return PassCost(shape=shape, resources=resources, memory=_memory(shape, run, policy, model))
+    return PassCost(shape=shape, resources=resources, memory=_memory(shape, run, policy, model),
+                    on_host=hw.compute_on_host)
 
 
 def _matmul_seconds(params: float, tokens: float, decode_tokens: float, micro_batches: int,
@@ -71,6 +90,11 @@ def _matmul_seconds(params: float, tokens: float, decode_tokens: float, micro_ba
     """GPU time of `micro_batches` equal matmuls over a `params` weight (all rows of the pass)."""
     if tokens <= 0:
         return 0.0
+    if hw.compute_on_host:
+        # A CPU GEMM's time is affine in its rows: each call streams the weights from memory, then does
+        # the FMAs, and a few cores overlap the two poorly (measured: within 8% from 8 to 1024 rows).
+        return (micro_batches * params * bytes_per_value / hw.gpu_memory_bandwidth
+                + 2 * params * tokens / hw.gpu_matmul_prefill_flops)
     per_micro_batch = max(2 * params * tokens / micro_batches / hw.gpu_matmul_prefill_flops,
                           2 * params * decode_tokens / micro_batches / hw.gpu_matmul_decode_flops,
                           params * bytes_per_value / hw.gpu_memory_bandwidth)
@@ -89,6 +113,9 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
     # Share of decode attention done on the GPU: all of it, or only where the cache is on the GPU.
     gpu_decode_share = f.kv_gpu if cpu_attention else const(1.0)
 
+    # Streamed weights reach the compute device through host memory, disk-resident ones included: on
+    # a GPU through pinned staging buffers; on the host through the disk store's aligned bounce buffer
+    # (the working buffers are not 4096-aligned, so O_DIRECT cannot land in them): a memcpy either way.
     to_device = (f.w_off_gpu * weight_bytes
                  + f.kv_off_gpu * s.prior_kv_tokens * kv_bytes  # earlier chunks' KV for chunk attention
                  + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer input
@@ -129,13 +156,14 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
 
 
 def _head_resources(s: PassShape, model: ModelSpec, hw: HardwareSpec) -> dict[str, np.ndarray]:
-    """The LM head, once per pass over the sampled rows; it lives with the other weights (fp16)."""
-    head_bytes = model.lm_head_params * model.bytes_per_value
-    seconds = _matmul_seconds(model.lm_head_params, s.sampled, s.sampled, 1, hw, model.bytes_per_value)
+    """The LM head over the sampled rows, once per micro-batch (each computes its own logits); it
+    stays on the compute device, so nothing moves."""
+    micro_batches = max(1, min(s.micro_batches, math.ceil(s.sampled)))
+    seconds = _matmul_seconds(model.lm_head_params, s.sampled, s.sampled, micro_batches, hw,
+                              model.bytes_per_value)
     zero = const(0.0)
-    return {"host->device": f.w_off_gpu * (head_bytes / hw.host_to_device),
-            "device->host": zero, "disk->host": f.w_disk * (head_bytes / hw.disk_to_host),
-            "host->disk": zero, "gpu": const(seconds), "cpu": zero}
+    return {"host->device": zero, "device->host": zero, "disk->host": zero, "host->disk": zero,
+            "gpu": const(seconds), "cpu": zero}
 
 
 def _intermediate_bytes(s: PassShape, model: ModelSpec) -> float:
@@ -155,8 +183,7 @@ def _intermediate_bytes(s: PassShape, model: ModelSpec) -> float:
 def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> dict[str, np.ndarray]:
     layers = model.num_layers
     layer_weight_bytes = model.layer_weight_bytes(policy.compress_weight)
-    all_weight_bytes = model.weight_bytes(policy.compress_weight)
-    head_bytes = model.lm_head_params * model.bytes_per_value
+    all_weight_bytes = layers * layer_weight_bytes  # the decoder layers; embeddings stay on the gpu tier
     kv_bytes = model.kv_bytes_per_token(policy.compress_kv)
     kv_home = run.kv_tokens * layers * kv_bytes  # the reserved cache, all layers
     hidden_bytes = model.hidden_bytes_per_token
@@ -168,10 +195,11 @@ def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> di
     kv_read_tokens = decode_rows * s.max_context + s.prior_kv_tokens / k
     cpu_attention = policy.cpu_attention and s.decode_tokens > 0
     gpu_read_tokens = (s.prior_kv_tokens / k) if cpu_attention else kv_read_tokens
-    # Streamed weights: the layer computing and the next one loading (double buffer), or the LM head.
-    stream_buffer = max(2 * layer_weight_bytes, layer_weight_bytes + head_bytes)
+    # Streamed weights: the layer computing and the next one loading (double buffer; one without overlap).
+    stream_buffer = (2 if policy.overlap else 1) * layer_weight_bytes
 
-    gpu = (f.w_gpu * all_weight_bytes + f.kv_gpu * kv_home + f.act_gpu * act_home
+    gpu = (f.w_gpu * all_weight_bytes + const(model.embedding_bytes) + f.kv_gpu * kv_home
+           + f.act_gpu * act_home
            + f.w_off_gpu * stream_buffer
            + f.act_off_gpu * (2 * rows * hidden_bytes)  # this and the next micro-batch's input
            + f.kv_off_gpu * (2 * gpu_read_tokens * kv_bytes)

@@ -97,9 +97,9 @@ def estimate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     for cost in costs:
         resources = {name: evaluate(cost.resources[name], fractions) for name in RESOURCES}
         chains = {name: evaluate(expr, fractions) for name, expr in
-                  time_terms(cost.resources, policy.overlap).items()}
+                  time_terms(cost.resources, policy.overlap, cost.on_host).items()}
         binding = max(chains, key=chains.get)
-        members = _CHAIN_MEMBERS.get(binding, RESOURCES)
+        members = (_HOST_CHAIN_MEMBERS if cost.on_host else _CHAIN_MEMBERS).get(binding, RESOURCES)
         passes.append(PassEstimate(
             kind=cost.shape.kind, count=cost.shape.count, decode_tokens=cost.shape.decode_tokens,
             prompt_tokens=cost.shape.prompt_tokens, seconds=chains[binding], resources=resources,
@@ -118,4 +118,9 @@ _CHAIN_MEMBERS = {
     "store": ("device->host", "host->disk"),
     "compute": ("gpu", "cpu"),
     "host": ("host->device", "cpu"),
+}
+_HOST_CHAIN_MEMBERS = {
+    "load": ("disk->host",),
+    "store": ("host->disk",),
+    "compute": ("gpu", "cpu", "host->device", "device->host"),
 }

@@ -15,7 +15,10 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "gpu_memory_bandwidth_bytes_per_s": ...,
      "gpu_attention_prefill_flops": ..., "gpu_attention_decode_flops": ...,
      "cpu_matmul_flops": ..., "cpu_attention_flops": ...,
-     "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...}
+     "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...,
+     "compute_on_host": false}
+
+`memory_usable_fraction` (default 0.8) and `compute_on_host` (default false) may be left out.
 """
 from __future__ import annotations
 
@@ -50,7 +53,9 @@ _JSON_KEYS = {
     "cpu_attention_flops": "cpu_attention_flops",
     "gpu_dequant_values_per_s": "gpu_dequant_rate",
     "cpu_dequant_values_per_s": "cpu_dequant_rate",
+    "compute_on_host": "compute_on_host",
 }
+_OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host")
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,11 @@ class HardwareSpec:
     # FlexGen plans against 80% of each tier: its memory model (and ours) misses allocator slack,
     # CUDA context, pinned staging and fragmentation.
     memory_usable_fraction: float = 0.8
+    # No GPU: the compute device is the host CPU and the "gpu" tier is a budgeted working set in host
+    # memory (DESIGN.md, Tiers). Then host->device and device->host copies are memcpys run by the same
+    # cores that compute, so they add to the compute time instead of overlapping it, and disk reads
+    # land in the working buffers directly (no second copy). `flexsarathi profile` sets it without CUDA.
+    compute_on_host: bool = False
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -91,6 +101,11 @@ class HardwareSpec:
             raise SpecError(f"HardwareSpec.name must be a non-empty string, got {self.name!r}")
         for f in fields(self):
             if f.name in ("name", "notes"):
+                continue
+            if f.name == "compute_on_host":
+                if not isinstance(self.compute_on_host, bool):
+                    raise SpecError(f"HardwareSpec.compute_on_host must be true or false, got "
+                                    f"{self.compute_on_host!r}")
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -135,9 +150,10 @@ class HardwareSpec:
                 f"disk {fmt_bytes(self.disk_memory)} (planned at {self.memory_usable_fraction:.0%}); "
                 f"h2d {self.host_to_device / GB:.2f} GB/s, d2h {self.device_to_host / GB:.2f} GB/s, "
                 f"disk read {self.disk_to_host / GB:.2f} GB/s, write {self.host_to_disk / GB:.2f} GB/s; "
-                f"GPU {self.gpu_matmul_prefill_flops / TFLOPS:.1f} / "
-                f"{self.gpu_matmul_decode_flops / TFLOPS:.1f} TFLOP/s (prefill / decode), "
-                f"CPU attention {self.cpu_attention_flops / TFLOPS:.4f} TFLOP/s")
+                f"{'compute (host CPU)' if self.compute_on_host else 'GPU'} "
+                f"{self.gpu_matmul_prefill_flops / TFLOPS:.3g} / "
+                f"{self.gpu_matmul_decode_flops / TFLOPS:.3g} TFLOP/s (prefill / decode), "
+                f"CPU attention {self.cpu_attention_flops / TFLOPS:.3g} TFLOP/s")
 
     # ---- presets and JSON ------------------------------------------------------------------
     @classmethod
@@ -177,7 +193,7 @@ class HardwareSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise SpecError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
-        missing = sorted(k for k in _JSON_KEYS if k not in data and k != "memory_usable_fraction")
+        missing = sorted(k for k in _JSON_KEYS if k not in data and k not in _OPTIONAL_KEYS)
         if missing:
             raise SpecError(f"{source}: missing field(s) {missing}")
         kwargs = {attr: data[key] for key, attr in _JSON_KEYS.items() if key in data}

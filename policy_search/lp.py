@@ -125,7 +125,7 @@ def _solve_chunk(chunk: list[PlacementLP], phase: str, caps: list[float] | None 
         for k, cost in enumerate(problem.costs):
             seconds = _variable(prob, f"p{i}_t{k}", 0, None)
             times.append((seconds, cost.shape.count))
-            for expr in time_terms(cost.resources, problem.overlap).values():
+            for expr in time_terms(cost.resources, problem.overlap, cost.on_host).values():
                 # pass seconds - chain(fractions) >= chain constant
                 lhs, constant = _affine(-expr, xs, extra=[(seconds, 1.0)])
                 prob.addConstraint(pulp.LpConstraint(lhs, pulp.LpConstraintGE, rhs=-constant))

@@ -41,13 +41,14 @@ def test_weight_stream_time_is_bytes_over_bandwidth(opt13b, t4):
     policy = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.25, w_cpu=0.5, w_disk=0.25)))
     for compressed in (False, True):
         est = estimate(policy.replace(compress_weight=compressed), opt13b, t4, wl)
-        streamed = opt13b.num_layers * opt13b.layer_weight_bytes(compressed) + opt13b.lm_head_params * 2
+        # the decoder layers stream; embeddings and the LM head stay on the compute device (as the engine keeps them)
+        streamed = opt13b.num_layers * opt13b.layer_weight_bytes(compressed)
         decode = est.passes[-1]
         assert decode.resources["host->device"] == pytest.approx(0.75 * streamed / t4.host_to_device)
         assert decode.resources["disk->host"] == pytest.approx(0.25 * streamed / t4.disk_to_host)
         assert decode.resources["device->host"] == 0
         # disk data crosses both links before use: the load chain is their sum
-        assert decode.seconds >= decode.resources["host->device"] + decode.resources["disk->host"]
+        assert decode.seconds >= (decode.resources["host->device"] + decode.resources["disk->host"]) * (1 - 1e-12)
 
 
 def test_cpu_attention_runs_where_the_cache_lives(opt13b, t4):

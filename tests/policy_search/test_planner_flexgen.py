@@ -43,5 +43,8 @@ def test_decode_maximal_is_predicted_to_beat_the_block_schedule(name, searches):
     block = full.best_by_scheduler["block"][1].throughput
     fused = full.best_by_scheduler["decode-maximal"][1].throughput
     assert fused > block
-    # the prompt compute hides under I/O that every pass pays: mixed passes are not compute-bound
-    assert full.best_by_scheduler["decode-maximal"][1].passes[0].bound not in ("gpu", "cpu")
+    # the prompt compute hides under I/O that every pass pays: a mixed pass lasts no longer than its
+    # weight and KV loading (the LP may balance the two exactly, so either may be named the bound)
+    mixed = full.best_by_scheduler["decode-maximal"][1].passes[0]
+    loading = mixed.resources["disk->host"] + mixed.resources["host->device"]
+    assert mixed.seconds == pytest.approx(loading, rel=1e-6)

@@ -1,0 +1,116 @@
+"""The cost model on a machine without a GPU (`HardwareSpec.compute_on_host`): the compute device is the
+host CPU, cpu-tier copies are memcpys on the computing cores, disk reads land in working buffers, and a
+matmul's time is affine in its rows. Also: embeddings and the LM head never stream (engine behaviour)."""
+import json
+
+import pytest
+
+from policy_search import HardwareSpec, ModelSpec, Policy, SpecError, Workload, estimate
+from policy_search.units import GB, GiB, TFLOPS
+
+ALL_GPU = dict(w_gpu=1.0, w_cpu=0.0, w_disk=0.0, kv_gpu=1.0, kv_cpu=0.0, kv_disk=0.0,
+               act_gpu=1.0, act_cpu=0.0, act_disk=0.0)
+
+
+@pytest.fixture(scope="module")
+def host() -> HardwareSpec:
+    """A 2-core host as `flexsarathi profile` describes it (round figures)."""
+    return HardwareSpec(
+        name="host", gpu_memory=24 * GiB, cpu_memory=24 * GiB, disk_memory=64 * GiB,
+        host_to_device=15 * GB, device_to_host=15 * GB, disk_to_host=3 * GB, host_to_disk=0.4 * GB,
+        gpu_matmul_prefill_flops=0.4 * TFLOPS, gpu_matmul_decode_flops=0.2 * TFLOPS,
+        gpu_memory_bandwidth=24 * GB, gpu_attention_prefill_flops=20e9, gpu_attention_decode_flops=1e9,
+        cpu_matmul_flops=0.4 * TFLOPS, cpu_attention_flops=1e9, gpu_dequant_rate=5e9,
+        cpu_dequant_rate=5e9, compute_on_host=True)
+
+
+@pytest.fixture(scope="module")
+def opt13() -> ModelSpec:
+    return ModelSpec.from_name("dummy:opt-1.3b", bytes_per_value=2)
+
+
+def _decode(est):
+    return [p for p in est.passes if p.kind.startswith("decode")]
+
+
+def test_disk_weights_cost_a_read_and_a_copy(opt13, host):
+    """The drive's read overlaps the cores; the copy from the bounce buffer does not."""
+    wl = Workload(prompt_len=64, gen_len=8)
+    policy = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_cpu=0.5, w_disk=0.5)))
+    layers = opt13.num_layers * opt13.layer_weight_bytes(False)
+    decode = _decode(estimate(policy, opt13, host, wl))[0]
+    r = decode.resources
+    assert r["host->device"] == pytest.approx(layers / host.host_to_device)
+    assert r["disk->host"] == pytest.approx(0.5 * layers / host.disk_to_host)
+    assert decode.seconds == pytest.approx(max(r["disk->host"], r["gpu"] + r["host->device"]))
+
+
+def test_host_copies_add_to_compute(opt13, host):
+    wl = Workload(prompt_len=64, gen_len=8)
+    policy = Policy(gpu_batch_size=16, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_cpu=1.0)))
+    for p in estimate(policy, opt13, host, wl).passes:
+        r = p.resources
+        assert p.seconds == pytest.approx(r["gpu"] + r["cpu"] + r["host->device"] + r["device->host"])
+        assert p.bound == "gpu"
+    # a GPU copies over PCIe while it computes: the pass is the longest chain, not the sum
+    for p in estimate(policy, opt13, host.replace(compute_on_host=False), wl).passes:
+        assert p.seconds == pytest.approx(max(p.resources["gpu"], p.resources["host->device"]))
+
+
+def test_disk_reads_overlap_host_compute(opt13, host):
+    wl = Workload(prompt_len=64, gen_len=8)
+    slow_disk = host.replace(disk_to_host=0.1 * GB)
+    policy = Policy(gpu_batch_size=16, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_disk=1.0)))
+    for p in _decode(estimate(policy, opt13, slow_disk, wl)):
+        assert p.bound == "disk->host" and p.seconds == pytest.approx(p.resources["disk->host"])
+    # with a fast drive the same passes wait on the cores: compute plus the copies
+    for p in _decode(estimate(policy, opt13, host.replace(disk_to_host=100 * GB), wl)):
+        assert p.bound == "gpu"
+        assert p.seconds == pytest.approx(p.resources["gpu"] + p.resources["host->device"])
+
+
+def test_host_matmul_is_affine_in_rows(opt13, host):
+    """Each micro-batch streams the layer's weights once; every row adds its FLOPs at one rate."""
+    wl = Workload(prompt_len=64, gen_len=2)
+    base = Policy(gpu_batch_size=16, num_gpu_batches=1, scheduler="block", **ALL_GPU)
+    attention_free = host.replace(gpu_attention_decode_flops=1e30, gpu_attention_prefill_flops=1e30)
+    one = _decode(estimate(base, opt13, attention_free, wl))[0]
+    two = _decode(estimate(base.replace(gpu_batch_size=8, num_gpu_batches=2), opt13, attention_free, wl))[0]
+    stream = opt13.layer_matrix_params * 2 / host.gpu_memory_bandwidth
+    head_stream = opt13.lm_head_params * 2 / host.gpu_memory_bandwidth
+    # same 16 rows; the second micro-batch adds one more read of every layer's weights and of the head
+    assert two.resources["gpu"] - one.resources["gpu"] == pytest.approx(opt13.num_layers * stream + head_stream)
+    flops = 2 * 16 * (opt13.num_layers * opt13.layer_matrix_params + opt13.lm_head_params)
+    # decode attention at an unbounded rate still reads its cache: 16 sequences x 65 tokens per layer
+    cache_read = opt13.num_layers * 16 * 65 * opt13.kv_bytes_per_token(False) / host.gpu_memory_bandwidth
+    assert one.resources["gpu"] == pytest.approx(opt13.num_layers * stream + head_stream + cache_read
+                                                 + flops / host.gpu_matmul_prefill_flops)
+
+
+def test_embeddings_and_head_stay_on_the_compute_device(opt13, host):
+    wl = Workload(prompt_len=64, gen_len=8)
+    streamed = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_cpu=1.0)))
+    est = estimate(streamed, opt13, host, wl)
+    layers = opt13.num_layers * opt13.layer_weight_bytes(False)
+    # only the decoder layers move, however the weights are placed
+    assert est.passes[0].resources["host->device"] == pytest.approx(layers / host.host_to_device)
+    # the gpu tier holds the embeddings and head; the cpu tier the layers
+    assert est.peak_memory["gpu"] > opt13.embedding_bytes
+    resident = estimate(streamed.replace(w_gpu=1.0, w_cpu=0.0), opt13, host, wl)
+    assert resident.peak_memory["gpu"] - est.peak_memory["gpu"] < layers
+    assert est.peak_memory["cpu"] == pytest.approx(layers)
+
+
+def test_compute_on_host_in_json(tmp_path, host):
+    path = tmp_path / "host.json"
+    host.save(path)
+    assert json.loads(path.read_text())["compute_on_host"] is True
+    assert HardwareSpec.load(path) == host
+    # profiles written before the field existed load as GPU machines
+    data = host.to_dict()
+    del data["compute_on_host"]
+    path.write_text(json.dumps(data))
+    assert HardwareSpec.load(path).compute_on_host is False
+    path.write_text(json.dumps({**data, "compute_on_host": 1}))
+    with pytest.raises(SpecError, match="compute_on_host"):
+        HardwareSpec.load(path)
