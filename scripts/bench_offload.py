@@ -5,9 +5,10 @@ prompts, same memory limit, page cache out of the picture (prints; asserts nothi
     .venv/bin/python scripts/bench_offload.py            # as root; opt-1.3b, 30 x 128 -> 32 tokens
     .venv/bin/python scripts/bench_offload.py --model opt-125m --num-prompts 8 --prompt-len 64 --gen-len 4
 
-Run time (opt-1.3b defaults, 2 cores): about 15 minutes on a quiet machine once the offload
-folders exist (ours ~100 s overlap on, ~130 s off, ~250 s 4-bit; Accelerate ~335 s), plus about
-1.5 minutes the first time to write them (/tmp/fs_bench_offload, ~5.8 GB).
+Run time (opt-1.3b defaults, 2 cores): about 14 minutes on a quiet machine once the offload
+folders exist (ours ~105 s overlap on, ~135 s off, 120-175 s 4-bit; Accelerate ~335 s; building
+engines and measuring ~2 min), plus about 1.5 minutes the first time to write them
+(/tmp/fs_bench_offload, ~5.5 GB). Busy neighbours stretch all of it.
 
 The issue's targets: all weights on disk, page cache bypassed, against Accelerate's disk offload
 (`device_map` + `offload_folder`) at the same memory limit on the same prompts: (1) our throughput
@@ -66,10 +67,13 @@ How it is made honest on this machine (CPU only; see docs "Measuring honestly on
   summed over passes, against the measured end-to-end time. Dequantization (compressed row) and
   every overhead are not in the bound, so they show as measured / bound > 1.
 * Our policy: all prompts running at once (decode-maximal scheduler, one micro-batch: on a CPU
-  more micro-batches only split the same matmuls), prefill budget (prompt tokens per pass) = the
-  measured balance point, the smallest pass whose matmuls take as long as reading the weights
-  (--prefill-budget overrides). Prefill passes are then balanced, which is where overlap matters
-  most; the printed per-pass breakdown shows how close to it they are.
+  more micro-batches only split the same matmuls), prefill budget (prompt tokens per pass) 256:
+  about the balance point, the smallest pass whose matmuls take as long as reading the weights,
+  as measured on the quiet machine (192-352 tokens). Prefill passes are then balanced, which is
+  where overlap matters most; the per-pass breakdown shows how close they are. It is fixed, not
+  taken from each run's measurement, because a busy neighbour during the 5-second rate
+  measurement once halved it (64 tokens, 91 passes instead of 49) and runs stopped being
+  comparable; --prefill-budget 0 takes the balance measured in the run.
 * Workload: 30 prompts x 128 tokens -> 32 (a quarter of the issue's 512 -> 32 prompt, for the
   15-minute budget; Accelerate alone takes ~5.5 min of it). The number of prompts is bounded by
   the memory limit: our KV pool lives in it, and the limit must stay below the weights +
@@ -250,6 +254,23 @@ def disk_read_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def release_free_memory() -> None:
+    """gc, then give the C heap's free pages back to the kernel (glibc malloc_trim).
+
+    Freed memory the allocator keeps stays charged to the memory group; how much it keeps depends
+    on the allocation history (it varied by 0.45 GiB between identical runs and got one
+    OOM-killed). Trimming between runs makes every run start from what is really in use. It does
+    not change how either engine allocates while it runs.
+    """
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def drop_cache_of(paths) -> None:
@@ -564,6 +585,7 @@ def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0) -
             say("  WARNING: the store fell back to buffered I/O: the page cache is NOT bypassed")
         per_pass = store_bytes(store)
         drop_cache_of(store.data_files())
+        release_free_memory()
         say(f"{stamp(t0)} {label}: built; memory group usage {fmt_gib(group.read('memory.usage_in_bytes'))} GiB, "
             f"peak so far {fmt_gib(group.read('memory.max_usage_in_bytes'))} GiB")
         params = SamplingParams(max_tokens=args.gen_len, temperature=0, ignore_eos=True)
@@ -571,7 +593,7 @@ def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0) -
                      use_tqdm=False)  # warm-up: one pass
         passes: list[Pass] = []
         instrument(llm, shapes, rates, per_pass, passes)
-        gc.collect()
+        release_free_memory()
         group.reset_peak()
         read0, cpu0, busy0 = disk_read_bytes(), cpu_seconds(), machine_busy_seconds()
         say(f"{stamp(t0)} {label}: generating ({len(prompts)} prompts, {policy.max_running} running, "
@@ -589,7 +611,7 @@ def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0) -
     finally:
         close_llm(llm)
         del llm
-        gc.collect()
+        release_free_memory()
 
 
 # ---- HF Accelerate ----------------------------------------------------------------------------
@@ -688,6 +710,7 @@ def run_accelerate(args, shapes, rates, prompts, batch, folder, group, t0) -> Re
         set_module_tensor_to_device(model, name, "cpu", value=tensor)
     model.tie_weights()
     del resident
+    release_free_memory()
     device_map = {"model.decoder.embed_tokens": "cpu", "model.decoder.embed_positions": "cpu",
                   "model.decoder.final_layer_norm": "cpu", "lm_head": "cpu"}
     device_map.update({f"model.decoder.layers.{i}": "disk" for i in range(shapes.layers)})
@@ -717,7 +740,7 @@ def run_accelerate(args, shapes, rates, prompts, batch, folder, group, t0) -> Re
                        "max_new_tokens": 1, "min_new_tokens": 1})
     forwards.clear(), ends.clear()
     drop_cache_of(files)
-    gc.collect()
+    release_free_memory()
     group.reset_peak()
     read0, cpu0, busy0 = disk_read_bytes(), cpu_seconds(), machine_busy_seconds()
     tokens: list[list[int]] = []
@@ -745,7 +768,7 @@ def run_accelerate(args, shapes, rates, prompts, batch, folder, group, t0) -> Re
                  disk_read, group.read("memory.max_usage_in_bytes"), tokens, cpu_s, others_s)
     say(f"{stamp(t0)} accelerate: {res.tok_s:.2f} tok/s, {len(passes)} forwards, {seconds:.1f} s")
     del model
-    gc.collect()
+    release_free_memory()
     return res
 
 
@@ -837,13 +860,14 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=30)
     parser.add_argument("--mem-limit-gib", type=float, default=None,
                         help="cgroup memory limit (default: our engine's need: KV pool + resident + "
-                             "two layer buffers + 1 GiB; the script checks that it stays below the "
+                             "two layer buffers + 1.25 GiB; the script checks that it stays below the "
                              "offloaded weight bytes + Accelerate's own memory)")
     parser.add_argument("--gpu-budget-gib", type=float, default=None,
                         help="the 'GPU' working-set budget both engines get (default: 27%% of the "
                              "model's weight bytes, FlexGen's T4 / OPT-30B ratio)")
-    parser.add_argument("--prefill-budget", type=int, default=None,
-                        help="our prompt tokens per pass (default: the measured I/O-compute balance)")
+    parser.add_argument("--prefill-budget", type=int, default=256,
+                        help="our prompt tokens per pass (default 256: about the I/O-compute balance "
+                             "measured on the quiet machine; 0: the balance measured in this run)")
     parser.add_argument("--running", type=int, default=None,
                         help="our running sequences (default: all prompts)")
     parser.add_argument("--skip-accelerate", action="store_true")
@@ -866,11 +890,11 @@ def main() -> int:
         shapes.resident_bytes + 2 * shapes.layer_bytes + (64 << 20)))
     running = min(args.running or N, N)
     kv_cpu = running * math.ceil((s + n) / 16) * 16 * shapes.kv_bytes_per_token
-    # Our in-group need: KV pool, gpu-tier working set (resident + 2 layer buffers), and ~1 GiB for
-    # the pass working set, the weights regenerated while the engine is built, and the allocator's
-    # slack (measured: 0.6 GiB in use once built, KV pool excluded; less than 1 GiB of slack was
-    # OOM-killed at 30 running).
-    ours_need = kv_cpu + shapes.resident_bytes + 2 * shapes.layer_bytes + int(1.0 * GiB)
+    # Our in-group need: KV pool, gpu-tier working set (resident + 2 layer buffers), and 1.25 GiB
+    # for the pass working set, the weights regenerated while the engine is built, and the
+    # allocator's slack (measured at 30 running: 0.56-1.01 GiB in use once built, KV pool excluded;
+    # runs with 1.0 GiB of slack were OOM-killed twice).
+    ours_need = kv_cpu + shapes.resident_bytes + 2 * shapes.layer_bytes + int(1.25 * GiB)
     mem_limit = int(args.mem_limit_gib * GiB) if args.mem_limit_gib else ours_need
     gen = torch.Generator().manual_seed(1234)
     prompts = torch.randint(4, shapes.vocab, (N, s), generator=gen).tolist()
@@ -922,6 +946,7 @@ def main() -> int:
         acc_folder = build_accelerate_folder(args, shapes, t0)
         files += accelerate_files(acc_folder)
     drop_cache_of(files)
+    release_free_memory()
 
     # ---- 2. join the memory group --------------------------------------------------------------
     group = MemoryGroup(mem_limit)
@@ -945,7 +970,7 @@ def main() -> int:
         buffered, buffered_cpu = cpu_per_gb(measure_disk_buffered, plain_files)
         store.close()
         del store
-        gc.collect()
+        release_free_memory()
         rates = Rates(direct, buffered, measure_matmul(shapes), engine_path)
         say(f"  disk read: {direct / GB:.2f} GB/s O_DIRECT (DiskStore.read_async, aligned buffers; "
             f"{direct_cpu:.2f} CPU s/GB), {engine_path / GB:.2f} GB/s O_DIRECT as the engine reads "
@@ -957,7 +982,8 @@ def main() -> int:
         balance = rates.balance_tokens(shapes, weights_bytes)
         prefill_budget = args.prefill_budget or balance
         say(f"  one pass reads {weights_bytes / GB:.2f} GB = {io_pass:.2f} s of disk; the same time computes "
-            f"~{balance} tokens -> our prefill budget {prefill_budget} prompt tokens/pass")
+            f"~{balance} tokens at the rates just measured; our prefill budget: {prefill_budget} prompt "
+            f"tokens/pass")
 
         # ---- 4. the runs -------------------------------------------------------------------------
         configs = [("ours, overlap on", True, False), ("ours, overlap off", False, False)]
