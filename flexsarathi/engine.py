@@ -33,6 +33,7 @@ from quant import QuantConfig
 # Weights grouped along the input dimension: measured on stories260K, 4-bit g64 perplexity 3.76
 # against 4.46 along the output dimension (fp32: 3.40).
 WEIGHT_QUANT = QuantConfig(bits=4, group_size=64, group_dim=-1)
+STORE_FORMAT = 2  # bump whenever the stored bytes of a placed weight change (2: 4-bit packed per row)
 DEFAULT_OFFLOAD_DIR = os.path.join(os.path.expanduser("~"), ".cache", "flexsarathi", "offload")
 
 
@@ -90,7 +91,9 @@ class LLMEngine:
         quant = weight_quant if p.compress_weight else None
         self.kv_compression = (KVCompression(bits=kv_bits, block_size=self.block_size, value_group=kv_value_group)
                                if p.compress_kv else None)
-        store_key = f"{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
+        # The store format version is part of the key: a store written by an engine with another
+        # layout (e.g. a different 4-bit packing) has different, equally checksummed bytes.
+        store_key = f"fmt{STORE_FORMAT}|{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
             f"q{quant.bits}g{quant.group_size}d{quant.group_dim}" if quant else "plain")
         self.weights = TieredWeights(
             num_layers=self.config.num_layers, layer_shapes=self.math.layer_shapes(),
