@@ -4,9 +4,9 @@ Everything is measured on the compute device the engine would use (CUDA when pre
 CPU, whose "gpu tier" is then host memory), in the engine's dtype and on the shapes of one decoder
 layer (`model=`: a policy_search.ModelSpec; default: OPT-1.3B's, hidden 2048, MLP 8192, 32 heads):
 copy bandwidths between tiers, disk read (O_DIRECT, page cache bypassed) and write (fsync'd), the
-layer's four matmuls at several row counts, attention rates, and dequantization rates. Each figure
-is the median of the faster half of a few repeats after a warm-up (see `_typical_seconds`); the
-whole run takes well under a minute.
+layer's four matmuls at several row counts, attention rates, dequantization rates, and the engine's
+own fixed cost per layer of a pass (run on a small dummy model). Each figure
+is the median of a few repeats after a warm-up; the whole run takes well under a minute.
 
 Without CUDA the profile says `compute_on_host` (the planner then adds cpu-tier copies to the compute
 time) and the matmul figures are those of the cost model's host form, time = weight bytes /
@@ -20,6 +20,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -32,11 +33,7 @@ from policy_search.model_spec import ModelSpec
 from quant import QuantConfig, dequantize, quantize
 
 
-def _typical_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
-    """Median of the faster half of the repeats: what the machine does when not interrupted. On a
-    shared machine a neighbour's burst makes single calls several times slower (a small op's
-    OpenMP team waits for a descheduled thread); the median of all repeats would bake such bursts
-    into the profile, the faster half leaves them out, and on a quiet machine the two agree."""
+def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -44,7 +41,7 @@ def _typical_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(sorted(times)[:max(1, (len(times) + 1) // 2)])
+    return statistics.median(times)
 
 
 def _sync(device: torch.device) -> None:
@@ -61,7 +58,7 @@ def _copy_bandwidth(src_device, dst_device, nbytes: int, pin: bool) -> float:
         dst.copy_(src, non_blocking=True)
         _sync(torch.device("cuda") if "cuda" in (src_device.type, dst_device.type) else torch.device("cpu"))
 
-    return nbytes / _typical_seconds(run)
+    return nbytes / _median_seconds(run)
 
 
 @dataclass(frozen=True)
@@ -87,8 +84,8 @@ class LayerShapes:
                    kv_heads=model.num_kv_heads, head_dim=model.head_dim)
 
 
-def _layer_matmul_seconds(device, dtype, shapes: LayerShapes, tokens: int) -> float:
-    """Median seconds of the layer's matmuls over `tokens` rows (each on its own input)."""
+def _layer_matmuls(device, dtype, shapes: LayerShapes, tokens: int):
+    """A function running the layer's matmuls over `tokens` rows (each on its own input)."""
     weights = [torch.randn(shape, dtype=dtype, device=device) for shape in shapes.matrices]
     inputs = [torch.randn(tokens, shape[1], dtype=dtype, device=device) for shape in shapes.matrices]
 
@@ -97,7 +94,12 @@ def _layer_matmul_seconds(device, dtype, shapes: LayerShapes, tokens: int) -> fl
             torch.nn.functional.linear(x, w)
         _sync(device)
 
-    return _typical_seconds(run, repeats=7)
+    return run
+
+
+def _layer_matmul_seconds(device, dtype, shapes: LayerShapes, tokens: int) -> float:
+    """Typical seconds of the layer's matmuls over `tokens` rows."""
+    return _median_seconds(_layer_matmuls(device, dtype, shapes, tokens), repeats=7)
 
 
 def _matmul_figures(device, dtype, shapes: LayerShapes, on_host: bool) -> tuple[float, float, float]:
@@ -137,10 +139,12 @@ def _relative_line_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads: int = 32,
-                    head_dim: int = 128, kv_heads: int | None = None) -> float:
+                    head_dim: int = 128, kv_heads: int | None = None, between=None) -> float:
     """Causal-pair FLOP/s of attention as the executor runs it: each sequence's K and V gathered
     from a paged pool by slot (KVPool.gather), then `attend` (whose score matmuls are a small part of
-    its time on a CPU: fp32 copies of K and V, masks, softmax)."""
+    its time on a CPU: fp32 copies of K and V, masks, softmax). `between` (untimed) runs before each
+    call: in a pass, attention sits between a layer's matmuls, which evict its data from the CPU's
+    caches (back-to-back calls run twice as fast on a 2-core EPYC)."""
     kv_heads = kv_heads or heads
     q = torch.randn(seqs, queries, heads, head_dim, dtype=dtype, device=device)
     # Like the engine's pool, one cache per layer, each read once per pass: the call reads a layer
@@ -156,13 +160,21 @@ def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads:
 
     def run():
         j = next(layer) % layers
+        if between is not None:
+            between()
+            _sync(device)
+        start = time.perf_counter()
         attend(q, pool_k[j][slots], pool_v[j][slots], q_pos, kv_len, head_dim ** -0.5)
         _sync(device)
+        return time.perf_counter() - start
 
+    for _ in range(5):  # warm-up: the allocator settles (first calls page-fault their temporaries)
+        run()
+    seconds = statistics.median(run() for _ in range(11))
     # FLOPs as the cost model counts them: the causal (query, key) pairs, 4 * heads * head_dim each
     # (query i at position context - queries + i sees that many keys plus itself).
     pairs = seqs * (queries * (context - queries) + queries * (queries + 1) // 2)
-    return 4 * pairs * heads * head_dim / _typical_seconds(run, repeats=7)
+    return 4 * pairs * heads * head_dim / seconds
 
 
 def _dequant_rate(device, dtype, values: int = 1 << 22) -> float:
@@ -173,16 +185,19 @@ def _dequant_rate(device, dtype, values: int = 1 << 22) -> float:
         dequantize(q, out=out)
         _sync(device)
 
-    return values / _typical_seconds(run)
+    return values / _median_seconds(run)
 
 
-def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype) -> tuple[float, float]:
+def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype,
+                    busy_cores: bool) -> tuple[float, float]:
     """(read bytes/s, write bytes/s fsync'd) of a scratch store in `folder`, read the way the engine
     streams disk weights (offload/placement.py): layer after layer, each of the layer's matrices
     with `read_range_async` (O_DIRECT, the store's reader threads) into a working buffer, the next
     layer's reads starting once the previous layer's are in. Working buffers are plain tensors,
     which are not 4096-aligned, so every chunk passes the store's aligned bounce buffer and is copied
-    from there, as in the engine."""
+    from there, as in the engine. With `busy_cores` (compute on the host) the reads run while the
+    cores do the layer's matmuls, as in a pass: the reader threads then wait for a core to copy out
+    of the bounce buffer, which slows the disk chain by a third or more on 2 cores."""
     work = tempfile.mkdtemp(prefix="profile-", dir=folder)
     try:
         store = DiskStore(work, "profile", direct_io=True)
@@ -206,11 +221,62 @@ def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype) -> tup
                 for future in reads:
                     future.result()
 
-        read = total / _typical_seconds(read_all, repeats=3)
+        def read_while_computing():
+            reader = threading.Thread(target=read_all)
+            reader.start()
+            while reader.is_alive():
+                for x, w in zip(inputs, weights):
+                    torch.nn.functional.linear(x, w)
+            reader.join()
+
+        if busy_cores:
+            weights = [torch.randn(shape, dtype=dtype) for shape in shapes.matrices]
+            inputs = [torch.randn(64, shape[1], dtype=dtype) for shape in shapes.matrices]
+        read = total / _median_seconds(read_while_computing if busy_cores else read_all, repeats=3)
         store.close()
         return read, write
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 12) -> float:
+    """Seconds a pass costs per layer and micro-batch beyond its math: the executor's bookkeeping,
+    thread hand-offs, per-call costs of small ops (kernel launches on a GPU). Measured by running
+    the engine itself on a small model (everything on the compute device, one decode token per
+    pass, where the math is a small part) and subtracting the time of its layers' and LM head's
+    matmuls measured alone."""
+    from flexsarathi.llm import LLM
+    from flexsarathi.sampling import SamplingParams
+    from policy_search.policy import Policy
+
+    llm = LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=1))
+    executor = llm.engine.executor
+    inner, passes = executor.run, []
+
+    def timed(micro_batches):
+        start = time.perf_counter()
+        out = inner(micro_batches)
+        passes.append(time.perf_counter() - start)
+        return out
+
+    executor.run = timed
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    llm.generate([[10] * 8], params, use_tqdm=False)  # warm-up
+    passes.clear()
+    llm.generate([[10] * 8], params, use_tqdm=False)
+    pass_seconds = statistics.median(passes[1:])  # the decode passes
+    config, g = llm.engine.config, llm.engine.weights.global_weights()
+    executor.close()
+    llm.engine.weights.close()
+    shapes = LayerShapes(((3 * config.hidden_size, config.hidden_size), (config.hidden_size, config.hidden_size),
+                          (config.intermediate_size, config.hidden_size),
+                          (config.hidden_size, config.intermediate_size)),
+                         heads=config.num_heads, kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    head = g.get("lm_head.weight", g["embed_tokens.weight"])
+    x = torch.randn(1, head.shape[1], dtype=dtype, device=device)
+    head_seconds = _median_seconds(lambda: (torch.nn.functional.linear(x, head), _sync(device)), repeats=7)
+    layer_seconds = _layer_matmul_seconds(device, dtype, shapes, 1)
+    return max(0.0, (pass_seconds - head_seconds) / config.num_layers - layer_seconds)
 
 
 def _host_memory() -> int:
@@ -240,8 +306,9 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     h2d = _copy_bandwidth(cpu, device, 256 << 20, pin=cuda)
     d2h = _copy_bandwidth(device, cpu, 256 << 20, pin=cuda)
     log(f"  copies: host->device {h2d / 1e9:.2f} GB/s, device->host {d2h / 1e9:.2f} GB/s")
-    disk_read, disk_write = _disk_bandwidth(offload_dir, disk_bytes, shapes, dtype)
-    log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT, layer by layer), write {disk_write / 1e9:.2f} GB/s")
+    disk_read, disk_write = _disk_bandwidth(offload_dir, disk_bytes, shapes, dtype, busy_cores=not cuda)
+    log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT, layer by layer"
+        + ("" if cuda else ", while the cores compute") + f"), write {disk_write / 1e9:.2f} GB/s")
     prefill, decode, weight_stream = _matmul_figures(device, dtype, shapes, on_host=not cuda)
     if cuda:
         mem_bw = _copy_bandwidth(device, device, 256 << 20, pin=False) * 2  # read + write
@@ -251,6 +318,8 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     log(f"  matmul: {prefill / 1e12:.3f} TFLOP/s (prefill), {decode / 1e12:.3f} (16 rows), weights "
         f"stream at {mem_bw / 1e9:.1f} GB/s" + ("" if cuda else " (host form: time = bytes / bw + FLOPs / rate)"))
     heads = dict(heads=shapes.heads, head_dim=shapes.head_dim, kv_heads=shapes.kv_heads)
+    if not cuda:  # on the host, attention follows the layer's matmuls (see _attention_rate)
+        heads["between"] = _layer_matmuls(device, dtype, shapes, 64)
     # A whole prompt (the engine computes the full square and masks it: twice the causal pairs), and
     # a batch of sequences decoding one token each.
     attn_prefill = _attention_rate(device, dtype, prompt_len, prompt_len, 1, **heads)
@@ -263,6 +332,8 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     dequant = _dequant_rate(device, dtype)
     cpu_dequant = dequant if not cuda else _dequant_rate(cpu, torch.bfloat16)
     log(f"  dequantize: {dequant / 1e9:.2f} G values/s")
+    overhead = _layer_overhead(device, dtype)
+    log(f"  engine overhead: {overhead * 1e3:.2f} ms per layer and micro-batch of a pass (beyond the math)")
     gpu_memory = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory()
     return HardwareSpec(
         name=f"profile-{os.uname().nodename}", gpu_memory=gpu_memory, cpu_memory=_host_memory(),
@@ -271,7 +342,7 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
         gpu_matmul_decode_flops=decode, gpu_memory_bandwidth=mem_bw,
         gpu_attention_prefill_flops=attn_prefill, gpu_attention_decode_flops=attn_decode,
         cpu_matmul_flops=cpu_matmul, cpu_attention_flops=cpu_attn, gpu_dequant_rate=dequant,
-        cpu_dequant_rate=cpu_dequant, compute_on_host=not cuda,
+        cpu_dequant_rate=cpu_dequant, compute_on_host=not cuda, layer_overhead=overhead,
         notes=f"measured by flexsarathi profile on {device} with {dtype}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, layer of {model.name if model else 'opt-1.3b'}, attention "
               f"on a {prompt_len}-token prompt and {decode_seqs} x {decode_context} decode tokens"

@@ -137,7 +137,8 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
     prompt_attention = s.prompt_pairs * pair_flops / hw.gpu_attention_prefill_flops
     decode_attention = max(decode_kv_tokens * pair_flops / hw.gpu_attention_decode_flops,
                            decode_kv_tokens * model.kv_bytes_per_token(False) / hw.gpu_memory_bandwidth)
-    gpu = const(matmul + prompt_attention) + gpu_decode_share * decode_attention
+    overhead = s.micro_batches * hw.layer_overhead  # the executor's fixed cost (HardwareSpec)
+    gpu = const(matmul + prompt_attention + overhead) + gpu_decode_share * decode_attention
     if policy.compress_weight:  # dequantized right before each matmul: once per micro-batch
         gpu = gpu + const(s.micro_batches * model.layer_matrix_params / hw.gpu_dequant_rate)
     kv_values = model.kv_values_per_token

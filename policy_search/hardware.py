@@ -16,9 +16,10 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "gpu_attention_prefill_flops": ..., "gpu_attention_decode_flops": ...,
      "cpu_matmul_flops": ..., "cpu_attention_flops": ...,
      "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...,
-     "compute_on_host": false}
+     "compute_on_host": false, "layer_overhead_seconds": 0.0}
 
-`memory_usable_fraction` (default 0.8) and `compute_on_host` (default false) may be left out.
+`memory_usable_fraction` (default 0.8), `compute_on_host` (default false) and
+`layer_overhead_seconds` (default 0) may be left out.
 """
 from __future__ import annotations
 
@@ -54,8 +55,9 @@ _JSON_KEYS = {
     "gpu_dequant_values_per_s": "gpu_dequant_rate",
     "cpu_dequant_values_per_s": "cpu_dequant_rate",
     "compute_on_host": "compute_on_host",
+    "layer_overhead_seconds": "layer_overhead",
 }
-_OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host")
+_OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,10 @@ class HardwareSpec:
     # cores that compute, so they add to the compute time instead of overlapping it, and disk reads
     # land in the working buffers directly (no second copy). `flexsarathi profile` sets it without CUDA.
     compute_on_host: bool = False
+    # Fixed seconds a pass costs per layer and micro-batch beyond its math: the executor's
+    # bookkeeping and thread hand-offs, per-call costs of small ops (kernel launches on a GPU). The
+    # presets leave it at 0 (FlexGen's fitted constants absorb it); profiles measure it.
+    layer_overhead: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -110,9 +116,10 @@ class HardwareSpec:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SpecError(f"HardwareSpec.{f.name} must be a finite number, got {value!r}")
-            capacity = f.name.endswith("_memory") and f.name != "gpu_memory"
-            if value < 0 or (value == 0 and not capacity):
-                raise SpecError(f"HardwareSpec.{f.name} must be {'>= 0' if capacity else '> 0'}, "
+            # a tier may be empty (no disk) and the overhead nil; rates and the GPU must not be
+            may_be_zero = (f.name.endswith("_memory") and f.name != "gpu_memory") or f.name == "layer_overhead"
+            if value < 0 or (value == 0 and not may_be_zero):
+                raise SpecError(f"HardwareSpec.{f.name} must be {'>= 0' if may_be_zero else '> 0'}, "
                                 f"got {value!r}")
         if not 0 < self.memory_usable_fraction <= 1:
             raise SpecError("HardwareSpec.memory_usable_fraction must be in (0, 1], got "

@@ -114,3 +114,18 @@ def test_compute_on_host_in_json(tmp_path, host):
     path.write_text(json.dumps({**data, "compute_on_host": 1}))
     with pytest.raises(SpecError, match="compute_on_host"):
         HardwareSpec.load(path)
+
+
+def test_layer_overhead_is_paid_per_layer_and_micro_batch(opt13, host):
+    wl = Workload(prompt_len=64, gen_len=8)
+    policy = Policy(gpu_batch_size=8, num_gpu_batches=2, scheduler="block", **ALL_GPU)
+    plain = estimate(policy, opt13, host, wl)
+    slow = estimate(policy, opt13, host.replace(layer_overhead=2e-3), wl)
+    for a, b in zip(plain.passes, slow.passes):
+        assert b.resources["gpu"] - a.resources["gpu"] == pytest.approx(opt13.num_layers * 2 * 2e-3)
+    assert slow.throughput < plain.throughput
+    # profiles carry it; older ones (and the presets) have none
+    assert HardwareSpec.from_dict({k: v for k, v in host.to_dict().items()
+                                   if k != "layer_overhead_seconds"}).layer_overhead == 0
+    with pytest.raises(SpecError, match="layer_overhead"):
+        host.replace(layer_overhead=-1.0)
