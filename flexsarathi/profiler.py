@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from flexsarathi.attention import attend
-from offload.disk_store import DiskStore
+from offload.disk_store import DiskStore, aligned_empty
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
 from quant import QuantConfig, dequantize, quantize
@@ -193,11 +193,10 @@ def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype,
     """(read bytes/s, write bytes/s fsync'd) of a scratch store in `folder`, read the way the engine
     streams disk weights (offload/placement.py): layer after layer, each of the layer's matrices
     with `read_range_async` (O_DIRECT, the store's reader threads) into a working buffer, the next
-    layer's reads starting once the previous layer's are in. Working buffers are plain tensors,
-    which are not 4096-aligned, so every chunk passes the store's aligned bounce buffer and is copied
-    from there, as in the engine. With `busy_cores` (compute on the host) the reads run while the
-    cores do the layer's matmuls, as in a pass: the reader threads then wait for a core to copy out
-    of the bounce buffer, which slows the disk chain by a third or more on 2 cores."""
+    layer's reads starting once the previous layer's are in. Working buffers are 4096-aligned, as
+    the engine's host buffers are, so whole chunks go straight from the disk into them. With
+    `busy_cores` (compute on the host) the reads run while the cores do the layer's matmuls, as in a
+    pass: reader threads then compete with the matmuls for the cores."""
     work = tempfile.mkdtemp(prefix="profile-", dir=folder)
     try:
         store = DiskStore(work, "profile", direct_io=True)
@@ -212,7 +211,7 @@ def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype,
                 writer.add(f"{layer}.{i}", tensor)
         writer.commit()
         write = total / (time.perf_counter() - start)
-        buffers = [torch.empty(o * i * dtype.itemsize, dtype=torch.uint8) for o, i in shapes.matrices]
+        buffers = [aligned_empty((o * i * dtype.itemsize,), torch.uint8) for o, i in shapes.matrices]
         store.drop_page_cache()
 
         def read_all():

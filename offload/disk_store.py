@@ -428,13 +428,18 @@ class DiskStore:
             raise ValueError(f"read_range_async({name!r}): bytes [{byte_start}, {byte_start + nbytes}) "
                              f"are outside the stored {location.nbytes} bytes")
         dest = _byte_view(out)
-        # Chunks one alignment unit short of chunk_bytes: an unaligned start then still fits the
-        # aligned bounce buffer of a direct read.
-        step = self.chunk_bytes - ALIGNMENT
+        # Chunk boundaries sit on aligned file offsets: the first chunk runs from the (possibly
+        # unaligned) start to the first boundary that keeps it within the bounce buffer, the others
+        # are whole chunk_bytes from aligned offsets. When `out` is as aligned as the file offset
+        # (a row range of an aligned working buffer), every chunk but the first and last is then
+        # read straight into `out` by O_DIRECT, without the bounce copy.
+        file_start = location.offset + byte_start
+        first = min(nbytes, self.chunk_bytes - file_start % ALIGNMENT)
+        starts = [0] + list(range(first, nbytes, self.chunk_bytes)) if nbytes else []
         chunk_futures = [
-            self._pool.submit(self._read_chunk, location.file, location.offset + byte_start + start,
-                              dest[start:start + step])
-            for start in range(0, nbytes, step)
+            self._pool.submit(self._read_chunk, location.file, file_start + start,
+                              dest[start:(first if start == 0 else start + self.chunk_bytes)])
+            for start in starts
         ]
         return _when_all_done(chunk_futures, out)
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from offload.disk_store import DiskStore
+from offload.disk_store import DiskStore, aligned_empty
 from offload.memory import MemoryTracker
 from quant import QTensor, QuantConfig, quantize
 
@@ -188,7 +188,14 @@ class TieredWeights:
             if writer is not None:
                 writer.abort()
             raise
-        self._buffers = [{p.name: [torch.empty(cm.numel(p.shape[0]), dtype=cm.dtype, device=self.device)
+        # On the host, working buffers start on a 4096-byte boundary so that O_DIRECT reads of disk
+        # pieces land in them directly (an unaligned buffer costs every chunk a bounce copy).
+        def working_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            if self.device.type == "cpu":
+                return aligned_empty((numel,), dtype)
+            return torch.empty(numel, dtype=dtype, device=self.device)
+
+        self._buffers = [{p.name: [working_buffer(cm.numel(p.shape[0]), cm.dtype)
                                    for cm in p.components] for p in streamed} for _ in range(num_slots)]
         self._staging = None
         if self.cuda and needs_disk:  # disk -> pinned host staging -> device

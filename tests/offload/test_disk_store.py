@@ -404,5 +404,9 @@ def test_read_range_returns_the_exact_bytes_of_any_row_range(tmp_path, direct_io
             out = torch.empty(stop - start, 129)
             store.read_range_async("w", start * row_bytes, out).result()
             assert torch.equal(out, weight[start:stop])
+            # the engine's case: a row range of an aligned working buffer (middle chunks go direct)
+            buffer = aligned_empty((257, 129), torch.float32)
+            store.read_range_async("w", start * row_bytes, buffer[start:stop]).result()
+            assert torch.equal(buffer[start:stop], weight[start:stop])
         with pytest.raises(ValueError, match="outside the stored"):
             store.read_range_async("w", row_bytes, torch.empty(257, 129)).result()
