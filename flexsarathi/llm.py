@@ -66,6 +66,17 @@ class LLM:
         policy, est = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32))
         return policy
 
+    def close(self) -> None:
+        """Release the engine: I/O threads, disk-store files, KV pools, working buffers. Also
+        called on leaving a `with LLM(...) as llm:` block. Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -265,8 +265,7 @@ def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 
     llm.generate([[10] * 8], params, use_tqdm=False)
     pass_seconds = statistics.median(passes[1:])  # the decode passes
     config, g = llm.engine.config, llm.engine.weights.global_weights()
-    executor.close()
-    llm.engine.weights.close()
+    llm.close()
     shapes = LayerShapes(((3 * config.hidden_size, config.hidden_size), (config.hidden_size, config.hidden_size),
                           (config.intermediate_size, config.hidden_size),
                           (config.hidden_size, config.intermediate_size)),

@@ -20,6 +20,11 @@ class ActivationStore:
         self._parked: dict[int, list[tuple[str, torch.Tensor, int]]] = {}
         self._spill: dict[int, torch.Tensor] = {}  # key -> reusable disk buffer (bytes)
 
+    def close(self) -> None:
+        """Drop parked states and the disk spill buffers (their mapped files are already unlinked)."""
+        self._parked.clear()
+        self._spill.clear()
+
     @property
     def all_on_device(self) -> bool:
         return self.fractions[0] >= 1.0

@@ -152,35 +152,29 @@ class TieredWeights:
         disk_bytes = sum(p.shape[0] * p.row_bytes for p in self.plans) * num_layers
         needs_disk = any(p.bytes_on("disk") for p in self.plans)
         if needs_disk:
-            tracker.reserve("disk", disk_bytes, "weights (disk tier)")
+            tracker.reserve("disk", disk_bytes + small, "weights (disk tier)")
         self._globals = {k: v.to(self.device) for k, v in read_globals().items()}
         tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
 
         self.store = disk_store() if needs_disk else None
         write = self.store is not None and not self.store.is_complete()
-        writer = self.store.begin_write(total_bytes=disk_bytes) if write else None
+        writer = self.store.begin_write(total_bytes=disk_bytes + small) if write else None
         self._small: list[dict[str, torch.Tensor]] = []
         self._parts: list[dict[tuple[str, int], list[torch.Tensor]]] = []  # (name, piece) -> comps
         try:
             for layer in range(num_layers):
+                if self.store is not None and writer is None:
+                    # A complete store holds every layer (small tensors included), as placed and
+                    # compressed: read the resident pieces from it instead of regenerating or
+                    # re-quantizing the layer from the source.
+                    self._read_layer_from_store(layer)
+                    continue
                 weights = read_layer(layer)
                 self._small.append({k: weights[k].to(self.device) for k in self.small_shapes})
-                parts = {}
-                for plan in self.plans:
-                    comps = flat_components(weights[plan.name], plan)
-                    for i, piece in enumerate(plan.pieces):
-                        if piece.tier == "disk":
-                            continue
-                        target = self.device if piece.tier == "gpu" else torch.device("cpu")
-                        sliced = [c[cm.numel(piece.row_start):cm.numel(piece.row_end)].to(target).clone()
-                                  for c, cm in zip(comps, plan.components)]
-                        if piece.tier == "cpu" and self.pin:
-                            sliced = [t.pin_memory() for t in sliced]
-                        parts[(plan.name, i)] = sliced
-                    if writer is not None:
-                        for comp, cm in zip(comps, plan.components):
-                            writer.add(self._key(layer, plan.name, cm), comp)
-                self._parts.append(parts)
+                self._parts.append(self._place_layer(weights, layer, writer))
+                if writer is not None:
+                    for k in self.small_shapes:
+                        writer.add(self._small_key(layer, k), weights[k])
                 del weights
             if writer is not None:
                 writer.commit()
@@ -188,6 +182,7 @@ class TieredWeights:
             if writer is not None:
                 writer.abort()
             raise
+
         # On the host, working buffers start on a 4096-byte boundary so that O_DIRECT reads of disk
         # pieces land in them directly (an unaligned buffer costs every chunk a bounce copy).
         def working_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -208,6 +203,51 @@ class TieredWeights:
     @staticmethod
     def _key(layer: int, name: str, comp: Component) -> str:
         return f"{layer}.{name}{'.' + comp.suffix if comp.suffix else ''}"
+
+    @staticmethod
+    def _small_key(layer: int, name: str) -> str:
+        return f"{layer}.small.{name}"
+
+    def _place_layer(self, weights: dict, layer: int | None = None, writer=None) -> dict:
+        """The layer's gpu- and cpu-tier pieces, cut from its weights (compressed per the plan);
+        with a writer, every tensor's full components also go to the disk store."""
+        parts = {}
+        for plan in self.plans:
+            comps = flat_components(weights[plan.name], plan)
+            for i, piece in enumerate(plan.pieces):
+                if piece.tier == "disk":
+                    continue
+                target = self.device if piece.tier == "gpu" else torch.device("cpu")
+                sliced = [c[cm.numel(piece.row_start):cm.numel(piece.row_end)].to(target).clone()
+                          for c, cm in zip(comps, plan.components)]
+                if piece.tier == "cpu" and self.pin:
+                    sliced = [t.pin_memory() for t in sliced]
+                parts[(plan.name, i)] = sliced
+            if writer is not None:
+                for comp, cm in zip(comps, plan.components):
+                    writer.add(self._key(layer, plan.name, cm), comp)
+        return parts
+
+    def _read_layer_from_store(self, layer: int) -> None:
+        store = self.store
+        self._small.append({k: store.read_tensor(self._small_key(layer, k)).to(self.device)
+                            for k in self.small_shapes})
+        parts, reads = {}, []
+        for plan in self.plans:
+            for i, piece in enumerate(plan.pieces):
+                if piece.tier == "disk":
+                    continue
+                sliced = []
+                for cm in plan.components:
+                    lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
+                    host = aligned_empty((hi - lo,), cm.dtype, pin_memory=self.pin and piece.tier == "cpu")
+                    reads.append(store.read_range_async(self._key(layer, plan.name, cm), lo * cm.dtype.itemsize, host))
+                    sliced.append(host)
+                parts[(plan.name, i)] = (piece.tier, sliced)
+        for future in reads:
+            future.result()
+        self._parts.append({key: [t.to(self.device) if tier == "gpu" else t for t in sliced]
+                            for key, (tier, sliced) in parts.items()})
 
     # ---- LayerWeightStore -----------------------------------------------------------------
     def global_weights(self) -> Weights:

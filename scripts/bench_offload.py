@@ -55,7 +55,7 @@ How it is made honest on this machine (CPU only; see docs "Measuring honestly on
 * Bound. Measured in this process right before the runs, inside the group: disk read bandwidth of
   our store's files three ways (the DiskStore's own O_DIRECT reads into aligned buffers, best of
   two after a warm-up read, since the first read of a run is slower; the same reads as the engine
-  issues them, read_range_async into torch.empty buffers; a buffered cold read), each with its
+  issues them, read_range_async into aligned working buffers; a buffered cold read), each with its
   CPU seconds per GB; the bound uses the fastest, i.e. what the disk can do. And the CPU bf16
   matmul rate for the layer's shapes [T, hidden] x [hidden, 3h | h | ffn] and [T, ffn] x
   [ffn, hidden] at several T, best of five short rounds (the neighbours' load comes in bursts),
@@ -325,7 +325,7 @@ class Rates:
     disk_direct: float  # bytes/s, the DiskStore's O_DIRECT reads into aligned buffers
     disk_buffered: float  # bytes/s, cold buffered sequential reads of the same files
     matmul: dict[int, float]  # tokens -> FLOP/s for the layer's bf16 matmuls
-    disk_engine_path: float = 0.0  # bytes/s, read_range_async into torch.empty (as the engine reads)
+    disk_engine_path: float = 0.0  # bytes/s, read_range_async into aligned buffers (as the engine reads)
 
     @property
     def disk(self) -> float:
@@ -386,10 +386,10 @@ def measure_disk_direct(store) -> float:
 
 
 def measure_disk_engine_path(store) -> float:
-    """The reads as the engine issues them: read_range_async into torch.empty working buffers."""
+    """The reads as the engine issues them: read_range_async into aligned working buffers."""
     names = store.names()
     biggest = max(store.entry(n).nbytes for n in names)
-    buffers = [torch.empty(biggest, dtype=torch.uint8) for _ in range(2)]
+    buffers = [aligned_empty((biggest,), torch.uint8) for _ in range(2)]
     total, start = 0, time.perf_counter()
     pending = None
     for i, name in enumerate(names):
@@ -521,8 +521,7 @@ def our_policy(args, running: int, prefill_budget: int, overlap: bool, compress:
 
 
 def close_llm(llm) -> None:
-    llm.engine.weights.close()
-    llm.engine.executor.close()
+    llm.close()
 
 
 def store_files(llm) -> list:
@@ -575,8 +574,8 @@ def instrument(llm, shapes: Shapes, rates: Rates, disk_bytes_per_pass: int, pass
 
 
 def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0) -> Result:
-    say(f"{stamp(t0)} {label}: building the engine (the store is reused; weights are regenerated "
-        f"and, compressed, re-quantized by the engine even then)")
+    say(f"{stamp(t0)} {label}: building the engine (the store is reused: layers are read from it, "
+        f"only embeddings and head are regenerated)")
     llm = LLM(f"dummy:{args.model}", dtype="bfloat16", policy=policy, offload_dir=args.offload_dir,
               direct_io=True, hardware=hardware)
     try:
@@ -891,7 +890,7 @@ def main() -> int:
     running = min(args.running or N, N)
     kv_cpu = running * math.ceil((s + n) / 16) * 16 * shapes.kv_bytes_per_token
     # Our in-group need: KV pool, gpu-tier working set (resident + 2 layer buffers), and 1.25 GiB
-    # for the pass working set, the weights regenerated while the engine is built, and the
+    # for the pass working set, the embeddings regenerated while the engine is built, and the
     # allocator's slack (measured at 30 running: 0.56-1.01 GiB in use once built, KV pool excluded;
     # runs with 1.0 GiB of slack were OOM-killed twice).
     ours_need = kv_cpu + shapes.resident_bytes + 2 * shapes.layer_bytes + int(1.25 * GiB)
@@ -974,7 +973,7 @@ def main() -> int:
         rates = Rates(direct, buffered, measure_matmul(shapes), engine_path)
         say(f"  disk read: {direct / GB:.2f} GB/s O_DIRECT (DiskStore.read_async, aligned buffers; "
             f"{direct_cpu:.2f} CPU s/GB), {engine_path / GB:.2f} GB/s O_DIRECT as the engine reads "
-            f"(read_range_async into torch.empty buffers; {engine_cpu:.2f} CPU s/GB), {buffered / GB:.2f} GB/s "
+            f"(read_range_async into aligned buffers; {engine_cpu:.2f} CPU s/GB), {buffered / GB:.2f} GB/s "
             f"buffered cold ({buffered_cpu:.2f} CPU s/GB); the bound uses the fastest, {rates.disk / GB:.2f} GB/s")
         say("  bf16 matmul (one layer's four matmuls): " + ", ".join(
             f"T={t}: {r / 1e12:.3f}" for t, r in rates.matmul.items()) + " TFLOP/s")

@@ -159,8 +159,7 @@ def run_placement(name: str, policy: Policy, args, hw: HardwareSpec, prompts: li
         neighbours = Neighbours()
         llm.generate(prompts, params, use_tqdm=False)
         runs.append((dict(llm.last_stats) | {"neighbours": neighbours.cores()}, list(timer.passes)))
-    llm.engine.executor.close()
-    llm.engine.weights.close()
+    llm.close()
     del llm, timer
     runs.sort(key=lambda r: r[0]["tokens_per_s"])
     stats, passes = runs[len(runs) // 2]

@@ -91,3 +91,21 @@ def test_sampling_follows_the_distribution():
     top_p = SamplingParams(temperature=1.0, top_p=0.75)  # keeps {0.5, 0.3}: the smallest set >= 0.75
     draws = {sample(logits, [top_p], [gen])[0] for _ in range(500)}
     assert draws == {0, 1}
+
+
+def test_close_releases_the_engine_and_refuses_new_work(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama_gqa_untied")[0]
+    policy = Policy(gpu_batch_size=2, w_gpu=0.0, w_disk=1.0, kv_gpu=0.0, kv_cpu=1.0)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with LLM(path, policy=policy, offload_dir=str(tmp_path)) as llm:
+        first = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
+        engine = llm.engine
+        assert engine.memory.report()["cpu"]["by_what"]["KV cache"] > 0
+    assert not engine.memory.report()["cpu"]["by_what"].get("KV cache")
+    assert engine.closed and engine.weights.store._closed and not engine.kv_pools
+    with pytest.raises(FlexSarathiError, match="engine is closed"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    llm.close()  # idempotent
+    # the store it wrote is complete and reused by the next engine, with the same tokens
+    with LLM(path, policy=policy, offload_dir=str(tmp_path)) as again:
+        assert again.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids == first

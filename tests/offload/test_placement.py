@@ -1,0 +1,84 @@
+"""Weight placement: byte fractions honoured to within a row, and a complete disk store reused
+without touching the source again."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.disk_store import DiskStore
+from offload.memory import MemoryTracker
+from offload.placement import TIERS, TieredWeights, plan_layer
+from quant import QTensor, QuantConfig, dequantize, quantize
+
+SHAPES = {"qkv": (96, 32), "o": (32, 32), "up": (80, 32), "down": (32, 80), "norm": (32,), "bias": (96,)}
+QUANT = QuantConfig(bits=4, group_size=16, group_dim=-1)
+
+
+@st.composite
+def fractions(draw):
+    a = draw(st.integers(0, 100))
+    b = draw(st.integers(0, 100 - a))
+    return a / 100, b / 100, (100 - a - b) / 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(fractions(), st.booleans())
+def test_every_tier_holds_its_fraction_of_bytes_to_within_a_row(f, compressed):
+    plans = plan_layer(SHAPES, torch.bfloat16, QUANT if compressed else None, f)
+    assert {p.name for p in plans} == {"qkv", "o", "up", "down"}  # 1-D tensors are not placed
+    total = sum(p.shape[0] * p.row_bytes for p in plans)
+    widest_row = max(p.row_bytes for p in plans)
+    for tier, fraction in zip(TIERS, f):
+        # each of the two cuts rounds to the nearest row of the tensor it falls in: half a row each
+        assert abs(sum(p.bytes_on(tier) for p in plans) - fraction * total) <= widest_row
+    for p in plans:  # pieces tile every tensor's rows, in tier order
+        edges = [(piece.row_start, piece.row_end) for piece in p.pieces]
+        assert edges[0][0] == 0 and edges[-1][1] == p.shape[0]
+        assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+
+
+def _layer(i: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return {name: torch.randn(shape, generator=g).to(torch.bfloat16) for name, shape in SHAPES.items()}
+
+
+def _weights(tmp_path, quant, read_layer, overlap=True) -> TieredWeights:
+    return TieredWeights(
+        num_layers=3, layer_shapes=SHAPES, read_globals=lambda: {"embed": torch.ones(4, 32)},
+        read_layer=read_layer, fractions=(0.3, 0.4, 0.3), device=torch.device("cpu"),
+        dtype=torch.bfloat16, quant=quant, tracker=MemoryTracker(), overlap=overlap,
+        disk_store=lambda: DiskStore(tmp_path, "test-store", direct_io=True))
+
+
+def _plain(value):
+    return dequantize(value) if isinstance(value, QTensor) else value
+
+
+@pytest.mark.parametrize("quant", [None, QUANT], ids=["plain", "4-bit"])
+def test_a_complete_store_is_reused_without_reading_the_source(tmp_path, quant):
+    calls = []
+
+    def read_layer(i):
+        calls.append(i)
+        return _layer(i)
+
+    first = _weights(tmp_path, quant, read_layer)
+    assert calls == [0, 1, 2]  # written once
+    expected = [{k: _plain(v).clone() for k, v in first.get(i).items()} for i in range(3)]
+    first.close()
+    for i in range(3):  # the split layer is the source's layer (compressed: its round trip)
+        for name, value in _layer(i).items():
+            want = value if quant is None or value.dim() == 1 else dequantize(quantize(value, QUANT))
+            assert torch.equal(expected[i][name], want), name
+
+    calls.clear()
+    again = _weights(tmp_path, quant, read_layer, overlap=False)
+    assert calls == []  # gpu/cpu pieces and norms come from the store
+    for i in range(3):
+        got = again.get(i)
+        assert got.keys() == expected[i].keys()
+        for name in got:
+            assert torch.equal(_plain(got[name]), expected[i][name]), (i, name)
+    again.close()
