@@ -11,9 +11,43 @@ partial attentions over disjoint pieces of a context (e.g. a cache split across 
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 _QUERY_BLOCK = 256  # query rows per step: bounds the [heads, rows, context] score buffer
+
+
+class _HostWorkspace(threading.local):
+    """Grow-only fp32 buffers for the K/V copies of host attention, one set per thread.
+
+    A decode pass's context copies are tens of MB per layer (30 sequences x 160 tokens x 2048
+    values in fp32: 39 MB), above glibc's largest mmap threshold (32 MB): every fresh one is a new
+    mapping whose pages fault in on first touch, which on a VM costs more than the attention math
+    (measured: the two copies were a fifth of a disk-offloaded decode pass). Reused buffers fault
+    once. CUDA tensors do not need this (the caching allocator reuses blocks)."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = torch.Size(shape).numel()
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name] = torch.empty(numel, dtype=torch.float32)
+        return buf[:numel].view(shape)
+
+
+_HOST_WORKSPACE = _HostWorkspace()
+
+
+def _fp32_heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
+    """[B, L, kvh, d] -> [B, kvh, L, d] fp32, contiguous (rows of d stay contiguous, so the copy
+    streams; the score matmul then uses K transposed in place rather than a transposing copy)."""
+    batch, length, kv_heads, dim = x.shape
+    if x.device.type != "cpu":
+        return x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    return _HOST_WORKSPACE.take(name, (batch, kv_heads, length, dim)).copy_(x.transpose(1, 2))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -33,10 +67,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     batch, n, heads, dim = q.shape
     length, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    # One copy each into [B, kvh, L, d] fp32 (rows of d stay contiguous, so the copy streams);
-    # scores then use K transposed in place by the matmul rather than a transposing copy.
-    kf = k.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, kvh, L, d]
-    vf = v.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, kvh, L, d]
+    kf = _fp32_heads_first(k, "k")  # [B, kvh, L, d]
+    vf = _fp32_heads_first(v, "v")  # [B, kvh, L, d]
     key_pos = torch.arange(length, device=q.device) + (
         kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
     valid_len = torch.arange(length, device=q.device)[None, :] < kv_len[:, None]  # [B, L]
