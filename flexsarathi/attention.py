@@ -34,7 +34,8 @@ class _HostWorkspace(threading.local):
         numel = torch.Size(shape).numel()
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[name] = torch.empty(numel, dtype=torch.float32)
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                buf = self.buffers[name] = torch.empty(numel, dtype=torch.float32)
         return buf[:numel].view(shape)
 
 
@@ -50,10 +51,21 @@ def _fp32_heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
     return _HOST_WORKSPACE.take(name, (batch, kv_heads, length, dim)).copy_(x.transpose(1, 2))
 
 
+# PyTorch's CPU flash-attention kernel (the one F.scaled_dot_product_attention uses on CPU),
+# called directly because it also returns the log-sum-exp that merging partial attentions needs.
+# It accumulates in fp32 for bf16/fp16 inputs, reads K/V strided (no copies), handles grouped-query
+# heads, and tiles the scores. Measured on 2 cores: 4.6x faster than the matmul path below for a
+# 256-row prompt chunk, but 2-3x slower for decode rows (one query per sequence), which therefore
+# keep the matmul path.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_MIN_ROWS = 16  # query rows per sequence from which the flash kernel is used
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
            kv_len: torch.Tensor, scale: float, sliding_window: int | None = None,
            kv_pos_offset: int | torch.Tensor = 0,
-           key_blocks: tuple[int, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           key_blocks: tuple[int, str] | None = None,
+           kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, n, heads, d]; k, v: [B, L, kv_heads, d]; q_pos: [B, n]; kv_len: [B].
 
     Key j of sequence b (absolute position kv_pos_offset + j) is visible to query i when
@@ -63,15 +75,54 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     differently from the block being filled is attended as those two parts, then merged).
     Returns out [B, n, heads, d] in q's dtype and lse [B, n, heads] in fp32 (-inf where a row sees
     no key, which only happens for a partial context; its output is then 0).
+    kernel: "auto" (flash for prompt chunks on the CPU, matmuls otherwise), "flash" or "matmul".
     """
+    n, length = q.shape[1], k.shape[1]
+    key_pos = torch.arange(length, device=q.device) + (
+        kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
+    valid_len = torch.arange(length, device=q.device)[None, :] < kv_len[:, None]  # [B, L]
+
+    def visible(start: int, stop: int) -> torch.Tensor:  # [B, rows, L]
+        qp = q_pos[:, start:stop, None]  # [B, rows, 1]
+        mask = valid_len[:, None, :] & (key_pos <= qp)
+        if sliding_window is not None:
+            mask &= key_pos > qp - sliding_window
+        if key_blocks is not None:
+            size, rule = key_blocks
+            same = (key_pos // size) == (qp // size)
+            mask &= same if rule == "same" else (key_pos // size) < (qp // size)
+        return mask
+
+    if kernel == "auto":
+        use_flash = (_FLASH is not None and q.device.type == "cpu" and n >= _FLASH_MIN_ROWS
+                     and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+        kernel = "flash" if use_flash else "matmul"
+    if kernel == "flash":
+        return _attend_flash(q, k, v, visible(0, n), scale)
+    if kernel != "matmul":
+        raise ValueError(f"attend: kernel must be 'auto', 'flash' or 'matmul', got {kernel!r}")
+    return _attend_matmul(q, k, v, visible, scale)
+
+
+def _attend_flash(q, k, v, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    out, lse = _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
+                      attn_mask=bias[:, None], scale=scale)  # out [B, heads, n, d], lse [B, heads, n]
+    out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    blind = ~visible.any(-1)  # [B, n]: rows that see no key (the kernel gives them lse 0)
+    if bool(blind.any()):
+        out = out.masked_fill(blind[:, :, None, None], 0.0)
+        lse = lse.masked_fill(blind[:, :, None], float("-inf"))
+    return out.contiguous(), lse.contiguous()
+
+
+def _attend_matmul(q, k, v, visible, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scores and softmax in blocks of query rows (see attend)."""
     batch, n, heads, dim = q.shape
     length, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     kf = _fp32_heads_first(k, "k")  # [B, kvh, L, d]
     vf = _fp32_heads_first(v, "v")  # [B, kvh, L, d]
-    key_pos = torch.arange(length, device=q.device) + (
-        kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
-    valid_len = torch.arange(length, device=q.device)[None, :] < kv_len[:, None]  # [B, L]
     outs, lses = [], []
     for start in range(0, n, _QUERY_BLOCK):
         stop = min(n, start + _QUERY_BLOCK)
@@ -80,15 +131,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         qb = q[:, start:stop].float().view(batch, rows, kv_heads, group, dim)
         qb = qb.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * rows, dim)
         scores = torch.matmul(qb, kf.transpose(-1, -2)).mul_(scale).view(batch, kv_heads, group, rows, length)
-        qp = q_pos[:, start:stop, None]  # [B, rows, 1]
-        visible = valid_len[:, None, :] & (key_pos <= qp)  # [B, rows, L]
-        if sliding_window is not None:
-            visible &= key_pos > qp - sliding_window
-        if key_blocks is not None:
-            size, rule = key_blocks
-            same = (key_pos // size) == (qp // size)
-            visible &= same if rule == "same" else (key_pos // size) < (qp // size)
-        scores.masked_fill_(~visible[:, None, None], float("-inf"))
+        scores.masked_fill_(~visible(start, stop)[:, None, None], float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g, rows]
         probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
         probs = torch.nan_to_num_(probs, nan=0.0)
