@@ -141,8 +141,8 @@ def _relative_line_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads: int = 32,
                     head_dim: int = 128, kv_heads: int | None = None, between=None) -> float:
     """Causal-pair FLOP/s of attention as the executor runs it: each sequence's K and V gathered
-    from a paged pool by slot (KVPool.gather), then `attend` (whose score matmuls are a small part of
-    its time on a CPU: fp32 copies of K and V, masks, softmax). `between` (untimed) runs before each
+    from a paged pool by slot (KVPool.gather), then `attend` (prompts: the flash kernel; decodes: fp32
+    matmuls, whose time on a CPU is mostly the fp32 copies of K and V, masks and softmax). `between` (untimed) runs before each
     call: in a pass, attention sits between a layer's matmuls, which evict its data from the CPU's
     caches (back-to-back calls run twice as fast on a 2-core EPYC)."""
     kv_heads = kv_heads or heads
@@ -164,7 +164,9 @@ def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads:
             between()
             _sync(device)
         start = time.perf_counter()
-        attend(q, pool_k[j][slots], pool_v[j][slots], q_pos, kv_len, head_dim ** -0.5)
+        shape = (seqs, context, kv_heads, head_dim)  # gathered as KVPool.gather does
+        attend(q, pool_k[j].index_select(0, slots.reshape(-1)).view(shape),
+               pool_v[j].index_select(0, slots.reshape(-1)).view(shape), q_pos, kv_len, head_dim ** -0.5)
         _sync(device)
         return time.perf_counter() - start
 
