@@ -2,7 +2,7 @@
 """Planner accuracy on this machine: predicted vs measured throughput, side by side (prints; asserts
 nothing).
 
-    .venv/bin/python scripts/bench_policy_accuracy.py                       # opt-1.3b, ~8 min
+    .venv/bin/python scripts/bench_policy_accuracy.py                       # opt-1.3b, ~5 min
     .venv/bin/python scripts/bench_policy_accuracy.py --profile prof.json   # reuse a measured profile
     .venv/bin/python scripts/bench_policy_accuracy.py --model opt-125m --num-prompts 8 --gen-len 4  # smoke
 
