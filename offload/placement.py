@@ -198,7 +198,12 @@ class TieredWeights:
                                        for cm in p.components] for p in streamed} for _ in range(num_slots)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch") if overlap else None
         self._stream = torch.cuda.Stream(self.device) if self.cuda and overlap else None
-        self._pending: dict[int, tuple[int, Future | None, None]] = {}
+        self._pending: dict[int, tuple[int, Future | None]] = {}  # layer -> (slot, its load)
+        self._in_use: dict[int, int] = {}  # layer -> slot, from get() to release()
+        self._next_slot = 0  # slots go round in prefetch order (any layer count, across passes)
+        # CUDA: an event per slot, recorded on the compute stream when the pass releases the layer
+        # in it; the next load into the slot waits for it (compute is asynchronous on a GPU).
+        self._slot_free: list[torch.cuda.Event | None] = [None] * num_slots
 
     @staticmethod
     def _key(layer: int, name: str, comp: Component) -> str:
@@ -256,20 +261,22 @@ class TieredWeights:
     def prefetch(self, layer: int) -> None:
         if layer in self._pending:
             return
-        slot = layer % len(self._buffers)
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._buffers)
         if self._pool is None:
             # Serial: one working buffer, filled in get() once the previous layer is done with it.
-            self._pending[layer] = (slot, None, None)
+            self._pending[layer] = (slot, None)
         else:
-            self._pending[layer] = (slot, self._pool.submit(self._load, layer, slot), None)
+            self._pending[layer] = (slot, self._pool.submit(self._load, layer, slot))
 
     def get(self, layer: int) -> Weights:
         if layer not in self._pending:
             self.prefetch(layer)
-        slot, future, _ = self._pending.pop(layer)
+        slot, future = self._pending.pop(layer)
         event = future.result() if future is not None else self._load(layer, slot)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+        self._in_use[layer] = slot
         weights: Weights = dict(self._small[layer])
         for plan in self.plans:
             if plan.resident:
@@ -279,7 +286,13 @@ class TieredWeights:
         return weights
 
     def release(self, layer: int) -> None:
-        pass  # the slot is reused by layer + 2, whose prefetch starts after layer + 1's get
+        """The slot may be refilled: at once on the CPU (compute is synchronous), after the
+        compute stream passes this point on CUDA."""
+        slot = self._in_use.pop(layer, None)
+        if slot is not None and self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._slot_free[slot] = event
 
     def close(self) -> None:
         if self._pool is not None:
@@ -295,6 +308,8 @@ class TieredWeights:
             self._stream.synchronize()  # copies out of this slot's staging buffers are done
         reads = []
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            if self._stream is not None and self._slot_free[slot] is not None:
+                self._stream.wait_event(self._slot_free[slot])  # the layer that used it is computed
             for plan in self.plans:
                 if plan.resident:
                     continue

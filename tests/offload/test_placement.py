@@ -82,3 +82,26 @@ def test_a_complete_store_is_reused_without_reading_the_source(tmp_path, quant):
         for name in got:
             assert torch.equal(_plain(got[name]), expected[i][name]), (i, name)
     again.close()
+
+
+@pytest.mark.parametrize("num_layers", [1, 3, 4])
+def test_prefetch_across_passes_never_overwrites_the_layer_in_use(tmp_path, num_layers):
+    """The executor prefetches layer j+1 while j computes and, at the last layer, the next pass's
+    layer 0: with two working slots and an odd layer count that must still land in the other slot."""
+    weights = TieredWeights(
+        num_layers=num_layers, layer_shapes=SHAPES, read_globals=lambda: {"embed": torch.ones(4, 32)},
+        read_layer=_layer, fractions=(0.0, 0.5, 0.5), device=torch.device("cpu"), dtype=torch.bfloat16,
+        quant=None, tracker=MemoryTracker(), overlap=True,
+        disk_store=lambda: DiskStore(tmp_path, "prefetch", direct_io=True))
+    expected = [_layer(i) for i in range(num_layers)]
+    weights.prefetch(0)
+    for _ in range(3):  # passes
+        for j in range(num_layers):
+            got = weights.get(j)
+            before = {k: v.clone() for k, v in got.items()}
+            weights.prefetch(j + 1 if j + 1 < num_layers else 0)
+            weights._pending[(j + 1) % num_layers][1].result()  # the prefetch has landed
+            for name, value in got.items():  # ... and not in the buffers layer j is using
+                assert torch.equal(value, before[name]) and torch.equal(value, expected[j][name]), (j, name)
+            weights.release(j)
+    weights.close()
