@@ -167,15 +167,14 @@ class TieredWeights:
                     # A complete store holds every layer (small tensors included), as placed and
                     # compressed: read the resident pieces from it instead of regenerating or
                     # re-quantizing the layer from the source.
-                    self._read_layer_from_store(layer)
-                    continue
-                weights = read_layer(layer)
-                self._small.append({k: weights[k].to(self.device) for k in self.small_shapes})
-                self._parts.append(self._place_layer(weights, layer, writer))
-                if writer is not None:
-                    for k in self.small_shapes:
-                        writer.add(self._small_key(layer, k), weights[k])
-                del weights
+                    small, parts = self._read_layer_from_store(layer)
+                else:
+                    weights = read_layer(layer)
+                    small = {k: weights[k].to(self.device) for k in self.small_shapes}
+                    parts = self._place_layer(weights, layer, writer)
+                    del weights
+                self._small.append(small)
+                self._parts.append(parts)
             if writer is not None:
                 writer.commit()
         except BaseException:
@@ -213,9 +212,13 @@ class TieredWeights:
     def _small_key(layer: int, name: str) -> str:
         return f"{layer}.small.{name}"
 
-    def _place_layer(self, weights: dict, layer: int | None = None, writer=None) -> dict:
+    def _place_layer(self, weights: dict, layer: int, writer) -> dict:
         """The layer's gpu- and cpu-tier pieces, cut from its weights (compressed per the plan);
-        with a writer, every tensor's full components also go to the disk store."""
+        with a writer, the layer also goes to the disk store whole (every tensor's components and
+        the small tensors)."""
+        if writer is not None:
+            for k in self.small_shapes:
+                writer.add(self._small_key(layer, k), weights[k])
         parts = {}
         for plan in self.plans:
             comps = flat_components(weights[plan.name], plan)
@@ -233,10 +236,10 @@ class TieredWeights:
                     writer.add(self._key(layer, plan.name, cm), comp)
         return parts
 
-    def _read_layer_from_store(self, layer: int) -> None:
+    def _read_layer_from_store(self, layer: int) -> tuple[dict, dict]:
+        """(small tensors, gpu- and cpu-tier pieces) of `layer`, read from the complete store."""
         store = self.store
-        self._small.append({k: store.read_tensor(self._small_key(layer, k)).to(self.device)
-                            for k in self.small_shapes})
+        small = {k: store.read_tensor(self._small_key(layer, k)).to(self.device) for k in self.small_shapes}
         parts, reads = {}, []
         for plan in self.plans:
             for i, piece in enumerate(plan.pieces):
@@ -251,8 +254,8 @@ class TieredWeights:
                 parts[(plan.name, i)] = (piece.tier, sliced)
         for future in reads:
             future.result()
-        self._parts.append({key: [t.to(self.device) if tier == "gpu" else t for t in sliced]
-                            for key, (tier, sliced) in parts.items()})
+        return small, {key: [t.to(self.device) if tier == "gpu" else t for t in sliced]
+                       for key, (tier, sliced) in parts.items()}
 
     # ---- LayerWeightStore -----------------------------------------------------------------
     def global_weights(self) -> Weights:
