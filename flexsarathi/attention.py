@@ -42,6 +42,12 @@ class _HostWorkspace(threading.local):
 _HOST_WORKSPACE = _HostWorkspace()
 
 
+def release_host_buffers() -> None:
+    """Free this thread's reused attention buffers (they grow to the largest decode context seen;
+    LLMEngine.close() calls this). Later calls simply allocate them again."""
+    _HOST_WORKSPACE.buffers.clear()
+
+
 def _fp32_heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
     """[B, L, kvh, d] -> [B, kvh, L, d] fp32, contiguous (rows of d stay contiguous, so the copy
     streams; the score matmul then uses K transposed in place rather than a transposing copy)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexsarathi.attention import release_host_buffers
 from flexsarathi.batch_builder import LogitSpan, build_micro_batch, wants_prompt_logprobs
 from flexsarathi.block_manager import TIERS, BlockManager
 from flexsarathi.checkpoint import open_weight_source
@@ -191,6 +192,7 @@ class LLMEngine:
             self.memory.release(tier, pool.nbytes, "KV cache")
         self.kv_pools.clear()
         self.activations.close()
+        release_host_buffers()
 
     def _check_open(self) -> None:
         if self.closed:

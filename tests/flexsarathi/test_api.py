@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexsarathi import LLM, FlexSarathiError, SamplingParams
+from flexsarathi import LLM, FlexSarathiError, SamplingParams, attention
 from policy_search import Policy
 
 
@@ -103,6 +103,7 @@ def test_close_releases_the_engine_and_refuses_new_work(tiny_checkpoint, tmp_pat
         assert engine.memory.report()["cpu"]["by_what"]["KV cache"] > 0
     assert not engine.memory.report()["cpu"]["by_what"].get("KV cache")
     assert engine.closed and engine.weights.store._closed and not engine.kv_pools
+    assert not attention._HOST_WORKSPACE.buffers  # the reused attention buffers are freed too
     with pytest.raises(FlexSarathiError, match="engine is closed"):
         llm.generate([[1, 2, 3]], params, use_tqdm=False)
     llm.close()  # idempotent
