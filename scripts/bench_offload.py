@@ -367,27 +367,10 @@ def cpu_per_gb(fn, *args) -> tuple[float, float]:
     return rate, (cpu_seconds() - c0) / (nbytes / GB)
 
 
-def measure_disk_direct(store) -> float:
-    """The store's own O_DIRECT reads (4 threads, 8 MiB chunks) of every tensor, aligned buffers."""
-    names = store.names()
-    biggest = max(store.entry(n).nbytes for n in names)
-    buffers = [aligned_empty((biggest,), torch.uint8) for _ in range(2)]
-    total, start = 0, time.perf_counter()
-    pending = None
-    for i, name in enumerate(names):
-        e = store.entry(name)
-        out = buffers[i % 2][:e.nbytes].view(e.dtype).view(e.shape)
-        fut = store.read_async(name, out)
-        if pending is not None:
-            pending.result()
-        pending = fut
-        total += e.nbytes
-    pending.result()
-    return total / (time.perf_counter() - start)
-
-
-def measure_disk_engine_path(store) -> float:
-    """The reads as the engine issues them: read_range_async into aligned working buffers."""
+def measure_disk(store, range_reads: bool) -> float:
+    """Every tensor of the store read with O_DIRECT (4 threads, 8 MiB chunks) into two alternating
+    aligned buffers, the next read in flight while one completes: with `range_reads` as the engine
+    issues them (read_range_async), else as whole tensors (DiskStore.read_async)."""
     names = store.names()
     biggest = max(store.entry(n).nbytes for n in names)
     buffers = [aligned_empty((biggest,), torch.uint8) for _ in range(2)]
@@ -396,7 +379,7 @@ def measure_disk_engine_path(store) -> float:
     for i, name in enumerate(names):
         e = store.entry(name)
         out = buffers[i % 2][:e.nbytes].view(e.dtype)
-        fut = store.read_range_async(name, 0, out)
+        fut = store.read_range_async(name, 0, out) if range_reads else store.read_async(name, out.view(e.shape))
         if pending is not None:
             pending.result()
         pending = fut
@@ -964,9 +947,9 @@ def main() -> int:
         plain_files = store.data_files()
         drop_cache_of(plain_files)
         # The first read of a run is slower (the virtual disk warms up): best of two.
-        measure_disk_direct(store)
-        direct, direct_cpu = cpu_per_gb(measure_disk_direct, store)
-        engine_path, engine_cpu = cpu_per_gb(measure_disk_engine_path, store)
+        measure_disk(store, range_reads=False)
+        direct, direct_cpu = cpu_per_gb(measure_disk, store, False)
+        engine_path, engine_cpu = cpu_per_gb(measure_disk, store, True)
         buffered, buffered_cpu = cpu_per_gb(measure_disk_buffered, plain_files)
         store.close()
         del store
