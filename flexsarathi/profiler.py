@@ -268,10 +268,7 @@ def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 
     pass_seconds = statistics.median(passes[1:])  # the decode passes
     config, g = llm.engine.config, llm.engine.weights.global_weights()
     llm.close()
-    shapes = LayerShapes(((3 * config.hidden_size, config.hidden_size), (config.hidden_size, config.hidden_size),
-                          (config.intermediate_size, config.hidden_size),
-                          (config.hidden_size, config.intermediate_size)),
-                         heads=config.num_heads, kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    shapes = LayerShapes.of(ModelSpec.from_name(model))
     head = g.get("lm_head.weight", g["embed_tokens.weight"])
     x = torch.randn(1, head.shape[1], dtype=dtype, device=device)
     head_seconds = _median_seconds(lambda: (torch.nn.functional.linear(x, head), _sync(device)), repeats=7)
