@@ -26,6 +26,7 @@ import torch
 
 from offload.activations import ActivationStore
 from offload.batch import AttentionGroup, MicroBatch
+from offload.host_malloc import keep_freed_host_memory
 from offload.kv_cache import KVPool
 from offload.weights import LayerWeightStore
 
@@ -67,6 +68,8 @@ class PassExecutor:
     @torch.inference_mode()
     def run(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """Runs one pass; returns, per micro-batch, fp32 logits of its `logit_rows` [R, vocab]."""
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # once per process; see offload/host_malloc.py
         batches = [mb.to(self.device) for mb in micro_batches]
         g = self.weights.global_weights()
         for k, mb in enumerate(batches):
