@@ -30,12 +30,13 @@ class _HostWorkspace(threading.local):
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         numel = torch.Size(shape).numel()
-        buf = self.buffers.get(name)
+        key = f"{name}:{dtype}"
+        buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-                buf = self.buffers[name] = torch.empty(numel, dtype=torch.float32)
+                buf = self.buffers[key] = torch.empty(numel, dtype=dtype)
         return buf[:numel].view(shape)
 
 
@@ -54,7 +55,14 @@ def _fp32_heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
     batch, length, kv_heads, dim = x.shape
     if x.device.type != "cpu":
         return x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-    return _HOST_WORKSPACE.take(name, (batch, kv_heads, length, dim)).copy_(x.transpose(1, 2))
+    shape = (batch, kv_heads, length, dim)
+    out = _HOST_WORKSPACE.take(name, shape)
+    if x.dtype == torch.float32:
+        return out.copy_(x.transpose(1, 2))
+    # Transpose in the narrow type, then widen contiguously: measured 1.0 + 0.9 ms against 3.5 ms
+    # for transposing and widening in one copy (bf16, 30 sequences x 144 tokens x 2048 values).
+    staged = _HOST_WORKSPACE.take(name, shape, x.dtype).copy_(x.transpose(1, 2))
+    return out.copy_(staged)
 
 
 # PyTorch's CPU flash-attention kernel (the one F.scaled_dot_product_attention uses on CPU),
