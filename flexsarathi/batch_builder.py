@@ -116,7 +116,14 @@ def _group(members: list[tuple[WorkItem, int, _SeqView]], n: int, block_size: in
                 src.append(b * n + p - item.start)
                 seq_index.append(b)
                 pos_index.append(p - run.start)
+        new_rows = None
+        if batch == 1 and runs[0].start >= members[0][0].start:  # every key of this part is new
+            lo = runs[0].start - members[0][0].start
+            new_rows = (lo, lo + runs[0].visible)
         parts.append(KVPart(tier, kv_slots, kv_start, kv_len, torch.tensor(src, dtype=torch.long),
                             torch.tensor(seq_index, dtype=torch.long), torch.tensor(pos_index, dtype=torch.long),
-                            residual_ids, complete_len))
-    return AttentionGroup(token_rows=token_rows, num_queries=n, q_pos=q_pos, parts=parts)
+                            residual_ids, complete_len, new_rows))
+    rows = [row for _, row, _ in members]
+    contiguous = all(b - a == n for a, b in zip(rows, rows[1:]))
+    return AttentionGroup(token_rows=token_rows, num_queries=n, q_pos=q_pos, parts=parts,
+                          row_start=rows[0] if contiguous else None)

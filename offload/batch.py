@@ -30,6 +30,10 @@ class KVPart:
     patch_pos: torch.Tensor  # [P] index into the part's L
     residual_ids: torch.Tensor  # [B] each sequence's residual row (compressed pools)
     complete_len: torch.Tensor  # [B] leading keys of this part in blocks completed before the pass
+    # (lo, hi): when the part's whole context is the group's own new rows lo..hi-1 (a prompt chunk
+    # whose keys in this tier all arrive in this pass), in order; the executor then attends them
+    # directly instead of gathering slots from the pool and patching every one of them.
+    new_rows: tuple[int, int] | None = None
 
 
 @dataclass
@@ -41,6 +45,7 @@ class AttentionGroup:
     num_queries: int  # n
     q_pos: torch.Tensor  # [B, n] absolute positions of the query rows
     parts: list[KVPart]
+    row_start: int | None = None  # token_rows == row_start + arange(B * n): the executor slices
 
     @property
     def num_seqs(self) -> int:

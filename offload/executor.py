@@ -106,21 +106,35 @@ class PassExecutor:
     @torch.inference_mode()
     def _load(self, layer: int, mb: MicroBatch, k: int):
         hidden = self.acts.take(k)
-        contexts = [[self.kv_pools[part.tier].gather(layer, part.kv_slots, self.attention_device(part.tier, group),
+        contexts = [[None if self._reads_new_rows(part) else
+                     self.kv_pools[part.tier].gather(layer, part.kv_slots, self.attention_device(part.tier, group),
                                                      part.residual_ids, part.complete_len)
                      for part in group.parts] for group in mb.groups]
         return hidden, contexts
+
+    def _reads_new_rows(self, part) -> bool:
+        """The part's whole context is this pass's own new K/V (uncompressed: as they will be
+        stored): attend those rows directly, no gather from the pool, no patching."""
+        return part.new_rows is not None and self.kv_pools[part.tier].compression is None
 
     def _compute(self, w, mb: MicroBatch, hidden: torch.Tensor, contexts):
         q, k, v = self.math.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
         attn = torch.empty_like(q)
         for group, group_contexts in zip(mb.groups, contexts):
-            q_group = q[group.token_rows].unflatten(0, (group.num_seqs, group.num_queries))
-            k_rows, v_rows = k[group.token_rows], v[group.token_rows]
+            rows = (slice(group.row_start, group.row_start + group.num_seqs * group.num_queries)
+                    if group.row_start is not None else group.token_rows)  # a slice is a view, no copy
+            q_group = q[rows].unflatten(0, (group.num_seqs, group.num_queries))
+            k_rows, v_rows = k[rows], v[rows]
             outs = []
-            for part, (k_ctx, v_ctx) in zip(group.parts, group_contexts):
-                dev, pool = k_ctx.device, self.kv_pools[part.tier]
-                if part.patch_src.numel():
+            for part, context in zip(group.parts, group_contexts):
+                pool = self.kv_pools[part.tier]
+                if context is None:  # [1, L, kv_heads, d]: the chunk's own keys of this part
+                    lo, hi = part.new_rows
+                    k_ctx, v_ctx = k_rows[lo:hi].unsqueeze(0), v_rows[lo:hi].unsqueeze(0)
+                else:
+                    k_ctx, v_ctx = context
+                dev = k_ctx.device
+                if context is not None and part.patch_src.numel():
                     src = part.patch_src
                     seq, pos = part.patch_seq.to(dev), part.patch_pos.to(dev)
                     k_ctx[seq, pos] = k_rows[src].to(dev, k_ctx.dtype)  # K is compressed by block
@@ -134,7 +148,7 @@ class PassExecutor:
                     outs.append(self._attend(k_prior, v_ctx, *args, key_blocks=(bs, "before")))
                     outs.append(self._attend(k_ctx, v_ctx, *args, key_blocks=(bs, "same")))
             merged = outs[0][0] if len(outs) == 1 else self.math.merge_attention(outs)
-            attn[group.token_rows] = merged.flatten(0, 1)
+            attn[rows] = merged.flatten(0, 1)
         return self.math.finish(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
 
     def _attend(self, k_ctx, v_ctx, q, q_pos, kv_len, kv_start, key_blocks=None):
