@@ -101,7 +101,7 @@ class LLMEngine:
             read_globals=lambda: self.source.global_weights(self.dtype),
             read_layer=lambda i: self.source.layer_weights(i, self.dtype),
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
-            tracker=self.memory, overlap=p.overlap, pin_memory=p.pin_weight and cuda,
+            tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch, pin_memory=p.pin_weight and cuda,
             disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=direct_io))
         self.kv_pools: dict[str, KVPool] = {}
         self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,

@@ -1,8 +1,8 @@
 """The pass executor: ONE loop, layer-major and micro-batch-minor (FlexGen's zig-zag order).
 
     for layer j:
-        start loading layer j+1's weights (after the last layer: the next pass's layer 0)
-                                                                (prefetch thread / CUDA stream)
+        start loading layer j+1's weights (policy.weight_prefetch layers ahead; past the last
+        layer, the next pass's first ones)                      (prefetch thread / CUDA stream)
         start loading hidden + KV context of micro-batch 0
         for micro-batch k:
             start loading hidden + KV context of micro-batch k+1
@@ -79,9 +79,10 @@ class PassExecutor:
         self.weights.prefetch(0)
         for layer in range(num_layers):
             w = self.weights.get(layer)
-            # The next layer, or the next pass's first: its load overlaps this last layer, the LM
-            # head and the scheduling between passes instead of opening the next pass.
-            self.weights.prefetch(layer + 1 if layer + 1 < num_layers else 0)
+            # The next layers, wrapping to the next pass's first: their loads overlap this layer
+            # (and after the last, the LM head and the scheduling between passes).
+            for ahead in range(1, self.weights.prefetch_depth + 1):
+                self.weights.prefetch((layer + ahead) % num_layers)
             loading = self._submit(self._load, layer, batches[0], 0, threaded=threaded[0])
             storing = []
             for k, mb in enumerate(batches):

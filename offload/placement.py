@@ -9,8 +9,8 @@ A placed tensor is one or more flat components (a plain weight: itself; a compre
 scales, minimums), each with a fixed number of elements per original row, so a row range is a
 contiguous slice of every component: in memory, and as a byte range of the disk store.
 
-Before use, every non-resident tensor is assembled in a working buffer on the compute device (two
-buffers when overlapping: layer j+1 loads while layer j computes). On a CPU-only machine the
+Before use, every non-resident tensor is assembled in a working buffer on the compute device (with
+overlap, 1 + `prefetch` buffers: layers j+1 .. j+prefetch load while layer j computes). On a CPU-only machine the
 compute device is the CPU and the gpu tier is a budgeted working set in host memory, so cpu-tier
 weights are still copied into working buffers, exactly as on a GPU.
 """
@@ -130,7 +130,7 @@ class TieredWeights:
     def __init__(self, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]],
                  read_globals: Callable[[], dict], read_layer: Callable[[int], dict],
                  fractions: tuple[float, float, float], device: torch.device, dtype: torch.dtype,
-                 quant: QuantConfig | None, tracker: MemoryTracker, overlap: bool,
+                 quant: QuantConfig | None, tracker: MemoryTracker, overlap: bool, prefetch: int = 1,
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False):
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.plans = plan_layer(layer_shapes, dtype, quant, fractions)  # same for every layer
@@ -138,7 +138,8 @@ class TieredWeights:
         self.overlap = overlap
         self.cuda = self.device.type == "cuda"
         self.pin = pin_memory and self.cuda
-        num_slots = 2 if overlap else 1
+        num_slots = prefetch + 1 if overlap else 1
+        self.prefetch_depth = prefetch if overlap else 1
         streamed = [p for p in self.plans if not p.resident]
         per_slot = sum(p.shape[0] * p.row_bytes for p in streamed)
         resident = sum(p.bytes_on("gpu") for p in self.plans if p.resident) * num_layers

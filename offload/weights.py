@@ -11,6 +11,7 @@ Weights = dict[str, torch.Tensor]
 
 class LayerWeightStore(Protocol):
     num_layers: int
+    prefetch_depth: int  # layers the executor keeps loading ahead of the one it computes
 
     def global_weights(self) -> Weights:
         """Embeddings, final norm, LM head: on the compute device."""

@@ -196,8 +196,8 @@ def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> di
     kv_read_tokens = decode_rows * s.max_context + s.prior_kv_tokens / k
     cpu_attention = policy.cpu_attention and s.decode_tokens > 0
     gpu_read_tokens = (s.prior_kv_tokens / k) if cpu_attention else kv_read_tokens
-    # Streamed weights: the layer computing and the next one loading (double buffer; one without overlap).
-    stream_buffer = (2 if policy.overlap else 1) * layer_weight_bytes
+    # Streamed weights: the layer computing and the weight_prefetch ones loading (one without overlap).
+    stream_buffer = policy.weight_buffers * layer_weight_bytes
 
     gpu = (f.w_gpu * all_weight_bytes + const(model.embedding_bytes) + f.kv_gpu * kv_home
            + f.act_gpu * act_home

@@ -84,23 +84,28 @@ def test_a_complete_store_is_reused_without_reading_the_source(tmp_path, quant):
     again.close()
 
 
-@pytest.mark.parametrize("num_layers", [1, 3, 4])
-def test_prefetch_across_passes_never_overwrites_the_layer_in_use(tmp_path, num_layers):
-    """The executor prefetches layer j+1 while j computes and, at the last layer, the next pass's
-    layer 0: with two working slots and an odd layer count that must still land in the other slot."""
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 4])
+def test_prefetch_across_passes_never_overwrites_the_layer_in_use(tmp_path, num_layers, prefetch):
+    """The executor prefetches layers j+1 .. j+prefetch while j computes, wrapping to the next
+    pass's first layers: with prefetch + 1 working slots and any layer count, none of those loads
+    may land in the slot layer j is using."""
     weights = TieredWeights(
         num_layers=num_layers, layer_shapes=SHAPES, read_globals=lambda: {"embed": torch.ones(4, 32)},
         read_layer=_layer, fractions=(0.0, 0.5, 0.5), device=torch.device("cpu"), dtype=torch.bfloat16,
-        quant=None, tracker=MemoryTracker(), overlap=True,
+        quant=None, tracker=MemoryTracker(), overlap=True, prefetch=prefetch,
         disk_store=lambda: DiskStore(tmp_path, "prefetch", direct_io=True))
+    assert weights.prefetch_depth == prefetch and len(weights._buffers) == prefetch + 1
     expected = [_layer(i) for i in range(num_layers)]
     weights.prefetch(0)
     for _ in range(3):  # passes
         for j in range(num_layers):
             got = weights.get(j)
             before = {k: v.clone() for k, v in got.items()}
-            weights.prefetch(j + 1 if j + 1 < num_layers else 0)
-            weights._pending[(j + 1) % num_layers][1].result()  # the prefetch has landed
+            for ahead in range(1, prefetch + 1):  # as offload/executor.py does
+                weights.prefetch((j + ahead) % num_layers)
+            for _, future in list(weights._pending.values()):  # every prefetch has landed
+                future.result()
             for name, value in got.items():  # ... and not in the buffers layer j is using
                 assert torch.equal(value, before[name]) and torch.equal(value, expected[j][name]), (j, name)
             weights.release(j)

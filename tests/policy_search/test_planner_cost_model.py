@@ -36,6 +36,19 @@ def test_all_on_gpu_moves_nothing_and_counts_every_byte(opt13b, t4):
     assert est.generated_tokens == 8 * 8
 
 
+def test_each_prefetched_layer_costs_one_layer_buffer(opt13b, t4):
+    """weight_prefetch=2 keeps one more streamed layer in a gpu-tier working buffer (and, for disk
+    weights, one more host staging buffer); the engine reserves the same (offload/placement.py)."""
+    wl = Workload(prompt_len=128, gen_len=8)
+    policy = Policy(gpu_batch_size=4, **(ALL_GPU | dict(w_gpu=0.0, w_disk=1.0)))
+    one, two = (estimate(policy.replace(weight_prefetch=d), opt13b, t4, wl) for d in (1, 2))
+    layer = opt13b.layer_weight_bytes(False)
+    assert two.peak_memory["gpu"] - one.peak_memory["gpu"] == pytest.approx(layer)
+    assert two.peak_memory["cpu"] - one.peak_memory["cpu"] == pytest.approx(layer)
+    off = estimate(policy.replace(weight_prefetch=2, overlap=False), opt13b, t4, wl)
+    assert one.peak_memory["gpu"] - off.peak_memory["gpu"] == pytest.approx(layer)
+
+
 def test_weight_stream_time_is_bytes_over_bandwidth(opt13b, t4):
     wl = Workload(prompt_len=128, gen_len=8)
     policy = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.25, w_cpu=0.5, w_disk=0.25)))

@@ -1,0 +1,49 @@
+"""policy_search/policy.py: validation names the bad field, JSON round trips, derived sizes."""
+import json
+
+import pytest
+
+from policy_search import Policy
+from policy_search.policy import PolicyError
+
+BAD = [
+    (dict(gpu_batch_size=0), r"Policy.gpu_batch_size must be a positive integer, got 0"),
+    (dict(num_gpu_batches=1.5), r"Policy.num_gpu_batches must be a positive integer, got 1.5"),
+    (dict(prefill_budget=True), r"Policy.prefill_budget must be a positive integer, got True"),
+    (dict(weight_prefetch=0), r"Policy.weight_prefetch must be a positive integer, got 0"),
+    (dict(w_gpu=1.2, w_cpu=-0.2), r"Policy.w_gpu must be in \[0, 1\], got 1.2"),
+    (dict(kv_gpu=0.5, kv_cpu=0.4), r"Policy KV cache fractions must sum to 1: kv_gpu=0.5 \+ kv_cpu=0.4 \+ kv_disk=0 = 0.9"),
+    (dict(act_gpu=float("nan")), r"Policy.act_gpu must be a number in \[0, 1\], got nan"),
+    (dict(overlap="yes"), r"Policy.overlap must be true or false, got 'yes'"),
+    (dict(scheduler="fifo"), r"Policy.scheduler must be one of \('decode-maximal', 'block'\), got 'fifo'"),
+]
+
+
+@pytest.mark.parametrize("changes, message", BAD, ids=[next(iter(c)) for c, _ in BAD])
+def test_bad_field_is_one_clear_error(changes, message):
+    with pytest.raises(PolicyError, match=f"^{message}$"):
+        Policy(**changes)
+
+
+def test_json_round_trip_and_a_bad_file_names_itself(tmp_path):
+    policy = Policy(gpu_batch_size=24, num_gpu_batches=3, w_gpu=0.2, w_cpu=0.5, w_disk=0.3, kv_gpu=0.0,
+                    kv_cpu=1.0, cpu_attention=True, compress_weight=True, weight_prefetch=2)
+    path = tmp_path / "p.json"
+    policy.save(path)
+    assert Policy.load(path) == policy
+    path.write_text(json.dumps({**policy.to_dict(), "weight_prefetch": -1}))
+    with pytest.raises(PolicyError, match=f"^policy file {path}: Policy.weight_prefetch must be a positive integer"):
+        Policy.load(path)
+    path.write_text(json.dumps({"w_gpu": 1.0, "gpu_batch": 4}))
+    with pytest.raises(PolicyError, match=r"unknown policy field\(s\) \['gpu_batch'\]"):
+        Policy.load(path)
+    # A policy file written before weight_prefetch existed still loads, with FlexGen's default.
+    old = {k: v for k, v in policy.to_dict().items() if k != "weight_prefetch"}
+    assert Policy.from_dict(old).weight_prefetch == 1
+
+
+@pytest.mark.parametrize("overlap, prefetch, buffers", [(True, 1, 2), (True, 2, 3), (False, 2, 1)])
+def test_weight_buffers(overlap, prefetch, buffers):
+    policy = Policy(overlap=overlap, weight_prefetch=prefetch)
+    assert policy.weight_buffers == buffers
+    assert policy.max_running == policy.gpu_batch_size * policy.num_gpu_batches
