@@ -5,9 +5,9 @@ prompts, same memory limit, page cache out of the picture (prints; asserts nothi
     .venv/bin/python scripts/bench_offload.py            # as root; opt-1.3b, 30 x 128 -> 32 tokens
     .venv/bin/python scripts/bench_offload.py --model opt-125m --num-prompts 8 --prompt-len 64 --gen-len 4
 
-Run time (opt-1.3b defaults, 2 cores): about 14 minutes on a quiet machine once the offload
-folders exist (ours ~105 s overlap on, ~135 s off, 120-175 s 4-bit; Accelerate ~335 s; building
-engines and measuring ~2 min), plus about 1.5 minutes the first time to write them
+Run time (opt-1.3b defaults, 2 cores): about 10 minutes on a quiet machine once the offload
+folders exist (Accelerate ~300 s; ours ~65 s overlap on, ~90 s off, ~75 s 4-bit; building engines
+and measuring ~1.5 min), plus about 1.5 minutes the first time to write them
 (/tmp/fs_bench_offload, ~5.5 GB). Busy neighbours stretch all of it.
 
 The issue's targets: all weights on disk, page cache bypassed, against Accelerate's disk offload
