@@ -10,9 +10,9 @@ scales, minimums), each with a fixed number of elements per original row, so a r
 contiguous slice of every component: in memory, and as a byte range of the disk store.
 
 Before use, every non-resident tensor is assembled in a working buffer on the compute device (with
-overlap, 1 + `prefetch` buffers: layers j+1 .. j+prefetch load while layer j computes). On a CPU-only machine the
-compute device is the CPU and the gpu tier is a budgeted working set in host memory, so cpu-tier
-weights are still copied into working buffers, exactly as on a GPU.
+overlap, 1 + `prefetch` buffers: layers j+1 .. j+prefetch load while layer j computes). On a
+CPU-only machine the compute device is the CPU and the gpu tier is a budgeted working set in host
+memory, so cpu-tier weights are still copied into working buffers, exactly as on a GPU.
 """
 from __future__ import annotations
 
