@@ -13,11 +13,11 @@ The fix is glibc's own knobs (mallopt), set once, the first time a pass runs on 
   blocks are reused (larger ones, e.g. the KV pool, stay separate mappings);
 - M_TRIM_THRESHOLD = 2 GiB - 1: the heap top is not handed back between layers and passes.
 Measured: faults per prefill-carrying pass 30-50k -> a few thousand in the first passes, then
-~0; prefill passes 2-3% faster, 4-bit weights (dequantized per pass) 1.7x. The cost is that the process's resident
-memory does not shrink after a pass; it stays at the pass's peak, which the engine's working-set
-budget already accounts for. It is process-wide (malloc has one policy per process), so it is
-applied only by an engine that computes on the CPU, and can be turned off with the environment
-variable FLEXSARATHI_HOST_MALLOC=default. Elsewhere than glibc it does nothing.
+~0; prefill passes 2-3% faster, 4-bit weights (dequantized per pass) 1.7x. The cost is that the
+process's resident memory does not shrink after a pass; it stays at the pass's peak, which the
+engine's working-set budget already accounts for. It is process-wide (malloc has one policy per
+process), so it is applied only by an engine that computes on the CPU, and can be turned off with
+the environment variable FLEXSARATHI_HOST_MALLOC=default. Elsewhere than glibc it does nothing.
 """
 from __future__ import annotations
 
