@@ -576,9 +576,9 @@ def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0, b
         if not store.direct_io_active:
             say("  WARNING: the store fell back to buffered I/O: the page cache is NOT bypassed")
         per_pass = store_bytes(store)
-        # Every offload folder's page cache, Accelerate's included: what its run left is charged to
-        # the group, and reclaiming it would land on our run.
-        drop_cache_of(store.data_files() + bench_files)
+        # Every offload folder's page cache (this store's files are among them), Accelerate's
+        # included: what its run left is charged to the group, and reclaiming it would land on ours.
+        drop_cache_of(bench_files)
         release_free_memory()
         say(f"{stamp(t0)} {label}: built; memory group usage {fmt_gib(group.read('memory.usage_in_bytes'))} GiB, "
             f"peak so far {fmt_gib(group.read('memory.max_usage_in_bytes'))} GiB")
