@@ -3,6 +3,15 @@
 - decode-maximal (default, SARATHI): every running sequence contributes its decode token, and
   prompt chunks fill the pass up to `prefill_budget` prompt tokens; a finished sequence frees its
   KV blocks and a waiting request starts prefilling in the next pass.
+  In the tail of a workload (every request left is running or can be admitted at once, so no one
+  waits for a finish to free room), a decode that has slack sits out the passes that carry
+  prompt chunks (`defer_decodes_with_slack`): the last prompt to prefill still needs its own
+  decode passes after its prefill, so a sequence that would finish before that, even one pass
+  later, does not lengthen the batch, while its row (and the decode attention over its context)
+  leaves a prefill pass, which on a CPU or an offloaded GPU is compute-bound. In an I/O-bound
+  pass the row was free anyway, so leaving it out costs nothing either. A sequence that would
+  finish last is never deferred, and nothing is deferred while requests wait for room (there a
+  decode that finishes sooner frees a slot sooner).
 - block (FlexGen, the baseline): admit `max_running` requests, prefill them whole in one pass,
   decode them in lockstep until all have finished, then take the next block.
 
@@ -23,6 +32,7 @@ class SchedulerConfig:
     num_micro_batches: int
     prefill_budget: int  # prompt tokens per pass (decode-maximal)
     mode: str = "decode-maximal"  # or "block"
+    defer_decodes_with_slack: bool = True  # decode-maximal: see the module docstring
 
 
 @dataclass(frozen=True)
@@ -92,7 +102,13 @@ class Scheduler:
         return seq
 
     def _decode_maximal_items(self) -> list[WorkItem]:
-        items = [WorkItem(s, s.num_computed, s.num_tokens) for s in self.running if not s.is_prefilling]
+        decoding = [s for s in self.running if not s.is_prefilling]
+        if self.config.defer_decodes_with_slack:
+            last_pass = self._tail_last_pass()
+            if last_pass is not None:  # passes left to the last prefilling sequence's end
+                # A decode sampled now ends after passes_left(s) passes, deferred one pass later.
+                decoding = [s for s in decoding if _passes_left(s) + 1 > last_pass]
+        items = [WorkItem(s, s.num_computed, s.num_tokens) for s in decoding]
         budget = self.config.prefill_budget
         prefilling = [s for s in self.running if s.is_prefilling]
         while budget > 0:
@@ -103,6 +119,30 @@ class Scheduler:
             items.append(WorkItem(seq, seq.num_computed, seq.num_computed + chunk))
             budget -= chunk
         return items
+
+    def _tail_last_pass(self) -> int | None:
+        """In the tail of the workload with prompt tokens left to prefill: the pass (this one is 1)
+        in which the last sequence still to prefill will sample its last token, were every pass
+        from now on to carry a full prefill budget in admission order. None outside the tail or
+        with nothing to prefill."""
+        owing = [s for s in self.running if s.is_prefilling] + list(self.waiting)
+        if not owing or not self._rest_admissible():
+            return None
+        budget, queued, last = self.config.prefill_budget, 0, 0
+        for seq in owing:
+            queued += seq.num_prompt_tokens - seq.num_computed
+            prefilled_in = -(-queued // budget)  # the pass sampling its first token
+            last = max(last, prefilled_in + seq.max_len - seq.num_prompt_tokens - 1)
+        return last
+
+    def _rest_admissible(self) -> bool:
+        """Whether every waiting request can be admitted now, together (no one waits for room)."""
+        if len(self.running) + len(self.waiting) > self.config.max_running:
+            return False
+        if len(self.waiting) > len(self.blocks.free_residual):
+            return False
+        needed = sum(self.blocks.blocks_needed(s) for s in self.waiting)
+        return needed <= sum(len(free) for free in self.blocks.free.values())
 
     def _block_items(self) -> list[WorkItem]:
         if not self.running:
@@ -123,3 +163,8 @@ class Scheduler:
             batches[k].append(item)
             loads[k] += item.num_tokens
         return batches
+
+
+def _passes_left(seq: Sequence) -> int:
+    """Decode passes a decoding sequence needs at most: one per token still to sample."""
+    return seq.max_len - seq.num_tokens
