@@ -71,7 +71,9 @@ How it is made honest on this machine (CPU only; see docs "Measuring honestly on
   more micro-batches only split the same matmuls), prefill budget (prompt tokens per pass) 512.
   Every prompt is admitted at once and none is replaced, so the run is a few prefill-carrying
   passes (compute-bound) and then gen_len - 1 decode-only passes (disk-bound) whatever the
-  budget; fewer, larger prefill passes pay the per-pass costs (decode attention of the running
+  budget; the whole run is the tail of its workload, so the prefill-carrying passes carry no
+  decodes (they have slack: the scheduler's defer_decodes_with_slack, which measured 55.7-56.8 s
+  against 60.0-61.9 s for this workload with this engine alone, 3 runs each, interleaved); fewer, larger prefill passes pay the per-pass costs (decode attention of the running
   sequences, LM head, hand-offs) fewer times. Measured with this engine alone on this workload
   (no cgroup): budget 256 -> 14.9, 512 -> 16.0, 1024 -> 16.1 tok/s. It is fixed rather than
   taken from the run's own rate measurement, which a busy neighbour once halved;

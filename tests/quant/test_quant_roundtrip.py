@@ -180,3 +180,30 @@ def test_cuda_round_trip_matches_cpu(dtype):
         pinned = q_cpu.pin_memory()
         assert pinned.is_pinned()
         assert torch.equal(dequantize(pinned.to("cuda", non_blocking=True)).cpu(), dequantize(q_cpu))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "config"), [
+    ((37, 64), QuantConfig(bits=4, group_size=16)),
+    ((37, 100), QuantConfig(bits=4, group_size=64)),  # padded lines
+    ((70, 6), QuantConfig(bits=4, group_size=16, group_dim=0)),  # groups across rows
+    ((5, 41, 3), QuantConfig(bits=8, group_size=8, group_dim=1)),
+])
+def test_dequantize_in_chunks_is_the_exact_affine(monkeypatch, dtype, shape, config):
+    """On CPU dequantize works through the lines in chunks (small temporaries); a chunk of a few
+    lines, with a ragged last one, must give exactly code * scale + minimum: the product is exact
+    in fp32 and the sum is rounded once (float64 holds both exactly), then rounded to `dtype`."""
+    import quant.groupwise as groupwise
+    from quant.packing import unpack_4bit
+
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    q = quantize(x, config)
+    monkeypatch.setattr(groupwise, "_CPU_CHUNK_VALUES", 300)  # a few lines per chunk
+    lines = q.data.view(q.layout.num_rows, -1)
+    codes = (unpack_4bit(lines) if config.bits == 4 else lines).reshape(q.layout.num_groups, -1)
+    exact = codes.double() * q.scale.double()[:, None] + q.minimum.double()[:, None]
+    expected = q.layout.from_groups(exact.float().to(dtype))
+    for out in (None, torch.empty(shape, dtype=dtype)):
+        got = dequantize(q, dtype, out=out)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert torch.equal(got, expected)
