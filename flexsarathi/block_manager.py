@@ -47,6 +47,11 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return bool(self.free_residual) and sum(len(f) for f in self.free.values()) >= self.blocks_needed(seq)
 
+    def can_allocate_all(self, seqs: list[Sequence]) -> bool:
+        """Whether all of `seqs` could be admitted now, together."""
+        return (len(seqs) <= len(self.free_residual)
+                and sum(len(f) for f in self.free.values()) >= sum(self.blocks_needed(s) for s in seqs))
+
     def allocate(self, seq: Sequence) -> None:
         needed = self.blocks_needed(seq)
         if not self.can_allocate(seq):

@@ -137,12 +137,8 @@ class Scheduler:
 
     def _rest_admissible(self) -> bool:
         """Whether every waiting request can be admitted now, together (no one waits for room)."""
-        if len(self.running) + len(self.waiting) > self.config.max_running:
-            return False
-        if len(self.waiting) > len(self.blocks.free_residual):
-            return False
-        needed = sum(self.blocks.blocks_needed(s) for s in self.waiting)
-        return needed <= sum(len(free) for free in self.blocks.free.values())
+        return (len(self.running) + len(self.waiting) <= self.config.max_running
+                and self.blocks.can_allocate_all(list(self.waiting)))
 
     def _block_items(self) -> list[WorkItem]:
         if not self.running:

@@ -6,7 +6,7 @@ prompts, same memory limit, page cache out of the picture (prints; asserts nothi
     .venv/bin/python scripts/bench_offload.py --model opt-125m --num-prompts 8 --prompt-len 64 --gen-len 4
 
 Run time (opt-1.3b defaults, 2 cores): about 10 minutes on a quiet machine once the offload
-folders exist (Accelerate ~300 s; ours ~65 s overlap on, ~90 s off, ~75 s 4-bit; building engines
+folders exist (Accelerate ~300 s; ours ~58 s overlap on, ~85 s off, ~66 s 4-bit; building engines
 and measuring ~1.5 min), plus about 1.5 minutes the first time to write them
 (/tmp/fs_bench_offload, ~5.5 GB). Busy neighbours stretch all of it.
 
@@ -71,10 +71,11 @@ How it is made honest on this machine (CPU only; see docs "Measuring honestly on
   more micro-batches only split the same matmuls), prefill budget (prompt tokens per pass) 512.
   Every prompt is admitted at once and none is replaced, so the run is a few prefill-carrying
   passes (compute-bound) and then gen_len - 1 decode-only passes (disk-bound) whatever the
-  budget; the whole run is the tail of its workload, so the prefill-carrying passes carry no
-  decodes (they have slack: the scheduler's defer_decodes_with_slack, which measured 55.7-56.8 s
-  against 60.0-61.9 s for this workload with this engine alone, 3 runs each, interleaved); fewer, larger prefill passes pay the per-pass costs (decode attention of the running
-  sequences, LM head, hand-offs) fewer times. Measured with this engine alone on this workload
+  budget. The whole run is the tail of its workload, so the prefill-carrying passes carry no
+  decodes (the running sequences have slack; the scheduler's defer_decodes_with_slack, measured
+  with this engine alone on this workload, interleaved: 55.7-56.8 s in 3 runs against 60.0-61.9 s
+  in 2 without it). Fewer, larger prefill passes pay the per-pass costs (LM head, hand-offs) fewer
+  times. Measured with this engine alone on this workload, before the tail deferral
   (no cgroup): budget 256 -> 14.9, 512 -> 16.0, 1024 -> 16.1 tok/s. It is fixed rather than
   taken from the run's own rate measurement, which a busy neighbour once halved;
   --prefill-budget 0 takes the I/O-compute balance measured in the run instead. Two layers load

@@ -24,12 +24,14 @@ def make_seqs(prompt_lens, max_tokens) -> list[Sequence]:
             for i, (n, m) in enumerate(zip(prompt_lens, max_tokens))]
 
 
-def run(seqs, *, budget, max_running, defer=True, micro_batches=1):
+def run(seqs, *, budget, max_running, defer=True, micro_batches=1, kv_blocks=None):
     """Schedules `seqs` to the end. Returns the passes, each a list of (seq_id, start, end, kind),
-    kind "prefill" or "decode", and per pass what stood before it: (number of requests waiting
-    for admission, ids of the running sequences past their prompt)."""
-    blocks = BlockManager(BLOCK, {"cpu": sum(math.ceil(s.max_len / BLOCK) for s in seqs)},
-                          num_residual=len(seqs))
+    kind "prefill" or "decode", and per pass what stood before it: (whether some waiting request
+    could not be admitted now for want of a slot or of KV blocks, ids of the running sequences
+    past their prompt)."""
+    if kv_blocks is None:  # room for every sequence at once
+        kv_blocks = sum(math.ceil(s.max_len / BLOCK) for s in seqs)
+    blocks = BlockManager(BLOCK, {"cpu": kv_blocks}, num_residual=len(seqs))
     config = SchedulerConfig(max_running=max_running, num_micro_batches=micro_batches,
                              prefill_budget=budget, defer_decodes_with_slack=defer)
     scheduler = Scheduler(config, blocks)
@@ -37,7 +39,10 @@ def run(seqs, *, budget, max_running, defer=True, micro_batches=1):
         scheduler.add(seq)
     passes, waiting_before = [], []
     while scheduler.has_unfinished():
-        waiting_before.append((len(scheduler.waiting),
+        free_blocks = sum(len(free) for free in blocks.free.values())
+        wanted = sum(math.ceil(s.max_len / BLOCK) for s in scheduler.waiting)
+        waits_for_room = len(scheduler.running) + len(scheduler.waiting) > max_running or wanted > free_blocks
+        waiting_before.append((waits_for_room,
                                {s.seq_id for s in scheduler.running if not s.is_prefilling}))
         plan = scheduler.schedule()
         items = [item for mb in plan.micro_batches for item in mb]
@@ -93,12 +98,25 @@ def test_no_deferral_while_requests_wait_for_room():
     seqs = make_seqs([6, 9, 5, 7, 8, 4], [6, 3, 5, 4, 6, 2])
     passes, before = run(seqs, budget=4, max_running=2)
     checked = 0
-    for items, (waiting, decoding) in zip(passes, before):
-        if waiting:  # someone waits for a slot: every decoding sequence decodes (decode-maximal)
+    for items, (waits_for_room, decoding) in zip(passes, before):
+        if waits_for_room:  # every decoding sequence decodes (decode-maximal)
             assert set(decodes(items)) == decoding
             checked += bool(decoding)
     assert checked >= 3
     assert [len(s.output_token_ids) for s in seqs] == [6, 3, 5, 4, 6, 2]
+
+
+def test_no_deferral_while_requests_wait_for_kv_blocks():
+    # Slots for all, but KV blocks for two sequences at a time: the others wait for room.
+    seqs = make_seqs([8, 8, 8, 8], [8, 8, 8, 8])
+    passes, before = run(seqs, budget=4, max_running=4, kv_blocks=2 * math.ceil(16 / BLOCK))
+    checked = 0
+    for items, (waits_for_room, decoding) in zip(passes, before):
+        if waits_for_room:
+            assert set(decodes(items)) == decoding
+            checked += bool(decoding)
+    assert checked >= 3
+    assert [len(s.output_token_ids) for s in seqs] == [8, 8, 8, 8]
 
 
 def test_switched_off_every_decoding_sequence_decodes_every_pass():
