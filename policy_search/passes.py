@@ -13,6 +13,13 @@ r = B / n requests finish per pass: each pass carries s * B / n prompt tokens (t
 picks) and B (n-1) / n decode tokens, and generates B tokens. A smaller budget admits fewer
 (r = budget / s). A finite run adds a ramp (the running set filling) and a drain (emptying): about
 2 (n-1) passes at half the steady content.
+
+A closed batch (no more requests than B, so all are admitted at once and the whole run is the
+scheduler's tail) is modelled pass by pass instead: ceil(N s / budget) passes of prompt chunks
+without decodes (every decode has slack behind the last prompt, so it sits them out), then the
+decode passes of the longest output, every running sequence decoding, the contexts growing as in
+the block schedule. That is the run the engine makes for `LLM.generate(prompts)` with
+len(prompts) <= B.
 """
 from __future__ import annotations
 
@@ -92,23 +99,58 @@ def _block(policy: Policy, workload: Workload) -> RunShape:
         context=0.0, max_context=prompt, prior_kv_tokens=0.0,
         prompt_pairs=running * prompt * (prompt + 1) / 2, sampled=running,
         prompt_rows_per_sequence=prompt, micro_batches=k)]
-    steps = max(0, round(gen) - 1)
-    segments = min(DECODE_SEGMENTS, steps)
-    for j in range(segments):
-        first = 1 + steps * j // segments
-        last = steps * (j + 1) // segments  # decode steps first..last attend to prompt + step tokens
-        passes.append(PassShape(
-            kind="decode" if segments == 1 else f"decode {j + 1}/{segments}",
-            count=blocks * (last - first + 1), decode_tokens=running, prompt_tokens=0.0,
-            context=prompt + (first + last) / 2, max_context=prompt + last, prior_kv_tokens=0.0,
-            prompt_pairs=0.0, sampled=running, prompt_rows_per_sequence=0.0, micro_batches=k))
+    passes += _decode_segments(blocks, max(0, round(gen) - 1), running, prompt, running, k)
     return RunShape(passes=tuple(passes), generated_tokens=requests * workload.mean_gen_len,
                     requests=requests,
                     kv_tokens=running * (workload.max_prompt_len + workload.max_gen_len),
                     running=running, steady_state=workload.num_requests is None)
 
 
+def _decode_segments(count: float, steps: int, decoding: float, prompt: float, sampled: float,
+                     micro_batches: int) -> list[PassShape]:
+    """`steps` decode passes (repeated `count` times), `decoding` sequences each, step i attending to
+    prompt + i tokens, in at most DECODE_SEGMENTS segments of growing context."""
+    segments = min(DECODE_SEGMENTS, steps)
+    passes = []
+    for j in range(segments):
+        first = 1 + steps * j // segments
+        last = steps * (j + 1) // segments  # decode steps first..last attend to prompt + step tokens
+        passes.append(PassShape(
+            kind="decode" if segments == 1 else f"decode {j + 1}/{segments}",
+            count=count * (last - first + 1), decode_tokens=decoding, prompt_tokens=0.0,
+            context=prompt + (first + last) / 2, max_context=prompt + last, prior_kv_tokens=0.0,
+            prompt_pairs=0.0, sampled=sampled, prompt_rows_per_sequence=0.0,
+            micro_batches=micro_batches))
+    return passes
+
+
+def _closed_batch(policy: Policy, workload: Workload) -> RunShape:
+    """Decode-maximal with every request admitted at once (see the module docstring)."""
+    requests, k = workload.num_requests, policy.num_gpu_batches
+    budget, prompt = policy.prefill_budget, workload.mean_prompt_len
+    prompt_tokens = requests * prompt
+    prefill_count = max(1, math.ceil(prompt_tokens / budget))
+    per_pass = prompt_tokens / prefill_count
+    chunks = max(1.0, prompt / budget)  # chunks of one prompt, each reading the ones before
+    passes = [PassShape(
+        kind="prefill", count=prefill_count, decode_tokens=0.0, prompt_tokens=per_pass,
+        context=0.0, max_context=workload.max_prompt_len, prior_kv_tokens=per_pass * (chunks - 1) / 2,
+        prompt_pairs=per_pass * workload.mean_prompt_causal_pairs, sampled=requests / prefill_count,
+        prompt_rows_per_sequence=min(budget, workload.max_prompt_len), micro_batches=k)]
+    # Decode passes last as long as the longest of the N outputs; meanwhile sequences with shorter
+    # outputs finish, so on average N (mean n - 1) / (max n - 1) sequences decode in each.
+    steps = max(0, round(workload.expected_block_max(requests)[1]) - 1)
+    if steps > 0:
+        decoding = requests * workload.mean_decode_steps / steps
+        passes += _decode_segments(1, steps, decoding, prompt, decoding, k)
+    return RunShape(passes=tuple(passes), generated_tokens=requests * workload.mean_gen_len,
+                    requests=requests, kv_tokens=requests * workload.max_total_len, running=requests,
+                    steady_state=False)
+
+
 def _decode_maximal(policy: Policy, workload: Workload) -> RunShape:
+    if workload.num_requests is not None and workload.num_requests <= policy.max_running:
+        return _closed_batch(policy, workload)
     running = policy.max_running
     if workload.num_requests is not None:
         running = min(running, workload.num_requests)

@@ -182,3 +182,51 @@ def test_bound_names_the_resource_holding_most_time(opt13b, t4):
         assert p.bound == "host->device" and p.seconds == p.resources["host->device"] > p.resources["gpu"]
     assert sum(p.total_seconds for p in decodes) > est.passes[0].total_seconds
     assert est.bound == "host->device"
+
+
+def _scheduler_passes(num_requests, prompt, gen, budget, running):
+    """(passes with prompt chunks, decode rows in all passes, passes) of the engine's real
+    scheduler on a fixed-length workload: one generated token per sampled row."""
+    import torch
+
+    from flexsarathi.block_manager import BlockManager
+    from flexsarathi.sampling import SamplingParams
+    from flexsarathi.scheduler import Scheduler, SchedulerConfig
+    from flexsarathi.sequence import Sequence
+
+    blocks = BlockManager(16, {"cpu": num_requests * math.ceil((prompt + gen) / 16)}, num_residual=num_requests)
+    scheduler = Scheduler(SchedulerConfig(max_running=running, num_micro_batches=1, prefill_budget=budget), blocks)
+    for i in range(num_requests):
+        scheduler.add(Sequence(i, [1] * prompt, SamplingParams(max_tokens=gen, ignore_eos=True),
+                               max_len=prompt + gen, stop_ids=frozenset(), generator=torch.Generator()))
+    prefill_passes = decode_rows = passes = 0
+    while scheduler.has_unfinished():
+        items = [it for mb in scheduler.schedule().micro_batches for it in mb]
+        passes += 1
+        prefill_passes += any(it.seq.is_prefilling for it in items)
+        decode_rows += sum(not it.seq.is_prefilling for it in items)
+        for it in items:
+            it.seq.num_computed += it.num_tokens
+        for it in items:
+            if it.samples:
+                it.seq.append(3)
+                if it.seq.status.finished:
+                    scheduler.finish(it.seq)
+    return prefill_passes, decode_rows, passes
+
+
+@pytest.mark.parametrize(("requests", "prompt", "gen", "budget"),
+                         [(30, 128, 32, 512), (7, 100, 5, 64), (16, 64, 16, 1024), (5, 40, 1, 30)])
+def test_closed_batch_is_modelled_as_the_scheduler_runs_it(opt13b, t4, requests, prompt, gen, budget):
+    """No more requests than running slots: the planner's passes are the scheduler's, pass for pass
+    (prompt-chunk passes without decodes, then one decode pass per further token)."""
+    policy = Policy(gpu_batch_size=32, num_gpu_batches=1, prefill_budget=budget, **ALL_GPU)
+    est = estimate(policy, opt13b, t4, Workload(prompt_len=prompt, gen_len=gen, num_requests=requests))
+    prefill_passes, decode_rows, passes = _scheduler_passes(requests, prompt, gen, budget, 32)
+    assert sum(p.count for p in est.passes) == pytest.approx(passes)
+    prefills = [p for p in est.passes if p.prompt_tokens > 0]
+    assert sum(p.count for p in prefills) == prefill_passes
+    assert all(p.decode_tokens == 0 for p in prefills)
+    assert sum(p.decode_tokens * p.count for p in est.passes) == pytest.approx(decode_rows)
+    assert sum(p.prompt_tokens * p.count for p in est.passes) == pytest.approx(requests * prompt)
+    assert est.generated_tokens == requests * gen
