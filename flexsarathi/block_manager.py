@@ -45,7 +45,7 @@ class BlockManager:
         return math.ceil(seq.max_len / self.block_size)
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return bool(self.free_residual) and sum(len(f) for f in self.free.values()) >= self.blocks_needed(seq)
+        return self.can_allocate_all([seq])
 
     def can_allocate_all(self, seqs: list[Sequence]) -> bool:
         """Whether all of `seqs` could be admitted now, together."""

@@ -125,8 +125,10 @@ class Scheduler:
         in which the last sequence still to prefill will sample its last token, were every pass
         from now on to carry a full prefill budget in admission order. None outside the tail or
         with nothing to prefill."""
+        if not self._rest_admissible():  # first: it is O(1) while a long queue waits for room
+            return None
         owing = [s for s in self.running if s.is_prefilling] + list(self.waiting)
-        if not owing or not self._rest_admissible():
+        if not owing:
             return None
         budget, queued, last = self.config.prefill_budget, 0, 0
         for seq in owing:

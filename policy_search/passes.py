@@ -99,17 +99,18 @@ def _block(policy: Policy, workload: Workload) -> RunShape:
         context=0.0, max_context=prompt, prior_kv_tokens=0.0,
         prompt_pairs=running * prompt * (prompt + 1) / 2, sampled=running,
         prompt_rows_per_sequence=prompt, micro_batches=k)]
-    passes += _decode_segments(blocks, max(0, round(gen) - 1), running, prompt, running, k)
+    passes += _decode_segments(blocks, max(0, round(gen) - 1), running, prompt, k)
     return RunShape(passes=tuple(passes), generated_tokens=requests * workload.mean_gen_len,
                     requests=requests,
                     kv_tokens=running * (workload.max_prompt_len + workload.max_gen_len),
                     running=running, steady_state=workload.num_requests is None)
 
 
-def _decode_segments(count: float, steps: int, decoding: float, prompt: float, sampled: float,
+def _decode_segments(count: float, steps: int, decoding: float, prompt: float,
                      micro_batches: int) -> list[PassShape]:
-    """`steps` decode passes (repeated `count` times), `decoding` sequences each, step i attending to
-    prompt + i tokens, in at most DECODE_SEGMENTS segments of growing context."""
+    """`steps` decode passes (repeated `count` times), `decoding` sequences each (each samples a
+    token), step i attending to prompt + i tokens, in at most DECODE_SEGMENTS segments of growing
+    context."""
     segments = min(DECODE_SEGMENTS, steps)
     passes = []
     for j in range(segments):
@@ -119,7 +120,7 @@ def _decode_segments(count: float, steps: int, decoding: float, prompt: float, s
             kind="decode" if segments == 1 else f"decode {j + 1}/{segments}",
             count=count * (last - first + 1), decode_tokens=decoding, prompt_tokens=0.0,
             context=prompt + (first + last) / 2, max_context=prompt + last, prior_kv_tokens=0.0,
-            prompt_pairs=0.0, sampled=sampled, prompt_rows_per_sequence=0.0,
+            prompt_pairs=0.0, sampled=decoding, prompt_rows_per_sequence=0.0,
             micro_batches=micro_batches))
     return passes
 
@@ -142,7 +143,7 @@ def _closed_batch(policy: Policy, workload: Workload) -> RunShape:
     steps = max(0, round(workload.expected_block_max(requests)[1]) - 1)
     if steps > 0:
         decoding = requests * workload.mean_decode_steps / steps
-        passes += _decode_segments(1, steps, decoding, prompt, decoding, k)
+        passes += _decode_segments(1, steps, decoding, prompt, k)
     return RunShape(passes=tuple(passes), generated_tokens=requests * workload.mean_gen_len,
                     requests=requests, kv_tokens=requests * workload.max_total_len, running=requests,
                     steady_state=False)
