@@ -74,10 +74,8 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, *, out: torch.Tenso
     else:
         values = torch.empty(layout.num_groups, q.config.group_size, dtype=dtype, device=q.device)
     if dtype == torch.float16:
-        work = values
-        _codes_as_fp16_subnormals(q, work)  # value c * 2**-24
-        code_unit = 2.0**-24
-        _per_group_affine_(work, q.scale.float() / code_unit, q.minimum.float())  # c * scale + minimum
+        _codes_as_fp16_subnormals(q, values)  # value c * 2**-24
+        _per_group_affine_(values, q.scale.float() / 2.0**-24, q.minimum.float())  # c * scale + minimum
     else:
         _dequantize_lines_fp32(q, values)
     result = layout.from_groups(values)  # a view of `values` (a slice or a moved dimension)
@@ -107,10 +105,12 @@ def _dequantize_lines_fp32(q: QTensor, values: torch.Tensor) -> None:
     multiplier, offset = q.scale.float(), q.minimum.float()
     step = max(1, _CPU_CHUNK_VALUES // max(1, line_len)) if values.device.type == "cpu" else max(1, num_rows)
     in_place = values.dtype == torch.float32
+    scratch = None if in_place else torch.empty(min(step, num_rows), line_len, dtype=torch.float32,
+                                                device=values.device)
     for start in range(0, num_rows, step):
         stop = min(num_rows, start + step)
         codes, target = packed[start:stop], lines[start:stop]
-        work = target if in_place else torch.empty(target.shape, dtype=torch.float32, device=values.device)
+        work = target if in_place else scratch[:stop - start]
         work.copy_(unpack_4bit(codes) if q.config.bits == 4 else codes)  # value c
         groups = slice(start * groups_per_line, stop * groups_per_line)
         _per_group_affine_(work.view(-1, q.config.group_size), multiplier[groups], offset[groups])
