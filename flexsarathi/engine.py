@@ -18,10 +18,10 @@ from flexsarathi.block_manager import TIERS, BlockManager
 from flexsarathi.checkpoint import open_weight_source
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.model_config import parse_dtype
-from flexsarathi.sampling import SamplingParams, sample
+from flexsarathi.sampling import SamplingParams, sample, sample_seed, token_logprobs
 from flexsarathi.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexsarathi.sequence import Sequence, SequenceStatus
-from flexsarathi.tokenizer import Tokenizer
+from flexsarathi.tokenizer import IncrementalDetokenizer, Tokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
@@ -39,14 +39,46 @@ DEFAULT_OFFLOAD_DIR = os.path.join(os.path.expanduser("~"), ".cache", "flexsarat
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str  # decode(prompt + token_ids) after decode(prompt), cut before a stop string
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string, None for EOS/length
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: sampled + top `logprobs`
+
+
+@dataclass
 class RequestOutput:
+    """One request's result (vLLM's RequestOutput). `error` is set instead of outputs when the
+    request was refused under `generate(..., on_error="record")`."""
+
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
+    outputs: list[CompletionOutput]
     prompt_logprobs: list[float] | None = None  # one per prompt token after the first
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None
+
+    # The first completion's fields, as before `n` existed.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else None
 
 
 def resolve_device(device) -> torch.device:
@@ -122,13 +154,23 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
-                      prompt: str | None = None) -> Sequence:
+                      prompt: str | None = None, sample_index: int = 0) -> Sequence:
+        """sample_index: which of the request's `n` completions this sequence is (its seed)."""
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seed = (sample_seed(params.seed, sample_index) if params.seed is not None
+                else self._rng.getrandbits(62))
+        if any(t >= self.config.vocab_size for t in params.stop_token_ids):
+            raise FlexSarathiError(f"SamplingParams.stop_token_ids {list(params.stop_token_ids)} has ids "
+                                   f"outside the vocabulary [0, {self.config.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise FlexSarathiError("stop strings need a model folder with tokenizer.json "
+                                   "(use stop_token_ids with token-id prompts)")
         seq = Sequence(
             seq_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
             max_len=min(len(prompt_token_ids) + params.max_tokens, self.config.max_position_embeddings),
-            stop_ids=frozenset(stop), generator=torch.Generator().manual_seed(seed), prompt=prompt)
+            stop_ids=frozenset(stop), generator=torch.Generator().manual_seed(seed), prompt=prompt,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if params.stop else None,
+            logprobs=[] if params.logprobs is not None else None)
         self._next_id += 1
         return seq
 
@@ -263,9 +305,11 @@ class LLMEngine:
             else:
                 live.append((seq, row))
         if live:
-            tokens = sample(torch.stack([row for _, row in live]), [s.params for s, _ in live],
-                            [s.generator for s, _ in live])
-            for (seq, _), token in zip(live, tokens):
+            rows = torch.stack([_mask_early_stops(seq, row) for seq, row in live])  # [R, vocab]
+            tokens = sample(rows, [s.params for s, _ in live], [s.generator for s, _ in live])
+            for (seq, row), token in zip(live, tokens):
+                if seq.logprobs is not None:  # of the model's distribution, as vLLM's raw logprobs
+                    seq.logprobs.append(token_logprobs(row, token, seq.params.logprobs))
                 seq.append(token)
         for seq, _ in to_sample:
             if seq.status.finished:
@@ -289,12 +333,28 @@ class LLMEngine:
             self.step(scheduler)
         return [torch.cat(seq.prompt_logits) for seq in seqs]
 
-    def to_output(self, seq: Sequence) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
+    def to_output(self, seqs: Sequence | list[Sequence]) -> RequestOutput:
+        """The request's output from its finished sequence(s): one per completion (`n`)."""
+        seqs = [seqs] if isinstance(seqs, Sequence) else seqs
+        first = seqs[0]
         return RequestOutput(
-            request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=text, finish_reason=seq.finish_reason,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None)
+            request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(i, seq) for i, seq in enumerate(seqs)],
+            prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs else None)
+
+    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
+        text = self.tokenizer.completion_text(seq.prompt_token_ids, seq.output_token_ids) if self.tokenizer else ""
+        if seq.stop_text_end is not None:
+            text = text[:seq.stop_text_end]
+        logprobs = seq.logprobs
+        cumulative = (sum(lp[t] for lp, t in zip(logprobs, seq.output_token_ids))
+                      if logprobs is not None else None)
+        stop_reason = seq.stop_reason  # None for EOS, as vLLM
+        if isinstance(stop_reason, int) and stop_reason not in seq.params.stop_token_ids:
+            stop_reason = None
+        return CompletionOutput(index=index, text=text, token_ids=list(seq.output_token_ids),
+                                finish_reason=seq.finish_reason, stop_reason=stop_reason,
+                                cumulative_logprob=cumulative, logprobs=logprobs)
 
 
 def _split_by_fractions(total: int, fractions: tuple[float, float, float]) -> dict[str, int]:
@@ -304,6 +364,15 @@ def _split_by_fractions(total: int, fractions: tuple[float, float, float]) -> di
     for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[:total - sum(counts)]:
         counts[i] += 1
     return {tier: n for tier, n in zip(TIERS, counts) if n > 0}
+
+
+def _mask_early_stops(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
+    """Before min_tokens, EOS and stop tokens cannot be sampled (vLLM's min_tokens)."""
+    if seq.may_stop or not seq.stop_ids:
+        return row
+    row = row.clone()
+    row[list(seq.stop_ids)] = float("-inf")
+    return row
 
 
 def _record_prompt_logprobs(seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence as Seq
+from typing import Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
@@ -83,41 +83,68 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in prompt order. Prompts are strings or lists of token ids."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise FlexSarathiError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        if not prompts:
-            return []
-        engine = self.engine
-        seqs = []
+                 use_tqdm: bool = True, on_error: str = "raise") -> list[RequestOutput]:
+        """One output per prompt, in prompt order. Prompts are strings or lists of token ids.
+        on_error="record": a request that cannot run (empty, beyond the context, text without a
+        tokenizer, ...) yields an output whose `.error` says why; the others run. "raise": the
+        first such request raises FlexSarathiError before any work."""
+        results = dict(self.generate_iter(prompts, sampling_params, use_tqdm, on_error))
+        return [results[i] for i in range(len(results))]
+
+    def generate_iter(self, prompts: Prompt | Seq[Prompt],
+                      sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                      use_tqdm: bool = True, on_error: str = "raise") -> Iterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as requests finish (refused ones first): what a caller that
+        writes results as they come (the CLI) iterates. `last_stats` is set when it ends."""
+        prompts, params = _check_arguments(prompts, sampling_params, on_error)
+        self.last_stats = _stats(0, 0, 0, 0, 0, 0.0, self.engine.memory.report())
+        groups, refused = self._make_requests(prompts, params, on_error)
+        for index, error in refused:
+            yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
+                                       else None, prompt_token_ids=[], outputs=[], error=error)
+        if groups:
+            yield from self._run(groups, len(refused), use_tqdm)
+
+    def _make_requests(self, prompts: list, params: list[SamplingParams], on_error: str):
+        """{prompt index: its n sequences} and [(prompt index, error)] for refused prompts."""
+        groups, refused = {}, []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            ids, text = self._encode(prompt, i)
-            engine.validate_prompt(ids, i)
-            seqs.append(engine.make_sequence(ids, p, text))
+            try:
+                ids, text = self._encode(prompt, i)
+                self.engine.validate_prompt(ids, i)
+                groups[i] = [self.engine.make_sequence(ids, p, text, k) for k in range(p.n)]
+            except FlexSarathiError as exc:
+                if on_error == "raise":
+                    raise
+                refused.append((i, str(exc)))
+        return groups, refused
+
+    def _run(self, groups: dict[int, list], failed: int, use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
+        engine = self.engine
+        seqs = [seq for group in groups.values() for seq in group]
+        request_of = {seq.seq_id: i for i, group in groups.items() for seq in group}
         scheduler = engine.new_scheduler(seqs)
         for seq in seqs:
             scheduler.add(seq)
-        start, generated, passes = time.perf_counter(), 0, 0
-        with tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        progress = _Progress(seqs, len(groups), use_tqdm)
+        passes, left = 0, {i: len(group) for i, group in groups.items()}
+        try:
             while scheduler.has_unfinished():
                 finished = engine.step(scheduler)
                 passes += 1
-                generated += sum(len(s.output_token_ids) for s in finished)
-                if finished:
-                    bar.update(len(finished))
-                    bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}")
-        elapsed = time.perf_counter() - start
-        self.last_stats = {"requests": len(seqs), "generated_tokens": generated, "passes": passes,
-                           "seconds": elapsed, "tokens_per_s": generated / elapsed if elapsed else 0.0,
-                           "memory": engine.memory.report()}
-        return [engine.to_output(seq) for seq in seqs]
+                done = []
+                for seq in finished:
+                    i = request_of[seq.seq_id]
+                    left[i] -= 1
+                    if not left[i]:
+                        done.append(i)
+                progress.update(finished, len(done))
+                for i in done:
+                    yield i, engine.to_output(groups[i])
+        finally:
+            progress.close()
+            self.last_stats = _stats(len(groups), failed, progress.prompt_tokens, progress.generated,
+                                     passes, progress.elapsed, engine.memory.report())
 
     def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -129,3 +156,81 @@ class LLM:
             return list(prompt), None
         raise FlexSarathiError(f"prompt {index} must be a string or a list of token ids, "
                                f"got {type(prompt).__name__}")
+
+
+def _check_arguments(prompts, sampling_params, on_error: str) -> tuple[list, list[SamplingParams]]:
+    """The prompts and one SamplingParams per prompt; FlexSarathiError naming a misused argument."""
+    if on_error not in ("raise", "record"):
+        raise FlexSarathiError(f'generate(on_error=...) must be "raise" or "record", got {on_error!r}')
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and _is_token(prompts[0])):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise FlexSarathiError("generate(prompts=...) must be a string, a list of token ids, or a list "
+                               f"of those; got {type(prompts).__name__}")
+    prompts = list(prompts)
+    params = sampling_params if sampling_params is not None else SamplingParams()
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    elif isinstance(params, (list, tuple)):
+        params = list(params)
+        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise FlexSarathiError("generate(sampling_params=...) must be a SamplingParams or a list "
+                                   f"of them; the list holds a {type(bad).__name__}")
+    else:
+        raise FlexSarathiError("generate(sampling_params=...) must be a SamplingParams or a list of "
+                               f"them, got {type(params).__name__} (e.g. SamplingParams(**your_dict))")
+    if len(params) != len(prompts):
+        raise FlexSarathiError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+    return prompts, params
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _stats(requests: int, failed: int, prompt_tokens: int, generated: int, passes: int, seconds: float,
+           memory: dict) -> dict:
+    return {"requests": requests, "failed": failed, "prompt_tokens": prompt_tokens,
+            "generated_tokens": generated, "passes": passes, "seconds": seconds,
+            "tokens_per_s": generated / seconds if seconds else 0.0, "memory": memory}
+
+
+class _Progress:
+    """A tqdm bar over generated tokens that advances every pass: its total is every sequence's
+    token allowance (max_tokens, capped by the context), less what sequences that stop early
+    leave unused; the postfix has requests done and prompt / generated tokens per second."""
+
+    def __init__(self, seqs: list, requests: int, enabled: bool):
+        self.unfinished = set(seqs)
+        self.requests, self.done = requests, 0
+        self.prompt_tokens = self.generated = 0
+        self.start = time.perf_counter()
+        self.elapsed = 0.0
+        total = sum(s.max_len - s.num_prompt_tokens for s in seqs)
+        self.bar = tqdm(total=total, desc="generate", unit="tok", disable=not enabled)
+
+    def update(self, finished: list, requests_done: int) -> None:
+        prompt = generated = 0
+        for seq in self.unfinished:
+            prompt += min(seq.num_computed, seq.num_prompt_tokens)
+            generated += len(seq.output_token_ids)
+        for seq in finished:
+            self.unfinished.discard(seq)
+            self.prompt_tokens += seq.num_prompt_tokens
+            self.generated += len(seq.output_token_ids)
+            self.bar.total -= seq.max_len - seq.num_tokens  # tokens it will never generate
+        self.done += requests_done
+        self.elapsed = time.perf_counter() - self.start
+        total_generated = self.generated + generated
+        self.bar.update(total_generated - self.bar.n)
+        if not self.bar.disable:
+            seconds = self.elapsed or 1e-9
+            self.bar.set_postfix_str(f"req {self.done}/{self.requests}, prompt "
+                                     f"{(self.prompt_tokens + prompt) / seconds:.1f} tok/s, "
+                                     f"gen {total_generated / seconds:.1f} tok/s", refresh=False)
+
+    def close(self) -> None:
+        self.elapsed = time.perf_counter() - self.start
+        self.bar.close()

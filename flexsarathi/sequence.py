@@ -37,6 +37,10 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)
     keep_prompt_logits: bool = False  # keep full-vocabulary logits of every prompt row (scoring)
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [chunk, vocab] per chunk
+    detokenizer: object | None = None  # tokenizer.IncrementalDetokenizer, for stop strings
+    stop_text_end: int | None = None  # stop string hit: the generated text ends at this index
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # per generated token (params.logprobs)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -60,12 +64,33 @@ class Sequence:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
+    @property
+    def may_stop(self) -> bool:
+        """Whether EOS, stop tokens and stop strings count yet (params.min_tokens)."""
+        return len(self.output_token_ids) >= self.params.min_tokens
+
     def append(self, token: int) -> None:
         self.output_token_ids.append(token)
-        if token in self.stop_ids:
+        if token in self.stop_ids and self.may_stop:
             self.status = SequenceStatus.FINISHED_STOPPED
+            self.stop_reason = token
         elif self.num_tokens >= self.max_len:
             self.status = SequenceStatus.FINISHED_LENGTH
+        if self.detokenizer is not None:
+            self._check_stop_strings()
+
+    def _check_stop_strings(self) -> None:
+        """vLLM's rule: the text ends before the first stop string; finish_reason "stop"."""
+        new = self.detokenizer.add(self.output_token_ids[-1])
+        if not new or not self.may_stop or self.stop_text_end is not None:
+            return
+        text = self.detokenizer.text
+        window = len(new) + max(len(s) for s in self.params.stop) - 1  # a stop may straddle tokens
+        start = max(len(text) - window, 0)
+        hits = [(i, s) for s in self.params.stop if (i := text.find(s, start)) != -1]
+        if hits:
+            self.stop_text_end, self.stop_reason = min(hits)
+            self.status = SequenceStatus.FINISHED_STOPPED
 
     @property
     def finish_reason(self) -> str | None:

@@ -19,6 +19,9 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a b
 
 
 def test_greedy_continuations_match_transformers(stories_dir, stories_hf):
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(stories_dir)
     llm = LLM(stories_dir, policy=Policy(gpu_batch_size=3, prefill_budget=4))
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs):
@@ -27,7 +30,12 @@ def test_greedy_continuations_match_transformers(stories_dir, stories_hf):
             ref = stories_hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
                                       pad_token_id=0)[0, len(ids):].tolist()
         assert out.token_ids == ref
-        assert out.text == llm.tokenizer.decode(ref)
+        # The text is what decoding prompt + output adds after the prompt's text: the first
+        # word keeps its leading space, so prompt + text reads as the whole decode.
+        prompt_text = hf_tok.decode(ids, skip_special_tokens=True)
+        full = hf_tok.decode(ids + ref, skip_special_tokens=True)
+        assert full.startswith(prompt_text) and out.text == full[len(prompt_text):]
+        assert prompt + out.text == full
         assert out.text  # real words, not an empty decode
 
 
