@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from flexsarathi.cli_bench import add_bench_parser
+from flexsarathi.cli_generate import add_generate_parser
 from flexsarathi.cli_policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from offload.disk_store import OffloadError
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=_cmd_profile)
 
     add_policy_parser(sub)
+    add_generate_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -21,7 +21,7 @@ from flexsarathi.model_config import parse_dtype
 from flexsarathi.sampling import SamplingParams, sample, sample_seed, token_logprobs
 from flexsarathi.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexsarathi.sequence import Sequence, SequenceStatus
-from flexsarathi.tokenizer import IncrementalDetokenizer, Tokenizer
+from flexsarathi.tokenizer import IncrementalDetokenizer, load_tokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
@@ -111,9 +111,7 @@ class LLMEngine:
         # and minimums at 1/16 of the codes (4.5 bits per value); plain pools use 16-token blocks.
         self.block_size = kv_block_size or (64 if p.compress_kv else 16)
         self.offload_dir = offload_dir or DEFAULT_OFFLOAD_DIR
-        self.tokenizer = (Tokenizer.from_folder(model, self.config.bos_token_id,
-                                                (self.config.eos_token_ids or (None,))[0])
-                          if os.path.isdir(model) else None)
+        self.tokenizer = load_tokenizer(model, self.config)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
         self.memory = MemoryTracker(budget)

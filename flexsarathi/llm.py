@@ -37,7 +37,7 @@ class LLM:
 
             spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
         if policy == "auto":
-            policy = self._search_policy(model, spec, workload, dtype)
+            policy = self.search_policy(model, spec, workload, dtype)
         elif isinstance(policy, str):
             policy = Policy.load(policy)
         policy = policy or Policy()
@@ -52,7 +52,9 @@ class LLM:
         self.last_stats: dict = {}
 
     @staticmethod
-    def _search_policy(model: str, hardware, workload, dtype) -> Policy:
+    def search_policy(model: str, hardware, workload, dtype, **constraints) -> Policy:
+        """policy_search's best policy for this model, hardware and workload (constraints: see
+        policy_search.search, e.g. scheduler="block")."""
         from policy_search import ModelSpec, Workload, search
 
         if hardware is None:
@@ -63,7 +65,7 @@ class LLM:
         compute = str(dtype or ("float16" if torch.cuda.is_available() else "float32")).removeprefix("torch.")
         bytes_per_value = 4 if compute in ("float32", "fp32", "float") else 2
         spec = ModelSpec.from_name(model, bytes_per_value=bytes_per_value)
-        policy, est = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32))
+        policy, est = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32), **constraints)
         return policy
 
     def close(self) -> None:
@@ -212,15 +214,15 @@ class _Progress:
         self.bar = tqdm(total=total, desc="generate", unit="tok", disable=not enabled)
 
     def update(self, finished: list, requests_done: int) -> None:
-        prompt = generated = 0
-        for seq in self.unfinished:
-            prompt += min(seq.num_computed, seq.num_prompt_tokens)
-            generated += len(seq.output_token_ids)
         for seq in finished:
             self.unfinished.discard(seq)
             self.prompt_tokens += seq.num_prompt_tokens
             self.generated += len(seq.output_token_ids)
             self.bar.total -= seq.max_len - seq.num_tokens  # tokens it will never generate
+        prompt = generated = 0
+        for seq in self.unfinished:
+            prompt += min(seq.num_computed, seq.num_prompt_tokens)
+            generated += len(seq.output_token_ids)
         self.done += requests_done
         self.elapsed = time.perf_counter() - self.start
         total_generated = self.generated + generated

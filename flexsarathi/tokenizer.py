@@ -160,3 +160,11 @@ def _read_json(path: str) -> dict:
             return json.load(f)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+
+
+def load_tokenizer(model: str, config) -> Tokenizer | None:
+    """The tokenizer of a checkpoint folder (None for dummy models and folders without one);
+    config (a ModelConfig) gives the BOS/EOS ids where the tokenizer's files do not."""
+    if not os.path.isdir(model):
+        return None
+    return Tokenizer.from_folder(model, config.bos_token_id, (config.eos_token_ids or (None,))[0])
