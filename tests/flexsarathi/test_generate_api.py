@@ -1,0 +1,180 @@
+"""vLLM-shaped generation API: outputs, text, stop strings, min_tokens, n, logprobs, chat templates,
+on_error and argument misuse. References: transformers (model, tokenizer, chat template) and the
+engine's own single-request runs."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from flexsarathi import LLM, FlexSarathiError, SamplingParams
+from flexsarathi.sampling import sample_seed
+from flexsarathi.tokenizer import IncrementalDetokenizer
+from policy_search import Policy
+
+PROMPTS = ["Once upon a time", "Lily wanted to", "The little dog", "One day, a big bird"]
+# A ChatML-style template as checkpoints ship them (rendered by transformers for the reference).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir):
+    with LLM(stories_dir, policy=Policy(gpu_batch_size=4, prefill_budget=8)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    folder, hf = tiny_checkpoint("llama_gqa_untied")
+    with LLM(folder, policy=Policy(gpu_batch_size=4, prefill_budget=8)) as llm:
+        yield llm, hf
+
+
+def test_text_is_the_decode_after_the_prompt_also_when_sampling(stories, stories_dir):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(stories_dir)
+    outs = stories.generate(PROMPTS, SamplingParams(max_tokens=30, temperature=1.0, seed=11), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = out.prompt_token_ids
+        prompt_text = ref.decode(ids, skip_special_tokens=True)
+        full = ref.decode(ids + out.token_ids, skip_special_tokens=True)
+        assert out.text == full[len(prompt_text):] and prompt + out.text == full
+        detok = IncrementalDetokenizer(stories.tokenizer, ids)  # the incremental text agrees
+        for token in out.token_ids:
+            detok.add(token)
+        assert full.startswith(prompt_text + detok.text)
+        assert out.outputs[0].text == out.text and out.outputs[0].token_ids == out.token_ids
+
+
+def test_stop_string_ends_the_text_before_it(stories):
+    free = stories.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)[0]
+    word = " little"
+    assert word in free.text
+    out = stories.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, stop=[" zebra", word]),
+                           use_tqdm=False)[0]
+    assert out.text == free.text[:free.text.index(word)]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == word
+    n = len(out.token_ids)  # generation stopped at the token completing the stop string
+    assert out.token_ids == free.token_ids[:n] and word in stories.tokenizer.completion_text(
+        out.prompt_token_ids, out.token_ids) and word not in stories.tokenizer.completion_text(
+        out.prompt_token_ids, out.token_ids[:-1])
+
+
+def test_min_tokens_suppresses_stops_like_transformers(tiny):
+    llm, hf = tiny
+    ids = [5, 6, 7, 8]
+    free = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    stop = free.token_ids[0]
+    out = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[stop],
+                                             min_tokens=3), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=3, do_sample=False,
+                          eos_token_id=stop, pad_token_id=0)[0, len(ids):].tolist()
+    assert out.token_ids == ref and len(out.token_ids) >= 3 and stop not in out.token_ids[:3]
+    assert out.finish_reason == ("stop" if ref[-1] == stop else "length")
+
+
+def test_n_completions_are_seeded_single_runs(tiny):
+    llm, _ = tiny
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    again = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in again.outputs]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for i, completion in enumerate(out.outputs):
+        alone = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True,
+                                                         seed=sample_seed(5, i)), use_tqdm=False)[0]
+        assert completion.token_ids == alone.token_ids
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct samples
+    assert out.token_ids == out.outputs[0].token_ids
+
+
+def test_logprobs_match_transformers(tiny):
+    llm, hf = tiny
+    ids = [3, 9, 27, 81]
+    out = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1]  # [5, vocab]
+    ref = torch.log_softmax(logits.float(), -1)
+    completion = out.outputs[0]
+    for step, (token, lp) in enumerate(zip(out.token_ids, completion.logprobs)):
+        top2 = set(torch.topk(ref[step], 2).indices.tolist())
+        assert set(lp) == top2 | {token}
+        for t, value in lp.items():
+            assert value == pytest.approx(ref[step, t].item(), abs=1e-4)
+    assert completion.cumulative_logprob == pytest.approx(sum(ref[i, t].item() for i, t in enumerate(out.token_ids)),
+                                                          abs=1e-3)
+
+
+def test_chat_template_renders_like_transformers(stories_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "chat"
+    shutil.copytree(stories_dir, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "A dog and a cat"}]
+    ref = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, add_generation_prompt=True,
+                                                                      tokenize=True)
+    ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+    with LLM(str(folder)) as llm:
+        assert llm.tokenizer.apply_chat_template(messages) == list(ref)
+    with LLM(stories_dir) as plain, pytest.raises(FlexSarathiError, match="no chat template"):
+        plain.tokenizer.apply_chat_template(messages)
+
+
+def test_on_error_record_keeps_the_batch_going(tiny):
+    llm, _ = tiny
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = llm.generate([[1, 2], [], [1] * 65, "text", [3, 4]], params, use_tqdm=False, on_error="record")
+    assert [o.error is None for o in outs] == [True, False, False, False, True]
+    assert "prompt 1 is empty" in outs[1].error and "context of 64" in outs[2].error
+    assert "no tokenizer.json" in outs[3].error and outs[1].outputs == [] and outs[1].text == ""
+    assert llm.last_stats["requests"] == 2 and llm.last_stats["failed"] == 3
+    alone = llm.generate([[1, 2], [3, 4]], params, use_tqdm=False)
+    assert [o.token_ids for o in (outs[0], outs[4])] == [o.token_ids for o in alone]
+    with pytest.raises(FlexSarathiError, match="prompt 1 is empty"):
+        llm.generate([[1, 2], []], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda llm: llm.generate([[1, 2]], {"max_tokens": 5}), r"sampling_params=\.\.\.\) must be a SamplingParams"),
+    (lambda llm: llm.generate([[1, 2]], [{"max_tokens": 5}]), r"sampling_params=.*holds a dict"),
+    (lambda llm: llm.generate(None), r"prompts=\.\.\.\) must be a string"),
+    (lambda llm: llm.generate(7), r"prompts=\.\.\.\) must be a string"),
+    (lambda llm: llm.generate([[1]], on_error="skip"), r"on_error"),
+    (lambda llm: llm.generate([[1]], SamplingParams(stop_token_ids=[500])), r"stop_token_ids .*outside the vocabulary"),
+    (lambda llm: llm.generate([[1]], SamplingParams(stop=["x"])), r"stop strings need .*tokenizer.json"),
+])
+def test_api_misuse_names_the_argument(tiny, call, message):
+    with pytest.raises(FlexSarathiError, match=message):
+        call(tiny[0])
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+    ({"stop": 5}, "stop must be a list"),
+    ({"stop": [""]}, "stop must be a non-empty string"),
+    ({"n": 0}, "n must be an integer >= 1"),
+    ({"min_tokens": 20, "max_tokens": 16}, r"min_tokens must be an integer in \[0, max_tokens=16\]"),
+    ({"logprobs": -1}, "logprobs must be None or an integer >= 0"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be True or False"),
+    ({"max_tokens": True}, "max_tokens must be an integer"),
+])
+def test_sampling_params_types(fields, message):
+    with pytest.raises(FlexSarathiError, match=f"SamplingParams.{message}"):
+        SamplingParams(**fields)
+
+
+def test_empty_generate_resets_last_stats(tiny):
+    llm, _ = tiny
+    llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.last_stats["requests"] == 1
+    assert llm.generate([], use_tqdm=False) == []
+    assert llm.last_stats["requests"] == 0 and llm.last_stats["generated_tokens"] == 0
