@@ -16,8 +16,13 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# A batch file shipped in the package (16 prompts of 64 token ids) on dummy opt-350m (random
+# weights: a throughput run, not text), half of its weights streamed from disk (O_DIRECT) by the
+# policy in examples/make_run_policy.json; results in out/make_run.jsonl (rerun = fresh run).
 run: install
-	$(PY) -m flexsarathi demo
+	$(VENV)/bin/flexsarathi generate --model dummy:opt-350m --input pkg:dummy_opt.jsonl \
+	    --output out/make_run.jsonl --overwrite --policy examples/make_run_policy.json \
+	    --max-tokens 32 --offload-dir out/offload
 
 test: install
 	$(PY) -m pytest -q
