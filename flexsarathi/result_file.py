@@ -28,6 +28,11 @@ class ResultFile:
         self.done: set[str] = set()  # keys of the records already in the file
         self.errors = 0  # error records already in the file
         self.torn = False  # a torn last line was cut off
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise FlexSarathiError(f"cannot create the folder of --output {path}: {exc.strerror}") from None
         if overwrite:
             _remove(path)
             _remove(self.meta_path)
