@@ -117,7 +117,7 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], tokenizer, defaults: 
             out.append(error_record(fmt, req, req.error))
             failed += 1
     runnable = [r for r in pending if not r.error]
-    stats = None
+    stats = policy = None
     if runnable:
         llm, policy = build_llm(args, _workload(runnable, params))
         say(f"policy: {describe_policy(policy)}")
@@ -127,7 +127,7 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], tokenizer, defaults: 
             stats = llm.last_stats
         finally:
             llm.close()
-    _summary(say, len(pending) - failed, failed, stats, args.output)
+    _summary(say, len(pending) - failed, failed, stats, args.output, describe_policy(policy) if stats else None)
     return 1 if failed + out.errors else 0
 
 
@@ -181,7 +181,7 @@ def _generate(llm, fmt: str, runnable: list[BatchRequest], params: dict, out: Re
     return failed
 
 
-def _summary(say, ok: int, failed: int, stats: dict | None, output: str) -> None:
+def _summary(say, ok: int, failed: int, stats: dict | None, output: str, policy: str | None) -> None:
     say(f"done: {ok} ok, {failed} failed -> {output}")
     if not stats:
         return
@@ -189,4 +189,5 @@ def _summary(say, ok: int, failed: int, stats: dict | None, output: str) -> None
     say(f"tokens: {stats['prompt_tokens']} prompt, {stats['generated_tokens']} generated in {seconds:.2f} s "
         f"({stats['passes']} passes): {stats['tokens_per_s']:.2f} generated tok/s, "
         f"{(stats['prompt_tokens'] + stats['generated_tokens']) / (seconds or 1e-9):.2f} total tok/s")
+    say(f"policy: {policy}")
     say(f"peak memory: {memory_summary(stats['memory'])}")
