@@ -101,6 +101,7 @@ class LLM:
         prompts, params = _check_arguments(prompts, sampling_params, on_error)
         self.last_stats = _stats(0, 0, 0, 0, 0, 0.0, self.engine.memory.report())
         groups, refused = self._make_requests(prompts, params, on_error)
+        self.last_stats["failed"] = len(refused)
         for index, error in refused:
             yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
                                        else None, prompt_token_ids=[], outputs=[], error=error)
