@@ -112,6 +112,7 @@ class LLMEngine:
         self._rng = random.Random(seed)
         self._next_id = 0
         self.closed = False
+        self._closed_because = "LLM.close() was called"
 
     def _offload_folder(self) -> str:
         try:
@@ -194,9 +195,26 @@ class LLMEngine:
         self.activations.close()
         release_host_buffers()
 
+    def recover(self) -> None:
+        """Called when an exception (KeyboardInterrupt included) escaped a pass: wait for the I/O
+        threads and weight prefetches still running, drop parked activations and forget which
+        layer sits in which working buffer. KV blocks and sequences belong to the interrupted
+        call's scheduler and go with it. The next call then gives a fresh engine's results; if
+        the engine cannot get there, it is closed and says why on its next use."""
+        if self.closed:
+            return
+        try:
+            self.executor.reset()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except BaseException as exc:  # noqa: BLE001 - the caller re-raises the original error
+            self.close()
+            self._closed_because = (f"it could not recover from an interrupted pass "
+                                    f"({type(exc).__name__}: {exc})")
+
     def _check_open(self) -> None:
         if self.closed:
-            raise FlexSarathiError("this engine is closed (LLM.close() was called); create a new LLM")
+            raise FlexSarathiError(f"this engine is closed ({self._closed_because}); create a new LLM")
 
     # ---- the step ------------------------------------------------------------------------
     def step(self, scheduler: Scheduler) -> list[Sequence]:
@@ -285,8 +303,12 @@ class LLMEngine:
         scheduler = self.new_scheduler(seqs)
         for seq in seqs:
             scheduler.add(seq)
-        while any(seq.is_prefilling for seq in seqs):
-            self.step(scheduler)
+        try:
+            while any(seq.is_prefilling for seq in seqs):
+                self.step(scheduler)
+        except BaseException:
+            self.recover()
+            raise
         return [torch.cat(seq.prompt_logits) for seq in seqs]
 
     def to_output(self, seq: Sequence) -> RequestOutput:
