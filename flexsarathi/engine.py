@@ -50,9 +50,27 @@ class RequestOutput:
 
 
 def resolve_device(device) -> torch.device:
+    """The compute device: 'cpu' or 'cuda[:N]' (default: cuda when available); anything else, or
+    CUDA on a machine without it, is a FlexSarathiError saying so."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        hint = " (did you mean 'cuda'?)" if str(device).lower().startswith("gpu") else ""
+        raise FlexSarathiError(f"device {device!r} is not one FlexSarathi computes on: use 'cpu' or "
+                               f"'cuda' / 'cuda:N'{hint}")
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise FlexSarathiError(f"device {device!r}: CUDA is not available on this machine (torch "
+                                   f"{torch.__version__}, no usable GPU); use 'cpu'")
+        if resolved.index is not None and resolved.index >= count:
+            raise FlexSarathiError(f"device {device!r}: this machine has {count} CUDA device(s), "
+                                   f"cuda:0 .. cuda:{count - 1}")
+    return resolved
 
 
 def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
