@@ -1,9 +1,10 @@
 """Perplexity of a text file: each document (split by a separator, or the whole text) is tokenized
 with BOS and scored in windows of the model's context, as HF's perplexity guide and
-llama-perplexity do. Windows start every `stride` tokens; each token after the document's first is
-scored exactly once, by the first window that reaches it (where it has the most history: at least
-context - stride tokens once past the first window). Nothing is truncated: the result says how
-many tokens were scored and in how many windows."""
+llama-perplexity do. Windows start every `stride` tokens; a token is scored once, by the first
+window that reaches it (where it has the most history: at least context - stride tokens once past
+the first window). With stride < context every token after the document's first is scored; with
+stride = context (non-overlapping windows) a window's first token has no history in it and is not
+scored. Nothing is truncated: the result says how many tokens were scored in how many windows."""
 from __future__ import annotations
 
 import math
@@ -24,7 +25,7 @@ def sliding_windows(num_tokens: int, context: int, stride: int) -> list[tuple[in
     windows, prev_end = [], 0
     for begin in range(0, num_tokens, stride):
         end = min(begin + context, num_tokens)
-        scored = end - prev_end if prev_end else end - 1  # the first token has no prediction
+        scored = min(end - prev_end, end - begin - 1)  # a window's first token has no prediction
         windows.append((begin, end, scored))
         prev_end = end
         if end == num_tokens:
