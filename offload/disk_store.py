@@ -458,12 +458,14 @@ class DiskStore:
 
     def _read_whole(self, name: str, location: _Location, out: torch.Tensor) -> Future:
         dest = _byte_view(out)
-        chunk_futures = [
-            self._submit_read(location.file, location.offset + start,
-                              dest[start:start + self.chunk_bytes])
-            for start in range(0, location.nbytes, self.chunk_bytes)
-        ]
-        check = (lambda: self._check_bytes(name, dest)) if self._needs_check(name) else None
+        pieces = [dest[start:start + self.chunk_bytes] for start in range(0, location.nbytes, self.chunk_bytes)]
+        crc = _InOrderCrc(pieces) if self._needs_check(name) else None
+        chunk_futures = []
+        for i, piece in enumerate(pieces):
+            chunk_futures.append(self._submit_read(location.file, location.offset + i * self.chunk_bytes, piece))
+            if crc is not None:
+                chunk_futures[-1].add_done_callback(lambda future, i=i: crc.chunk_read(i, future))
+        check = (lambda: self._check_crc(name, crc.value())) if crc is not None else None
         return _when_all_done(chunk_futures, out, check)
 
     def read_range_async(self, name: str, byte_start: int, out: torch.Tensor) -> Future:
@@ -632,10 +634,9 @@ class DiskStore:
     def _needs_check(self, name: str) -> bool:
         return self.verify_reads and name not in self._slots and name not in self._verified
 
-    def _check_bytes(self, name: str, data: np.ndarray) -> None:
-        """Runs once the whole of `name` was read into `data`: compare with the manifest."""
+    def _check_crc(self, name: str, crc: int) -> None:
+        """Runs once the whole of `name` was read, with the crc32 of what was read."""
         entry = self.entry(name)
-        crc = zlib.crc32(data)
         if crc != entry.crc32:
             raise StoreCorruptError(
                 f"offload store {self.path}: tensor {name!r} in {self.path / entry.file} (bytes "
@@ -1045,3 +1046,44 @@ def _numel(shape: Sequence[int]) -> int:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+class _InOrderCrc:
+    """crc32 of a buffer read in chunks, folded in chunk order as the reads complete by whichever
+    reader thread finished one (one thread at a time), so the check of a tensor runs alongside its
+    reads instead of after them (crc32 cannot combine out-of-order pieces)."""
+
+    def __init__(self, pieces: list[np.ndarray]):
+        self._pieces = pieces
+        self._read = [False] * len(pieces)
+        self._next = 0  # first chunk not folded in yet
+        self._crc = 0
+        self._busy = False
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        if not pieces:
+            self._finished.set()
+
+    def chunk_read(self, index: int, future: Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # the read fails as a whole; value() is never asked for
+        with self._lock:
+            self._read[index] = True
+            if self._busy:
+                return  # the thread folding chunks in will reach this one
+            self._busy = True
+        while True:
+            with self._lock:
+                if self._next == len(self._pieces) or not self._read[self._next]:
+                    self._busy = False
+                    if self._next == len(self._pieces):
+                        self._finished.set()
+                    return
+                piece = self._pieces[self._next]
+            self._crc = zlib.crc32(piece, self._crc)
+            with self._lock:
+                self._next += 1
+
+    def value(self) -> int:
+        self._finished.wait()
+        return self._crc
