@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flexsarathi.cli_io import check_output_file, positive_int
+from flexsarathi.cli_io import check_output_file
 from policy_search import (HardwareSpec, InfeasibleError, ModelSpec, Policy, PolicyError, SpecError,
                            Workload, estimate, format_report, search_detailed, write_policy_file)
 from policy_search.hardware import PRESETS
@@ -24,11 +24,11 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
                    help="checkpoint folder with config.json, a registered name (opt-30b) or dummy:<name>")
     p.add_argument("--hardware", default="t4",
                    help=f"a preset ({', '.join(PRESETS)}) or a JSON profile from `flexsarathi profile`")
-    p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens per request")
-    p.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens per request")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--gen-len", type=int, default=32, help="generated tokens per request")
     p.add_argument("--workload", default=None,
                    help="file of (prompt_len, gen_len) pairs, a distribution (overrides the two above)")
-    p.add_argument("--num-requests", type=positive_int, default=None,
+    p.add_argument("--num-requests", type=int, default=None,
                    help="requests in the run (default: an unbounded stream, steady state)")
     for tier in ("gpu", "cpu", "disk"):
         p.add_argument(f"--{tier}-mem", type=float, default=None, metavar="GIB",
@@ -40,8 +40,8 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
                        ("cpu-attention", "decode attention on the CPU")):
         p.add_argument(f"--{knob}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"force {what} on or off (default: searched)")
-    p.add_argument("--gpu-batch-size", type=positive_int, default=None, help="fix the micro-batch size")
-    p.add_argument("--num-gpu-batches", type=positive_int, default=None, help="fix the micro-batch count")
+    p.add_argument("--gpu-batch-size", type=int, default=None, help="fix the micro-batch size")
+    p.add_argument("--num-gpu-batches", type=int, default=None, help="fix the micro-batch count")
     p.add_argument("--policy", default=None,
                    help="estimate this policy JSON instead of searching")
     p.add_argument("--json", default=None, metavar="OUT",
