@@ -214,7 +214,7 @@ class LLMEngine:
         release_host_buffers()
 
     def recover(self) -> None:
-        """Called when an exception (KeyboardInterrupt included) escaped a pass: wait for the I/O
+        """Called by step when an exception (KeyboardInterrupt included) escaped a pass: wait for the I/O
         threads and weight prefetches still running, drop parked activations and forget which
         layer sits in which working buffer. KV blocks and sequences belong to the interrupted
         call's scheduler and go with it. The next call then gives a fresh engine's results; if
@@ -236,7 +236,17 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self, scheduler: Scheduler) -> list[Sequence]:
-        """One pass; returns the sequences that finished in it."""
+        """One pass; returns the sequences that finished in it. An exception inside it
+        (KeyboardInterrupt included) leaves the engine as a fresh one (see recover) and propagates;
+        between steps the engine is always consistent (prefetches of the next pass's first layers
+        are valid loads), so every loop over step, LLM.generate's among them, is covered."""
+        try:
+            return self._step(scheduler)
+        except BaseException:
+            self.recover()
+            raise
+
+    def _step(self, scheduler: Scheduler) -> list[Sequence]:
         plan: SchedulerOutput = scheduler.schedule()
         built = [build_micro_batch(items, self.blocks) for items in plan.micro_batches]
         working = self._pass_working_bytes([mb for mb, _ in built])
@@ -321,12 +331,8 @@ class LLMEngine:
         scheduler = self.new_scheduler(seqs)
         for seq in seqs:
             scheduler.add(seq)
-        try:
-            while any(seq.is_prefilling for seq in seqs):
-                self.step(scheduler)
-        except BaseException:
-            self.recover()
-            raise
+        while any(seq.is_prefilling for seq in seqs):
+            self.step(scheduler)
         return [torch.cat(seq.prompt_logits) for seq in seqs]
 
     def to_output(self, seq: Sequence) -> RequestOutput:

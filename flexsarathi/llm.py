@@ -106,17 +106,13 @@ class LLM:
             scheduler.add(seq)
         start, generated, passes = time.perf_counter(), 0, 0
         with tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            try:
-                while scheduler.has_unfinished():
-                    finished = engine.step(scheduler)
-                    passes += 1
-                    generated += sum(len(s.output_token_ids) for s in finished)
-                    if finished:
-                        bar.update(len(finished))
-                        bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}")
-            except BaseException:  # KeyboardInterrupt included: the engine stays usable
-                engine.recover()
-                raise
+            while scheduler.has_unfinished():
+                finished = engine.step(scheduler)
+                passes += 1
+                generated += sum(len(s.output_token_ids) for s in finished)
+                if finished:
+                    bar.update(len(finished))
+                    bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}")
         elapsed = time.perf_counter() - start
         self.last_stats = {"requests": len(seqs), "generated_tokens": generated, "passes": passes,
                            "seconds": elapsed, "tokens_per_s": generated / elapsed if elapsed else 0.0,
