@@ -86,3 +86,23 @@ def test_llm_rejects_devices_it_cannot_use(device):
         pytest.skip("this machine has CUDA")
     with pytest.raises(FlexSarathiError, match=f"device '{device}'"):
         LLM("dummy:opt-125m", device=device)
+
+
+def test_outputs_on_a_read_only_filesystem_are_refused_before_any_work(tmp_path):
+    """Root ignores permission bits, a read-only mount it cannot: the write check sees it."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({done.stderr.strip() or 'not root'})")
+    try:
+        for argv in (["policy", "--model", "opt-125m", "--json", f"{mount}/p.json"],
+                     ["profile", "--output", f"{mount}/hw.json"]):
+            run = subprocess.run([sys.executable, "-m", "flexsarathi", *argv], capture_output=True,
+                                 text=True, cwd=REPO, timeout=300)
+            assert run.returncode == 2 and run.stderr.splitlines() == [
+                f"error: {argv[-2]} {argv[-1]} is not writable"], run.stderr
+            assert "search" not in run.stdout and "profiling" not in run.stderr  # refused first
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
