@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,6 +175,7 @@ def test_kill_during_placement_leaves_nothing_trusted(tmp_path):
     with LLM("dummy:opt-125m", policy=ON_DISK, offload_dir=str(tmp_path)) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference
     assert not list(store.glob(".data-*")), "the killed writer's temporary shard was not removed"
+    shutil.rmtree(store)  # ~500 MB; pytest keeps the temporary folders of recent sessions
 
 
 @pytest.fixture
@@ -240,6 +242,7 @@ def disk_engine(tmp_path_factory):
     llm = LLM("dummy:opt-125m", policy=ON_DISK, offload_dir=folder)
     yield llm, prompts, reference
     llm.close()
+    shutil.rmtree(folder)  # ~500 MB; pytest keeps the temporary folders of recent sessions
 
 
 def _tokens(llm, prompts):
