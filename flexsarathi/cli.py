@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from flexsarathi.cli_bench import add_bench_parser
 from flexsarathi.cli_generate import add_generate_parser
+from flexsarathi.cli_io import check_folder, check_output_file, positive_int, read_text_file
 from flexsarathi.cli_policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from offload.disk_store import OffloadError
@@ -50,37 +52,47 @@ def _cmd_perplexity(args) -> int:
     from flexsarathi import LLM
     from flexsarathi.perplexity import perplexity, split_documents
 
-    try:
-        with open(args.text, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise FlexSarathiError(f"cannot read --text {args.text}: {exc.strerror}") from None
+    text = read_text_file(args.text, "--text")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy)
-    result = perplexity(llm, split_documents(text, args.separator), use_tqdm=not args.quiet)
+    result = perplexity(llm, split_documents(text, args.separator), stride=args.stride,
+                        use_tqdm=not args.quiet)
     print(json.dumps({"model": args.model, "text": args.text, **result}))
     return 0
 
 
 def _cmd_profile(args) -> int:
     from flexsarathi.engine import DEFAULT_OFFLOAD_DIR
+    from flexsarathi.model_config import parse_dtype
     from flexsarathi.profiler import profile_machine
 
-    spec = profile_machine(args.offload_dir or DEFAULT_OFFLOAD_DIR, disk_bytes=args.disk_mib << 20,
+    check_output_file(args.output, "--output")
+    offload_dir = args.offload_dir or DEFAULT_OFFLOAD_DIR
+    check_folder(offload_dir, "--offload-dir")
+    dtype = parse_dtype(args.dtype, "--dtype") if args.dtype else None
+    spec = profile_machine(offload_dir, dtype=dtype, disk_bytes=args.disk_mib << 20,
                            log=lambda line: print(line, file=sys.stderr, flush=True))
     spec.save(args.output)
     print(f"wrote {args.output}: {spec.describe()}")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other error of the command line (subcommand parsers
+    are made by add_parser with the parent's class, so they inherit this)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexsarathi", description=__doc__)
+    parser = _Parser(prog="flexsarathi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="generate from a few prompts and print tokens/s")
     demo.add_argument("--model", default="dummy:opt-125m", help="checkpoint folder or dummy:<name>")
-    demo.add_argument("--num-prompts", type=int, default=8)
-    demo.add_argument("--prompt-len", type=int, default=64)
-    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--num-prompts", type=positive_int, default=8)
+    demo.add_argument("--prompt-len", type=positive_int, default=64)
+    demo.add_argument("--max-tokens", type=positive_int, default=32)
     _add_engine_args(demo)
     demo.set_defaults(func=_cmd_demo)
 
@@ -88,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--model", required=True, help="checkpoint folder with tokenizer.json")
     ppl.add_argument("--text", required=True, help="UTF-8 text file")
     ppl.add_argument("--separator", default=None, help="document separator, e.g. '<|endoftext|>'")
+    ppl.add_argument("--stride", type=positive_int, default=None,
+                     help="tokens a window moves on: documents longer than the model's context are "
+                          "scored in windows of the context; each token is scored once, in the "
+                          "window that gives it the most history (default: half the context)")
     ppl.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_engine_args(ppl)
     ppl.set_defaults(func=_cmd_perplexity)
@@ -95,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="measure this machine into a hardware JSON for --hardware")
     prof.add_argument("--output", "-o", default="hardware_profile.json")
     prof.add_argument("--offload-dir", default=None, help="folder whose disk is measured")
-    prof.add_argument("--disk-mib", type=int, default=512, help="size of the disk test file")
+    prof.add_argument("--disk-mib", type=positive_int, default=512, help="size of the disk test file")
+    prof.add_argument("--dtype", default=None, help="compute dtype measured (default: the engine's: "
+                      "float32 on CPU, float16 on GPU)")
     prof.set_defaults(func=_cmd_profile)
 
     add_policy_parser(sub)
@@ -104,10 +122,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USER_ERRORS = (FlexSarathiError, PolicyError, SpecError, InfeasibleError, MemoryBudgetError, OffloadError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every failure ends in one `error: ...` line on stderr: exit 2 for bad input and for files
+    or folders that cannot be used, 1 for an unexpected failure (its traceback only with
+    FLEXSARATHI_TRACEBACK=1), 130 when interrupted."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FlexSarathiError, PolicyError, SpecError, InfeasibleError, MemoryBudgetError, OffloadError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as exc:
+        return _fail(f"error: {_one_line(exc)}", 2)
+    except OSError as exc:  # a file or folder the checks could not foresee (disk full, removed)
+        where = f" ({exc.filename})" if exc.filename else ""
+        return _fail(f"error: {exc.strerror or exc}{where}", 2)
+    except KeyboardInterrupt:
+        return _fail("error: interrupted", 130)
+    except Exception as exc:  # noqa: BLE001 - never a traceback on the command line
+        if os.environ.get("FLEXSARATHI_TRACEBACK"):
+            raise
+        return _fail(f"error: unexpected {type(exc).__name__}: {_one_line(exc)} (a bug: rerun with "
+                     f"FLEXSARATHI_TRACEBACK=1 and report the traceback)", 1)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _fail(line: str, code: int) -> int:
+    print(line, file=sys.stderr, flush=True)
+    return code

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flexsarathi.cli_io import check_output_file
 from policy_search import (HardwareSpec, InfeasibleError, ModelSpec, Policy, PolicyError, SpecError,
                            Workload, estimate, format_report, search_detailed, write_policy_file)
 from policy_search.hardware import PRESETS
@@ -63,6 +64,8 @@ def _specs(args) -> tuple[ModelSpec, HardwareSpec, Workload]:
 
 
 def run_policy(args) -> int:
+    if args.json:
+        check_output_file(args.json, "--json")  # before the search, not after it
     try:
         model, hardware, workload = _specs(args)
         if args.policy:

@@ -82,9 +82,27 @@ class RequestOutput:
 
 
 def resolve_device(device) -> torch.device:
+    """The compute device: 'cpu' or 'cuda[:N]' (default: cuda when available); anything else, or
+    CUDA on a machine without it, is a FlexSarathiError saying so."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        hint = " (did you mean 'cuda'?)" if str(device).lower().startswith("gpu") else ""
+        raise FlexSarathiError(f"device {device!r} is not one FlexSarathi computes on: use 'cpu' or "
+                               f"'cuda' / 'cuda:N'{hint}")
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise FlexSarathiError(f"device {device!r}: CUDA is not available on this machine (torch "
+                                   f"{torch.__version__}, no usable GPU); use 'cpu'")
+        if resolved.index is not None and resolved.index >= count:
+            raise FlexSarathiError(f"device {device!r}: this machine has {count} CUDA device(s), "
+                                   f"cuda:0 .. cuda:{count - 1}")
+    return resolved
 
 
 def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -142,6 +160,7 @@ class LLMEngine:
         self._rng = random.Random(seed)
         self._next_id = 0
         self.closed = False
+        self._closed_because = "LLM.close() was called"
 
     def _offload_folder(self) -> str:
         try:
@@ -234,13 +253,40 @@ class LLMEngine:
         self.activations.close()
         release_host_buffers()
 
+    def recover(self) -> None:
+        """Called by step when an exception (KeyboardInterrupt included) escaped a pass: wait for the I/O
+        threads and weight prefetches still running, drop parked activations and forget which
+        layer sits in which working buffer. KV blocks and sequences belong to the interrupted
+        call's scheduler and go with it. The next call then gives a fresh engine's results; if
+        the engine cannot get there, it is closed and says why on its next use."""
+        if self.closed:
+            return
+        try:
+            self.executor.reset()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except BaseException as exc:  # noqa: BLE001 - the caller re-raises the original error
+            self.close()
+            self._closed_because = (f"it could not recover from an interrupted pass "
+                                    f"({type(exc).__name__}: {exc})")
+
     def _check_open(self) -> None:
         if self.closed:
-            raise FlexSarathiError("this engine is closed (LLM.close() was called); create a new LLM")
+            raise FlexSarathiError(f"this engine is closed ({self._closed_because}); create a new LLM")
 
     # ---- the step ------------------------------------------------------------------------
     def step(self, scheduler: Scheduler) -> list[Sequence]:
-        """One pass; returns the sequences that finished in it."""
+        """One pass; returns the sequences that finished in it. An exception inside it
+        (KeyboardInterrupt included) leaves the engine as a fresh one (see recover) and propagates;
+        between steps the engine is always consistent (prefetches of the next pass's first layers
+        are valid loads), so every loop over step, LLM.generate's among them, is covered."""
+        try:
+            return self._step(scheduler)
+        except BaseException:
+            self.recover()
+            raise
+
+    def _step(self, scheduler: Scheduler) -> list[Sequence]:
         plan: SchedulerOutput = scheduler.schedule()
         built = [build_micro_batch(items, self.blocks) for items in plan.micro_batches]
         working = self._pass_working_bytes([mb for mb, _ in built])

@@ -6,7 +6,8 @@ layer (`model=`: a policy_search.ModelSpec; default: OPT-1.3B's, hidden 2048, ML
 copy bandwidths between tiers, disk read (O_DIRECT, page cache bypassed) and write (fsync'd), the
 layer's four matmuls at several row counts, attention rates, dequantization rates, and the engine's
 own fixed cost per layer of a pass (run on a small dummy model). Each figure
-is the median of a few repeats after a warm-up; the whole run takes well under a minute.
+is the median of a few repeats after a warm-up, with fewer repeats for slow calls, so the whole run
+takes under a minute on a 2-core machine (measured: 18-23 s in fp32 on a busy 2-core EPYC).
 
 Without CUDA the profile says `compute_on_host` (the planner then adds cpu-tier copies to the compute
 time) and the matmul figures are those of the cost model's host form, time = weight bytes /
@@ -33,14 +34,18 @@ from policy_search.model_spec import ModelSpec
 from quant import QuantConfig, dequantize, quantize
 
 
-def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
+def _median_seconds(fn, repeats: int = 5, warmup: int = 1, budget: float = 2.0) -> float:
+    """Median seconds of `fn` after `warmup` calls; slow calls get fewer repeats (at least 3) so
+    one figure takes about `budget` seconds at most, whatever the machine."""
     for _ in range(warmup):
         fn()
     times = []
-    for _ in range(repeats):
+    while len(times) < repeats:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+        if len(times) >= 3 and sum(times) >= budget:
+            break
     return statistics.median(times)
 
 
@@ -111,7 +116,12 @@ def _matmul_figures(device, dtype, shapes: LayerShapes, on_host: bool) -> tuple[
         prefill = flops_per_row * 512 / _layer_matmul_seconds(device, dtype, shapes, 512)
         return prefill, decode, 0.0
     rows = (8, 16, 32, 64, 128, 256, 512, 1024)  # decode micro-batches up to whole-block prefills
-    seconds = [_layer_matmul_seconds(device, dtype, shapes, t) for t in rows]
+    seconds, start = [], time.perf_counter()
+    for t in rows:  # bounded: at least 6 points, then stop once a call or the whole grows long
+        seconds.append(_layer_matmul_seconds(device, dtype, shapes, t))
+        if len(seconds) >= 6 and (seconds[-1] > 0.5 or time.perf_counter() - start > 8):
+            break
+    rows = rows[:len(seconds)]
     decode = flops_per_row * 16 / seconds[rows.index(16)]
     # Line seconds = a + b * rows fitted in relative error (every row count matters alike): a streams
     # the weights, b is the FMA time per row. On a 2-core EPYC (bf16) it fits 8..1024 rows within 6%.
@@ -170,9 +180,12 @@ def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads:
         _sync(device)
         return time.perf_counter() - start
 
-    for _ in range(5):  # warm-up: the allocator settles (first calls page-fault their temporaries)
+    for _ in range(3):  # warm-up: the allocator settles (first calls page-fault their temporaries)
         run()
-    seconds = statistics.median(run() for _ in range(11))
+    times = []
+    while len(times) < 11 and (len(times) < 3 or sum(times) < 1.0):  # bounded on slow machines
+        times.append(run())
+    seconds = statistics.median(times)
     # FLOPs as the cost model counts them: the causal (query, key) pairs, 4 * heads * head_dim each
     # (query i at position context - queries + i sees that many keys plus itself).
     pairs = seqs * (queries * (context - queries) + queries * (queries + 1) // 2)
@@ -287,25 +300,30 @@ def _host_memory() -> int:
 def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_bytes: int = 512 << 20,
                     log=print, model: ModelSpec | None = None, prompt_len: int = 128,
                     decode_context: int = 256, decode_seqs: int = 16) -> HardwareSpec:
-    """Measure this machine. dtype: the engine's compute dtype (default fp16 on CUDA, bf16 on the
-    CPU); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
+    """Measure this machine, logging each step before it runs. dtype: the engine's compute dtype
+    (default: what the engine computes in, fp16 on CUDA and fp32 on the CPU); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
     rates are measured on a whole prompt of `prompt_len` tokens and on `decode_seqs` sequences
     decoding against `decode_context` cached tokens: on a CPU the rate per pair depends on the shape
     (per-call costs weigh on short prompts), so a benchmark passes its workload's."""
+    from flexsarathi.engine import resolve_dtype
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = dtype or (torch.float16 if cuda else torch.bfloat16)
+    dtype = dtype or resolve_dtype(None, torch.float16, device)  # what LLM(dtype=None) computes in
     cpu = torch.device("cpu")
     shapes = LayerShapes.of(model)
     os.makedirs(offload_dir, exist_ok=True)
     log(f"profiling: compute device {device} ({dtype}), offload folder {offload_dir}, layer of "
         f"{model.name if model else 'opt-1.3b'} ({shapes.params / 1e6:.1f}M matrix parameters)")
+    log("  measuring copies between tiers (256 MiB each way) ...")
     h2d = _copy_bandwidth(cpu, device, 256 << 20, pin=cuda)
     d2h = _copy_bandwidth(device, cpu, 256 << 20, pin=cuda)
     log(f"  copies: host->device {h2d / 1e9:.2f} GB/s, device->host {d2h / 1e9:.2f} GB/s")
+    log(f"  measuring the disk: writing and reading {disk_bytes >> 20} MiB in {offload_dir} ...")
     disk_read, disk_write = _disk_bandwidth(offload_dir, disk_bytes, shapes, dtype, busy_cores=not cuda)
     log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT, layer by layer"
         + ("" if cuda else ", while the cores compute") + f"), write {disk_write / 1e9:.2f} GB/s")
+    log(f"  measuring the layer's matmuls ({dtype}) at 8 .. 1024 rows ...")
     prefill, decode, weight_stream = _matmul_figures(device, dtype, shapes, on_host=not cuda)
     if cuda:
         mem_bw = _copy_bandwidth(device, device, 256 << 20, pin=False) * 2  # read + write
@@ -319,6 +337,7 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
         heads["between"] = _layer_matmuls(device, dtype, shapes, 64)
     # A whole prompt (the engine computes the full square and masks it: twice the causal pairs), and
     # a batch of sequences decoding one token each.
+    log("  measuring attention (a whole prompt, then a decode batch) ...")
     attn_prefill = _attention_rate(device, dtype, prompt_len, prompt_len, 1, **heads)
     attn_decode = _attention_rate(device, dtype, 1, decode_context, decode_seqs, **heads)
     cpu_attn = (attn_decode if not cuda else
@@ -326,9 +345,11 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     log(f"  attention: prefill {attn_prefill / 1e9:.2f} (a {prompt_len}-token prompt), decode "
         f"{attn_decode / 1e9:.3f} ({decode_seqs} x {decode_context} tokens), CPU decode {cpu_attn / 1e9:.3f} "
         f"GFLOP/s (causal pairs)")
+    log("  measuring 4-bit dequantization ...")
     dequant = _dequant_rate(device, dtype)
     cpu_dequant = dequant if not cuda else _dequant_rate(cpu, torch.bfloat16)
     log(f"  dequantize: {dequant / 1e9:.2f} G values/s")
+    log("  measuring the engine's own cost per layer (dummy:opt-125m, one decode token per pass) ...")
     overhead = _layer_overhead(device, dtype)
     log(f"  engine overhead: {overhead * 1e3:.2f} ms per layer and micro-batch of a pass (beyond the math)")
     gpu_memory = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory()

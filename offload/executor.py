@@ -61,6 +61,15 @@ class PassExecutor:
             return done
         return self._io.submit(fn, *args)
 
+    def reset(self) -> None:
+        """After an exception inside `run` (KeyboardInterrupt included): wait for the KV /
+        activation I/O still in flight (it writes into the KV pools), drop the parked hidden
+        states and reset the weights' prefetching, so the next pass runs as on a fresh engine."""
+        if self._io is not None:
+            self._io.submit(int).result()  # one worker: every load and store submitted before is done
+        self.acts.close()
+        self.weights.reset()
+
     def close(self) -> None:
         if self._io is not None:
             self._io.shutdown(wait=True)

@@ -16,14 +16,15 @@ memory, so cpu-tier weights are still copied into working buffers, exactly as on
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from offload.disk_store import DiskStore, aligned_empty
+from offload.disk_store import DiskStore, OffloadError, StoreCorruptError, aligned_empty
 from offload.memory import MemoryTracker
 from quant import QTensor, QuantConfig, quantize
 
@@ -158,30 +159,14 @@ class TieredWeights:
         tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
 
         self.store = disk_store() if needs_disk else None
-        write = self.store is not None and not self.store.is_complete()
-        writer = self.store.begin_write(total_bytes=disk_bytes + small) if write else None
+        self._read_layer, self._store_bytes = read_layer, disk_bytes + small
         self._small: list[dict[str, torch.Tensor]] = []
         self._parts: list[dict[tuple[str, int], list[torch.Tensor]]] = []  # (name, piece) -> comps
         try:
-            for layer in range(num_layers):
-                if self.store is not None and writer is None:
-                    # A complete store holds every layer (small tensors included), as placed and
-                    # compressed: read the resident pieces from it instead of regenerating or
-                    # re-quantizing the layer from the source.
-                    small, parts = self._read_layer_from_store(layer)
-                else:
-                    weights = read_layer(layer)
-                    small = {k: weights[k].to(self.device) for k in self.small_shapes}
-                    parts = self._place_layer(weights, layer, writer)
-                    del weights
-                self._small.append(small)
-                self._parts.append(parts)
-            if writer is not None:
-                writer.commit()
-        except BaseException:
-            if writer is not None:
-                writer.abort()
-            raise
+            self._place_all(rewrite=False)
+        except StoreCorruptError as damage:  # a reused store failed its checksums: never use it
+            warnings.warn(f"{damage}; rebuilding the store from the source", RuntimeWarning, stacklevel=2)
+            self._place_all(rewrite=True, damage=damage)
 
         # On the host, working buffers start on a 4096-byte boundary so that O_DIRECT reads of disk
         # pieces land in them directly (an unaligned buffer costs every chunk a bounce copy).
@@ -205,6 +190,53 @@ class TieredWeights:
         # in it; the next load into the slot waits for it (compute is asynchronous on a GPU).
         self._slot_free: list[torch.cuda.Event | None] = [None] * num_slots
 
+    def _place_all(self, *, rewrite: bool, damage: StoreCorruptError | None = None) -> None:
+        """Every layer's small tensors and gpu/cpu pieces; the disk store written first when it is
+        absent, incomplete or (`rewrite`) damaged. A complete store holds every layer as placed and
+        compressed: the resident pieces are read from it instead of regenerating or re-quantizing
+        the layer from the source."""
+        store = self.store
+        write = store is not None and (rewrite or not store.is_complete())
+        writer = store.begin_write(total_bytes=self._store_bytes) if write else None
+        self._small, self._parts = [], []
+        try:
+            for layer in range(self.num_layers):
+                if store is not None and writer is None:
+                    small, parts = self._read_layer_from_store(layer)
+                else:
+                    weights = self._source_layer(layer, damage)
+                    small = {k: weights[k].to(self.device) for k in self.small_shapes}
+                    parts = self._place_layer(weights, layer, writer)
+                    del weights
+                self._small.append(small)
+                self._parts.append(parts)
+            if writer is not None:
+                writer.commit()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+
+    def _source_layer(self, layer: int, damage: StoreCorruptError | None) -> dict:
+        """The layer's weights from the source; when they are wanted to rebuild a damaged store and
+        the source cannot give them, the error names the damaged file and the source's failure."""
+        try:
+            return self._read_layer(layer)
+        except Exception as exc:
+            if damage is None:
+                raise
+            raise OffloadError(f"{damage}; it cannot be rebuilt because the source weights of layer "
+                               f"{layer} cannot be read ({type(exc).__name__}: {exc})") from exc
+
+    def _rebuild_store(self, damage: StoreCorruptError) -> None:
+        """Rewrite the whole store from the source (found damaged while running). Only the disk
+        pieces are read from it after loading, so the gpu/cpu pieces in memory stay as they are."""
+        warnings.warn(f"{damage}; rebuilding the store from the source", RuntimeWarning, stacklevel=3)
+        with self.store.begin_write(total_bytes=self._store_bytes) as writer:
+            for layer in range(self.num_layers):
+                self._write_layer(self._source_layer(layer, damage), layer, writer)
+            writer.commit()
+
     @staticmethod
     def _key(layer: int, name: str, comp: Component) -> str:
         return f"{layer}.{name}{'.' + comp.suffix if comp.suffix else ''}"
@@ -217,9 +249,6 @@ class TieredWeights:
         """The layer's gpu- and cpu-tier pieces, cut from its weights (compressed per the plan);
         with a writer, the layer also goes to the disk store whole (every tensor's components and
         the small tensors)."""
-        if writer is not None:
-            for k in self.small_shapes:
-                writer.add(self._small_key(layer, k), weights[k])
         parts = {}
         for plan in self.plans:
             comps = flat_components(weights[plan.name], plan)
@@ -233,28 +262,40 @@ class TieredWeights:
                     sliced = [t.pin_memory() for t in sliced]
                 parts[(plan.name, i)] = sliced
             if writer is not None:
-                for comp, cm in zip(comps, plan.components):
-                    writer.add(self._key(layer, plan.name, cm), comp)
+                self._write_tensor(writer, layer, plan, comps)
+        if writer is not None:
+            for k in self.small_shapes:
+                writer.add(self._small_key(layer, k), weights[k])
         return parts
+
+    def _write_layer(self, weights: dict, layer: int, writer) -> None:
+        """The layer to the disk store, as _place_layer writes it (same names, same order)."""
+        for plan in self.plans:
+            self._write_tensor(writer, layer, plan, flat_components(weights[plan.name], plan))
+        for k in self.small_shapes:
+            writer.add(self._small_key(layer, k), weights[k])
+
+    def _write_tensor(self, writer, layer: int, plan: TensorPlan, comps: list[torch.Tensor]) -> None:
+        for comp, cm in zip(comps, plan.components):
+            writer.add(self._key(layer, plan.name, cm), comp)
 
     def _read_layer_from_store(self, layer: int) -> tuple[dict, dict]:
         """(small tensors, gpu- and cpu-tier pieces) of `layer`, read from the complete store."""
         store = self.store
         small = {k: store.read_tensor(self._small_key(layer, k)).to(self.device) for k in self.small_shapes}
-        parts, reads = {}, []
-        for plan in self.plans:
-            for i, piece in enumerate(plan.pieces):
-                if piece.tier == "disk":
-                    continue
-                sliced = []
-                for cm in plan.components:
-                    lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
-                    host = aligned_empty((hi - lo,), cm.dtype, pin_memory=self.pin and piece.tier == "cpu")
-                    reads.append(store.read_range_async(self._key(layer, plan.name, cm), lo * cm.dtype.itemsize, host))
-                    sliced.append(host)
-                parts[(plan.name, i)] = (piece.tier, sliced)
-        for future in reads:
-            future.result()
+        parts = {}
+        with _AllReads() as reads:
+            for plan in self.plans:
+                for i, piece in enumerate(plan.pieces):
+                    if piece.tier == "disk":
+                        continue
+                    sliced = []
+                    for cm in plan.components:
+                        lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
+                        host = aligned_empty((hi - lo,), cm.dtype, pin_memory=self.pin and piece.tier == "cpu")
+                        reads.add(store.read_range_async(self._key(layer, plan.name, cm), lo * cm.dtype.itemsize, host))
+                        sliced.append(host)
+                    parts[(plan.name, i)] = (piece.tier, sliced)
         return small, {key: [t.to(self.device) if tier == "gpu" else t for t in sliced]
                        for key, (tier, sliced) in parts.items()}
 
@@ -298,6 +339,24 @@ class TieredWeights:
             event.record(torch.cuda.current_stream(self.device))
             self._slot_free[slot] = event
 
+    def reset(self) -> None:
+        """After an interrupted pass: cancel the prefetches not started, wait for the one running
+        (it writes into a working buffer and reads the store), and forget which layer sits in which
+        slot, so the next pass starts with every slot free, as a fresh engine's does."""
+        for _, future in self._pending.values():
+            if future is not None:
+                future.cancel()
+        if self._pool is not None:
+            self._pool.submit(int).result()  # one worker: every load submitted before is finished
+        if self.store is not None:
+            self.store.drain()  # reads a serial load started before it was interrupted
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._pending.clear()
+        self._in_use.clear()
+        self._next_slot = 0
+        self._slot_free = [None] * len(self._slot_free)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -307,11 +366,20 @@ class TieredWeights:
     # ---- loading --------------------------------------------------------------------------
     def _load(self, layer: int, slot: int):
         """Assemble every streamed tensor of `layer` in working buffer `slot` (runs on the
-        prefetch thread when overlapping). Returns a CUDA event to wait on, or None."""
+        prefetch thread when overlapping). Returns a CUDA event to wait on, or None. A damaged
+        store is rebuilt from the source and the layer read again (this thread is the only one
+        reading the store once the weights are placed)."""
+        try:
+            return self._load_slot(layer, slot)
+        except StoreCorruptError as damage:
+            self._rebuild_store(damage)
+            return self._load_slot(layer, slot)
+
+    def _load_slot(self, layer: int, slot: int):
         if self._stream is not None:
             self._stream.synchronize()  # copies out of this slot's staging buffers are done
         reads = []
-        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), _AllReads() as pending:
             if self._stream is not None and self._slot_free[slot] is not None:
                 self._stream.wait_event(self._slot_free[slot])  # the layer that used it is computed
             for plan in self.plans:
@@ -323,8 +391,9 @@ class TieredWeights:
                         lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
                         if piece.tier == "disk":
                             target = self._staging[slot][plan.name][c][lo:hi] if self._staging else buf[lo:hi]
-                            reads.append((self.store.read_range_async(
-                                self._key(layer, plan.name, cm), lo * cm.dtype.itemsize, target), buf[lo:hi], target))
+                            future = pending.add(self.store.read_range_async(
+                                self._key(layer, plan.name, cm), lo * cm.dtype.itemsize, target))
+                            reads.append((future, buf[lo:hi], target))
                         else:
                             buf[lo:hi].copy_(self._parts[layer][(plan.name, i)][c], non_blocking=True)
             for future, dest, staged in reads:
@@ -339,3 +408,25 @@ class TieredWeights:
                 torch.cuda.current_stream(self.device).synchronize()
         return None
 
+
+
+class _AllReads:
+    """Collects read futures; leaving the block waits for every one, even after an error, so no
+    reader thread still writes into a buffer (or reads a file about to be rewritten) when the
+    caller moves on. Without an error in the block, the first failed read raises."""
+
+    def __init__(self):
+        self.futures: list[Future] = []
+
+    def add(self, future: Future) -> Future:
+        self.futures.append(future)
+        return future
+
+    def __enter__(self) -> "_AllReads":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        wait(self.futures)
+        if exc_type is None:
+            for future in self.futures:
+                future.result()

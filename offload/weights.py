@@ -24,3 +24,6 @@ class LayerWeightStore(Protocol):
 
     def release(self, layer: int) -> None:
         """The pass is done with `layer`: its working buffer may be reused."""
+
+    def reset(self) -> None:
+        """A pass was interrupted: finish or cancel loads in flight, free every working buffer."""

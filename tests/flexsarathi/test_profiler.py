@@ -19,3 +19,14 @@ def test_profile_writes_a_loadable_hardware_json(tmp_path):
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
     assert spec.cpu_memory == total
     assert "disk read" in result.stderr or "disk:" in result.stderr
+    # Measured in the engine's own dtype (LLM(dtype=None): fp32 on the CPU), each step announced
+    # before it runs, so a slow step is visible while it runs.
+    import torch
+
+    from flexsarathi.engine import resolve_device, resolve_dtype
+
+    engine_dtype = resolve_dtype(None, torch.float16, resolve_device(None))
+    assert f"with {engine_dtype}" in spec.notes
+    lines = result.stderr.splitlines()
+    assert lines.index("  measuring the disk: writing and reading 16 MiB in "
+                       f"{tmp_path / 'off'} ...") < next(i for i, line in enumerate(lines) if "disk: read" in line)

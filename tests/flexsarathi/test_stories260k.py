@@ -48,16 +48,27 @@ def test_tokenizer_matches_transformers(stories_dir):
         assert llm.tokenizer.encode(text) == ref(text)["input_ids"]
 
 
-def _transformers_perplexity(model, tokenizer, documents: list[str], context: int) -> float:
+def _transformers_perplexity(model, tokenizer, documents: list[str], context: int,
+                             stride: int) -> tuple[float, int]:
+    """(perplexity, tokens scored) by HF's perplexity guide: windows of `context` tokens every
+    `stride`, each scoring the positions past the previous window's end."""
     nll, count = 0.0, 0
     for doc in documents:
-        ids = tokenizer(doc)["input_ids"][:context]
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float()
-        logprobs = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])
-        nll -= logprobs.sum().item()
-        count += len(ids) - 1
-    return math.exp(nll / count)
+        ids = tokenizer(doc)["input_ids"]
+        prev_end = 0
+        for begin in range(0, len(ids), stride):
+            end = min(begin + context, len(ids))
+            window = torch.tensor([ids[begin:end]])
+            with torch.no_grad():
+                logits = model(window).logits[0].float()
+            logprobs = torch.log_softmax(logits[:-1], -1).gather(1, window[0, 1:, None])[:, 0]
+            scored = logprobs[max(prev_end, begin + 1) - begin - 1:]
+            nll -= scored.sum().item()
+            count += scored.numel()
+            prev_end = end
+            if end == len(ids):
+                break
+    return math.exp(nll / count), count
 
 
 def test_perplexity_cli_matches_transformers(stories_dir, stories_hf, tinystories_text):
@@ -70,6 +81,27 @@ def test_perplexity_cli_matches_transformers(stories_dir, stories_hf, tinystorie
     ours = json.loads(result.stdout.strip().splitlines()[-1])
     docs = split_documents(tinystories_text, "<|endoftext|>")
     assert ours["documents"] == len(docs) == 45
-    ref = _transformers_perplexity(stories_hf, AutoTokenizer.from_pretrained(stories_dir), docs,
-                                   stories_hf.config.max_position_embeddings)
+    context = stories_hf.config.max_position_embeddings
+    ref, tokens = _transformers_perplexity(stories_hf, AutoTokenizer.from_pretrained(stories_dir), docs,
+                                           context, context // 2)
+    assert ours["tokens"] == tokens  # every token after a document's first, none cut off
+    assert ours["windows"] > len(docs)  # one story is longer than the context
     assert abs(ours["perplexity"] - ref) / ref < 1e-3
+
+
+@pytest.mark.parametrize("stride", [100, 512])
+def test_perplexity_without_separator_scores_the_whole_text(stories_dir, stories_hf, tinystories_text, stride):
+    """One document four contexts long, sliding windows as HF's perplexity guide computes them."""
+    from transformers import AutoTokenizer
+
+    from flexsarathi.perplexity import perplexity
+
+    tokenizer = AutoTokenizer.from_pretrained(stories_dir)
+    text = tokenizer.decode(tokenizer(tinystories_text)["input_ids"][1:2000])
+    context = stories_hf.config.max_position_embeddings
+    ours = perplexity(LLM(stories_dir), [text], stride=stride)
+    ref, tokens = _transformers_perplexity(stories_hf, tokenizer, [text], context, stride)
+    assert ours["tokens"] == tokens
+    if stride < context:  # overlapping windows score every token but the first
+        assert tokens == len(tokenizer(text)["input_ids"]) - 1
+    assert abs(ours["perplexity"] - ref) / ref < 1e-4

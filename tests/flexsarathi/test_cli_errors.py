@@ -1,0 +1,108 @@
+"""Bad input on the command line: every case, run as a real subprocess, ends with exit code 2 and
+exactly one `error: ...` line on stderr naming what is wrong, never a traceback. The API says the
+same through FlexSarathiError."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from flexsarathi import LLM
+from flexsarathi.errors import FlexSarathiError
+from tests.conftest import REPO, STORIES
+
+NOT_UTF8 = b"Once upon a time \xff\xfe there was"
+
+
+def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
+    """name -> (arguments, what the one error line must contain)."""
+    text = f"{tmp}/not_utf8.txt"
+    return {
+        "demo zero prompts": (["demo", "--num-prompts", "0"], "--num-prompts: must be >= 1"),
+        "demo non-integer": (["demo", "--max-tokens", "many"], "'many' is not an integer"),
+        "demo cuda without CUDA": (["demo", "--device", "cuda"], "CUDA is not available"),
+        "demo device gpu": (["demo", "--device", "gpu"], "device 'gpu'"),
+        "demo unknown device": (["demo", "--device", "tpu:3"], "device 'tpu:3'"),
+        "demo missing policy file": (["demo", "--policy", f"{tmp}/none.json"], "does not exist"),
+        "demo unknown command": (["dmeo"], "invalid choice: 'dmeo'"),
+        "policy json under a file": (["policy", "--model", "dummy:opt-125m", "--json", "/etc/passwd/x.json"],
+                                     "/etc/passwd is not a folder"),
+        "policy json is a folder": (["policy", "--model", "dummy:opt-125m", "--json", tmp], "is a folder"),
+        "policy json missing folder": (["policy", "--model", "dummy:opt-125m", "--json", f"{tmp}/no/p.json"],
+                                       "does not exist"),
+        "policy zero prompt": (["policy", "--model", "dummy:opt-125m", "--prompt-len", "0"],
+                               "prompt_len must be a positive integer"),
+        "perplexity not utf-8": (["perplexity", "--model", str(STORIES), "--text", text],
+                                 "is not UTF-8 text: byte 0xff at offset 17"),
+        "perplexity missing text": (["perplexity", "--model", str(STORIES), "--text", f"{tmp}/none.txt"],
+                                    "No such file"),
+        "perplexity text is a folder": (["perplexity", "--model", str(STORIES), "--text", tmp],
+                                        "Is a directory"),
+        "perplexity zero stride": (["perplexity", "--model", str(STORIES), "--text", text, "--stride", "0"],
+                                   "--stride: must be >= 1"),
+        "profile output under a file": (["profile", "-o", "/etc/passwd/hw.json"], "/etc/passwd is not a folder"),
+        "profile offload dir under a file": (["profile", "--offload-dir", "/etc/passwd/off"],
+                                             "--offload-dir /etc/passwd/off cannot be created"),
+        "profile bad dtype": (["profile", "--dtype", "int3", "-o", f"{tmp}/hw.json"], "unsupported dtype 'int3'"),
+    }
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Every case run once, four subprocesses at a time (each pays torch's import)."""
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "not_utf8.txt").write_bytes(NOT_UTF8)
+    cases = _cases(str(tmp))
+
+    def run(argv):
+        return subprocess.run([sys.executable, "-m", "flexsarathi", *argv], capture_output=True,
+                              text=True, cwd=REPO, timeout=300)
+
+    with ThreadPoolExecutor(4) as pool:
+        runs = dict(zip(cases, pool.map(run, [argv for argv, _ in cases.values()])))
+    return {name: (runs[name], message) for name, (_, message) in cases.items()}
+
+
+@pytest.mark.parametrize("name", list(_cases("/tmp")))
+def test_bad_input_is_one_error_line_and_exit_2(name, cli_runs):
+    if "cuda" in name and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done, message = cli_runs[name]
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert message in lines[0]
+
+
+# ids avoid the bare word "gpu": conftest skips tests with that keyword on machines without CUDA
+@pytest.mark.parametrize("device", ["gpu", "cuda", "cuda:3", "nonsense"],
+                         ids=["named-gpu", "named-cuda", "cuda-3", "nonsense"])
+def test_llm_rejects_devices_it_cannot_use(device):
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(FlexSarathiError, match=f"device '{device}'"):
+        LLM("dummy:opt-125m", device=device)
+
+
+def test_outputs_on_a_read_only_filesystem_are_refused_before_any_work(tmp_path):
+    """Root ignores permission bits, a read-only mount it cannot: the write check sees it."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({done.stderr.strip() or 'not root'})")
+    try:
+        for argv in (["policy", "--model", "opt-125m", "--json", f"{mount}/p.json"],
+                     ["profile", "--output", f"{mount}/hw.json"]):
+            run = subprocess.run([sys.executable, "-m", "flexsarathi", *argv], capture_output=True,
+                                 text=True, cwd=REPO, timeout=300)
+            assert run.returncode == 2 and run.stderr.splitlines() == [
+                f"error: {argv[-2]} {argv[-1]} is not writable"], run.stderr
+            assert "search" not in run.stdout and "profiling" not in run.stderr  # refused first
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
