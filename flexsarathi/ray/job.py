@@ -76,7 +76,9 @@ def connect(address: str | None) -> bool:
             ray.init(address=address, **common)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"
-        raise FlexSarathiError(f"cannot start or reach {where}: {_first_line(exc)}") from None
+        hint = ("; a cluster with Ray's token authentication needs RAY_AUTH_MODE=token and its token "
+                "(~/.ray/auth_token or RAY_AUTH_TOKEN) here" if "Authentication" in repr(exc.__cause__) else "")
+        raise FlexSarathiError(f"cannot start or reach {where}: {_first_line(exc)}{hint}") from None
     for name in ("ray", "ray.data"):  # the CLI reports a failure itself, in one line
         logging.getLogger(name).setLevel(logging.CRITICAL)
     return True
