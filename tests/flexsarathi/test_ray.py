@@ -127,8 +127,8 @@ def test_ray_output_equals_single_process(stories_dir, cluster, tmp_path):
     bad = ["{not json", {"id": "none"}, {"id": "long", "prompt_token_ids": [5] * 600},
            {"id": "typo", "prompt": "x", "max_token": 3}, {"id": "big", "prompt_token_ids": [99999]}]
     src = write_lines(tmp_path / "in.jsonl", good + bad)
-    args = ["generate", "--model", stories_dir, "--input", src, "--max-tokens", "8", *GREEDY]
-    single_process(args + ["--output", str(tmp_path / "single.jsonl")], rc=1)
+    args = ["generate", "--model", stories_dir, "--input", src, "--max-tokens", "8", "--temperature", "0"]
+    single_process(args + ["--output", str(tmp_path / "single.jsonl"), "--quiet"], rc=1)
     proc = cli(*args, "--output", str(tmp_path / "ray.jsonl"), "--ray", "--ray-address", cluster,
                "--ray-actors", "2", "--ray-batch-size", "3")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
@@ -136,12 +136,7 @@ def test_ray_output_equals_single_process(stories_dir, cluster, tmp_path):
     assert len(expected) == len(good) + len(bad)
     assert sum('"error": {' in r for r in expected) == len(bad)
     assert_same_records(sorted_records(tmp_path / "ray.jsonl"), expected)
-
-    # Not quiet: the same summary lines as a single-process run, plus where the batches ran.
-    proc = cli(*args[:-1], "--output", str(tmp_path / "ray.jsonl"), "--ray", "--ray-address", cluster,
-               "--overwrite", "--ray-actors", "2", "--ray-batch-size", "3")
-    assert proc.returncode == 1
-    assert_same_records(sorted_records(tmp_path / "ray.jsonl"), expected)
+    # The summary lines of a single-process run, plus where the batches ran.
     assert "on 2 actor(s)" in proc.stdout, proc.stdout
     assert f"done: {len(good)} ok, {len(bad)} failed" in proc.stdout and "generated tok/s" in proc.stdout
 
@@ -192,14 +187,14 @@ def _wait_for_lines(path, count: int, proc: subprocess.Popen) -> int:
 def test_dead_actor_and_killed_driver_lose_nothing(stories_dir, cluster, tmp_path):
     """An actor SIGKILLed mid-job: exit 3, one clear error line, the finished records kept. The
     rerun SIGKILLed itself (the driver), then rerun: the file equals the uninterrupted run."""
-    prompts = [f"Once upon a time, number {i}" for i in range(40)]
+    prompts = [f"Once upon a time, number {i}" for i in range(24)]
     src = write_lines(tmp_path / "in.txt", prompts)
-    args = ["generate", "--model", stories_dir, "--input", src, "--max-tokens", "96", "--ignore-eos", *GREEDY]
+    args = ["generate", "--model", stories_dir, "--input", src, "--max-tokens", "48", "--ignore-eos", *GREEDY]
     single_process(args + ["--output", str(tmp_path / "single.jsonl")], rc=0)
     expected = sorted_records(tmp_path / "single.jsonl")
     out = tmp_path / "ray.jsonl"
     command = [sys.executable, "-m", "flexsarathi", *args, "--output", str(out), "--ray", "--ray-address", cluster,
-               "--ray-actors", "2", "--ray-batch-size", "4"]
+               "--ray-actors", "2", "--ray-batch-size", "2"]
 
     proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert _wait_for_lines(out, 1, proc) >= 1
