@@ -142,6 +142,8 @@ def _check_ray_args(args) -> None:
         value = getattr(args, f"ray_{name}")
         if value is not None and not value >= (0 if name == "gpus_per_actor" else 0.01):
             raise FlexSarathiError(f"--ray-{name.replace('_', '-')} must be a positive number, got {value}")
+    if args.ray:
+        import flexsarathi.ray  # noqa: F401 - without Ray Data: one clear error before any work
 
 
 def _model_name(model: str) -> str:

@@ -24,8 +24,14 @@ try:
 except ImportError:  # make test installs the [ray] extra; a bare checkout skips these tests
     ray = None
 
-needs_ray = pytest.mark.skipif(ray is None, reason="Ray Data is not installed: pip install -e '.[ray]' "
-                                                   "(make test installs it)")
+
+def needs_ray(test):
+    """Marked `ray`; skipped, saying why, where Ray Data is not installed."""
+    skip = pytest.mark.skipif(ray is None, reason="Ray Data is not installed: pip install -e '.[ray]' "
+                                                  "(make test installs it)")
+    return pytest.mark.ray(skip(test))
+
+
 # RAY_AUTH_MODE=token: the CLI joins the module's instance as a client of a cluster started with
 # Ray's token authentication (its token is in ~/.ray/auth_token), as on a real cluster.
 ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), RAY_AUTH_MODE="token")
@@ -114,6 +120,7 @@ def test_ray_not_installed_is_one_clear_error(stories_dir, tmp_path):
                           timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("error: flexsarathi.ray needs Ray Data") and "pip install" in proc.stderr
+    assert not (tmp_path / "o.jsonl").exists()  # refused before any work
 
 
 @needs_ray
