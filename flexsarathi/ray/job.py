@@ -164,7 +164,8 @@ def _cluster_summary() -> str:
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, ray.exceptions.ActorDiedError):
-        where = dict(ln.strip().split(": ", 1) for ln in str(exc).splitlines() if ln.strip().startswith(("pid:", "ip:")))
+        lines = (ln.strip() for ln in str(exc).splitlines())
+        where = dict(ln.split(": ", 1) for ln in lines if ln.startswith(("pid:", "ip:")))
         return (f"an actor (pid {where.get('pid', '?')} on {where.get('ip', '?')}) died: its process was killed, "
                 "ran out of memory or crashed, or its node was lost")
     cause = getattr(exc, "cause", None)
