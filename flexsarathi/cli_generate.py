@@ -3,8 +3,11 @@ requests) and write one record per request, as requests finish.
 
 Crash-safe and resumable: rerun the same command after Ctrl-C or kill -9 and it skips the
 requests already in --output (a torn last line is redone). A bad line becomes an error record and
-the job goes on. Exit code: 0 every line succeeded, 1 some lines are error records, 2 the job
-could not start (bad model, policy, arguments, input file, or an --output of another job).
+the job goes on. --ray runs the requests on a pool of engines (Ray Data actors, one LLM each; this
+machine or a cluster) and writes the same records to the same file. Exit code: 0 every line
+succeeded, 1 some lines are error records, 2 the job could not start (bad model, policy, arguments,
+input file, or an --output of another job), 3 the Ray cluster failed partway (the finished records
+are kept: rerun to resume).
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from importlib import resources
 
 from flexsarathi.batch_io import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
                                   result_record)
-from flexsarathi.cli_common import add_model_args, build_llm, describe_policy, memory_summary
+from flexsarathi.cli_common import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
+                                    resolve_policy)
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.result_file import ResultFile
 from flexsarathi.sampling import SamplingParams
@@ -48,8 +52,23 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0,
                    help="a request without its own seed samples with one derived from this and its id, "
                         "so a resumed job samples what an uninterrupted one would")
+    add_ray_args(p)
     p.set_defaults(func=run_generate)
     return p
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """The --ray flags (parsed without importing ray: only `--ray` does)."""
+    g = p.add_argument_group("Ray Data (pip install 'flexsarathi[ray]')")
+    g.add_argument("--ray", action="store_true", help="run the requests on Ray Data actors, one engine each")
+    g.add_argument("--ray-address", default=None, metavar="ADDR", help="a running cluster ('auto' = the one "
+                   "`ray start` made on this node, or HOST:PORT); default: start a local instance")
+    g.add_argument("--ray-actors", type=int, default=None, metavar="N", help="engines (default 1)")
+    g.add_argument("--ray-gpus-per-actor", type=float, default=None, metavar="G", help="default 0 (CPU)")
+    g.add_argument("--ray-cpus-per-actor", type=float, default=None, metavar="C",
+                   help="CPU cores per actor, its torch threads (default 1)")
+    g.add_argument("--ray-batch-size", type=int, default=None, metavar="B", help="requests per actor call "
+                   "(default: the job split evenly over the actors, at most 8x the policy's running sequences)")
 
 
 def packaged_prompt_sets() -> list[str]:
@@ -78,8 +97,13 @@ def request_seed(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}|{key}".encode()).digest()[:8], "little") >> 2
 
 
+class PartialJobError(FlexSarathiError):
+    """The job stopped partway for a reason outside the requests (a Ray actor or node lost)."""
+
+
 def run_generate(args) -> int:
     defaults = _sampling_defaults(args)
+    _check_ray_args(args)
     fmt, requests = read_requests(_input_path(args.input), args.input_format)
     check_unique_ids(requests)
     from flexsarathi.checkpoint import open_weight_source
@@ -96,8 +120,30 @@ def run_generate(args) -> int:
         print(f"\ninterrupted: finished records are in {args.output}; rerun the same command to resume",
               file=sys.stderr)
         return 130
+    except PartialJobError as exc:
+        print(f"error: {exc}; the finished records are in {args.output}: rerun the same command to resume",
+              file=sys.stderr)
+        return 3
     finally:
         out.close()
+
+
+def _check_ray_args(args) -> None:
+    given = [f"--ray-{name.replace('_', '-')}" for name in ("address", "actors", "gpus_per_actor",
+                                                            "cpus_per_actor", "batch_size")
+             if getattr(args, f"ray_{name}") is not None]
+    if given and not args.ray:
+        raise FlexSarathiError(f"{', '.join(given)} need(s) --ray")
+    for name in ("actors", "batch_size"):
+        value = getattr(args, f"ray_{name}")
+        if value is not None and value < 1:
+            raise FlexSarathiError(f"--ray-{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("gpus_per_actor", "cpus_per_actor"):
+        value = getattr(args, f"ray_{name}")
+        if value is not None and not value >= (0 if name == "gpus_per_actor" else 0.01):
+            raise FlexSarathiError(f"--ray-{name.replace('_', '-')} must be a positive number, got {value}")
+    if args.ray:
+        import flexsarathi.ray  # noqa: F401 - without Ray Data: one clear error before any work
 
 
 def _model_name(model: str) -> str:
@@ -119,16 +165,56 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], tokenizer, defaults: 
     runnable = [r for r in pending if not r.error]
     stats = policy = None
     if runnable:
-        llm, policy = build_llm(args, _workload(runnable, params))
-        say(f"policy: {describe_policy(policy)}")
-        say(f"device: {llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')}")
-        try:
-            failed += _generate(llm, fmt, runnable, params, out, args)
-            stats = llm.last_stats
-        finally:
-            llm.close()
+        record = _recorder(fmt, out, tokenizer, os.path.basename(os.path.normpath(args.model)))
+        run = _run_on_ray if args.ray else _run_here
+        stats, policy, failed_here = run(args, runnable, params, record, say)
+        failed += failed_here
     _summary(say, len(pending) - failed, failed, stats, args.output, describe_policy(policy) if stats else None)
     return 1 if failed + out.errors else 0
+
+
+def _run_here(args, runnable: list[BatchRequest], params: dict, record, say):
+    """(stats, policy, error records written): the requests on one LLM in this process."""
+    llm, policy = build_llm(args, _workload(runnable, params))
+    say(f"policy: {describe_policy(policy)}")
+    say(f"device: {llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')}")
+    try:
+        failed = 0
+        outputs = llm.generate_iter([r.prompt_token_ids for r in runnable], [params[r.key] for r in runnable],
+                                    use_tqdm=not args.quiet, on_error="record")
+        for index, output in outputs:
+            failed += record(runnable[index], output)
+        return llm.last_stats, policy, failed
+    finally:
+        llm.close()
+
+
+def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say):
+    """(stats, policy, error records written): the same requests on Ray Data actors; the policy
+    is searched here, once, and every actor builds its LLM with it."""
+    from flexsarathi.ray.job import RayJobError, RayOptions, run_requests
+    from flexsarathi.ray.spec import EngineSpec
+
+    hardware = hardware_of(args)
+    policy = resolve_policy(args, hardware, _workload(runnable, params))
+    say(f"policy: {describe_policy(policy)}")
+    spec = EngineSpec.of(args.model, policy, hardware=hardware, dtype=args.dtype, device=args.device,
+                         offload_dir=args.offload_dir)
+    options = RayOptions(address=args.ray_address, actors=args.ray_actors or 1,
+                         gpus_per_actor=args.ray_gpus_per_actor or 0, cpus_per_actor=args.ray_cpus_per_actor or 1,
+                         batch_size=args.ray_batch_size)
+    failed = 0
+
+    def on_output(index: int, output) -> None:
+        nonlocal failed
+        failed += record(runnable[index], output)
+
+    try:
+        stats = run_requests(spec, options, [(r.prompt_token_ids, params[r.key]) for r in runnable], on_output,
+                             say=say, progress=not args.quiet)
+    except RayJobError as exc:
+        raise PartialJobError(str(exc)) from None
+    return stats, policy, failed
 
 
 def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int) -> SamplingParams | None:
@@ -164,21 +250,20 @@ def _workload(requests: list[BatchRequest], params: dict):
     return Workload(pairs=tuple(pairs), num_requests=sum(params[r.key].n for r in requests))
 
 
-def _generate(llm, fmt: str, runnable: list[BatchRequest], params: dict, out: ResultFile, args) -> int:
-    """Runs the requests, appending each record as it finishes; returns the error records written."""
-    model, failed = os.path.basename(os.path.normpath(args.model)), 0
-    decode = (lambda t: llm.tokenizer.decode([t])) if llm.tokenizer else str
-    outputs = llm.generate_iter([r.prompt_token_ids for r in runnable], [params[r.key] for r in runnable],
-                                use_tqdm=not args.quiet, on_error="record")
-    for index, output in outputs:
-        req = runnable[index]
+def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
+    """record(request, output) -> 1 when it appended an error record, else 0: one output as it
+    finishes, wherever it ran (this process or a Ray actor)."""
+    decode = (lambda t: tokenizer.decode([t])) if tokenizer else str
+
+    def record(req: BatchRequest, output) -> int:
         if output.error is not None:
             out.append(error_record(fmt, req, re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error)))
-            failed += 1
-        else:
-            output.prompt = req.prompt
-            out.append(result_record(fmt, req, output, model, decode))
-    return failed
+            return 1
+        output.prompt = req.prompt
+        out.append(result_record(fmt, req, output, model, decode))
+        return 0
+
+    return record
 
 
 def _summary(say, ok: int, failed: int, stats: dict | None, output: str, policy: str | None) -> None:

@@ -1,0 +1,90 @@
+"""`build_processor`: FlexSarathi as a stage of a user's own Ray Data pipeline (the shape of
+Ray's `build_llm_processor`): rows with a `prompt` column (text, or a list of token ids) in,
+the same rows with the generated columns out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import ray.data
+
+from flexsarathi.errors import FlexSarathiError
+from flexsarathi.ray.actors import EngineActor, map_with_engines
+from flexsarathi.ray.spec import EngineSpec
+from flexsarathi.sampling import SamplingParams
+
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_input_tokens",
+                  "num_generated_tokens", "error")
+
+
+@dataclass(frozen=True)
+class Processor:
+    """processor(dataset) -> dataset: maps every row through one of `concurrency` engines."""
+
+    spec: EngineSpec
+    sampling: SamplingParams
+    concurrency: int = 1
+    num_gpus: float = 0
+    num_cpus: float = 1
+    batch_size: int = 16
+
+    def __call__(self, dataset: ray.data.Dataset) -> ray.data.Dataset:
+        return map_with_engines(dataset, PromptProcessor, (self.spec, self.sampling), actors=self.concurrency,
+                                batch_size=self.batch_size, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+
+
+def build_processor(model: str, *, sampling: SamplingParams | dict | None = None, policy=None, hardware=None,
+                    workload=None, dtype=None, device=None, offload_dir: str | None = None, concurrency: int = 1,
+                    num_gpus: float = 0, num_cpus: float = 1, batch_size: int = 16, seed: int = 0) -> Processor:
+    """A Processor running `model` on `concurrency` actors (num_gpus / num_cpus each).
+
+    sampling: SamplingParams or its fields as a dict (default SamplingParams()). policy: a Policy,
+    a policy JSON, "auto" (searched here, once, for `hardware` and `workload`) or None (all on
+    the compute device). offload_dir: a folder on every node; each actor claims actor-<k> in it.
+    batch_size: rows per actor call; the engine's scheduler forms its passes within a batch."""
+    from flexsarathi.llm import LLM
+    from policy_search import HardwareSpec
+    from policy_search.policy import Policy
+
+    if isinstance(sampling, dict):
+        sampling = SamplingParams(**sampling)
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise FlexSarathiError(f"build_processor(sampling=...) must be a SamplingParams or a dict, "
+                               f"got {type(sampling).__name__}")
+    for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FlexSarathiError(f"build_processor({name}=...) must be an integer >= 1, got {value!r}")
+    spec_hw = hardware if hardware is None or isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
+    if policy == "auto":
+        policy = LLM.search_policy(model, spec_hw, workload, dtype)
+    elif isinstance(policy, str):
+        policy = Policy.load(policy)
+    spec = EngineSpec.of(model, policy, hardware=spec_hw, dtype=dtype, device=device, offload_dir=offload_dir,
+                         seed=seed)
+    return Processor(spec, sampling or SamplingParams(), concurrency, num_gpus, num_cpus, batch_size)
+
+
+class PromptProcessor(EngineActor):
+    def __init__(self, spec: EngineSpec, sampling: SamplingParams):
+        super().__init__(spec)
+        self.sampling = sampling
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if "prompt" not in batch.column_names:
+            raise FlexSarathiError(f"build_processor: rows need a 'prompt' column (text or token ids); "
+                                   f"they have {batch.column_names}")
+        prompts = batch.column("prompt").to_pylist()
+        outputs = dict(self.run(prompts, self.sampling))
+        ordered = [outputs[i] for i in range(len(prompts))]
+        columns = {
+            "generated_text": pa.array([o.text if o.error is None else None for o in ordered], pa.string()),
+            "generated_token_ids": pa.array([o.token_ids for o in ordered], pa.list_(pa.int64())),
+            "finish_reason": pa.array([o.finish_reason for o in ordered], pa.string()),
+            "num_input_tokens": pa.array([len(o.prompt_token_ids) for o in ordered], pa.int64()),
+            "num_generated_tokens": pa.array([len(o.token_ids) for o in ordered], pa.int64()),
+            "error": pa.array([o.error for o in ordered], pa.string()),
+        }
+        kept = batch.drop_columns([c for c in OUTPUT_COLUMNS if c in batch.column_names])
+        for name, column in columns.items():
+            kept = kept.append_column(name, column)
+        return kept
