@@ -37,6 +37,9 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)
     keep_prompt_logits: bool = False  # keep full-vocabulary logits of every prompt row (scoring)
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [chunk, vocab] per chunk
+    # Preemption (on-demand KV admission): tokens to recompute as a prefill on re-admission.
+    recompute_len: int = 0
+    num_preemptions: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -47,8 +50,25 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens computed as a prefill before the next sample: the prompt, or after a preemption
+        the prompt and every output so far (recomputed; the outputs stay outputs)."""
+        return max(self.num_prompt_tokens, self.recompute_len)
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < self.num_prompt_tokens
+        return self.num_computed < self.num_prefill_tokens
+
+    def preempt(self) -> None:
+        """Its KV blocks were taken back: it waits again and recomputes what it had. The sampling
+        generator keeps its state, so seeded sampling continues as if uninterrupted; prompt
+        logprobs and logits are recorded afresh by the recompute."""
+        self.recompute_len = self.num_tokens
+        self.num_computed = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self.prompt_logprobs.clear()
+        self.prompt_logits.clear()
 
     @property
     def num_uncomputed(self) -> int:
