@@ -155,8 +155,9 @@ class Scheduler:
         kept = []
         for seq in decoding:
             while seq.status is SequenceStatus.RUNNING and not self.blocks.can_grow(seq, seq.num_tokens):
-                if self.running == [seq]:  # Scheduler.add checked that every request fits alone
-                    raise RuntimeError(f"sequence {seq.seq_id} cannot grow in an empty KV cache")
+                # Alone and still short: its table ends in a tier whose blocks (and the slower
+                # ones') are spent while faster ones are free. Readmitted alone, fastest tier
+                # first, it fits (Scheduler.add checked that every request fits the cache alone).
                 self._preempt(self.running[-1])
             if seq.status is SequenceStatus.RUNNING:
                 self.blocks.grow(seq, seq.num_tokens)
