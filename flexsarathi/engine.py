@@ -36,6 +36,7 @@ from quant import QuantConfig
 WEIGHT_QUANT = QuantConfig(bits=4, group_size=64, group_dim=-1)
 STORE_FORMAT = 3  # bump whenever what the weight store holds changes (2: 4-bit packed per row; 3: + norms, biases)
 GPU_TOKEN_MULTIPLE = 128  # matmul tile: passes on a GPU carry a multiple of it where that is free
+SCHEDULE_FIELDS = ("scheduler", "kv_admission", "kv_cache_tokens", "prefill_budget", "gpu_batch_size")
 DEFAULT_OFFLOAD_DIR = os.path.join(os.path.expanduser("~"), ".cache", "flexsarathi", "offload")
 
 
@@ -160,6 +161,14 @@ class LLMEngine:
                                  token_multiple=GPU_TOKEN_MULTIPLE if self.device.type == "cuda" else 1)
         self.blocks = BlockManager(self.block_size, blocks, num_residual=running)
         return Scheduler(config, self.blocks)
+
+    def set_schedule(self, **changes) -> None:
+        """Change how passes are formed, not where tensors live (e.g. to run both schedulers on
+        one engine): any of SCHEDULE_FIELDS; the next new_scheduler uses them."""
+        unknown = sorted(set(changes) - set(SCHEDULE_FIELDS))
+        if unknown:
+            raise FlexSarathiError(f"set_schedule changes only {SCHEDULE_FIELDS}, not {unknown}")
+        self.policy = self.policy.replace(**changes)
 
     def _kv_blocks(self, seqs: list[Sequence], running: int) -> dict[str, int]:
         """KV blocks per tier; every request must fit the cache alone (else it could never run)."""
