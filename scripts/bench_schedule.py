@@ -2,7 +2,7 @@
 """Decode-maximal (SARATHI) against FlexGen's block schedule, and on-demand KV admission against
 lifetime reservation, side by side on one engine (prints; asserts nothing).
 
-    .venv/bin/python scripts/bench_schedule.py                  # opt-350m, workloads a b c, 2 rounds
+    .venv/bin/python scripts/bench_schedule.py --profile prof.json   # opt-350m, workloads a b c, 2 rounds
     .venv/bin/python scripts/bench_schedule.py --workloads b --rounds 3
     .venv/bin/python scripts/bench_schedule.py --quick          # smoke test: opt-125m, tiny workloads
 
@@ -21,7 +21,7 @@ configuration once, interleaved (block, decode-maximal, block, ...), so neighbou
 both; the table shows the median and the spread (min-max) over rounds.
 
 Set-up, kept equal for every configuration: one engine (same executor, weights, dtype bf16); the
-weights half on disk (--w-disk) read with O_DIRECT, so the page cache never serves them (the
+weights on disk (--w-disk) read with O_DIRECT, so the page cache never serves them (the
 store's page cache is also dropped before each run, and each run prints the bytes it really read
 from the disk); KV cache and activations on the compute device. Only how passes are formed
 changes between runs (LLMEngine.set_schedule).
@@ -117,7 +117,7 @@ def schedules(base: Policy, reserve_too: bool = False) -> list[Config]:
 def workload_a(args, gen, vocab, base: Policy) -> Bench:
     n = args.requests_a
     prompts = random_prompts(gen, lognormal_lengths(gen, n, args.prompt_median, 0.8, 32, 1024), vocab)
-    outputs = lognormal_lengths(gen, n, args.output_median, 1.0, 8, 256)
+    outputs = lognormal_lengths(gen, n, args.output_median, args.output_sigma, 8, 256)
     policy = base.replace(gpu_batch_size=args.running_a, prefill_budget=args.budget_a)
     return Bench("a: long-tailed", prompts, [greedy(m) for m in outputs], schedules(policy),
                  Workload(pairs=tuple((len(p), m) for p, m in zip(prompts, outputs)), num_requests=n))
@@ -137,7 +137,7 @@ def workload_c(args, gen, vocab, base: Policy, llm: LLM) -> Bench:
     """Stop tokens from a first greedy run (decode-maximal, ignore_eos, up to each drawn position)."""
     n, max_tokens = args.requests_c, 256
     prompts = random_prompts(gen, lognormal_lengths(gen, n, args.prompt_median, 0.8, 32, 1024), vocab)
-    stop_at = lognormal_lengths(gen, n, args.output_median, 1.0, 8, max_tokens)
+    stop_at = lognormal_lengths(gen, n, args.output_median, args.output_sigma, 8, max_tokens)
     mean_life = statistics.mean(len(p) for p in prompts) + max_tokens
     longest = max(len(p) for p in prompts) + max_tokens
     capacity = max(longest, round(args.kv_lifetimes_c * mean_life))
@@ -276,16 +276,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="opt-350m", help="dummy model (default opt-350m)")
     p.add_argument("--workloads", default="abc", help="which of a, b, c (default abc)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per workload (default 2)")
-    p.add_argument("--w-disk", type=float, default=0.5, help="fraction of the weights on disk (default 0.5)")
+    p.add_argument("--w-disk", type=float, default=1.0, help="fraction of the weights on disk (default 1)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared 2-core machine a 2-thread OpenMP team waits "
+                        "for whichever thread a neighbour descheduled, which moved pass times 10x)")
     p.add_argument("--requests-a", type=int, default=256)
-    p.add_argument("--running-a", type=int, default=32)
+    p.add_argument("--running-a", type=int, default=64)
     p.add_argument("--budget-a", type=int, default=512, help="prefill budget of (a) and (c)")
     p.add_argument("--prompt-median", type=float, default=48.0, help="lognormal median of prompts (a, c)")
     p.add_argument("--output-median", type=float, default=16.0, help="lognormal median of outputs (a, c)")
+    p.add_argument("--output-sigma", type=float, default=0.8, help="lognormal sigma of outputs (a, c)")
     p.add_argument("--running-b", type=int, default=16)
     p.add_argument("--prompt-b", type=int, default=512)
     p.add_argument("--gen-b", type=int, default=32)
-    p.add_argument("--requests-c", type=int, default=128)
+    p.add_argument("--requests-c", type=int, default=96)
     p.add_argument("--running-c", type=int, default=64)
     p.add_argument("--kv-lifetimes-c", type=float, default=8.0)
     p.add_argument("--profile", default=None, help="hardware profile JSON for the planner (loaded if it exists)")
@@ -305,6 +309,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
     say(f"bench_schedule: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads); flags: {' '.join(sys.argv[1:]) or '(defaults)'}")
     base = Policy(gpu_batch_size=8, w_gpu=1.0 - args.w_disk, w_disk=args.w_disk, weight_prefetch=2)
