@@ -93,3 +93,13 @@ def test_on_demand_runs_more_at_once_when_requests_stop_early():
 def test_max_tokens_below_an_output_is_refused():
     with pytest.raises(SpecError, match="max_tokens=8 is below the longest output"):
         Workload(pairs=((4, 9),), max_tokens=8)
+
+
+def test_policy_validates_the_kv_admission_fields():
+    from policy_search.policy import PolicyError
+
+    with pytest.raises(PolicyError, match="kv_admission must be one of"):
+        Policy(kv_admission="lazy")
+    with pytest.raises(PolicyError, match="kv_cache_tokens must be a positive integer"):
+        Policy(kv_cache_tokens=0)
+    assert Policy.from_dict(Policy(kv_cache_tokens=4096).to_dict()).kv_cache_tokens == 4096
