@@ -219,12 +219,12 @@ def report(bench: Bench, model: ModelSpec, hardware: HardwareSpec | None) -> Non
     say(f"\n== {bench.name}: {bench.workload.describe()}")
     say(f"{'configuration':<24}{'passes':>7}{'tokens':>8}{'seconds':>22}{'tok/s':>22}{'compute':>9}"
         f"{'disk GB':>9}{'preempt':>8}{'others':>7}{'planner':>9}{'meas/pred':>10}")
-    medians = {}
+    medians, predictions = {}, {}
     for config in bench.configs:
         runs = bench.runs[config.name]
         tok_s = [r.tok_s for r in runs]
         medians[config.name] = statistics.median(tok_s)
-        pred = predicted(bench, config, model, hardware)
+        pred = predictions[config.name] = predicted(bench, config, model, hardware)
         ratio = f"{medians[config.name] / pred:10.2f}" if pred else f"{'-':>10}"
         say(f"{config.name:<24}{runs[0].passes:>7}{runs[0].tokens:>8}{spread([r.seconds for r in runs]):>22}"
             f"{spread(tok_s):>22}{statistics.mean(r.compute_share for r in runs):>9.2f}"
@@ -233,7 +233,9 @@ def report(bench: Bench, model: ModelSpec, hardware: HardwareSpec | None) -> Non
     names = [c.name for c in bench.configs]
     for other in names[1:]:
         paired = [b.tok_s / a.tok_s for a, b in zip(bench.runs["block"], bench.runs[other])]
-        say(f"  {other} / block: {statistics.median(paired):.2f}x (per round {', '.join(f'{x:.2f}' for x in paired)})")
+        planned = predictions.get(other, 0) / predictions["block"] if predictions.get("block") else None
+        say(f"  {other} / block: {statistics.median(paired):.2f}x (per round {', '.join(f'{x:.2f}' for x in paired)})"
+            + (f"; planner {planned:.2f}x" if planned else ""))
     if "decode-maximal reserve" in names:
         paired = [a.tok_s / b.tok_s for a, b in zip(bench.runs["decode-maximal"], bench.runs["decode-maximal reserve"])]
         say(f"  on-demand / reserve (decode-maximal): {statistics.median(paired):.2f}x "
@@ -281,7 +283,7 @@ def parse_args() -> argparse.Namespace:
                    help="torch threads (default 1: on a shared 2-core machine a 2-thread OpenMP team waits "
                         "for whichever thread a neighbour descheduled, which moved pass times 10x)")
     p.add_argument("--requests-a", type=int, default=256)
-    p.add_argument("--running-a", type=int, default=64)
+    p.add_argument("--running-a", type=int, default=32)
     p.add_argument("--budget-a", type=int, default=512, help="prefill budget of (a) and (c)")
     p.add_argument("--prompt-median", type=float, default=48.0, help="lognormal median of prompts (a, c)")
     p.add_argument("--output-median", type=float, default=16.0, help="lognormal median of outputs (a, c)")
