@@ -378,3 +378,24 @@ def test_a_request_longer_than_the_kv_capacity_is_refused(tiny_checkpoint):
     llm = LLM(folder, policy=Policy(kv_cache_tokens=16), kv_block_size=4)
     with pytest.raises(FlexSarathiError, match="request 1 needs 20 tokens of KV cache"):
         llm.generate([[1, 2], [1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
+
+
+def test_set_schedule_switches_schedulers_on_one_engine(tiny_checkpoint):
+    """Both schedules on one engine (as scripts/bench_schedule.py runs them) give the tokens of
+    each request run alone; placement fields cannot be changed this way."""
+    from flexsarathi import LLM
+    from flexsarathi.errors import FlexSarathiError
+    from policy_search.policy import Policy
+
+    folder, _ = tiny_checkpoint("opt")
+    prompts = [[3, 4, 5, 6], [7] * 11, [9, 8], [1, 2, 3, 4, 5, 6, 7]]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (9, 3, 14, 6)]
+    alone = LLM(folder, policy=Policy(gpu_batch_size=1, prefill_budget=64))
+    expected = [alone.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
+    llm = LLM(folder, policy=Policy(gpu_batch_size=2, prefill_budget=6))
+    for scheduler, admission in (("block", "reserve"), ("decode-maximal", "on-demand"),
+                                 ("decode-maximal", "reserve")):
+        llm.engine.set_schedule(scheduler=scheduler, kv_admission=admission)
+        assert _engine_run(llm, prompts, params)[0] == expected
+    with pytest.raises(FlexSarathiError, match="set_schedule changes only"):
+        llm.engine.set_schedule(w_disk=1.0)
