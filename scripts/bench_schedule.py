@@ -10,9 +10,9 @@ Workloads (lengths drawn with a fixed seed; the same requests for every configur
   (a) long-tailed: --requests-a requests (256), prompt and output lengths lognormal, prompts
       32..1024, outputs 8..256, ignore_eos; --running-a sequences at once.
   (b) FlexGen's fixed shape: prompt 512, output 32, 4x more requests than running slots.
-  (c) early stops: max_tokens 256, each request stops at a stop token: the token a first greedy
-      run (decode-maximal, ignore_eos) sampled at a drawn position (lognormal, 8..256); it may stop
-      earlier where that token came earlier. The KV cache holds --kv-lifetimes-c lifetimes
+  (c) early stops: max_tokens 256, seeded sampling (temperature 1), each request stops at a stop
+      token: from a first run up to a drawn position (lognormal, 8..256), the last token that had
+      not occurred before (so it stops exactly there). The KV cache holds --kv-lifetimes-c lifetimes
       (prompt + max_tokens) of the mean request: reservation runs about that many at once, on
       demand runs as many as the cache holds now (up to --running-c), preempting when short.
 Configurations per workload: block (FlexGen: whole prefills, lockstep decode; always reserving)
@@ -105,6 +105,23 @@ def greedy(max_tokens: int, stop: int | None = None) -> SamplingParams:
                           stop_token_ids=(stop,) if stop is not None else ())
 
 
+def seeded(index: int, max_tokens: int, stop: int | None = None) -> SamplingParams:
+    """Seeded sampling: each request's own generator, so its tokens do not depend on the batch.
+    (Greedy outputs of dummy weights repeat a few tokens, so a stop token drawn from them would
+    stop almost every request at once.)"""
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 + index, ignore_eos=True,
+                          stop_token_ids=(stop,) if stop is not None else ())
+
+
+def first_new_token(tokens: list[int]) -> tuple[int, int]:
+    """The stop token for a request whose reference output is `tokens`: the last token that first
+    occurs where it is (so the request stops exactly there), and that length."""
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i] not in tokens[:i]:
+            return tokens[i], i + 1
+    return tokens[0], 1
+
+
 def schedules(base: Policy, reserve_too: bool = False) -> list[Config]:
     configs = [Config("block", base.replace(scheduler="block", kv_admission="reserve")),
                Config("decode-maximal", base.replace(scheduler="decode-maximal", kv_admission="on-demand"))]
@@ -143,11 +160,12 @@ def workload_c(args, gen, vocab, base: Policy, llm: LLM) -> Bench:
     capacity = max(longest, round(args.kv_lifetimes_c * mean_life))
     llm.engine.set_schedule(scheduler="decode-maximal", kv_admission="on-demand", kv_cache_tokens=None,
                             gpu_batch_size=args.running_c, prefill_budget=args.budget_a)
-    say(f"  (c) reference greedy run for the stop tokens ({n} requests)")
-    first = llm.generate(prompts, [greedy(m) for m in stop_at], use_tqdm=False)
-    params = [greedy(max_tokens, out.token_ids[-1]) for out in first]
+    say(f"  (c) reference run for the stop tokens ({n} requests, seeded sampling)")
+    first = llm.generate(prompts, [seeded(i, m) for i, m in enumerate(stop_at)], use_tqdm=False)
+    stops = [first_new_token(out.token_ids) for out in first]
+    params = [seeded(i, max_tokens, tok) for i, (tok, _) in enumerate(stops)]
     policy = base.replace(gpu_batch_size=args.running_c, prefill_budget=args.budget_a, kv_cache_tokens=capacity)
-    lengths = [out.token_ids.index(out.token_ids[-1]) + 1 for out in first]  # first occurrence
+    lengths = [length for _, length in stops]
     workload = Workload(pairs=tuple((len(p), m) for p, m in zip(prompts, lengths)), num_requests=n,
                         max_tokens=max_tokens)
     return Bench(f"c: early stops (KV {capacity} tokens)", prompts, params, schedules(policy, reserve_too=True),
