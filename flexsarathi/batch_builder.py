@@ -55,7 +55,7 @@ class _SeqView:
 def build_micro_batch(items: list[WorkItem], blocks: BlockManager) -> tuple[MicroBatch, list[LogitSpan]]:
     token_ids, positions, logit_rows, spans, groups = [], [], [], [], []
     writes: dict[str, tuple[list, list, list]] = {t: ([], [], []) for t in TIERS}
-    decodes: dict[tuple[str, ...], list[tuple[WorkItem, int, _SeqView]]] = {}
+    decodes: dict[tuple, list[tuple[WorkItem, int, _SeqView]]] = {}
     row = 0
     for item in items:
         seq, n = item.seq, item.num_tokens
@@ -76,7 +76,7 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager) -> tuple[Micr
                 writes[tier][1].append(view.local[item.start:item.end][mask])
                 writes[tier][2].append(torch.full((int(mask.sum()),), seq.residual_id, dtype=torch.long))
         if n == 1:
-            decodes.setdefault(tuple(r.tier for r in view.runs), []).append((item, row, view))
+            decodes.setdefault(_decode_group_key(item, view), []).append((item, row, view))
         else:
             groups.append(_group([(item, row, view)], n, blocks.block_size))
         row += n
@@ -86,6 +86,13 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager) -> tuple[Micr
                        groups=groups, kv_writes=kv_writes,
                        logit_rows=torch.tensor(logit_rows, dtype=torch.long))
     return batch, spans
+
+
+def _decode_group_key(item: WorkItem, view: _SeqView) -> tuple:
+    """Decodes attend as one padded batch per key: the tiers their contexts touch, and the context
+    length rounded up to a power of two, so a long context does not pad every short one to its
+    length (padded keys are gathered and scored like real ones; a group pads at most 2x)."""
+    return tuple(r.tier for r in view.runs), (item.end - 1).bit_length()
 
 
 def _group(members: list[tuple[WorkItem, int, _SeqView]], n: int, block_size: int) -> AttentionGroup:

@@ -35,6 +35,8 @@ from quant import QuantConfig
 # against 4.46 along the output dimension (fp32: 3.40).
 WEIGHT_QUANT = QuantConfig(bits=4, group_size=64, group_dim=-1)
 STORE_FORMAT = 3  # bump whenever what the weight store holds changes (2: 4-bit packed per row; 3: + norms, biases)
+GPU_TOKEN_MULTIPLE = 128  # matmul tile: passes on a GPU carry a multiple of it where that is free
+SCHEDULE_FIELDS = ("scheduler", "kv_admission", "kv_cache_tokens", "prefill_budget", "gpu_batch_size")
 DEFAULT_OFFLOAD_DIR = os.path.join(os.path.expanduser("~"), ".cache", "flexsarathi", "offload")
 
 
@@ -204,18 +206,41 @@ class LLMEngine:
                                    f"context of {self.config.max_position_embeddings}")
 
     def new_scheduler(self, seqs: list[Sequence]) -> Scheduler:
-        """A scheduler for this batch of requests, with KV pools sized for it."""
+        """A scheduler for this batch of requests, with KV pools sized by the policy (or, without a
+        KV capacity in the policy, for max_running of its longest requests)."""
         self._check_open()
         p = self.policy
         running = min(p.max_running, len(seqs))
-        blocks_per_seq = math.ceil(max(s.max_len for s in seqs) / self.block_size)
-        blocks = _split_by_fractions(running * blocks_per_seq, p.kv_fractions)
+        blocks = self._kv_blocks(seqs, running)
         self._ensure_pools(blocks, running)
         self._check_worst_pass(seqs, running)
         config = SchedulerConfig(max_running=p.max_running, num_micro_batches=p.num_gpu_batches,
-                                 prefill_budget=p.prefill_budget, mode=p.scheduler)
+                                 prefill_budget=p.prefill_budget, mode=p.scheduler,
+                                 kv_admission=p.kv_admission,
+                                 token_multiple=GPU_TOKEN_MULTIPLE if self.device.type == "cuda" else 1)
         self.blocks = BlockManager(self.block_size, blocks, num_residual=running)
         return Scheduler(config, self.blocks)
+
+    def set_schedule(self, **changes) -> None:
+        """Change how passes are formed, not where tensors live (e.g. to run both schedulers on
+        one engine): any of SCHEDULE_FIELDS; the next new_scheduler uses them."""
+        unknown = sorted(set(changes) - set(SCHEDULE_FIELDS))
+        if unknown:
+            raise FlexSarathiError(f"set_schedule changes only {SCHEDULE_FIELDS}, not {unknown}")
+        self.policy = self.policy.replace(**changes)
+
+    def _kv_blocks(self, seqs: list[Sequence], running: int) -> dict[str, int]:
+        """KV blocks per tier; every request must fit the cache alone (else it could never run)."""
+        p, longest = self.policy, max(s.max_len for s in seqs)
+        per_seq = math.ceil(longest / self.block_size)
+        total = per_seq * running if p.kv_cache_tokens is None else p.kv_cache_tokens // self.block_size
+        if per_seq > total:
+            index = next(i for i, s in enumerate(seqs) if s.max_len == longest)
+            raise FlexSarathiError(
+                f"request {index} needs {longest} tokens of KV cache (prompt + max_tokens) but "
+                f"Policy.kv_cache_tokens={p.kv_cache_tokens} holds {total * self.block_size} "
+                f"({self.block_size}-token blocks); raise kv_cache_tokens or lower max_tokens")
+        return _split_by_fractions(total, p.kv_fractions)
 
     def _ensure_pools(self, blocks_per_tier: dict[str, int], num_residual: int) -> None:
         c = self.config
@@ -312,11 +337,17 @@ class LLMEngine:
 
     def _check_worst_pass(self, seqs: list[Sequence], running: int) -> None:
         """Fail before any work when the largest pass this batch of requests can form would not
-        fit the gpu tier next to the weights and KV pools."""
+        fit the gpu tier next to the weights and KV pools. Decode-maximal chunks are capped by
+        the budget, and so are recomputes after a preemption (prompt + outputs so far)."""
         p = self.policy
         longest_prompt = max(s.num_prompt_tokens for s in seqs)
-        prompt_tokens = running * longest_prompt if p.scheduler == "block" else min(
-            p.prefill_budget, sum(s.num_prompt_tokens for s in seqs))
+        if p.scheduler == "block":
+            prompt_tokens = running * longest_prompt
+        else:
+            recompute = p.kv_admission == "on-demand"  # a recompute prefills up to max_len - 1
+            lengths = [s.max_len if recompute else s.num_prompt_tokens for s in seqs]
+            longest_prompt = min(p.prefill_budget, max(lengths))
+            prompt_tokens = min(p.prefill_budget, sum(lengths))
         total = running + prompt_tokens
         widest = total if p.num_gpu_batches == 1 else -(-total // p.num_gpu_batches) + longest_prompt
         logit_rows = total if any(s.params.prompt_logprobs or s.keep_prompt_logits for s in seqs) else running

@@ -15,10 +15,27 @@
 - block (FlexGen, the baseline): admit `max_running` requests, prefill them whole in one pass,
   decode them in lockstep until all have finished, then take the next block.
 
+KV admission (`kv_admission`, decode-maximal only; block always reserves, as FlexGen does):
+- "on-demand" (default): a request is admitted when the blocks of what it prefills (its prompt)
+  fit with `kv_watermark` of the blocks left over; tables grow a block at a time as sequences
+  decode. When a decode finds no block, the most recently admitted running sequence is preempted:
+  its blocks are freed and it goes back to the head of the queue, to recompute its prompt and
+  outputs so far as a prefill when readmitted (its outputs stay outputs; its sampling generator
+  keeps its state). The oldest running sequence is never preempted while another runs, so it
+  always progresses (no starvation), and every request fits the cache alone (no deadlock). Early
+  stops (EOS) never held the blocks of their unused max_tokens, so more sequences run at once.
+- "reserve": a request is admitted only when the blocks of its whole life (prompt + max_tokens)
+  are free, taken at once; it is never preempted. Where lengths are known (ignore_eos) and the
+  cache holds every running lifetime, it is the same schedule without preemption risk.
+
+On a GPU, `token_multiple` (128) rounds a pass's token count down to a multiple of the matmul
+tile by shortening its last prompt chunk, where the chunk is longer than the cut (SARATHI).
+
 A pass is split into `num_micro_batches` micro-batches; weights are loaded once per pass.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -33,6 +50,13 @@ class SchedulerConfig:
     prefill_budget: int  # prompt tokens per pass (decode-maximal)
     mode: str = "decode-maximal"  # or "block"
     defer_decodes_with_slack: bool = True  # decode-maximal: see the module docstring
+    kv_admission: str = "on-demand"  # or "reserve" (lifetime); block always reserves
+    kv_watermark: float = 0.01  # on-demand: fraction of the blocks an admission leaves free
+    token_multiple: int = 1  # round pass token counts down to this (128 on a GPU)
+
+    @property
+    def on_demand(self) -> bool:
+        return self.kv_admission == "on-demand" and self.mode != "block"
 
 
 @dataclass(frozen=True)
@@ -71,8 +95,13 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+        self._watermark = math.ceil(config.kv_watermark * block_manager.num_blocks) if config.on_demand else 0
 
     def add(self, seq: Sequence) -> None:
+        if self.blocks.blocks_needed(seq) > self.blocks.num_blocks:
+            raise RuntimeError(f"sequence {seq.seq_id} needs {self.blocks.blocks_needed(seq)} KV blocks "
+                               f"({seq.max_len} tokens) but the cache has {self.blocks.num_blocks}; enlarge it")
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -87,20 +116,55 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free_blocks(seq)
 
-    # ---- policies ------------------------------------------------------------------------
+    # ---- admission and preemption ----------------------------------------------------------
     def _admit(self) -> Sequence | None:
         if not self.waiting or len(self.running) >= self.config.max_running:
             return None
-        if not self.blocks.can_allocate(self.waiting[0]):
+        seq = self.waiting[0]
+        tokens = seq.num_prefill_tokens if self.config.on_demand else seq.max_len
+        if not self._fits(seq, tokens):
             if not self.running:
                 raise RuntimeError("the KV cache cannot hold a single request; enlarge it")
             return None
-        seq = self.waiting.popleft()
-        self.blocks.allocate(seq)
+        self.waiting.popleft()
+        self.blocks.allocate(seq, tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return seq
 
+    def _fits(self, seq: Sequence, tokens: int) -> bool:
+        """Room to admit `seq` with `tokens` tokens of blocks. On demand, a watermark of blocks is
+        left for the running sequences to grow into, unless every lifetime fits anyway."""
+        if not self.blocks.can_allocate(seq, tokens):
+            return False
+        return (not self._watermark or not self.running
+                or self.blocks.can_allocate(seq, tokens, self._watermark) or self._rest_admissible())
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Free the victim's blocks; it waits at the head of the queue to be recomputed."""
+        self.running.remove(victim)
+        self.blocks.free_blocks(victim)
+        victim.preempt()
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def _grow_or_preempt(self, decoding: list[Sequence]) -> list[Sequence]:
+        """The decoding sequences (admission order) once each has a KV slot for its next token:
+        while one lacks a block, the most recently admitted running sequence is preempted (it
+        may be that sequence itself)."""
+        kept = []
+        for seq in decoding:
+            while seq.status is SequenceStatus.RUNNING and not self.blocks.can_grow(seq, seq.num_tokens):
+                # Alone and still short: its table ends in a tier whose blocks (and the slower
+                # ones') are spent while faster ones are free. Readmitted alone, fastest tier
+                # first, it fits (Scheduler.add checked that every request fits the cache alone).
+                self._preempt(self.running[-1])
+            if seq.status is SequenceStatus.RUNNING:
+                self.blocks.grow(seq, seq.num_tokens)
+                kept.append(seq)
+        return kept
+
+    # ---- policies ------------------------------------------------------------------------
     def _decode_maximal_items(self) -> list[WorkItem]:
         decoding = [s for s in self.running if not s.is_prefilling]
         if self.config.defer_decodes_with_slack:
@@ -108,17 +172,26 @@ class Scheduler:
             if last_pass is not None:  # passes left to the last prefilling sequence's end
                 # A decode sampled now ends after passes_left(s) passes, deferred one pass later.
                 decoding = [s for s in decoding if _passes_left(s) + 1 > last_pass]
+        if self.config.on_demand:
+            decoding = self._grow_or_preempt(decoding)
         items = [WorkItem(s, s.num_computed, s.num_tokens) for s in decoding]
-        budget = self.config.prefill_budget
+        budget = self._pass_prefill_budget(len(items))
         prefilling = [s for s in self.running if s.is_prefilling]
         while budget > 0:
             seq = prefilling.pop(0) if prefilling else self._admit()
             if seq is None:
                 break
-            chunk = min(budget, seq.num_prompt_tokens - seq.num_computed)
+            chunk = min(budget, seq.num_prefill_tokens - seq.num_computed)
             items.append(WorkItem(seq, seq.num_computed, seq.num_computed + chunk))
             budget -= chunk
         return items
+
+    def _pass_prefill_budget(self, num_decodes: int) -> int:
+        """The prefill budget, less what rounds the pass down to a multiple of token_multiple
+        (when the budget is larger than that cut)."""
+        budget, multiple = self.config.prefill_budget, self.config.token_multiple
+        cut = (num_decodes + budget) % multiple
+        return budget - cut if cut < budget else budget
 
     def _tail_last_pass(self) -> int | None:
         """In the tail of the workload with prompt tokens left to prefill: the pass (this one is 1)
@@ -132,15 +205,20 @@ class Scheduler:
             return None
         budget, queued, last = self.config.prefill_budget, 0, 0
         for seq in owing:
-            queued += seq.num_prompt_tokens - seq.num_computed
+            queued += seq.num_prefill_tokens - seq.num_computed
             prefilled_in = -(-queued // budget)  # the pass sampling its first token
-            last = max(last, prefilled_in + seq.max_len - seq.num_prompt_tokens - 1)
+            last = max(last, prefilled_in + seq.max_len - seq.num_prefill_tokens - 1)
         return last
 
     def _rest_admissible(self) -> bool:
-        """Whether every waiting request can be admitted now, together (no one waits for room)."""
-        return (len(self.running) + len(self.waiting) <= self.config.max_running
-                and self.blocks.can_allocate_all(list(self.waiting)))
+        """Whether every waiting request can be admitted now, together, and every sequence then
+        run to its max_tokens without a preemption (no one waits for room)."""
+        if len(self.running) + len(self.waiting) > self.config.max_running:
+            return False
+        owed = 0
+        if self.config.on_demand:  # blocks the running sequences may still take
+            owed = sum(self.blocks.blocks_needed(s) - len(s.block_table) for s in self.running)
+        return self.blocks.can_allocate_all(list(self.waiting), reserved=owed)
 
     def _block_items(self) -> list[WorkItem]:
         if not self.running:

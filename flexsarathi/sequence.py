@@ -41,6 +41,9 @@ class Sequence:
     stop_text_end: int | None = None  # stop string hit: the generated text ends at this index
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per generated token (params.logprobs)
+    # Preemption (on-demand KV admission): tokens to recompute as a prefill on re-admission.
+    recompute_len: int = 0
+    num_preemptions: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -51,8 +54,25 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens computed as a prefill before the next sample: the prompt, or after a preemption
+        the prompt and every output so far (recomputed; the outputs stay outputs)."""
+        return max(self.num_prompt_tokens, self.recompute_len)
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < self.num_prompt_tokens
+        return self.num_computed < self.num_prefill_tokens
+
+    def preempt(self) -> None:
+        """Its KV blocks were taken back: it waits again and recomputes what it had. The sampling
+        generator keeps its state, so seeded sampling continues as if uninterrupted; prompt
+        logprobs and logits are recorded afresh by the recompute."""
+        self.recompute_len = self.num_tokens
+        self.num_computed = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self.prompt_logprobs.clear()
+        self.prompt_logits.clear()
 
     @property
     def num_uncomputed(self) -> int:

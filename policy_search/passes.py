@@ -76,7 +76,23 @@ def steady_prefill_budget(policy: Policy, workload: Workload) -> int:
     return max(1, math.ceil(prompt * max(1.0, running / workload.mean_gen_len)))
 
 
+SIMULATE_UP_TO = 4096  # requests: a longer finite workload is modelled analytically
+
+
+def replays(policy: Policy, workload: Workload) -> bool:
+    """Whether the run is replayed pass by pass (simulate.py): a finite workload that fills more
+    than the running set and whose lengths vary, stop early, or meet a bounded KV cache."""
+    n = workload.num_requests
+    if n is None or n > SIMULATE_UP_TO or (n <= policy.max_running and policy.scheduler != "block"):
+        return False
+    return not workload.is_fixed or workload.max_tokens is not None or policy.kv_cache_tokens is not None
+
+
 def run_shape(policy: Policy, workload: Workload) -> RunShape:
+    if replays(policy, workload):
+        from policy_search.simulate import simulated_run
+
+        return simulated_run(policy, workload)
     if policy.scheduler == "block":
         return _block(policy, workload)
     return _decode_maximal(policy, workload)

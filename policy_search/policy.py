@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, fields
 
 SCHEDULERS = ("decode-maximal", "block")
+KV_ADMISSIONS = ("on-demand", "reserve")
 _FRACTION_KINDS = {
     "weights": ("w_gpu", "w_cpu", "w_disk"),  # (wg, wc, wd)
     "KV cache": ("kv_gpu", "kv_cpu", "kv_disk"),  # (cg, cc, cd)
@@ -48,6 +49,14 @@ class Policy:
     weight_prefetch: int = 1
     scheduler: str = "decode-maximal"  # or "block" (FlexGen's schedule, the baseline)
     pin_weight: bool = True  # pin CPU-tier weights on CUDA (faster copies, costs locked RAM)
+    # KV admission (decode-maximal; block always reserves): "on-demand" admits a request when its
+    # prompt fits, grows tables while decoding and preempts (recomputes) the latest admitted when
+    # the cache runs short; "reserve" admits only when prompt + max_tokens fit, never preempting.
+    kv_admission: str = "on-demand"
+    # KV-cache capacity in tokens (every layer holds this many; split over the tiers by the KV
+    # fractions). None: room for max_running sequences of the longest request of each generate
+    # (every running lifetime fits, so on-demand never preempts).
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("gpu_batch_size", "num_gpu_batches", "prefill_budget", "weight_prefetch"):
@@ -68,6 +77,12 @@ class Policy:
         for name in ("compress_weight", "compress_kv", "cpu_attention", "overlap", "pin_weight"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(f"Policy.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.kv_admission not in KV_ADMISSIONS:
+            raise PolicyError(f"Policy.kv_admission must be one of {KV_ADMISSIONS}, got {self.kv_admission!r}")
+        if self.kv_cache_tokens is not None and (isinstance(self.kv_cache_tokens, bool) or not isinstance(
+                self.kv_cache_tokens, int) or self.kv_cache_tokens < 1):
+            raise PolicyError(f"Policy.kv_cache_tokens must be a positive integer or null, "
+                              f"got {self.kv_cache_tokens!r}")
         if self.scheduler not in SCHEDULERS:
             raise PolicyError(f"Policy.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
 

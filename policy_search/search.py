@@ -127,6 +127,13 @@ def search_detailed(model: ModelSpec, hardware: HardwareSpec, workload: Workload
                         seconds=time.perf_counter() - started, complete=searcher.complete)
 
 
+def kv_admission(workload: Workload) -> str:
+    """Lifetime reservation where it is provably no worse: the outputs' lengths are known (no early
+    stops), so a reservation holds exactly what the sequence will use and never preempts; on demand
+    where requests stop early (Workload.max_tokens), so unused max_tokens hold no cache."""
+    return "reserve" if workload.max_tokens is None else "on-demand"
+
+
 def _check_constraints(constraints: dict) -> None:
     for name, value in constraints.items():
         if name not in CONSTRAINTS:
@@ -309,7 +316,7 @@ class _Searcher:
         if budget is None:
             budget = (steady_prefill_budget(base, self.workload) if combo.scheduler == "decode-maximal"
                       else max(1, min(base.max_running, self.max_running) * self.workload.max_prompt_len))
-        return base.replace(prefill_budget=budget)
+        return base.replace(prefill_budget=budget, kv_admission=kv_admission(self.workload))
 
     def costs(self, chain: _Chain, nb: int):
         key = (chain.combo, chain.gpu_batch_size, nb)

@@ -23,6 +23,10 @@ class Workload:
     gen_len: int | None = None  # generated tokens per request, the first one included
     pairs: tuple[tuple[int, int], ...] | None = None  # (prompt_len, gen_len) samples, equally likely
     num_requests: int | None = None
+    # The requests' max_tokens where outputs end early at EOS / stop tokens (gen lengths are then
+    # where they stop): what lifetime reservation holds per request. None: outputs run to their
+    # gen_len (ignore_eos, lengths known), so a reservation holds exactly what is used.
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         fixed = self.prompt_len is not None or self.gen_len is not None
@@ -46,6 +50,11 @@ class Workload:
             object.__setattr__(self, "pairs", pairs)
         if self.num_requests is not None:
             _positive_int(self.num_requests, "Workload.num_requests")
+        if self.max_tokens is not None:
+            _positive_int(self.max_tokens, "Workload.max_tokens")
+            if self.max_tokens < max(n for _, n in self.lengths):
+                raise SpecError(f"Workload.max_tokens={self.max_tokens} is below the longest output "
+                                f"({max(n for _, n in self.lengths)})")
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -94,6 +103,11 @@ class Workload:
     @property
     def max_total_len(self) -> int:
         return max(s + n for s, n in self.lengths)
+
+    @property
+    def reserved_gen_len(self) -> int:
+        """Output tokens a lifetime reservation holds per request."""
+        return self.max_tokens if self.max_tokens is not None else self.max_gen_len
 
     @property
     def mean_decode_steps(self) -> float:
