@@ -11,6 +11,12 @@ TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+# The optional Ray Data group (generate --ray) is only for the test suite and for users who scale out:
+# `make run` does not need it.
+$(VENV)/.installed-ray: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[test,ray]"
 	touch $@
 
@@ -24,7 +30,7 @@ run: install
 	    --output out/make_run.jsonl --overwrite --policy examples/make_run_policy.json \
 	    --max-tokens 32 --offload-dir out/offload
 
-test: install
+test: $(VENV)/.installed-ray
 	$(PY) -m pytest -q
 
 clean:
