@@ -175,7 +175,7 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], tokenizer, defaults: 
 
 def _run_here(args, runnable: list[BatchRequest], params: dict, record, say):
     """(stats, policy, error records written): the requests on one LLM in this process."""
-    llm, policy = build_llm(args, _workload(runnable, params))
+    llm, policy = build_llm(args, _workload(args, runnable, params))
     say(f"policy: {describe_policy(policy)}")
     say(f"device: {llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')}")
     try:
@@ -196,7 +196,7 @@ def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say):
     from flexsarathi.ray.spec import EngineSpec
 
     hardware = hardware_of(args)
-    policy = resolve_policy(args, hardware, _workload(runnable, params))
+    policy = resolve_policy(args, hardware, _workload(args, runnable, params))
     say(f"policy: {describe_policy(policy)}")
     spec = EngineSpec.of(args.model, policy, hardware=hardware, dtype=args.dtype, device=args.device,
                          offload_dir=args.offload_dir)
@@ -242,12 +242,21 @@ def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int) -> Samplin
         return None
 
 
-def _workload(requests: list[BatchRequest], params: dict):
-    """The job's lengths, for --policy auto."""
-    from policy_search import Workload
+def _workload(args, requests: list[BatchRequest], params: dict):
+    """The job's lengths, for --policy auto, as the engine will run them: a prompt longer than the
+    model's context is refused by the engine (that line's error record), so it is left out, and an
+    output is cut where prompt + output reach the context. None (the planner's default workload)
+    when no request can run. Only read with --policy auto."""
+    if args.policy != "auto":
+        return None
+    from policy_search import ModelSpec, Workload
 
-    pairs = [(len(r.prompt_token_ids), params[r.key].max_tokens) for r in requests]
-    return Workload(pairs=tuple(pairs), num_requests=sum(params[r.key].n for r in requests))
+    context = ModelSpec.from_name(args.model).max_positions
+    pairs = [(len(r.prompt_token_ids), min(params[r.key].max_tokens, context - len(r.prompt_token_ids)), params[r.key].n)
+             for r in requests if len(r.prompt_token_ids) < context]
+    if not pairs:
+        return None
+    return Workload(pairs=tuple((s, n) for s, n, _ in pairs), num_requests=sum(k for _, _, k in pairs))
 
 
 def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):

@@ -209,6 +209,24 @@ def test_seeds_follow_the_request_id():
 DUMMY = "dummy:opt-125m"
 
 
+def test_policy_auto_with_a_prompt_beyond_the_context(stories_dir, stories_llm, tmp_path):
+    """--policy auto plans for the requests the engine will run: a prompt longer than the context is
+    that line's error record (it used to fail the policy search for the whole job), and an output
+    that would run past the context is planned as the engine cuts it."""
+    near = [1] + [403] * 505  # 506 + 12 > 512: the engine stops at the context
+    src = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Once upon a time"},
+                                              {"id": "long", "prompt_token_ids": [5] * 600},
+                                              {"id": "near", "prompt_token_ids": near, "max_tokens": 12}])
+    cli("generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"),
+        "--policy", "auto", "--hardware", "t4", *GREEDY, check_rc=1)
+    got = {r["id"]: r for r in records(tmp_path / "o.jsonl")}
+    assert "600 tokens, more than the model's context of 512" in got["long"]["error"]["message"]
+    ref_a, = greedy(stories_llm, ["Once upon a time"])
+    ref_near, = greedy(stories_llm, [near], max_tokens=12)
+    assert got["a"]["token_ids"] == ref_a.token_ids
+    assert got["near"]["token_ids"] == ref_near.token_ids and len(ref_near.token_ids) == 512 - 506
+
+
 def test_dummy_model_with_weights_on_disk(tmp_path):
     """Token-id prompts on a dummy model with half its weights on disk, against the all-on-device
     API; a text prompt (no tokenizer) is an error record."""
