@@ -15,6 +15,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from flexsarathi.cli_io import read_text_file
 from flexsarathi.errors import FlexSarathiError
 
 FORMATS = ("text", "jsonl", "openai")
@@ -67,13 +68,7 @@ def detect_format(lines: list[str]) -> str:
 
 def read_requests(path: str, fmt: str = "auto") -> tuple[str, list[BatchRequest]]:
     """(format, one request per non-blank line). Raises FlexSarathiError when the file cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise FlexSarathiError(f"cannot read --input {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise FlexSarathiError(f"--input {path} is not UTF-8 text: {exc}") from None
+    lines = read_text_file(path, "--input").splitlines()
     fmt = detect_format(lines) if fmt == "auto" else fmt
     parse = {"text": _text_request, "jsonl": _jsonl_request, "openai": _openai_request}[fmt]
     return fmt, [parse(number, ln) for number, ln in enumerate(lines, 1) if ln.strip()]

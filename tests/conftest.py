@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random-weight HF models saved as safetensors, and ../shared data."""
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,22 @@ TINY_CONFIGS = {
 # Deeper variants for placement tests: with 6 layers, two working buffers are a third of the layers.
 TINY_CONFIGS["opt_deep"] = dict(TINY_CONFIGS["opt"], num_hidden_layers=6)
 TINY_CONFIGS["llama_deep"] = dict(TINY_CONFIGS["llama_gqa_untied"], num_hidden_layers=6)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, options: str, why: str):
+    """A tmpfs mounted at `mount` (created) with mount `options` (e.g. "size=256k,ro"); skips the
+    test, saying `why` it needs one, where mounting is not permitted (it needs root; CI runs as
+    root). Unmounted on exit."""
+    mount.mkdir(exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'not root'}): {why}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 def build_hf_model(kind: str, seed: int = 0):

@@ -12,7 +12,7 @@ import torch
 
 from flexsarathi import LLM
 from flexsarathi.errors import FlexSarathiError
-from tests.conftest import REPO, STORIES
+from tests.conftest import REPO, STORIES, mounted_tmpfs
 
 NOT_UTF8 = b"Once upon a time \xff\xfe there was"
 
@@ -90,13 +90,7 @@ def test_llm_rejects_devices_it_cannot_use(device):
 
 def test_outputs_on_a_read_only_filesystem_are_refused_before_any_work(tmp_path):
     """Root ignores permission bits, a read-only mount it cannot: the write check sees it."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here ({done.stderr.strip() or 'not root'})")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "size=64k,ro", "the read-only case needs one") as mount:
         for argv in (["policy", "--model", "opt-125m", "--json", f"{mount}/p.json"],
                      ["profile", "--output", f"{mount}/hw.json"]):
             run = subprocess.run([sys.executable, "-m", "flexsarathi", *argv], capture_output=True,
@@ -104,5 +98,3 @@ def test_outputs_on_a_read_only_filesystem_are_refused_before_any_work(tmp_path)
             assert run.returncode == 2 and run.stderr.splitlines() == [
                 f"error: {argv[-2]} {argv[-1]} is not writable"], run.stderr
             assert "search" not in run.stdout and "profiling" not in run.stderr  # refused first
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)

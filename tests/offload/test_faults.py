@@ -22,7 +22,7 @@ from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
 from offload.memory import MemoryTracker
 from offload.placement import TieredWeights
 from policy_search.policy import Policy
-from tests.conftest import REPO
+from tests.conftest import REPO, mounted_tmpfs
 
 SHAPES = {"qkv": (96, 32), "o": (32, 32), "up": (80, 32), "down": (32, 80), "norm": (32,)}
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -181,19 +181,13 @@ def test_kill_during_placement_leaves_nothing_trusted(tmp_path):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 256 KiB tmpfs (needs root; CI runs as root). Yields (mount point, remount(options))."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'not root'}): "
-                    "the disk-full and read-only cases need one")
+    with mounted_tmpfs(tmp_path / "small", "size=256k",
+                       "the disk-full and read-only cases need one") as mount:
 
-    def remount(options: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,{options}", str(mount)], check=True)
+        def remount(options: str) -> None:
+            subprocess.run(["mount", "-o", f"remount,{options}", str(mount)], check=True)
 
-    yield mount, remount
-    subprocess.run(["umount", str(mount)], check=False)
+        yield mount, remount
 
 
 def test_disk_full_while_writing_is_a_clear_error_and_nothing_is_trusted(small_tmpfs):
