@@ -12,8 +12,8 @@
 
 Each layer's weights reach the compute device once per pass and serve every micro-batch. With
 `overlap=False` the same loop runs every load and store inline. The KV context is gathered before
-the micro-batch's new K/V exist, so the new rows are patched into the gathered context (as they
-will read back from the pool: round-tripped through compression when the pool compresses).
+the micro-batch's new K/V exist; the pool turns context + new rows into the parts to attend
+(KVPool.parts_to_attend: compressed KV is its business), whose attentions merge exactly.
 
 The model is injected (offload/ never imports flexsarathi/): any object with `embed`, `qkv`,
 `attend`, `merge_attention`, `finish` and `logits` as in flexsarathi.models.base.
@@ -117,15 +117,14 @@ class PassExecutor:
     def _load(self, layer: int, mb: MicroBatch, k: int):
         hidden = self.acts.take(k)
         contexts = [[None if self._reads_new_rows(part) else
-                     self.kv_pools[part.tier].gather(layer, part.kv_slots, self.attention_device(part.tier, group),
-                                                     part.residual_ids, part.complete_len)
+                     self.kv_pools[part.tier].gather_part(layer, part, self.attention_device(part.tier, group))
                      for part in group.parts] for group in mb.groups]
         return hidden, contexts
 
     def _reads_new_rows(self, part) -> bool:
-        """The part's whole context is this pass's own new K/V (uncompressed: as they will be
-        stored): attend those rows directly, no gather from the pool, no patching."""
-        return part.new_rows is not None and self.kv_pools[part.tier].compression is None
+        """The part's whole context is this pass's own new K/V: the pool attends those rows
+        directly, no gather from the pool, no patching."""
+        return part.new_rows is not None
 
     def _compute(self, w, mb: MicroBatch, hidden: torch.Tensor, contexts):
         q, k, v = self.math.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
@@ -135,52 +134,21 @@ class PassExecutor:
                     if group.row_start is not None else group.token_rows)  # a slice is a view, no copy
             q_group = q[rows].unflatten(0, (group.num_seqs, group.num_queries))
             k_rows, v_rows = k[rows], v[rows]
-            outs = []
-            for part, context in zip(group.parts, group_contexts):
-                pool = self.kv_pools[part.tier]
-                if context is None:  # [1, L, kv_heads, d]: the chunk's own keys of this part
-                    lo, hi = part.new_rows
-                    k_ctx, v_ctx = k_rows[lo:hi].unsqueeze(0), v_rows[lo:hi].unsqueeze(0)
-                else:
-                    k_ctx, v_ctx = context
-                dev = k_ctx.device
-                if context is not None and part.patch_src.numel():
-                    src = part.patch_src
-                    seq, pos = part.patch_seq.to(dev), part.patch_pos.to(dev)
-                    k_ctx[seq, pos] = k_rows[src].to(dev, k_ctx.dtype)  # K is compressed by block
-                    v_ctx[seq, pos] = pool.round_trip_v(v_rows[src]).to(dev, v_ctx.dtype)
-                args = (q_group.to(dev), group.q_pos.to(dev), part.kv_len.to(dev), part.kv_start.to(dev))
-                if pool.compression is None:
-                    outs.append(self._attend(k_ctx, v_ctx, *args))
-                else:  # earlier blocks as stored (quantized), the query's own block in full precision
-                    bs = pool.block_size
-                    k_prior = self._prior_keys(pool, group, part, k_ctx)
-                    outs.append(self._attend(k_prior, v_ctx, *args, key_blocks=(bs, "before")))
-                    outs.append(self._attend(k_ctx, v_ctx, *args, key_blocks=(bs, "same")))
+            outs = [self._attend(q_group, group, part, keys, values, key_rule)
+                    for part, context in zip(group.parts, group_contexts)
+                    for keys, values, key_rule in
+                    self.kv_pools[part.tier].parts_to_attend(group, part, context, k_rows, v_rows)]
             merged = outs[0][0] if len(outs) == 1 else self.math.merge_attention(outs)
             attn[rows] = merged.flatten(0, 1)
         return self.math.finish(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
 
-    def _attend(self, k_ctx, v_ctx, q, q_pos, kv_len, kv_start, key_blocks=None):
-        out, lse = self.math.attend(q, k_ctx, v_ctx, q_pos, kv_len, kv_start, key_blocks)
+    def _attend(self, q_group, group: AttentionGroup, part, keys, values, key_rule):
+        """Attention where the keys are (the CPU for delegated decodes); out [B, n, heads, d] and
+        lse [B, n, heads] come back to the compute device for merging."""
+        dev = keys.device
+        out, lse = self.math.attend(q_group.to(dev), keys, values, group.q_pos.to(dev), part.kv_len.to(dev),
+                                    part.kv_start.to(dev), key_rule)
         return out.to(self.device), lse.to(self.device)
-
-    @staticmethod
-    def _prior_keys(pool: KVPool, group: AttentionGroup, part, k_ctx: torch.Tensor) -> torch.Tensor:
-        """Keys as queries of later blocks see them: blocks completed inside this pass are
-        round-tripped through the block quantization they are stored with (earlier blocks already
-        come dequantized from the pool; decodes have no later query in the pass)."""
-        if group.is_decode:
-            return k_ctx
-        bs, k_prior = pool.block_size, k_ctx
-        for b in range(group.num_seqs):
-            lo = int(part.complete_len[b])
-            hi = int(part.kv_len[b]) // bs * bs
-            if hi > lo:
-                if k_prior is k_ctx:
-                    k_prior = k_ctx.clone()
-                k_prior[b, lo:hi] = pool.round_trip_k_blocks(k_ctx[b, lo:hi])
-        return k_prior
 
     @torch.inference_mode()
     def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v) -> None:

@@ -16,9 +16,9 @@ along the tokens of a block costs about +1%. So:
   "residual" buffer (one block per running sequence), quantized when its last token is stored.
 
 Semantics that do not depend on chunking or timing: a query at position p sees the keys of
-earlier blocks as quantized and the keys of its own block in full precision. A prompt chunk that
-spans blocks is attended in two parts (earlier blocks / own block) merged exactly; blocks that
-complete inside the pass are round-tripped for the queries after them, exactly as they are stored.
+earlier blocks as quantized and the keys of its own block in full precision, and every value as
+quantized. `KVPool.parts_to_attend` is the one place that turns this rule into attention inputs
+(docs/DESIGN.md, "Compressed KV cache").
 """
 from __future__ import annotations
 
@@ -28,7 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.batch import AttentionGroup, KVPart
 from quant import QTensor, QuantConfig, dequantize, quantize
+
+
+# (block_size, "before" | "same"): attend only keys in blocks before each query's own block, or in
+# its own block (flexsarathi.attention.attend's key_blocks); None: every visible key.
+KeyRule = tuple[int, str] | None
 
 
 @dataclass(frozen=True)
@@ -198,3 +204,49 @@ class KVPool:
         from_blocks = torch.arange(num_blocks * bs, device=device)[None, :] < complete_len.to(device)[:, None]
         k = torch.where(from_blocks[:, :, None, None], k, residual)[:, :length].contiguous()
         return k, v
+
+    # ---- what a group's queries attend ---------------------------------------------------------
+    def gather_part(self, layer: int, part: KVPart, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored context of one attention part, gathered onto `device` (see gather)."""
+        return self.gather(layer, part.kv_slots, device, part.residual_ids, part.complete_len)
+
+    def parts_to_attend(self, group: AttentionGroup, part: KVPart, context, new_k: torch.Tensor,
+                        new_v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, KeyRule]]:
+        """What the group's queries attend in this part, as (keys, values, key rule) triples whose
+        attentions merge exactly. context: gather_part's k, v [B, L, kv_heads, d], or None when the
+        part's keys are all this pass's new rows (part.new_rows); new_k, new_v: the group's new
+        rows [B * n, kv_heads, d]. New rows read as they will read back from the pool."""
+        k, v = self._with_new_rows(part, context, new_k, new_v)  # [B, L, kv_heads, d]
+        if self.compression is None:
+            return [(k, v, None)]
+        # Earlier blocks as stored (quantized); the query's own block in full precision.
+        bs = self.block_size
+        return [(self._keys_as_stored(group, part, k), v, (bs, "before")), (k, v, (bs, "same"))]
+
+    def _with_new_rows(self, part: KVPart, context, new_k: torch.Tensor, new_v: torch.Tensor):
+        if context is None:  # [1, L, kv_heads, d]: the chunk's own rows, in order
+            lo, hi = part.new_rows
+            return new_k[lo:hi].unsqueeze(0), self.round_trip_v(new_v[lo:hi]).unsqueeze(0)
+        k, v = context  # fresh tensors from gather: patched in place
+        if part.patch_src.numel():
+            dev, src = k.device, part.patch_src
+            seq, pos = part.patch_seq.to(dev), part.patch_pos.to(dev)
+            k[seq, pos] = new_k[src].to(dev, k.dtype)  # K of the open block stays exact
+            v[seq, pos] = self.round_trip_v(new_v[src]).to(dev, v.dtype)
+        return k, v
+
+    def _keys_as_stored(self, group: AttentionGroup, part: KVPart, k: torch.Tensor) -> torch.Tensor:
+        """Keys as queries of later blocks see them: blocks completed inside this pass are
+        round-tripped through the block quantization they are stored with (earlier blocks already
+        come dequantized from the pool; decodes have no later query in the pass)."""
+        if group.is_decode:
+            return k
+        bs, k_prior = self.block_size, k
+        for b in range(group.num_seqs):
+            lo = int(part.complete_len[b])
+            hi = int(part.kv_len[b]) // bs * bs
+            if hi > lo:
+                if k_prior is k:
+                    k_prior = k.clone()
+                k_prior[b, lo:hi] = self.round_trip_k_blocks(k[b, lo:hi])
+        return k_prior
