@@ -14,7 +14,7 @@ import torch
 
 from flexsarathi.attention import release_host_buffers
 from flexsarathi.batch_builder import LogitSpan, build_micro_batch, wants_prompt_logprobs
-from flexsarathi.block_manager import TIERS, BlockManager
+from flexsarathi.block_manager import BlockManager
 from flexsarathi.checkpoint import open_weight_source
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.model_config import parse_dtype
@@ -28,7 +28,7 @@ from offload.executor import PassExecutor
 from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget
 from offload.placement import TieredWeights
-from policy_search.policy import Policy
+from policy_search.policy import TIERS, Policy
 from quant import QuantConfig
 
 # Weights grouped along the input dimension: measured on stories260K, 4-bit g64 perplexity 3.76
