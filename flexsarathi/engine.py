@@ -29,11 +29,13 @@ from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget
 from offload.placement import TieredWeights
 from policy_search.policy import TIERS, Policy
+from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT
 from quant import QuantConfig
 
-# Weights grouped along the input dimension: measured on stories260K, 4-bit g64 perplexity 3.76
-# against 4.46 along the output dimension (fp32: 3.40).
-WEIGHT_QUANT = QuantConfig(bits=4, group_size=64, group_dim=-1)
+# Weights grouped along the input dimension (docs/DESIGN.md, "Quantization"); bits and group size
+# are the format the planner prices (policy_search/quant_format.py).
+WEIGHT_QUANT = QuantConfig(bits=WEIGHT_FORMAT.bits, group_size=WEIGHT_FORMAT.group_size, group_dim=-1)
+PLAIN_KV_BLOCK = 16  # tokens per block of an uncompressed KV pool
 STORE_FORMAT = 3  # bump whenever what the weight store holds changes (2: 4-bit packed per row; 3: + norms, biases)
 GPU_TOKEN_MULTIPLE = 128  # matmul tile: passes on a GPU carry a multiple of it where that is free
 SCHEDULE_FIELDS = ("scheduler", "kv_admission", "kv_cache_tokens", "prefill_budget", "gpu_batch_size")
@@ -121,15 +123,14 @@ class LLMEngine:
     def __init__(self, model: str, *, dtype=None, device=None, policy: Policy | None = None,
                  seed: int = 0, kv_block_size: int | None = None, budget: TierBudget | None = None,
                  offload_dir: str | None = None, direct_io: bool = True,
-                 weight_quant: QuantConfig = WEIGHT_QUANT, kv_bits: int = 4, kv_value_group: int = 64):
+                 weight_quant: QuantConfig = WEIGHT_QUANT, kv_bits: int = KV_FORMAT.bits, kv_value_group: int = KV_FORMAT.value_group):
         self.device = resolve_device(device)
         self.source = open_weight_source(model)
         self.config, self.math = self.source.config, self.source.math
         self.dtype = resolve_dtype(dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = policy or Policy()
-        # A compressed K is grouped per channel over one block: 64-token blocks keep its scales
-        # and minimums at 1/16 of the codes (4.5 bits per value); plain pools use 16-token blocks.
-        self.block_size = kv_block_size or (64 if p.compress_kv else 16)
+        # A compressed K is grouped per channel over one block (KVFormat.block_size).
+        self.block_size = kv_block_size or (KV_FORMAT.block_size if p.compress_kv else PLAIN_KV_BLOCK)
         self.offload_dir = offload_dir or DEFAULT_OFFLOAD_DIR
         self.tokenizer = load_tokenizer(model, self.config)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None

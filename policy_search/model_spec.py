@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from policy_search.errors import SpecError
 from policy_search.model_registry import KNOWN_MODELS, known_config
-from policy_search.units import QUANT_BYTES_PER_VALUE, fmt_bytes
+from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT, KVFormat, WeightFormat
+from policy_search.units import fmt_bytes
 
 _FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
@@ -40,6 +41,8 @@ class ModelSpec:
     linear_bias: bool = False  # OPT: every linear layer has a bias
     qkv_bias: bool = False  # qwen2
     layer_norm_bias: bool = False  # LayerNorm (OPT) has a bias, RMSNorm (LLaMA) does not
+    weight_format: WeightFormat = WEIGHT_FORMAT  # compressed weights (the engine's weight_quant)
+    kv_format: KVFormat = KV_FORMAT  # compressed KV cache (the engine's kv_bits, block, kv_value_group)
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -112,14 +115,15 @@ class ModelSpec:
         return 2 * self.kv_dim
 
     def layer_weight_bytes(self, compressed: bool) -> float:
-        """Stored bytes of one layer's weights: matrices 4-bit group-wise when compressed."""
-        matrix_bytes = QUANT_BYTES_PER_VALUE if compressed else self.bytes_per_value
+        """Stored bytes of one layer's weights: matrices group-wise (weight_format) when compressed."""
+        matrix_bytes = self.weight_format.bytes_per_value if compressed else self.bytes_per_value
         return self.layer_matrix_params * matrix_bytes + self.layer_vector_params * self.bytes_per_value
 
     def kv_bytes_per_token(self, compressed: bool) -> float:
-        """Bytes one token's K and V take in one layer's cache."""
-        value_bytes = QUANT_BYTES_PER_VALUE if compressed else self.bytes_per_value
-        return self.kv_values_per_token * value_bytes
+        """Bytes one token's K and V take in one layer's cache (kv_format when compressed)."""
+        if compressed:
+            return self.kv_format.bytes_per_token(self.num_kv_heads, self.head_dim)
+        return self.kv_values_per_token * self.bytes_per_value
 
     @property
     def hidden_bytes_per_token(self) -> int:
@@ -163,7 +167,7 @@ class ModelSpec:
                 f"{self.num_heads} heads ({self.num_kv_heads} KV) x {self.head_dim}, "
                 f"{self.ffn_kind} FFN {self.ffn_size}, vocab {self.vocab_size}, "
                 f"{self.num_params / 1e9:.2f}B params = {fmt_bytes(self.weight_bytes(False))} "
-                f"({fmt_bytes(self.weight_bytes(True))} 4-bit)")
+                f"({fmt_bytes(self.weight_bytes(True))} {self.weight_format.bits}-bit)")
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
