@@ -12,13 +12,11 @@ import os
 from dataclasses import dataclass
 
 from policy_search.errors import SpecError
+from policy_search.hf_config import DTYPE_BYTES, HFConfig
 from policy_search.model_registry import KNOWN_MODELS, known_config
 from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT, KVFormat, WeightFormat
 from policy_search.units import fmt_bytes
 
-_FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
-_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
-                "bfloat16": 2, "bf16": 2}
 FFN_KINDS = ("mlp", "gated")  # mlp: up + down (OPT); gated: gate + up + down (LLaMA)
 
 
@@ -173,51 +171,18 @@ class ModelSpec:
     @classmethod
     def from_config(cls, config: dict, name: str | None = None,
                     bytes_per_value: int | None = None) -> "ModelSpec":
-        """From an HF `config.json` dict of the OPT or LLaMA family."""
-        source = name or "config"
-        if not isinstance(config, dict):
-            raise SpecError(f"{source}: expected a config dict, got {type(config).__name__}")
-        model_type = config.get("model_type")
-        if model_type not in _FAMILIES:
-            raise SpecError(f"{source}: model_type {model_type!r} is not supported; supported: "
-                            f"{', '.join(_FAMILIES)}")
-
-        def need(key: str) -> int:
-            value = config.get(key)
-            if value is None:
-                raise SpecError(f"{source}: config field {key!r} is missing")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-                raise SpecError(f"{source}: config field {key!r} must be an integer, got {value!r}")
-            return int(value)
-
-        if bytes_per_value is None:
-            dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
-            dtype = dtype.replace("torch.", "").lower()
-            if dtype not in _DTYPE_BYTES:
-                raise SpecError(f"{source}: config field 'torch_dtype' {dtype!r} is not one of "
-                                f"{sorted(_DTYPE_BYTES)}")
-            bytes_per_value = _DTYPE_BYTES[dtype]
-        hidden = need("hidden_size")
-        heads = need("num_attention_heads")
-        common = dict(name=name or str(config.get("_name_or_path") or model_type),
-                      num_layers=need("num_hidden_layers"), hidden_size=hidden, num_heads=heads,
-                      vocab_size=need("vocab_size"), bytes_per_value=bytes_per_value,
-                      max_positions=need("max_position_embeddings"))
-        if _FAMILIES[model_type] == "opt":
-            proj = config.get("word_embed_proj_dim")
-            return cls(**common, num_kv_heads=heads, head_dim=hidden // heads,
-                       ffn_size=need("ffn_dim"), ffn_kind="mlp",
-                       embed_dim=0 if proj in (None, hidden) else int(proj),
-                       learned_positions=True,
-                       tie_embeddings=bool(config.get("tie_word_embeddings", True)),
-                       linear_bias=bool(config.get("enable_bias", True)), layer_norm_bias=True)
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        return cls(**common, num_kv_heads=kv_heads,
-                   head_dim=int(config.get("head_dim") or hidden // heads),
-                   ffn_size=need("intermediate_size"), ffn_kind="gated",
-                   tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   linear_bias=False,
-                   qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)))
+        """From an HF `config.json` dict of the OPT or LLaMA family (parsed by HFConfig, as the
+        runtime's ModelConfig is); bytes_per_value defaults to the checkpoint dtype's."""
+        c = HFConfig.parse(config, name or "config")
+        opt = c.family == "opt"
+        return cls(name=name or str(config.get("_name_or_path") or c.model_type),
+                   num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
+                   num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=c.intermediate_size,
+                   ffn_kind="mlp" if opt else "gated", vocab_size=c.vocab_size,
+                   bytes_per_value=DTYPE_BYTES[c.dtype_name] if bytes_per_value is None else bytes_per_value,
+                   embed_dim=c.word_embed_proj_dim or 0, max_positions=c.max_position_embeddings,
+                   learned_positions=opt, tie_embeddings=c.tie_word_embeddings,
+                   linear_bias=c.linear_bias, qkv_bias=c.qkv_bias, layer_norm_bias=opt)
 
     @classmethod
     def from_name(cls, name: str, bytes_per_value: int | None = None) -> "ModelSpec":
