@@ -174,8 +174,13 @@ class ModelSpec:
         """From an HF `config.json` dict of the OPT or LLaMA family (parsed by HFConfig, as the
         runtime's ModelConfig is); bytes_per_value defaults to the checkpoint dtype's."""
         c = HFConfig.parse(config, name or "config")
+        return cls.from_hf(c, name or str(config.get("_name_or_path") or c.model_type), bytes_per_value)
+
+    @classmethod
+    def from_hf(cls, c: HFConfig, name: str, bytes_per_value: int | None = None) -> "ModelSpec":
+        """From a parsed config (the runtime's ModelConfig is one)."""
         opt = c.family == "opt"
-        return cls(name=name or str(config.get("_name_or_path") or c.model_type),
+        return cls(name=name,
                    num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
                    num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=c.intermediate_size,
                    ffn_kind="mlp" if opt else "gated", vocab_size=c.vocab_size,

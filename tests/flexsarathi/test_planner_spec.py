@@ -25,3 +25,30 @@ def test_planner_prices_the_kv_pool_the_engine_allocates(tiny_checkpoint, tmp_pa
         assert spec.num_layers * bs * spec.kv_bytes_per_token(True) == pool_bytes[1] - pool_bytes[0]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("policy", [
+    Policy(gpu_batch_size=2, num_gpu_batches=2, prefill_budget=8),
+    Policy(gpu_batch_size=3, scheduler="block", act_gpu=0.0, act_cpu=1.0),
+    Policy(gpu_batch_size=2, num_gpu_batches=2, compress_kv=True, kv_admission="reserve", prefill_budget=16),
+])
+def test_engine_reserves_the_planners_worst_pass_working_set(tiny_checkpoint, tmp_path, policy):
+    """The engine's fail-early check reserves policy_search.working_set's bytes for the largest pass."""
+    from flexsarathi.sampling import SamplingParams
+    from policy_search.working_set import working_set, worst_pass
+
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    engine = LLMEngine(folder, device="cpu", policy=policy, offload_dir=str(tmp_path))
+    try:
+        prompts, max_tokens = [[1] * n for n in (5, 9, 3, 12)], 6
+        seqs = [engine.make_sequence(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+        before = engine.memory.peak("gpu")
+        engine.new_scheduler(seqs)
+        reserved = engine.memory.peak("gpu") - engine.memory.in_use("gpu")
+        assert engine.memory.peak("gpu") > before
+        spec = planner_model_spec(folder)
+        tokens = worst_pass(policy, min(policy.max_running, len(seqs)), [len(p) for p in prompts],
+                            [len(p) + max_tokens for p in prompts])
+        assert reserved == working_set(spec, tokens, policy.compress_kv).nbytes(policy.act_gpu)
+    finally:
+        engine.close()
