@@ -5,9 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
-from flexsarathi.block_manager import TIERS, BlockManager
+from flexsarathi.block_manager import BlockManager
 from flexsarathi.scheduler import WorkItem
 from offload.batch import AttentionGroup, KVPart, KVWrite, MicroBatch
+from policy_search.policy import TIERS
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ import math
 from collections import deque
 
 from flexsarathi.sequence import Sequence
-
-TIERS = ("gpu", "cpu", "disk")
+from policy_search.policy import TIERS
 
 
 class BlockManager:

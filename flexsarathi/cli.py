@@ -7,6 +7,7 @@ import os
 import sys
 
 from flexsarathi.cli_bench import add_bench_parser
+from flexsarathi.cli_common import add_compute_args
 from flexsarathi.cli_generate import add_generate_parser
 from flexsarathi.cli_io import check_folder, check_output_file, positive_int, read_text_file
 from flexsarathi.cli_policy import add_policy_parser
@@ -18,9 +19,7 @@ from policy_search.policy import PolicyError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default=None, help="compute dtype: float32, float16, bfloat16 "
-                   "(default: float32 on CPU, the checkpoint's half dtype on GPU)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    add_compute_args(p)
     p.add_argument("--policy", default=None, help="policy JSON (from `flexsarathi policy --json`)")
 
 

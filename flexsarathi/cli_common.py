@@ -26,6 +26,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how passes are formed (default: the policy's)")
     p.add_argument("--offload-dir", default=None, help="folder for disk-tier weights / KV / activations "
                    "(default ~/.cache/flexsarathi/offload)")
+    add_compute_args(p)
+
+
+def add_compute_args(p: argparse.ArgumentParser) -> None:
+    """--dtype and --device (every command that builds an engine)."""
     p.add_argument("--dtype", default=None, help="compute dtype: float32, float16, bfloat16 "
                    "(default: float32 on CPU, the checkpoint's half dtype on GPU)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

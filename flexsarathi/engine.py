@@ -14,7 +14,7 @@ import torch
 
 from flexsarathi.attention import release_host_buffers
 from flexsarathi.batch_builder import LogitSpan, build_micro_batch, wants_prompt_logprobs
-from flexsarathi.block_manager import TIERS, BlockManager
+from flexsarathi.block_manager import BlockManager
 from flexsarathi.checkpoint import open_weight_source
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.model_config import parse_dtype
@@ -28,12 +28,16 @@ from offload.executor import PassExecutor
 from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget
 from offload.placement import TieredWeights
-from policy_search.policy import Policy
+from policy_search.policy import TIERS, Policy
+from policy_search.model_spec import ModelSpec
+from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT
+from policy_search.working_set import PassTokens, working_set, worst_pass
 from quant import QuantConfig
 
-# Weights grouped along the input dimension: measured on stories260K, 4-bit g64 perplexity 3.76
-# against 4.46 along the output dimension (fp32: 3.40).
-WEIGHT_QUANT = QuantConfig(bits=4, group_size=64, group_dim=-1)
+# Weights grouped along the input dimension (docs/DESIGN.md, "Quantization"); bits and group size
+# are the format the planner prices (policy_search/quant_format.py).
+WEIGHT_QUANT = QuantConfig(bits=WEIGHT_FORMAT.bits, group_size=WEIGHT_FORMAT.group_size, group_dim=-1)
+PLAIN_KV_BLOCK = 16  # tokens per block of an uncompressed KV pool
 STORE_FORMAT = 3  # bump whenever what the weight store holds changes (2: 4-bit packed per row; 3: + norms, biases)
 GPU_TOKEN_MULTIPLE = 128  # matmul tile: passes on a GPU carry a multiple of it where that is free
 SCHEDULE_FIELDS = ("scheduler", "kv_admission", "kv_cache_tokens", "prefill_budget", "gpu_batch_size")
@@ -121,15 +125,14 @@ class LLMEngine:
     def __init__(self, model: str, *, dtype=None, device=None, policy: Policy | None = None,
                  seed: int = 0, kv_block_size: int | None = None, budget: TierBudget | None = None,
                  offload_dir: str | None = None, direct_io: bool = True,
-                 weight_quant: QuantConfig = WEIGHT_QUANT, kv_bits: int = 4, kv_value_group: int = 64):
+                 weight_quant: QuantConfig = WEIGHT_QUANT, kv_bits: int = KV_FORMAT.bits, kv_value_group: int = KV_FORMAT.value_group):
         self.device = resolve_device(device)
         self.source = open_weight_source(model)
         self.config, self.math = self.source.config, self.source.math
         self.dtype = resolve_dtype(dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = policy or Policy()
-        # A compressed K is grouped per channel over one block: 64-token blocks keep its scales
-        # and minimums at 1/16 of the codes (4.5 bits per value); plain pools use 16-token blocks.
-        self.block_size = kv_block_size or (64 if p.compress_kv else 16)
+        # A compressed K is grouped per channel over one block (KVFormat.block_size).
+        self.block_size = kv_block_size or (KV_FORMAT.block_size if p.compress_kv else PLAIN_KV_BLOCK)
         self.offload_dir = offload_dir or DEFAULT_OFFLOAD_DIR
         self.tokenizer = load_tokenizer(model, self.config)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
@@ -326,33 +329,19 @@ class LLMEngine:
                                    max(mb.logit_rows.numel() for mb in batches))
 
     def _working_bytes(self, total_tokens: int, widest: int, context_slots: int, logit_rows: int) -> int:
-        """Compute-device bytes a pass needs beyond weights and KV pools: the hidden states kept on
-        the gpu tier, one micro-batch's layer intermediates and attention context (K and V, and
-        a second K for compressed pools), and logits."""
-        c, item = self.config, self.dtype.itemsize
-        parked = round(self.policy.act_gpu * total_tokens) * c.hidden_size * item
-        layer = widest * (2 * c.hidden_size + c.q_size + 2 * c.kv_size + 2 * c.intermediate_size) * item
-        attention = (3 if self.kv_compression else 2) * context_slots * c.kv_size * item
-        return parked + layer + attention + logit_rows * c.vocab_size * 4
+        """Compute-device bytes a pass needs beyond weights and KV pools: the planner's formula
+        (policy_search/working_set.py) on this engine's shapes and dtype."""
+        tokens = PassTokens(total_tokens, widest, context_slots, logit_rows)
+        spec = ModelSpec.from_hf(self.config, "engine", self.dtype.itemsize)
+        return working_set(spec, tokens, self.kv_compression is not None).nbytes(self.policy.act_gpu)
 
     def _check_worst_pass(self, seqs: list[Sequence], running: int) -> None:
         """Fail before any work when the largest pass this batch of requests can form would not
-        fit the gpu tier next to the weights and KV pools. Decode-maximal chunks are capped by
-        the budget, and so are recomputes after a preemption (prompt + outputs so far)."""
-        p = self.policy
-        longest_prompt = max(s.num_prompt_tokens for s in seqs)
-        if p.scheduler == "block":
-            prompt_tokens = running * longest_prompt
-        else:
-            recompute = p.kv_admission == "on-demand"  # a recompute prefills up to max_len - 1
-            lengths = [s.max_len if recompute else s.num_prompt_tokens for s in seqs]
-            longest_prompt = min(p.prefill_budget, max(lengths))
-            prompt_tokens = min(p.prefill_budget, sum(lengths))
-        total = running + prompt_tokens
-        widest = total if p.num_gpu_batches == 1 else -(-total // p.num_gpu_batches) + longest_prompt
-        logit_rows = total if any(s.params.prompt_logprobs or s.keep_prompt_logits for s in seqs) else running
-        context = running * max(s.max_len for s in seqs)
-        need = self._working_bytes(total, min(widest, total), context, logit_rows)
+        fit the gpu tier next to the weights and KV pools."""
+        all_logits = any(s.params.prompt_logprobs or s.keep_prompt_logits for s in seqs)
+        worst = worst_pass(self.policy, running, [s.num_prompt_tokens for s in seqs],
+                           [s.max_len for s in seqs], all_logits)
+        need = self._working_bytes(worst.total, worst.widest, worst.context_slots, worst.logit_rows)
         with self.memory.reservation("gpu", need, "largest pass (activations)"):
             pass
 

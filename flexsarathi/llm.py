@@ -5,18 +5,35 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Iterator, Sequence as Seq
 
+import torch
 from tqdm.auto import tqdm
 
-from flexsarathi.engine import LLMEngine, RequestOutput
+from flexsarathi.engine import WEIGHT_QUANT, LLMEngine, RequestOutput, resolve_device, resolve_dtype
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.sampling import SamplingParams
 from offload.memory import TierBudget
 from policy_search.policy import Policy
+from policy_search.quant_format import KV_FORMAT, KVFormat, WeightFormat
 
 Prompt = str | list[int]
+
+
+def planner_model_spec(model: str, dtype=None, kv_block_size: int | None = None,
+                       weight_quant=WEIGHT_QUANT, kv_bits: int = KV_FORMAT.bits,
+                       kv_value_group: int = KV_FORMAT.value_group):
+    """The planner's ModelSpec of `model` as LLMEngine runs it: the engine's compute dtype on the
+    default device and its weight and KV compression formats."""
+    from policy_search import ModelSpec
+
+    compute = resolve_dtype(dtype, torch.float16, resolve_device(None))  # either half dtype: 2 bytes
+    return dataclasses.replace(
+        ModelSpec.from_name(model, bytes_per_value=compute.itemsize),
+        weight_format=WeightFormat(weight_quant.bits, weight_quant.group_size),
+        kv_format=KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group))
 
 
 class LLM:
@@ -37,7 +54,8 @@ class LLM:
 
             spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
         if policy == "auto":
-            policy = self.search_policy(model, spec, workload, dtype)
+            formats = dict(engine_options, kv_block_size=kv_block_size)
+            policy = self.search_policy(model, spec, workload, dtype, formats=formats)
         elif isinstance(policy, str):
             policy = Policy.load(policy)
         policy = policy or Policy()
@@ -52,19 +70,16 @@ class LLM:
         self.last_stats: dict = {}
 
     @staticmethod
-    def search_policy(model: str, hardware, workload, dtype, **constraints) -> Policy:
+    def search_policy(model: str, hardware, workload, dtype, formats: dict | None = None,
+                      **constraints) -> Policy:
         """policy_search's best policy for this model, hardware and workload (constraints: see
-        policy_search.search, e.g. scheduler="block")."""
-        from policy_search import ModelSpec, Workload, search
+        policy_search.search, e.g. scheduler="block"; formats: planner_model_spec's options)."""
+        from policy_search import Workload, search
 
         if hardware is None:
             raise FlexSarathiError('policy="auto" needs hardware= (a preset such as "t4", or a profile '
                                    'written by `flexsarathi profile`)')
-        import torch
-
-        compute = str(dtype or ("float16" if torch.cuda.is_available() else "float32")).removeprefix("torch.")
-        bytes_per_value = 4 if compute in ("float32", "fp32", "float") else 2
-        spec = ModelSpec.from_name(model, bytes_per_value=bytes_per_value)
+        spec = planner_model_spec(model, dtype, **(formats or {}))
         policy, est = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32), **constraints)
         return policy
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.batch import AttentionGroup, KVPart
+from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, dequantize, quantize
 
 
@@ -39,9 +40,9 @@ KeyRule = tuple[int, str] | None
 
 @dataclass(frozen=True)
 class KVCompression:
-    bits: int = 4
-    block_size: int = 16  # K group: one block of tokens per channel
-    value_group: int = 64  # V group along the head dimension (capped at the head size)
+    bits: int = KV_FORMAT.bits  # the format: policy_search/quant_format.py
+    block_size: int = KV_FORMAT.block_size  # K group: one block of tokens per channel
+    value_group: int = KV_FORMAT.value_group  # V group along the head dimension (capped at the head size)
 
     def k_config(self) -> QuantConfig:
         return QuantConfig(bits=self.bits, group_size=self.block_size, group_dim=-1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-TIERS = ("gpu", "cpu", "disk")
+from policy_search.policy import TIERS
 
 
 def human_bytes(n: int | float) -> str:

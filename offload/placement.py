@@ -26,9 +26,9 @@ import torch
 
 from offload.disk_store import DiskStore, OffloadError, StoreCorruptError, aligned_empty
 from offload.memory import MemoryTracker
+from policy_search.policy import TIERS
 from quant import QTensor, QuantConfig, quantize
 
-TIERS = ("gpu", "cpu", "disk")
 Weights = dict[str, object]
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from policy_search.cost_model import TIERS, PassCost, time_terms
+from policy_search.cost_model import PassCost, time_terms
 from policy_search.linear import FRACTIONS
+from policy_search.policy import TIERS
 
 _GROUPS = 3  # weights, KV cache, activations; each 3 tiers, in linear.FRACTIONS order
 

@@ -42,7 +42,6 @@ from policy_search.passes import PassShape, RunShape
 from policy_search.policy import Policy
 
 RESOURCES = ("host->device", "device->host", "disk->host", "host->disk", "gpu", "cpu")
-TIERS = ("gpu", "cpu", "disk")
 SCORE_BYTES = 4  # attention scores and logits are kept in fp32
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policy_search.cost_model import RESOURCES, TIERS, PassCost, pass_cost, time_terms
+from policy_search.cost_model import RESOURCES, PassCost, pass_cost, time_terms
 from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTIONS, evaluate
 from policy_search.model_spec import ModelSpec
 from policy_search.passes import RunShape, run_shape
-from policy_search.policy import Policy
+from policy_search.policy import TIERS, Policy
 from policy_search.workload import Workload
 
 _FIT_TOLERANCE = 1e-9  # relative slack for float rounding when comparing with a budget

@@ -19,8 +19,9 @@ import numpy as np
 import pulp
 from pulp.apis import coin_api
 
-from policy_search.cost_model import TIERS, PassCost, time_terms
+from policy_search.cost_model import PassCost, time_terms
 from policy_search.linear import FRACTION_GROUPS, FRACTIONS, terms
+from policy_search.policy import TIERS
 from policy_search.units import GiB, MiB
 
 BATCH = 120  # LPs stacked per CBC call

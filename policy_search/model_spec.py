@@ -12,12 +12,11 @@ import os
 from dataclasses import dataclass
 
 from policy_search.errors import SpecError
+from policy_search.hf_config import DTYPE_BYTES, HFConfig
 from policy_search.model_registry import KNOWN_MODELS, known_config
-from policy_search.units import QUANT_BYTES_PER_VALUE, fmt_bytes
+from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT, KVFormat, WeightFormat
+from policy_search.units import fmt_bytes
 
-_FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
-_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
-                "bfloat16": 2, "bf16": 2}
 FFN_KINDS = ("mlp", "gated")  # mlp: up + down (OPT); gated: gate + up + down (LLaMA)
 
 
@@ -40,6 +39,8 @@ class ModelSpec:
     linear_bias: bool = False  # OPT: every linear layer has a bias
     qkv_bias: bool = False  # qwen2
     layer_norm_bias: bool = False  # LayerNorm (OPT) has a bias, RMSNorm (LLaMA) does not
+    weight_format: WeightFormat = WEIGHT_FORMAT  # compressed weights (the engine's weight_quant)
+    kv_format: KVFormat = KV_FORMAT  # compressed KV cache (the engine's kv_bits, block, kv_value_group)
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -112,14 +113,15 @@ class ModelSpec:
         return 2 * self.kv_dim
 
     def layer_weight_bytes(self, compressed: bool) -> float:
-        """Stored bytes of one layer's weights: matrices 4-bit group-wise when compressed."""
-        matrix_bytes = QUANT_BYTES_PER_VALUE if compressed else self.bytes_per_value
+        """Stored bytes of one layer's weights: matrices group-wise (weight_format) when compressed."""
+        matrix_bytes = self.weight_format.bytes_per_value if compressed else self.bytes_per_value
         return self.layer_matrix_params * matrix_bytes + self.layer_vector_params * self.bytes_per_value
 
     def kv_bytes_per_token(self, compressed: bool) -> float:
-        """Bytes one token's K and V take in one layer's cache."""
-        value_bytes = QUANT_BYTES_PER_VALUE if compressed else self.bytes_per_value
-        return self.kv_values_per_token * value_bytes
+        """Bytes one token's K and V take in one layer's cache (kv_format when compressed)."""
+        if compressed:
+            return self.kv_format.bytes_per_token(self.num_kv_heads, self.head_dim)
+        return self.kv_values_per_token * self.bytes_per_value
 
     @property
     def hidden_bytes_per_token(self) -> int:
@@ -163,57 +165,29 @@ class ModelSpec:
                 f"{self.num_heads} heads ({self.num_kv_heads} KV) x {self.head_dim}, "
                 f"{self.ffn_kind} FFN {self.ffn_size}, vocab {self.vocab_size}, "
                 f"{self.num_params / 1e9:.2f}B params = {fmt_bytes(self.weight_bytes(False))} "
-                f"({fmt_bytes(self.weight_bytes(True))} 4-bit)")
+                f"({fmt_bytes(self.weight_bytes(True))} {self.weight_format.bits}-bit)")
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: dict, name: str | None = None,
                     bytes_per_value: int | None = None) -> "ModelSpec":
-        """From an HF `config.json` dict of the OPT or LLaMA family."""
-        source = name or "config"
-        if not isinstance(config, dict):
-            raise SpecError(f"{source}: expected a config dict, got {type(config).__name__}")
-        model_type = config.get("model_type")
-        if model_type not in _FAMILIES:
-            raise SpecError(f"{source}: model_type {model_type!r} is not supported; supported: "
-                            f"{', '.join(_FAMILIES)}")
+        """From an HF `config.json` dict of the OPT or LLaMA family (parsed by HFConfig, as the
+        runtime's ModelConfig is); bytes_per_value defaults to the checkpoint dtype's."""
+        c = HFConfig.parse(config, name or "config")
+        return cls.from_hf(c, name or str(config.get("_name_or_path") or c.model_type), bytes_per_value)
 
-        def need(key: str) -> int:
-            value = config.get(key)
-            if value is None:
-                raise SpecError(f"{source}: config field {key!r} is missing")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-                raise SpecError(f"{source}: config field {key!r} must be an integer, got {value!r}")
-            return int(value)
-
-        if bytes_per_value is None:
-            dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
-            dtype = dtype.replace("torch.", "").lower()
-            if dtype not in _DTYPE_BYTES:
-                raise SpecError(f"{source}: config field 'torch_dtype' {dtype!r} is not one of "
-                                f"{sorted(_DTYPE_BYTES)}")
-            bytes_per_value = _DTYPE_BYTES[dtype]
-        hidden = need("hidden_size")
-        heads = need("num_attention_heads")
-        common = dict(name=name or str(config.get("_name_or_path") or model_type),
-                      num_layers=need("num_hidden_layers"), hidden_size=hidden, num_heads=heads,
-                      vocab_size=need("vocab_size"), bytes_per_value=bytes_per_value,
-                      max_positions=need("max_position_embeddings"))
-        if _FAMILIES[model_type] == "opt":
-            proj = config.get("word_embed_proj_dim")
-            return cls(**common, num_kv_heads=heads, head_dim=hidden // heads,
-                       ffn_size=need("ffn_dim"), ffn_kind="mlp",
-                       embed_dim=0 if proj in (None, hidden) else int(proj),
-                       learned_positions=True,
-                       tie_embeddings=bool(config.get("tie_word_embeddings", True)),
-                       linear_bias=bool(config.get("enable_bias", True)), layer_norm_bias=True)
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        return cls(**common, num_kv_heads=kv_heads,
-                   head_dim=int(config.get("head_dim") or hidden // heads),
-                   ffn_size=need("intermediate_size"), ffn_kind="gated",
-                   tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   linear_bias=False,
-                   qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)))
+    @classmethod
+    def from_hf(cls, c: HFConfig, name: str, bytes_per_value: int | None = None) -> "ModelSpec":
+        """From a parsed config (the runtime's ModelConfig is one)."""
+        opt = c.family == "opt"
+        return cls(name=name,
+                   num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
+                   num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=c.intermediate_size,
+                   ffn_kind="mlp" if opt else "gated", vocab_size=c.vocab_size,
+                   bytes_per_value=DTYPE_BYTES[c.dtype_name] if bytes_per_value is None else bytes_per_value,
+                   embed_dim=c.word_embed_proj_dim or 0, max_positions=c.max_position_embeddings,
+                   learned_positions=opt, tie_embeddings=c.tie_word_embeddings,
+                   linear_bias=c.linear_bias, qkv_bias=c.qkv_bias, layer_norm_bias=opt)
 
     @classmethod
     def from_name(cls, name: str, bytes_per_value: int | None = None) -> "ModelSpec":

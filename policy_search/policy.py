@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import dataclass, fields
 
+TIERS = ("gpu", "cpu", "disk")  # where a tensor can live, fastest first; fractions follow this order
 SCHEDULERS = ("decode-maximal", "block")
 KV_ADMISSIONS = ("on-demand", "reserve")
 _FRACTION_KINDS = {

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 
-from policy_search.cost_model import RESOURCES, TIERS
+from policy_search.cost_model import RESOURCES
 from policy_search.estimate import Estimate
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
-from policy_search.policy import Policy
+from policy_search.policy import TIERS, Policy
 from policy_search.units import fmt_bytes
 from policy_search.workload import Workload
 

@@ -9,12 +9,6 @@ GiB = 1 << 30
 GB = 10**9  # decimal gigabyte, as datasheets quote bandwidth
 TFLOPS = 1e12
 
-# 4-bit group-wise quantization (quant/): 4 bits per value plus an fp16 scale and an fp16 minimum per
-# group of 64 values -> 0.5 + 4/64 bytes per value (about 4.5 bits), against 2 bytes in fp16.
-QUANT_BITS = 4
-QUANT_GROUP = 64
-QUANT_BYTES_PER_VALUE = QUANT_BITS / 8 + 2 * 2 / QUANT_GROUP  # 0.5625
-
 
 def gib(num_bytes: float) -> float:
     return num_bytes / GiB

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policy_search.quant_format import WEIGHT_FORMAT
+
 ALLOWED_BITS = (4, 8)
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    bits: int = 4  # bits per stored value: 4 (two values per byte) or 8
-    group_size: int = 64  # consecutive values along `group_dim` that share one scale and minimum
+    bits: int = WEIGHT_FORMAT.bits  # bits per stored value: 4 (two values per byte) or 8
+    group_size: int = WEIGHT_FORMAT.group_size  # consecutive values along `group_dim` that share one scale and minimum
     group_dim: int = -1  # for a Linear weight [out, in], -1 groups along the input dimension
     symmetric: bool = False  # False: min-max (asymmetric); True: zero-point fixed at the middle code
 

@@ -11,7 +11,7 @@ import torch
 from quant.config import QuantConfig
 from quant.group_params import check_representable, scale_and_minimum
 from quant.layout import GroupLayout
-from quant.packing import pack_4bit, unpack_4bit, unpack_4bit_into
+from quant.packing import pack_4bit, unpack_4bit
 from quant.qtensor import QTensor
 
 _CPU_CHUNK_VALUES = 2**20  # values per chunk in `quantize` on CPU: 4 MiB fp32 temporaries

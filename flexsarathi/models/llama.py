@@ -1,7 +1,6 @@
 """LLaMA family (llama, mistral, qwen2): RMSNorm, SwiGLU, RoPE, grouped-query attention."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from flexsarathi.models.base import ModelMath, Weights

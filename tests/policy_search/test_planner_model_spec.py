@@ -5,7 +5,9 @@ import pytest
 
 from policy_search import ModelSpec, SpecError
 from policy_search.model_registry import KNOWN_MODELS, known_config
-from policy_search.units import QUANT_BYTES_PER_VALUE
+from policy_search.quant_format import WEIGHT_FORMAT, KVFormat
+
+QUANT_BYTES_PER_VALUE = WEIGHT_FORMAT.bytes_per_value
 
 
 @pytest.mark.parametrize("name, published_params", [
@@ -78,3 +80,32 @@ def test_errors_name_the_field(tmp_path):
         ModelSpec.from_name(str(tmp_path))
     with pytest.raises(SpecError, match="num_heads"):
         ModelSpec.from_config(known_config("llama-2-7b") | {"num_key_value_heads": 5})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compressed_kv_bytes_follow_the_kv_format(bits):
+    spec = dataclasses.replace(ModelSpec.from_name("opt-1.3b"), kv_format=KVFormat(bits=bits))
+    fmt = spec.kv_format
+    assert spec.head_dim % fmt.value_group == 0  # no padded V groups in this model
+    # K: a `bits` code per value plus an fp16 scale and minimum per channel and block of tokens;
+    # V: a code per value plus an fp16 scale and minimum per `value_group` values of a head.
+    k = spec.kv_dim * (bits / 8 + 2 * 2 / fmt.block_size)
+    v = spec.kv_dim * (bits / 8 + 2 * 2 / fmt.value_group)
+    assert spec.kv_bytes_per_token(True) == k + v
+
+
+def test_planner_prices_an_8bit_kv_cache_at_8_bits():
+    """The estimate's disk tier holds the whole KV cache: its size follows the KV format's bits."""
+    from policy_search import HardwareSpec, Policy, Workload, estimate
+
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=2, w_gpu=0.0, w_cpu=1.0, kv_gpu=0.0, kv_disk=1.0,
+                    act_gpu=0.0, act_cpu=1.0, compress_kv=True, scheduler="block")
+    workload = Workload(prompt_len=64, gen_len=16)
+    peaks = {}
+    for bits in (4, 8):
+        spec = dataclasses.replace(ModelSpec.from_name("opt-1.3b"), kv_format=KVFormat(bits=bits))
+        peaks[bits] = estimate(policy, spec, HardwareSpec.preset("t4"), workload).peak_memory["disk"]
+        group = spec.kv_format.block_size  # == value_group: one group size for K and V here
+        per_token = spec.kv_values_per_token * (bits / 8 + 2 * 2 / group)
+        assert peaks[bits] == pytest.approx(8 * (64 + 16) * spec.num_layers * per_token)
+    assert peaks[8] > 1.8 * peaks[4]

@@ -1,0 +1,54 @@
+"""The planner's ModelSpec of a model (flexsarathi.llm.planner_model_spec) prices what the engine
+allocates: the same compute dtype and the same compressed KV-pool bytes, for 4- and 8-bit KV."""
+import pytest
+
+from flexsarathi.engine import LLMEngine
+from flexsarathi.llm import planner_model_spec
+from offload.kv_cache import KVPool
+from policy_search.policy import Policy
+
+
+@pytest.mark.parametrize("kind", ["opt", "llama_tied_headdim"])  # head_dim 8 and 16: V groups capped
+@pytest.mark.parametrize("bits", [4, 8])
+def test_planner_prices_the_kv_pool_the_engine_allocates(tiny_checkpoint, tmp_path, kind, bits):
+    folder, _ = tiny_checkpoint(kind)
+    engine = LLMEngine(folder, device="cpu", policy=Policy(compress_kv=True), kv_bits=bits,
+                       offload_dir=str(tmp_path))
+    try:
+        spec = planner_model_spec(folder, kv_bits=bits)
+        c, bs = engine.config, engine.block_size
+        assert spec.bytes_per_value == engine.dtype.itemsize  # one default-dtype rule
+        assert spec.kv_format.bits == engine.kv_compression.bits == bits
+        # One more block of slots in every layer: the pool's residual buffer cancels out.
+        pool_bytes = [KVPool.nbytes_for(c.num_layers, blocks * bs, c.num_kv_heads, c.head_dim, engine.dtype,
+                                        engine.kv_compression, num_residual=1) for blocks in (1, 2)]
+        assert spec.num_layers * bs * spec.kv_bytes_per_token(True) == pool_bytes[1] - pool_bytes[0]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("policy", [
+    Policy(gpu_batch_size=2, num_gpu_batches=2, prefill_budget=8),
+    Policy(gpu_batch_size=3, scheduler="block", act_gpu=0.0, act_cpu=1.0),
+    Policy(gpu_batch_size=2, num_gpu_batches=2, compress_kv=True, kv_admission="reserve", prefill_budget=16),
+])
+def test_engine_reserves_the_planners_worst_pass_working_set(tiny_checkpoint, tmp_path, policy):
+    """The engine's fail-early check reserves policy_search.working_set's bytes for the largest pass."""
+    from flexsarathi.sampling import SamplingParams
+    from policy_search.working_set import working_set, worst_pass
+
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    engine = LLMEngine(folder, device="cpu", policy=policy, offload_dir=str(tmp_path))
+    try:
+        prompts, max_tokens = [[1] * n for n in (5, 9, 3, 12)], 6
+        seqs = [engine.make_sequence(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+        before = engine.memory.peak("gpu")
+        engine.new_scheduler(seqs)
+        reserved = engine.memory.peak("gpu") - engine.memory.in_use("gpu")
+        assert engine.memory.peak("gpu") > before
+        spec = planner_model_spec(folder)
+        tokens = worst_pass(policy, min(policy.max_running, len(seqs)), [len(p) for p in prompts],
+                            [len(p) + max_tokens for p in prompts])
+        assert reserved == working_set(spec, tokens, policy.compress_kv).nbytes(policy.act_gpu)
+    finally:
+        engine.close()
