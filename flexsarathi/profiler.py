@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from flexsarathi.attention import attend
-from offload.disk_store import DiskStore, aligned_empty
+from offload.disk_store import DiskStore
+from offload.host_buffer import aligned_empty
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
 from quant import QuantConfig, dequantize, quantize

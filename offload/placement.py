@@ -262,7 +262,7 @@ class TieredWeights:
                     sliced = [t.pin_memory() for t in sliced]
                 parts[(plan.name, i)] = sliced
             if writer is not None:
-                self._write_tensor(writer, layer, plan, comps)
+                self._add_tensor(writer, layer, plan, comps)
         if writer is not None:
             for k in self.small_shapes:
                 writer.add(self._small_key(layer, k), weights[k])
@@ -271,11 +271,11 @@ class TieredWeights:
     def _write_layer(self, weights: dict, layer: int, writer) -> None:
         """The layer to the disk store, as _place_layer writes it (same names, same order)."""
         for plan in self.plans:
-            self._write_tensor(writer, layer, plan, flat_components(weights[plan.name], plan))
+            self._add_tensor(writer, layer, plan, flat_components(weights[plan.name], plan))
         for k in self.small_shapes:
             writer.add(self._small_key(layer, k), weights[k])
 
-    def _write_tensor(self, writer, layer: int, plan: TensorPlan, comps: list[torch.Tensor]) -> None:
+    def _add_tensor(self, writer, layer: int, plan: TensorPlan, comps: list[torch.Tensor]) -> None:
         for comp, cm in zip(comps, plan.components):
             writer.add(self._key(layer, plan.name, cm), comp)
 

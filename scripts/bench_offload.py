@@ -121,7 +121,8 @@ import torch  # noqa: E402
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.checkpoint import DummyWeights  # noqa: E402
-from offload.disk_store import DiskStore, aligned_empty, drop_page_cache  # noqa: E402
+from offload.disk_store import DiskStore, drop_page_cache  # noqa: E402
+from offload.host_buffer import aligned_empty  # noqa: E402
 from offload.host_malloc import host_malloc_state  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from policy_search.hardware import HardwareSpec  # noqa: E402
