@@ -27,7 +27,7 @@ from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
 from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget
-from offload.placement import TieredWeights
+from offload.tiered_weights import TieredWeights
 from policy_search.policy import Policy
 from quant import QuantConfig
 
