@@ -1,5 +1,7 @@
-"""Parallel chunked reads of a store's files into caller buffers, on a thread pool: O_DIRECT where
-the filesystem allows it (aligned bounce buffer for unaligned pieces), buffered I/O otherwise."""
+"""Parallel chunked reads of a store's files into caller buffers, on a thread pool.
+
+O_DIRECT where the filesystem allows it (an aligned bounce buffer for unaligned pieces), buffered
+I/O otherwise."""
 from __future__ import annotations
 
 import errno

@@ -1,5 +1,4 @@
-"""The disk tier for weights: an offload folder of tensors, written once and streamed back by a
-thread pool.
+"""The disk tier for weights: tensors for one key, written once, read back in parallel chunks.
 
 Layout of one store, `folder/<store_dir_name(key)>/`:
 

@@ -1,5 +1,6 @@
-"""Every layer's weights put where the plan says: gpu/cpu pieces in memory, the whole layer in the
-disk store (written once, reused by later runs, rebuilt from the source when found damaged)."""
+"""Every layer's weights put where the plan says: gpu/cpu pieces in memory, the layer in the store.
+
+The disk store is written once, reused by later runs, and rebuilt from the source when found damaged."""
 from __future__ import annotations
 
 import warnings

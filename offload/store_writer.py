@@ -1,5 +1,7 @@
-"""Writing a disk store: tensors appended to ~1 GiB shards under temporary names at 4096-aligned
-offsets, made durable and renamed at commit, then the manifest; anything less is removed."""
+"""Writing a disk store: aligned shards under temporary names, made durable and named at commit.
+
+Tensors are appended to ~1 GiB shards at 4096-aligned offsets; commit fsyncs and renames the
+shards, then writes the manifest; an abort (or a writer that dies) leaves nothing a reader trusts."""
 from __future__ import annotations
 
 import errno

@@ -1,5 +1,4 @@
-"""Streams placed weights to the compute device: the executor's LayerWeightStore over gpu / cpu /
-disk tiers, with working buffers that layers ahead load into while one computes.
+"""Streams placed weights to the compute device: the executor's LayerWeightStore over the tiers.
 
 Before use, every non-resident tensor is assembled in a working buffer on the compute device (with
 overlap, 1 + `prefetch` buffers: layers j+1 .. j+prefetch load while layer j computes). On a
