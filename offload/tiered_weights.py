@@ -17,10 +17,8 @@ from offload.disk_store import DiskStore, StoreCorruptError
 from offload.host_buffer import aligned_empty
 from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, store_key
-from offload.placement import WeightPlan, assemble
+from offload.placement import WeightPlan, Weights, assemble
 from quant import QuantConfig
-
-Weights = dict[str, object]
 
 
 class TieredWeights:
