@@ -27,7 +27,7 @@ from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
 from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget
-from offload.placement import TieredWeights
+from offload.tiered_weights import TieredWeights
 from policy_search.policy import TIERS, Policy
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT

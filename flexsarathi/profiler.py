@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from flexsarathi.attention import attend
-from offload.disk_store import DiskStore, aligned_empty
+from offload.disk_store import DiskStore
+from offload.host_buffer import aligned_empty
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
 from quant import QuantConfig, dequantize, quantize
@@ -206,7 +207,7 @@ def _dequant_rate(device, dtype, values: int = 1 << 22) -> float:
 def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype,
                     busy_cores: bool) -> tuple[float, float]:
     """(read bytes/s, write bytes/s fsync'd) of a scratch store in `folder`, read the way the engine
-    streams disk weights (offload/placement.py): layer after layer, each of the layer's matrices
+    streams disk weights (offload/tiered_weights.py): layer after layer, each of the layer's matrices
     with `read_range_async` (O_DIRECT, the store's reader threads) into a working buffer, the next
     layer's reads starting once the previous layer's are in. Working buffers are 4096-aligned, as
     the engine's host buffers are, so whole chunks go straight from the disk into them. With

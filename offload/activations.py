@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.kv_cache import _buffer
+from offload.host_buffer import tier_zeros
 
 
 class ActivationStore:
@@ -50,7 +50,7 @@ class ActivationStore:
             nbytes = rows * hidden.shape[1] * hidden.dtype.itemsize
             spill = self._spill.get(key)
             if spill is None or spill.numel() < nbytes:
-                spill = self._spill[key] = _buffer((nbytes,), torch.uint8, torch.device("cpu"), False, self.folder)
+                spill = self._spill[key] = tier_zeros((nbytes,), torch.uint8, torch.device("cpu"), folder=self.folder)
             disk = spill[:nbytes].view(hidden.dtype).view(rows, hidden.shape[1])
             parked.append(("disk", disk.copy_(hidden[cpu:]), rows))
         if self.device.type == "cuda":

@@ -1,23 +1,15 @@
 """Host allocator policy for passes computed on the CPU: freed memory is kept for reuse.
 
-A pass allocates and frees the same activation-sized tensors layer after layer (megabytes each:
-[512, 8192] bf16 is 8 MiB). glibc's malloc serves blocks above its dynamic mmap threshold with
-fresh mappings and gives the heap top back to the kernel once more than twice that threshold is
-free, so these tensors keep arriving as new pages that fault in on first touch. On the development
-VM a fault costs ~5 us per 4 KiB page: a relu over [512, 8192] bf16 took 11 ms on fresh memory
-against 0.5 ms on reused memory, and an opt-1.3b prefill pass of 512 tokens took 30-50 thousand
-faults (strace: ~25 munmap and ~20 brk calls per pass).
-
-The fix is glibc's own knobs (mallopt), set once, the first time a pass runs on the CPU:
+A pass allocates and frees the same megabyte-sized activations layer after layer; with glibc's
+defaults they come back as fresh mappings whose pages fault in on first touch (numbers: docs/DESIGN.md,
+"The pass loop"). The fix is glibc's own knobs (mallopt), set once, the first time a pass runs on
+the CPU:
 - M_MMAP_THRESHOLD = 32 MiB, glibc's maximum: blocks below it come from the heap, where freed
   blocks are reused (larger ones, e.g. the KV pool, stay separate mappings);
 - M_TRIM_THRESHOLD = 2 GiB - 1: the heap top is not handed back between layers and passes.
-Measured: faults per prefill-carrying pass 30-50k -> a few thousand in the first passes, then
-~0; prefill passes 2-3% faster, 4-bit weights (dequantized per pass) 1.7x. The cost is that the
-process's resident memory does not shrink after a pass; it stays at the pass's peak, which the
-engine's working-set budget already accounts for. It is process-wide (malloc has one policy per
-process), so it is applied only by an engine that computes on the CPU, and can be turned off with
-the environment variable FLEXSARATHI_HOST_MALLOC=default. Elsewhere than glibc it does nothing.
+The cost: resident memory stays at the pass's peak, which the engine's working-set budget already
+counts. It is process-wide (one malloc policy per process), so only an engine that computes on the
+CPU applies it, FLEXSARATHI_HOST_MALLOC=default turns it off, and elsewhere than glibc it does nothing.
 """
 from __future__ import annotations
 

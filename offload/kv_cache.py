@@ -22,13 +22,12 @@ quantized. `KVPool.parts_to_attend` is the one place that turns this rule into a
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from offload.batch import AttentionGroup, KVPart
+from offload.host_buffer import tier_zeros
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, dequantize, quantize
 
@@ -52,22 +51,6 @@ class KVCompression:
                            group_dim=-1)
 
 
-def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool,
-            folder: str | None) -> torch.Tensor:
-    if folder is None:
-        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
-    # Disk tier: a file mapped into memory; unlinked at once so nothing outlives the process.
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    fd, path = tempfile.mkstemp(prefix="kv-", suffix=".bin", dir=folder)
-    try:
-        os.ftruncate(fd, max(nbytes, 1))
-        flat = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return flat[:nbytes].view(dtype).view(shape)
-
-
 def _qtensor_shapes(config: QuantConfig, values_per_row: int) -> dict[str, tuple[int, torch.dtype]]:
     groups = values_per_row // config.group_size
     return {"data": (groups * config.bytes_per_group, torch.uint8), "scale": (groups, torch.float16),
@@ -87,7 +70,7 @@ class KVPool:
             raise ValueError(f"KVPool: {num_slots} slots is not a whole number of {block_size}-token blocks")
 
         def alloc(shape, dt):
-            return _buffer(shape, dt, self.device, pin_memory, folder)
+            return tier_zeros(shape, dt, self.device, pin_memory=pin_memory, folder=folder)
 
         if compression is None:
             shape = (num_layers, num_slots, num_kv_heads, head_dim)

@@ -79,8 +79,8 @@ def _check_tier(tier: str) -> None:
 class MemoryTracker:
     """Reserve / release bytes per tier and per purpose ("what"), tracking current and peak use.
 
-    Thread-safe: the copy engine's threads reserve and release while the executor plans, so every
-    read-modify-write of the counters happens under one lock.
+    Thread-safe: every read-modify-write of the counters happens under one lock, so a reservation
+    made off the engine's thread (today all are made on it) cannot lose an update.
     """
 
     def __init__(self, budget: TierBudget | Mapping[str, int | None] | None = None):

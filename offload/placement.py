@@ -1,4 +1,4 @@
-"""Weight placement across tiers by byte fractions, and streaming to the compute device.
+"""Weight placement: which rows of each layer weight live on which tier, and what that costs.
 
 Per layer, the large (2-D) weights are laid end to end and cut at `w_gpu` and `w_gpu + w_cpu` of
 their bytes; a tensor that straddles a cut is split by rows, so every tier holds its fraction to
@@ -10,21 +10,14 @@ scales, minimums), each with a fixed number of elements per original row, so a r
 contiguous slice of every component: in memory, and as a byte range of the disk store.
 
 Before use, every non-resident tensor is assembled in a working buffer on the compute device (with
-overlap, 1 + `prefetch` buffers: layers j+1 .. j+prefetch load while layer j computes). On a
-CPU-only machine the compute device is the CPU and the gpu tier is a budgeted working set in host
-memory, so cpu-tier weights are still copied into working buffers, exactly as on a GPU.
+overlap, 1 + `prefetch` buffers); offload/tiered_weights.py streams them.
 """
 from __future__ import annotations
 
-import warnings
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from offload.disk_store import DiskStore, OffloadError, StoreCorruptError, aligned_empty
 from offload.memory import MemoryTracker
 from policy_search.policy import TIERS
 from quant import QTensor, QuantConfig, quantize
@@ -125,308 +118,52 @@ def assemble(plan: TensorPlan, components: list[torch.Tensor]):
                    config=plan.quant)
 
 
-class TieredWeights:
-    """LayerWeightStore over gpu / cpu / disk tiers (see offload.weights)."""
+@dataclass(frozen=True)
+class WeightPlan:
+    """Where every weight of the model lives (the same cut for every layer) and the bytes each tier
+    and the working buffers need."""
 
-    def __init__(self, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]],
-                 read_globals: Callable[[], dict], read_layer: Callable[[int], dict],
-                 fractions: tuple[float, float, float], device: torch.device, dtype: torch.dtype,
-                 quant: QuantConfig | None, tracker: MemoryTracker, overlap: bool, prefetch: int = 1,
-                 disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False):
-        self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
-        self.plans = plan_layer(layer_shapes, dtype, quant, fractions)  # same for every layer
-        self.small_shapes = {k: s for k, s in layer_shapes.items() if len(s) != 2}
-        self.overlap = overlap
-        self.cuda = self.device.type == "cuda"
-        self.pin = pin_memory and self.cuda
-        num_slots = prefetch + 1 if overlap else 1
-        self.prefetch_depth = prefetch if overlap else 1
-        streamed = [p for p in self.plans if not p.resident]
-        per_slot = sum(p.shape[0] * p.row_bytes for p in streamed)
-        resident = sum(p.bytes_on("gpu") for p in self.plans if p.resident) * num_layers
-        small = sum(torch.Size(s).numel() for s in self.small_shapes.values()) * dtype.itemsize * num_layers
-        split_gpu_rows = sum(p.bytes_on("gpu") for p in streamed) * num_layers
-        # Reserve everything before any weight is read: a policy that does not fit fails here,
-        # with the arithmetic, rather than halfway through loading.
-        tracker.reserve("gpu", resident + split_gpu_rows + small, "weights (gpu tier)")
-        tracker.reserve("gpu", num_slots * per_slot, "weight working buffers")
-        tracker.reserve("cpu", sum(p.bytes_on("cpu") for p in self.plans) * num_layers, "weights (cpu tier)")
-        disk_bytes = sum(p.shape[0] * p.row_bytes for p in self.plans) * num_layers
-        needs_disk = any(p.bytes_on("disk") for p in self.plans)
-        if needs_disk:
-            tracker.reserve("disk", disk_bytes + small, "weights (disk tier)")
-        self._globals = {k: v.to(self.device) for k, v in read_globals().items()}
-        tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
+    num_layers: int
+    tensors: tuple[TensorPlan, ...]  # the layer's 2-D weights, cut over the tiers
+    small_shapes: dict[str, tuple[int, ...]]  # norms and biases: resident on the compute device
+    dtype: torch.dtype
+    num_slots: int  # working buffers a streamed layer is assembled in
+    prefetch_depth: int  # layers loading ahead of the one computing
 
-        self.store = disk_store() if needs_disk else None
-        self._read_layer, self._store_bytes = read_layer, disk_bytes + small
-        self._small: list[dict[str, torch.Tensor]] = []
-        self._parts: list[dict[tuple[str, int], list[torch.Tensor]]] = []  # (name, piece) -> comps
-        try:
-            self._place_all(rewrite=False)
-        except StoreCorruptError as damage:  # a reused store failed its checksums: never use it
-            warnings.warn(f"{damage}; rebuilding the store from the source", RuntimeWarning, stacklevel=2)
-            self._place_all(rewrite=True, damage=damage)
+    @classmethod
+    def make(cls, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+             quant: QuantConfig | None, fractions: tuple[float, float, float], overlap: bool,
+             prefetch: int) -> WeightPlan:
+        return cls(num_layers, tuple(plan_layer(layer_shapes, dtype, quant, fractions)),
+                   {k: s for k, s in layer_shapes.items() if len(s) != 2}, dtype,
+                   num_slots=prefetch + 1 if overlap else 1, prefetch_depth=prefetch if overlap else 1)
 
-        # On the host, working buffers start on a 4096-byte boundary so that O_DIRECT reads of disk
-        # pieces land in them directly (an unaligned buffer costs every chunk a bounce copy).
-        def working_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            if self.device.type == "cpu":
-                return aligned_empty((numel,), dtype)
-            return torch.empty(numel, dtype=dtype, device=self.device)
+    @property
+    def streamed(self) -> list[TensorPlan]:
+        return [p for p in self.tensors if not p.resident]
 
-        self._buffers = [{p.name: [working_buffer(cm.numel(p.shape[0]), cm.dtype)
-                                   for cm in p.components] for p in streamed} for _ in range(num_slots)]
-        self._staging = None
-        if self.cuda and needs_disk:  # disk -> pinned host staging -> device
-            self._staging = [{p.name: [torch.empty(cm.numel(p.shape[0]), dtype=cm.dtype, pin_memory=True)
-                                       for cm in p.components] for p in streamed} for _ in range(num_slots)]
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch") if overlap else None
-        self._stream = torch.cuda.Stream(self.device) if self.cuda and overlap else None
-        self._pending: dict[int, tuple[int, Future | None]] = {}  # layer -> (slot, its load)
-        self._in_use: dict[int, int] = {}  # layer -> slot, from get() to release()
-        self._next_slot = 0  # slots go round in prefetch order (any layer count, across passes)
-        # CUDA: an event per slot, recorded on the compute stream when the pass releases the layer
-        # in it; the next load into the slot waits for it (compute is asynchronous on a GPU).
-        self._slot_free: list[torch.cuda.Event | None] = [None] * num_slots
+    @property
+    def needs_disk(self) -> bool:
+        return any(p.bytes_on("disk") for p in self.tensors)
 
-    def _place_all(self, *, rewrite: bool, damage: StoreCorruptError | None = None) -> None:
-        """Every layer's small tensors and gpu/cpu pieces; the disk store written first when it is
-        absent, incomplete or (`rewrite`) damaged. A complete store holds every layer as placed and
-        compressed: the resident pieces are read from it instead of regenerating or re-quantizing
-        the layer from the source."""
-        store = self.store
-        write = store is not None and (rewrite or not store.is_complete())
-        writer = store.begin_write(total_bytes=self._store_bytes) if write else None
-        self._small, self._parts = [], []
-        try:
-            for layer in range(self.num_layers):
-                if store is not None and writer is None:
-                    small, parts = self._read_layer_from_store(layer)
-                else:
-                    weights = self._source_layer(layer, damage)
-                    small = {k: weights[k].to(self.device) for k in self.small_shapes}
-                    parts = self._place_layer(weights, layer, writer)
-                    del weights
-                self._small.append(small)
-                self._parts.append(parts)
-            if writer is not None:
-                writer.commit()
-        except BaseException:
-            if writer is not None:
-                writer.abort()
-            raise
+    @property
+    def small_bytes(self) -> int:
+        return sum(torch.Size(s).numel() for s in self.small_shapes.values()) * self.dtype.itemsize * self.num_layers
 
-    def _source_layer(self, layer: int, damage: StoreCorruptError | None) -> dict:
-        """The layer's weights from the source; when they are wanted to rebuild a damaged store and
-        the source cannot give them, the error names the damaged file and the source's failure."""
-        try:
-            return self._read_layer(layer)
-        except Exception as exc:
-            if damage is None:
-                raise
-            raise OffloadError(f"{damage}; it cannot be rebuilt because the source weights of layer "
-                               f"{layer} cannot be read ({type(exc).__name__}: {exc})") from exc
+    @property
+    def store_bytes(self) -> int:
+        """Bytes of the disk store: every layer whole (all its pieces and small tensors)."""
+        return sum(p.shape[0] * p.row_bytes for p in self.tensors) * self.num_layers + self.small_bytes
 
-    def _rebuild_store(self, damage: StoreCorruptError) -> None:
-        """Rewrite the whole store from the source (found damaged while running). Only the disk
-        pieces are read from it after loading, so the gpu/cpu pieces in memory stay as they are."""
-        warnings.warn(f"{damage}; rebuilding the store from the source", RuntimeWarning, stacklevel=3)
-        with self.store.begin_write(total_bytes=self._store_bytes) as writer:
-            for layer in range(self.num_layers):
-                self._write_layer(self._source_layer(layer, damage), layer, writer)
-            writer.commit()
-
-    @staticmethod
-    def _key(layer: int, name: str, comp: Component) -> str:
-        return f"{layer}.{name}{'.' + comp.suffix if comp.suffix else ''}"
-
-    @staticmethod
-    def _small_key(layer: int, name: str) -> str:
-        return f"{layer}.small.{name}"
-
-    def _place_layer(self, weights: dict, layer: int, writer) -> dict:
-        """The layer's gpu- and cpu-tier pieces, cut from its weights (compressed per the plan);
-        with a writer, the layer also goes to the disk store whole (every tensor's components and
-        the small tensors)."""
-        parts = {}
-        for plan in self.plans:
-            comps = flat_components(weights[plan.name], plan)
-            for i, piece in enumerate(plan.pieces):
-                if piece.tier == "disk":
-                    continue
-                target = self.device if piece.tier == "gpu" else torch.device("cpu")
-                sliced = [c[cm.numel(piece.row_start):cm.numel(piece.row_end)].to(target).clone()
-                          for c, cm in zip(comps, plan.components)]
-                if piece.tier == "cpu" and self.pin:
-                    sliced = [t.pin_memory() for t in sliced]
-                parts[(plan.name, i)] = sliced
-            if writer is not None:
-                self._write_tensor(writer, layer, plan, comps)
-        if writer is not None:
-            for k in self.small_shapes:
-                writer.add(self._small_key(layer, k), weights[k])
-        return parts
-
-    def _write_layer(self, weights: dict, layer: int, writer) -> None:
-        """The layer to the disk store, as _place_layer writes it (same names, same order)."""
-        for plan in self.plans:
-            self._write_tensor(writer, layer, plan, flat_components(weights[plan.name], plan))
-        for k in self.small_shapes:
-            writer.add(self._small_key(layer, k), weights[k])
-
-    def _write_tensor(self, writer, layer: int, plan: TensorPlan, comps: list[torch.Tensor]) -> None:
-        for comp, cm in zip(comps, plan.components):
-            writer.add(self._key(layer, plan.name, cm), comp)
-
-    def _read_layer_from_store(self, layer: int) -> tuple[dict, dict]:
-        """(small tensors, gpu- and cpu-tier pieces) of `layer`, read from the complete store."""
-        store = self.store
-        small = {k: store.read_tensor(self._small_key(layer, k)).to(self.device) for k in self.small_shapes}
-        parts = {}
-        with _AllReads() as reads:
-            for plan in self.plans:
-                for i, piece in enumerate(plan.pieces):
-                    if piece.tier == "disk":
-                        continue
-                    sliced = []
-                    for cm in plan.components:
-                        lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
-                        host = aligned_empty((hi - lo,), cm.dtype, pin_memory=self.pin and piece.tier == "cpu")
-                        reads.add(store.read_range_async(self._key(layer, plan.name, cm), lo * cm.dtype.itemsize, host))
-                        sliced.append(host)
-                    parts[(plan.name, i)] = (piece.tier, sliced)
-        return small, {key: [t.to(self.device) if tier == "gpu" else t for t in sliced]
-                       for key, (tier, sliced) in parts.items()}
-
-    # ---- LayerWeightStore -----------------------------------------------------------------
-    def global_weights(self) -> Weights:
-        return self._globals
-
-    def prefetch(self, layer: int) -> None:
-        if layer in self._pending:
-            return
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % len(self._buffers)
-        if self._pool is None:
-            # Serial: one working buffer, filled in get() once the previous layer is done with it.
-            self._pending[layer] = (slot, None)
-        else:
-            self._pending[layer] = (slot, self._pool.submit(self._load, layer, slot))
-
-    def get(self, layer: int) -> Weights:
-        if layer not in self._pending:
-            self.prefetch(layer)
-        slot, future = self._pending.pop(layer)
-        event = future.result() if future is not None else self._load(layer, slot)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        self._in_use[layer] = slot
-        weights: Weights = dict(self._small[layer])
-        for plan in self.plans:
-            if plan.resident:
-                weights[plan.name] = assemble(plan, self._parts[layer][(plan.name, 0)])
-            else:
-                weights[plan.name] = assemble(plan, self._buffers[slot][plan.name])
-        return weights
-
-    def release(self, layer: int) -> None:
-        """The slot may be refilled: at once on the CPU (compute is synchronous), after the
-        compute stream passes this point on CUDA."""
-        slot = self._in_use.pop(layer, None)
-        if slot is not None and self._stream is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._slot_free[slot] = event
-
-    def reset(self) -> None:
-        """After an interrupted pass: cancel the prefetches not started, wait for the one running
-        (it writes into a working buffer and reads the store), and forget which layer sits in which
-        slot, so the next pass starts with every slot free, as a fresh engine's does."""
-        for _, future in self._pending.values():
-            if future is not None:
-                future.cancel()
-        if self._pool is not None:
-            self._pool.submit(int).result()  # one worker: every load submitted before is finished
-        if self.store is not None:
-            self.store.drain()  # reads a serial load started before it was interrupted
-        if self._stream is not None:
-            self._stream.synchronize()
-        self._pending.clear()
-        self._in_use.clear()
-        self._next_slot = 0
-        self._slot_free = [None] * len(self._slot_free)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        if self.store is not None:
-            self.store.close()
-
-    # ---- loading --------------------------------------------------------------------------
-    def _load(self, layer: int, slot: int):
-        """Assemble every streamed tensor of `layer` in working buffer `slot` (runs on the
-        prefetch thread when overlapping). Returns a CUDA event to wait on, or None. A damaged
-        store is rebuilt from the source and the layer read again (this thread is the only one
-        reading the store once the weights are placed)."""
-        try:
-            return self._load_slot(layer, slot)
-        except StoreCorruptError as damage:
-            self._rebuild_store(damage)
-            return self._load_slot(layer, slot)
-
-    def _load_slot(self, layer: int, slot: int):
-        if self._stream is not None:
-            self._stream.synchronize()  # copies out of this slot's staging buffers are done
-        reads = []
-        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), _AllReads() as pending:
-            if self._stream is not None and self._slot_free[slot] is not None:
-                self._stream.wait_event(self._slot_free[slot])  # the layer that used it is computed
-            for plan in self.plans:
-                if plan.resident:
-                    continue
-                buffers = self._buffers[slot][plan.name]
-                for i, piece in enumerate(plan.pieces):
-                    for c, (cm, buf) in enumerate(zip(plan.components, buffers)):
-                        lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
-                        if piece.tier == "disk":
-                            target = self._staging[slot][plan.name][c][lo:hi] if self._staging else buf[lo:hi]
-                            future = pending.add(self.store.read_range_async(
-                                self._key(layer, plan.name, cm), lo * cm.dtype.itemsize, target))
-                            reads.append((future, buf[lo:hi], target))
-                        else:
-                            buf[lo:hi].copy_(self._parts[layer][(plan.name, i)][c], non_blocking=True)
-            for future, dest, staged in reads:
-                future.result()
-                if staged is not dest:
-                    dest.copy_(staged, non_blocking=True)
-            if self._stream is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                return event
-            if self.cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-        return None
-
-
-
-class _AllReads:
-    """Collects read futures; leaving the block waits for every one, even after an error, so no
-    reader thread still writes into a buffer (or reads a file about to be rewritten) when the
-    caller moves on. Without an error in the block, the first failed read raises."""
-
-    def __init__(self):
-        self.futures: list[Future] = []
-
-    def add(self, future: Future) -> Future:
-        self.futures.append(future)
-        return future
-
-    def __enter__(self) -> "_AllReads":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        wait(self.futures)
-        if exc_type is None:
-            for future in self.futures:
-                future.result()
+    def reserve(self, tracker: MemoryTracker) -> None:
+        """Reserve every tier's bytes before any weight is read: a policy that does not fit fails
+        here, with the arithmetic, rather than halfway through loading."""
+        resident = sum(p.bytes_on("gpu") for p in self.tensors if p.resident) * self.num_layers
+        split_gpu_rows = sum(p.bytes_on("gpu") for p in self.streamed) * self.num_layers
+        per_slot = sum(p.shape[0] * p.row_bytes for p in self.streamed)
+        tracker.reserve("gpu", resident + split_gpu_rows + self.small_bytes, "weights (gpu tier)")
+        tracker.reserve("gpu", self.num_slots * per_slot, "weight working buffers")
+        tracker.reserve("cpu", sum(p.bytes_on("cpu") for p in self.tensors) * self.num_layers,
+                        "weights (cpu tier)")
+        if self.needs_disk:
+            tracker.reserve("disk", self.store_bytes, "weights (disk tier)")

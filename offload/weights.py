@@ -1,4 +1,4 @@
-"""The protocol between the executor and whatever keeps the weights (offload.placement's
+"""The protocol between the executor and whatever keeps the weights (offload.tiered_weights'
 TieredWeights: everything on the compute device is the case w_gpu = 1)."""
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ prompts, same memory limit, page cache out of the picture (prints; asserts nothi
 
     .venv/bin/python scripts/bench_offload.py            # as root; opt-1.3b, 30 x 128 -> 32 tokens
     .venv/bin/python scripts/bench_offload.py --model opt-125m --num-prompts 8 --prompt-len 64 --gen-len 4
+    .venv/bin/python scripts/bench_offload.py --quick    # smoke test: opt-125m, 4 prompts x 32 -> 3 tokens
 
 Run time (opt-1.3b defaults, 2 cores): about 10 minutes on a quiet machine once the offload
 folders exist (Accelerate ~300 s; ours ~58 s overlap on, ~85 s off, ~66 s 4-bit; building engines
@@ -121,7 +122,8 @@ import torch  # noqa: E402
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.checkpoint import DummyWeights  # noqa: E402
-from offload.disk_store import DiskStore, aligned_empty, drop_page_cache  # noqa: E402
+from offload.disk_store import DiskStore, drop_page_cache  # noqa: E402
+from offload.host_buffer import aligned_empty  # noqa: E402
 from offload.host_malloc import host_malloc_state  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from policy_search.hardware import HardwareSpec  # noqa: E402
@@ -689,7 +691,9 @@ def accelerate_batch(shapes: Shapes, prompt_len: int, gen_len: int, gpu_budget: 
                         "per sequence": per_seq, "of which KV": kv, "prefill activations": acts}
 
 
-def run_accelerate(args, shapes, rates, prompts, batch, folder, group, t0) -> Result:
+def build_accelerate_model(args, shapes: Shapes, folder: str, t0: float):
+    """(model, config): OPT on the meta device, resident weights on the execution device, every
+    decoder layer dispatched to Accelerate's disk offload."""
     from accelerate import dispatch_model, init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from transformers import OPTForCausalLM
@@ -713,7 +717,11 @@ def run_accelerate(args, shapes, rates, prompts, batch, folder, group, t0) -> Re
     device_map.update({f"model.decoder.layers.{i}": "disk" for i in range(shapes.layers)})
     model = dispatch_model(model, device_map, offload_dir=folder)
     assert model.lm_head.weight.data_ptr() == model.model.decoder.embed_tokens.weight.data_ptr()
+    return model, config
 
+
+def record_forwards(model) -> tuple[list[tuple[int, int, int, float]], list[float]]:
+    """Hooks recording every forward: (tokens, attended keys, logit rows, start) and its end time."""
     forwards: list[tuple[int, int, int, float]] = []  # tokens, attended, rows, start
 
     def pre(module, a, kwargs):
@@ -727,19 +735,11 @@ def run_accelerate(args, shapes, rates, prompts, batch, folder, group, t0) -> Re
     ends: list[float] = []
     model.register_forward_pre_hook(pre, with_kwargs=True)
     model.register_forward_hook(lambda *_: ends.append(time.perf_counter()))
-    gen_kwargs = dict(do_sample=False, max_new_tokens=args.gen_len, min_new_tokens=args.gen_len,
-                      pad_token_id=config.pad_token_id)
-    files = accelerate_files(folder)
-    drop_cache_of(files)
-    with torch.inference_mode():
-        warm = torch.tensor([prompts[0][:8]])
-        model.generate(input_ids=warm, attention_mask=torch.ones_like(warm), **{**gen_kwargs,
-                       "max_new_tokens": 1, "min_new_tokens": 1})
-    forwards.clear(), ends.clear()
-    drop_cache_of(files)
-    release_free_memory()
-    group.reset_peak()
-    read0, cpu0, busy0 = disk_read_bytes(), cpu_seconds(), machine_busy_seconds()
+    return forwards, ends
+
+
+def generate_in_calls(model, prompts, batch: int, gen_kwargs: dict, t0: float) -> tuple[list[list[int]], float]:
+    """The prompts in sequential generate() calls of `batch`: (generated tokens, seconds)."""
     tokens: list[list[int]] = []
     seconds = 0.0
     calls = math.ceil(len(prompts) / batch)
@@ -753,6 +753,26 @@ def run_accelerate(args, shapes, rates, prompts, batch, folder, group, t0) -> Re
         tokens += out[:, ids.shape[1]:].tolist()
         say(f"{stamp(t0)} accelerate: generate call {c + 1}/{calls} (batch {len(chunk)}): "
             f"{time.perf_counter() - start:.1f} s")
+    return tokens, seconds
+
+
+def run_accelerate(args, shapes, rates, prompts, batch, folder, group, t0) -> Result:
+    model, config = build_accelerate_model(args, shapes, folder, t0)
+    forwards, ends = record_forwards(model)
+    gen_kwargs = dict(do_sample=False, max_new_tokens=args.gen_len, min_new_tokens=args.gen_len,
+                      pad_token_id=config.pad_token_id)
+    files = accelerate_files(folder)
+    drop_cache_of(files)
+    with torch.inference_mode():
+        warm = torch.tensor([prompts[0][:8]])
+        model.generate(input_ids=warm, attention_mask=torch.ones_like(warm), **{**gen_kwargs,
+                       "max_new_tokens": 1, "min_new_tokens": 1})
+    forwards.clear(), ends.clear()
+    drop_cache_of(files)
+    release_free_memory()
+    group.reset_peak()
+    read0, cpu0, busy0 = disk_read_bytes(), cpu_seconds(), machine_busy_seconds()
+    tokens, seconds = generate_in_calls(model, prompts, batch, gen_kwargs, t0)
     disk_read, cpu_s = disk_read_bytes() - read0, cpu_seconds() - cpu0
     others_s = machine_busy_seconds() - busy0 - cpu_s
     per_forward = shapes.layer_bytes * shapes.layers  # every decoder layer, every forward
@@ -761,6 +781,7 @@ def run_accelerate(args, shapes, rates, prompts, batch, folder, group, t0) -> Re
         io_s, compute_s = rates.bound(shapes, per_forward, t, attended, rows)
         passes.append(Pass(t, attended, rows, end - begin, per_forward, io_s, compute_s))
     generated = sum(len(t) for t in tokens)
+    calls = math.ceil(len(prompts) / batch)
     res = Result("accelerate disk offload", f"{batch} x {calls} calls", generated, seconds, passes,
                  disk_read, group.read("memory.max_usage_in_bytes"), tokens, cpu_s, others_s)
     say(f"{stamp(t0)} accelerate: {res.tok_s:.2f} tok/s, {len(passes)} forwards, {seconds:.1f} s")
@@ -847,9 +868,7 @@ def agreement(a: Result, b: Result) -> str:
 # ---- main -------------------------------------------------------------------------------------
 
 
-def main() -> int:
-    # A kill (SIGTERM) must still run the finally / atexit that removes the memory group.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="opt-1.3b", help="dummy OPT model name (default opt-1.3b)")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -875,11 +894,34 @@ def main() -> int:
     parser.add_argument("--only", choices=("ours", "accelerate"), default=None,
                         help="run only one engine's rows (for debugging; the ratios need both)")
     parser.add_argument("--offload-dir", default="/tmp/fs_bench_offload")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test in a minute or two: opt-125m, 4 prompts x 32 -> 3 tokens "
+                             "(overrides --model, --num-prompts, --prompt-len, --gen-len)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.num_prompts, args.prompt_len, args.gen_len = "opt-125m", 4, 32, 3
     if args.only == "ours":
         args.skip_accelerate = True
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
+    return args
+
+
+@dataclass
+class Setup:
+    """What every part of the run derives from: the model, the workload and the memory limits."""
+
+    shapes: Shapes
+    prompts: list[list[int]]
+    weights_bytes: int  # offloaded: every layer's 2-D weights
+    gpu_budget: int
+    running: int
+    kv_cpu: int  # our cpu-tier KV pool
+    mem_limit: int
+    batch: int  # Accelerate's
+    parts: dict  # the arithmetic of Accelerate's batch
+    hardware: HardwareSpec | None = None
+
+
+def make_setup(args) -> Setup:
     shapes = Shapes.of(args.model)
     s, n, N = args.prompt_len, args.gen_len, args.num_prompts
     weights_bytes = shapes.layer_bytes * shapes.layers
@@ -898,7 +940,14 @@ def main() -> int:
     mem_limit = int(args.mem_limit_gib * GiB) if args.mem_limit_gib else ours_need
     gen = torch.Generator().manual_seed(1234)
     prompts = torch.randint(4, shapes.vocab, (N, s), generator=gen).tolist()
+    batch, parts = accelerate_batch(shapes, s, n, gpu_budget)
+    return Setup(shapes, prompts, weights_bytes, gpu_budget, running, kv_cpu, mem_limit,
+                 min(batch, N), parts)
 
+
+def print_setup(args, setup: Setup) -> None:
+    """The machine, the workload and the memory arithmetic of both engines."""
+    shapes, s, n, N = setup.shapes, args.prompt_len, args.gen_len, args.num_prompts
     say(f"bench_offload: {args.model} ({shapes.layers} layers, hidden {shapes.hidden}, ffn {shapes.ffn}), bf16, "
         f"dummy weights")
     say(f"  machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -906,28 +955,35 @@ def main() -> int:
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.1f} GiB RAM, no GPU")
     say(f"  workload: {N} prompts x {s} tokens, {n} generated each (greedy, exactly {n}); "
         f"{N * n} tokens to generate")
-    say(f"  offloaded weights: {weights_bytes / GB:.2f} GB ({shapes.layers} x {shapes.layer_bytes / 1e6:.1f} MB) "
+    say(f"  offloaded weights: {setup.weights_bytes / GB:.2f} GB ({shapes.layers} x {shapes.layer_bytes / 1e6:.1f} MB) "
         f"streamed per pass; resident (embeddings, head): {shapes.resident_bytes / 1e6:.0f} MB")
-    say(f"  'GPU' budget for both engines: {gpu_budget / GiB:.2f} GiB; memory limit (cgroup, both engines): "
-        f"{mem_limit / GiB:.2f} GiB (our cpu-tier KV pool {kv_cpu / GiB:.2f} GiB inside it)")
-    batch, parts = accelerate_batch(shapes, s, n, gpu_budget)
-    batch = min(batch, N)
-    say(f"  accelerate batch: ({gpu_budget / 1e6:.0f} MB budget - {parts['resident'] / 1e6:.0f} MB resident "
+    say(f"  'GPU' budget for both engines: {setup.gpu_budget / GiB:.2f} GiB; memory limit (cgroup, both engines): "
+        f"{setup.mem_limit / GiB:.2f} GiB (our cpu-tier KV pool {setup.kv_cpu / GiB:.2f} GiB inside it)")
+    parts = setup.parts
+    say(f"  accelerate batch: ({setup.gpu_budget / 1e6:.0f} MB budget - {parts['resident'] / 1e6:.0f} MB resident "
         f"- {parts['largest module'] / 1e6:.1f} MB largest offloaded module) // "
         f"{parts['per sequence'] / 1e6:.1f} MB per sequence (KV {parts['of which KV'] / 1e6:.1f}, prefill "
-        f"activations {parts['prefill activations'] / 1e6:.1f}, +cache concat, +logits) = {batch}")
-    if not args.skip_accelerate and batch < 1:
+        f"activations {parts['prefill activations'] / 1e6:.1f}, +cache concat, +logits) = {setup.batch}")
+    if not args.skip_accelerate and setup.batch < 1:
         raise SystemExit("the GPU budget does not fit one Accelerate sequence; raise --gpu-budget-gib")
-    acc_own = shapes.resident_bytes + batch * parts["per sequence"] + int(0.3 * GiB)
-    if mem_limit - acc_own >= weights_bytes:
-        say(f"  WARNING: the limit leaves ~{(mem_limit - acc_own) / GB:.2f} GB of page cache to Accelerate, "
+    print_page_cache_left(setup)
+
+
+def print_page_cache_left(setup: Setup) -> None:
+    """Whether the memory limit leaves Accelerate enough page cache to hold every weight."""
+    acc_own = setup.shapes.resident_bytes + setup.batch * setup.parts["per sequence"] + int(0.3 * GiB)
+    left, weights_bytes = setup.mem_limit - acc_own, setup.weights_bytes
+    if left >= weights_bytes:
+        say(f"  WARNING: the limit leaves ~{left / GB:.2f} GB of page cache to Accelerate, "
             f"enough for all {weights_bytes / GB:.2f} GB of weights: its disk reads may come from RAM")
     else:
-        say(f"  page cache left to Accelerate under the limit: ~{(mem_limit - acc_own) / GB:.2f} GB < "
+        say(f"  page cache left to Accelerate under the limit: ~{left / GB:.2f} GB < "
             f"{weights_bytes / GB:.2f} GB of weights read in order every forward (LRU: mostly misses)")
-    hardware = HardwareSpec.preset("t4").with_memory(gpu=gpu_budget / 0.8, cpu=mem_limit)
 
-    # ---- 1. build every offload folder outside the group, then drop their page cache ----------
+
+def build_offload_folders(args, setup: Setup, t0: float) -> tuple[list, str | None, str | None]:
+    """Every offload folder written outside the memory group, then its page cache dropped:
+    (every data file, our bf16 store's key, Accelerate's folder)."""
     os.makedirs(args.offload_dir, exist_ok=True)
     files, plain_key = [], None
     for compress in ((False,) if args.skip_compressed else (False, True)):
@@ -943,12 +999,14 @@ def main() -> int:
         gc.collect()
     acc_folder = None
     if not args.skip_accelerate:
-        acc_folder = build_accelerate_folder(args, shapes, t0)
+        acc_folder = build_accelerate_folder(args, setup.shapes, t0)
         files += accelerate_files(acc_folder)
     drop_cache_of(files)
     release_free_memory()
+    return files, plain_key, acc_folder
 
-    # ---- 2. join the memory group --------------------------------------------------------------
+
+def join_memory_group(mem_limit: int, t0: float) -> MemoryGroup:
     group = MemoryGroup(mem_limit)
     why = group.enter()
     if why:
@@ -956,69 +1014,84 @@ def main() -> int:
             "Accelerate's figures (buffered mmap reads) can be RAM speed, not disk speed.\n" + "!" * 100 + "\n")
     else:
         say(f"{stamp(t0)} joined memory cgroup {group.path} (limit {mem_limit / GiB:.2f} GiB)")
-    results: list[Result] = []
-    try:
-        # ---- 3. measure the machine ------------------------------------------------------------
-        say(f"{stamp(t0)} measuring disk bandwidth and bf16 matmul rates")
-        store = DiskStore(args.offload_dir, plain_key, direct_io=True)
-        plain_files = store.data_files()
-        drop_cache_of(plain_files)
-        # The first read of a run is slower (the virtual disk warms up): best of two.
-        measure_disk(store, range_reads=False)
-        direct, direct_cpu = cpu_per_gb(measure_disk, store, False)
-        engine_path, engine_cpu = cpu_per_gb(measure_disk, store, True)
-        buffered, buffered_cpu = cpu_per_gb(measure_disk_buffered, plain_files)
-        store.close()
-        del store
-        release_free_memory()
-        rates = Rates(direct, buffered, measure_matmul(shapes), engine_path)
-        say(f"  disk read: {direct / GB:.2f} GB/s O_DIRECT (DiskStore.read_async, aligned buffers; "
-            f"{direct_cpu:.2f} CPU s/GB), {engine_path / GB:.2f} GB/s O_DIRECT as the engine reads "
-            f"(read_range_async into aligned buffers; {engine_cpu:.2f} CPU s/GB), {buffered / GB:.2f} GB/s "
-            f"buffered cold ({buffered_cpu:.2f} CPU s/GB); the bound uses the fastest, {rates.disk / GB:.2f} GB/s")
-        say("  bf16 matmul (one layer's four matmuls): " + ", ".join(
-            f"T={t}: {r / 1e12:.3f}" for t, r in rates.matmul.items()) + " TFLOP/s")
-        io_pass = weights_bytes / rates.disk
-        balance = rates.balance_tokens(shapes, weights_bytes)
-        prefill_budget = args.prefill_budget or balance
-        say(f"  one pass reads {weights_bytes / GB:.2f} GB = {io_pass:.2f} s of disk; the same time computes "
-            f"~{balance} tokens at the rates just measured; our prefill budget: {prefill_budget} prompt "
-            f"tokens/pass")
+    return group
 
-        # ---- 4. the runs -------------------------------------------------------------------------
-        configs = [("ours, overlap on", True, False), ("ours, overlap off", False, False)]
-        if args.only == "accelerate":
-            configs = []
-        elif not args.skip_compressed:
-            configs.append(("ours, 4-bit weights, overlap", True, True))
-        # Accelerate first: our engine's first pass on the CPU sets glibc's malloc policy for the
-        # whole process (offload/host_malloc.py), and Accelerate must run as a user gets it.
-        say(f"  host malloc before any run: {host_malloc_state()}")
-        if not args.skip_accelerate:
-            results.append(run_accelerate(args, shapes, rates, prompts, batch, acc_folder, group, t0))
-        for label, overlap, compress in configs:
-            policy = our_policy(args, running, prefill_budget, overlap, compress)
-            results.append(run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0, files))
-        say(f"  host malloc after our runs: {host_malloc_state()}")
-        after = measure_matmul(shapes)
-        say("  bf16 matmul again after the runs: " + ", ".join(
-            f"T={t}: {r / 1e12:.3f}" for t, r in after.items()) + " TFLOP/s (the bound above used the "
-            "best-of rates before the runs)")
-    finally:
-        group.leave()
 
-    # ---- 5. report -----------------------------------------------------------------------------
-    say(f"\n=== {args.model}, {N} prompts x {s} -> {n} tokens, 'GPU' budget {gpu_budget / GiB:.2f} GiB, "
-        f"memory limit {mem_limit / GiB:.2f} GiB{'' if group.path else ' (NOT ENFORCED)'}, "
+def measure_machine(args, setup: Setup, plain_key: str, t0: float) -> tuple[Rates, int]:
+    """(disk and matmul rates, our prefill budget), measured inside the memory group."""
+    say(f"{stamp(t0)} measuring disk bandwidth and bf16 matmul rates")
+    store = DiskStore(args.offload_dir, plain_key, direct_io=True)
+    plain_files = store.data_files()
+    drop_cache_of(plain_files)
+    # The first read of a run is slower (the virtual disk warms up): best of two.
+    measure_disk(store, range_reads=False)
+    direct, direct_cpu = cpu_per_gb(measure_disk, store, False)
+    engine_path, engine_cpu = cpu_per_gb(measure_disk, store, True)
+    buffered, buffered_cpu = cpu_per_gb(measure_disk_buffered, plain_files)
+    store.close()
+    del store
+    release_free_memory()
+    rates = Rates(direct, buffered, measure_matmul(setup.shapes), engine_path)
+    say(f"  disk read: {direct / GB:.2f} GB/s O_DIRECT (DiskStore.read_async, aligned buffers; "
+        f"{direct_cpu:.2f} CPU s/GB), {engine_path / GB:.2f} GB/s O_DIRECT as the engine reads "
+        f"(read_range_async into aligned buffers; {engine_cpu:.2f} CPU s/GB), {buffered / GB:.2f} GB/s "
+        f"buffered cold ({buffered_cpu:.2f} CPU s/GB); the bound uses the fastest, {rates.disk / GB:.2f} GB/s")
+    say("  bf16 matmul (one layer's four matmuls): " + ", ".join(
+        f"T={t}: {r / 1e12:.3f}" for t, r in rates.matmul.items()) + " TFLOP/s")
+    io_pass = setup.weights_bytes / rates.disk
+    balance = rates.balance_tokens(setup.shapes, setup.weights_bytes)
+    prefill_budget = args.prefill_budget or balance
+    say(f"  one pass reads {setup.weights_bytes / GB:.2f} GB = {io_pass:.2f} s of disk; the same time computes "
+        f"~{balance} tokens at the rates just measured; our prefill budget: {prefill_budget} prompt "
+        f"tokens/pass")
+    return rates, prefill_budget
+
+
+def run_all(args, setup: Setup, rates: Rates, prefill_budget: int, acc_folder, group, files,
+            t0: float, results: list[Result]) -> None:
+    """Accelerate, then each of our configurations, appended to `results` as they finish."""
+    configs = [("ours, overlap on", True, False), ("ours, overlap off", False, False)]
+    if args.only == "accelerate":
+        configs = []
+    elif not args.skip_compressed:
+        configs.append(("ours, 4-bit weights, overlap", True, True))
+    # Accelerate first: our engine's first pass on the CPU sets glibc's malloc policy for the
+    # whole process (offload/host_malloc.py), and Accelerate must run as a user gets it.
+    say(f"  host malloc before any run: {host_malloc_state()}")
+    if not args.skip_accelerate:
+        results.append(run_accelerate(args, setup.shapes, rates, setup.prompts, setup.batch, acc_folder,
+                                      group, t0))
+    for label, overlap, compress in configs:
+        policy = our_policy(args, setup.running, prefill_budget, overlap, compress)
+        results.append(run_ours(label, args, setup.shapes, rates, setup.prompts, policy, setup.hardware,
+                                group, t0, files))
+    say(f"  host malloc after our runs: {host_malloc_state()}")
+    after = measure_matmul(setup.shapes)
+    say("  bf16 matmul again after the runs: " + ", ".join(
+        f"T={t}: {r / 1e12:.3f}" for t, r in after.items()) + " TFLOP/s (the bound above used the "
+        "best-of rates before the runs)")
+
+
+def report(args, setup: Setup, rates: Rates, results: list[Result], group: MemoryGroup, t0: float) -> None:
+    say(f"\n=== {args.model}, {args.num_prompts} prompts x {args.prompt_len} -> {args.gen_len} tokens, "
+        f"'GPU' budget {setup.gpu_budget / GiB:.2f} GiB, "
+        f"memory limit {setup.mem_limit / GiB:.2f} GiB{'' if group.path else ' (NOT ENFORCED)'}, "
         f"disk {rates.disk / GB:.2f} GB/s, matmul {rates.rate(1) / 1e12:.3f}-{rates.rate(1024) / 1e12:.3f} TFLOP/s ===")
     print_table(results)
-    by = {r.label: r for r in results}
-    on, off = by.get("ours, overlap on"), by.get("ours, overlap off")
     say("\n  where the time goes (per pass / forward):")
     for r in results:
         say(f"  {r.label}:")
         pass_breakdown(r)
     say("")
+    compare_configurations({r.label: r for r in results}, results)
+    say(f"  measured / bound: " + ", ".join(f"{r.label} {r.seconds / r.bound:.2f}" for r in results)
+        + " (goal <= 1.3)")
+    say(f"{stamp(t0)} done")
+
+
+def compare_configurations(by: dict[str, Result], results: list[Result]) -> None:
+    """Ours against Accelerate, the greedy tokens of each pair, and overlap on / off."""
+    on, off = by.get("ours, overlap on"), by.get("ours, overlap off")
     acc = by.get("accelerate disk offload")
     if acc is not None and on is not None:
         best = max((r for r in results if r is not acc), key=lambda r: r.tok_s)
@@ -1034,9 +1107,26 @@ def main() -> int:
     if on is not None and off is not None:
         say(f"  greedy tokens, overlap on vs off: {agreement(on, off)}")
         overlap_report(on, off)
-    say(f"  measured / bound: " + ", ".join(f"{r.label} {r.seconds / r.bound:.2f}" for r in results)
-        + " (goal <= 1.3)")
-    say(f"{stamp(t0)} done")
+
+
+def main() -> int:
+    # A kill (SIGTERM) must still run the finally / atexit that removes the memory group.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args = parse_args()
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    setup = make_setup(args)
+    print_setup(args, setup)
+    setup.hardware = HardwareSpec.preset("t4").with_memory(gpu=setup.gpu_budget / 0.8, cpu=setup.mem_limit)
+    files, plain_key, acc_folder = build_offload_folders(args, setup, t0)
+    group = join_memory_group(setup.mem_limit, t0)
+    results: list[Result] = []
+    try:
+        rates, prefill_budget = measure_machine(args, setup, plain_key, t0)
+        run_all(args, setup, rates, prefill_budget, acc_folder, group, files, t0, results)
+    finally:
+        group.leave()
+    report(args, setup, rates, results, group, t0)
     return 0
 
 

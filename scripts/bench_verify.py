@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from offload.disk_store import DiskStore, aligned_empty  # noqa: E402
+from offload.disk_store import DiskStore  # noqa: E402
+from offload.host_buffer import aligned_empty  # noqa: E402
 
 TENSOR_BYTES = 32 << 20  # an OPT-6.7B-sized matrix in fp32 is 256 MiB, an OPT-1.3B fc1 32 MiB (fp16)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import offload.disk_store as disk_store
-from offload.disk_store import (ALIGNMENT, DiskStore, OffloadError, aligned_empty, drop_page_cache,
-                                store_dir_name)
+from offload.disk_store import ALIGNMENT, DiskStore, OffloadError, drop_page_cache, store_dir_name
+from offload.host_buffer import aligned_empty
 
 KEY = "stories260K|float16|no-compression"
 SMALL_CHUNK = 64 << 10  # small chunks so a few hundred KiB already exercise the parallel chunked path
@@ -188,7 +188,7 @@ FakeUsage = namedtuple("FakeUsage", "total used free")
 
 
 def test_too_little_free_space_up_front(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_store.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda path: FakeUsage(total=10**9, used=10**9 - 1000, free=1000))
     with DiskStore(tmp_path, KEY) as store:
         with pytest.raises(OffloadError) as info:
@@ -326,34 +326,6 @@ def test_wrong_destination_is_refused_clearly(tmp_path):
             store.read_tensor("missing")
 
 
-@pytest.mark.parametrize("direct_io", [False, True])
-def test_scratch_slots_overwrite_in_place(tmp_path, direct_io):
-    with DiskStore(tmp_path, "kv-spill", direct_io=direct_io, chunk_bytes=SMALL_CHUNK) as store:
-        kv = torch.randn(2, 40_001)  # > chunk_bytes, ragged tail
-        store.allocate("kv.layer0", kv.nbytes)
-        store.allocate("act.layer0", 100)
-        store.write_tensor("kv.layer0", kv)
-        store.write_tensor("act.layer0", torch.arange(25, dtype=torch.int32))
-        assert same_bytes(store.read_tensor("kv.layer0"), kv)
-
-        smaller = torch.randn(3, 5).bfloat16()
-        store.write_tensor("kv.layer0", smaller)  # same slot, other dtype / shape
-        assert same_bytes(store.read_tensor("kv.layer0"), smaller)
-        out = unaligned_empty((25,), torch.int32)
-        assert same_bytes(store.read_async("act.layer0", out).result(), torch.arange(25,
-                                                                             dtype=torch.int32))
-
-        with pytest.raises(ValueError, match="slot holds"):
-            store.write_tensor("act.layer0", torch.zeros(2000))
-        with pytest.raises(KeyError, match="allocate"):
-            store.write_tensor("never-allocated", torch.zeros(1))
-        store.allocate("unwritten", 10)
-        with pytest.raises(KeyError, match="never written"):
-            store.read_tensor("unwritten")
-        # The scratch file is unlinked at once: nothing is left behind, even after a crash.
-        assert list(store.path.iterdir()) == []
-
-
 def test_page_cache_drop_and_close(tmp_path):
     write_store(tmp_path, make_tensors())
     store = DiskStore(tmp_path, KEY)
@@ -364,32 +336,6 @@ def test_page_cache_drop_and_close(tmp_path):
     store.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         store.read_tensor("scalar")
-
-
-def test_invalidate_removes_the_store(tmp_path):
-    write_store(tmp_path, make_tensors())
-    with DiskStore(tmp_path, KEY) as store:
-        store.invalidate()
-        assert not store.path.exists()
-        assert not store.is_complete()
-
-
-def test_failed_scratch_write_leaves_slot_unreadable(tmp_path, monkeypatch):
-    with DiskStore(tmp_path, "kv-spill") as store:
-        store.allocate("kv", 4096)
-        store.write_tensor("kv", torch.ones(10))
-
-        def pwrite_disk_full(fd, data, offset):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        monkeypatch.setattr(disk_store.os, "pwrite", pwrite_disk_full)
-        with pytest.raises(OffloadError, match="not enough disk space"):
-            store.write_tensor("kv", torch.zeros(10))
-        monkeypatch.undo()
-        with pytest.raises(KeyError, match="never written"):
-            store.read_tensor("kv")
-        store.write_tensor("kv", torch.zeros(10))
-        assert same_bytes(store.read_tensor("kv"), torch.zeros(10))
 
 
 @pytest.mark.parametrize("direct_io", [False, True])

@@ -20,7 +20,7 @@ from flexsarathi import LLM, SamplingParams
 from flexsarathi.errors import FlexSarathiError
 from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
 from offload.memory import MemoryTracker
-from offload.placement import TieredWeights
+from offload.tiered_weights import TieredWeights
 from policy_search.policy import Policy
 from tests.conftest import REPO, mounted_tmpfs
 

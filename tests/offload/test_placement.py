@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from offload.disk_store import DiskStore
 from offload.memory import MemoryTracker
-from offload.placement import TIERS, TieredWeights, plan_layer
+from offload.placement import TIERS, plan_layer
+from offload.tiered_weights import TieredWeights
 from quant import QTensor, QuantConfig, dequantize, quantize
 
 SHAPES = {"qkv": (96, 32), "o": (32, 32), "up": (80, 32), "down": (32, 80), "norm": (32,), "bias": (96,)}

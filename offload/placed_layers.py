@@ -1,0 +1,166 @@
+"""Every layer's weights put where the plan says: gpu/cpu pieces in memory, the layer in the store.
+
+The disk store is written once, reused by later runs, and rebuilt from the source when found damaged."""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+
+import torch
+
+from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
+from offload.store_writer import DiskStoreWriter
+from offload.host_buffer import aligned_empty
+from offload.placement import Component, TensorPlan, WeightPlan, flat_components
+
+Pieces = dict[tuple[str, int], list[torch.Tensor]]  # (tensor name, piece index) -> its components
+
+
+def store_key(layer: int, name: str, comp: Component) -> str:
+    return f"{layer}.{name}{'.' + comp.suffix if comp.suffix else ''}"
+
+
+def small_key(layer: int, name: str) -> str:
+    return f"{layer}.small.{name}"
+
+
+class PlacedLayers:
+    """Per layer: its small tensors on the compute device and its gpu/cpu pieces (`small[layer]`,
+    `pieces[layer]`); disk pieces stay in `store`, read by the streamer as it needs them."""
+
+    def __init__(self, plan: WeightPlan, read_layer: Callable[[int], dict], store: DiskStore | None,
+                 device: torch.device, pin: bool):
+        self.plan, self.store, self.device, self.pin = plan, store, device, pin
+        self._read_layer = read_layer
+        self.small: list[dict[str, torch.Tensor]] = []
+        self.pieces: list[Pieces] = []
+        try:
+            self._place_all(rewrite=False)
+        except StoreCorruptError as damage:  # a reused store failed its checksums: never use it
+            warnings.warn(f"{damage}; rebuilding the store from the source", RuntimeWarning, stacklevel=3)
+            self._place_all(rewrite=True, damage=damage)
+
+    def _place_all(self, *, rewrite: bool, damage: StoreCorruptError | None = None) -> None:
+        """Every layer's small tensors and gpu/cpu pieces; the disk store written first when it is
+        absent, incomplete or (`rewrite`) damaged. A complete store holds every layer as placed and
+        compressed: the resident pieces are read from it instead of regenerating or re-quantizing
+        the layer from the source."""
+        store = self.store
+        write = store is not None and (rewrite or not store.is_complete())
+        writer = store.begin_write(total_bytes=self.plan.store_bytes) if write else None
+        self.small, self.pieces = [], []
+        try:
+            for layer in range(self.plan.num_layers):
+                if store is not None and writer is None:
+                    small, pieces = self._read_from_store(layer)
+                else:
+                    weights = self._source_layer(layer, damage)
+                    small = {k: weights[k].to(self.device) for k in self.plan.small_shapes}
+                    pieces = self._place_layer(weights, layer, writer)
+                    del weights
+                self.small.append(small)
+                self.pieces.append(pieces)
+            if writer is not None:
+                writer.commit()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+
+    def _source_layer(self, layer: int, damage: StoreCorruptError | None) -> dict:
+        """The layer's weights from the source; when they are wanted to rebuild a damaged store and
+        the source cannot give them, the error names the damaged file and the source's failure."""
+        try:
+            return self._read_layer(layer)
+        except Exception as exc:
+            if damage is None:
+                raise
+            raise OffloadError(f"{damage}; it cannot be rebuilt because the source weights of layer "
+                               f"{layer} cannot be read ({type(exc).__name__}: {exc})") from exc
+
+    def rebuild_store(self, damage: StoreCorruptError) -> None:
+        """Rewrite the whole store from the source (found damaged while running). Only the disk
+        pieces are read from it after loading, so the gpu/cpu pieces in memory stay as they are."""
+        warnings.warn(f"{damage}; rebuilding the store from the source", RuntimeWarning, stacklevel=4)
+        with self.store.begin_write(total_bytes=self.plan.store_bytes) as writer:
+            for layer in range(self.plan.num_layers):
+                self._write_layer(self._source_layer(layer, damage), layer, writer)
+            writer.commit()
+
+    def _place_layer(self, weights: dict, layer: int, writer: DiskStoreWriter | None) -> Pieces:
+        """The layer's gpu- and cpu-tier pieces, cut from its weights (compressed per the plan);
+        with a writer, the layer also goes to the disk store whole (every tensor's components and
+        the small tensors)."""
+        pieces = {}
+        for plan in self.plan.tensors:
+            comps = flat_components(weights[plan.name], plan)
+            for i, piece in enumerate(plan.pieces):
+                if piece.tier == "disk":
+                    continue
+                target = self.device if piece.tier == "gpu" else torch.device("cpu")
+                sliced = [c[cm.numel(piece.row_start):cm.numel(piece.row_end)].to(target).clone()
+                          for c, cm in zip(comps, plan.components)]
+                if piece.tier == "cpu" and self.pin:
+                    sliced = [t.pin_memory() for t in sliced]
+                pieces[(plan.name, i)] = sliced
+            if writer is not None:
+                _add_tensor(writer, layer, plan, comps)
+        if writer is not None:
+            for k in self.plan.small_shapes:
+                writer.add(small_key(layer, k), weights[k])
+        return pieces
+
+    def _write_layer(self, weights: dict, layer: int, writer: DiskStoreWriter) -> None:
+        """The layer to the disk store, as _place_layer writes it (same names, same order)."""
+        for plan in self.plan.tensors:
+            _add_tensor(writer, layer, plan, flat_components(weights[plan.name], plan))
+        for k in self.plan.small_shapes:
+            writer.add(small_key(layer, k), weights[k])
+
+    def _read_from_store(self, layer: int) -> tuple[dict, Pieces]:
+        """(small tensors, gpu- and cpu-tier pieces) of `layer`, read from the complete store."""
+        store = self.store
+        small = {k: store.read_tensor(small_key(layer, k)).to(self.device) for k in self.plan.small_shapes}
+        pieces = {}
+        with AllReads() as reads:
+            for plan in self.plan.tensors:
+                for i, piece in enumerate(plan.pieces):
+                    if piece.tier == "disk":
+                        continue
+                    sliced = []
+                    for cm in plan.components:
+                        lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
+                        host = aligned_empty((hi - lo,), cm.dtype, pin_memory=self.pin and piece.tier == "cpu")
+                        reads.add(store.read_range_async(store_key(layer, plan.name, cm), lo * cm.dtype.itemsize, host))
+                        sliced.append(host)
+                    pieces[(plan.name, i)] = (piece.tier, sliced)
+        return small, {key: [t.to(self.device) if tier == "gpu" else t for t in sliced]
+                       for key, (tier, sliced) in pieces.items()}
+
+
+def _add_tensor(writer: DiskStoreWriter, layer: int, plan: TensorPlan, comps: list[torch.Tensor]) -> None:
+    for comp, cm in zip(comps, plan.components):
+        writer.add(store_key(layer, plan.name, cm), comp)
+
+
+class AllReads:
+    """Collects read futures; leaving the block waits for every one, even after an error, so no
+    reader thread still writes into a buffer (or reads a file about to be rewritten) when the
+    caller moves on. Without an error in the block, the first failed read raises."""
+
+    def __init__(self):
+        self.futures: list[Future] = []
+
+    def add(self, future: Future) -> Future:
+        self.futures.append(future)
+        return future
+
+    def __enter__(self) -> AllReads:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        wait(self.futures)
+        if exc_type is None:
+            for future in self.futures:
+                future.result()
