@@ -13,8 +13,8 @@ tier continues in the next; attention merges the parts exactly). Two ways to fil
 
 Forks (the `n` completions of one prompt, vLLM's approach): a fork's table starts with its
 parent's complete prompt blocks, shared by reference count (a block is free again only when its
-last holder frees it; shared blocks are never written again: positions before the prompt's end
-are not rewritten), and goes on with blocks of its own, the first a copy of the prompt's last,
+last holder frees it; only the parent's prefill writes them, before its forks join, and
+positions before the prompt's end are never written again), and goes on with blocks of its own, the first a copy of the prompt's last,
 partial block (copied by the engine when the parent's prefill ends).
 
 Each admitted sequence also holds one row of the compressed pools' full-precision residual

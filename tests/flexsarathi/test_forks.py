@@ -221,7 +221,7 @@ def test_without_preemption_each_prompt_is_prefilled_once():
     assert scheduler.num_preemptions == 0 and scheduler.num_prefill_tokens == 9 + 5
 
 
-def test_a_parent_preempted_before_its_forks_join_takes_them_back_to_the_queue():
+def test_a_parent_preempted_before_its_forks_join_takes_them_back_to_the_queue(monkeypatch):
     """A found case: a 2-tier cache of 9 blocks, where a parent still prefilling is preempted;
     its forks' blocks are given back and the group is readmitted, prefilling once more."""
     groups = [(3, 6, [13, 1, 1, 8, 2]), (5, 4, [5, 11, 11]), (5, 5, [14, 7, 14, 2, 12]), (8, 9, [0, 10])]
@@ -234,11 +234,8 @@ def test_a_parent_preempted_before_its_forks_join_takes_them_back_to_the_queue()
         preempted_with_forks.append(bool(victim.forks))
         original(self, victim)
 
-    Scheduler._preempt = preempt  # observe only: the real method runs
-    try:
-        run_groups(seqs, budget=3, max_running=6, kv_blocks=9, admission="on-demand", mode="decode-maximal",
-                   tiers=("gpu", "cpu"))
-    finally:
-        Scheduler._preempt = original
+    monkeypatch.setattr(Scheduler, "_preempt", preempt)  # observes only: the real method runs
+    run_groups(seqs, budget=3, max_running=6, kv_blocks=9, admission="on-demand", mode="decode-maximal",
+               tiers=("gpu", "cpu"))
     assert any(preempted_with_forks)
     assert [[s.output_token_ids for s in g] for g in seqs] == expected
