@@ -11,6 +11,12 @@ tier continues in the next; attention merges the parts exactly). Two ways to fil
 - on demand (`allocate(seq, tokens)` then `grow(seq, tokens)`): the blocks its tokens need now; a
   table grows only into the tier of its last block or slower ones, so the tiers stay in order.
 
+Forks (the `n` completions of one prompt, vLLM's approach): a fork's table starts with its
+parent's complete prompt blocks, shared by reference count (a block is free again only when its
+last holder frees it; only the parent's prefill writes them, before its forks join, and
+positions before the prompt's end are never written again), and goes on with blocks of its own, the first a copy of the prompt's last,
+partial block (copied by the engine when the parent's prefill ends).
+
 Each admitted sequence also holds one row of the compressed pools' full-precision residual
 buffer (the block being filled), so rows bound the running set too.
 """
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+
+import torch
 
 from flexsarathi.sequence import Sequence
 from policy_search.policy import TIERS
@@ -39,6 +47,7 @@ class BlockManager:
             self.base[tier], self.free[tier] = start, deque(range(start, start + count))
             start += count
         self.num_blocks = start
+        self.refs = [0] * start  # holders of each block (forks share their parent's prompt blocks)
         self.free_residual: deque[int] = deque(range(num_residual))
 
     def tier_of(self, block: int) -> str:
@@ -64,11 +73,9 @@ class BlockManager:
         tokens = seq.max_len if num_tokens is None else num_tokens
         return bool(self.free_residual) and self.num_free >= self.blocks_for(tokens) + watermark
 
-    def can_allocate_all(self, seqs: list[Sequence], reserved: int = 0) -> bool:
-        """Whether all of `seqs` could be admitted now, together, each for its whole life, with
-        `reserved` blocks kept for others."""
-        return (len(seqs) <= len(self.free_residual)
-                and self.num_free >= reserved + sum(self.blocks_needed(s) for s in seqs))
+    def has_room(self, num_blocks: int, num_rows: int = 1) -> bool:
+        """Whether `num_blocks` blocks and `num_rows` residual rows are free."""
+        return num_rows <= len(self.free_residual) and num_blocks <= self.num_free
 
     def allocate(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Admit `seq` with blocks for `num_tokens` (default: its whole life), fastest tier first."""
@@ -78,6 +85,23 @@ class BlockManager:
         seq.block_table = []
         self._extend(seq.block_table, self.blocks_for(tokens), TIERS)
         seq.residual_id = self.free_residual.popleft()
+
+    def fork(self, parent: Sequence, child: Sequence, num_shared: int, num_tokens: int) -> None:
+        """Admit `child` with the first `num_shared` blocks of `parent`'s table (shared) and blocks
+        of its own up to `num_tokens` tokens (taken where its table may grow)."""
+        if not self.has_room(self.blocks_for(num_tokens) - num_shared):
+            raise RuntimeError(f"no room to fork sequence {child.seq_id} from {parent.seq_id}")
+        child.block_table = parent.block_table[:num_shared]
+        for block in child.block_table:
+            self.refs[block] += 1
+        self._extend(child.block_table, self.blocks_for(num_tokens), self._growth_tiers(child))
+        child.residual_id = self.free_residual.popleft()
+
+    def local_slots(self, block: int, count: int) -> tuple[str, torch.Tensor]:
+        """The tier of `block` and the pool slots of its first `count` positions."""
+        tier = self.tier_of(block)
+        start = (block - self.base[tier]) * self.block_size
+        return tier, torch.arange(start, start + count)
 
     def _growth_tiers(self, seq: Sequence) -> tuple[str, ...]:
         """Tiers a table may grow into: its last block's tier and the slower ones."""
@@ -99,10 +123,17 @@ class BlockManager:
         for tier in tiers:
             while len(table) < length and self.free[tier]:
                 table.append(self.free[tier].popleft())
+                self.refs[table[-1]] = 1
 
     def free_blocks(self, seq: Sequence) -> None:
+        """`seq` gives back its blocks (a shared one is free once no other table holds it) and
+        its residual row."""
         for block in seq.block_table:
-            self.free[self.tier_of(block)].append(block)
+            self.refs[block] -= 1
+            if self.refs[block] < 0:
+                raise RuntimeError(f"KV block {block} freed more often than taken (sequence {seq.seq_id})")
+            if self.refs[block] == 0:
+                self.free[self.tier_of(block)].append(block)
         seq.block_table = []
         self.free_residual.append(seq.residual_id)
         seq.residual_id = -1

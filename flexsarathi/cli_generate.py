@@ -252,11 +252,18 @@ def _workload(args, requests: list[BatchRequest], params: dict):
     from policy_search import ModelSpec, Workload
 
     context = ModelSpec.from_name(args.model).max_positions
-    pairs = [(len(r.prompt_token_ids), min(params[r.key].max_tokens, context - len(r.prompt_token_ids)), params[r.key].n)
-             for r in requests if len(r.prompt_token_ids) < context]
+    pairs = []
+    for r in requests:
+        prompt, p = len(r.prompt_token_ids), params[r.key]
+        if prompt < context:
+            # n completions share one prefill and the prompt's KV: the others are planned as
+            # 1-token prompts (their own KV is about their outputs; their decode attention,
+            # over the shared prompt too, is undercounted).
+            gen = min(p.max_tokens, context - prompt)
+            pairs += [(prompt, gen)] + [(1, gen)] * (p.n - 1)
     if not pairs:
         return None
-    return Workload(pairs=tuple((s, n) for s, n, _ in pairs), num_requests=sum(k for _, _, k in pairs))
+    return Workload(pairs=tuple(pairs), num_requests=len(pairs))
 
 
 def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):

@@ -361,6 +361,9 @@ class LLMEngine:
         for mb in plan.micro_batches:
             for item in mb:
                 item.seq.num_computed += item.num_tokens
+        for seq, row in list(to_sample):
+            if seq.forks:  # its prompt is prefilled: its sibling completions sample from its row
+                to_sample += [(fork, row) for fork in self._fork(scheduler, seq)]
         finished = []
         live = []
         for seq, row in to_sample:
@@ -380,6 +383,18 @@ class LLMEngine:
                 scheduler.finish(seq)
                 finished.append(seq)
         return finished
+
+    def _fork(self, scheduler: Scheduler, parent: Sequence) -> list[Sequence]:
+        """The parent's forks join, sharing its complete prompt blocks; each gets a copy of the KV
+        of the prompt's last, partial block in its own block (any tier: pools share a layout)."""
+        forks = scheduler.fork(parent)
+        index, count = divmod(parent.num_prompt_tokens, self.block_size)
+        for fork in forks if count else ():
+            src, src_slots = self.blocks.local_slots(parent.block_table[index], count)
+            dst, dst_slots = self.blocks.local_slots(fork.block_table[index], count)
+            self.kv_pools[src].copy_slots(self.kv_pools[dst], src_slots, dst_slots,
+                                          parent.residual_id, fork.residual_id)
+        return forks
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Full-vocabulary fp32 logits [len, vocab] of every prompt position, computed through the

@@ -142,9 +142,9 @@ class LLM:
         seqs = [seq for group in groups.values() for seq in group]
         request_of = {seq.seq_id: i for i, group in groups.items() for seq in group}
         scheduler = engine.new_scheduler(seqs)
-        for seq in seqs:
-            scheduler.add(seq)
-        progress = _Progress(seqs, len(groups), use_tqdm)
+        for group in groups.values():
+            scheduler.add_group(group)  # the prompt is prefilled once for its n completions
+        progress = _Progress(seqs, [group[0] for group in groups.values()], use_tqdm)
         passes, left = 0, {i: len(group) for i, group in groups.items()}
         try:
             while scheduler.has_unfinished():
@@ -163,6 +163,8 @@ class LLM:
             progress.close()
             self.last_stats = _stats(len(groups), failed, progress.prompt_tokens, progress.generated,
                                      passes, progress.elapsed, engine.memory.report())
+            self.last_stats.update(prefill_tokens_computed=scheduler.num_prefill_tokens,
+                                   preemptions=scheduler.num_preemptions)
 
     def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -218,11 +220,13 @@ def _stats(requests: int, failed: int, prompt_tokens: int, generated: int, passe
 class _Progress:
     """A tqdm bar over generated tokens that advances every pass: its total is every sequence's
     token allowance (max_tokens, capped by the context), less what sequences that stop early
-    leave unused; the postfix has requests done and prompt / generated tokens per second."""
+    leave unused; the postfix has requests done and prompt / generated tokens per second (a
+    request's prompt counted once, by its first sequence, however many completions share it)."""
 
-    def __init__(self, seqs: list, requests: int, enabled: bool):
+    def __init__(self, seqs: list, firsts: list, enabled: bool):
         self.unfinished = set(seqs)
-        self.requests, self.done = requests, 0
+        self.firsts = set(firsts)
+        self.requests, self.done = len(firsts), 0
         self.prompt_tokens = self.generated = 0
         self.start = time.perf_counter()
         self.elapsed = 0.0
@@ -232,12 +236,13 @@ class _Progress:
     def update(self, finished: list, requests_done: int) -> None:
         for seq in finished:
             self.unfinished.discard(seq)
-            self.prompt_tokens += seq.num_prompt_tokens
+            self.prompt_tokens += seq.num_prompt_tokens if seq in self.firsts else 0
             self.generated += len(seq.output_token_ids)
             self.bar.total -= seq.max_len - seq.num_tokens  # tokens it will never generate
         prompt = generated = 0
-        for seq in self.unfinished:
+        for seq in self.unfinished & self.firsts:
             prompt += min(seq.num_computed, seq.num_prompt_tokens)
+        for seq in self.unfinished:
             generated += len(seq.output_token_ids)
         self.done += requests_done
         self.elapsed = time.perf_counter() - self.start

@@ -28,6 +28,15 @@ KV admission (`kv_admission`, decode-maximal only; block always reserves, as Fle
   are free, taken at once; it is never preempted. Where lengths are known (ignore_eos) and the
   cache holds every running lifetime, it is the same schedule without preemption risk.
 
+Forks (the `n` completions of one prompt, `add_group`): the prompt is prefilled once, by the
+group's first sequence (the parent). The group is admitted as one: the slots of all its members
+and the blocks of the parent plus each fork's own blocks (beyond the parent's complete prompt
+blocks, which they share) are taken at once, so a fork never waits for room. When the parent's
+prefill ends, the forks join the running set in that same pass and sample their first tokens
+from the parent's last prompt logits (each with its own generator); from then on each is an
+ordinary sequence (a preempted fork recomputes from its own tokens). A parent preempted before
+its prefill ends gives back its forks' blocks too, and the group is readmitted as one.
+
 On a GPU, `token_multiple` (128) rounds a pass's token count down to a multiple of the matmul
 tile by shortening its last prompt chunk, where the chunk is longer than the cut (SARATHI).
 
@@ -96,20 +105,49 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens sent through passes as prefill (prompts, recomputes)
         self._watermark = math.ceil(config.kv_watermark * block_manager.num_blocks) if config.on_demand else 0
 
     def add(self, seq: Sequence) -> None:
-        if self.blocks.blocks_needed(seq) > self.blocks.num_blocks:
-            raise RuntimeError(f"sequence {seq.seq_id} needs {self.blocks.blocks_needed(seq)} KV blocks "
-                               f"({seq.max_len} tokens) but the cache has {self.blocks.num_blocks}; enlarge it")
-        self.waiting.append(seq)
+        self.add_group([seq])
+
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """The completions of one prompt (SamplingParams.n): the first prefills it and the others
+        fork from it (see the module docstring). A group larger than the running set, or than
+        the cache can admit at once, is split into groups that fit, each prefilling once."""
+        for seq in seqs:
+            if self.blocks.blocks_needed(seq) > self.blocks.num_blocks:
+                raise RuntimeError(f"sequence {seq.seq_id} needs {self.blocks.blocks_needed(seq)} KV blocks "
+                                   f"({seq.max_len} tokens) but the cache has {self.blocks.num_blocks}; enlarge it")
+        while seqs:
+            size = 1
+            while (size < min(len(seqs), self.config.max_running)
+                   and self._group_blocks(seqs[0], seqs[1:size + 1]) <= self.blocks.num_blocks):
+                size += 1
+            seqs[0].forks = list(seqs[1:size])
+            self.waiting.append(seqs[0])
+            seqs = seqs[size:]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         items = self._block_items() if self.config.mode == "block" else self._decode_maximal_items()
-        return SchedulerOutput(self._split(items))
+        plan = SchedulerOutput(self._split(items))
+        self.num_prefill_tokens += plan.num_prefill_tokens
+        return plan
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Called when `parent`'s prompt prefill has ended (the pass samples its first token): its
+        forks join the running set with the prompt computed. Their tables already hold its
+        complete prompt blocks and a block of their own for the partial last one, whose KV the
+        caller copies from the parent's."""
+        forks, parent.forks = parent.forks, []
+        for seq in forks:
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed = parent.num_prompt_tokens
+            self.running.append(seq)
+        return forks
 
     def finish(self, seq: Sequence) -> None:
         """Called once `seq` has finished: its KV blocks go back to the pool."""
@@ -118,32 +156,59 @@ class Scheduler:
 
     # ---- admission and preemption ----------------------------------------------------------
     def _admit(self) -> Sequence | None:
-        if not self.waiting or len(self.running) >= self.config.max_running:
+        """Admits the head of the queue with its forks (their slots and blocks) if they fit."""
+        if not self.waiting:
             return None
         seq = self.waiting[0]
-        tokens = seq.num_prefill_tokens if self.config.on_demand else seq.max_len
-        if not self._fits(seq, tokens):
+        size = 1 + len(seq.forks)
+        if self._slots_taken() + size > self.config.max_running:
+            return None
+        if not self._fits(self._group_blocks(seq, seq.forks), size):
             if not self.running:
                 raise RuntimeError("the KV cache cannot hold a single request; enlarge it")
             return None
         self.waiting.popleft()
-        self.blocks.allocate(seq, tokens)
+        self.blocks.allocate(seq, self._admission_tokens(seq))
+        for fork in seq.forks:
+            self.blocks.fork(seq, fork, self._num_shared(seq), self._admission_tokens(fork))
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return seq
 
-    def _fits(self, seq: Sequence, tokens: int) -> bool:
-        """Room to admit `seq` with `tokens` tokens of blocks. On demand, a watermark of blocks is
-        left for the running sequences to grow into, unless every lifetime fits anyway."""
-        if not self.blocks.can_allocate(seq, tokens):
+    def _admission_tokens(self, seq: Sequence) -> int:
+        """Tokens whose blocks admission takes: what it prefills (on demand) or its whole life."""
+        return seq.num_prefill_tokens if self.config.on_demand else seq.max_len
+
+    def _num_shared(self, parent: Sequence) -> int:
+        """Blocks a fork shares with its parent: the prompt's complete ones."""
+        return parent.num_prompt_tokens // self.blocks.block_size
+
+    def _group_blocks(self, parent: Sequence, forks: list[Sequence], lifetime: bool = False) -> int:
+        """Blocks to admit `parent` with `forks` (for their whole lives when `lifetime`): the
+        parent's, and each fork's beyond the prompt blocks it shares."""
+        tokens = (lambda s: s.max_len) if lifetime else self._admission_tokens
+        own = sum(self.blocks.blocks_for(tokens(f)) - self._num_shared(parent) for f in forks)
+        return self.blocks.blocks_for(tokens(parent)) + own
+
+    def _slots_taken(self) -> int:
+        """Running sequences and the forks waiting in them for their parent's prefill."""
+        return len(self.running) + sum(len(s.forks) for s in self.running)
+
+    def _fits(self, num_blocks: int, num_rows: int) -> bool:
+        """Room to admit a group needing `num_blocks` blocks and `num_rows` residual rows. On
+        demand, a watermark of blocks is left for the running sequences to grow into, unless
+        every lifetime fits anyway."""
+        if not self.blocks.has_room(num_blocks, num_rows):
             return False
         return (not self._watermark or not self.running
-                or self.blocks.can_allocate(seq, tokens, self._watermark) or self._rest_admissible())
+                or self.blocks.has_room(num_blocks + self._watermark, num_rows) or self._rest_admissible())
 
     def _preempt(self, victim: Sequence) -> None:
         """Free the victim's blocks; it waits at the head of the queue to be recomputed."""
         self.running.remove(victim)
         self.blocks.free_blocks(victim)
+        for fork in victim.forks:  # not forked yet: their blocks are taken again with the parent
+            self.blocks.free_blocks(fork)
         victim.preempt()
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
@@ -204,7 +269,7 @@ class Scheduler:
         if not owing:
             return None
         budget, queued, last = self.config.prefill_budget, 0, 0
-        for seq in owing:
+        for seq in owing:  # a parent's forks sample with it and have its lengths: no term of their own
             queued += seq.num_prefill_tokens - seq.num_computed
             prefilled_in = -(-queued // budget)  # the pass sampling its first token
             last = max(last, prefilled_in + seq.max_len - seq.num_prefill_tokens - 1)
@@ -213,12 +278,17 @@ class Scheduler:
     def _rest_admissible(self) -> bool:
         """Whether every waiting request can be admitted now, together, and every sequence then
         run to its max_tokens without a preemption (no one waits for room)."""
-        if len(self.running) + len(self.waiting) > self.config.max_running:
+        if len(self.running) + len(self.waiting) > self.config.max_running:  # O(1): groups take >= 1 slot
+            return False
+        rows = sum(1 + len(s.forks) for s in self.waiting)
+        if self._slots_taken() + rows > self.config.max_running:
             return False
         owed = 0
-        if self.config.on_demand:  # blocks the running sequences may still take
-            owed = sum(self.blocks.blocks_needed(s) - len(s.block_table) for s in self.running)
-        return self.blocks.can_allocate_all(list(self.waiting), reserved=owed)
+        if self.config.on_demand:  # blocks the running sequences (and their forks) may still take
+            holders = self.running + [f for s in self.running for f in s.forks]
+            owed = sum(self.blocks.blocks_needed(s) - len(s.block_table) for s in holders)
+        need = sum(self._group_blocks(s, s.forks, lifetime=True) for s in self.waiting)
+        return self.blocks.has_room(owed + need, rows)
 
     def _block_items(self) -> list[WorkItem]:
         if not self.running:

@@ -44,6 +44,9 @@ class Sequence:
     # Preemption (on-demand KV admission): tokens to recompute as a prefill on re-admission.
     recompute_len: int = 0
     num_preemptions: int = 0
+    # Sibling completions of this prompt (SamplingParams.n) that join when this sequence's prompt
+    # prefill ends, sharing its KV (Scheduler.add_group); empty once forked.
+    forks: list["Sequence"] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -122,6 +122,20 @@ class KVPool:
         back = dequantize(quantize(blocks, self.k_config), k.dtype)
         return back.permute(0, 3, 1, 2).reshape(k.shape)
 
+    def copy_slots(self, dst: "KVPool", src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                   src_row: int = -1, dst_row: int = -1) -> None:
+        """Copy the K/V of every layer at `src_slots` [T] into `dst` (this pool or another tier's:
+        the layouts are the same) at `dst_slots` [T]. Compressed pools: the slots are tokens of a
+        block being filled, so V codes are copied per slot and K as residual row src_row -> dst_row."""
+        src_slots, dst_slots = src_slots.to(self.device), dst_slots.to(dst.device)
+        if self.compression is None:
+            dst.k[:, dst_slots] = self.k[:, src_slots].to(dst.device)
+            dst.v[:, dst_slots] = self.v[:, src_slots].to(dst.device)
+            return
+        for name, codes in self.v_codes.items():
+            dst.v_codes[name][:, dst_slots] = codes[:, src_slots].to(dst.device)
+        dst.k_residual[:, dst_row] = self.k_residual[:, src_row].to(dst.device)
+
     # ---- store / gather -------------------------------------------------------------------
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               residual_ids: torch.Tensor | None = None) -> None:
