@@ -21,11 +21,9 @@ _QUERY_BLOCK = 256  # query rows per step: bounds the [heads, rows, context] sco
 class _HostWorkspace(threading.local):
     """Grow-only fp32 buffers for the K/V copies of host attention, one set per thread.
 
-    A decode pass's context copies are tens of MB per layer (30 sequences x 160 tokens x 2048
-    values in fp32: 39 MB), above glibc's largest mmap threshold (32 MB): every fresh one is a new
-    mapping whose pages fault in on first touch, which on a VM costs more than the attention math
-    (measured: the two copies were a fifth of a disk-offloaded decode pass). Reused buffers fault
-    once. CUDA tensors do not need this (the caching allocator reuses blocks)."""
+    A decode pass's context copies are tens of MB per layer, above glibc's mmap threshold: fresh
+    ones would be new mappings faulted in on first touch (docs/DESIGN.md, "Tried"). Reused buffers
+    fault once. CUDA tensors do not need this (the caching allocator reuses blocks)."""
 
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}

@@ -91,11 +91,8 @@ def _dequantize_lines_fp32(q: QTensor, values: torch.Tensor) -> None:
     computed in fp32 (bf16 cannot even hold the fp16 scale and minimum), one rounding to `values`.
 
     On CPU in chunks of whole lines (a line: all groups of one row along the group dimension), so
-    the fp32 and unpacked temporaries stay a few MiB: in cache, and reused by the allocator rather
-    than page-faulted in afresh. A whole 8192 x 2048 weight would take a 64 MiB fp32 temporary, a
-    fresh mapping on every call (glibc maps blocks over 32 MiB), and measured on the development VM
-    that faulting cost more than the arithmetic (4-bit opt-1.3b decode passes: 2.3 s with the whole
-    temporary, ~1M faults each; 1.1-1.2 s in chunks).
+    the fp32 and unpacked temporaries stay a few MiB, reused rather than freshly mapped and
+    page-faulted on every call (docs/DESIGN.md, "Tried": the whole-weight temporary).
     """
     layout = q.layout
     num_rows, line_len = layout.num_rows, layout.padded_len
