@@ -21,9 +21,9 @@ Without overlap every resource waits for the others: the sum.
 
 Without a GPU (`HardwareSpec.compute_on_host`: the compute device is the host CPU) the copies between
 the cpu tier and the "gpu" tier's working buffers are memcpys run by the very cores that compute, so
-the chains are: load = disk->host (the drive's DMA overlaps the cores), store = host->disk, and compute = gpu + cpu + host->device + device->host. Disk-resident weights
-still cost their memcpy (host->device): the engine's O_DIRECT reads land in an aligned bounce buffer
-and are copied into the working buffer from there.
+the chains are: load = disk->host (the drive's DMA overlaps the cores), store = host->disk, and
+compute = gpu + cpu + host->device + device->host. Disk-resident weights cost no memcpy there: the
+engine's O_DIRECT reads land in the 4096-aligned working buffers themselves (offload/placement.py).
 
 Embeddings, the final norm and the LM head stay on the compute device whatever the fractions, as the
 engine keeps them (offload/placement.py): they never stream and count on the gpu tier.
@@ -103,32 +103,11 @@ def _matmul_seconds(params: float, tokens: float, decode_tokens: float, micro_ba
 def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
                      hw: HardwareSpec) -> dict[str, np.ndarray]:
     """Seconds per resource for one layer of one pass."""
-    weight_bytes = model.layer_weight_bytes(policy.compress_weight)
-    kv_bytes = model.kv_bytes_per_token(policy.compress_kv)  # per token per layer, as stored
-    hidden_bytes = model.hidden_bytes_per_token
-    query_bytes = model.q_dim * model.bytes_per_value  # a query row or an attention-output row
     decode_kv_tokens = s.decode_tokens * s.context  # KV tokens decode attention reads
     cpu_attention = policy.cpu_attention and s.decode_tokens > 0
     # Share of decode attention done on the GPU: all of it, or only where the cache is on the GPU.
     gpu_decode_share = f.kv_gpu if cpu_attention else const(1.0)
-
-    # Streamed weights reach the compute device through host memory, disk-resident ones included: on
-    # a GPU through pinned staging buffers; on the host through the disk store's aligned bounce buffer
-    # (the working buffers are not 4096-aligned, so O_DIRECT cannot land in them): a memcpy either way.
-    to_device = (f.w_off_gpu * weight_bytes
-                 + f.kv_off_gpu * s.prior_kv_tokens * kv_bytes  # earlier chunks' KV for chunk attention
-                 + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer input
-    if cpu_attention:
-        to_device = to_device + f.kv_off_gpu * s.decode_tokens * query_bytes  # attention outputs back
-    else:
-        to_device = to_device + f.kv_off_gpu * decode_kv_tokens * kv_bytes  # cache to the GPU
-    to_host = (f.kv_off_gpu * s.tokens * kv_bytes  # new K, V stored where the cache lives
-               + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer output
-    if cpu_attention:
-        to_host = to_host + f.kv_off_gpu * s.decode_tokens * query_bytes  # queries to the CPU
-    disk_read = (f.w_disk * weight_bytes + f.kv_disk * (decode_kv_tokens + s.prior_kv_tokens) * kv_bytes
-                 + f.act_disk * s.tokens * hidden_bytes)
-    disk_write = f.kv_disk * s.tokens * kv_bytes + f.act_disk * s.tokens * hidden_bytes
+    to_device, to_host, disk_read, disk_write = _layer_bytes_moved(s, policy, model, hw)
 
     matmul = _matmul_seconds(model.layer_matrix_params, s.tokens, s.decode_tokens, s.micro_batches,
                              hw, model.bytes_per_value)
@@ -153,6 +132,35 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
     return {"host->device": to_device / hw.host_to_device, "device->host": to_host / hw.device_to_host,
             "disk->host": disk_read / hw.disk_to_host, "host->disk": disk_write / hw.host_to_disk,
             "gpu": gpu, "cpu": cpu}
+
+
+def _layer_bytes_moved(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec):
+    """Bytes one layer of the pass moves: (host->device, device->host, disk->host, host->disk)."""
+    weight_bytes = model.layer_weight_bytes(policy.compress_weight)
+    kv_bytes = model.kv_bytes_per_token(policy.compress_kv)  # per token per layer, as stored
+    hidden_bytes = model.hidden_bytes_per_token
+    query_bytes = model.q_dim * model.bytes_per_value  # a query row or an attention-output row
+    decode_kv_tokens = s.decode_tokens * s.context
+    cpu_attention = policy.cpu_attention and s.decode_tokens > 0
+    # Streamed weights reach the compute device through host memory: on a GPU, disk-resident ones via
+    # pinned staging buffers (a copy); on the host, O_DIRECT reads land in the 4096-aligned working
+    # buffers themselves (offload/placement.py), so only cpu-tier weights are copied.
+    copied_weights = f.w_cpu if hw.compute_on_host else f.w_off_gpu
+    to_device = (copied_weights * weight_bytes
+                 + f.kv_off_gpu * s.prior_kv_tokens * kv_bytes  # earlier chunks' KV for chunk attention
+                 + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer input
+    if cpu_attention:
+        to_device = to_device + f.kv_off_gpu * s.decode_tokens * query_bytes  # attention outputs back
+    else:
+        to_device = to_device + f.kv_off_gpu * decode_kv_tokens * kv_bytes  # cache to the GPU
+    to_host = (f.kv_off_gpu * s.tokens * kv_bytes  # new K, V stored where the cache lives
+               + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer output
+    if cpu_attention:
+        to_host = to_host + f.kv_off_gpu * s.decode_tokens * query_bytes  # queries to the CPU
+    disk_read = (f.w_disk * weight_bytes + f.kv_disk * (decode_kv_tokens + s.prior_kv_tokens) * kv_bytes
+                 + f.act_disk * s.tokens * hidden_bytes)
+    disk_write = f.kv_disk * s.tokens * kv_bytes + f.act_disk * s.tokens * hidden_bytes
+    return to_device, to_host, disk_read, disk_write
 
 
 def _head_resources(s: PassShape, model: ModelSpec, hw: HardwareSpec) -> dict[str, np.ndarray]:
