@@ -31,7 +31,7 @@ from offload.tiered_weights import TieredWeights
 from policy_search.policy import TIERS, Policy
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT
-from policy_search.working_set import PassTokens, working_set, worst_pass
+from policy_search.working_set import QUERY_BLOCK, PassTokens, gathered_tiers, working_set, worst_pass
 from quant import QuantConfig
 
 # Weights grouped along the input dimension (docs/DESIGN.md, "Quantization"); bits and group size
@@ -216,7 +216,7 @@ class LLMEngine:
         running = min(p.max_running, len(seqs))
         blocks = self._kv_blocks(seqs, running)
         self._ensure_pools(blocks, running)
-        self._check_worst_pass(seqs, running)
+        self._check_worst_pass(seqs, running, blocks)
         config = SchedulerConfig(max_running=p.max_running, num_micro_batches=p.num_gpu_batches,
                                  prefill_budget=p.prefill_budget, mode=p.scheduler,
                                  kv_admission=p.kv_admission,
@@ -323,26 +323,45 @@ class LLMEngine:
         return self._postprocess(scheduler, [spans for _, spans in built], logits, plan)
 
     def _pass_working_bytes(self, batches) -> int:
-        context = max((p.kv_slots.numel() for mb in batches for g in mb.groups for p in g.parts), default=0)
-        return self._working_bytes(sum(mb.num_tokens for mb in batches),
-                                   max(mb.num_tokens for mb in batches), context,
-                                   max(mb.logit_rows.numel() for mb in batches))
+        return self._working_bytes(self._pass_tokens(batches))
 
-    def _working_bytes(self, total_tokens: int, widest: int, context_slots: int, logit_rows: int) -> int:
+    def _pass_tokens(self, batches) -> PassTokens:
+        """What this pass holds on the compute device (policy_search/working_set.py): the K/V the
+        executor gathers there for each pair of consecutive micro-batches (k computes while k+1
+        loads), and its largest decode and prompt attention calls."""
+        gathered = [[(g, p) for g in mb.groups for p in g.parts
+                     if p.new_rows is None and p.tier in gathered_tiers(self.policy, g.is_decode)]
+                    for mb in batches]
+        held = [sum(p.kv_slots.numel() for _, p in mb) for mb in gathered]
+        calls = {True: [(0, 0)], False: [(0, 0)]}  # is_decode -> [(keys, score cells)]
+        for mb in batches:
+            for g in mb.groups:
+                for p in g.parts:
+                    if p.new_rows is not None or p.tier in gathered_tiers(self.policy, g.is_decode):
+                        keys = g.num_seqs * (p.new_rows[1] - p.new_rows[0] if p.new_rows else p.kv_slots.shape[1])
+                        calls[g.is_decode].append((keys, keys * min(g.num_queries, QUERY_BLOCK)))
+        widest = {d: (max(k for k, _ in c), max(x for _, x in c)) for d, c in calls.items()}
+        return PassTokens(total=sum(mb.num_tokens for mb in batches),
+                          widest=max(mb.num_tokens for mb in batches),
+                          context_slots=max(a + b for a, b in zip(held, held[1:] + [0])),
+                          attention_slots=widest[True][0] + widest[False][0],
+                          attention_cells=widest[True][1] + widest[False][1],
+                          logit_rows=sum(mb.logit_rows.numel() for mb in batches))
+
+    def _working_bytes(self, tokens: PassTokens) -> int:
         """Compute-device bytes a pass needs beyond weights and KV pools: the planner's formula
         (policy_search/working_set.py) on this engine's shapes and dtype."""
-        tokens = PassTokens(total_tokens, widest, context_slots, logit_rows)
         spec = ModelSpec.from_hf(self.config, "engine", self.dtype.itemsize)
         return working_set(spec, tokens, self.kv_compression is not None).nbytes(self.policy.act_gpu)
 
-    def _check_worst_pass(self, seqs: list[Sequence], running: int) -> None:
+    def _check_worst_pass(self, seqs: list[Sequence], running: int, blocks: dict[str, int]) -> None:
         """Fail before any work when the largest pass this batch of requests can form would not
         fit the gpu tier next to the weights and KV pools."""
         all_logits = any(s.params.prompt_logprobs or s.keep_prompt_logits for s in seqs)
+        pool_slots = {tier: n * self.block_size for tier, n in blocks.items()}  # what the blocks can hold
         worst = worst_pass(self.policy, running, [s.num_prompt_tokens for s in seqs],
-                           [s.max_len for s in seqs], all_logits)
-        need = self._working_bytes(worst.total, worst.widest, worst.context_slots, worst.logit_rows)
-        with self.memory.reservation("gpu", need, "largest pass (activations)"):
+                           [s.max_len for s in seqs], pool_slots, all_logits)
+        with self.memory.reservation("gpu", self._working_bytes(worst), "largest pass (activations)"):
             pass
 
     def _postprocess(self, scheduler: Scheduler, spans: list[list[LogitSpan]],

@@ -47,8 +47,9 @@ def test_engine_reserves_the_planners_worst_pass_working_set(tiny_checkpoint, tm
         reserved = engine.memory.peak("gpu") - engine.memory.in_use("gpu")
         assert engine.memory.peak("gpu") > before
         spec = planner_model_spec(folder)
+        pool_slots = {tier: pool.num_slots for tier, pool in engine.kv_pools.items()}  # a fresh engine's
         tokens = worst_pass(policy, min(policy.max_running, len(seqs)), [len(p) for p in prompts],
-                            [len(p) + max_tokens for p in prompts])
+                            [len(p) + max_tokens for p in prompts], pool_slots)
         assert reserved == working_set(spec, tokens, policy.compress_kv).nbytes(policy.act_gpu)
     finally:
         engine.close()
