@@ -19,7 +19,7 @@ from flexsarathi.block_manager import BlockManager
 from flexsarathi.checkpoint import open_weight_source
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.model_config import parse_dtype
-from flexsarathi.sampling import SamplingParams, sample, sample_seed, token_logprobs
+from flexsarathi.sampling import SamplingParams, mask_stops, sample, sample_seed, token_logprobs
 from flexsarathi.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
 from flexsarathi.sequence import Sequence
 from flexsarathi.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -417,7 +417,7 @@ class LLMEngine:
         live = [(seq, row) for seq, row in rows if not seq.context_full]
         tokens: dict[Sequence, int] = {}
         if live:
-            masked = torch.stack([_mask_early_stops(seq, row) for seq, row in live])  # [R, vocab]
+            masked = torch.stack([mask_stops(row, s.stop_ids, s.may_stop) for s, row in live])  # [R, vocab]
             sampled = sample(masked, [s.params for s, _ in live], [s.generator for s, _ in live])
             for (seq, row), token in zip(live, sampled):
                 if seq.logprobs is not None:  # of the model's distribution, as vLLM's raw logprobs
@@ -466,15 +466,6 @@ def _split_by_fractions(total: int, fractions: tuple[float, float, float]) -> di
     for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[:total - sum(counts)]:
         counts[i] += 1
     return {tier: n for tier, n in zip(TIERS, counts) if n > 0}
-
-
-def _mask_early_stops(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
-    """Before min_tokens, EOS and stop tokens cannot be sampled (vLLM's min_tokens)."""
-    if seq.may_stop or not seq.stop_ids:
-        return row
-    row = row.clone()
-    row[list(seq.stop_ids)] = float("-inf")
-    return row
 
 
 def _record_prompt_logprobs(seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:
