@@ -9,6 +9,7 @@ from flexsarathi import LLM, SamplingParams
 from offload.memory import MemoryBudgetError
 from policy_search import Policy
 from policy_search.hardware import HardwareSpec
+from tests.prompt_logits import prompt_logits
 
 BASE = dict(gpu_batch_size=2, num_gpu_batches=1, prefill_budget=6)
 CASES = {
@@ -44,7 +45,7 @@ def _run(folder: str, policy: Policy, prompts, tmp_path, **kwargs):
     # Small KV blocks: sequences straddle tiers often (and K compression groups 8 tokens).
     llm = LLM(folder, policy=policy, offload_dir=str(tmp_path / "offload"), kv_block_size=8, **kwargs)
     outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
-    logits = llm.engine.prompt_logits(prompts[:3])
+    logits = prompt_logits(llm, prompts[:3])
     return outputs, logits, llm
 
 

@@ -40,19 +40,15 @@ def real_run(policy: Policy, workload: Workload) -> tuple[int, int, int, int]:
                                stop_ids=stop, generator=torch.Generator()))
     passes = decodes = prompt = 0
     while scheduler.has_unfinished():
-        items = [it for mb in scheduler.schedule().micro_batches for it in mb]
+        plan = scheduler.schedule()
         passes += 1
-        for it in items:
+        for it in plan.items:
             if it.seq.is_prefilling:
                 prompt += it.num_tokens
             else:
                 decodes += 1
-            it.seq.num_computed += it.num_tokens
-        for it in items:
-            if it.samples:
-                it.seq.append(token_at(it.seq.seq_id, it.seq.num_tokens))
-                if it.seq.status.finished:
-                    scheduler.finish(it.seq)
+        sampling = [it.seq for it in plan.items if it.samples]
+        scheduler.postprocess(plan, sampling, [token_at(s.seq_id, s.num_tokens) for s in sampling])
     return passes, decodes, prompt, scheduler.num_preemptions
 
 
