@@ -116,7 +116,7 @@ def test_compressed_placement_gives_compressed_reference_tokens(references, mode
 
 def test_gpu_budget_is_enforced_before_any_work(references, tmp_path):
     folder, prompts, ref_outputs, _, ref_weight_bytes = references("llama_deep", False)
-    budget = int(ref_weight_bytes * 0.8)
+    budget = int(ref_weight_bytes * 0.9)  # below the weights; room for the working set (policy_search/working_set.py)
     hardware = HardwareSpec.preset("t4").with_memory(gpu=budget / 0.8)
     assert hardware.budgets()["gpu"] == pytest.approx(budget, abs=1)
     with pytest.raises(MemoryBudgetError, match="gpu"):
