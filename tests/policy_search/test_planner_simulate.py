@@ -99,3 +99,15 @@ def test_policy_validates_the_kv_admission_fields():
     with pytest.raises(PolicyError, match="kv_cache_tokens must be a positive integer"):
         Policy(kv_cache_tokens=0)
     assert Policy.from_dict(Policy(kv_cache_tokens=4096).to_dict()).kv_cache_tokens == 4096
+
+
+def test_requests_of_equal_lengths_stay_distinct():
+    """Two requests with the same lengths (and so, in lockstep, the same state) are two requests:
+    the replay once compared them by value and released or preempted the wrong one (found by the
+    property above: a chunk with end < start, then a math domain error)."""
+    pairs = ((29, 12), (1, 36), (1, 1), (1, 36), (6, 33), (6, 33))
+    workload = Workload(pairs=pairs, num_requests=len(pairs), max_tokens=48)
+    policy = Policy(gpu_batch_size=4, prefill_budget=20, scheduler="decode-maximal", kv_admission="on-demand",
+                    kv_cache_tokens=80)
+    assert replays(policy, workload)
+    assert replayed(policy, workload) == real_run(policy, workload)
