@@ -35,10 +35,25 @@ class BlockManager:
     def __init__(self, block_size: int, blocks_per_tier: dict[str, int], num_residual: int):
         """num_residual: rows of the compressed pools' full-precision buffer, one per sequence
         that may run at once (each has at most one block being filled)."""
+        self.block_size = block_size
+        self.resize(blocks_per_tier, num_residual)
+
+    def resize(self, blocks_per_tier: dict[str, int], num_residual: int) -> None:
+        """Lay out `blocks_per_tier` blocks and `num_residual` rows anew (the engine does when a
+        batch of requests arrives at an idle cache); only while no sequence holds any."""
+        if hasattr(self, "refs") and not self.idle:
+            raise RuntimeError("the KV cache is resized while sequences hold blocks")
+        self._lay_out(blocks_per_tier, num_residual)
+
+    def release_all(self) -> None:
+        """Every block and row is free again (the sequences holding them were dropped)."""
+        self._lay_out(self.blocks_per_tier, self.num_residual)
+
+    def _lay_out(self, blocks_per_tier: dict[str, int], num_residual: int) -> None:
         unknown = set(blocks_per_tier) - set(TIERS)
         if unknown:
             raise ValueError(f"unknown KV tiers {sorted(unknown)}; tiers are {TIERS}")
-        self.block_size = block_size
+        self.blocks_per_tier = {t: n for t, n in blocks_per_tier.items() if n}
         self.base: dict[str, int] = {}
         self.free: dict[str, deque[int]] = {}
         start = 0
@@ -49,6 +64,12 @@ class BlockManager:
         self.num_blocks = start
         self.refs = [0] * start  # holders of each block (forks share their parent's prompt blocks)
         self.free_residual: deque[int] = deque(range(num_residual))
+        self.num_residual = num_residual
+
+    @property
+    def idle(self) -> bool:
+        """No sequence holds a block or a residual row."""
+        return not any(self.refs) and len(self.free_residual) == self.num_residual
 
     def tier_of(self, block: int) -> str:
         for tier in reversed(TIERS):

@@ -1,4 +1,5 @@
-"""`LLMEngine`: the step is schedule -> run the pass -> postprocess (nano-vllm's shape).
+"""`LLMEngine`: the step is schedule -> forward (build micro-batches, run the pass) -> sample ->
+postprocess (nano-vllm's shape).
 
 The scheduler decides what runs, the executor (offload/) moves and computes, the model is pure
 math, and this file only glues them and turns logits into tokens.
@@ -8,19 +9,19 @@ from __future__ import annotations
 import math
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from flexsarathi.attention import release_host_buffers
-from flexsarathi.batch_builder import LogitSpan, build_micro_batch, wants_prompt_logprobs
+from flexsarathi.batch_builder import build_micro_batch, wants_prompt_logprobs
 from flexsarathi.block_manager import BlockManager
 from flexsarathi.checkpoint import open_weight_source
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.model_config import parse_dtype
-from flexsarathi.sampling import SamplingParams, sample, sample_seed, token_logprobs
-from flexsarathi.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from flexsarathi.sequence import Sequence, SequenceStatus
+from flexsarathi.sampling import SamplingParams, mask_stops, sample, sample_seed, token_logprobs
+from flexsarathi.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
+from flexsarathi.sequence import Sequence
 from flexsarathi.tokenizer import IncrementalDetokenizer, load_tokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
@@ -31,7 +32,7 @@ from offload.tiered_weights import TieredWeights
 from policy_search.policy import TIERS, Policy
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT
-from policy_search.working_set import PassTokens, working_set, worst_pass
+from policy_search.working_set import QUERY_BLOCK, PassTokens, gathered_tiers, working_set, worst_pass
 from quant import QuantConfig
 
 # Weights grouped along the input dimension (docs/DESIGN.md, "Quantization"); bits and group size
@@ -121,51 +122,77 @@ def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) ->
     return torch.float32
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an LLMEngine is built from (LLM(...) builds it from its keyword arguments)."""
+
+    model: str  # a checkpoint folder or `dummy:<name>`
+    dtype: str | torch.dtype | None = None  # None: resolve_dtype's rule
+    device: str | torch.device | None = None  # None: cuda when available
+    policy: Policy = field(default_factory=Policy)
+    seed: int = 0  # of the requests that give no SamplingParams.seed
+    kv_block_size: int | None = None  # None: KVFormat.block_size compressed, PLAIN_KV_BLOCK plain
+    budget: TierBudget | None = None  # per-tier memory limits the engine enforces
+    offload_dir: str | None = None  # None: DEFAULT_OFFLOAD_DIR
+    direct_io: bool = True  # O_DIRECT reads of the disk store where the file system allows
+    weight_quant: QuantConfig = WEIGHT_QUANT
+    kv_bits: int = KV_FORMAT.bits
+    kv_value_group: int = KV_FORMAT.value_group
+
+
 class LLMEngine:
-    def __init__(self, model: str, *, dtype=None, device=None, policy: Policy | None = None,
-                 seed: int = 0, kv_block_size: int | None = None, budget: TierBudget | None = None,
-                 offload_dir: str | None = None, direct_io: bool = True,
-                 weight_quant: QuantConfig = WEIGHT_QUANT, kv_bits: int = KV_FORMAT.bits, kv_value_group: int = KV_FORMAT.value_group):
-        self.device = resolve_device(device)
-        self.source = open_weight_source(model)
+    """Owns the placed weights, the KV pools and ONE scheduler (with its block manager) for its
+    lifetime; `add_requests` queues a batch, `step` runs one pass of it."""
+
+    def __init__(self, config: EngineConfig):
+        self.engine_config = e = config
+        self.device = resolve_device(e.device)
+        self.source = open_weight_source(e.model)
         self.config, self.math = self.source.config, self.source.math
-        self.dtype = resolve_dtype(dtype, self.config.checkpoint_dtype, self.device)
-        self.policy = p = policy or Policy()
+        self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
+        self.policy = p = e.policy
         # A compressed K is grouped per channel over one block (KVFormat.block_size).
-        self.block_size = kv_block_size or (KV_FORMAT.block_size if p.compress_kv else PLAIN_KV_BLOCK)
-        self.offload_dir = offload_dir or DEFAULT_OFFLOAD_DIR
-        self.tokenizer = load_tokenizer(model, self.config)
+        self.block_size = e.kv_block_size or (KV_FORMAT.block_size if p.compress_kv else PLAIN_KV_BLOCK)
+        self.offload_dir = e.offload_dir or DEFAULT_OFFLOAD_DIR
+        self.tokenizer = load_tokenizer(e.model, self.config)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
-        self.memory = MemoryTracker(budget)
-        cuda = self.device.type == "cuda"
-        if weight_quant.group_dim not in (-1, 1):
-            raise FlexSarathiError(f"weight_quant must group along the input dimension (group_dim=-1): "
-                                   f"placement streams row ranges; got {weight_quant}")
-        quant = weight_quant if p.compress_weight else None
-        self.kv_compression = (KVCompression(bits=kv_bits, block_size=self.block_size, value_group=kv_value_group)
-                               if p.compress_kv else None)
-        # The store format version is part of the key: a store written by an engine with another
-        # layout (e.g. a different 4-bit packing) has different, equally checksummed bytes.
-        store_key = f"fmt{STORE_FORMAT}|{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
-            f"q{quant.bits}g{quant.group_size}d{quant.group_dim}" if quant else "plain")
-        self.weights = TieredWeights(
-            num_layers=self.config.num_layers, layer_shapes=self.math.layer_shapes(),
-            read_globals=lambda: self.source.global_weights(self.dtype),
-            read_layer=lambda i: self.source.layer_weights(i, self.dtype),
-            fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
-            tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch, pin_memory=p.pin_weight and cuda,
-            disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=direct_io))
+        self.memory = MemoryTracker(e.budget)
+        self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
+                                             value_group=e.kv_value_group) if p.compress_kv else None)
+        self.weights = self._place_weights()
         self.kv_pools: dict[str, KVPool] = {}
+        cuda = self.device.type == "cuda"
         self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,
                                            folder=self._offload_folder() if p.act_disk > 0 else None)
         self.executor = PassExecutor(self.math, self.weights, self.kv_pools, self.activations,
                                      self.device, self.dtype, overlap=p.overlap,
                                      cpu_attention=p.cpu_attention)
-        self._rng = random.Random(seed)
+        self.blocks = BlockManager(self.block_size, {}, num_residual=0)  # laid out per batch
+        self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
+        self._rng = random.Random(e.seed)
         self._next_id = 0
         self.closed = False
         self._closed_because = "LLM.close() was called"
+
+    def _place_weights(self) -> TieredWeights:
+        e, p = self.engine_config, self.policy
+        if e.weight_quant.group_dim not in (-1, 1):
+            raise FlexSarathiError(f"weight_quant must group along the input dimension (group_dim=-1): "
+                                   f"placement streams row ranges; got {e.weight_quant}")
+        quant = e.weight_quant if p.compress_weight else None
+        # The store format version is part of the key: a store written by an engine with another
+        # layout (e.g. a different 4-bit packing) has different, equally checksummed bytes.
+        store_key = f"fmt{STORE_FORMAT}|{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
+            f"q{quant.bits}g{quant.group_size}d{quant.group_dim}" if quant else "plain")
+        return TieredWeights(
+            num_layers=self.config.num_layers, layer_shapes=self.math.layer_shapes(),
+            read_globals=lambda: self.source.global_weights(self.dtype),
+            read_layer=lambda i: self.source.layer_weights(i, self.dtype),
+            fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
+            tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch,
+            pin_memory=p.pin_weight and self.device.type == "cuda",
+            disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io))
 
     def _offload_folder(self) -> str:
         try:
@@ -208,29 +235,49 @@ class LLMEngine:
             raise FlexSarathiError(f"prompt {index} has {len(ids)} tokens, more than the model's "
                                    f"context of {self.config.max_position_embeddings}")
 
-    def new_scheduler(self, seqs: list[Sequence]) -> Scheduler:
-        """A scheduler for this batch of requests, with KV pools sized by the policy (or, without a
-        KV capacity in the policy, for max_running of its longest requests)."""
+    def add_requests(self, groups: list[list[Sequence]]) -> None:
+        """Queue a batch of requests, each the `n` sequences of one prompt (prefilled once for
+        all). The KV cache is laid out for the batch: the policy's capacity (or, without one,
+        max_running of its longest requests), pools growing only when they hold less; a request
+        that cannot fit, or whose largest pass cannot, is refused before any work."""
         self._check_open()
-        p = self.policy
-        running = min(p.max_running, len(seqs))
+        if self.scheduler.has_unfinished():
+            raise FlexSarathiError("the engine runs one batch of requests at a time: step it to the "
+                                   "end (or abort_all) before adding the next")
+        seqs = [seq for group in groups for seq in group]
+        if not seqs:
+            return
+        running = min(self.policy.max_running, len(seqs))
         blocks = self._kv_blocks(seqs, running)
         self._ensure_pools(blocks, running)
-        self._check_worst_pass(seqs, running)
-        config = SchedulerConfig(max_running=p.max_running, num_micro_batches=p.num_gpu_batches,
-                                 prefill_budget=p.prefill_budget, mode=p.scheduler,
-                                 kv_admission=p.kv_admission,
-                                 token_multiple=GPU_TOKEN_MULTIPLE if self.device.type == "cuda" else 1)
-        self.blocks = BlockManager(self.block_size, blocks, num_residual=running)
-        return Scheduler(config, self.blocks)
+        self.blocks.resize(blocks, num_residual=running)
+        self._check_worst_pass(seqs, running, blocks)
+        for group in groups:
+            self.scheduler.add_group(group)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop the unfinished requests (their KV blocks are free again); returns their sequences."""
+        return self.scheduler.abort_all()
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        p = self.policy
+        return SchedulerConfig(max_running=p.max_running, num_micro_batches=p.num_gpu_batches,
+                               prefill_budget=p.prefill_budget, mode=p.scheduler, kv_admission=p.kv_admission,
+                               token_multiple=GPU_TOKEN_MULTIPLE if self.device.type == "cuda" else 1)
 
     def set_schedule(self, **changes) -> None:
         """Change how passes are formed, not where tensors live (e.g. to run both schedulers on
-        one engine): any of SCHEDULE_FIELDS; the next new_scheduler uses them."""
+        one engine): any of SCHEDULE_FIELDS. The scheduler is rebuilt; only while idle."""
         unknown = sorted(set(changes) - set(SCHEDULE_FIELDS))
         if unknown:
             raise FlexSarathiError(f"set_schedule changes only {SCHEDULE_FIELDS}, not {unknown}")
+        if self.scheduler.has_unfinished():
+            raise FlexSarathiError("set_schedule while requests run: step them to the end first")
         self.policy = self.policy.replace(**changes)
+        self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
 
     def _kv_blocks(self, seqs: list[Sequence], running: int) -> dict[str, int]:
         """KV blocks per tier; every request must fit the cache alone (else it could never run)."""
@@ -282,13 +329,14 @@ class LLMEngine:
         release_host_buffers()
 
     def recover(self) -> None:
-        """Called by step when an exception (KeyboardInterrupt included) escaped a pass: wait for the I/O
-        threads and weight prefetches still running, drop parked activations and forget which
-        layer sits in which working buffer. KV blocks and sequences belong to the interrupted
-        call's scheduler and go with it. The next call then gives a fresh engine's results; if
-        the engine cannot get there, it is closed and says why on its next use."""
+        """Called by step when an exception (KeyboardInterrupt included) escaped a pass: drop the
+        interrupted batch's sequences (every KV block is free again), wait for the I/O threads
+        and weight prefetches still running, drop parked activations and forget which layer
+        sits in which working buffer. The next call then gives a fresh engine's results; if the
+        engine cannot get there, it is closed and says why on its next use."""
         if self.closed:
             return
+        self.scheduler.abort_all()
         try:
             self.executor.reset()
             if self.device.type == "cuda":
@@ -303,114 +351,108 @@ class LLMEngine:
             raise FlexSarathiError(f"this engine is closed ({self._closed_because}); create a new LLM")
 
     # ---- the step ------------------------------------------------------------------------
-    def step(self, scheduler: Scheduler) -> list[Sequence]:
+    def step(self) -> list[Sequence]:
         """One pass; returns the sequences that finished in it. An exception inside it
         (KeyboardInterrupt included) leaves the engine as a fresh one (see recover) and propagates;
         between steps the engine is always consistent (prefetches of the next pass's first layers
         are valid loads), so every loop over step, LLM.generate's among them, is covered."""
         try:
-            return self._step(scheduler)
+            plan = self.scheduler.schedule()
+            outputs = self.forward(plan)
+            seqs, token_ids = self.sample(outputs)
+            return self.scheduler.postprocess(plan, seqs, token_ids)
         except BaseException:
             self.recover()
             raise
 
-    def _step(self, scheduler: Scheduler) -> list[Sequence]:
-        plan: SchedulerOutput = scheduler.schedule()
+    def forward(self, plan: SchedulerOutput) -> list[tuple[WorkItem, torch.Tensor]]:
+        """Runs the scheduled pass. Returns each item that has logits with its rows [rows, vocab]
+        (fp32, CPU): every prompt row for prompt_logprobs, else the last row where it samples."""
         built = [build_micro_batch(items, self.blocks) for items in plan.micro_batches]
-        working = self._pass_working_bytes([mb for mb, _ in built])
-        with self.memory.reservation("gpu", working, "pass activations"):
-            logits = self.executor.run([mb for mb, _ in built])
-        return self._postprocess(scheduler, [spans for _, spans in built], logits, plan)
+        batches = [mb for mb, _ in built]
+        with self.memory.reservation("gpu", self._pass_working_bytes(batches), "pass activations"):
+            logits = self.executor.run(batches)
+        for item in plan.items:
+            if item.samples and item.seq.forks:  # the parent's prompt is prefilled: forks join
+                self._copy_prompt_tail(item.seq)
+        outputs = []
+        for (_, spans), mb_logits in zip(built, logits):
+            mb_logits = mb_logits.cpu()
+            outputs += [(span.item, mb_logits[span.offset:span.offset + span.count]) for span in spans]
+        return outputs
 
     def _pass_working_bytes(self, batches) -> int:
-        context = max((p.kv_slots.numel() for mb in batches for g in mb.groups for p in g.parts), default=0)
-        return self._working_bytes(sum(mb.num_tokens for mb in batches),
-                                   max(mb.num_tokens for mb in batches), context,
-                                   max(mb.logit_rows.numel() for mb in batches))
+        return self._working_bytes(self._pass_tokens(batches))
 
-    def _working_bytes(self, total_tokens: int, widest: int, context_slots: int, logit_rows: int) -> int:
+    def _pass_tokens(self, batches) -> PassTokens:
+        """What this pass holds on the compute device (policy_search/working_set.py): the K/V the
+        executor gathers there for each pair of consecutive micro-batches (k computes while k+1
+        loads), and its largest decode and prompt attention calls."""
+        gathered = [[(g, p) for g in mb.groups for p in g.parts
+                     if p.new_rows is None and p.tier in gathered_tiers(self.policy, g.is_decode)]
+                    for mb in batches]
+        held = [sum(p.kv_slots.numel() for _, p in mb) for mb in gathered]
+        calls = {True: [(0, 0)], False: [(0, 0)]}  # is_decode -> [(keys, score cells)]
+        for mb in batches:
+            for g in mb.groups:
+                for p in g.parts:
+                    if p.new_rows is not None or p.tier in gathered_tiers(self.policy, g.is_decode):
+                        keys = g.num_seqs * (p.new_rows[1] - p.new_rows[0] if p.new_rows else p.kv_slots.shape[1])
+                        calls[g.is_decode].append((keys, keys * min(g.num_queries, QUERY_BLOCK)))
+        widest = {d: (max(k for k, _ in c), max(x for _, x in c)) for d, c in calls.items()}
+        return PassTokens(total=sum(mb.num_tokens for mb in batches),
+                          widest=max(mb.num_tokens for mb in batches),
+                          context_slots=max(a + b for a, b in zip(held, held[1:] + [0])),
+                          attention_slots=widest[True][0] + widest[False][0],
+                          attention_cells=widest[True][1] + widest[False][1],
+                          logit_rows=sum(mb.logit_rows.numel() for mb in batches))
+
+    def _working_bytes(self, tokens: PassTokens) -> int:
         """Compute-device bytes a pass needs beyond weights and KV pools: the planner's formula
         (policy_search/working_set.py) on this engine's shapes and dtype."""
-        tokens = PassTokens(total_tokens, widest, context_slots, logit_rows)
         spec = ModelSpec.from_hf(self.config, "engine", self.dtype.itemsize)
         return working_set(spec, tokens, self.kv_compression is not None).nbytes(self.policy.act_gpu)
 
-    def _check_worst_pass(self, seqs: list[Sequence], running: int) -> None:
+    def _check_worst_pass(self, seqs: list[Sequence], running: int, blocks: dict[str, int]) -> None:
         """Fail before any work when the largest pass this batch of requests can form would not
         fit the gpu tier next to the weights and KV pools."""
-        all_logits = any(s.params.prompt_logprobs or s.keep_prompt_logits for s in seqs)
+        all_logits = any(s.params.prompt_logprobs for s in seqs)
+        pool_slots = {tier: n * self.block_size for tier, n in blocks.items()}  # what the blocks can hold
         worst = worst_pass(self.policy, running, [s.num_prompt_tokens for s in seqs],
-                           [s.max_len for s in seqs], all_logits)
-        need = self._working_bytes(worst.total, worst.widest, worst.context_slots, worst.logit_rows)
-        with self.memory.reservation("gpu", need, "largest pass (activations)"):
+                           [s.max_len for s in seqs], pool_slots, all_logits)
+        with self.memory.reservation("gpu", self._working_bytes(worst), "largest pass (activations)"):
             pass
 
-    def _postprocess(self, scheduler: Scheduler, spans: list[list[LogitSpan]],
-                     logits: list[torch.Tensor], plan: SchedulerOutput) -> list[Sequence]:
-        to_sample: list[tuple[Sequence, torch.Tensor]] = []
-        for mb_spans, mb_logits in zip(spans, logits):
-            mb_logits = mb_logits.cpu()
-            for span in mb_spans:
-                item, rows = span.item, mb_logits[span.offset:span.offset + span.count]
-                if wants_prompt_logprobs(item):
-                    _record_prompt_logprobs(item.seq, item.start, item.end, rows)
-                    if item.seq.keep_prompt_logits:
-                        item.seq.prompt_logits.append(rows[:item.num_tokens])
-                if item.samples:
-                    to_sample.append((item.seq, rows[-1]))
-        for mb in plan.micro_batches:
-            for item in mb:
-                item.seq.num_computed += item.num_tokens
-        for seq, row in list(to_sample):
-            if seq.forks:  # its prompt is prefilled: its sibling completions sample from its row
-                to_sample += [(fork, row) for fork in self._fork(scheduler, seq)]
-        finished = []
-        live = []
-        for seq, row in to_sample:
-            if seq.num_tokens >= seq.max_len:  # the prompt filled the whole context
-                seq.status = SequenceStatus.FINISHED_LENGTH
-            else:
-                live.append((seq, row))
+    def sample(self, outputs: list[tuple[WorkItem, torch.Tensor]]) -> tuple[list[Sequence], list[int | None]]:
+        """The sequences that sample after this pass with their tokens (None where the context is
+        full): each item ending at its last token, and a parent's forks from the parent's row,
+        each with its own generator. Records prompt and token logprobs on the way."""
+        rows: list[tuple[Sequence, torch.Tensor]] = []
+        for item, logits in outputs:
+            if wants_prompt_logprobs(item):
+                _record_prompt_logprobs(item.seq, item.start, item.end, logits)
+            if item.samples:
+                rows += [(seq, logits[-1]) for seq in (item.seq, *item.seq.forks)]
+        live = [(seq, row) for seq, row in rows if not seq.context_full]
+        tokens: dict[Sequence, int] = {}
         if live:
-            rows = torch.stack([_mask_early_stops(seq, row) for seq, row in live])  # [R, vocab]
-            tokens = sample(rows, [s.params for s, _ in live], [s.generator for s, _ in live])
-            for (seq, row), token in zip(live, tokens):
+            masked = torch.stack([mask_stops(row, s.stop_ids, s.may_stop) for s, row in live])  # [R, vocab]
+            sampled = sample(masked, [s.params for s, _ in live], [s.generator for s, _ in live])
+            for (seq, row), token in zip(live, sampled):
                 if seq.logprobs is not None:  # of the model's distribution, as vLLM's raw logprobs
                     seq.logprobs.append(token_logprobs(row, token, seq.params.logprobs))
-                seq.append(token)
-        for seq, _ in to_sample:
-            if seq.status.finished:
-                scheduler.finish(seq)
-                finished.append(seq)
-        return finished
+                tokens[seq] = token
+        return [seq for seq, _ in rows], [tokens.get(seq) for seq, _ in rows]
 
-    def _fork(self, scheduler: Scheduler, parent: Sequence) -> list[Sequence]:
-        """The parent's forks join, sharing its complete prompt blocks; each gets a copy of the KV
-        of the prompt's last, partial block in its own block (any tier: pools share a layout)."""
-        forks = scheduler.fork(parent)
+    def _copy_prompt_tail(self, parent: Sequence) -> None:
+        """Each fork of `parent` gets a copy of the KV of the prompt's last, partial block in its
+        own block (any tier: pools share a layout); the complete ones it shares."""
         index, count = divmod(parent.num_prompt_tokens, self.block_size)
-        for fork in forks if count else ():
+        for fork in parent.forks if count else ():
             src, src_slots = self.blocks.local_slots(parent.block_table[index], count)
             dst, dst_slots = self.blocks.local_slots(fork.block_table[index], count)
             self.kv_pools[src].copy_slots(self.kv_pools[dst], src_slots, dst_slots,
                                           parent.residual_id, fork.residual_id)
-        return forks
-
-    def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Full-vocabulary fp32 logits [len, vocab] of every prompt position, computed through the
-        normal scheduler and executor (chunked and batched as the policy says)."""
-        seqs = []
-        for i, ids in enumerate(prompts):
-            self.validate_prompt(ids, i)
-            seq = self.make_sequence(ids, SamplingParams(max_tokens=1, temperature=0))
-            seq.keep_prompt_logits = True
-            seqs.append(seq)
-        scheduler = self.new_scheduler(seqs)
-        for seq in seqs:
-            scheduler.add(seq)
-        while any(seq.is_prefilling for seq in seqs):
-            self.step(scheduler)
-        return [torch.cat(seq.prompt_logits) for seq in seqs]
 
     def to_output(self, seqs: Sequence | list[Sequence]) -> RequestOutput:
         """The request's output from its finished sequence(s): one per completion (`n`)."""
@@ -443,15 +485,6 @@ def _split_by_fractions(total: int, fractions: tuple[float, float, float]) -> di
     for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[:total - sum(counts)]:
         counts[i] += 1
     return {tier: n for tier, n in zip(TIERS, counts) if n > 0}
-
-
-def _mask_early_stops(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
-    """Before min_tokens, EOS and stop tokens cannot be sampled (vLLM's min_tokens)."""
-    if seq.may_stop or not seq.stop_ids:
-        return row
-    row = row.clone()
-    row[list(seq.stop_ids)] = float("-inf")
-    return row
 
 
 def _record_prompt_logprobs(seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:

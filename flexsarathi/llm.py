@@ -12,7 +12,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from flexsarathi.engine import WEIGHT_QUANT, LLMEngine, RequestOutput, resolve_device, resolve_dtype
+from flexsarathi.engine import WEIGHT_QUANT, EngineConfig, LLMEngine, RequestOutput, resolve_device, resolve_dtype
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.sampling import SamplingParams
 from offload.memory import TierBudget
@@ -46,8 +46,8 @@ class LLM:
         default prompt 512 / output 32), or None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,
         `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
         enforces. offload_dir: where disk-tier weights, KV and activations live (default
-        ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options go
-        to LLMEngine (weight_quant, kv_bits, kv_value_group: the compression formats)."""
+        ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options
+        go to EngineConfig (weight_quant, kv_bits, kv_value_group: the compression formats)."""
         spec = None
         if hardware is not None:
             from policy_search import HardwareSpec
@@ -64,9 +64,9 @@ class LLM:
         if overrides:
             policy = policy.replace(**overrides)
         budget = TierBudget(**{tier: int(b) for tier, b in spec.budgets().items()}) if spec else None
-        self.engine = LLMEngine(model, dtype=dtype, device=device, policy=policy, seed=seed,
-                                kv_block_size=kv_block_size, budget=budget, offload_dir=offload_dir,
-                                direct_io=direct_io, **engine_options)
+        self.engine = LLMEngine(EngineConfig(model, dtype=dtype, device=device, policy=policy, seed=seed,
+                                             kv_block_size=kv_block_size, budget=budget, offload_dir=offload_dir,
+                                             direct_io=direct_io, **engine_options))
         self.last_stats: dict = {}
 
     @staticmethod
@@ -80,7 +80,7 @@ class LLM:
             raise FlexSarathiError('policy="auto" needs hardware= (a preset such as "t4", or a profile '
                                    'written by `flexsarathi profile`)')
         spec = planner_model_spec(model, dtype, **(formats or {}))
-        policy, est = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32), **constraints)
+        policy, _ = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32), **constraints)
         return policy
 
     def close(self) -> None:
@@ -138,17 +138,16 @@ class LLM:
         return groups, refused
 
     def _run(self, groups: dict[int, list], failed: int, use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
-        engine = self.engine
+        engine, scheduler = self.engine, self.engine.scheduler
         seqs = [seq for group in groups.values() for seq in group]
         request_of = {seq.seq_id: i for i, group in groups.items() for seq in group}
-        scheduler = engine.new_scheduler(seqs)
-        for group in groups.values():
-            scheduler.add_group(group)  # the prompt is prefilled once for its n completions
+        engine.add_requests(list(groups.values()))  # a prompt is prefilled once for its n completions
         progress = _Progress(seqs, [group[0] for group in groups.values()], use_tqdm)
         passes, left = 0, {i: len(group) for i, group in groups.items()}
+        prefilled, preempted = scheduler.num_prefill_tokens, scheduler.num_preemptions
         try:
-            while scheduler.has_unfinished():
-                finished = engine.step(scheduler)
+            while engine.has_unfinished():
+                finished = engine.step()
                 passes += 1
                 done = []
                 for seq in finished:
@@ -160,11 +159,12 @@ class LLM:
                 for i in done:
                     yield i, engine.to_output(groups[i])
         finally:
+            engine.abort_all()  # a caller that stopped iterating leaves nothing queued
             progress.close()
             self.last_stats = _stats(len(groups), failed, progress.prompt_tokens, progress.generated,
                                      passes, progress.elapsed, engine.memory.report())
-            self.last_stats.update(prefill_tokens_computed=scheduler.num_prefill_tokens,
-                                   preemptions=scheduler.num_preemptions)
+            self.last_stats.update(prefill_tokens_computed=scheduler.num_prefill_tokens - prefilled,
+                                   preemptions=scheduler.num_preemptions - preempted)
 
     def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

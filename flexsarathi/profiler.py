@@ -311,11 +311,26 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = dtype or resolve_dtype(None, torch.float16, device)  # what LLM(dtype=None) computes in
-    cpu = torch.device("cpu")
     shapes = LayerShapes.of(model)
     os.makedirs(offload_dir, exist_ok=True)
     log(f"profiling: compute device {device} ({dtype}), offload folder {offload_dir}, layer of "
         f"{model.name if model else 'opt-1.3b'} ({shapes.params / 1e6:.1f}M matrix parameters)")
+    figures = {**_measure_transfers(device, dtype, shapes, offload_dir, disk_bytes, log),
+               **_measure_matmuls(device, dtype, shapes, log),
+               **_measure_attention(device, dtype, shapes, prompt_len, decode_context, decode_seqs, log),
+               **_measure_dequant_and_overhead(device, dtype, log)}
+    gpu_memory = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory()
+    return HardwareSpec(
+        name=f"profile-{os.uname().nodename}", gpu_memory=gpu_memory, cpu_memory=_host_memory(),
+        disk_memory=shutil.disk_usage(offload_dir).free, compute_on_host=not cuda, **figures,
+        notes=f"measured by flexsarathi profile on {device} with {dtype}, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, layer of {model.name if model else 'opt-1.3b'}, attention "
+              f"on a {prompt_len}-token prompt and {decode_seqs} x {decode_context} decode tokens"
+              + ("" if cuda else "; no CUDA: the gpu tier is host memory, compute on the host"))
+
+
+def _measure_transfers(device, dtype, shapes, offload_dir: str, disk_bytes: int, log) -> dict:
+    cuda, cpu = device.type == "cuda", torch.device("cpu")
     log("  measuring copies between tiers (256 MiB each way) ...")
     h2d = _copy_bandwidth(cpu, device, 256 << 20, pin=cuda)
     d2h = _copy_bandwidth(device, cpu, 256 << 20, pin=cuda)
@@ -324,15 +339,27 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     disk_read, disk_write = _disk_bandwidth(offload_dir, disk_bytes, shapes, dtype, busy_cores=not cuda)
     log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT, layer by layer"
         + ("" if cuda else ", while the cores compute") + f"), write {disk_write / 1e9:.2f} GB/s")
+    return dict(host_to_device=h2d, device_to_host=d2h, disk_to_host=disk_read, host_to_disk=disk_write)
+
+
+def _measure_matmuls(device, dtype, shapes, log) -> dict:
+    cuda = device.type == "cuda"
     log(f"  measuring the layer's matmuls ({dtype}) at 8 .. 1024 rows ...")
     prefill, decode, weight_stream = _matmul_figures(device, dtype, shapes, on_host=not cuda)
     if cuda:
         mem_bw = _copy_bandwidth(device, device, 256 << 20, pin=False) * 2  # read + write
-        cpu_matmul = _matmul_figures(cpu, torch.float32, shapes, on_host=True)[0]
+        cpu_matmul = _matmul_figures(torch.device("cpu"), torch.float32, shapes, on_host=True)[0]
     else:
         mem_bw, cpu_matmul = weight_stream, prefill
     log(f"  matmul: {prefill / 1e12:.3f} TFLOP/s (prefill), {decode / 1e12:.3f} (16 rows), weights "
         f"stream at {mem_bw / 1e9:.1f} GB/s" + ("" if cuda else " (host form: time = bytes / bw + FLOPs / rate)"))
+    return dict(gpu_matmul_prefill_flops=prefill, gpu_matmul_decode_flops=decode,
+                gpu_memory_bandwidth=mem_bw, cpu_matmul_flops=cpu_matmul)
+
+
+def _measure_attention(device, dtype, shapes, prompt_len: int, decode_context: int, decode_seqs: int,
+                       log) -> dict:
+    cuda = device.type == "cuda"
     heads = dict(heads=shapes.heads, head_dim=shapes.head_dim, kv_heads=shapes.kv_heads)
     if not cuda:  # on the host, attention follows the layer's matmuls (see _attention_rate)
         heads["between"] = _layer_matmuls(device, dtype, shapes, 64)
@@ -342,27 +369,20 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     attn_prefill = _attention_rate(device, dtype, prompt_len, prompt_len, 1, **heads)
     attn_decode = _attention_rate(device, dtype, 1, decode_context, decode_seqs, **heads)
     cpu_attn = (attn_decode if not cuda else
-                _attention_rate(cpu, torch.float32, 1, decode_context, decode_seqs, **heads))
+                _attention_rate(torch.device("cpu"), torch.float32, 1, decode_context, decode_seqs, **heads))
     log(f"  attention: prefill {attn_prefill / 1e9:.2f} (a {prompt_len}-token prompt), decode "
         f"{attn_decode / 1e9:.3f} ({decode_seqs} x {decode_context} tokens), CPU decode {cpu_attn / 1e9:.3f} "
         f"GFLOP/s (causal pairs)")
+    return dict(gpu_attention_prefill_flops=attn_prefill, gpu_attention_decode_flops=attn_decode,
+                cpu_attention_flops=cpu_attn)
+
+
+def _measure_dequant_and_overhead(device, dtype, log) -> dict:
     log("  measuring 4-bit dequantization ...")
     dequant = _dequant_rate(device, dtype)
-    cpu_dequant = dequant if not cuda else _dequant_rate(cpu, torch.bfloat16)
+    cpu_dequant = dequant if device.type != "cuda" else _dequant_rate(torch.device("cpu"), torch.bfloat16)
     log(f"  dequantize: {dequant / 1e9:.2f} G values/s")
     log("  measuring the engine's own cost per layer (dummy:opt-125m, one decode token per pass) ...")
     overhead = _layer_overhead(device, dtype)
     log(f"  engine overhead: {overhead * 1e3:.2f} ms per layer and micro-batch of a pass (beyond the math)")
-    gpu_memory = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory()
-    return HardwareSpec(
-        name=f"profile-{os.uname().nodename}", gpu_memory=gpu_memory, cpu_memory=_host_memory(),
-        disk_memory=shutil.disk_usage(offload_dir).free, host_to_device=h2d, device_to_host=d2h,
-        disk_to_host=disk_read, host_to_disk=disk_write, gpu_matmul_prefill_flops=prefill,
-        gpu_matmul_decode_flops=decode, gpu_memory_bandwidth=mem_bw,
-        gpu_attention_prefill_flops=attn_prefill, gpu_attention_decode_flops=attn_decode,
-        cpu_matmul_flops=cpu_matmul, cpu_attention_flops=cpu_attn, gpu_dequant_rate=dequant,
-        cpu_dequant_rate=cpu_dequant, compute_on_host=not cuda, layer_overhead=overhead,
-        notes=f"measured by flexsarathi profile on {device} with {dtype}, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, layer of {model.name if model else 'opt-1.3b'}, attention "
-              f"on a {prompt_len}-token prompt and {decode_seqs} x {decode_context} decode tokens"
-              + ("" if cuda else "; no CUDA: the gpu tier is host memory, compute on the host"))
+    return dict(gpu_dequant_rate=dequant, cpu_dequant_rate=cpu_dequant, layer_overhead=overhead)

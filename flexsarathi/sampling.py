@@ -108,7 +108,19 @@ def token_logprobs(row: torch.Tensor, token: int, top: int) -> dict[int, float]:
     return result
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+def mask_stops(row: torch.Tensor, stop_ids, may_stop: bool) -> torch.Tensor:
+    """Before min_tokens (`may_stop` False), EOS and stop tokens cannot be sampled (vLLM's
+    min_tokens). row: [vocab]; returns it, or a copy with those tokens at -inf."""
+    if may_stop or not stop_ids:
+        return row
+    row = row.clone()
+    row[list(stop_ids)] = float("-inf")
+    return row
+
+
+def filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits / temperature with -inf outside the top_k most likely tokens and outside the
+    smallest most-likely prefix whose probability reaches top_p. logits: [vocab]."""
     scaled = logits / p.temperature  # [vocab]
     if p.top_k != -1 and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
@@ -118,5 +130,9 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix >= top_p
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = scaled.softmax(-1)
+    return scaled
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    probs = filtered_logits(logits, p).softmax(-1)
     return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -90,6 +90,10 @@ class SchedulerOutput:
     micro_batches: list[list[WorkItem]]
 
     @property
+    def items(self) -> list[WorkItem]:
+        return [item for mb in self.micro_batches for item in mb]
+
+    @property
     def num_tokens(self) -> int:
         return sum(item.num_tokens for mb in self.micro_batches for item in mb)
 
@@ -106,7 +110,11 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens sent through passes as prefill (prompts, recomputes)
-        self._watermark = math.ceil(config.kv_watermark * block_manager.num_blocks) if config.on_demand else 0
+
+    @property
+    def _watermark(self) -> int:
+        """On demand: blocks an admission leaves free (the cache may be resized between batches)."""
+        return math.ceil(self.config.kv_watermark * self.blocks.num_blocks) if self.config.on_demand else 0
 
     def add(self, seq: Sequence) -> None:
         self.add_group([seq])
@@ -137,22 +145,48 @@ class Scheduler:
         self.num_prefill_tokens += plan.num_prefill_tokens
         return plan
 
-    def fork(self, parent: Sequence) -> list[Sequence]:
-        """Called when `parent`'s prompt prefill has ended (the pass samples its first token): its
-        forks join the running set with the prompt computed. Their tables already hold its
-        complete prompt blocks and a block of their own for the partial last one, whose KV the
-        caller copies from the parent's."""
+    def postprocess(self, plan: SchedulerOutput, seqs: list[Sequence],
+                    token_ids: list[int | None]) -> list[Sequence]:
+        """After `plan`'s pass: its items' tokens are computed, and each of `seqs` (the items
+        that sample, and the forks of those whose prompt prefill ended: they sample from their
+        parent's logits) takes its sampled token, None where its context is full (it finishes
+        by length). Finished sequences leave and free their blocks; returns them."""
+        for item in plan.items:
+            item.seq.num_computed += item.num_tokens
+        for seq in seqs:
+            if seq.forks:
+                self._fork(seq)
+        for seq, token in zip(seqs, token_ids):
+            if seq.context_full:  # a prompt as long as the model's context: nothing to sample
+                seq.status = SequenceStatus.FINISHED_LENGTH
+            else:
+                seq.append(token)
+        finished = [seq for seq in seqs if seq.status.finished]
+        for seq in finished:
+            self.running.remove(seq)
+            self.blocks.free_blocks(seq)
+        return finished
+
+    def abort_all(self) -> list[Sequence]:
+        """Drops every unfinished sequence (those of an interrupted call) and frees every block;
+        returns them."""
+        dropped = self.running + list(self.waiting)
+        for seq in dropped + [f for s in dropped for f in s.forks]:
+            seq.block_table, seq.residual_id = [], -1
+        self.running, self.waiting = [], deque()
+        self.blocks.release_all()
+        return dropped
+
+    def _fork(self, parent: Sequence) -> None:
+        """`parent`'s prompt prefill has ended (this pass samples its first token): its forks
+        join the running set with the prompt computed. Their tables already hold its complete
+        prompt blocks and a block of their own for the partial last one, whose KV the engine
+        copies from the parent's."""
         forks, parent.forks = parent.forks, []
         for seq in forks:
             seq.status = SequenceStatus.RUNNING
             seq.num_computed = parent.num_prompt_tokens
             self.running.append(seq)
-        return forks
-
-    def finish(self, seq: Sequence) -> None:
-        """Called once `seq` has finished: its KV blocks go back to the pool."""
-        self.running.remove(seq)
-        self.blocks.free_blocks(seq)
 
     # ---- admission and preemption ----------------------------------------------------------
     def _admit(self) -> Sequence | None:

@@ -35,8 +35,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # global KV block ids (BlockManager)
     residual_id: int = -1  # row of the pools' full-precision buffer for the block being filled
     prompt_logprobs: list[float] = field(default_factory=list)
-    keep_prompt_logits: bool = False  # keep full-vocabulary logits of every prompt row (scoring)
-    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [chunk, vocab] per chunk
     detokenizer: object | None = None  # tokenizer.IncrementalDetokenizer, for stop strings
     stop_text_end: int | None = None  # stop string hit: the generated text ends at this index
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
@@ -69,17 +67,17 @@ class Sequence:
     def preempt(self) -> None:
         """Its KV blocks were taken back: it waits again and recomputes what it had. The sampling
         generator keeps its state, so seeded sampling continues as if uninterrupted; prompt
-        logprobs and logits are recorded afresh by the recompute."""
+        logprobs are recorded afresh by the recompute."""
         self.recompute_len = self.num_tokens
         self.num_computed = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self.prompt_logprobs.clear()
-        self.prompt_logits.clear()
 
     @property
-    def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
+    def context_full(self) -> bool:
+        """Its tokens fill max_len (a prompt as long as the model's context): nothing to sample."""
+        return self.num_tokens >= self.max_len
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = self.num_prompt_tokens
@@ -97,7 +95,7 @@ class Sequence:
         if token in self.stop_ids and self.may_stop:
             self.status = SequenceStatus.FINISHED_STOPPED
             self.stop_reason = token
-        elif self.num_tokens >= self.max_len:
+        elif self.context_full:
             self.status = SequenceStatus.FINISHED_LENGTH
         if self.detokenizer is not None:
             self._check_stop_strings()

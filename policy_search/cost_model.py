@@ -21,9 +21,9 @@ Without overlap every resource waits for the others: the sum.
 
 Without a GPU (`HardwareSpec.compute_on_host`: the compute device is the host CPU) the copies between
 the cpu tier and the "gpu" tier's working buffers are memcpys run by the very cores that compute, so
-the chains are: load = disk->host (the drive's DMA overlaps the cores), store = host->disk, and compute = gpu + cpu + host->device + device->host. Disk-resident weights
-still cost their memcpy (host->device): the engine's O_DIRECT reads land in an aligned bounce buffer
-and are copied into the working buffer from there.
+the chains are: load = disk->host (the drive's DMA overlaps the cores), store = host->disk, and
+compute = gpu + cpu + host->device + device->host. Disk-resident weights cost no memcpy there: the
+engine's O_DIRECT reads land in the 4096-aligned working buffers themselves (offload/placement.py).
 
 Embeddings, the final norm and the LM head stay on the compute device whatever the fractions, as the
 engine keeps them (offload/placement.py): they never stream and count on the gpu tier.
@@ -40,9 +40,9 @@ from policy_search.linear import FRACTION_EXPRS as f, const
 from policy_search.model_spec import ModelSpec
 from policy_search.passes import PassShape, RunShape
 from policy_search.policy import Policy
+from policy_search.working_set import QUERY_BLOCK, SCORE_BYTES, PassTokens, working_set
 
 RESOURCES = ("host->device", "device->host", "disk->host", "host->disk", "gpu", "cpu")
-SCORE_BYTES = 4  # attention scores and logits are kept in fp32
 
 
 @dataclass(frozen=True)
@@ -103,32 +103,11 @@ def _matmul_seconds(params: float, tokens: float, decode_tokens: float, micro_ba
 def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
                      hw: HardwareSpec) -> dict[str, np.ndarray]:
     """Seconds per resource for one layer of one pass."""
-    weight_bytes = model.layer_weight_bytes(policy.compress_weight)
-    kv_bytes = model.kv_bytes_per_token(policy.compress_kv)  # per token per layer, as stored
-    hidden_bytes = model.hidden_bytes_per_token
-    query_bytes = model.q_dim * model.bytes_per_value  # a query row or an attention-output row
     decode_kv_tokens = s.decode_tokens * s.context  # KV tokens decode attention reads
     cpu_attention = policy.cpu_attention and s.decode_tokens > 0
     # Share of decode attention done on the GPU: all of it, or only where the cache is on the GPU.
     gpu_decode_share = f.kv_gpu if cpu_attention else const(1.0)
-
-    # Streamed weights reach the compute device through host memory, disk-resident ones included: on
-    # a GPU through pinned staging buffers; on the host through the disk store's aligned bounce buffer
-    # (the working buffers are not 4096-aligned, so O_DIRECT cannot land in them): a memcpy either way.
-    to_device = (f.w_off_gpu * weight_bytes
-                 + f.kv_off_gpu * s.prior_kv_tokens * kv_bytes  # earlier chunks' KV for chunk attention
-                 + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer input
-    if cpu_attention:
-        to_device = to_device + f.kv_off_gpu * s.decode_tokens * query_bytes  # attention outputs back
-    else:
-        to_device = to_device + f.kv_off_gpu * decode_kv_tokens * kv_bytes  # cache to the GPU
-    to_host = (f.kv_off_gpu * s.tokens * kv_bytes  # new K, V stored where the cache lives
-               + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer output
-    if cpu_attention:
-        to_host = to_host + f.kv_off_gpu * s.decode_tokens * query_bytes  # queries to the CPU
-    disk_read = (f.w_disk * weight_bytes + f.kv_disk * (decode_kv_tokens + s.prior_kv_tokens) * kv_bytes
-                 + f.act_disk * s.tokens * hidden_bytes)
-    disk_write = f.kv_disk * s.tokens * kv_bytes + f.act_disk * s.tokens * hidden_bytes
+    to_device, to_host, disk_read, disk_write = _layer_bytes_moved(s, policy, model, hw)
 
     matmul = _matmul_seconds(model.layer_matrix_params, s.tokens, s.decode_tokens, s.micro_batches,
                              hw, model.bytes_per_value)
@@ -155,6 +134,35 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
             "gpu": gpu, "cpu": cpu}
 
 
+def _layer_bytes_moved(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec):
+    """Bytes one layer of the pass moves: (host->device, device->host, disk->host, host->disk)."""
+    weight_bytes = model.layer_weight_bytes(policy.compress_weight)
+    kv_bytes = model.kv_bytes_per_token(policy.compress_kv)  # per token per layer, as stored
+    hidden_bytes = model.hidden_bytes_per_token
+    query_bytes = model.q_dim * model.bytes_per_value  # a query row or an attention-output row
+    decode_kv_tokens = s.decode_tokens * s.context
+    cpu_attention = policy.cpu_attention and s.decode_tokens > 0
+    # Streamed weights reach the compute device through host memory: on a GPU, disk-resident ones via
+    # pinned staging buffers (a copy); on the host, O_DIRECT reads land in the 4096-aligned working
+    # buffers themselves (offload/placement.py), so only cpu-tier weights are copied.
+    copied_weights = f.w_cpu if hw.compute_on_host else f.w_off_gpu
+    to_device = (copied_weights * weight_bytes
+                 + f.kv_off_gpu * s.prior_kv_tokens * kv_bytes  # earlier chunks' KV for chunk attention
+                 + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer input
+    if cpu_attention:
+        to_device = to_device + f.kv_off_gpu * s.decode_tokens * query_bytes  # attention outputs back
+    else:
+        to_device = to_device + f.kv_off_gpu * decode_kv_tokens * kv_bytes  # cache to the GPU
+    to_host = (f.kv_off_gpu * s.tokens * kv_bytes  # new K, V stored where the cache lives
+               + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer output
+    if cpu_attention:
+        to_host = to_host + f.kv_off_gpu * s.decode_tokens * query_bytes  # queries to the CPU
+    disk_read = (f.w_disk * weight_bytes + f.kv_disk * (decode_kv_tokens + s.prior_kv_tokens) * kv_bytes
+                 + f.act_disk * s.tokens * hidden_bytes)
+    disk_write = f.kv_disk * s.tokens * kv_bytes + f.act_disk * s.tokens * hidden_bytes
+    return to_device, to_host, disk_read, disk_write
+
+
 def _head_resources(s: PassShape, model: ModelSpec, hw: HardwareSpec) -> dict[str, np.ndarray]:
     """The LM head over the sampled rows, once per micro-batch (each computes its own logits); it
     stays on the compute device, so nothing moves."""
@@ -166,18 +174,30 @@ def _head_resources(s: PassShape, model: ModelSpec, hw: HardwareSpec) -> dict[st
             "gpu": const(seconds), "cpu": zero}
 
 
-def _intermediate_bytes(s: PassShape, model: ModelSpec) -> float:
-    """Largest live activations of one micro-batch inside a layer (or of the LM head)."""
-    rows = s.tokens / s.micro_batches
-    h, q, kv = model.hidden_size, model.q_dim, model.kv_dim
-    ffn_width = (2 if model.ffn_kind == "gated" else 1) * model.ffn_size
-    # Attention runs one sequence at a time (DESIGN.md), so one sequence's scores are live.
-    scores = model.num_heads * max(s.prompt_rows_per_sequence, 1) * s.max_context * SCORE_BYTES
-    stages = (rows * (h + q + 2 * kv),  # input and q, k, v
-              rows * (2 * q + 2 * kv) + scores / model.bytes_per_value,  # q, k, v, output, scores
-              rows * (2 * h + ffn_width))  # input, up (and gate), output
-    logits = s.sampled / s.micro_batches * model.vocab_size * SCORE_BYTES
-    return max(max(stages) * model.bytes_per_value, logits)
+def working_tokens(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> PassTokens:
+    """The modelled pass's working_set shape (policy_search/working_set.py), in affine expressions:
+    per micro-batch, the sequences' contexts the executor gathers onto the compute device."""
+    k, longest = s.micro_batches, s.max_context
+    decoders = s.decode_tokens / k
+    if policy.cpu_attention:  # only the gpu tier's part: min(longest, gpu pool) <= gpu pool
+        decode = f.kv_gpu * run.kv_tokens
+    else:  # every tier's part; one context per sequence (tiers split alike: docs/DESIGN.md)
+        decode = const(longest)
+    chunks = s.prompt_tokens / k / max(s.prompt_rows_per_sequence, 1) if s.prior_kv_tokens > 0 else 0.0
+    prompt_call = longest if s.prompt_tokens > 0 else 0.0  # keys of one prompt chunk's call
+    # Every field that working_set adds up is an expression (a float would add to every coefficient).
+    return PassTokens(total=s.tokens, widest=const(s.tokens / k),
+                      context_slots=(2 if k > 1 else 1) * (decoders * decode + const(chunks * longest)),
+                      attention_slots=decoders * decode + const(prompt_call),
+                      attention_cells=decoders * decode + const(
+                          prompt_call * min(s.prompt_rows_per_sequence, QUERY_BLOCK)),
+                      logit_rows=const(s.sampled))
+
+
+def working_bytes(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> np.ndarray:
+    """The pass's gpu-tier working set (working_set.py) as an affine expression in the fractions."""
+    working = working_set(model, working_tokens(s, run, policy, model), policy.compress_kv)
+    return f.act_gpu * working.parked + working.compute
 
 
 def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> dict[str, np.ndarray]:
@@ -194,20 +214,13 @@ def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> di
     # One micro-batch's off-GPU cache read for one layer (decodes' context + earlier chunks).
     kv_read_tokens = decode_rows * s.max_context + s.prior_kv_tokens / k
     cpu_attention = policy.cpu_attention and s.decode_tokens > 0
-    gpu_read_tokens = (s.prior_kv_tokens / k) if cpu_attention else kv_read_tokens
     # Streamed weights: the layer computing and the weight_prefetch ones loading (one without overlap).
     stream_buffer = policy.weight_buffers * layer_weight_bytes
 
     gpu = (f.w_gpu * all_weight_bytes + const(model.embedding_bytes) + f.kv_gpu * kv_home
-           + f.act_gpu * act_home
-           + f.w_off_gpu * stream_buffer
-           + f.act_off_gpu * (2 * rows * hidden_bytes)  # this and the next micro-batch's input
-           + f.kv_off_gpu * (2 * gpu_read_tokens * kv_bytes)
-           + const(_intermediate_bytes(s, model)))
+           + f.w_off_gpu * stream_buffer + working_bytes(s, run, policy, model))
     if policy.compress_weight:  # one matrix dequantized at a time
         gpu = gpu + const(model.largest_matrix_params * model.bytes_per_value)
-    if policy.compress_kv:  # fp16 copy of what one micro-batch attends to on the GPU
-        gpu = gpu + const(kv_read_tokens * model.kv_bytes_per_token(False))
 
     cpu = (f.w_cpu * all_weight_bytes + f.kv_cpu * kv_home + f.act_cpu * act_home
            + f.w_disk * stream_buffer  # disk weights pass through host buffers

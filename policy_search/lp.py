@@ -102,41 +102,9 @@ def _solve_chunk(chunk: list[PlacementLP], phase: str, caps: list[float] | None 
     if not chunk:
         return []
     prob = pulp.LpProblem(f"placement_{phase}", pulp.LpMinimize)
-    objective = []
-    handles = []
+    objective, handles = [], []
     for i, problem in enumerate(chunk):
-        fixed = dict(problem.fixed)
-        xs = {}
-        for name in FRACTIONS:
-            low, high = (fixed[name], fixed[name]) if name in fixed else (0, 1)
-            xs[name] = _variable(prob, f"p{i}_{name}", low, high)
-        for group in FRACTION_GROUPS:
-            prob.addConstraint(pulp.LpConstraint(
-                pulp.LpAffineExpression([(xs[n], 1.0) for n in group]), pulp.LpConstraintEQ, rhs=1.0))
-        overflow = _variable(prob, f"p{i}_overflow", 0, None if caps is None else caps[i] + 1e-9)
-        for expr, budget in _budget_rows(problem):
-            # memory (GiB) - overflow <= budget (GiB)
-            lhs, constant = _affine(expr, xs, 1.0 / GiB, extra=[(overflow, -1.0)])
-            prob.addConstraint(pulp.LpConstraint(lhs, pulp.LpConstraintLE, rhs=budget / GiB - constant))
-        if phase == "feasibility":
-            objective.append((overflow, 1.0))
-            handles.append(overflow)
-            continue
-        times = []
-        for k, cost in enumerate(problem.costs):
-            seconds = _variable(prob, f"p{i}_t{k}", 0, None)
-            times.append((seconds, cost.shape.count))
-            for expr in time_terms(cost.resources, problem.overlap, cost.on_host).values():
-                # pass seconds - chain(fractions) >= chain constant
-                lhs, constant = _affine(-expr, xs, extra=[(seconds, 1.0)])
-                prob.addConstraint(pulp.LpConstraint(lhs, pulp.LpConstraintGE, rhs=-constant))
-        scale = 1.0 / problem.generated_tokens  # objective in seconds per generated token
-        objective.extend((t, count * scale) for t, count in times)
-        objective.append((overflow, 1e-3))  # within its phase-1 cap; keep it at 0 when free
-        if problem.tie_break:
-            objective.extend((xs[name], problem.tie_break * _TIER_RANK[name.split("_")[1]])
-                             for name in FRACTIONS)
-        handles.append((xs, times))
+        handles.append(_add_member(prob, objective, i, problem, phase, None if caps is None else caps[i]))
     prob.setObjective(pulp.LpAffineExpression(objective))
     status = prob.solve(_solver())
     if pulp.LpStatus[status] != "Optimal":
@@ -150,6 +118,42 @@ def _solve_chunk(chunk: list[PlacementLP], phase: str, caps: list[float] | None 
         seconds = sum((t.varValue or 0.0) * count for t, count in times)
         results.append((fractions, seconds))
     return results
+
+
+def _add_member(prob: pulp.LpProblem, objective: list, i: int, problem: PlacementLP, phase: str,
+                cap: float | None):
+    """Member i's variables and rows; appends its objective terms. Returns its overflow variable
+    (feasibility) or (fraction variables, [(pass seconds, count)]) (optimise)."""
+    fixed = dict(problem.fixed)
+    xs = {}
+    for name in FRACTIONS:
+        low, high = (fixed[name], fixed[name]) if name in fixed else (0, 1)
+        xs[name] = _variable(prob, f"p{i}_{name}", low, high)
+    for group in FRACTION_GROUPS:
+        prob.addConstraint(pulp.LpConstraint(
+            pulp.LpAffineExpression([(xs[n], 1.0) for n in group]), pulp.LpConstraintEQ, rhs=1.0))
+    overflow = _variable(prob, f"p{i}_overflow", 0, None if cap is None else cap + 1e-9)
+    for expr, budget in _budget_rows(problem):
+        # memory (GiB) - overflow <= budget (GiB)
+        lhs, constant = _affine(expr, xs, 1.0 / GiB, extra=[(overflow, -1.0)])
+        prob.addConstraint(pulp.LpConstraint(lhs, pulp.LpConstraintLE, rhs=budget / GiB - constant))
+    if phase == "feasibility":
+        objective.append((overflow, 1.0))
+        return overflow
+    times = []
+    for k, cost in enumerate(problem.costs):
+        seconds = _variable(prob, f"p{i}_t{k}", 0, None)
+        times.append((seconds, cost.shape.count))
+        for expr in time_terms(cost.resources, problem.overlap, cost.on_host).values():
+            # pass seconds - chain(fractions) >= chain constant
+            lhs, constant = _affine(-expr, xs, extra=[(seconds, 1.0)])
+            prob.addConstraint(pulp.LpConstraint(lhs, pulp.LpConstraintGE, rhs=-constant))
+    scale = 1.0 / problem.generated_tokens  # objective in seconds per generated token
+    objective.extend((t, count * scale) for t, count in times)
+    objective.append((overflow, 1e-3))  # within its phase-1 cap; keep it at 0 when free
+    if problem.tie_break:
+        objective.extend((xs[name], problem.tie_break * _TIER_RANK[name.split("_")[1]]) for name in FRACTIONS)
+    return xs, times
 
 
 def _variable(prob: pulp.LpProblem, name: str, low, high):

@@ -54,7 +54,7 @@ def _reserved(workload: Workload, gen: int) -> int:
     return gen if workload.max_tokens is None else workload.max_tokens
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not value: two requests of equal lengths are still two
 class _Req:
     prompt: int
     gen: int  # tokens it generates before stopping

@@ -207,18 +207,16 @@ def run_once(llm: LLM, bench: Bench, config: Config, clock: PassClock, store_fil
                            ("scheduler", "kv_admission", "kv_cache_tokens", "prefill_budget", "gpu_batch_size")})
     drop_cache_of(store_files)
     seqs = [engine.make_sequence(p, sp) for p, sp in zip(bench.prompts, bench.params)]
-    scheduler = engine.new_scheduler(seqs)
-    for seq in seqs:
-        scheduler.add(seq)
+    engine.add_requests([[seq] for seq in seqs])
     clock.passes.clear()
     read0, busy0, cpu0 = disk_read_bytes(), machine_busy_seconds(), cpu_seconds()
     start = time.perf_counter()
-    while scheduler.has_unfinished():
-        engine.step(scheduler)
+    while engine.has_unfinished():
+        engine.step()
     seconds = time.perf_counter() - start
     others = (machine_busy_seconds() - busy0 - (cpu_seconds() - cpu0)) / seconds
     return Run(len(clock.passes), sum(len(s.output_token_ids) for s in seqs), seconds, clock.compute_share(),
-               (disk_read_bytes() - read0) / 1e9, others, scheduler.num_preemptions,
+               (disk_read_bytes() - read0) / 1e9, others, engine.scheduler.num_preemptions,
                [list(s.output_token_ids) for s in seqs])
 
 

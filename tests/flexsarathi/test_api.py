@@ -110,3 +110,75 @@ def test_close_releases_the_engine_and_refuses_new_work(tiny_checkpoint, tmp_pat
     # the store it wrote is complete and reused by the next engine, with the same tokens
     with LLM(path, policy=policy, offload_dir=str(tmp_path)) as again:
         assert again.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids == first
+
+
+# ---- the engine's one scheduler across calls ---------------------------------------------------
+def _interrupting(math, at_call: int):
+    """Wraps the model's `finish` (per layer and micro-batch) to raise KeyboardInterrupt on its
+    at_call-th call; returns the original to restore."""
+    finish, calls = math.finish, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise KeyboardInterrupt
+        return finish(*args)
+
+    math.finish = interrupted
+    return finish
+
+
+@pytest.mark.parametrize("at_call", [1, 7, 20])
+def test_an_interrupted_generate_leaks_no_kv_block_and_the_next_equals_a_fresh_engine(tiny_checkpoint, at_call):
+    """The engine keeps its scheduler across calls: an interrupt mid-generate (n=2 forks sharing
+    prompt blocks included) drops that call's sequences and frees every block and row."""
+    folder = tiny_checkpoint("llama_gqa_untied")[0]
+    policy = Policy(gpu_batch_size=3, prefill_budget=6, kv_gpu=0.5, kv_cpu=0.5)
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10] * 11, [5, 2]]
+    params = SamplingParams(max_tokens=8, temperature=0.7, seed=11, n=2, ignore_eos=True)
+    fresh = [o.outputs for o in LLM(folder, policy=policy).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(folder, policy=policy)
+    engine = llm.engine
+    finish = _interrupting(engine.math, at_call)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.math.finish = finish
+    assert not engine.has_unfinished() and engine.blocks.idle
+    assert engine.blocks.num_free == engine.blocks.num_blocks > 0
+    again = [o.outputs for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [[c.token_ids for c in o] for o in again] == [[c.token_ids for c in o] for o in fresh]
+    assert engine.blocks.idle
+
+
+def test_a_generate_left_unfinished_by_its_caller_is_dropped(tiny_checkpoint):
+    folder = tiny_checkpoint("opt")[0]
+    policy = Policy(gpu_batch_size=2, prefill_budget=4)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (2, 9, 9)]
+    fresh = [o.token_ids for o in LLM(folder, policy=policy).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(folder, policy=policy)
+    outputs = llm.generate_iter(prompts, params, use_tqdm=False)
+    next(outputs)  # the first request done; the others still running or waiting
+    assert llm.engine.has_unfinished()
+    outputs.close()
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.idle
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == fresh
+
+
+def test_a_batch_runs_alone_and_the_schedule_changes_only_between_batches(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("opt")[0], policy=Policy(gpu_batch_size=2, prefill_budget=4))
+    engine = llm.engine
+    seqs = [engine.make_sequence([3, 4, 5], SamplingParams(max_tokens=4)) for _ in range(2)]
+    engine.add_requests([[seq] for seq in seqs])
+    engine.step()
+    with pytest.raises(FlexSarathiError, match="one batch of requests at a time"):
+        engine.add_requests([[engine.make_sequence([1, 2], SamplingParams())]])
+    with pytest.raises(FlexSarathiError, match="set_schedule while requests run"):
+        engine.set_schedule(scheduler="block")
+    while engine.has_unfinished():
+        engine.step()
+    assert all(len(s.output_token_ids) == 4 for s in seqs) and engine.blocks.idle
+    engine.set_schedule(scheduler="block")
+    assert engine.scheduler.config.mode == "block"

@@ -13,6 +13,7 @@ from flexsarathi import LLM, CheckpointError
 from flexsarathi.checkpoint import DummyWeights
 from flexsarathi.model_config import ModelConfig
 from policy_search.model_registry import KNOWN_MODELS
+from tests.prompt_logits import prompt_logits
 
 
 def _copy(folder: str, tmp_path, name="ckpt") -> str:
@@ -43,8 +44,8 @@ def test_transformers4_and_5_configs_give_the_same_model(tiny_checkpoint, tmp_pa
     assert ModelConfig.from_folder(old).rope == ModelConfig.from_folder(folder).rope
     assert ModelConfig.from_folder(old).rope.kind == "llama3"
     ids = [[5, 9, 17, 33, 2, 7]]
-    torch.testing.assert_close(LLM(old).engine.prompt_logits(ids)[0],
-                               LLM(folder).engine.prompt_logits(ids)[0], atol=0, rtol=0)
+    torch.testing.assert_close(prompt_logits(LLM(old), ids)[0],
+                               prompt_logits(LLM(folder), ids)[0], atol=0, rtol=0)
 
 
 def test_sharded_checkpoint_loads_like_single_file(tiny_checkpoint, tmp_path):
@@ -54,8 +55,8 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_checkpoint, tmp_path):
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 1
     ids = [[3, 4, 5, 6, 7, 8]]
-    torch.testing.assert_close(LLM(str(sharded)).engine.prompt_logits(ids)[0],
-                               LLM(folder).engine.prompt_logits(ids)[0], atol=0, rtol=0)
+    torch.testing.assert_close(prompt_logits(LLM(str(sharded)), ids)[0],
+                               prompt_logits(LLM(folder), ids)[0], atol=0, rtol=0)
 
 
 def test_missing_folder_and_config(tmp_path):

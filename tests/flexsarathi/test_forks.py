@@ -169,7 +169,8 @@ def run_groups(groups, *, budget, max_running, kv_blocks, admission, mode, tiers
         return seq.block_table[p // BLOCK], p % BLOCK
 
     while scheduler.has_unfinished():
-        items = [it for mb in scheduler.schedule().micro_batches for it in mb]
+        plan = scheduler.schedule()
+        items = plan.items
         assert items, "a pass with nothing to do"
         assert len(scheduler.running) + sum(len(s.forks) for s in scheduler.running) <= max_running
         check_refcounts(blocks, scheduler)
@@ -181,19 +182,13 @@ def run_groups(groups, *, budget, max_running, kv_blocks, admission, mode, tiers
                 shared = blocks.refs[slot(seq, p)[0]] > 1
                 assert not shared or (seq.forks and p < seq.num_prompt_tokens), "a shared block is overwritten"
                 content[slot(seq, p)] = seq.token_ids(p, p + 1)[0]
-            seq.num_computed += it.num_tokens
-        sampling = [it.seq for it in items if it.samples]
-        for seq in list(sampling):
-            if seq.forks:
-                forks = scheduler.fork(seq)
-                for fork in forks:
-                    for p in range(seq.num_prompt_tokens // BLOCK * BLOCK, seq.num_prompt_tokens):
-                        content[slot(fork, p)] = content[slot(seq, p)]
-                sampling += forks
-        for seq in sampling:
-            seq.append(sampled_token(seq.seq_id, seq.num_tokens))
-            if seq.status.finished:
-                scheduler.finish(seq)
+        sampling = []
+        for seq in [it.seq for it in items if it.samples]:
+            for fork in seq.forks:  # the prompt's last, partial block, copied as the engine does
+                for p in range(seq.num_prompt_tokens // BLOCK * BLOCK, seq.num_prompt_tokens):
+                    content[slot(fork, p)] = content[slot(seq, p)]
+            sampling += [seq, *seq.forks]
+        scheduler.postprocess(plan, sampling, [sampled_token(s.seq_id, s.num_tokens) for s in sampling])
     assert blocks.num_free == blocks.num_blocks and set(blocks.refs) <= {0}  # nothing leaked
     return scheduler
 

@@ -8,6 +8,7 @@ import torch
 
 from flexsarathi import LLM, SamplingParams
 from policy_search import Policy
+from tests.prompt_logits import prompt_logits
 
 KINDS = ["opt", "opt350m", "llama_gqa_untied", "llama_tied_headdim", "qwen2", "mistral"]
 
@@ -41,7 +42,7 @@ def test_logits_match_transformers(tiny_checkpoint, kind):
     folder, model = tiny_checkpoint(kind)
     llm = LLM(folder, dtype="float32")
     prompts = _prompts(llm.engine.config.vocab_size)
-    ours = llm.engine.prompt_logits(prompts)
+    ours = prompt_logits(llm, prompts)
     for ids, logits in zip(prompts, ours):
         ref = hf_logits(model, ids)
         assert logits.shape == ref.shape
@@ -66,7 +67,7 @@ def test_chunked_prefill_equals_whole_prefill(tiny_checkpoint, kind, budget):
     whole = LLM(folder, policy=Policy(prefill_budget=64))
     chunked = LLM(folder, policy=Policy(prefill_budget=budget))
     prompts = _prompts(whole.engine.config.vocab_size, lengths=(17, 23))
-    for ref, got in zip(whole.engine.prompt_logits(prompts), chunked.engine.prompt_logits(prompts)):
+    for ref, got in zip(prompt_logits(whole, prompts), prompt_logits(chunked, prompts)):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     ref_out = whole.generate(prompts, GREEDY, use_tqdm=False)
     got_out = chunked.generate(prompts, GREEDY, use_tqdm=False)
@@ -117,7 +118,7 @@ def test_prompt_logprobs_match_transformers(tiny_checkpoint):
 def test_bf16_compute_stays_close_to_fp32(tiny_checkpoint):
     folder, model = tiny_checkpoint("llama_gqa_untied")
     ids = _prompts(model.config.vocab_size, lengths=(12,))[0]
-    logits = LLM(folder, dtype="bfloat16").engine.prompt_logits([ids])[0]
+    logits = prompt_logits(LLM(folder, dtype="bfloat16"), [ids])[0]
     ref = hf_logits(model, ids)
     # bf16 keeps 8 mantissa bits: relative error ~ 2^-8 per op, a few percent end to end.
     assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
@@ -131,7 +132,7 @@ def test_compressed_kv_results_do_not_depend_on_chunking(tiny_checkpoint, budget
     whole = LLM(folder, policy=Policy(prefill_budget=64, compress_kv=True), kv_block_size=4)
     chunked = LLM(folder, policy=Policy(prefill_budget=budget, compress_kv=True), kv_block_size=4)
     prompts = _prompts(whole.engine.config.vocab_size, lengths=(17, 23))
-    for ref, got in zip(whole.engine.prompt_logits(prompts), chunked.engine.prompt_logits(prompts)):
+    for ref, got in zip(prompt_logits(whole, prompts), prompt_logits(chunked, prompts)):
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
     ref_out = whole.generate(prompts, GREEDY, use_tqdm=False)
     got_out = chunked.generate(prompts, GREEDY, use_tqdm=False)

@@ -2,7 +2,7 @@
 allocates: the same compute dtype and the same compressed KV-pool bytes, for 4- and 8-bit KV."""
 import pytest
 
-from flexsarathi.engine import LLMEngine
+from flexsarathi.engine import EngineConfig, LLMEngine
 from flexsarathi.llm import planner_model_spec
 from offload.kv_cache import KVPool
 from policy_search.policy import Policy
@@ -12,8 +12,8 @@ from policy_search.policy import Policy
 @pytest.mark.parametrize("bits", [4, 8])
 def test_planner_prices_the_kv_pool_the_engine_allocates(tiny_checkpoint, tmp_path, kind, bits):
     folder, _ = tiny_checkpoint(kind)
-    engine = LLMEngine(folder, device="cpu", policy=Policy(compress_kv=True), kv_bits=bits,
-                       offload_dir=str(tmp_path))
+    engine = LLMEngine(EngineConfig(folder, device="cpu", policy=Policy(compress_kv=True), kv_bits=bits,
+                                    offload_dir=str(tmp_path)))
     try:
         spec = planner_model_spec(folder, kv_bits=bits)
         c, bs = engine.config, engine.block_size
@@ -38,17 +38,18 @@ def test_engine_reserves_the_planners_worst_pass_working_set(tiny_checkpoint, tm
     from policy_search.working_set import working_set, worst_pass
 
     folder, _ = tiny_checkpoint("llama_gqa_untied")
-    engine = LLMEngine(folder, device="cpu", policy=policy, offload_dir=str(tmp_path))
+    engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
     try:
         prompts, max_tokens = [[1] * n for n in (5, 9, 3, 12)], 6
         seqs = [engine.make_sequence(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
         before = engine.memory.peak("gpu")
-        engine.new_scheduler(seqs)
+        engine.add_requests([[seq] for seq in seqs])
         reserved = engine.memory.peak("gpu") - engine.memory.in_use("gpu")
         assert engine.memory.peak("gpu") > before
         spec = planner_model_spec(folder)
+        pool_slots = {tier: pool.num_slots for tier, pool in engine.kv_pools.items()}  # a fresh engine's
         tokens = worst_pass(policy, min(policy.max_running, len(seqs)), [len(p) for p in prompts],
-                            [len(p) + max_tokens for p in prompts])
+                            [len(p) + max_tokens for p in prompts], pool_slots)
         assert reserved == working_set(spec, tokens, policy.compress_kv).nbytes(policy.act_gpu)
     finally:
         engine.close()

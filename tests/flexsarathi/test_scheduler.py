@@ -1,6 +1,6 @@
 """The scheduler's decisions, pass by pass, on real sequences and block bookkeeping (no model: a
-pass advances what the scheduler planned and samples a fixed token, as the engine's
-post-processing does; the model's math under these schedules is tested in test_models.py)."""
+pass samples a fixed token and hands it to Scheduler.postprocess, as the engine does; the
+model's math under these schedules is tested in test_models.py)."""
 from __future__ import annotations
 
 import math
@@ -46,17 +46,12 @@ def run(seqs, *, budget, max_running, defer=True, micro_batches=1, kv_blocks=Non
         waiting_before.append((waits_for_room,
                                {s.seq_id for s in scheduler.running if not s.is_prefilling}))
         plan = scheduler.schedule()
-        items = [item for mb in plan.micro_batches for item in mb]
+        items = plan.items
         assert items, "a pass with nothing to do"
         passes.append([(it.seq.seq_id, it.start, it.end, "prefill" if it.seq.is_prefilling else "decode")
                        for it in items])
-        for item in items:
-            item.seq.num_computed += item.num_tokens
-        for item in items:
-            if item.samples:
-                item.seq.append(TOKEN)
-                if item.seq.status.finished:
-                    scheduler.finish(item.seq)
+        sampling = [it.seq for it in items if it.samples]
+        scheduler.postprocess(plan, sampling, [TOKEN] * len(sampling))
     return passes, waiting_before
 
 
@@ -174,6 +169,12 @@ def make_stopping_seqs(requests) -> list[Sequence]:
     return seqs
 
 
+def simulated_postprocess(scheduler: Scheduler, plan) -> None:
+    """The engine's postprocess with the simulated model's tokens."""
+    sampling = [it.seq for it in plan.items if it.samples]
+    scheduler.postprocess(plan, sampling, [sampled_token(s.seq_id, s.num_tokens) for s in sampling])
+
+
 def check_pool(blocks: BlockManager, running: list[Sequence]) -> None:
     """No block owned twice or both owned and free; each tier's blocks in one contiguous run of a
     table, fastest tier first; residual rows unique."""
@@ -212,12 +213,7 @@ def run_checked(seqs, *, budget, max_running, kv_blocks, admission="on-demand", 
         for item in items:
             assert item.seq in scheduler.running
             assert len(item.seq.block_table) * BLOCK >= item.end
-            item.seq.num_computed += item.num_tokens
-        for item in items:
-            if item.samples:
-                item.seq.append(sampled_token(item.seq.seq_id, item.seq.num_tokens))
-                if item.seq.status.finished:
-                    scheduler.finish(item.seq)
+        simulated_postprocess(scheduler, plan)
     assert blocks.num_free == blocks.num_blocks  # everything given back
     return passes, scheduler
 
@@ -264,10 +260,7 @@ def test_preempted_sequence_goes_back_to_the_head_of_the_queue():
     for seq in seqs:
         scheduler.add(seq)
     while not seqs[2].num_preemptions:
-        for item in [it for mb in scheduler.schedule().micro_batches for it in mb]:
-            item.seq.num_computed += item.num_tokens
-            if item.samples:
-                item.seq.append(sampled_token(item.seq.seq_id, item.seq.num_tokens))
+        simulated_postprocess(scheduler, scheduler.schedule())
     assert scheduler.waiting[0] is seqs[2]  # the latest admitted, first in line again
     assert seqs[2].block_table == [] and seqs[2].num_computed == 0
     assert seqs[2].num_prefill_tokens == seqs[2].num_tokens  # prompt + outputs so far, recomputed
@@ -310,10 +303,8 @@ def test_token_multiple_rounds_the_pass_down_by_shortening_the_chunk():
     for _ in range(4):
         plan = scheduler.schedule()
         assert plan.num_tokens % 16 == 0
-        for item in [it for mb in plan.micro_batches for it in mb]:
-            item.seq.num_computed += item.num_tokens
-            if item.samples:
-                item.seq.append(TOKEN)
+        sampling = [it.seq for it in plan.items if it.samples]
+        scheduler.postprocess(plan, sampling, [TOKEN] * len(sampling))
 
 
 def test_a_request_larger_than_the_cache_is_refused_at_once():
@@ -325,15 +316,14 @@ def test_a_request_larger_than_the_cache_is_refused_at_once():
 
 # ---- on a real model: preemption and recompute against running each request alone -------------
 def _engine_run(llm, prompts, params):
-    """LLM.generate's loop, keeping the scheduler to read its preemption count."""
+    """LLM.generate's loop, reading the engine's scheduler's preemption count."""
     engine = llm.engine
     seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]
-    scheduler = engine.new_scheduler(seqs)
-    for seq in seqs:
-        scheduler.add(seq)
-    while scheduler.has_unfinished():
-        engine.step(scheduler)
-    return [s.output_token_ids for s in seqs], scheduler.num_preemptions
+    before = engine.scheduler.num_preemptions
+    engine.add_requests([[seq] for seq in seqs])
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output_token_ids for s in seqs], engine.scheduler.num_preemptions - before
 
 
 @pytest.mark.parametrize("kind,compress_kv", [("opt", False), ("llama_gqa_untied", False), ("opt", True)])

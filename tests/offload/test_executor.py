@@ -9,6 +9,7 @@ import torch
 from flexsarathi import LLM, SamplingParams
 from offload.executor import PassExecutor
 from policy_search import Policy
+from tests.prompt_logits import prompt_logits
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -28,7 +29,7 @@ def _run(folder, tmp_path, shortcut: bool, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 17, 9, 2)]
     tokens = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
-    logits = llm.engine.prompt_logits(prompts)
+    logits = prompt_logits(llm, prompts)
     llm.close()
     return tokens, logits, sum(taken)
 

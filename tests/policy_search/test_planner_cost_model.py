@@ -201,17 +201,13 @@ def _scheduler_passes(num_requests, prompt, gen, budget, running):
                                max_len=prompt + gen, stop_ids=frozenset(), generator=torch.Generator()))
     prefill_passes = decode_rows = passes = 0
     while scheduler.has_unfinished():
-        items = [it for mb in scheduler.schedule().micro_batches for it in mb]
+        plan = scheduler.schedule()
+        items = plan.items
         passes += 1
         prefill_passes += any(it.seq.is_prefilling for it in items)
         decode_rows += sum(not it.seq.is_prefilling for it in items)
-        for it in items:
-            it.seq.num_computed += it.num_tokens
-        for it in items:
-            if it.samples:
-                it.seq.append(3)
-                if it.seq.status.finished:
-                    scheduler.finish(it.seq)
+        sampling = [it.seq for it in items if it.samples]
+        scheduler.postprocess(plan, sampling, [3] * len(sampling))
     return prefill_passes, decode_rows, passes
 
 

@@ -107,9 +107,9 @@ def test_constraints_fix_knobs_and_fractions():
     model, hw, workload = ModelSpec.from_name("opt-30b"), HardwareSpec.preset("t4"), Workload(
         prompt_len=512, gen_len=32)
     policy, est = search(model, hw, workload, scheduler="block", cpu_attention=True, gpu_batch_size=48,
-                         w_gpu=0.1, kv_cpu=1.0, compress_weight=False, compress_kv=False)
+                         w_gpu=0.05, kv_cpu=1.0, compress_weight=False, compress_kv=False)
     assert (policy.scheduler, policy.cpu_attention, policy.gpu_batch_size) == ("block", True, 48)
-    assert policy.w_gpu == pytest.approx(0.1) and policy.kv_cpu == 1.0 and est.fits
+    assert policy.w_gpu == pytest.approx(0.05) and policy.kv_cpu == 1.0 and est.fits
     policy, _ = search(model, hw, workload, num_gpu_batches=3, gpu_batch_size=16, scheduler="decode-maximal")
     assert (policy.gpu_batch_size, policy.num_gpu_batches) == (16, 3)
     policy, _ = search(model, hw, workload, max_running=20)

@@ -40,19 +40,15 @@ def real_run(policy: Policy, workload: Workload) -> tuple[int, int, int, int]:
                                stop_ids=stop, generator=torch.Generator()))
     passes = decodes = prompt = 0
     while scheduler.has_unfinished():
-        items = [it for mb in scheduler.schedule().micro_batches for it in mb]
+        plan = scheduler.schedule()
         passes += 1
-        for it in items:
+        for it in plan.items:
             if it.seq.is_prefilling:
                 prompt += it.num_tokens
             else:
                 decodes += 1
-            it.seq.num_computed += it.num_tokens
-        for it in items:
-            if it.samples:
-                it.seq.append(token_at(it.seq.seq_id, it.seq.num_tokens))
-                if it.seq.status.finished:
-                    scheduler.finish(it.seq)
+        sampling = [it.seq for it in plan.items if it.samples]
+        scheduler.postprocess(plan, sampling, [token_at(s.seq_id, s.num_tokens) for s in sampling])
     return passes, decodes, prompt, scheduler.num_preemptions
 
 
@@ -103,3 +99,15 @@ def test_policy_validates_the_kv_admission_fields():
     with pytest.raises(PolicyError, match="kv_cache_tokens must be a positive integer"):
         Policy(kv_cache_tokens=0)
     assert Policy.from_dict(Policy(kv_cache_tokens=4096).to_dict()).kv_cache_tokens == 4096
+
+
+def test_requests_of_equal_lengths_stay_distinct():
+    """Two requests with the same lengths (and so, in lockstep, the same state) are two requests:
+    the replay once compared them by value and released or preempted the wrong one (found by the
+    property above: a chunk with end < start, then a math domain error)."""
+    pairs = ((29, 12), (1, 36), (1, 1), (1, 36), (6, 33), (6, 33))
+    workload = Workload(pairs=pairs, num_requests=len(pairs), max_tokens=48)
+    policy = Policy(gpu_batch_size=4, prefill_budget=20, scheduler="decode-maximal", kv_admission="on-demand",
+                    kv_cache_tokens=80)
+    assert replays(policy, workload)
+    assert replayed(policy, workload) == real_run(policy, workload)

@@ -1,0 +1,133 @@
+"""One working-set formula (policy_search/working_set.py) for the planner and the engine: the
+planner's gpu working set of a pass equals the engine's reservation for the same pass, and the
+K/V context the executor really gathers onto the compute device stays within what is charged."""
+import pytest
+
+from flexsarathi.engine import LLMEngine
+from flexsarathi.llm import planner_model_spec
+from flexsarathi.sampling import SamplingParams
+from offload import executor as executor_module
+from offload.executor import PassExecutor
+from policy_search.cost_model import working_bytes
+from policy_search.linear import FRACTIONS, evaluate
+from policy_search.passes import PassShape, RunShape
+from policy_search.policy import Policy
+
+KIND = "llama_gqa_untied"
+KV_CPU = dict(kv_gpu=0.0, kv_cpu=1.0, kv_disk=0.0)
+
+
+def _generate(engine, prompts, max_tokens):
+    seqs = [engine.make_sequence(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    scheduler = engine.new_scheduler(seqs)
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_unfinished():
+        engine.step(scheduler)
+
+
+def _pass_reservations(engine, monkeypatch) -> list[int]:
+    """Bytes of every per-pass reservation, observed (the tracker still makes them)."""
+    seen, original = [], engine.memory.reservation
+
+    def reservation(tier, nbytes, what):
+        if what == "pass activations":
+            seen.append(nbytes)
+        return original(tier, nbytes, what)
+
+    monkeypatch.setattr(engine.memory, "reservation", reservation)
+    return seen
+
+
+def _shape(kind, decode, prompt, context, rows_per_seq, sampled, k):
+    return PassShape(kind=kind, count=1, decode_tokens=decode, prompt_tokens=prompt, context=context,
+                     max_context=context, prior_kv_tokens=0.0, prompt_pairs=0.0, sampled=sampled,
+                     prompt_rows_per_sequence=rows_per_seq, micro_batches=k)
+
+
+@pytest.mark.parametrize("placement", [{}, dict(cpu_attention=True, **KV_CPU),
+                                       dict(act_gpu=0.0, act_cpu=1.0, **KV_CPU)])
+def test_planner_working_set_equals_the_engines_reservation(tiny_checkpoint, tmp_path, monkeypatch, placement):
+    """Block schedule, 4 prompts of 6 tokens in 2 micro-batches: the prefill pass and the first
+    decode pass (every context 7 tokens) reserve exactly what the planner charges for those shapes."""
+    folder, _ = tiny_checkpoint(KIND)
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=2, scheduler="block", **placement)
+    engine = LLMEngine(folder, device="cpu", policy=policy, offload_dir=str(tmp_path))
+    try:
+        reserved = _pass_reservations(engine, monkeypatch)
+        _generate(engine, [[1 + i] * 6 for i in range(4)], max_tokens=3)
+    finally:
+        engine.close()
+    spec = planner_model_spec(folder)
+    fractions = {name: getattr(policy, name) for name in FRACTIONS}
+    run = RunShape(passes=(), generated_tokens=12, requests=4, kv_tokens=4 * 16, running=4, steady_state=False)
+    prefill = _shape("prefill", 0.0, 24.0, 6.0, 6.0, 4.0, 2)
+    decode = _shape("decode", 4.0, 0.0, 7.0, 0.0, 4.0, 2)
+    planned = [evaluate(working_bytes(s, run, policy, spec), fractions) for s in (prefill, decode)]
+    assert reserved[:2] == pytest.approx(planned, rel=0, abs=0.5)
+    # the cpu-attended decode context is not charged on the compute device
+    assert (reserved[1] < planned_uncharged(spec, policy, run, decode)) == policy.cpu_attention
+
+
+def planned_uncharged(spec, policy, run, shape):
+    """What the same decode pass would charge were its context gathered onto the compute device."""
+    on_device = policy.replace(cpu_attention=False)
+    return evaluate(working_bytes(shape, run, on_device, spec), {n: getattr(policy, n) for n in FRACTIONS})
+
+
+@pytest.mark.parametrize("compress_kv", [False, True])
+@pytest.mark.parametrize("placement", [dict(kv_gpu=0.5, kv_cpu=0.5, kv_disk=0.0),
+                                       dict(kv_gpu=0.5, kv_cpu=0.5, kv_disk=0.0, cpu_attention=True),
+                                       dict(cpu_attention=True, **KV_CPU)])
+def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_path, monkeypatch,
+                                                          placement, compress_kv):
+    """Decode-maximal, 3 micro-batches, prompts cut into chunks, KV split across tiers: in every
+    pass and layer, the K/V the executor gathers onto the compute device for two consecutive
+    micro-batches (k computes while k+1 loads) is at most the engine's charged context, and exactly
+    it for uncompressed pools (the charge counts the gathered slots themselves)."""
+    folder, _ = tiny_checkpoint(KIND)
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=3, prefill_budget=8, compress_kv=compress_kv,
+                    kv_admission="reserve", **placement)
+    engine = LLMEngine(folder, device="cpu", policy=policy, offload_dir=str(tmp_path))
+    gathered: list[list[int]] = []  # per _load call: bytes of the contexts kept on the compute device
+    charged: list = []
+    load, pass_tokens = PassExecutor._load, engine._pass_tokens
+
+    def observed_load(self, layer, mb, k):
+        hidden, contexts = load(self, layer, mb, k)
+        nbytes = sum(t.nbytes for group, group_contexts in zip(mb.groups, contexts)
+                     for part, context in zip(group.parts, group_contexts) if context is not None
+                     # the executor's own choice: executor.CPU is returned only for CPU attention
+                     if self.attention_device(part.tier, group) is not executor_module.CPU
+                     for t in context)
+        gathered.append((layer, k, nbytes))
+        return hidden, contexts
+
+    def observed_tokens(batches):
+        tokens = pass_tokens(batches)
+        charged.append((len(gathered), len(batches), tokens))
+        return tokens
+
+    monkeypatch.setattr(PassExecutor, "_load", observed_load)
+    monkeypatch.setattr(engine, "_pass_tokens", observed_tokens)
+    try:
+        _generate(engine, [[1 + i] * n for i, n in enumerate((5, 9, 3, 12, 7, 10))], max_tokens=5)
+        kv_dim, item = engine.config.num_kv_heads * engine.config.head_dim, engine.dtype.itemsize
+    finally:
+        engine.close()
+    assert len(charged) > 3 and len(gathered) > 0
+    ends = [start for start, _, _ in charged[1:]] + [len(gathered)]
+    exact = seen_any = 0
+    for (start, k, tokens), end in zip(charged, ends):
+        loads = gathered[start:end]
+        by_layer: dict[int, list[int]] = {}
+        for layer, _, nbytes in loads:
+            by_layer.setdefault(layer, []).append(nbytes)
+        held = max(a + b for per_mb in by_layer.values() for a, b in zip(per_mb, per_mb[1:] + [0]))
+        charge = 2 * tokens.context_slots * kv_dim * item  # K and V (the formula adds a K when compressed)
+        assert held <= charge
+        exact += held == charge
+        seen_any += held > 0
+    assert seen_any  # passes did gather context onto the compute device
+    if not compress_kv:
+        assert exact == len(charged)
