@@ -3,7 +3,7 @@ planner's gpu working set of a pass equals the engine's reservation for the same
 K/V context the executor really gathers onto the compute device stays within what is charged."""
 import pytest
 
-from flexsarathi.engine import LLMEngine
+from flexsarathi.engine import EngineConfig, LLMEngine
 from flexsarathi.llm import planner_model_spec
 from flexsarathi.sampling import SamplingParams
 from offload import executor as executor_module
@@ -18,12 +18,9 @@ KV_CPU = dict(kv_gpu=0.0, kv_cpu=1.0, kv_disk=0.0)
 
 
 def _generate(engine, prompts, max_tokens):
-    seqs = [engine.make_sequence(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
-    scheduler = engine.new_scheduler(seqs)
-    for seq in seqs:
-        scheduler.add(seq)
-    while scheduler.has_unfinished():
-        engine.step(scheduler)
+    engine.add_requests([[engine.make_sequence(p, SamplingParams(max_tokens=max_tokens))] for p in prompts])
+    while engine.has_unfinished():
+        engine.step()
 
 
 def _pass_reservations(engine, monkeypatch) -> list[int]:
@@ -52,7 +49,7 @@ def test_planner_working_set_equals_the_engines_reservation(tiny_checkpoint, tmp
     decode pass (every context 7 tokens) reserve exactly what the planner charges for those shapes."""
     folder, _ = tiny_checkpoint(KIND)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=2, scheduler="block", **placement)
-    engine = LLMEngine(folder, device="cpu", policy=policy, offload_dir=str(tmp_path))
+    engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
     try:
         reserved = _pass_reservations(engine, monkeypatch)
         _generate(engine, [[1 + i] * 6 for i in range(4)], max_tokens=3)
@@ -88,7 +85,7 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
     folder, _ = tiny_checkpoint(KIND)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=3, prefill_budget=8, compress_kv=compress_kv,
                     kv_admission="reserve", **placement)
-    engine = LLMEngine(folder, device="cpu", policy=policy, offload_dir=str(tmp_path))
+    engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
     gathered: list[list[int]] = []  # per _load call: bytes of the contexts kept on the compute device
     charged: list = []
     load, pass_tokens = PassExecutor._load, engine._pass_tokens
