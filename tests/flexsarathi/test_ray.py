@@ -195,10 +195,12 @@ def test_dead_actor_and_killed_driver_lose_nothing(stories_dir, cluster, tmp_pat
     """The actors SIGKILLed mid-job: exit 3, one clear error line, the finished records kept. The
     rerun SIGKILLed itself (the driver), then rerun: the file equals the uninterrupted run
     (--policy auto: one search on the driver, the same policy in every actor)."""
-    # One batch of 12 per actor, lengths 8..100 tokens: records stream out while both actors are
-    # still busy, so the kill below lands mid-batch (an idle actor's death loses nothing and
-    # Ray Data just replaces it).
-    prompts = [{"id": i, "prompt": f"Once upon a time, number {i}", "max_tokens": 8 + 4 * i} for i in range(24)]
+    # One batch of 12 per actor: the first 8..52 tokens long, the second 300..388, so the first
+    # batch's records are out while the second actor is still far from done and the kill below
+    # lands mid-batch (an idle actor's death loses nothing and Ray Data just replaces it; with
+    # lengths close together a fast machine could finish both before the kill).
+    prompts = [{"id": i, "prompt": f"Once upon a time, number {i}",
+                "max_tokens": 8 + 4 * i if i < 12 else 300 + 8 * (i - 12)} for i in range(24)]
     src = write_lines(tmp_path / "in.jsonl", prompts)
     args = ["generate", "--model", stories_dir, "--input", src, "--ignore-eos", *GREEDY,
             "--policy", "auto", "--hardware", "t4"]  # searched by the driver, shipped to the actors
