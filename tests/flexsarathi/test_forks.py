@@ -18,6 +18,7 @@ from flexsarathi.sampling import sample_seed
 from flexsarathi.scheduler import Scheduler, SchedulerConfig
 from flexsarathi.sequence import Sequence
 from policy_search import Policy
+from tests.simulated_model import expected_tokens, sampled_token
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7], [9, 1, 2, 3, 4, 8, 11, 12], [3, 30, 60, 90, 120, 7, 70]]  # < 1 block, 2 full, 1 + partial
@@ -111,17 +112,6 @@ def test_more_completions_than_running_slots_split_into_groups(tiny_checkpoint):
 
 
 # ---- without a model: every schedule, checked slot by slot --------------------------------------
-def sampled_token(seq_id: int, position: int) -> int:
-    return 10 + (seq_id * 31 + position * 7) % 50
-
-
-def expected_tokens(seq: Sequence) -> list[int]:
-    out = []
-    while seq.num_prompt_tokens + len(out) < seq.max_len:
-        out.append(sampled_token(seq.seq_id, seq.num_prompt_tokens + len(out)))
-        if out[-1] in seq.stop_ids:
-            break
-    return out
 
 
 def make_groups(groups) -> list[list[Sequence]]:

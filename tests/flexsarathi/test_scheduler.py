@@ -14,6 +14,7 @@ from flexsarathi.block_manager import TIERS, BlockManager
 from flexsarathi.sampling import SamplingParams
 from flexsarathi.scheduler import Scheduler, SchedulerConfig
 from flexsarathi.sequence import Sequence
+from tests.simulated_model import expected_tokens, sampled_token
 
 BLOCK = 4
 TOKEN = 7  # what every simulated pass samples (never a stop token: stop_ids is empty)
@@ -141,21 +142,7 @@ def test_deferral_never_lengthens_a_batch(requests, budget, max_running, micro_b
 
 
 # ---- KV admission: on demand (preempting) and by lifetime reservation -------------------------
-# A simulated model: the token sampled after position p of sequence i is a fixed function of
-# (i, p), as greedy decoding of a real model is a function of the tokens so far. So every
-# uninterrupted run gives each sequence the same tokens, and a preempted sequence must too.
-def sampled_token(seq_id: int, position: int) -> int:
-    return 10 + (seq_id * 31 + position * 7) % 50
-
-
-def expected_tokens(seq: Sequence) -> list[int]:
-    """What running the sequence alone gives: tokens until a stop token or max_len."""
-    out = []
-    while seq.num_prompt_tokens + len(out) < seq.max_len:
-        out.append(sampled_token(seq.seq_id, seq.num_prompt_tokens + len(out)))
-        if out[-1] in seq.stop_ids:
-            break
-    return out
+# The simulated model (tests/simulated_model.py): sampled_token, expected_tokens.
 
 
 def make_stopping_seqs(requests) -> list[Sequence]:
