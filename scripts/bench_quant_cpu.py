@@ -14,9 +14,7 @@ io = stored bytes / rate; "4bit/plain" > 1 means 4-bit is faster for that linear
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from quant import QuantConfig, quantize, quantized_linear  # noqa: E402
 from quant.cpu_matmul import layout_matches_torch, linear_4bit, pack_for_cpu_kernel  # noqa: E402
+from bench_quant import median_seconds  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 OPT_1_3B_SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))  # [out, in]: attention, fc1, fc2
 ROWS = (1, 8, 32, 128, 512)
@@ -42,16 +41,6 @@ def cpu_line() -> str:
     return f"CPU: {model}; flags: {' '.join(flags)}; torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bench_shape(shape, rows, dtype, repeats, disk_bps) -> list[str]:
     out_features, in_features = shape
     weight = (torch.randn(shape) * 0.02).to(dtype)
@@ -61,11 +50,11 @@ def bench_shape(shape, rows, dtype, repeats, disk_bps) -> list[str]:
     lines = []
     for m in rows:
         x = torch.randn(m, in_features).to(dtype)
-        t = {"plain": median_seconds(lambda: F.linear(x, weight), repeats),
-             "today": median_seconds(lambda: quantized_linear(x, q), repeats)}
+        t = {"plain": median_seconds(lambda: F.linear(x, weight), repeats, warmup=1),
+             "today": median_seconds(lambda: quantized_linear(x, q), repeats, warmup=1)}
         if packed is not None:
-            t["int4"] = median_seconds(lambda: linear_4bit(x, packed), repeats)
-            t["int4+pk"] = median_seconds(lambda: linear_4bit(x, pack_for_cpu_kernel(q)), repeats)
+            t["int4"] = median_seconds(lambda: linear_4bit(x, packed), repeats, warmup=1)
+            t["int4+pk"] = median_seconds(lambda: linear_4bit(x, pack_for_cpu_kernel(q)), repeats, warmup=1)
         best_4bit = min(v for k, v in t.items() if k in ("today", "int4+pk"))  # a streamed weight
         gain = max(io_plain, t["plain"]) / max(io_4bit, best_4bit)
         times = " ".join(f"{k}={v * 1e3:7.2f}" for k, v in t.items())
