@@ -41,7 +41,9 @@ class ActivationStore:
         gpu, cpu = self._cuts(hidden.shape[0])
         parked = []
         if gpu:
-            parked.append(("gpu", hidden[:gpu], gpu))
+            # A slice of fewer rows is cloned: a view would keep the whole micro-batch alive.
+            kept = hidden if gpu == hidden.shape[0] else hidden[:gpu].clone()
+            parked.append(("gpu", kept, gpu))
         if cpu > gpu:
             host = torch.empty((cpu - gpu, hidden.shape[1]), dtype=hidden.dtype, pin_memory=self.pin)
             parked.append(("cpu", host.copy_(hidden[gpu:cpu], non_blocking=True), cpu - gpu))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -62,6 +63,25 @@ def test_parked_copies_do_not_follow_later_writes_to_the_source(tmp_path, placem
     hidden[first_off_device:] = 0.0
     back = store.take(0)
     assert _same_bits(back[first_off_device:], expected[first_off_device:])
+    store.close()
+
+
+@pytest.mark.parametrize("placement", ["split", "gpu+disk"])
+def test_rows_kept_on_the_device_do_not_keep_the_whole_micro_batch_alive(tmp_path, placement):
+    """With 0 < act_gpu < 1 the kept rows are their own tensor: a view of the input would keep all
+    its rows (the off-device ones too) in device memory until the next layer takes them."""
+    store = ActivationStore(FRACTIONS[placement], CPU, folder=str(tmp_path))
+    hidden = _hidden(64, torch.bfloat16)
+    expected = hidden.clone()
+    input_alive = weakref.ref(hidden)
+    storage = hidden.untyped_storage().data_ptr()
+    store.put(0, hidden)
+    kept = [t for tier, t, _ in store._parked[0] if tier == "gpu"]
+    assert kept and all(t.untyped_storage().data_ptr() != storage for t in kept)
+    del hidden
+    gc.collect()
+    assert input_alive() is None
+    assert _same_bits(store.take(0), expected)
     store.close()
 
 
