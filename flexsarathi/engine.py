@@ -388,23 +388,27 @@ class LLMEngine:
         """What this pass holds on the compute device (policy_search/working_set.py): the K/V the
         executor gathers there for each pair of consecutive micro-batches (k computes while k+1
         loads), and its largest decode and prompt attention calls."""
-        gathered = [[(g, p) for g in mb.groups for p in g.parts
-                     if p.new_rows is None and p.tier in gathered_tiers(self.policy, g.is_decode)]
-                    for mb in batches]
-        held = [sum(p.kv_slots.numel() for _, p in mb) for mb in gathered]
-        calls = {True: [(0, 0)], False: [(0, 0)]}  # is_decode -> [(keys, score cells)]
+        held = []  # per micro-batch: K/V slots gathered onto the compute device
+        keys_max = {True: 0, False: 0}  # is_decode -> the largest call's keys, and its score cells
+        cells_max = {True: 0, False: 0}
         for mb in batches:
+            slots = 0
             for g in mb.groups:
+                on_device = gathered_tiers(self.policy, g.is_decode)
                 for p in g.parts:
-                    if p.new_rows is not None or p.tier in gathered_tiers(self.policy, g.is_decode):
-                        keys = g.num_seqs * (p.new_rows[1] - p.new_rows[0] if p.new_rows else p.kv_slots.shape[1])
-                        calls[g.is_decode].append((keys, keys * min(g.num_queries, QUERY_BLOCK)))
-        widest = {d: (max(k for k, _ in c), max(x for _, x in c)) for d, c in calls.items()}
+                    if p.new_rows is None and p.tier not in on_device:
+                        continue  # attended on the CPU, where it lives
+                    if p.new_rows is None:
+                        slots += p.kv_slots.numel()
+                    keys = g.num_seqs * (p.new_rows[1] - p.new_rows[0] if p.new_rows else p.kv_slots.shape[1])
+                    keys_max[g.is_decode] = max(keys_max[g.is_decode], keys)
+                    cells_max[g.is_decode] = max(cells_max[g.is_decode], keys * min(g.num_queries, QUERY_BLOCK))
+            held.append(slots)
         return PassTokens(total=sum(mb.num_tokens for mb in batches),
                           widest=max(mb.num_tokens for mb in batches),
                           context_slots=max(a + b for a, b in zip(held, held[1:] + [0])),
-                          attention_slots=widest[True][0] + widest[False][0],
-                          attention_cells=widest[True][1] + widest[False][1],
+                          attention_slots=keys_max[True] + keys_max[False],
+                          attention_cells=cells_max[True] + cells_max[False],
                           logit_rows=sum(mb.logit_rows.numel() for mb in batches))
 
     def _working_bytes(self, tokens: PassTokens) -> int:

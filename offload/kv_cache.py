@@ -185,23 +185,42 @@ class KVPool:
             shape = (*slots.shape, self.kv_heads, self.head_dim)
             return (self.k[layer].index_select(0, flat).view(shape).to(device, non_blocking=True),
                     self.v[layer].index_select(0, flat).view(shape).to(device, non_blocking=True))
+        return self._gather_compressed(layer, slots, device, residual_ids, complete_len)
+
+    def _gather_compressed(self, layer: int, slots: torch.Tensor, device: torch.device,
+                           residual_ids: torch.Tensor, complete_len: torch.Tensor):
+        """K then V, each written once into its result: at most two K/V-sized tensors exist at a
+        time (the dequantized blocks and K; then K and V), which working_set's charge of three per
+        gathered slot covers (docs/DESIGN.md, "Working set")."""
         batch, length = slots.shape
         kvh, d, bs = self.kv_heads, self.head_dim, self.block_size
+        num_blocks, full = -(-length // bs), length // bs
+        blocks = slots[:, ::bs] // bs  # [B, nb]
+        parts = {n: t[layer][blocks].reshape(-1).to(device, non_blocking=True) for n, t in self.k_codes.items()}
+        by_block = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
+                                      shape=(batch * num_blocks, kvh, d, bs), dtype=self.dtype, config=self.k_config))
+        by_block = by_block.view(batch, num_blocks, kvh, d, bs).permute(0, 1, 4, 2, 3)  # [B, nb, bs, kvh, d]
+        k = torch.empty(batch, length, kvh, d, dtype=self.dtype, device=device)
+        if full:
+            k[:, :full * bs].view(batch, full, bs, kvh, d).copy_(by_block[:, :full])
+        if length > full * bs:
+            k[:, full * bs:].copy_(by_block[:, full, :length - full * bs])
+        del by_block
+        self._fill_open_blocks(k, layer, residual_ids, complete_len)
         parts = {n: t[layer][slots].reshape(-1).to(device, non_blocking=True) for n, t in self.v_codes.items()}
         v = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                shape=(batch * length, kvh, d), dtype=self.dtype, config=self.v_config))
-        v = v.view(batch, length, kvh, d)
-        num_blocks = -(-length // bs)
-        blocks = slots[:, ::bs] // bs  # [B, nb]
-        parts = {n: t[layer][blocks].reshape(-1).to(device, non_blocking=True) for n, t in self.k_codes.items()}
-        k = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
-                               shape=(batch * num_blocks, kvh, d, bs), dtype=self.dtype, config=self.k_config))
-        k = k.view(batch, num_blocks, kvh, d, bs).permute(0, 1, 4, 2, 3).reshape(batch, num_blocks * bs, kvh, d)
-        residual = self.k_residual[layer][residual_ids.to(self.device)].to(device, non_blocking=True)
-        residual = residual.repeat(1, num_blocks, 1, 1)  # position j -> residual row j % bs
-        from_blocks = torch.arange(num_blocks * bs, device=device)[None, :] < complete_len.to(device)[:, None]
-        k = torch.where(from_blocks[:, :, None, None], k, residual)[:, :length].contiguous()
-        return k, v
+        return k, v.view(batch, length, kvh, d)
+
+    def _fill_open_blocks(self, k: torch.Tensor, layer: int, residual_ids: torch.Tensor,
+                          complete_len: torch.Tensor) -> None:
+        """k [B, L, kv_heads, d]: positions from complete_len[b] on read sequence b's residual
+        block (position j -> residual row j % block_size), in place."""
+        length, device = k.shape[1], k.device
+        seq, pos = (torch.arange(length, device=device)[None, :] >= complete_len.to(device)[:, None]).nonzero(as_tuple=True)
+        if seq.numel():
+            residual = self.k_residual[layer][residual_ids.to(self.device)].to(device, non_blocking=True)
+            k[seq, pos] = residual[seq, pos % self.block_size]
 
     # ---- what a group's queries attend ---------------------------------------------------------
     def gather_part(self, layer: int, part: KVPart, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
