@@ -204,52 +204,85 @@ def _dequant_rate(device, dtype, values: int = 1 << 22) -> float:
     return values / _median_seconds(run)
 
 
-def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype,
-                    busy_cores: bool) -> tuple[float, float]:
-    """(read bytes/s, write bytes/s fsync'd) of a scratch store in `folder`, read the way the engine
-    streams disk weights (offload/tiered_weights.py): layer after layer, each of the layer's matrices
-    with `read_range_async` (O_DIRECT, the store's reader threads) into a working buffer, the next
-    layer's reads starting once the previous layer's are in. Working buffers are 4096-aligned, as
-    the engine's host buffers are, so whole chunks go straight from the disk into them. With
-    `busy_cores` (compute on the host) the reads run while the cores do the layer's matmuls, as in a
-    pass: reader threads then compete with the matmuls for the cores."""
+def read_store_rate(store: DiskStore, range_reads: bool = True) -> float:
+    """Bytes/s reading every tensor of `store` with O_DIRECT into two alternating 4096-aligned
+    buffers, the next read in flight while one completes: with `range_reads` as the engine streams
+    disk weights (read_range_async: chunks land straight in its aligned working buffers,
+    offload/tiered_weights.py), else as whole tensors (read_async). The profile and
+    scripts/bench_offload.py both measure with it."""
+    names = store.names()
+    biggest = max(store.entry(n).nbytes for n in names)
+    buffers = [aligned_empty((biggest,), torch.uint8) for _ in range(2)]
+    total, start = 0, time.perf_counter()
+    pending = None
+    for i, name in enumerate(names):
+        e = store.entry(name)
+        out = buffers[i % 2][:e.nbytes].view(e.dtype)
+        fut = store.read_range_async(name, 0, out) if range_reads else store.read_async(name, out.view(e.shape))
+        if pending is not None:
+            pending.result()
+        pending = fut
+        total += e.nbytes
+    pending.result()
+    return total / (time.perf_counter() - start)
+
+
+def _while_computing(fn, shapes: LayerShapes, dtype):
+    """fn() on a thread while this thread runs the layer's matmuls (64 rows, torch's threads: the
+    engine's) until it returns, as a pass's compute runs beside the weight loader; fn's result."""
+    weights = [torch.randn(shape, dtype=dtype) for shape in shapes.matrices]
+    inputs = [torch.randn(64, shape[1], dtype=dtype) for shape in shapes.matrices]
+    result = []
+    reader = threading.Thread(target=lambda: result.append(fn()))
+    reader.start()
+    while reader.is_alive():
+        for x, w in zip(inputs, weights):
+            torch.nn.functional.linear(x, w)
+    reader.join()
+    return result[0]
+
+
+def _scratch_store(folder: str, nbytes: int, shapes: LayerShapes, dtype) -> tuple[DiskStore, float]:
+    """A store of at least `nbytes` of the layer's matrices (two layers at least), and its write
+    rate in bytes/s (fsync'd)."""
+    store = DiskStore(folder, "profile", direct_io=True)
+    layer_bytes = shapes.params * dtype.itemsize
+    layers = max(2, -(-nbytes // layer_bytes))
+    data = [torch.randint(0, 255, (o * i * dtype.itemsize,), dtype=torch.uint8) for o, i in shapes.matrices]
+    start = time.perf_counter()
+    writer = store.begin_write(total_bytes=layers * layer_bytes)
+    for layer in range(layers):
+        for i, tensor in enumerate(data):
+            writer.add(f"{layer}.{i}", tensor)
+    writer.commit()
+    write = layers * layer_bytes / (time.perf_counter() - start)
+    store.drop_page_cache()
+    return store, write
+
+
+def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype, busy_cores: bool,
+                    seconds: float = 2.0) -> tuple[float, float, float]:
+    """(read bytes/s, write bytes/s fsync'd, CPU seconds per byte read) of a scratch store of the
+    layer's matrices in `folder`, read as the engine streams disk weights (read_store_rate). With
+    `busy_cores` (compute on the host) the reads run while the cores do the layer's matmuls, as in
+    a pass: reader threads then compete with the matmuls for the cores. The read figure is the
+    median of reads repeated for `seconds` (at least five, after a warm-up read that checks the
+    crc32s): one short read beside a matmul loop spread 1.5-2.8 GB/s between runs on a busy 2-core
+    EPYC, this median 2.8-3.05 (docs/DESIGN.md, "Tried"). The CPU figure is the process's CPU time
+    over one read with the cores otherwise idle (only the reader threads work)."""
     work = tempfile.mkdtemp(prefix="profile-", dir=folder)
     try:
-        store = DiskStore(work, "profile", direct_io=True)
-        layer_bytes = shapes.params * dtype.itemsize
-        layers = max(2, -(-nbytes // layer_bytes))
-        total = layers * layer_bytes
-        data = [torch.randint(0, 255, (o * i * dtype.itemsize,), dtype=torch.uint8) for o, i in shapes.matrices]
-        start = time.perf_counter()
-        writer = store.begin_write(total_bytes=total)
-        for layer in range(layers):
-            for i, tensor in enumerate(data):
-                writer.add(f"{layer}.{i}", tensor)
-        writer.commit()
-        write = total / (time.perf_counter() - start)
-        buffers = [aligned_empty((o * i * dtype.itemsize,), torch.uint8) for o, i in shapes.matrices]
-        store.drop_page_cache()
-
-        def read_all():
-            for layer in range(layers):
-                reads = [store.read_range_async(f"{layer}.{i}", 0, buf) for i, buf in enumerate(buffers)]
-                for future in reads:
-                    future.result()
-
-        def read_while_computing():
-            reader = threading.Thread(target=read_all)
-            reader.start()
-            while reader.is_alive():
-                for x, w in zip(inputs, weights):
-                    torch.nn.functional.linear(x, w)
-            reader.join()
-
-        if busy_cores:
-            weights = [torch.randn(shape, dtype=dtype) for shape in shapes.matrices]
-            inputs = [torch.randn(64, shape[1], dtype=dtype) for shape in shapes.matrices]
-        read = total / _median_seconds(read_while_computing if busy_cores else read_all, repeats=3)
+        store, write = _scratch_store(work, nbytes, shapes, dtype)
+        read_store_rate(store)  # warm-up: each tensor's first read checks its crc32
+        cpu = time.process_time()
+        read_store_rate(store)
+        read_cpu = (time.process_time() - cpu) / sum(store.entry(n).nbytes for n in store.names())
+        rates, start = [], time.perf_counter()
+        while len(rates) < 5 or (time.perf_counter() - start < seconds and len(rates) < 100):
+            rates.append(_while_computing(lambda: read_store_rate(store), shapes, dtype) if busy_cores
+                         else read_store_rate(store))
         store.close()
-        return read, write
+        return statistics.median(rates), write, read_cpu
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -336,10 +369,12 @@ def _measure_transfers(device, dtype, shapes, offload_dir: str, disk_bytes: int,
     d2h = _copy_bandwidth(device, cpu, 256 << 20, pin=cuda)
     log(f"  copies: host->device {h2d / 1e9:.2f} GB/s, device->host {d2h / 1e9:.2f} GB/s")
     log(f"  measuring the disk: writing and reading {disk_bytes >> 20} MiB in {offload_dir} ...")
-    disk_read, disk_write = _disk_bandwidth(offload_dir, disk_bytes, shapes, dtype, busy_cores=not cuda)
-    log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT, layer by layer"
-        + ("" if cuda else ", while the cores compute") + f"), write {disk_write / 1e9:.2f} GB/s")
-    return dict(host_to_device=h2d, device_to_host=d2h, disk_to_host=disk_read, host_to_disk=disk_write)
+    disk_read, disk_write, read_cpu = _disk_bandwidth(offload_dir, disk_bytes, shapes, dtype, busy_cores=not cuda)
+    log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT as the engine reads"
+        + ("" if cuda else ", while the cores compute") + f"; {read_cpu * 1e9:.3f} CPU s/GB), "
+        f"write {disk_write / 1e9:.2f} GB/s")
+    return dict(host_to_device=h2d, device_to_host=d2h, disk_to_host=disk_read, host_to_disk=disk_write,
+                disk_read_cpu=read_cpu)
 
 
 def _measure_matmuls(device, dtype, shapes, log) -> dict:

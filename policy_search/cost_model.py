@@ -129,9 +129,21 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
         if policy.compress_kv:
             cpu_seconds += decode_kv_tokens * kv_values / hw.cpu_dequant_rate
         cpu = f.kv_off_gpu * cpu_seconds
-    return {"host->device": to_device / hw.host_to_device, "device->host": to_host / hw.device_to_host,
+    return {"host->device": to_device / hw.host_to_device + _disk_read_cpu(policy, model, hw),
+            "device->host": to_host / hw.device_to_host,
             "disk->host": disk_read / hw.disk_to_host, "host->disk": disk_write / hw.host_to_disk,
             "gpu": gpu, "cpu": cpu}
+
+
+def _disk_read_cpu(policy: Policy, model: ModelSpec, hw: HardwareSpec) -> np.ndarray:
+    """Seconds the computing cores lose per layer to the disk store's reader threads on a host
+    compute device: every streamed disk weight byte costs `hw.disk_read_cpu` of CPU (O_DIRECT
+    syscalls, page pinning, completions; 0.03-0.06 CPU s/GB measured beside the engine's passes on a
+    2-core EPYC, policy_search/README.md). Charged with the cores' other work that brings weights
+    into the working buffers (host->device). Mapped KV/activation reads are not measured: not charged."""
+    if not hw.compute_on_host:
+        return const(0.0)  # a GPU machine's reader threads run beside the GPU, not on it
+    return f.w_disk * (model.layer_weight_bytes(policy.compress_weight) * hw.disk_read_cpu)
 
 
 def _layer_bytes_moved(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec):

@@ -16,10 +16,10 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "gpu_attention_prefill_flops": ..., "gpu_attention_decode_flops": ...,
      "cpu_matmul_flops": ..., "cpu_attention_flops": ...,
      "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...,
-     "compute_on_host": false, "layer_overhead_seconds": 0.0}
+     "compute_on_host": false, "layer_overhead_seconds": 0.0, "disk_read_cpu_seconds_per_byte": 0.0}
 
-`memory_usable_fraction` (default 0.8), `compute_on_host` (default false) and
-`layer_overhead_seconds` (default 0) may be left out.
+`memory_usable_fraction` (default 0.8), `compute_on_host` (default false),
+`layer_overhead_seconds` and `disk_read_cpu_seconds_per_byte` (default 0) may be left out.
 """
 from __future__ import annotations
 
@@ -56,8 +56,10 @@ _JSON_KEYS = {
     "cpu_dequant_values_per_s": "cpu_dequant_rate",
     "compute_on_host": "compute_on_host",
     "layer_overhead_seconds": "layer_overhead",
+    "disk_read_cpu_seconds_per_byte": "disk_read_cpu",
 }
-_OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds")
+_OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds",
+                  "disk_read_cpu_seconds_per_byte")
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ class HardwareSpec:
     # bookkeeping and thread hand-offs, per-call costs of small ops (kernel launches on a GPU). The
     # presets leave it at 0 (FlexGen's fitted constants absorb it); profiles measure it.
     layer_overhead: float = 0.0
+    # CPU seconds the host spends per byte read from disk (the store's reader threads: O_DIRECT
+    # syscalls, page pinning, completions). Matters where those cores compute (compute_on_host);
+    # presets leave it at 0, profiles measure it.
+    disk_read_cpu: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -117,7 +123,7 @@ class HardwareSpec:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SpecError(f"HardwareSpec.{f.name} must be a finite number, got {value!r}")
             # a tier may be empty (no disk) and the overhead nil; rates and the GPU must not be
-            may_be_zero = (f.name.endswith("_memory") and f.name != "gpu_memory") or f.name == "layer_overhead"
+            may_be_zero = (f.name.endswith("_memory") and f.name != "gpu_memory") or f.name in ("layer_overhead", "disk_read_cpu")
             if value < 0 or (value == 0 and not may_be_zero):
                 raise SpecError(f"HardwareSpec.{f.name} must be {'>= 0' if may_be_zero else '> 0'}, "
                                 f"got {value!r}")

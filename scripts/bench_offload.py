@@ -122,8 +122,8 @@ import torch  # noqa: E402
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.checkpoint import DummyWeights  # noqa: E402
+from flexsarathi.profiler import read_store_rate  # noqa: E402
 from offload.disk_store import DiskStore, drop_page_cache  # noqa: E402
-from offload.host_buffer import aligned_empty  # noqa: E402
 from offload.host_malloc import host_malloc_state  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from policy_search.hardware import HardwareSpec  # noqa: E402
@@ -379,27 +379,6 @@ def cpu_per_gb(fn, *args) -> tuple[float, float]:
     rate = fn(*args)
     nbytes = rate * (time.perf_counter() - w0)
     return rate, (cpu_seconds() - c0) / (nbytes / GB)
-
-
-def measure_disk(store, range_reads: bool) -> float:
-    """Every tensor of the store read with O_DIRECT (4 threads, 8 MiB chunks) into two alternating
-    aligned buffers, the next read in flight while one completes: with `range_reads` as the engine
-    issues them (read_range_async), else as whole tensors (DiskStore.read_async)."""
-    names = store.names()
-    biggest = max(store.entry(n).nbytes for n in names)
-    buffers = [aligned_empty((biggest,), torch.uint8) for _ in range(2)]
-    total, start = 0, time.perf_counter()
-    pending = None
-    for i, name in enumerate(names):
-        e = store.entry(name)
-        out = buffers[i % 2][:e.nbytes].view(e.dtype)
-        fut = store.read_range_async(name, 0, out) if range_reads else store.read_async(name, out.view(e.shape))
-        if pending is not None:
-            pending.result()
-        pending = fut
-        total += e.nbytes
-    pending.result()
-    return total / (time.perf_counter() - start)
 
 
 def measure_disk_buffered(files) -> float:
@@ -1024,9 +1003,9 @@ def measure_machine(args, setup: Setup, plain_key: str, t0: float) -> tuple[Rate
     plain_files = store.data_files()
     drop_cache_of(plain_files)
     # The first read of a run is slower (the virtual disk warms up): best of two.
-    measure_disk(store, range_reads=False)
-    direct, direct_cpu = cpu_per_gb(measure_disk, store, False)
-    engine_path, engine_cpu = cpu_per_gb(measure_disk, store, True)
+    read_store_rate(store, range_reads=False)
+    direct, direct_cpu = cpu_per_gb(read_store_rate, store, False)
+    engine_path, engine_cpu = cpu_per_gb(read_store_rate, store, True)
     buffered, buffered_cpu = cpu_per_gb(measure_disk_buffered, plain_files)
     store.close()
     del store

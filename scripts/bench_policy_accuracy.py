@@ -127,20 +127,37 @@ class Neighbours:
 
 
 class PassTimer:
-    """Wraps the engine's pass executor to record (tokens, seconds) of every pass."""
+    """Wraps the engine's pass executor to record (tokens, seconds) of every pass, and the weight
+    streamer to record per pass the time the pass waited for weights (`get`) and the time the
+    loader was busy (`_load`, on the prefetch thread): where a placement's time goes."""
 
     def __init__(self, llm: LLM):
-        self.executor = llm.engine.executor
+        self.executor, weights = llm.engine.executor, llm.engine.weights
         self.inner = self.executor.run
         self.passes: list[tuple[int, int, float]] = []  # (decode tokens, prompt tokens, seconds)
+        self.waits: list[tuple[float, float, float]] = []  # (waited for weights, loader busy, process CPU) s
+        self._acc = {"get": 0.0, "_load": 0.0}
+        for name in self._acc:
+            setattr(weights, name, self._timed(getattr(weights, name), name))
         self.executor.run = self._run
 
+    def _timed(self, fn, name):
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self._acc[name] += time.perf_counter() - start
+        return timed
+
     def _run(self, micro_batches):
-        start = time.perf_counter()
+        self._acc.update(get=0.0, _load=0.0)
+        start, cpu = time.perf_counter(), time.process_time()
         out = self.inner(micro_batches)
         tokens = sum(mb.num_tokens for mb in micro_batches)
         sampled = sum(mb.logit_rows.numel() for mb in micro_batches)
         self.passes.append((tokens, sampled, time.perf_counter() - start))
+        self.waits.append((self._acc["get"], self._acc["_load"], time.process_time() - cpu))
         return out
 
 
@@ -156,14 +173,16 @@ def run_placement(name: str, policy: Policy, args, hw: HardwareSpec, prompts: li
     runs = []
     for _ in range(args.repeats):
         timer.passes.clear()
+        timer.waits.clear()
         neighbours = Neighbours()
         llm.generate(prompts, params, use_tqdm=False)
-        runs.append((dict(llm.last_stats) | {"neighbours": neighbours.cores()}, list(timer.passes)))
+        runs.append((dict(llm.last_stats) | {"neighbours": neighbours.cores()},
+                     list(timer.passes), list(timer.waits)))
     llm.close()
     del llm, timer
     runs.sort(key=lambda r: r[0]["tokens_per_s"])
-    stats, passes = runs[len(runs) // 2]
-    return {"built": built, "stats": stats, "passes": passes,
+    stats, passes, waits = runs[len(runs) // 2]
+    return {"built": built, "stats": stats, "passes": passes, "waits": waits,
             "all": [(r[0]["tokens_per_s"], r[0]["neighbours"]) for r in runs]}
 
 
@@ -236,6 +255,10 @@ def main() -> int:
         summary = ", ".join(f"{t} tok: {len(s)} x {statistics.median(s):.3f} s"
                             for t, s in sorted(by_tokens.items(), key=lambda kv: -len(kv[1]))[:4])
         say(f"         measured passes (tokens: count x median s): {summary}")
+        n = max(len(result["waits"]), 1)
+        waited, loading, cpu = (sum(w[i] for w in result["waits"]) / n for i in range(3))
+        say(f"         per pass: waited for weights {waited:.3f} s, weight loader busy {loading:.3f} s, "
+            f"process CPU {cpu:.3f} s")
         rows.append((name, policy, est, measured_tps, stats["neighbours"]))
 
     say("")

@@ -46,6 +46,32 @@ def test_disk_weights_cost_a_read_and_no_copy(opt13, host):
     assert decode.seconds == pytest.approx(max(r["disk->host"], r["gpu"] + r["host->device"]))
 
 
+def test_disk_reads_take_cpu_from_the_computing_cores(opt13, host):
+    """The store's reader threads spend `disk_read_cpu` seconds per byte read on the cores that
+    compute: on the host, w_disk x layer bytes x that figure joins host->device (the cores' work of
+    filling the working buffers), so it adds to the compute chain; on a GPU machine it does not."""
+    wl = Workload(prompt_len=64, gen_len=8)
+    policy = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_cpu=0.25, w_disk=0.75)))
+    layers = opt13.num_layers * opt13.layer_weight_bytes(False)
+    cpu_per_byte = 0.04 / GB  # 0.04 CPU s/GB
+    reads = host.replace(disk_read_cpu=cpu_per_byte)
+    plain, charged = (_decode(estimate(policy, opt13, h, wl))[0] for h in (host, reads))
+    assert charged.resources["host->device"] == pytest.approx(
+        0.25 * layers / host.host_to_device + 0.75 * layers * cpu_per_byte)
+    assert charged.resources["host->device"] - plain.resources["host->device"] == pytest.approx(
+        0.75 * layers * cpu_per_byte)
+    r = charged.resources
+    assert charged.seconds == pytest.approx(max(r["disk->host"], r["gpu"] + r["host->device"]))
+    on_gpu = [_decode(estimate(policy, opt13, h.replace(compute_on_host=False), wl))[0] for h in (host, reads)]
+    assert on_gpu[0].resources == on_gpu[1].resources
+    # profiles carry it (saved and loaded); older ones and the presets have none
+    assert HardwareSpec.from_dict(reads.to_dict()).disk_read_cpu == cpu_per_byte
+    assert HardwareSpec.from_dict({k: v for k, v in reads.to_dict().items()
+                                   if k != "disk_read_cpu_seconds_per_byte"}).disk_read_cpu == 0
+    with pytest.raises(SpecError, match="disk_read_cpu"):
+        host.replace(disk_read_cpu=-1.0)
+
+
 def test_host_copies_add_to_compute(opt13, host):
     wl = Workload(prompt_len=64, gen_len=8)
     policy = Policy(gpu_batch_size=16, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_cpu=1.0)))
