@@ -138,7 +138,7 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
 def _disk_read_cpu(policy: Policy, model: ModelSpec, hw: HardwareSpec) -> np.ndarray:
     """Seconds the computing cores lose per layer to the disk store's reader threads on a host
     compute device: every streamed disk weight byte costs `hw.disk_read_cpu` of CPU (O_DIRECT
-    syscalls, page pinning, completions; 0.03-0.06 CPU s/GB measured beside the engine's passes on a
+    syscalls, page pinning, completions; 0.02-0.06 CPU s/GB measured beside the engine's passes on a
     2-core EPYC, policy_search/README.md). Charged with the cores' other work that brings weights
     into the working buffers (host->device). Mapped KV/activation reads are not measured: not charged."""
     if not hw.compute_on_host:
