@@ -16,10 +16,11 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "gpu_attention_prefill_flops": ..., "gpu_attention_decode_flops": ...,
      "cpu_matmul_flops": ..., "cpu_attention_flops": ...,
      "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...,
-     "compute_on_host": false, "layer_overhead_seconds": 0.0}
+     "compute_on_host": false, "layer_overhead_seconds": 0.0, "cpu_int4_matmul_flops": null}
 
-`memory_usable_fraction` (default 0.8), `compute_on_host` (default false) and
-`layer_overhead_seconds` (default 0) may be left out.
+`memory_usable_fraction` (default 0.8), `compute_on_host` (default false),
+`layer_overhead_seconds` (default 0) and `cpu_int4_matmul_flops` (default null: no int4 kernel
+figure, 4-bit weights priced as dequantization + matmul) may be left out.
 """
 from __future__ import annotations
 
@@ -56,8 +57,10 @@ _JSON_KEYS = {
     "cpu_dequant_values_per_s": "cpu_dequant_rate",
     "compute_on_host": "compute_on_host",
     "layer_overhead_seconds": "layer_overhead",
+    "cpu_int4_matmul_flops": "cpu_int4_matmul_flops",
 }
-_OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds")
+_OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds",
+                  "cpu_int4_matmul_flops")
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ class HardwareSpec:
     # bookkeeping and thread hand-offs, per-call costs of small ops (kernel launches on a GPU). The
     # presets leave it at 0 (FlexGen's fitted constants absorb it); profiles measure it.
     layer_overhead: float = 0.0
+    # FLOP/s of torch's CPU int4 kernel (quant/cpu_matmul.py linear_4bit) on the layer's 4-bit weights
+    # at a decode row count, dequantization inside its tiles included; None where the kernel does not
+    # cover the machine or dtype (and in presets and older profiles): 4-bit weights are then priced
+    # as dequantization + matmul. Used for passes on the host with few rows (cost_model.py).
+    cpu_int4_matmul_flops: float | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -107,6 +115,8 @@ class HardwareSpec:
             raise SpecError(f"HardwareSpec.name must be a non-empty string, got {self.name!r}")
         for f in fields(self):
             if f.name in ("name", "notes"):
+                continue
+            if f.name == "cpu_int4_matmul_flops" and self.cpu_int4_matmul_flops is None:
                 continue
             if f.name == "compute_on_host":
                 if not isinstance(self.compute_on_host, bool):
