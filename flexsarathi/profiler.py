@@ -4,7 +4,9 @@ Everything is measured on the compute device the engine would use (CUDA when pre
 CPU, whose "gpu tier" is then host memory), in the engine's dtype and on the shapes of one decoder
 layer (`model=`: a policy_search.ModelSpec; default: OPT-1.3B's, hidden 2048, MLP 8192, 32 heads):
 copy bandwidths between tiers, disk read (O_DIRECT, page cache bypassed) and write (fsync'd), the
-layer's four matmuls at several row counts, attention rates, dequantization rates, and the engine's
+layer's four matmuls at several row counts, attention rates, dequantization rates, torch's CPU int4
+kernel on the layer's 4-bit weights (bf16 on the CPU only; what the planner prices decode passes of
+few rows at), and the engine's
 own fixed cost per layer of a pass (run on a small dummy model). Each figure
 is the median of a few repeats after a warm-up, with fewer repeats for slow calls, so the whole run
 takes under a minute on a 2-core machine (measured: 18-23 s in fp32 on a busy 2-core EPYC).
