@@ -11,13 +11,16 @@ would read per token at batch 1 (prints; asserts nothing).
 
 Set-up
 * Model: `dummy:llama-2-70b` (or, with --layers N, the same config truncated to N layers, registered
-  here as `llama-2-70b-<N>l`: its store is keyed apart). The weights are generated, quantized to
-  4-bit g64 (4.5 bits per value) and written to the disk store layer by layer (offload/placed_layers.py);
-  the store is written once and reused. Its key is the store format version, the source's
-  fingerprint (model name, so the layer count, and seed), the compute dtype and the 4-bit format
-  (bits, group size, grouping dimension): a store of another format is never read as this one.
-  The script prints how long writing took, where the time goes (generation and quantization of one
-  layer timed alone) and the peak RSS while writing (VmHWM, reset before).
+  here as `llama-2-70b-<N>l`: its store is keyed apart). The layer matrices are drawn directly as
+  4-bit g64 codes (4.5 bits per value; uniform codes, each group's step giving the std 0.02 of
+  the other dummy models' normal draws: `dummy_weight_codes`, checkpoint.DummyWeights) and written
+  to the disk store layer by layer (offload/placed_layers.py): generating and quantizing normal
+  draws (--quantize-normal) costs tens of CPU seconds per 70B layer on two cores, drawing codes about
+  one. The store is written once and reused. Its key is the store format version, the source's
+  fingerprint (model name, so the layer count; seed; codes drawn or quantized), the compute dtype
+  and the 4-bit format (bits, group size, grouping dimension): a store of another format is never
+  read as this one. The script prints how long writing took, where the time goes (one layer made
+  alone) and the peak RSS while writing (VmHWM, reset before).
 * Machine: no GPU, so the "gpu" tier is a budgeted working set in host memory (--gpu-mem-gib) and
   the cpu tier another budget (--cpu-mem-gib); the engine refuses a policy that does not fit them
   (KV cache of the chosen batch included) and the planner only proposes policies that fit.
@@ -191,16 +194,19 @@ def vm_hwm() -> float:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
-def time_one_layer(model: str) -> tuple[float, float]:
-    """(seconds to generate, seconds to quantize) one layer, as placing the store does each layer."""
-    source = DummyWeights(model)
+def time_one_layer(model: str, codes: bool) -> str:
+    """How long making one layer takes, as placing the store does it for every layer."""
+    source = DummyWeights(model, codes=WEIGHT_QUANT if codes else None)
     start = time.perf_counter()
     weights = source.layer_weights(0, torch.bfloat16)
-    generated = time.perf_counter()
+    made = time.perf_counter() - start
+    if codes:
+        return f"one layer alone: codes drawn in {made:.1f} s"
+    start = time.perf_counter()
     for tensor in weights.values():
         if tensor.dim() == 2:
             quantize(tensor, WEIGHT_QUANT)
-    return generated - start, time.perf_counter() - generated
+    return f"one layer alone: generated in {made:.1f} s, quantized in {time.perf_counter() - start:.1f} s"
 
 
 def build_engine(args, model: str, policy, hardware):
@@ -208,9 +214,10 @@ def build_engine(args, model: str, policy, hardware):
     release_free_memory()
     vm_hwm_reset()
     start = time.perf_counter()
+    cpu0 = cpu_seconds()
     llm = LLM(f"dummy:{model}", dtype="bfloat16", policy=policy, hardware=hardware,
-              offload_dir=args.offload_dir, direct_io=True)
-    seconds, peak = time.perf_counter() - start, vm_hwm()
+              offload_dir=args.offload_dir, direct_io=True, dummy_weight_codes=not args.quantize_normal)
+    seconds, peak, cpu = time.perf_counter() - start, vm_hwm(), cpu_seconds() - cpu0
     store = llm.engine.weights.store
     size = sum(store.entry(n).nbytes for n in store.names())
     written = os.path.getmtime(store.manifest_path) >= time.time() - seconds - 1
@@ -218,11 +225,8 @@ def build_engine(args, model: str, policy, hardware):
         + (f"written now: {size / GB / seconds:.3f} GB/s" if written else "reused") + ")"
         + f"; peak RSS while building {peak / GiB:.2f} GiB")
     if written:
-        gen, quant = time_one_layer(model)
-        layers = llm.engine.config.num_layers
-        say(f"  where the writing time goes: one layer alone generates in {gen:.1f} s and quantizes in {quant:.1f} s; "
-            f"x {layers} layers = {layers * (gen + quant):.0f} of the {seconds:.0f} s (the rest: writing, "
-            f"checksums, embeddings)")
+        say(f"  writing took {cpu:.0f} CPU seconds of this process; {time_one_layer(model, not args.quantize_normal)} "
+            f"(x {llm.engine.config.num_layers} layers; the rest: writing, checksums, embeddings)")
     if not store.direct_io_active:
         say("  WARNING: the store fell back to buffered I/O: the page cache is NOT bypassed")
     return llm, size
@@ -355,6 +359,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, help="hardware profile JSON (loaded if it exists, else measured and saved)")
     p.add_argument("--cpu-weights", action="store_true",
                    help="let the planner keep part of the weights in memory (default: every layer streams from disk)")
+    p.add_argument("--quantize-normal", action="store_true",
+                   help="write the store by quantizing normal draws (the other dummy benchmarks' weights; "
+                        "~40x slower to write than the default, codes drawn directly)")
     p.add_argument("--offload-dir", default="/tmp/fs_bench_70b")
     p.add_argument("--quick", action="store_true", help="smoke test: a tiny llama shape, 2 layers, 4 x 8 -> 3")
     args = p.parse_args(argv)
