@@ -65,7 +65,7 @@ from flexsarathi.cli_common import describe_policy  # noqa: E402
 from flexsarathi.engine import WEIGHT_QUANT  # noqa: E402
 from flexsarathi.llm import planner_model_spec  # noqa: E402
 from offload.disk_store import DiskStore  # noqa: E402
-from policy_search import HardwareSpec, Workload, estimate, search  # noqa: E402
+from policy_search import HardwareSpec, Workload, search  # noqa: E402
 from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402
 from quant import quantize  # noqa: E402
 
