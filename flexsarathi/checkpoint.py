@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import zlib
 from abc import ABC, abstractmethod
@@ -19,6 +20,8 @@ from flexsarathi.errors import CheckpointError
 from flexsarathi.model_config import ModelConfig
 from flexsarathi.models import ModelMath, Weights, build_model_math
 from policy_search.model_registry import known_config
+from quant import QTensor, QuantConfig
+from quant.layout import GroupLayout
 
 DUMMY_PREFIX = "dummy:"
 
@@ -41,10 +44,13 @@ class WeightSource(ABC):
     def layer_weights(self, layer: int, dtype: torch.dtype) -> Weights: ...
 
 
-def open_weight_source(model: str) -> WeightSource:
-    """`model` is a checkpoint folder or `dummy:<name>` (see policy_search.model_registry)."""
+def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSource:
+    """`model` is a checkpoint folder or `dummy:<name>` (see policy_search.model_registry); codes:
+    a dummy model's layer matrices drawn directly in that quantized format (DummyWeights)."""
     if model.startswith(DUMMY_PREFIX):
-        return DummyWeights(model[len(DUMMY_PREFIX):])
+        return DummyWeights(model[len(DUMMY_PREFIX):], codes=codes)
+    if codes is not None:
+        raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
     return SafetensorsCheckpoint(model)
 
 
@@ -153,18 +159,24 @@ class DummyWeights(WeightSource):
     """Random weights of a registered model's real shape (as FlexGen benchmarks): deterministic
     per (model, layer, tensor), generated on demand, so any layer can be regenerated alone."""
 
-    def __init__(self, name: str, seed: int = 0):
+    def __init__(self, name: str, seed: int = 0, codes: QuantConfig | None = None):
+        """codes: draw each layer's 2-D weights directly as uniformly random codes of that format
+        (QTensors) instead of quantizing normal draws: generating and quantizing a 70B layer takes
+        tens of seconds on two cores, drawing its codes about one (scripts/bench_70b.py). Other
+        weights than the normal draws, so another fingerprint (and disk store)."""
         try:
             hf = known_config(name)
         except KeyError as exc:
             raise CheckpointError(str(exc.args[0])) from None
-        self.name, self.seed = name, seed
+        self.name, self.seed, self.codes = name, seed, codes
         self.config = ModelConfig.from_hf(hf, source=f"{DUMMY_PREFIX}{name}")
         self.math = build_model_math(self.config)
 
     @property
     def fingerprint(self) -> str:
-        return f"dummy-{self.name}-seed{self.seed}"
+        codes = self.codes
+        drawn = f"-codes{codes.bits}g{codes.group_size}d{codes.group_dim}{'s' if codes.symmetric else ''}" if codes else ""
+        return f"dummy-{self.name}-seed{self.seed}{drawn}"
 
     def _make(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if key.endswith("norm.weight"):
@@ -172,10 +184,26 @@ class DummyWeights(WeightSource):
         if key.endswith(".bias") or len(shape) == 1:
             return torch.zeros(shape, dtype=dtype)
         gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}".encode()))
-        return (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+        # randn(shape) * 0.02, bit for bit (the fingerprint, so stores written before, stay valid)
+        # without a second fp32 temporary: a 70B layer's fused gate/up weight is 1.9 GB in fp32.
+        return torch.empty(shape).normal_(0.0, 0.02, generator=gen).to(dtype)
 
     def global_weights(self, dtype):
         return {k: self._make(k, s, dtype) for k, s in self.math.global_shapes().items()}
 
+    def _draw_codes(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> QTensor:
+        """Uniformly random codes, every group with the step that gives the normal draws' std (0.02)
+        and its minimum half the code range below 0: values spread evenly around 0."""
+        config = self.codes
+        groups = GroupLayout.of(shape, config).num_groups
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}:codes".encode()))
+        data = torch.randint(0, 256, (groups * config.bytes_per_group,), generator=gen, dtype=torch.uint8)
+        levels = 2**config.bits  # a uniform code's std is step * sqrt((levels^2 - 1) / 12)
+        step = 0.02 / math.sqrt((levels**2 - 1) / 12)
+        scale = torch.full((groups,), step, dtype=torch.float16)
+        minimum = torch.full((groups,), -step * (levels - 1) / 2, dtype=torch.float16)
+        return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(shape), dtype=dtype, config=config)
+
     def layer_weights(self, layer, dtype):
-        return {k: self._make(f"{layer}.{k}", s, dtype) for k, s in self.math.layer_shapes().items()}
+        return {k: self._draw_codes(f"{layer}.{k}", s, dtype) if self.codes is not None and len(s) == 2
+                else self._make(f"{layer}.{k}", s, dtype) for k, s in self.math.layer_shapes().items()}

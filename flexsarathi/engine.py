@@ -138,6 +138,10 @@ class EngineConfig:
     weight_quant: QuantConfig = WEIGHT_QUANT
     kv_bits: int = KV_FORMAT.bits
     kv_value_group: int = KV_FORMAT.value_group
+    # dummy models with 4-bit weights: draw the codes directly instead of quantizing normal draws
+    # (other weights, another disk store; checkpoint.DummyWeights), for models too large to quantize
+    # quickly on a CPU (scripts/bench_70b.py)
+    dummy_weight_codes: bool = False
 
 
 class LLMEngine:
@@ -147,7 +151,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.engine_config = e = config
         self.device = resolve_device(e.device)
-        self.source = open_weight_source(e.model)
+        drawn = e.weight_quant if e.dummy_weight_codes and e.policy.compress_weight else None
+        self.source = open_weight_source(e.model, codes=drawn)
         self.config, self.math = self.source.config, self.source.math
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = e.policy

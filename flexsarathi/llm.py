@@ -54,7 +54,8 @@ class LLM:
 
             spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
         if policy == "auto":
-            formats = dict(engine_options, kv_block_size=kv_block_size)
+            formats = {k: v for k, v in engine_options.items() if k in ("weight_quant", "kv_bits", "kv_value_group")}
+            formats["kv_block_size"] = kv_block_size
             policy = self.search_policy(model, spec, workload, dtype, formats=formats)
         elif isinstance(policy, str):
             policy = Policy.load(policy)

@@ -4,7 +4,9 @@ Everything is measured on the compute device the engine would use (CUDA when pre
 CPU, whose "gpu tier" is then host memory), in the engine's dtype and on the shapes of one decoder
 layer (`model=`: a policy_search.ModelSpec; default: OPT-1.3B's, hidden 2048, MLP 8192, 32 heads):
 copy bandwidths between tiers, disk read (O_DIRECT, page cache bypassed) and write (fsync'd), the
-layer's four matmuls at several row counts, attention rates, dequantization rates, and the engine's
+layer's four matmuls at several row counts, attention rates, dequantization rates, torch's CPU int4
+kernel on the layer's 4-bit weights (bf16 on the CPU only; what the planner prices decode passes of
+few rows at), and the engine's
 own fixed cost per layer of a pass (run on a small dummy model). Each figure
 is the median of a few repeats after a warm-up, with fewer repeats for slow calls, so the whole run
 takes under a minute on a 2-core machine (measured: 18-23 s in fp32 on a busy 2-core EPYC).
@@ -204,6 +206,36 @@ def _dequant_rate(device, dtype, values: int = 1 << 22) -> float:
     return values / _median_seconds(run)
 
 
+INT4_KERNEL_ROWS = 16  # the decode row count the int4 kernel's rate is measured at
+
+
+def _int4_kernel_rate(device, dtype, shapes: LayerShapes, rows: int = INT4_KERNEL_ROWS) -> float | None:
+    """FLOP/s of torch's CPU int4 kernel (quant/cpu_matmul.py `linear_4bit`) over the layer's
+    matrices at `rows` rows, on weights packed in its layout in the engine's 4-bit format; None
+    where the kernel does not cover this machine or dtype (bf16 on the CPU only). The kernel's
+    speed does not depend on the codes, so the packed weights are random bytes (quantizing and
+    re-laying out a 70B layer would take longer than the measurement)."""
+    from flexsarathi.engine import WEIGHT_QUANT
+    from quant.cpu_matmul import Int4Packed, linear_4bit, pack_for_cpu_kernel
+
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    group = WEIGHT_QUANT.group_size
+    probe = quantize(torch.randn(64, 2 * group, dtype=dtype), WEIGHT_QUANT)
+    if pack_for_cpu_kernel(probe) is None or any(o % 64 or i % group for o, i in shapes.matrices):
+        return None
+    weights = [Int4Packed(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8),
+                          (torch.rand(i // group, o, 2) * 0.01).to(torch.bfloat16), (o, i), group)
+               for o, i in shapes.matrices]
+    inputs = [torch.randn(rows, i, dtype=dtype) for _, i in shapes.matrices]
+
+    def run():
+        for x, w in zip(inputs, weights):
+            linear_4bit(x, w)
+
+    return 2 * shapes.params * rows / _median_seconds(run, repeats=5)
+
+
 def read_store_rate(store: DiskStore, range_reads: bool = True) -> float:
     """Bytes/s reading every tensor of `store` with O_DIRECT into two alternating 4096-aligned
     buffers, the next read in flight while one completes: with `range_reads` as the engine streams
@@ -351,7 +383,7 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     figures = {**_measure_transfers(device, dtype, shapes, offload_dir, disk_bytes, log),
                **_measure_matmuls(device, dtype, shapes, log),
                **_measure_attention(device, dtype, shapes, prompt_len, decode_context, decode_seqs, log),
-               **_measure_dequant_and_overhead(device, dtype, log)}
+               **_measure_dequant_and_overhead(device, dtype, shapes, log)}
     gpu_memory = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory()
     return HardwareSpec(
         name=f"profile-{os.uname().nodename}", gpu_memory=gpu_memory, cpu_memory=_host_memory(),
@@ -412,12 +444,15 @@ def _measure_attention(device, dtype, shapes, prompt_len: int, decode_context: i
                 cpu_attention_flops=cpu_attn)
 
 
-def _measure_dequant_and_overhead(device, dtype, log) -> dict:
-    log("  measuring 4-bit dequantization ...")
+def _measure_dequant_and_overhead(device, dtype, shapes, log) -> dict:
+    log("  measuring 4-bit dequantization and the CPU int4 kernel ...")
     dequant = _dequant_rate(device, dtype)
     cpu_dequant = dequant if device.type != "cuda" else _dequant_rate(torch.device("cpu"), torch.bfloat16)
-    log(f"  dequantize: {dequant / 1e9:.2f} G values/s")
+    int4 = _int4_kernel_rate(device, dtype, shapes)
+    log(f"  dequantize: {dequant / 1e9:.2f} G values/s; int4 kernel: "
+        + (f"{int4 / 1e12:.3f} TFLOP/s ({INT4_KERNEL_ROWS} rows)" if int4 else "not used here (bf16 on the CPU only)"))
     log("  measuring the engine's own cost per layer (dummy:opt-125m, one decode token per pass) ...")
     overhead = _layer_overhead(device, dtype)
     log(f"  engine overhead: {overhead * 1e3:.2f} ms per layer and micro-batch of a pass (beyond the math)")
-    return dict(gpu_dequant_rate=dequant, cpu_dequant_rate=cpu_dequant, layer_overhead=overhead)
+    return dict(gpu_dequant_rate=dequant, cpu_dequant_rate=cpu_dequant, layer_overhead=overhead,
+                cpu_int4_matmul_flops=int4)

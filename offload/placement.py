@@ -20,7 +20,7 @@ import torch
 
 from offload.memory import MemoryTracker
 from policy_search.policy import TIERS
-from quant import QTensor, QuantConfig, quantize
+from quant import QTensor, QuantConfig, dequantize, quantize
 
 Weights = dict[str, object]
 
@@ -101,8 +101,14 @@ def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: Qu
     return out
 
 
-def flat_components(tensor: torch.Tensor, plan: TensorPlan) -> list[torch.Tensor]:
-    """The tensor as it is stored: flat components (compressed when the plan says so)."""
+def flat_components(tensor: torch.Tensor | QTensor, plan: TensorPlan) -> list[torch.Tensor]:
+    """The tensor as it is stored: flat components (compressed when the plan says so). A source may
+    give a weight already quantized (dummy codes): kept as it is in the plan's format, else
+    dequantized first."""
+    if isinstance(tensor, QTensor):
+        if tensor.config == plan.quant:
+            return [tensor.data, tensor.scale, tensor.minimum]
+        tensor = dequantize(tensor, plan.dtype)
     if plan.quant is None:
         return [tensor.reshape(-1)]
     q = quantize(tensor, plan.quant)

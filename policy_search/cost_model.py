@@ -40,6 +40,7 @@ from policy_search.linear import FRACTION_EXPRS as f, const
 from policy_search.model_spec import ModelSpec
 from policy_search.passes import PassShape, RunShape
 from policy_search.policy import Policy
+from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS
 from policy_search.working_set import QUERY_BLOCK, SCORE_BYTES, PassTokens, working_set
 
 RESOURCES = ("host->device", "device->host", "disk->host", "host->disk", "gpu", "cpu")
@@ -100,6 +101,26 @@ def _matmul_seconds(params: float, tokens: float, decode_tokens: float, micro_ba
     return micro_batches * per_micro_batch
 
 
+def uses_cpu_int4_kernel(s: PassShape, policy: Policy, hw: HardwareSpec) -> bool:
+    """Whether the pass multiplies its 4-bit weights with the CPU int4 kernel: on the host, with a
+    measured kernel rate, decode-only micro-batches of at most CPU_INT4_KERNEL_MAX_ROWS rows."""
+    return (policy.compress_weight and hw.compute_on_host and hw.cpu_int4_matmul_flops is not None
+            and s.prompt_tokens == 0 and s.decode_tokens / s.micro_batches <= CPU_INT4_KERNEL_MAX_ROWS)
+
+
+def _layer_matmul_seconds(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec) -> float:
+    """One layer's matmuls over the pass, 4-bit weights included: the int4 kernel on the packed
+    weight (no dequantization) where `uses_cpu_int4_kernel`, else each micro-batch dequantizes the
+    weight right before its matmul and runs the dense one."""
+    params = model.layer_matrix_params
+    if uses_cpu_int4_kernel(s, policy, hw):
+        return 2 * params * s.tokens / hw.cpu_int4_matmul_flops
+    matmul = _matmul_seconds(params, s.tokens, s.decode_tokens, s.micro_batches, hw, model.bytes_per_value)
+    if policy.compress_weight:
+        matmul += s.micro_batches * params / hw.gpu_dequant_rate
+    return matmul
+
+
 def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
                      hw: HardwareSpec) -> dict[str, np.ndarray]:
     """Seconds per resource for one layer of one pass."""
@@ -109,16 +130,13 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
     gpu_decode_share = f.kv_gpu if cpu_attention else const(1.0)
     to_device, to_host, disk_read, disk_write = _layer_bytes_moved(s, policy, model, hw)
 
-    matmul = _matmul_seconds(model.layer_matrix_params, s.tokens, s.decode_tokens, s.micro_batches,
-                             hw, model.bytes_per_value)
+    matmul = _layer_matmul_seconds(s, policy, model, hw)
     pair_flops = model.attention_flops_per_pair()
     prompt_attention = s.prompt_pairs * pair_flops / hw.gpu_attention_prefill_flops
     decode_attention = max(decode_kv_tokens * pair_flops / hw.gpu_attention_decode_flops,
                            decode_kv_tokens * model.kv_bytes_per_token(False) / hw.gpu_memory_bandwidth)
     overhead = s.micro_batches * hw.layer_overhead  # the executor's fixed cost (HardwareSpec)
     gpu = const(matmul + prompt_attention + overhead) + gpu_decode_share * decode_attention
-    if policy.compress_weight:  # dequantized right before each matmul: once per micro-batch
-        gpu = gpu + const(s.micro_batches * model.layer_matrix_params / hw.gpu_dequant_rate)
     kv_values = model.kv_values_per_token
     if policy.compress_kv:  # dequantize what GPU attention reads, quantize what the pass stores
         gpu = gpu + (gpu_decode_share * decode_kv_tokens

@@ -16,10 +16,13 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "gpu_attention_prefill_flops": ..., "gpu_attention_decode_flops": ...,
      "cpu_matmul_flops": ..., "cpu_attention_flops": ...,
      "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...,
-     "compute_on_host": false, "layer_overhead_seconds": 0.0, "disk_read_cpu_seconds_per_byte": 0.0}
+     "compute_on_host": false, "layer_overhead_seconds": 0.0, "disk_read_cpu_seconds_per_byte": 0.0,
+     "cpu_int4_matmul_flops": null}
 
 `memory_usable_fraction` (default 0.8), `compute_on_host` (default false),
-`layer_overhead_seconds` and `disk_read_cpu_seconds_per_byte` (default 0) may be left out.
+`layer_overhead_seconds`, `disk_read_cpu_seconds_per_byte` (default 0) and
+`cpu_int4_matmul_flops` (default null: no int4 kernel figure, 4-bit weights priced as
+dequantization + matmul) may be left out.
 """
 from __future__ import annotations
 
@@ -57,9 +60,10 @@ _JSON_KEYS = {
     "compute_on_host": "compute_on_host",
     "layer_overhead_seconds": "layer_overhead",
     "disk_read_cpu_seconds_per_byte": "disk_read_cpu",
+    "cpu_int4_matmul_flops": "cpu_int4_matmul_flops",
 }
 _OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds",
-                  "disk_read_cpu_seconds_per_byte")
+                  "disk_read_cpu_seconds_per_byte", "cpu_int4_matmul_flops")
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,11 @@ class HardwareSpec:
     # syscalls, page pinning, completions). Matters where those cores compute (compute_on_host);
     # presets leave it at 0, profiles measure it.
     disk_read_cpu: float = 0.0
+    # FLOP/s of torch's CPU int4 kernel (quant/cpu_matmul.py linear_4bit) on the layer's 4-bit weights
+    # at a decode row count, dequantization inside its tiles included; None where the kernel does not
+    # cover the machine or dtype (and in presets and older profiles): 4-bit weights are then priced
+    # as dequantization + matmul. Used for passes on the host with few rows (cost_model.py).
+    cpu_int4_matmul_flops: float | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -113,6 +122,8 @@ class HardwareSpec:
             raise SpecError(f"HardwareSpec.name must be a non-empty string, got {self.name!r}")
         for f in fields(self):
             if f.name in ("name", "notes"):
+                continue
+            if f.name == "cpu_int4_matmul_flops" and self.cpu_int4_matmul_flops is None:
                 continue
             if f.name == "compute_on_host":
                 if not isinstance(self.compute_on_host, bool):

@@ -130,6 +130,19 @@ def test_dummy_weights_have_the_registered_shapes_and_are_deterministic():
         LLM("dummy:opt-7b")
 
 
+def test_dummy_weights_are_seeded_normal_draws_scaled_by_0_02():
+    """The values every dummy store was written with (a store is keyed by the fingerprint, not the
+    values): torch.randn from a generator seeded by crc32("seed:layer.name"), times 0.02, cast."""
+    import zlib
+
+    src = DummyWeights("opt-125m")
+    shapes = src.math.layer_shapes()
+    name = next(k for k, s in shapes.items() if len(s) == 2)
+    got = src.layer_weights(1, torch.bfloat16)[name]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"0:1.{name}".encode()))
+    assert torch.equal(got, (torch.randn(shapes[name], generator=gen) * 0.02).to(torch.bfloat16))
+
+
 def test_dummy_model_generates(tmp_path):
     llm = LLM("dummy:opt-125m")
     from flexsarathi import SamplingParams

@@ -30,3 +30,19 @@ def test_profile_writes_a_loadable_hardware_json(tmp_path):
     lines = result.stderr.splitlines()
     assert lines.index("  measuring the disk: writing and reading 16 MiB in "
                        f"{tmp_path / 'off'} ...") < next(i for i, line in enumerate(lines) if "disk: read" in line)
+
+
+def test_int4_kernel_rate_where_the_kernel_covers_the_machine():
+    """The profile's int4 figure: FLOP/s of linear_4bit on the layer's shapes in bf16 on the CPU
+    (None where the kernel's layout is not this machine's), never for other dtypes."""
+    import torch
+
+    from flexsarathi.profiler import LayerShapes, _int4_kernel_rate
+    from quant.cpu_matmul import layout_matches_torch
+
+    shapes = LayerShapes(((128, 256), (64, 128)), heads=2, kv_heads=2, head_dim=64)
+    rate = _int4_kernel_rate(torch.device("cpu"), torch.bfloat16, shapes, rows=4)
+    assert (rate is not None and rate > 0) if layout_matches_torch() else rate is None
+    assert _int4_kernel_rate(torch.device("cpu"), torch.float32, shapes) is None
+    odd = LayerShapes(((100, 256),), heads=2, kv_heads=2, head_dim=64)  # not whole 64-row blocks
+    assert _int4_kernel_rate(torch.device("cpu"), torch.bfloat16, odd) is None

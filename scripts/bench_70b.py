@@ -1,0 +1,400 @@
+#!/usr/bin/env python
+"""A 70B-class model from disk on a CPU-only machine: llama-2-70b's shape (GQA 64/8 heads, 80
+layers, hidden 8192, ffn 28672) with dummy 4-bit group-wise weights streamed from a disk store with
+O_DIRECT, the policy (batch, placement, schedule) chosen by the planner on a measured profile of
+this machine; prints tok/s against this machine's bound and against what llama.cpp's mmap offload
+would read per token at batch 1 (prints; asserts nothing).
+
+    .venv/bin/python scripts/bench_70b.py --profile prof70b.json   # the headline: 80 layers, 32 x 32 -> 16
+    .venv/bin/python scripts/bench_70b.py --layers 4               # the same layer shapes, 4 layers (~1.9 GB store)
+    .venv/bin/python scripts/bench_70b.py --quick                  # smoke test: a tiny llama shape, ~1 minute
+
+Set-up
+* Model: `dummy:llama-2-70b` (or, with --layers N, the same config truncated to N layers, registered
+  here as `llama-2-70b-<N>l`: its store is keyed apart). The layer matrices are drawn directly as
+  4-bit g64 codes (4.5 bits per value; uniform codes, each group's step giving the std 0.02 of
+  the other dummy models' normal draws: `dummy_weight_codes`, checkpoint.DummyWeights) and written
+  to the disk store layer by layer (offload/placed_layers.py): generating and quantizing normal
+  draws (--quantize-normal) costs ~48 CPU seconds per 70B layer here (43 of them quantizing),
+  drawing codes 1.2 (measured on a busy 2-core EPYC). The store is written once and reused. Its key is the store format version, the source's
+  fingerprint (model name, so the layer count; seed; codes drawn or quantized), the compute dtype
+  and the 4-bit format (bits, group size, grouping dimension): a store of another format is never
+  read as this one. The script prints how long writing took, where the time goes (one layer made
+  alone) and the peak RSS while writing (VmHWM, reset before).
+* Machine: no GPU, so the "gpu" tier is a budgeted working set in host memory (--gpu-mem-gib) and
+  the cpu tier another budget (--cpu-mem-gib); the engine refuses a policy that does not fit them
+  (KV cache of the chosen batch included) and the planner only proposes policies that fit.
+* Policy: `policy_search.search` on a profile of this machine (`flexsarathi profile`'s code on the
+  model's layer shapes in bf16; --profile loads it or measures and saves it) for the closed workload
+  (--num-requests prompts of --prompt-len tokens, --gen-len generated each), with 4-bit weights and
+  at most --num-requests running, every layer's weights on disk (--cpu-weights lets it keep a part
+  in memory); it picks the batch, the KV and activation placement, schedule and prefill budget.
+* Measured: generate() end to end after a one-pass warm-up; the bytes this process read from the
+  disk (/proc/self/io read_bytes; the store's page cache is dropped first and it is read with
+  O_DIRECT, so the page cache never serves it); per pass the tokens, attended keys and logit rows.
+* Bound per pass = max(disk bytes of the pass / disk rate, FLOPs / bf16 matmul rate at the pass's
+  rows), summed over the passes (as scripts/bench_offload.py: rates measured in this process just
+  before the run, best of a few rounds; the disk the fastest of three ways of reading the store).
+  Dequantization and every overhead are outside the bound. Target: tok/s >= 0.8 of the bound's.
+* llama.cpp: arithmetic, not a run (llama-cpp-python is not installed: building it on 2 shared
+  cores and writing a 38 GB GGUF of dummy weights is not done here). At batch 1 its mmap offload
+  reads every weight once per token once the model exceeds the RAM it may cache (the page cache
+  evicts the start of a sequential scan larger than itself before the next token wants it again):
+  tok/s = disk rate / bytes per token, bytes = weights x bits per weight / 8 (Q4_0 4.5, Q4_K_M ~4.8).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from bench_offload import (Pass, Rates, cpu_per_gb, cpu_seconds, disk_read_bytes, drop_cache_of,  # noqa: E402
+                           instrument, machine_busy_seconds, measure_disk, measure_disk_buffered,
+                           release_free_memory)
+from flexsarathi import LLM, SamplingParams  # noqa: E402
+from flexsarathi.checkpoint import DummyWeights  # noqa: E402
+from flexsarathi.cli_common import describe_policy  # noqa: E402
+from flexsarathi.engine import WEIGHT_QUANT  # noqa: E402
+from flexsarathi.llm import planner_model_spec  # noqa: E402
+from offload.disk_store import DiskStore  # noqa: E402
+from policy_search import HardwareSpec, Workload, search  # noqa: E402
+from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402
+from quant import quantize  # noqa: E402
+
+GiB = 1 << 30
+GB = 1e9
+RATE_TOKENS = (1, 8, 32, 128, 512)
+LLAMA_CPP_BITS = {"Q4_0": 4.5, "Q4_K_M": 4.8}  # bits per weight of llama.cpp's 4-bit formats
+# --quick: llama-2-70b's proportions (GQA 8:1, ffn 3.5 x hidden) at a tiny size
+TINY = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=1, intermediate_size=1792,
+            num_hidden_layers=2)
+
+
+def say(*args) -> None:
+    print(*args, flush=True)
+
+
+def machine_description() -> str:
+    """The CPU model, its SIMD flags that matter for matmuls, cores and RAM (one line)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    return (f"{model}, {os.cpu_count()} cores, flags {' '.join(f for f in wanted if f in flags) or 'none of '}"
+            f"{'' if flags & set(wanted) else ', '.join(wanted)}, {ram:.1f} GiB RAM, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), no GPU")
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+
+def register_model(layers: int | None, quick: bool) -> str:
+    """The registered model name to run: llama-2-70b, or its config truncated to `layers`."""
+    if quick:
+        name = "llama-2-70b-tiny"
+        KNOWN_MODELS[name] = {**known_config("llama-2-70b"), **TINY}
+        return name
+    if layers is None or layers == known_config("llama-2-70b")["num_hidden_layers"]:
+        return "llama-2-70b"
+    name = f"llama-2-70b-{layers}l"
+    KNOWN_MODELS[name] = {**known_config("llama-2-70b"), "num_hidden_layers": layers}
+    return name
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the bound needs of the model (bench_offload's Rates.bound reads pass_flops)."""
+    layers: int
+    hidden: int
+    vocab: int
+    matrices: tuple[tuple[int, int], ...]  # (out, in) of one layer's matmuls, as the engine fuses them
+
+    @classmethod
+    def of(cls, spec) -> "Shapes":
+        h, q, kv, f = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.ffn_size
+        return cls(spec.num_layers, h, spec.vocab_size, ((q + 2 * kv, h), (h, q), (2 * f, h), (h, f)))
+
+    @property
+    def layer_matrix_params(self) -> int:
+        return sum(o * i for o, i in self.matrices)
+
+    def pass_flops(self, tokens: int, attended_keys: int, logit_rows: int) -> float:
+        # attention: q.k and p.v over every attended key, 64 query heads x 128 = hidden
+        return (self.layers * (2.0 * self.layer_matrix_params * tokens + 4.0 * self.hidden * attended_keys)
+                + 2.0 * self.hidden * self.vocab * logit_rows)
+
+
+def llama_cpp_bytes_per_token(shapes: Shapes) -> dict[str, float]:
+    """Bytes llama.cpp's mmap offload reads per token at batch 1, per 4-bit format: every layer
+    weight and the output matrix (the embedding lookup touches one row)."""
+    weights = shapes.layers * shapes.layer_matrix_params + shapes.hidden * shapes.vocab
+    return {fmt: weights * bits / 8 for fmt, bits in LLAMA_CPP_BITS.items()}
+
+
+# ---- profile, policy, store ---------------------------------------------------------------------
+
+
+def load_profile(args, spec) -> HardwareSpec:
+    if args.profile and os.path.exists(args.profile):
+        say(f"profile: {args.profile} (loaded)")
+        return HardwareSpec.load(args.profile)
+    from flexsarathi.profiler import profile_machine
+
+    say("profile: measuring this machine" + (f" (saved to {args.profile})" if args.profile else ""))
+    profile = profile_machine(args.offload_dir, dtype=torch.bfloat16, model=spec, prompt_len=args.prompt_len,
+                              decode_context=args.prompt_len + args.gen_len, decode_seqs=args.num_requests,
+                              log=lambda line: say("  " + line))
+    if args.profile:
+        profile.save(args.profile)
+    return profile
+
+
+def choose_policy(args, model: str, profile: HardwareSpec):
+    """(hardware with this run's budgets, policy, the planner's estimate for this closed workload)."""
+    hardware = profile.with_memory(gpu=args.gpu_mem_gib * GiB, cpu=args.cpu_mem_gib * GiB)
+    spec = planner_model_spec(f"dummy:{model}", "bfloat16")
+    workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len, num_requests=args.num_requests)
+    placement = {} if args.cpu_weights else dict(w_gpu=0.0, w_cpu=0.0, w_disk=1.0)
+    policy, est = search(spec, hardware, workload, compress_weight=True, max_running=args.num_requests, **placement)
+    say(f"planner: {describe_policy(policy)}, weight prefetch {policy.weight_prefetch}")
+    say(f"  predicted {est.throughput:.3f} tok/s ({est.generated_tokens:.0f} tokens in {est.total_seconds:.0f} s, "
+        f"bound by {est.bound}); peak memory " + ", ".join(
+            f"{t} {est.peak_memory[t] / GiB:.2f} of {est.budgets[t] / GiB:.2f} GiB" for t in ("gpu", "cpu", "disk")))
+    return hardware, policy, est
+
+
+def vm_hwm_reset() -> None:
+    """Reset this process's peak RSS (VmHWM), so the next reading is the peak from here."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def vm_hwm() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def time_one_layer(model: str, codes: bool) -> str:
+    """How long making one layer takes, as placing the store does it for every layer."""
+    source = DummyWeights(model, codes=WEIGHT_QUANT if codes else None)
+    start = time.perf_counter()
+    weights = source.layer_weights(0, torch.bfloat16)
+    made = time.perf_counter() - start
+    if codes:
+        return f"one layer alone: codes drawn in {made:.1f} s"
+    start = time.perf_counter()
+    for tensor in weights.values():
+        if tensor.dim() == 2:
+            quantize(tensor, WEIGHT_QUANT)
+    return f"one layer alone: generated in {made:.1f} s, quantized in {time.perf_counter() - start:.1f} s"
+
+
+def build_engine(args, model: str, policy, hardware):
+    """(engine, store bytes): the store written first where absent (timed, peak RSS), else reused."""
+    release_free_memory()
+    vm_hwm_reset()
+    start = time.perf_counter()
+    cpu0 = cpu_seconds()
+    llm = LLM(f"dummy:{model}", dtype="bfloat16", policy=policy, hardware=hardware,
+              offload_dir=args.offload_dir, direct_io=True, dummy_weight_codes=not args.quantize_normal)
+    seconds, peak, cpu = time.perf_counter() - start, vm_hwm(), cpu_seconds() - cpu0
+    store = llm.engine.weights.store
+    size = sum(store.entry(n).nbytes for n in store.names())
+    written = os.path.getmtime(store.manifest_path) >= time.time() - seconds - 1
+    say(f"engine built in {seconds:.0f} s; store {store.path} ({size / GB:.2f} GB, "
+        + (f"written now: {size / GB / seconds:.3f} GB/s" if written else "reused") + ")"
+        + f"; peak RSS while building {peak / GiB:.2f} GiB")
+    if written:
+        say(f"  writing took {cpu:.0f} CPU seconds of this process; {time_one_layer(model, not args.quantize_normal)} "
+            f"(x {llm.engine.config.num_layers} layers; the rest: writing, checksums, embeddings)")
+    if not store.direct_io_active:
+        say("  WARNING: the store fell back to buffered I/O: the page cache is NOT bypassed")
+    return llm, size
+
+
+# ---- the bound's rates ----------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def measure_matmul(shapes: Shapes, rounds: int = 3, seconds_per_round: float = 0.15) -> dict[int, float]:
+    """FLOP/s of one layer's bf16 matmuls (F.linear, as the engine runs them) per row count: best of
+    `rounds` short rounds interleaved over the row counts (as bench_offload.measure_matmul does for
+    OPT's four matrices; these are LLaMA's fused qkv, o, gate+up, down)."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(o, i, generator=gen) * 0.02).to(torch.bfloat16) for o, i in shapes.matrices]
+    best = {t: 0.0 for t in RATE_TOKENS}
+    for _ in range(rounds):
+        for t in RATE_TOKENS:
+            xs = [torch.randn(t, w.shape[1], generator=gen).to(torch.bfloat16) for w in ws]
+            for w, x in zip(ws, xs):  # warm-up of this shape (and the round's first touch of x)
+                torch.nn.functional.linear(x, w)
+            reps, start = 0, time.perf_counter()
+            while reps == 0 or time.perf_counter() - start < seconds_per_round:
+                for w, x in zip(ws, xs):
+                    torch.nn.functional.linear(x, w)
+                reps += 1
+            best[t] = max(best[t], 2.0 * t * shapes.layer_matrix_params * reps / (time.perf_counter() - start))
+    return best
+
+
+def measure_rates(store: DiskStore, shapes: Shapes) -> Rates:
+    """Disk rate (the fastest of three ways of reading the store's files) and bf16 matmul rates."""
+    files = store.data_files()
+    drop_cache_of(files)
+    measure_disk(store, range_reads=False)  # the first read of a run is slower: warm-up
+    direct, _ = cpu_per_gb(measure_disk, store, False)
+    engine_path, _ = cpu_per_gb(measure_disk, store, True)
+    buffered, _ = cpu_per_gb(measure_disk_buffered, files)
+    rates = Rates(direct, buffered, measure_matmul(shapes), engine_path)
+    say(f"  disk read {direct / GB:.2f} GB/s O_DIRECT, {engine_path / GB:.2f} as the engine reads, "
+        f"{buffered / GB:.2f} buffered cold: the bound uses {rates.disk / GB:.2f} GB/s")
+    say("  bf16 matmul (one layer): " + ", ".join(f"T={t}: {r / 1e12:.3f}" for t, r in rates.matmul.items())
+        + " TFLOP/s")
+    return rates
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    generated: int
+    seconds: float
+    passes: list[Pass]
+    disk_read: int
+    peak_rss: float
+    cores: float
+    others: float
+
+    @property
+    def bound(self) -> float:
+        return sum(max(p.io_s, p.compute_s) for p in self.passes)
+
+
+def disk_bytes_per_pass(llm) -> int:
+    """Bytes a pass reads from the store: every layer's disk-tier pieces."""
+    plan = llm.engine.weights.plan
+    return sum(p.bytes_on("disk") for p in plan.tensors) * plan.num_layers
+
+
+def run(args, llm, shapes: Shapes, rates: Rates, vocab: int) -> Run:
+    gen = torch.Generator().manual_seed(1234)
+    prompts = torch.randint(4, vocab, (args.num_requests, args.prompt_len), generator=gen).tolist()
+    params = SamplingParams(max_tokens=args.gen_len, temperature=0, ignore_eos=True)
+    files = llm.engine.weights.store.data_files()
+    drop_cache_of(files)
+    say("warm-up: one pass")
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
+    passes: list[Pass] = []
+    instrument(llm, shapes, rates, disk_bytes_per_pass(llm), passes)
+    drop_cache_of(files)
+    release_free_memory()
+    vm_hwm_reset()
+    read0, cpu0, busy0 = disk_read_bytes(), cpu_seconds(), machine_busy_seconds()
+    say(f"generating: {args.num_requests} prompts x {args.prompt_len} tokens -> {args.gen_len} each")
+    llm.generate(prompts, params, use_tqdm=True)
+    stats = llm.last_stats
+    cpu = cpu_seconds() - cpu0
+    others = machine_busy_seconds() - busy0 - cpu
+    return Run(stats["generated_tokens"], stats["seconds"], passes, disk_read_bytes() - read0, vm_hwm(),
+               cpu / stats["seconds"], others / stats["seconds"])
+
+
+def report(args, shapes: Shapes, rates: Rates, result: Run, est, store_bytes: int) -> None:
+    r = result
+    tok_s, bound_tok_s = r.generated / r.seconds, r.generated / r.bound
+    say(f"\n=== llama-2-70b shape, {shapes.layers} layers, 4-bit g64 weights ({store_bytes / GB:.2f} GB store), "
+        f"{args.num_requests} x {args.prompt_len} -> {args.gen_len} ===")
+    say(f"  measured: {tok_s:.3f} tok/s ({r.generated} tokens in {r.seconds:.1f} s, {len(r.passes)} passes); "
+        f"disk read {r.disk_read / GB:.2f} GB ({r.disk_read / max(len(r.passes), 1) / GB:.2f} GB per pass); "
+        f"peak RSS {r.peak_rss / GiB:.2f} GiB; cores used {r.cores:.2f}, others {r.others:.2f}")
+    say(f"  bound: {r.bound:.1f} s = sum over passes of max(disk bytes / {rates.disk / GB:.2f} GB/s, FLOPs / "
+        f"bf16 matmul rate) -> {bound_tok_s:.3f} tok/s; measured / bound time {r.seconds / r.bound:.2f}, "
+        f"tok/s / bound tok/s {tok_s / bound_tok_s:.2f} (target >= 0.8)")
+    say(f"  planner predicted {est.throughput:.3f} tok/s: measured / predicted {tok_s / est.throughput:.2f}")
+    for kind, ps in (("prefill-carrying", [p for p in r.passes if p.tokens > p.rows]),
+                     ("decode-only", [p for p in r.passes if p.tokens <= p.rows])):
+        if ps:
+            n = len(ps)
+            say(f"  {kind:<17} {n:>3} passes: mean {sum(p.tokens for p in ps) / n:6.0f} tokens, measured "
+                f"{sum(p.seconds for p in ps) / n:7.2f} s, bound I/O {sum(p.io_s for p in ps) / n:6.2f} s / compute "
+                f"{sum(p.compute_s for p in ps) / n:6.2f} s; waited for weights {sum(p.stall_s for p in ps) / n:6.2f} s")
+    say("  llama.cpp mmap offload at batch 1 (arithmetic: every weight read once per token once the model "
+        "exceeds the RAM it may cache):")
+    for fmt, per_token in llama_cpp_bytes_per_token(shapes).items():
+        theirs = rates.disk / per_token
+        say(f"    {fmt} ({LLAMA_CPP_BITS[fmt]} bits/weight): {per_token / GB:.2f} GB per token -> {theirs:.3f} tok/s "
+            f"at {rates.disk / GB:.2f} GB/s; ours / that {tok_s / theirs:.1f}x")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=None, help="truncate the 80-layer model to N layers")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--gen-len", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=32,
+                   help="prompts (all admitted at once; the planner runs at most this many)")
+    p.add_argument("--gpu-mem-gib", type=float, default=6.0, help="the 'gpu' tier: a host working set (GiB)")
+    p.add_argument("--cpu-mem-gib", type=float, default=8.0, help="the cpu tier (GiB)")
+    p.add_argument("--profile", default=None, help="hardware profile JSON (loaded if it exists, else measured and saved)")
+    p.add_argument("--cpu-weights", action="store_true",
+                   help="let the planner keep part of the weights in memory (default: every layer streams from disk)")
+    p.add_argument("--quantize-normal", action="store_true",
+                   help="write the store by quantizing normal draws (the other dummy benchmarks' weights; "
+                        "~40x slower to write than the default, codes drawn directly)")
+    p.add_argument("--offload-dir", default="/tmp/fs_bench_70b")
+    p.add_argument("--quick", action="store_true", help="smoke test: a tiny llama shape, 2 layers, 4 x 8 -> 3")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.gen_len, args.num_requests = 8, 3, 4
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be >= 1")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    t0 = time.perf_counter()
+    say(f"bench_70b: {machine_description()}")
+    model = register_model(args.layers, args.quick)
+    spec = planner_model_spec(f"dummy:{model}", "bfloat16")
+    shapes = Shapes.of(spec)
+    say(f"model: {model} ({shapes.layers} layers, {shapes.layers * shapes.layer_matrix_params / 1e9:.2f} B "
+        f"layer parameters, {spec.num_layers * spec.layer_weight_bytes(True) / GB:.2f} GB of them at 4-bit g64); workload {args.num_requests} x "
+        f"{args.prompt_len} -> {args.gen_len}")
+    profile = load_profile(args, spec)
+    hardware, policy, est = choose_policy(args, model, profile)
+    llm, store_bytes = build_engine(args, model, policy, hardware)
+    try:
+        say("measuring the bound's rates (disk: the store itself)")
+        rates = measure_rates(llm.engine.weights.store, shapes)
+        result = run(args, llm, shapes, rates, spec.vocab_size)
+    finally:
+        llm.close()
+    report(args, shapes, rates, result, est, store_bytes)
+    say(f"done in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
