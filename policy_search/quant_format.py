@@ -50,3 +50,11 @@ class KVFormat:
 
 WEIGHT_FORMAT = WeightFormat()
 KV_FORMAT = KVFormat()
+
+# Rows (tokens) up to which a 4-bit weight held in the CPU int4 kernel's layout is multiplied by
+# that kernel (quant/int4pack.py); above it the weight is dequantized into a bf16 buffer and
+# multiplied by a bf16 GEMM. The kernel dequantizes inside its tiles, so its cost grows with the
+# rows far faster than a GEMM's: measured on opt-1.3b shapes, 2 threads (scripts/bench_quant_cpu.py
+# --int4pack), it is faster than dequantize + GEMM up to 64-128 rows and 3x slower at 512. The
+# planner prices the same rule (a pass's linears use the kernel's rate up to here).
+CPU_INT4_KERNEL_MAX_ROWS = 64
