@@ -57,6 +57,9 @@ def linears(shape, dtype):
     return weight, q, (pack_for_cpu_kernel(q) if dtype == torch.bfloat16 else None)
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time (see main)
+
+
 def timed_paths(x, weight, q, packed, repeats) -> dict[str, float]:
     """Fastest seconds of each path on `x`, the paths taking turns call by call (a shared machine's
     load then hits them alike)."""
@@ -70,9 +73,9 @@ def timed_paths(x, weight, q, packed, repeats) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(repeats):
         for k, f in paths.items():
-            start = time.perf_counter()
+            start = CLOCK()
             f()
-            times[k].append(time.perf_counter() - start)
+            times[k].append(CLOCK() - start)
     return {k: min(v) for k, v in times.items()}
 
 
@@ -122,7 +125,15 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     p.add_argument("--layer", action="store_true", help="a whole opt-1.3b layer's linears, x 24 layers")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by this thread's CPU time (1 thread only: torch then computes on the calling "
+                        "thread): on a loaded machine it leaves out the time other processes hold the core")
     args = p.parse_args(argv)
+    if args.cpu_time:
+        if args.threads != [1]:
+            p.error("--cpu-time needs --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     shapes, rows, threads = OPT_1_3B_SHAPES, args.rows, args.threads
     if args.quick:
         shapes, rows, threads = ((2048, 2048),), (1, 32, 512), [1]
