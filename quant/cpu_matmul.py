@@ -19,8 +19,8 @@ The scales and zeros are kept row-major, `[out, in / group, 2]`, so that a row r
 is one contiguous slice of them too; the kernel wants `[in / group, out, 2]` and silently misreads
 a strided view of it (torch 2.13: wrong results, no error), so `linear_4bit` transposes that small
 tensor per call (1/4 of the codes' bytes at group 64; opt-1.3b's fc1, 1 thread, CPU time: 0.3 ms,
-6% of the call at 30 rows, 75% at 1 row, where the whole call is still 0.75 ms against 1.4 ms for
-the uncompressed matmul).
+6% of the call at 30 rows, 75% at 1 row; at 1 row an opt-1.3b pass's linears still take half the
+uncompressed matmuls' time, README "Offload benchmark").
 
 Arithmetic: the kernel computes `(c - 8) * s + z` in fp32 from bf16 `s` and `z`, accumulates in
 fp32 and rounds once to bf16. Our format reads back `c * scale + minimum` from fp16 `scale` and
