@@ -146,7 +146,7 @@ def flat_components(tensor: torch.Tensor, plan: TensorPlan) -> list[torch.Tensor
 
 
 def assemble(plan: TensorPlan, components: list[torch.Tensor]):
-    """Flat components -> the weight the model uses (a tensor, or a QTensor)."""
+    """Flat components -> the weight the model uses (a tensor, a QTensor, or an Int4Packed)."""
     if plan.quant is None:
         return components[0].view(plan.shape)
     if plan.kernel_layout:

@@ -1,9 +1,10 @@
 """`quantized_linear(x, qweight, bias)`: `F.linear(x, dequantize(qweight), bias)`, fused on CUDA.
 
 CPU (and any non-CUDA device): dequantize into a reused buffer, then `F.linear` - this is what the
-engine runs there for a weight in our own layout (one in the CPU int4 kernel's layout, `Int4Packed`,
-goes to quant/int4pack.py: the kernel at few rows, the same buffer and `F.linear` at many) (a fresh allocation per call would cost more than the dequantization itself:
-page-faulting new memory runs at a fraction of copy speed).
+engine runs there for a weight in our own layout (a fresh allocation per call would cost more than
+the dequantization itself: page-faulting new memory runs at a fraction of copy speed). A weight
+in the CPU int4 kernel's layout (`Int4Packed`) goes to quant/int4pack.py: the kernel at few rows,
+the same reused buffer and `F.linear` at many.
 CUDA: a Triton kernel that reads the packed codes and dequantizes each tile in registers right
 before its `tl.dot`, so the fp16 weight never exists in memory; where Triton is missing or the
 layout is one the kernel does not cover, a `torch.compile`d dequantize + linear, which materialises
