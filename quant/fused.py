@@ -61,7 +61,10 @@ def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
         buffers = _local.buffers = {}
     key = (tuple(shape), dtype, device)
     if key not in buffers:
-        buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        # A normal tensor, even when first asked for under inference mode (as the engine runs):
+        # an inference tensor could not be written by a later call outside it.
+        with torch.inference_mode(False):
+            buffers[key] = torch.empty(shape, dtype=dtype, device=device)
     return buffers[key]
 
 

@@ -135,3 +135,15 @@ def test_dequantize_int4pack_refuses_a_wrong_buffer():
         dequantize_int4pack(packed, out=torch.empty(64, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="float16"):
         dequantize_int4pack(packed, out=torch.empty(64, 128, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("kernel_layout", [True, False])
+def test_the_reused_buffer_serves_calls_inside_and_outside_inference_mode(kernel_layout):
+    """The engine runs under inference mode; a later direct call with a weight of the same shape
+    reuses the buffer the engine's call made (a shape no other test uses, so this call makes it)."""
+    q = _weight(320, 192, seed=19)
+    weight = pack_for_cpu_kernel(q) if kernel_layout else q
+    x = torch.randn(CPU_INT4_KERNEL_MAX_ROWS + 1, 192, generator=torch.Generator().manual_seed(20)).bfloat16()
+    with torch.inference_mode():
+        inside = quantized_linear(x, weight)
+    assert torch.equal(quantized_linear(x, weight), inside)
