@@ -28,6 +28,7 @@ from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
 from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget
+from offload.placement import weight_layout_tag
 from offload.tiered_weights import TieredWeights
 from policy_search.policy import TIERS, Policy
 from policy_search.model_spec import ModelSpec
@@ -189,7 +190,8 @@ class LLMEngine:
         # The store format version is part of the key: a store written by an engine with another
         # layout (e.g. a different 4-bit packing) has different, equally checksummed bytes.
         store_key = f"fmt{STORE_FORMAT}|{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
-            f"q{quant.bits}g{quant.group_size}d{quant.group_dim}" if quant else "plain")
+            f"q{quant.bits}g{quant.group_size}d{quant.group_dim}|{weight_layout_tag(self.dtype, self.device, quant)}"
+            if quant else "plain")
         return TieredWeights(
             num_layers=self.config.num_layers, layer_shapes=self.math.layer_shapes(),
             read_globals=lambda: self.source.global_weights(self.dtype),

@@ -9,6 +9,12 @@ A placed tensor is one or more flat components (a plain weight: itself; a compre
 scales, minimums), each with a fixed number of elements per original row, so a row range is a
 contiguous slice of every component: in memory, and as a byte range of the disk store.
 
+Where the engine computes in bf16 on the CPU, a 4-bit weight the CPU int4 kernel covers is kept in
+that kernel's layout (`Int4Packed`: codes in 64-row blocks, then row-major bf16 scales and zeros;
+quant/cpu_matmul.py) on every tier, packed once as it is placed: it costs the same bytes as our
+own layout (two bytes of scale and two of zero per group) and saves the per-pass dequantization at
+decode row counts. Its row pieces fall on 64-row block boundaries.
+
 Before use, every non-resident tensor is assembled in a working buffer on the compute device (with
 overlap, 1 + `prefetch` buffers); offload/tiered_weights.py streams them.
 """
@@ -21,13 +27,16 @@ import torch
 from offload.memory import MemoryTracker
 from policy_search.policy import TIERS
 from quant import QTensor, QuantConfig, dequantize, quantize
+from quant.cpu_matmul import BLOCK_ROWS, KERNEL_LAYOUT_ID, Int4Packed, kernel_covers_format, kernel_covers_shape, \
+    pack_for_cpu_kernel
 
 Weights = dict[str, object]
 
 
 @dataclass(frozen=True)
 class Component:
-    suffix: str  # "" for a plain tensor; "data" / "scale" / "minimum" for a QTensor
+    suffix: str  # "" for a plain tensor; "data" / "scale" / "minimum" for a QTensor; "packed" /
+    # "scales_zeros" for a weight in the CPU int4 kernel's layout
     dtype: torch.dtype
     per_row: int  # elements per original row
 
@@ -57,6 +66,7 @@ class TensorPlan:
     quant: QuantConfig | None
     components: tuple[Component, ...]
     pieces: tuple[Piece, ...]
+    kernel_layout: bool = False  # 4-bit in the CPU int4 kernel's layout (pieces on 64-row blocks)
 
     @property
     def row_bytes(self) -> int:
@@ -70,33 +80,57 @@ class TensorPlan:
         return all(p.tier == "gpu" for p in self.pieces)
 
 
-def components_of(shape: tuple[int, int], dtype: torch.dtype, quant: QuantConfig | None) -> tuple[Component, ...]:
+def uses_kernel_layout(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None,
+                       quant: QuantConfig | None) -> bool:
+    """A weight of `shape` is kept in the CPU int4 kernel's layout: bf16 compute on the CPU, 4-bit
+    weights the kernel covers on this machine."""
+    return (quant is not None and dtype == torch.bfloat16 and device is not None
+            and torch.device(device).type == "cpu" and kernel_covers_shape(shape, quant))
+
+
+def weight_layout_tag(dtype: torch.dtype, device: torch.device, quant: QuantConfig | None) -> str:
+    """Names the stored layout of the weights the kernel covers, for the disk store's key: a store
+    written in another layout (older code, another machine's kernel) then has another key and is
+    rebuilt, never misread."""
+    if quant is not None and dtype == torch.bfloat16 and torch.device(device).type == "cpu" \
+            and kernel_covers_format(quant):
+        return KERNEL_LAYOUT_ID
+    return "rowmajor"
+
+
+def components_of(shape: tuple[int, int], dtype: torch.dtype, quant: QuantConfig | None,
+                  kernel_layout: bool = False) -> tuple[Component, ...]:
     rows, cols = shape
     if quant is None:
         return (Component("", dtype, cols),)
     groups_per_row = -(-cols // quant.group_size)
+    if kernel_layout:  # per row on average: a 64-row block is the unit (see BLOCK_ROWS)
+        return (Component("packed", torch.uint8, cols // 2), Component("scales_zeros", torch.bfloat16, 2 * groups_per_row))
     return (Component("data", torch.uint8, groups_per_row * quant.bytes_per_group),
             Component("scale", torch.float16, groups_per_row),
             Component("minimum", torch.float16, groups_per_row))
 
 
 def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: QuantConfig | None,
-               fractions: tuple[float, float, float]) -> list[TensorPlan]:
-    """Cut the layer's 2-D weights at the fraction boundaries of their total bytes (row granularity)."""
-    plans = [(name, shape, components_of(shape, dtype, quant)) for name, shape in shapes.items()
+               fractions: tuple[float, float, float], device: torch.device | None = None) -> list[TensorPlan]:
+    """Cut the layer's 2-D weights at the fraction boundaries of their total bytes (row granularity;
+    64-row blocks for a weight in the CPU int4 kernel's layout). `device`: the compute device."""
+    plans = [(name, shape, uses_kernel_layout(shape, dtype, device, quant)) for name, shape in shapes.items()
              if len(shape) == 2]
-    row_bytes = {name: sum(c.nbytes(1) for c in comps) for name, _, comps in plans}
-    total = sum(shape[0] * row_bytes[name] for name, shape, _ in plans)
+    plans = [(name, shape, kernel, components_of(shape, dtype, quant, kernel)) for name, shape, kernel in plans]
+    row_bytes = {name: sum(c.nbytes(1) for c in comps) for name, _, _, comps in plans}
+    total = sum(shape[0] * row_bytes[name] for name, shape, _, _ in plans)
     cuts = [fractions[0] * total, (fractions[0] + fractions[1]) * total]  # byte positions
     out, offset = [], 0
-    for name, shape, comps in plans:
+    for name, shape, kernel, comps in plans:
         rows, rb = shape[0], row_bytes[name]
-        # Row index where each cut falls inside this tensor, rounded to the nearest row.
-        boundaries = [min(rows, max(0, round((cut - offset) / rb))) for cut in cuts]
+        unit = BLOCK_ROWS if kernel else 1
+        # Row index where each cut falls inside this tensor, rounded to the nearest unit of rows.
+        boundaries = [min(rows, max(0, round((cut - offset) / (rb * unit)) * unit)) for cut in cuts]
         edges = [0, boundaries[0], max(boundaries[0], boundaries[1]), rows]
         pieces = tuple(Piece(tier, edges[i], edges[i + 1]) for i, tier in enumerate(TIERS)
                        if edges[i + 1] > edges[i])
-        out.append(TensorPlan(name, (shape[0], shape[1]), dtype, quant, comps, pieces))
+        out.append(TensorPlan(name, (shape[0], shape[1]), dtype, quant, comps, pieces, kernel))
         offset += rows * rb
     return out
 
@@ -105,20 +139,22 @@ def flat_components(tensor: torch.Tensor | QTensor, plan: TensorPlan) -> list[to
     """The tensor as it is stored: flat components (compressed when the plan says so). A source may
     give a weight already quantized (dummy codes): kept as it is in the plan's format, else
     dequantized first."""
-    if isinstance(tensor, QTensor):
-        if tensor.config == plan.quant:
-            return [tensor.data, tensor.scale, tensor.minimum]
+    if isinstance(tensor, QTensor) and tensor.config != plan.quant:
         tensor = dequantize(tensor, plan.dtype)
     if plan.quant is None:
         return [tensor.reshape(-1)]
-    q = quantize(tensor, plan.quant)
+    q = tensor if isinstance(tensor, QTensor) else quantize(tensor, plan.quant)
+    if plan.kernel_layout:
+        return pack_for_cpu_kernel(q).components()
     return [q.data, q.scale, q.minimum]
 
 
 def assemble(plan: TensorPlan, components: list[torch.Tensor]):
-    """Flat components -> the weight the model uses (a tensor, or a QTensor)."""
+    """Flat components -> the weight the model uses (a tensor, a QTensor, or an Int4Packed)."""
     if plan.quant is None:
         return components[0].view(plan.shape)
+    if plan.kernel_layout:
+        return Int4Packed.from_flat(*components, plan.shape, plan.quant.group_size)
     data, scale, minimum = components
     return QTensor(data=data, scale=scale, minimum=minimum, shape=plan.shape, dtype=plan.dtype,
                    config=plan.quant)
@@ -139,8 +175,8 @@ class WeightPlan:
     @classmethod
     def make(cls, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
              quant: QuantConfig | None, fractions: tuple[float, float, float], overlap: bool,
-             prefetch: int) -> WeightPlan:
-        return cls(num_layers, tuple(plan_layer(layer_shapes, dtype, quant, fractions)),
+             prefetch: int, device: torch.device | None = None) -> WeightPlan:
+        return cls(num_layers, tuple(plan_layer(layer_shapes, dtype, quant, fractions, device)),
                    {k: s for k, s in layer_shapes.items() if len(s) != 2}, dtype,
                    num_slots=prefetch + 1 if overlap else 1, prefetch_depth=prefetch if overlap else 1)
 

@@ -31,7 +31,8 @@ class TieredWeights:
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False):
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.plan = WeightPlan.make(num_layers=num_layers, layer_shapes=layer_shapes, dtype=dtype,
-                                    quant=quant, fractions=fractions, overlap=overlap, prefetch=prefetch)
+                                    quant=quant, fractions=fractions, overlap=overlap, prefetch=prefetch,
+                                    device=self.device)
         self.prefetch_depth = self.plan.prefetch_depth
         self.cuda = self.device.type == "cuda"
         self.plan.reserve(tracker)

@@ -11,9 +11,16 @@ It wants its own layout, which is machine-specific (64-row blocks, K-major, two 
 AVX-512; another on AVX2). `to_int4pack` builds it from our split-half codes with a few torch ops (a
 byte shuffle, no arithmetic), checked byte for byte against torch's own converter on this machine
 before first use (`layout_matches_torch`). The shuffle is a transposing copy: 1.5-20 ms per opt-1.3b
-weight, as much as the dequantization it would save, so it pays only for a weight packed once and
-used many times (resident weights, or a disk store written in this layout) - not per streamed pass.
-See scripts/bench_quant_cpu.py.
+weight, as much as the dequantization it would save, so the engine keeps such weights AT REST in
+this layout (resident pieces, cpu-tier pieces and the disk store: offload/placement.py), packed
+once when the store is written; quant/int4pack.py multiplies by them at any row count.
+
+The scales and zeros are kept row-major, `[out, in / group, 2]`, so that a row range of the weight
+is one contiguous slice of them too; the kernel wants `[in / group, out, 2]` and silently misreads
+a strided view of it (torch 2.13: wrong results, no error), so `linear_4bit` transposes that small
+tensor per call (1/4 of the codes' bytes at group 64; opt-1.3b's fc1, 1 thread, CPU time: 0.3 ms,
+6% of the call at 30 rows, 75% at 1 row; at 1 row an opt-1.3b pass's linears still take half the
+uncompressed matmuls' time, README "Offload benchmark").
 
 Arithmetic: the kernel computes `(c - 8) * s + z` in fp32 from bf16 `s` and `z`, accumulates in
 fp32 and rounds once to bf16. Our format reads back `c * scale + minimum` from fp16 `scale` and
@@ -30,20 +37,36 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.config import QuantConfig
 from quant.packing import unpack_4bit_into
 from quant.qtensor import QTensor
 
-_BLOCK_N = 64  # output rows per block of the AVX-512 int4 layout
+BLOCK_ROWS = 64  # output rows per block of the AVX-512 int4 layout: row pieces fall on these
 _ZERO_CODE = 8  # the kernel reads a code c as (c - 8) * scale + zero
+# Names the layout `to_int4pack` writes (AVX-512 lanes, 64-row blocks, row-major bf16 scales and
+# zeros); part of the disk store's key, so that a store in another layout is rebuilt, never misread.
+KERNEL_LAYOUT_ID = "int4pack-avx512-b64-rowmajor-sz"
 
 
 @dataclass(frozen=True, eq=False)
 class Int4Packed:
     """A 4-bit weight in the kernel's layout, packed once (`pack_for_cpu_kernel`) and reused."""
-    packed: torch.Tensor  # uint8 [out, in / 2], this machine's int4 layout
-    scales_and_zeros: torch.Tensor  # bf16 [in / group, out, 2]
+    packed: torch.Tensor  # uint8 [out, in / 2], this machine's int4 layout (blocks of 64 rows)
+    scales_zeros: torch.Tensor  # bf16 [out, in / group, 2], row-major (the kernel's transposed)
     shape: tuple[int, int]  # [out_features, in_features]
     group_size: int
+
+    @classmethod
+    def from_flat(cls, packed: torch.Tensor, scales_zeros: torch.Tensor, shape: tuple[int, int],
+                  group_size: int) -> Int4Packed:
+        """The two stored components (flat, as a disk store or a working buffer holds them)."""
+        out_features, in_features = shape
+        return cls(packed.view(out_features, in_features // 2),
+                   scales_zeros.view(out_features, in_features // group_size, 2), shape, group_size)
+
+    def components(self) -> list[torch.Tensor]:
+        """The stored form: flat uint8 codes, then flat bf16 scales and zeros (row-major both)."""
+        return [self.packed.reshape(-1), self.scales_zeros.reshape(-1)]
 
 
 def pack_for_cpu_kernel(qweight: QTensor) -> Int4Packed | None:
@@ -51,7 +74,8 @@ def pack_for_cpu_kernel(qweight: QTensor) -> Int4Packed | None:
     if not kernel_covers(qweight):
         return None
     packed, scales_zeros = to_int4pack(qweight)
-    return Int4Packed(packed, scales_zeros, tuple(qweight.shape), qweight.config.group_size)
+    return Int4Packed(packed, scales_zeros.transpose(0, 1).contiguous(), tuple(qweight.shape),
+                      qweight.config.group_size)
 
 
 def linear_4bit(x: torch.Tensor, weight: Int4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,7 +85,8 @@ def linear_4bit(x: torch.Tensor, weight: Int4Packed, bias: torch.Tensor | None =
         raise ValueError(f"linear_4bit: needs bf16 CPU x [..., {in_features}], got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
     flat = x.reshape(-1, in_features).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weight.packed, weight.group_size, weight.scales_and_zeros)
+    kernel_order = weight.scales_zeros.transpose(0, 1).contiguous()  # [in / group, out, 2]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weight.packed, weight.group_size, kernel_order)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], out_features)
@@ -69,13 +94,22 @@ def linear_4bit(x: torch.Tensor, weight: Int4Packed, bias: torch.Tensor | None =
 
 def kernel_covers(qweight: QTensor) -> bool:
     """4-bit min-max weights `[out, in]` grouped along `in`, whole 64-row blocks, this machine's layout ours."""
-    config = qweight.config
-    if len(qweight.shape) != 2 or config.bits != 4 or config.symmetric or config.group_dim not in (-1, 1):
+    return qweight.device.type == "cpu" and kernel_covers_shape(qweight.shape, qweight.config)
+
+
+def kernel_covers_shape(shape: tuple[int, ...], config: QuantConfig) -> bool:
+    """`kernel_covers` for a weight of `shape` quantized with `config` (before it exists)."""
+    if not kernel_covers_format(config) or len(shape) != 2:
         return False
-    out_features, in_features = qweight.shape
-    return (out_features % _BLOCK_N == 0 and out_features > 0 and in_features % config.group_size == 0
-            and config.group_size in (32, 64, 128, 256) and qweight.device.type == "cpu"
-            and layout_matches_torch())
+    out_features, in_features = shape
+    return out_features % BLOCK_ROWS == 0 and out_features > 0 and in_features % config.group_size == 0
+
+
+def kernel_covers_format(config: QuantConfig) -> bool:
+    """4-bit min-max grouped along the input dimension, a group size the kernel takes, our layout
+    this machine's."""
+    return (config.bits == 4 and not config.symmetric and config.group_dim in (-1, 1)
+            and config.group_size in (32, 64, 128, 256) and layout_matches_torch())
 
 
 def to_int4pack(qweight: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +120,7 @@ def to_int4pack(qweight: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     unpack_4bit_into(qweight.data.view(out_features, half), codes[:, :half], codes[:, half:])
     # AVX-512 layout: per block of 64 rows and per input index k, 32 bytes; byte d (d < 16) holds
     # rows d (low nibble) and d + 32 (high), byte 16 + d rows d + 16 and d + 48.
-    lanes = codes.view(out_features // _BLOCK_N, 4, 16, in_features)  # [blocks, lane, 16, in]
+    lanes = codes.view(out_features // BLOCK_ROWS, 4, 16, in_features)  # [blocks, lane, 16, in]
     paired = lanes[:, 2:].bitwise_left_shift(4).bitwise_or_(lanes[:, :2])  # [blocks, 2, 16, in]
     packed = paired.permute(0, 3, 1, 2).contiguous().view(out_features, half)
     return packed, scales_and_zeros(qweight)
@@ -117,12 +151,11 @@ def weight_error_bound(qweight: QTensor) -> torch.Tensor:
 def layout_matches_torch() -> bool:
     """Our packing equals torch's converter on this machine (its layout depends on the CPU)."""
     probe = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (2 * _BLOCK_N, 128), generator=probe, dtype=torch.int32)
+    codes = torch.randint(0, 16, (2 * BLOCK_ROWS, 128), generator=probe, dtype=torch.int32)
     try:
         expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
     except (RuntimeError, AttributeError):
         return False
-    from quant.config import QuantConfig  # noqa: PLC0415
     from quant.packing import pack_4bit  # noqa: PLC0415
 
     config = QuantConfig(bits=4, group_size=64)

@@ -1,8 +1,10 @@
 """`quantized_linear(x, qweight, bias)`: `F.linear(x, dequantize(qweight), bias)`, fused on CUDA.
 
 CPU (and any non-CUDA device): dequantize into a reused buffer, then `F.linear` - this is what the
-engine runs there (a fresh allocation per call would cost more than the dequantization itself:
-page-faulting new memory runs at a fraction of copy speed).
+engine runs there for a weight in our own layout (a fresh allocation per call would cost more than
+the dequantization itself: page-faulting new memory runs at a fraction of copy speed). A weight
+in the CPU int4 kernel's layout (`Int4Packed`) goes to quant/int4pack.py: the kernel at few rows,
+the same reused buffer and `F.linear` at many.
 CUDA: a Triton kernel that reads the packed codes and dequantizes each tile in registers right
 before its `tl.dot`, so the fp16 weight never exists in memory; where Triton is missing or the
 layout is one the kernel does not cover, a `torch.compile`d dequantize + linear, which materialises
@@ -17,13 +19,21 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from quant.cpu_matmul import Int4Packed
 from quant.groupwise import dequantize
+from quant.int4pack import int4pack_linear
 from quant.layout import GroupLayout
 from quant.qtensor import QTensor
 
 
-def quantized_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x` `[..., in_features]`, `qweight` of shape `[out_features, in_features]` -> `[..., out_features]`."""
+def quantized_linear(x: torch.Tensor, qweight: QTensor | Int4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` `[..., in_features]`, `qweight` of shape `[out_features, in_features]` -> `[..., out_features]`.
+
+    A weight held in the CPU int4 kernel's layout (`Int4Packed`) goes to quant/int4pack.py."""
+    if isinstance(qweight, Int4Packed):
+        if x.shape[-1] != qweight.shape[1]:
+            raise ValueError(f"quantized_linear: x {tuple(x.shape)} does not match a weight of shape {qweight.shape}")
+        return int4pack_linear(x, qweight, bias, _scratch(qweight.shape, x.dtype, x.device))
     if len(qweight.shape) != 2 or x.shape[-1] != qweight.shape[1]:
         raise ValueError(
             f"quantized_linear: x {tuple(x.shape)} does not match a weight of shape {qweight.shape} "
@@ -51,7 +61,10 @@ def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
         buffers = _local.buffers = {}
     key = (tuple(shape), dtype, device)
     if key not in buffers:
-        buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        # A normal tensor, even when first asked for under inference mode (as the engine runs):
+        # an inference tensor could not be written by a later call outside it.
+        with torch.inference_mode(False):
+            buffers[key] = torch.empty(shape, dtype=dtype, device=device)
     return buffers[key]
 
 

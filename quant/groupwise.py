@@ -75,7 +75,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, *, out: torch.Tenso
         values = torch.empty(layout.num_groups, q.config.group_size, dtype=dtype, device=q.device)
     if dtype == torch.float16:
         _codes_as_fp16_subnormals(q, values)  # value c * 2**-24
-        _per_group_affine_(values, q.scale.float() / 2.0**-24, q.minimum.float())  # c * scale + minimum
+        per_group_affine_(values, q.scale.float() / 2.0**-24, q.minimum.float())  # c * scale + minimum
     else:
         _dequantize_lines_fp32(q, values)
     result = layout.from_groups(values)  # a view of `values` (a slice or a moved dimension)
@@ -113,7 +113,7 @@ def _dequantize_lines_fp32(q: QTensor, values: torch.Tensor) -> None:
         work = target if in_place else scratch[:stop - start]
         work.copy_(unpack_4bit(codes) if q.config.bits == 4 else codes)  # value c
         groups = slice(start * groups_per_line, stop * groups_per_line)
-        _per_group_affine_(work.view(-1, q.config.group_size), multiplier[groups], offset[groups])
+        per_group_affine_(work.view(-1, q.config.group_size), multiplier[groups], offset[groups])
         if not in_place:
             target.copy_(work)
 
@@ -137,7 +137,7 @@ def _codes_as_fp16_subnormals(q: QTensor, values: torch.Tensor) -> None:
     low.bitwise_and_(0x0F)
 
 
-def _per_group_affine_(values: torch.Tensor, multiplier: torch.Tensor, offset: torch.Tensor) -> None:
+def per_group_affine_(values: torch.Tensor, multiplier: torch.Tensor, offset: torch.Tensor) -> None:
     """In place, `values[g, :] = values[g, :] * multiplier[g] + offset[g]`, computed in fp32, one rounding.
 
     `values`: [num_groups, group_size]; `multiplier`, `offset`: fp32 [num_groups]. The product is

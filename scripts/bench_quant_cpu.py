@@ -2,19 +2,27 @@
 
     .venv/bin/python scripts/bench_quant_cpu.py --quick           # one shape, few rows, 1 thread
     .venv/bin/python scripts/bench_quant_cpu.py --threads 1 2     # opt-1.3b shapes, 1-512 rows
+    .venv/bin/python scripts/bench_quant_cpu.py --layer --threads 2 --rows 30 480   # one opt-1.3b layer
 
-Per (shape, rows, dtype, threads), medians after a warm-up, interleaved in one process:
+Per (shape, rows, dtype, threads), after a warm-up, the paths taking turns call by call in one
+process; the fastest of --repeats calls per path (the least disturbed on a shared machine):
   plain   F.linear on the uncompressed weight (what reading the uncompressed weight feeds)
-  today   quantized_linear: dequantize into a reused buffer + F.linear (the engine's CPU path)
-  int4    torch's int4 kernel on a weight packed once (bf16 only; quant/cpu_matmul.py)
-  int4+pk the same plus packing our codes into its layout on every call (a streamed weight)
+  rowmaj  quantized_linear on our row-major 4-bit weight: dequantize into a reused buffer +
+          F.linear (the engine's CPU path for fp32, and for bf16 where the kernel layout is not ours)
+  packed  quantized_linear on the weight at rest in the int4 kernel's layout (bf16; the engine's
+          path since it is stored so): the kernel up to CPU_INT4_KERNEL_MAX_ROWS rows, else
+          dequantize_int4pack + F.linear (quant/int4pack.py)
+  kernel  torch's int4 kernel at any row count;  pk-deq  dequantize_int4pack + F.linear at any
 and the pass-time model for a weight streamed from disk at --disk-gbps: pass = max(io, compute),
 io = stored bytes / rate; "4bit/plain" > 1 means 4-bit is faster for that linear.
+--layer: the four linears of one opt-1.3b layer (qkv fused, o, fc1, fc2) summed, x 24 layers: the
+compute of a pass's linears, and the same pass-time model over the layer's bytes.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from quant import QuantConfig, quantize, quantized_linear  # noqa: E402
 from quant.cpu_matmul import layout_matches_torch, linear_4bit, pack_for_cpu_kernel  # noqa: E402
-from bench_quant import median_seconds  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from quant.int4pack import dequantize_int4pack  # noqa: E402
+from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS  # noqa: E402
 
 OPT_1_3B_SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))  # [out, in]: attention, fc1, fc2
 ROWS = (1, 8, 32, 128, 512)
@@ -41,26 +50,69 @@ def cpu_line() -> str:
     return f"CPU: {model}; flags: {' '.join(flags)}; torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
 
 
-def bench_shape(shape, rows, dtype, repeats, disk_bps) -> list[str]:
-    out_features, in_features = shape
+def linears(shape, dtype):
+    """(uncompressed weight, row-major 4-bit, kernel-layout 4-bit or None) of one random weight."""
     weight = (torch.randn(shape) * 0.02).to(dtype)
     q = quantize(weight, QuantConfig(bits=4, group_size=64))
-    packed = pack_for_cpu_kernel(q) if dtype == torch.bfloat16 else None
+    return weight, q, (pack_for_cpu_kernel(q) if dtype == torch.bfloat16 else None)
+
+
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time (see main)
+
+
+def timed_paths(x, weight, q, packed, repeats) -> dict[str, float]:
+    """Fastest seconds of each path on `x`, the paths taking turns call by call (a shared machine's
+    load then hits them alike)."""
+    scratch = torch.empty(weight.shape, dtype=x.dtype)
+    paths = {"plain": lambda: F.linear(x, weight), "rowmaj": lambda: quantized_linear(x, q)}
+    if packed is not None:
+        paths |= {"packed": lambda: quantized_linear(x, packed), "kernel": lambda: linear_4bit(x, packed),
+                  "pk-deq": lambda: F.linear(x, dequantize_int4pack(packed, out=scratch))}
+    for f in paths.values():  # warm-up: buffers allocated, caches and the thread pool started
+        f()
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(repeats):
+        for k, f in paths.items():
+            start = CLOCK()
+            f()
+            times[k].append(CLOCK() - start)
+    return {k: min(v) for k, v in times.items()}
+
+
+def summary(label, t, io_plain, io_4bit) -> str:
+    """One line: times, ratios to plain, and the streamed pass-time model."""
+    best_4bit = t.get("packed", t["rowmaj"])  # what the engine runs on a weight streamed in its format
+    gain = max(io_plain, t["plain"]) / max(io_4bit, best_4bit)
+    times = " ".join(f"{k}={v * 1e3:7.2f}" for k, v in t.items())
+    ratios = " ".join(f"{k}/plain={v / t['plain']:5.2f}" for k, v in t.items() if k != "plain")
+    return (f"{label} ms: {times} | {ratios} | io plain={io_plain * 1e3:6.2f} 4bit={io_4bit * 1e3:5.2f} | "
+            f"streamed 4bit/plain pass speed={gain:4.2f}x")
+
+
+def bench_shape(shape, rows, dtype, repeats, disk_bps) -> list[str]:
+    out_features, in_features = shape
+    weight, q, packed = linears(shape, dtype)
     io_plain, io_4bit = weight.numel() * weight.element_size() / disk_bps, q.nbytes / disk_bps
     lines = []
     for m in rows:
-        x = torch.randn(m, in_features).to(dtype)
-        t = {"plain": median_seconds(lambda: F.linear(x, weight), repeats, warmup=1),
-             "today": median_seconds(lambda: quantized_linear(x, q), repeats, warmup=1)}
-        if packed is not None:
-            t["int4"] = median_seconds(lambda: linear_4bit(x, packed), repeats, warmup=1)
-            t["int4+pk"] = median_seconds(lambda: linear_4bit(x, pack_for_cpu_kernel(q)), repeats, warmup=1)
-        best_4bit = min(v for k, v in t.items() if k in ("today", "int4+pk"))  # a streamed weight
-        gain = max(io_plain, t["plain"]) / max(io_4bit, best_4bit)
-        times = " ".join(f"{k}={v * 1e3:7.2f}" for k, v in t.items())
-        lines.append(f"{out_features}x{in_features} {str(dtype)[6:]:8} rows={m:4d} ms: {times} | "
-                     f"today/plain={t['today'] / t['plain']:5.2f} | io plain={io_plain * 1e3:6.2f} "
-                     f"4bit={io_4bit * 1e3:5.2f} | streamed 4bit/plain pass speed={gain:4.2f}x")
+        t = timed_paths(torch.randn(m, in_features).to(dtype), weight, q, packed, repeats)
+        lines.append(summary(f"{out_features}x{in_features} {str(dtype)[6:]:8} rows={m:4d}", t, io_plain, io_4bit))
+    return lines
+
+
+def bench_layer(rows, dtype, repeats, disk_bps, layers=24) -> list[str]:
+    """One opt-1.3b layer's linears (qkv fused, o, fc1, fc2) summed and scaled to `layers` layers."""
+    shapes = ((6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192))
+    weights = [linears(s, dtype) for s in shapes]
+    io_plain = layers * sum(w.numel() * w.element_size() for w, _, _ in weights) / disk_bps
+    io_4bit = layers * sum(q.nbytes for _, q, _ in weights) / disk_bps
+    lines = []
+    for m in rows:
+        total: dict[str, float] = {}
+        for (w, q, packed), shape in zip(weights, shapes):
+            for k, v in timed_paths(torch.randn(m, shape[1]).to(dtype), w, q, packed, repeats).items():
+                total[k] = total.get(k, 0.0) + layers * v
+        lines.append(summary(f"opt-1.3b pass ({layers} layers) {str(dtype)[6:]} rows={m:4d}", total, io_plain, io_4bit))
     return lines
 
 
@@ -71,16 +123,31 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--disk-gbps", type=float, default=1.75, help="disk read rate for the pass-time model")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    p.add_argument("--layer", action="store_true", help="a whole opt-1.3b layer's linears, x 24 layers")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by this thread's CPU time (1 thread only: torch then computes on the calling "
+                        "thread): on a loaded machine it leaves out the time other processes hold the core")
     args = p.parse_args(argv)
-    shapes, rows, threads = OPT_1_3B_SHAPES, ROWS, args.threads
+    if args.cpu_time:
+        if args.threads != [1]:
+            p.error("--cpu-time needs --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
+    shapes, rows, threads = OPT_1_3B_SHAPES, args.rows, args.threads
     if args.quick:
         shapes, rows, threads = ((2048, 2048),), (1, 32, 512), [1]
     print(cpu_line())
-    print(f"int4 layout ours == torch's converter here: {layout_matches_torch()}; disk {args.disk_gbps} GB/s")
+    print(f"int4 layout ours == torch's converter here: {layout_matches_torch()}; kernel up to "
+          f"{CPU_INT4_KERNEL_MAX_ROWS} rows; disk {args.disk_gbps} GB/s")
     for n in threads:
         torch.set_num_threads(n)
         print(f"-- {n} thread(s)")
         for dtype in (getattr(torch, d) for d in args.dtype):
+            if args.layer:
+                for line in bench_layer(rows, dtype, args.repeats, args.disk_gbps * 1e9):
+                    print(line, flush=True)
+                continue
             for shape in shapes:
                 for line in bench_shape(shape, rows, dtype, args.repeats, args.disk_gbps * 1e9):
                     print(line, flush=True)

@@ -43,6 +43,11 @@ TINY_CONFIGS = {
 # Deeper variants for placement tests: with 6 layers, two working buffers are a third of the layers.
 TINY_CONFIGS["opt_deep"] = dict(TINY_CONFIGS["opt"], num_hidden_layers=6)
 TINY_CONFIGS["llama_deep"] = dict(TINY_CONFIGS["llama_gqa_untied"], num_hidden_layers=6)
+# Every weight a whole number of 64-row blocks and 64-value groups: what the CPU int4 kernel covers.
+TINY_CONFIGS["opt_blocks64"] = dict(TINY_CONFIGS["opt"], hidden_size=128, ffn_dim=256, word_embed_proj_dim=128,
+                                    num_hidden_layers=4, max_position_embeddings=128)
+TINY_CONFIGS["llama_blocks64"] = dict(TINY_CONFIGS["llama_gqa_untied"], hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=4, max_position_embeddings=128)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from offload.placed_layers import store_key
 from policy_search import Policy
 from policy_search.model_registry import KNOWN_MODELS, known_config
 from quant import QTensor, dequantize
+from quant.cpu_matmul import layout_matches_torch, pack_for_cpu_kernel
 
 TINY = "tiny-llama-codes"  # llama-2-70b's proportions (GQA 8:1), small enough for a test
 ON_DISK = dict(w_gpu=0.0, w_cpu=0.0, w_disk=1.0)
@@ -69,3 +70,25 @@ def test_store_holds_the_drawn_codes_and_placements_agree(tmp_path):
 def test_codes_need_a_dummy_model(tiny_checkpoint):
     with pytest.raises(FlexSarathiError, match="dummy models only"):
         LLM(str(tiny_checkpoint), policy=Policy(compress_weight=True), dummy_weight_codes=True)
+
+
+@pytest.mark.skipif(not layout_matches_torch(), reason="this machine's int4 kernel layout is not ours "
+                    "(quant/cpu_matmul.py layout_matches_torch): bf16 codes stay in the row-major format")
+def test_drawn_codes_are_packed_into_the_kernel_layout_in_bf16(tmp_path):
+    """bf16 on the CPU stores 4-bit weights in the int4 kernel's layout: drawn codes must be packed
+    into it like quantized ones (bench_70b writes its store this way), not stored row-major under it."""
+    compressed = Policy(compress_weight=True)
+    with LLM(f"dummy:{TINY}", dtype="bfloat16", device="cpu", policy=compressed, dummy_weight_codes=True) as llm:
+        reference = _tokens(llm)
+    with LLM(f"dummy:{TINY}", dtype="bfloat16", device="cpu", policy=compressed.replace(**ON_DISK),
+             offload_dir=str(tmp_path), dummy_weight_codes=True) as llm:
+        assert _tokens(llm) == reference
+        store, plan = llm.engine.weights.store, llm.engine.weights.plan
+        drawn = DummyWeights(TINY, codes=WEIGHT_QUANT).layer_weights(1, torch.bfloat16)
+        packed = [t for t in plan.tensors if t.kernel_layout]
+        assert packed, "no weight of the tiny model took the kernel layout"
+        for tensor in packed:
+            expected = pack_for_cpu_kernel(drawn[tensor.name]).components()
+            for component, part in zip(tensor.components, expected):
+                assert torch.equal(store.read_tensor(store_key(1, tensor.name, component)).view(-1),
+                                   part.reshape(-1))
