@@ -103,9 +103,9 @@ def _layer_matmuls(device, dtype, shapes: LayerShapes, tokens: int):
     return run
 
 
-def _layer_matmul_seconds(device, dtype, shapes: LayerShapes, tokens: int) -> float:
+def _layer_matmul_seconds(device, dtype, shapes: LayerShapes, tokens: int, repeats: int = 7) -> float:
     """Typical seconds of the layer's matmuls over `tokens` rows."""
-    return _median_seconds(_layer_matmuls(device, dtype, shapes, tokens), repeats=7)
+    return _median_seconds(_layer_matmuls(device, dtype, shapes, tokens), repeats=repeats)
 
 
 def _matmul_figures(device, dtype, shapes: LayerShapes, on_host: bool) -> tuple[float, float, float]:
@@ -302,7 +302,7 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
                     log=print, model: ModelSpec | None = None, prompt_len: int = 128,
                     decode_context: int = 256, decode_seqs: int = 16) -> HardwareSpec:
     """Measure this machine, logging each step before it runs. dtype: the engine's compute dtype
-    (default: what the engine computes in, fp16 on CUDA and fp32 on the CPU); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
+    (default: what the engine computes in, fp16 on CUDA and on the CPU the dtype measured fastest there, flexsarathi/dtype_choice.py); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
     rates are measured on a whole prompt of `prompt_len` tokens and on `decode_seqs` sequences
     decoding against `decode_context` cached tokens: on a CPU the rate per pair depends on the shape
     (per-call costs weigh on short prompts), so a benchmark passes its workload's."""

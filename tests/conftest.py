@@ -1,9 +1,12 @@
 """Shared fixtures: tiny random-weight HF models saved as safetensors, and ../shared data."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,14 @@ TINY_CONFIGS = {
 # Deeper variants for placement tests: with 6 layers, two working buffers are a third of the layers.
 TINY_CONFIGS["opt_deep"] = dict(TINY_CONFIGS["opt"], num_hidden_layers=6)
 TINY_CONFIGS["llama_deep"] = dict(TINY_CONFIGS["llama_gqa_untied"], num_hidden_layers=6)
+
+
+# The CPU compute dtype's cache (flexsarathi/dtype_choice.py) in a folder of this run, set when
+# this file is imported (before test modules copy os.environ for their subprocesses and Ray actors):
+# the suite neither reads nor writes the user's ~/.cache choice. Removed at exit.
+TEST_CACHE_DIR = tempfile.mkdtemp(prefix="flexsarathi-test-cache-")
+os.environ["FLEXSARATHI_CACHE_DIR"] = TEST_CACHE_DIR
+atexit.register(shutil.rmtree, TEST_CACHE_DIR, ignore_errors=True)
 
 
 @contextlib.contextmanager
