@@ -112,11 +112,12 @@ def run_generate(args) -> int:
 
     source = open_weight_source(args.model)
     tokenizer = load_tokenizer(args.model, source.config)
-    # The dtype as resolved (auto: this machine's cached choice): a resume in another dtype is refused.
+    # The dtype resolved once (auto: this machine's cached choice) for the engine, every Ray actor
+    # and the file's meta: a resume in another dtype is refused.
     dtype = resolve_dtype(args.dtype, source.config.checkpoint_dtype, resolve_device(args.device))
+    args.dtype = str(dtype).removeprefix("torch.")
     meta = {"job": "flexsarathi generate", "format": fmt, "model": _model_name(args.model),
-            "weights": source.fingerprint, "dtype": str(dtype).removeprefix("torch."), "seed": args.seed,
-            "sampling": defaults}
+            "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults}
     out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite)
     try:
         return _run_job(args, fmt, requests, tokenizer, defaults, out)

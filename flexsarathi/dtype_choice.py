@@ -156,6 +156,7 @@ def _lookup(entries: list[dict], key: dict) -> torch.dtype | None:
 def _write_entries(path: str, entries: list[dict]) -> None:
     """Replace the cache atomically; a folder that cannot be written only costs a re-measurement
     next time (warned once here), never the run."""
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".cpu_dtype.", dir=os.path.dirname(path))
@@ -165,3 +166,5 @@ def _write_entries(path: str, entries: list[dict]) -> None:
     except OSError as exc:
         log.warning("could not write the CPU dtype cache %s: %s (the choice is measured again next run)",
                     path, exc)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

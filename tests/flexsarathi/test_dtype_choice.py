@@ -93,6 +93,22 @@ def test_llm_auto_follows_the_cached_choice(cache_dir, tiny_checkpoint):
             llm.close()
 
 
+def test_cli_and_planner_follow_the_cached_choice(cache_dir, tiny_checkpoint, capsys):
+    from flexsarathi.cli import main
+    from flexsarathi.llm import planner_model_spec
+
+    if torch.cuda.is_available():
+        pytest.skip("the default device is a GPU here: the CPU rule is not the one that applies")
+    folder, _ = tiny_checkpoint("opt")
+    for cached in ("bfloat16", "float32"):
+        _write_cache(cache_dir, [{"key": machine_key(), "dtype": cached}])
+        assert planner_model_spec(folder, dtype="auto").bytes_per_value == getattr(torch, cached).itemsize
+        for extra in ([], ["--dtype", "auto"]):
+            argv = ["bench", "--model", folder, "--prompt-len", "4", "--gen-len", "2", "--num-prompts", "2", *extra]
+            assert main(argv) == 0
+            assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == cached
+
+
 def test_a_real_measurement_picks_a_candidate_and_caches_it(cache_dir):
     chosen = cpu_compute_dtype()
     assert chosen in candidate_dtypes(cpu_description()["flags"])
