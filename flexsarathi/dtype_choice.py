@@ -5,8 +5,9 @@ CPUs differ by 20x in half-precision matmuls: with AVX-512 BF16 (or AMX) bf16 ru
 fp32, on an AVX2-only CPU ~4x slower (emulated in software). So the candidates (fp32, bf16, and fp16
 only where the CPU has fp16 arithmetic: AVX512-FP16 or AMX-FP16) are timed on one representative
 layer's four matmuls (the profiler's timer) on one thread at a decode-like and a prefill-like row
-count, best of two interleaved rounds, about 1-2 s in all. `choose_dtype` keeps fp32,
-the more accurate, unless a half type is at least HALF_SPEEDUP times as fast at both row counts.
+count, best of two interleaved rounds: 1.6 s on the AVX-512 BF16 machine, 4.8 s AVX2-emulated (slow
+bf16 calls). `choose_dtype` keeps fp32, the more accurate, unless a half type is at least
+HALF_SPEEDUP times as fast at both row counts.
 Delete the cache file to measure again (e.g. after measuring on a machine busy with other work).
 
 The cache is a small JSON file (`$FLEXSARATHI_CACHE_DIR` or ~/.cache/flexsarathi, `cpu_dtype.json`)
