@@ -7,7 +7,7 @@ import os
 import sys
 
 from flexsarathi.cli_bench import add_bench_parser
-from flexsarathi.cli_common import add_compute_args
+from flexsarathi.cli_common import add_compute_args, add_dtype_arg
 from flexsarathi.cli_generate import add_generate_parser
 from flexsarathi.cli_io import check_folder, check_output_file, positive_int, read_text_file
 from flexsarathi.cli_policy import add_policy_parser
@@ -60,6 +60,7 @@ def _cmd_perplexity(args) -> int:
 
 
 def _cmd_profile(args) -> int:
+    from flexsarathi.dtype_choice import is_auto
     from flexsarathi.engine import DEFAULT_OFFLOAD_DIR
     from flexsarathi.model_config import parse_dtype
     from flexsarathi.profiler import profile_machine
@@ -67,7 +68,7 @@ def _cmd_profile(args) -> int:
     check_output_file(args.output, "--output")
     offload_dir = args.offload_dir or DEFAULT_OFFLOAD_DIR
     check_folder(offload_dir, "--offload-dir")
-    dtype = parse_dtype(args.dtype, "--dtype") if args.dtype else None
+    dtype = None if is_auto(args.dtype) else parse_dtype(args.dtype, "--dtype")  # None: the engine's
     spec = profile_machine(offload_dir, dtype=dtype, disk_bytes=args.disk_mib << 20,
                            log=lambda line: print(line, file=sys.stderr, flush=True))
     spec.save(args.output)
@@ -111,8 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--output", "-o", default="hardware_profile.json")
     prof.add_argument("--offload-dir", default=None, help="folder whose disk is measured")
     prof.add_argument("--disk-mib", type=positive_int, default=512, help="size of the disk test file")
-    prof.add_argument("--dtype", default=None, help="compute dtype measured (default: the engine's: "
-                      "float32 on CPU, float16 on GPU)")
+    add_dtype_arg(prof)  # measured in the dtype the engine computes in
     prof.set_defaults(func=_cmd_profile)
 
     add_policy_parser(sub)

@@ -31,9 +31,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_compute_args(p: argparse.ArgumentParser) -> None:
     """--dtype and --device (every command that builds an engine)."""
-    p.add_argument("--dtype", default=None, help="compute dtype: float32, float16, bfloat16 "
-                   "(default: float32 on CPU, the checkpoint's half dtype on GPU)")
+    add_dtype_arg(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--dtype, the one definition (engine commands and `profile`)."""
+    p.add_argument("--dtype", default=None, help="compute dtype: auto (the default: on the CPU the "
+                   "fastest here, fp32 unless bf16/fp16 matmuls measure >= 1.3x faster, measured once "
+                   "and cached per machine; on a GPU the checkpoint's half dtype), float32, float16, bfloat16")
 
 
 def hardware_of(args):

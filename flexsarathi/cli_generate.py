@@ -107,10 +107,15 @@ def run_generate(args) -> int:
     fmt, requests = read_requests(_input_path(args.input), args.input_format)
     check_unique_ids(requests)
     from flexsarathi.checkpoint import open_weight_source
+    from flexsarathi.engine import resolve_device, resolve_dtype
     from flexsarathi.tokenizer import load_tokenizer
 
     source = open_weight_source(args.model)
     tokenizer = load_tokenizer(args.model, source.config)
+    # The dtype resolved once (auto: this machine's cached choice) for the engine, every Ray actor
+    # and the file's meta: a resume in another dtype is refused.
+    dtype = resolve_dtype(args.dtype, source.config.checkpoint_dtype, resolve_device(args.device))
+    args.dtype = str(dtype).removeprefix("torch.")
     meta = {"job": "flexsarathi generate", "format": fmt, "model": _model_name(args.model),
             "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults}
     out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite)

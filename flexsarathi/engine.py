@@ -17,6 +17,7 @@ from flexsarathi.attention import release_host_buffers
 from flexsarathi.batch_builder import build_micro_batch, wants_prompt_logprobs
 from flexsarathi.block_manager import BlockManager
 from flexsarathi.checkpoint import open_weight_source
+from flexsarathi.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.model_config import parse_dtype
 from flexsarathi.sampling import SamplingParams, mask_stops, sample, sample_seed, token_logprobs
@@ -114,13 +115,14 @@ def resolve_device(device) -> torch.device:
 
 
 def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Explicit dtype wins; else fp16/bf16 on a GPU (as the checkpoint, fp16 for fp32 ones) and
-    fp32 on the CPU, where half-precision matmuls are slow and lose accuracy."""
-    if dtype is not None:
+    """Explicit dtype wins; else (None or "auto") fp16/bf16 on a GPU (as the checkpoint, fp16 for
+    fp32 ones) and on the CPU the dtype this machine computes fastest, fp32 unless a half dtype is
+    clearly faster (measured once per machine and cached: flexsarathi/dtype_choice.py)."""
+    if not is_auto(dtype):
         return parse_dtype(dtype, "LLM(dtype=...)")
     if device.type == "cuda":
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float16
-    return torch.float32
+    return cpu_compute_dtype()
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class EngineConfig:
     """What an LLMEngine is built from (LLM(...) builds it from its keyword arguments)."""
 
     model: str  # a checkpoint folder or `dummy:<name>`
-    dtype: str | torch.dtype | None = None  # None: resolve_dtype's rule
+    dtype: str | torch.dtype | None = None  # None or "auto": resolve_dtype's rule
     device: str | torch.device | None = None  # None: cuda when available
     policy: Policy = field(default_factory=Policy)
     seed: int = 0  # of the requests that give no SamplingParams.seed

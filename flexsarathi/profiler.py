@@ -105,9 +105,9 @@ def _layer_matmuls(device, dtype, shapes: LayerShapes, tokens: int):
     return run
 
 
-def _layer_matmul_seconds(device, dtype, shapes: LayerShapes, tokens: int) -> float:
+def _layer_matmul_seconds(device, dtype, shapes: LayerShapes, tokens: int, repeats: int = 7) -> float:
     """Typical seconds of the layer's matmuls over `tokens` rows."""
-    return _median_seconds(_layer_matmuls(device, dtype, shapes, tokens), repeats=7)
+    return _median_seconds(_layer_matmuls(device, dtype, shapes, tokens), repeats=repeats)
 
 
 def _matmul_figures(device, dtype, shapes: LayerShapes, on_host: bool) -> tuple[float, float, float]:
@@ -225,7 +225,7 @@ def _int4_kernel_rate(device, dtype, shapes: LayerShapes, rows: int = INT4_KERNE
     if pack_for_cpu_kernel(probe) is None or any(o % 64 or i % group for o, i in shapes.matrices):
         return None
     weights = [Int4Packed(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8),
-                          (torch.rand(i // group, o, 2) * 0.01).to(torch.bfloat16), (o, i), group)
+                          (torch.rand(o, i // group, 2) * 0.01).to(torch.bfloat16), (o, i), group)
                for o, i in shapes.matrices]
     inputs = [torch.randn(rows, i, dtype=dtype) for _, i in shapes.matrices]
 
@@ -367,7 +367,7 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
                     log=print, model: ModelSpec | None = None, prompt_len: int = 128,
                     decode_context: int = 256, decode_seqs: int = 16) -> HardwareSpec:
     """Measure this machine, logging each step before it runs. dtype: the engine's compute dtype
-    (default: what the engine computes in, fp16 on CUDA and fp32 on the CPU); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
+    (default: what the engine computes in, fp16 on CUDA and on the CPU the dtype measured fastest there, flexsarathi/dtype_choice.py); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
     rates are measured on a whole prompt of `prompt_len` tokens and on `decode_seqs` sequences
     decoding against `decode_context` cached tokens: on a CPU the rate per pair depends on the shape
     (per-call costs weigh on short prompts), so a benchmark passes its workload's."""

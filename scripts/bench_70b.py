@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -57,8 +56,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from bench_offload import (Pass, Rates, cpu_per_gb, cpu_seconds, disk_read_bytes, drop_cache_of,  # noqa: E402
-                           instrument, machine_busy_seconds, measure_disk, measure_disk_buffered,
+                           instrument, machine_busy_seconds, measure_disk_buffered,
                            release_free_memory)
+from flexsarathi.machine_info import cpu_line  # noqa: E402
+from flexsarathi.profiler import read_store_rate  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.checkpoint import DummyWeights  # noqa: E402
 from flexsarathi.cli_common import describe_policy  # noqa: E402
@@ -80,29 +81,6 @@ TINY = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=1, inter
 
 def say(*args) -> None:
     print(*args, flush=True)
-
-
-def machine_description() -> str:
-    """The CPU model, its SIMD flags that matter for matmuls, cores and RAM (one line)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    return (f"{model}, {os.cpu_count()} cores, flags {' '.join(f for f in wanted if f in flags) or 'none of '}"
-            f"{'' if flags & set(wanted) else ', '.join(wanted)}, {ram:.1f} GiB RAM, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), no GPU")
-
-
-# ---- the model ----------------------------------------------------------------------------------
 
 
 def register_model(layers: int | None, quick: bool) -> str:
@@ -261,9 +239,9 @@ def measure_rates(store: DiskStore, shapes: Shapes) -> Rates:
     """Disk rate (the fastest of three ways of reading the store's files) and bf16 matmul rates."""
     files = store.data_files()
     drop_cache_of(files)
-    measure_disk(store, range_reads=False)  # the first read of a run is slower: warm-up
-    direct, _ = cpu_per_gb(measure_disk, store, False)
-    engine_path, _ = cpu_per_gb(measure_disk, store, True)
+    read_store_rate(store, range_reads=False)  # the first read of a run is slower: warm-up
+    direct, _ = cpu_per_gb(read_store_rate, store, False)
+    engine_path, _ = cpu_per_gb(read_store_rate, store, True)
     buffered, _ = cpu_per_gb(measure_disk_buffered, files)
     rates = Rates(direct, buffered, measure_matmul(shapes), engine_path)
     say(f"  disk read {direct / GB:.2f} GB/s O_DIRECT, {engine_path / GB:.2f} as the engine reads, "
@@ -375,7 +353,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     t0 = time.perf_counter()
-    say(f"bench_70b: {machine_description()}")
+    say(f"bench_70b: {cpu_line(torch.bfloat16)}")
     model = register_model(args.layers, args.quick)
     spec = planner_model_spec(f"dummy:{model}", "bfloat16")
     shapes = Shapes.of(spec)

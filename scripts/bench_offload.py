@@ -5,6 +5,7 @@ prompts, same memory limit, page cache out of the picture (prints; asserts nothi
     .venv/bin/python scripts/bench_offload.py            # as root; opt-1.3b, 30 x 128 -> 32 tokens
     .venv/bin/python scripts/bench_offload.py --model opt-125m --num-prompts 8 --prompt-len 64 --gen-len 4
     .venv/bin/python scripts/bench_offload.py --quick    # smoke test: opt-125m, 4 prompts x 32 -> 3 tokens
+    .venv/bin/python scripts/bench_offload.py --dtype float32   # compute and store in fp32 (default: auto)
 
 Run time (opt-1.3b defaults, 2 cores): about 10 minutes on a quiet machine once the offload
 folders exist (Accelerate ~300 s; ours ~58 s overlap on, ~85 s off, ~66 s 4-bit; building engines
@@ -58,8 +59,8 @@ How it is made honest on this machine (CPU only; see docs "Measuring honestly on
   our store's files three ways (the DiskStore's own O_DIRECT reads into aligned buffers, best of
   two after a warm-up read, since the first read of a run is slower; the same reads as the engine
   issues them, read_range_async into aligned working buffers; a buffered cold read), each with its
-  CPU seconds per GB; the bound uses the fastest, i.e. what the disk can do. And the CPU bf16
-  matmul rate for the layer's shapes [T, hidden] x [hidden, 3h | h | ffn] and [T, ffn] x
+  CPU seconds per GB; the bound uses the fastest, i.e. what the disk can do. And the CPU matmul
+  rate (in the run's dtype) for the layer's shapes [T, hidden] x [hidden, 3h | h | ffn] and [T, ffn] x
   [ffn, hidden] at several T, best of five short rounds (the neighbours' load comes in bursts),
   interpolated in log T, so skinny decode matmuls get their own lower rate.
   Per pass (ours) or per forward (Accelerate), recorded as they run:
@@ -68,6 +69,11 @@ How it is made honest on this machine (CPU only; see docs "Measuring honestly on
               + 2 * hidden * vocab * logit rows
   summed over passes, against the measured end-to-end time. Dequantization (compressed row) and
   every overhead are not in the bound, so they show as measured / bound > 1.
+* Dtype: --dtype auto (default) computes in what LLM(dtype="auto") picks on this CPU (bf16 where
+  its matmuls are clearly faster than fp32, e.g. AVX-512 BF16; fp32 on an AVX2-only CPU, where bf16
+  is emulated; flexsarathi/dtype_choice.py), or float32 / bfloat16. Both engines, both offload
+  folders and every byte count (weights streamed, KV, budgets, the memory limit, Accelerate's batch,
+  the bound) use it; the header names the CPU, its flags and the dtype.
 * Our policy: all prompts running at once (decode-maximal scheduler, one micro-batch: on a CPU
   more micro-batches only split the same matmuls), prefill budget (prompt tokens per pass) 512.
   Every prompt is admitted at once and none is replaced, so the run is a few prefill-carrying
@@ -109,7 +115,6 @@ import gc
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import sys
@@ -123,6 +128,8 @@ import torch  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.checkpoint import DummyWeights  # noqa: E402
 from flexsarathi.profiler import read_store_rate  # noqa: E402
+from flexsarathi.engine import resolve_dtype  # noqa: E402
+from flexsarathi.machine_info import cpu_line  # noqa: E402
 from offload.disk_store import DiskStore, drop_page_cache  # noqa: E402
 from offload.host_malloc import host_malloc_state  # noqa: E402
 from policy_search import Policy  # noqa: E402
@@ -308,20 +315,20 @@ class Shapes:
     heads: int
     vocab: int
     layer_matrix_params: int  # 2-D weights of one layer
-    layer_bytes: int  # bf16 bytes of one layer's 2-D weights (what streams from disk per layer)
+    layer_bytes: int  # bytes of one layer's 2-D weights in the run's dtype (what streams from disk per layer)
     resident_bytes: int  # embeddings + positions + final norm (tied head)
-    item: int = 2
+    item: int = 2  # bytes per value of the run's dtype
 
     @classmethod
-    def of(cls, name: str) -> "Shapes":
+    def of(cls, name: str, item: int) -> "Shapes":
         cfg = known_config(name)
         h, f, L, v = cfg["hidden_size"], cfg["ffn_dim"], cfg["num_hidden_layers"], cfg["vocab_size"]
         if cfg.get("word_embed_proj_dim", h) != h or not cfg.get("do_layer_norm_before", True):
             raise SystemExit(f"{name}: pick an OPT model with word_embed_proj_dim == hidden and pre-norm "
                              "(opt-125m, opt-1.3b, opt-2.7b, ...)")
         params = 4 * h * h + 2 * h * f
-        resident = (v * h + (cfg["max_position_embeddings"] + 2) * h + 2 * h) * 2
-        return cls(name, L, h, f, cfg["num_attention_heads"], v, params, params * 2, resident)
+        resident = (v * h + (cfg["max_position_embeddings"] + 2) * h + 2 * h) * item
+        return cls(name, L, h, f, cfg["num_attention_heads"], v, params, params * item, resident, item)
 
     def pass_flops(self, tokens: int, attended_keys: int, logit_rows: int) -> float:
         return (self.layers * (2.0 * self.layer_matrix_params * tokens + 4.0 * self.hidden * attended_keys)
@@ -339,7 +346,7 @@ class Shapes:
 class Rates:
     disk_direct: float  # bytes/s, the DiskStore's O_DIRECT reads into aligned buffers
     disk_buffered: float  # bytes/s, cold buffered sequential reads of the same files
-    matmul: dict[int, float]  # tokens -> FLOP/s for the layer's bf16 matmuls
+    matmul: dict[int, float]  # tokens -> FLOP/s for the layer's matmuls in the run's dtype
     disk_engine_path: float = 0.0  # bytes/s, read_range_async into aligned buffers (as the engine reads)
 
     @property
@@ -403,17 +410,18 @@ def measure_disk_buffered(files) -> float:
 
 
 @torch.inference_mode()
-def measure_matmul(shapes: Shapes, rounds: int = 5, seconds_per_round: float = 0.15) -> dict[int, float]:
-    """FLOP/s of one layer's four bf16 matmuls (F.linear, as the engine runs them) per T.
+def measure_matmul(shapes: Shapes, dtype: torch.dtype, rounds: int = 5,
+                   seconds_per_round: float = 0.15) -> dict[int, float]:
+    """FLOP/s of one layer's four matmuls in `dtype` (F.linear, as the engine runs them) per T.
 
     Best of `rounds` short rounds, interleaved over T: the neighbours' load comes in bursts, and
     the bound wants what the machine can do, not what was left of it at one moment.
     """
     h, f = shapes.hidden, shapes.ffn
     gen = torch.Generator().manual_seed(0)
-    ws = [torch.randn(o, i, generator=gen).to(torch.bfloat16) * 0.02
+    ws = [torch.randn(o, i, generator=gen).to(dtype) * 0.02
           for o, i in ((3 * h, h), (h, h), (f, h), (h, f))]
-    xs = {t: [torch.randn(t, w.shape[1], generator=gen).to(torch.bfloat16) for w in ws] for t in RATE_TOKENS}
+    xs = {t: [torch.randn(t, w.shape[1], generator=gen).to(dtype) for w in ws] for t in RATE_TOKENS}
     best = {t: 0.0 for t in RATE_TOKENS}
     for t in RATE_TOKENS:  # warm-up: oneDNN primitives for every shape
         for w, x in zip(ws, xs[t]):
@@ -553,7 +561,7 @@ def instrument(llm, shapes: Shapes, rates: Rates, disk_bytes_per_pass: int, pass
 def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0, bench_files) -> Result:
     say(f"{stamp(t0)} {label}: building the engine (the store is reused: layers are read from it, "
         f"only embeddings and head are regenerated)")
-    llm = LLM(f"dummy:{args.model}", dtype="bfloat16", policy=policy, offload_dir=args.offload_dir,
+    llm = LLM(f"dummy:{args.model}", dtype=args.torch_dtype, policy=policy, offload_dir=args.offload_dir,
               direct_io=True, hardware=hardware)
     try:
         store = llm.engine.weights.store
@@ -606,13 +614,13 @@ def hf_config(name: str):
     return config
 
 
-def hf_state_from_dummy(dummy: DummyWeights, layer: int | None) -> dict[str, torch.Tensor]:
-    """HF names -> bf16 tensors of the same dummy weights our engine uses (qkv split in three)."""
+def hf_state_from_dummy(dummy: DummyWeights, layer: int | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF names -> `dtype` tensors of the same dummy weights our engine uses (qkv split in three)."""
     math_ = dummy.math
     if layer is None:
-        src, names = dummy.global_weights(torch.bfloat16), math_.hf_global_names()
+        src, names = dummy.global_weights(dtype), math_.hf_global_names()
     else:
-        src, names = dummy.layer_weights(layer, torch.bfloat16), math_.hf_layer_names(layer)
+        src, names = dummy.layer_weights(layer, dtype), math_.hf_layer_names(layer)
     out = {}
     for key, hf_names in names.items():
         parts = src[key].chunk(len(hf_names), dim=0) if len(hf_names) > 1 else [src[key]]
@@ -626,7 +634,7 @@ def build_accelerate_folder(args, shapes: Shapes, t0: float) -> str:
     for every decoder layer, and the resident weights to resident.pt. Reused when complete."""
     from accelerate.utils import offload_weight, save_offload_index
 
-    folder = os.path.join(args.offload_dir, f"accelerate-{args.model}-bf16")
+    folder = os.path.join(args.offload_dir, f"accelerate-{args.model}-{args.dtype_name}")
     done = os.path.join(folder, "COMPLETE")
     if os.path.exists(done):
         say(f"{stamp(t0)} accelerate: reusing offload folder {folder}")
@@ -635,10 +643,10 @@ def build_accelerate_folder(args, shapes: Shapes, t0: float) -> str:
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
     dummy = DummyWeights(args.model)
-    torch.save(hf_state_from_dummy(dummy, None), os.path.join(folder, "resident.pt"))
+    torch.save(hf_state_from_dummy(dummy, None, args.torch_dtype), os.path.join(folder, "resident.pt"))
     index: dict = {}
     for layer in range(shapes.layers):
-        for name, tensor in hf_state_from_dummy(dummy, layer).items():
+        for name, tensor in hf_state_from_dummy(dummy, layer, args.torch_dtype).items():
             index = offload_weight(tensor, name, folder, index=index)
     save_offload_index(index, folder)
     for path in accelerate_files(folder):
@@ -684,7 +692,7 @@ def build_accelerate_model(args, shapes: Shapes, folder: str, t0: float):
     config = hf_config(args.model)
     with init_empty_weights():
         model = OPTForCausalLM(config)
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(args.torch_dtype).eval()
     resident = torch.load(os.path.join(folder, "resident.pt"))
     for name, tensor in resident.items():
         set_module_tensor_to_device(model, name, "cpu", value=tensor)
@@ -872,6 +880,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-compressed", action="store_true")
     parser.add_argument("--only", choices=("ours", "accelerate"), default=None,
                         help="run only one engine's rows (for debugging; the ratios need both)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="compute and storage dtype of both engines (default auto: what "
+                             "LLM(dtype='auto') picks on this CPU by measuring its matmuls)")
     parser.add_argument("--offload-dir", default="/tmp/fs_bench_offload")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test in a minute or two: opt-125m, 4 prompts x 32 -> 3 tokens "
@@ -881,6 +892,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.model, args.num_prompts, args.prompt_len, args.gen_len = "opt-125m", 4, 32, 3
     if args.only == "ours":
         args.skip_accelerate = True
+    args.torch_dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))
+    args.dtype_name = str(args.torch_dtype).removeprefix("torch.")
     return args
 
 
@@ -901,7 +914,7 @@ class Setup:
 
 
 def make_setup(args) -> Setup:
-    shapes = Shapes.of(args.model)
+    shapes = Shapes.of(args.model, args.torch_dtype.itemsize)
     s, n, N = args.prompt_len, args.gen_len, args.num_prompts
     weights_bytes = shapes.layer_bytes * shapes.layers
     # FlexGen's T4 against OPT-30B's weights, applied to the whole model; small models, whose
@@ -927,10 +940,9 @@ def make_setup(args) -> Setup:
 def print_setup(args, setup: Setup) -> None:
     """The machine, the workload and the memory arithmetic of both engines."""
     shapes, s, n, N = setup.shapes, args.prompt_len, args.gen_len, args.num_prompts
-    say(f"bench_offload: {args.model} ({shapes.layers} layers, hidden {shapes.hidden}, ffn {shapes.ffn}), bf16, "
-        f"dummy weights")
-    say(f"  machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
+    say(f"bench_offload: {args.model} ({shapes.layers} layers, hidden {shapes.hidden}, ffn {shapes.ffn}), "
+        f"{args.dtype_name} (--dtype {args.dtype}), dummy weights")
+    say(f"  {cpu_line(args.torch_dtype)}; "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.1f} GiB RAM, no GPU")
     say(f"  workload: {N} prompts x {s} tokens, {n} generated each (greedy, exactly {n}); "
         f"{N * n} tokens to generate")
@@ -962,13 +974,13 @@ def print_page_cache_left(setup: Setup) -> None:
 
 def build_offload_folders(args, setup: Setup, t0: float) -> tuple[list, str | None, str | None]:
     """Every offload folder written outside the memory group, then its page cache dropped:
-    (every data file, our bf16 store's key, Accelerate's folder)."""
+    (every data file, our uncompressed store's key, Accelerate's folder)."""
     os.makedirs(args.offload_dir, exist_ok=True)
     files, plain_key = [], None
     for compress in ((False,) if args.skip_compressed else (False, True)):
-        say(f"{stamp(t0)} ours: placing weights ({'4-bit' if compress else 'bf16'}) in {args.offload_dir} "
+        say(f"{stamp(t0)} ours: placing weights ({'4-bit' if compress else args.dtype_name}) in {args.offload_dir} "
             "(written once, reused)")
-        llm = LLM(f"dummy:{args.model}", dtype="bfloat16", offload_dir=args.offload_dir, direct_io=True,
+        llm = LLM(f"dummy:{args.model}", dtype=args.torch_dtype, offload_dir=args.offload_dir, direct_io=True,
                   policy=our_policy(args, 1, 64, True, compress))
         files += store_files(llm)
         if not compress:
@@ -998,7 +1010,7 @@ def join_memory_group(mem_limit: int, t0: float) -> MemoryGroup:
 
 def measure_machine(args, setup: Setup, plain_key: str, t0: float) -> tuple[Rates, int]:
     """(disk and matmul rates, our prefill budget), measured inside the memory group."""
-    say(f"{stamp(t0)} measuring disk bandwidth and bf16 matmul rates")
+    say(f"{stamp(t0)} measuring disk bandwidth and {args.dtype_name} matmul rates")
     store = DiskStore(args.offload_dir, plain_key, direct_io=True)
     plain_files = store.data_files()
     drop_cache_of(plain_files)
@@ -1010,12 +1022,12 @@ def measure_machine(args, setup: Setup, plain_key: str, t0: float) -> tuple[Rate
     store.close()
     del store
     release_free_memory()
-    rates = Rates(direct, buffered, measure_matmul(setup.shapes), engine_path)
+    rates = Rates(direct, buffered, measure_matmul(setup.shapes, args.torch_dtype), engine_path)
     say(f"  disk read: {direct / GB:.2f} GB/s O_DIRECT (DiskStore.read_async, aligned buffers; "
         f"{direct_cpu:.2f} CPU s/GB), {engine_path / GB:.2f} GB/s O_DIRECT as the engine reads "
         f"(read_range_async into aligned buffers; {engine_cpu:.2f} CPU s/GB), {buffered / GB:.2f} GB/s "
         f"buffered cold ({buffered_cpu:.2f} CPU s/GB); the bound uses the fastest, {rates.disk / GB:.2f} GB/s")
-    say("  bf16 matmul (one layer's four matmuls): " + ", ".join(
+    say(f"  {args.dtype_name} matmul (one layer's four matmuls): " + ", ".join(
         f"T={t}: {r / 1e12:.3f}" for t, r in rates.matmul.items()) + " TFLOP/s")
     io_pass = setup.weights_bytes / rates.disk
     balance = rates.balance_tokens(setup.shapes, setup.weights_bytes)
@@ -1045,8 +1057,8 @@ def run_all(args, setup: Setup, rates: Rates, prefill_budget: int, acc_folder, g
         results.append(run_ours(label, args, setup.shapes, rates, setup.prompts, policy, setup.hardware,
                                 group, t0, files))
     say(f"  host malloc after our runs: {host_malloc_state()}")
-    after = measure_matmul(setup.shapes)
-    say("  bf16 matmul again after the runs: " + ", ".join(
+    after = measure_matmul(setup.shapes, args.torch_dtype)
+    say(f"  {args.dtype_name} matmul again after the runs: " + ", ".join(
         f"T={t}: {r / 1e12:.3f}" for t, r in after.items()) + " TFLOP/s (the bound above used the "
         "best-of rates before the runs)")
 
@@ -1062,19 +1074,19 @@ def report(args, setup: Setup, rates: Rates, results: list[Result], group: Memor
         say(f"  {r.label}:")
         pass_breakdown(r)
     say("")
-    compare_configurations({r.label: r for r in results}, results)
+    compare_configurations({r.label: r for r in results}, results, args.dtype_name)
     say(f"  measured / bound: " + ", ".join(f"{r.label} {r.seconds / r.bound:.2f}" for r in results)
         + " (goal <= 1.3)")
     say(f"{stamp(t0)} done")
 
 
-def compare_configurations(by: dict[str, Result], results: list[Result]) -> None:
+def compare_configurations(by: dict[str, Result], results: list[Result], dtype_name: str) -> None:
     """Ours against Accelerate, the greedy tokens of each pair, and overlap on / off."""
     on, off = by.get("ours, overlap on"), by.get("ours, overlap off")
     acc = by.get("accelerate disk offload")
     if acc is not None and on is not None:
         best = max((r for r in results if r is not acc), key=lambda r: r.tok_s)
-        say(f"  ours / Accelerate: {on.tok_s / acc.tok_s:.2f}x (overlap on, bf16 weights); "
+        say(f"  ours / Accelerate: {on.tok_s / acc.tok_s:.2f}x (overlap on, {dtype_name} weights); "
             f"best ours ({best.label}) {best.tok_s / acc.tok_s:.2f}x; target >= 5x")
         say(f"  at the bounds: ours {on.generated / on.bound:.2f} tok/s, Accelerate {acc.generated / acc.bound:.2f} "
             f"tok/s: {acc.bound / on.bound:.2f}x is what this machine allows these two batch sizes "
@@ -1082,7 +1094,7 @@ def compare_configurations(by: dict[str, Result], results: list[Result]) -> None
         say(f"  greedy tokens, ours vs Accelerate: {agreement(on, acc)}")
     comp = by.get("ours, 4-bit weights, overlap")
     if on is not None and comp is not None:
-        say(f"  greedy tokens, 4-bit vs bf16 weights: {agreement(on, comp)}")
+        say(f"  greedy tokens, 4-bit vs {dtype_name} weights: {agreement(on, comp)}")
     if on is not None and off is not None:
         say(f"  greedy tokens, overlap on vs off: {agreement(on, off)}")
         overlap_report(on, off)

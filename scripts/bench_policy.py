@@ -17,6 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flexsarathi.machine_info import cpu_line  # noqa: E402
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate, search_detailed  # noqa: E402
 
 # FlexGen (ICML'23) Table 2 / benchmark/flexgen/bench_suite.py: T4 16 GB, 208 GB RAM, 1.5 TB SSD.
@@ -58,6 +59,7 @@ def main() -> int:
     t4 = HardwareSpec.preset("t4")
     hardware = HardwareSpec.resolve(args.hardware)
     workload = Workload(prompt_len=512, gen_len=32)
+    print(f"bench_policy: {cpu_line()}; planner arithmetic only (no matmuls; timings below are the search's)")
 
     print("(a) FlexGen's published policies on the t4 preset, prompt 512 / output 32")
     print(f"  {'model':<9}{'published':>10}{'estimate':>10}{'error':>8}  fits  policy")

@@ -14,7 +14,8 @@ measured median pass time with the resource the planner says bounds it.
 How it is set up
 ----------------
 * Profile: `--profile PATH` is loaded when it exists; otherwise this machine is measured first
-  (`flexsarathi.profiler.profile_machine`: the model's layer shapes in bf16, attention on the
+  (`flexsarathi.profiler.profile_machine`: the model's layer shapes in the run's dtype (--dtype,
+  default auto: what LLM(dtype='auto') computes in on this CPU), attention on the
   workload's prompt length and decode context) and saved there. On a
   busy machine prefer measuring in the same run: the rates then see the same neighbours as the runs.
 * "Needs offloading": the gpu tier (on a CPU-only machine, a budgeted working set in host memory)
@@ -49,6 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
+from flexsarathi.engine import resolve_dtype  # noqa: E402
+from flexsarathi.machine_info import cpu_line  # noqa: E402
 from flexsarathi.profiler import profile_machine  # noqa: E402
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate  # noqa: E402
 from policy_search.passes import steady_prefill_budget  # noqa: E402
@@ -95,8 +98,8 @@ def load_or_measure_profile(args, model: ModelSpec) -> HardwareSpec:
         say(f"profile: {path} (loaded)")
         return HardwareSpec.load(path)
     say("profile: measuring this machine (use --profile PATH to keep it)")
-    # The model's layer shapes, bf16, attention on this workload's prompt and decode context.
-    spec = profile_machine(args.offload_dir, dtype=torch.bfloat16, model=model, log=lambda line: say("  " + line),
+    # The model's layer shapes in the run's dtype, attention on this workload's prompt and decode context.
+    spec = profile_machine(args.offload_dir, dtype=args.torch_dtype, model=model, log=lambda line: say("  " + line),
                            prompt_len=args.prompt_len, decode_context=args.prompt_len + args.gen_len // 2,
                            decode_seqs=args.gpu_batch_size)
     if path:
@@ -163,7 +166,7 @@ class PassTimer:
 
 def run_placement(name: str, policy: Policy, args, hw: HardwareSpec, prompts: list[list[int]]) -> dict:
     start = time.perf_counter()
-    llm = LLM(args.model_id, dtype="bfloat16", policy=policy, offload_dir=args.offload_dir,
+    llm = LLM(args.model_id, dtype=args.torch_dtype, policy=policy, offload_dir=args.offload_dir,
               direct_io=True, hardware=hw)
     built = time.perf_counter() - start
     timer = PassTimer(llm)
@@ -199,12 +202,16 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--only", nargs="*", default=None, help="run only the placements of these names")
     parser.add_argument("--offload-dir", default="/tmp/fs_policy_accuracy")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="compute dtype (default auto: what LLM(dtype='auto') picks on this CPU)")
     args = parser.parse_args()
     args.model_id = args.model if args.model.startswith("dummy:") else f"dummy:{args.model}"
     t0 = time.perf_counter()
     os.makedirs(args.offload_dir, exist_ok=True)
 
-    model = ModelSpec.from_name(args.model_id, bytes_per_value=2)
+    args.torch_dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))
+    say(f"bench_policy_accuracy: {cpu_line(args.torch_dtype)}")
+    model = ModelSpec.from_name(args.model_id, bytes_per_value=args.torch_dtype.itemsize)
     neighbours = Neighbours()
     loaded = bool(args.profile and os.path.exists(args.profile))
     measured = load_or_measure_profile(args, model)

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from flexsarathi.machine_info import cpu_line  # noqa: E402
 from quant import QuantConfig, dequantize, quantize  # noqa: E402
 
 WEIGHT_SHAPE = (4096, 4096)  # a LLaMA-7B-sized projection [out_features, in_features]
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} repeats")
+    print(f"bench_quant: {cpu_line('float16 (speed sections), float32 (perplexity)')}; median of {args.repeats} repeats")
     rows = [row for name in (args.section or list(SECTIONS)) for row in SECTIONS[name](args)]
     print_table(rows)
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from flexsarathi.machine_info import cpu_line  # noqa: E402
 from quant import QuantConfig, quantize, quantized_linear  # noqa: E402
 from quant.cpu_matmul import layout_matches_torch, linear_4bit, pack_for_cpu_kernel  # noqa: E402
 from quant.int4pack import dequantize_int4pack  # noqa: E402
@@ -37,17 +38,6 @@ from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS  # noqa: E402
 
 OPT_1_3B_SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))  # [out, in]: attention, fc1, fc2
 ROWS = (1, 8, 32, 128, 512)
-
-
-def cpu_line() -> str:
-    """The CPU model and the SIMD flags that decide which kernels are fast."""
-    model, flags = "unknown", []
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name") and model == "unknown":
-            model = line.split(":", 1)[1].strip()
-        if line.startswith("flags") and not flags:
-            flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))]
-    return f"CPU: {model}; flags: {' '.join(flags)}; torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def linears(shape, dtype):
@@ -137,7 +127,7 @@ def main(argv=None) -> None:
     shapes, rows, threads = OPT_1_3B_SHAPES, args.rows, args.threads
     if args.quick:
         shapes, rows, threads = ((2048, 2048),), (1, 32, 512), [1]
-    print(cpu_line())
+    print(cpu_line(' and '.join(args.dtype)))
     print(f"int4 layout ours == torch's converter here: {layout_matches_torch()}; kernel up to "
           f"{CPU_INT4_KERNEL_MAX_ROWS} rows; disk {args.disk_gbps} GB/s")
     for n in threads:

@@ -48,7 +48,15 @@ def main() -> None:
     ap.add_argument("--input", default="pkg:dummy_opt.jsonl")
     ap.add_argument("--max-tokens", default="32")
     args = ap.parse_args()
+    sys.path.insert(0, REPO)
     import ray
+    import torch
+
+    from flexsarathi.engine import resolve_dtype
+    from flexsarathi.machine_info import cpu_line
+
+    # Every command below computes in what dtype auto picks (per thread count: each actor's own).
+    print(f"bench_ray: {cpu_line(resolve_dtype('auto', torch.float32, torch.device('cpu')))}", flush=True)
 
     ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=256 << 20, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR")

@@ -20,7 +20,8 @@ and decode-maximal; for (c) also decode-maximal with lifetime reservation. Each 
 configuration once, interleaved (block, decode-maximal, block, ...), so neighbours' load lands on
 both; the table shows the median and the spread (min-max) over rounds.
 
-Set-up, kept equal for every configuration: one engine (same executor, weights, dtype bf16); the
+Set-up, kept equal for every configuration: one engine (same executor, weights, dtype: --dtype, default auto, what
+LLM(dtype='auto') computes in on this CPU); the
 weights on disk (--w-disk) read with O_DIRECT, so the page cache never serves them (the
 store's page cache is also dropped before each run, and each run prints the bytes it really read
 from the disk); KV cache and activations on the compute device. Only how passes are formed
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -49,6 +49,8 @@ import torch  # noqa: E402
 
 from bench_offload import disk_read_bytes, drop_cache_of, machine_busy_seconds, cpu_seconds  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
+from flexsarathi.engine import resolve_dtype  # noqa: E402
+from flexsarathi.machine_info import cpu_line  # noqa: E402
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate  # noqa: E402
 from policy_search.passes import steady_prefill_budget  # noqa: E402
 
@@ -283,7 +285,7 @@ def load_profile(args, model: ModelSpec) -> HardwareSpec | None:
     from flexsarathi.profiler import profile_machine
 
     say("profile: measuring this machine" + (f" (saved to {args.profile})" if args.profile else ""))
-    spec = profile_machine(args.offload_dir, dtype=getattr(torch, args.dtype), model=model, log=lambda line: say("  " + line))
+    spec = profile_machine(args.offload_dir, dtype=args.torch_dtype, model=model, log=lambda line: say("  " + line))
     if args.profile:
         spec.save(args.profile)
     return spec
@@ -314,7 +316,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-planner", action="store_true", help="skip the planner's predictions (no profile)")
     p.add_argument("--offload-dir", default="/tmp/fs_bench_schedule")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", help="compute dtype (default bfloat16)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="compute dtype (default auto: what LLM(dtype='auto') picks on this CPU by measurement)")
     p.add_argument("--quick", action="store_true", help="smoke test: opt-125m, a few short requests, 1 round")
     args = p.parse_args()
     if args.quick:
@@ -328,10 +331,10 @@ def main() -> int:
     args = parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    say(f"bench_schedule: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads); flags: {' '.join(sys.argv[1:]) or '(defaults)'}")
+    args.torch_dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))  # for these threads
+    say(f"bench_schedule: {cpu_line(args.torch_dtype)}; arguments: {' '.join(sys.argv[1:]) or '(defaults)'}")
     base = Policy(gpu_batch_size=8, w_gpu=1.0 - args.w_disk, w_disk=args.w_disk, weight_prefetch=2)
-    llm = LLM(f"dummy:{args.model}", dtype=args.dtype, policy=base, offload_dir=args.offload_dir, direct_io=True)
+    llm = LLM(f"dummy:{args.model}", dtype=args.torch_dtype, policy=base, offload_dir=args.offload_dir, direct_io=True)
     store = llm.engine.weights.store
     store_files = store.data_files() if store is not None else []
     if store is not None and not store.direct_io_active:

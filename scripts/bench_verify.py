@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from flexsarathi.machine_info import cpu_line  # noqa: E402
 from offload.disk_store import DiskStore  # noqa: E402
 from offload.host_buffer import aligned_empty  # noqa: E402
 
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.folder, exist_ok=True)
+    print(f"bench_verify: {cpu_line()}; disk reads and crc32 only (no matmuls)", flush=True)
     work = tempfile.mkdtemp(prefix="bench-verify-", dir=args.folder)
     try:
         total = int(args.gib * (1 << 30)) // TENSOR_BYTES * TENSOR_BYTES

@@ -1,9 +1,12 @@
 """Shared fixtures: tiny random-weight HF models saved as safetensors, and ../shared data."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,6 +51,14 @@ TINY_CONFIGS["opt_blocks64"] = dict(TINY_CONFIGS["opt"], hidden_size=128, ffn_di
                                     num_hidden_layers=4, max_position_embeddings=128)
 TINY_CONFIGS["llama_blocks64"] = dict(TINY_CONFIGS["llama_gqa_untied"], hidden_size=128, intermediate_size=256,
                                       num_hidden_layers=4, max_position_embeddings=128)
+
+
+# The CPU compute dtype's cache (flexsarathi/dtype_choice.py) in a folder of this run, set when
+# this file is imported (before test modules copy os.environ for their subprocesses and Ray actors):
+# the suite neither reads nor writes the user's ~/.cache choice. Removed at exit.
+TEST_CACHE_DIR = tempfile.mkdtemp(prefix="flexsarathi-test-cache-")
+os.environ["FLEXSARATHI_CACHE_DIR"] = TEST_CACHE_DIR
+atexit.register(shutil.rmtree, TEST_CACHE_DIR, ignore_errors=True)
 
 
 @contextlib.contextmanager

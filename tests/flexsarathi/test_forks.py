@@ -26,7 +26,7 @@ PROMPTS = [[5, 6, 7], [9, 1, 2, 3, 4, 8, 11, 12], [3, 30, 60, 90, 120, 7, 70]]  
 
 def alone(folder, prompt, params: SamplingParams, compress_kv: bool) -> list[list[int]]:
     """Each of the n completions run as its own request with its own seed."""
-    llm = LLM(folder, policy=Policy(gpu_batch_size=1, prefill_budget=64, compress_kv=compress_kv),
+    llm = LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=1, prefill_budget=64, compress_kv=compress_kv),
               kv_block_size=BLOCK)
     outs = []
     for k in range(params.n):
@@ -61,7 +61,7 @@ def test_n_completions_equal_seeded_single_runs_and_the_prompt_is_computed_once(
     params = SamplingParams(max_tokens=10, seed=21, n=3, ignore_eos=True, **SAMPLING[sampling])
     policy = Policy(gpu_batch_size=8, prefill_budget=6, compress_kv=compress_kv, scheduler=scheduler,
                     kv_admission="reserve" if scheduler == "block" else "on-demand", **PLACEMENTS[placement])
-    with LLM(folder, policy=policy, kv_block_size=BLOCK, offload_dir=str(tmp_path)) as llm:
+    with LLM(folder, dtype="float32", policy=policy, kv_block_size=BLOCK, offload_dir=str(tmp_path)) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         stats = llm.last_stats
     for prompt, out in zip(PROMPTS, outs):
@@ -80,7 +80,7 @@ def test_a_tiny_cache_preempts_forks_and_parents_and_outputs_stay_exact(tiny_che
     params = SamplingParams(max_tokens=20, temperature=0.9, seed=4, n=4, ignore_eos=True)
     tight = Policy(gpu_batch_size=8, prefill_budget=8, compress_kv=compress_kv, kv_cache_tokens=48,
                    kv_gpu=0.5, kv_cpu=0.5)
-    with LLM(folder, policy=tight, kv_block_size=BLOCK) as llm:
+    with LLM(folder, dtype="float32", policy=tight, kv_block_size=BLOCK) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.last_stats["preemptions"] > 0
     for prompt, out in zip(prompts, outs):
@@ -95,7 +95,7 @@ def test_a_parent_that_stops_at_its_first_token_leaves_its_siblings_their_tokens
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=9, n=3, ignore_eos=True, stop_token_ids=[first])
     expected = alone(folder, prompt, params, False)
     assert expected[0] == [first] and any(len(e) > 1 for e in expected[1:])
-    with LLM(folder, policy=Policy(gpu_batch_size=4, prefill_budget=4), kv_block_size=BLOCK) as llm:
+    with LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=4, prefill_budget=4), kv_block_size=BLOCK) as llm:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == expected
     assert out.outputs[0].finish_reason == "stop"
@@ -105,7 +105,7 @@ def test_more_completions_than_running_slots_split_into_groups(tiny_checkpoint):
     """n = 5 with 2 running slots: groups of 2, 2 and 1, each prefilling the prompt once."""
     folder, _ = tiny_checkpoint("opt")
     params = SamplingParams(max_tokens=5, temperature=1.0, seed=2, n=5, ignore_eos=True)
-    with LLM(folder, policy=Policy(gpu_batch_size=2, prefill_budget=8), kv_block_size=BLOCK) as llm:
+    with LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=8), kv_block_size=BLOCK) as llm:
         out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
         assert llm.last_stats["prefill_tokens_computed"] == 3 * len(PROMPTS[1])
     assert [c.token_ids for c in out.outputs] == alone(folder, PROMPTS[1], params, False)

@@ -29,7 +29,7 @@ def stories(stories_dir):
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint):
     folder, hf = tiny_checkpoint("llama_gqa_untied")
-    with LLM(folder, policy=Policy(gpu_batch_size=4, prefill_budget=8)) as llm:
+    with LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=4, prefill_budget=8)) as llm:
         yield llm, hf
 
 

@@ -64,8 +64,8 @@ def test_greedy_tokens_match_transformers(tiny_checkpoint, kind):
 @pytest.mark.parametrize("budget", [1, 3, 7, 64])
 def test_chunked_prefill_equals_whole_prefill(tiny_checkpoint, kind, budget):
     folder, _ = tiny_checkpoint(kind)
-    whole = LLM(folder, policy=Policy(prefill_budget=64))
-    chunked = LLM(folder, policy=Policy(prefill_budget=budget))
+    whole = LLM(folder, dtype="float32", policy=Policy(prefill_budget=64))
+    chunked = LLM(folder, dtype="float32", policy=Policy(prefill_budget=budget))
     prompts = _prompts(whole.engine.config.vocab_size, lengths=(17, 23))
     for ref, got in zip(prompt_logits(whole, prompts), prompt_logits(chunked, prompts)):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
@@ -83,10 +83,10 @@ def test_mixed_passes_equal_separate_runs(tiny_checkpoint, kind, num_gpu_batches
     lengths = (3, 14, 6, 21, 9, 2, 12)
     prompts = _prompts(model.config.vocab_size, lengths=lengths, seed=1)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (5, 3, 8, 4, 6, 7, 2)]
-    llm = LLM(folder, policy=Policy(gpu_batch_size=2, num_gpu_batches=num_gpu_batches, prefill_budget=5))
+    llm = LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=2, num_gpu_batches=num_gpu_batches, prefill_budget=5))
     mixed = llm.generate(prompts, params, use_tqdm=False)
     assert llm.last_stats["passes"] < sum(lengths) + sum(p.max_tokens for p in params)  # really mixed
-    alone = LLM(folder, policy=Policy(gpu_batch_size=1, prefill_budget=64))
+    alone = LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=1, prefill_budget=64))
     for ids, p, out in zip(prompts, params, mixed):
         ref = alone.generate([ids], p, use_tqdm=False)[0]
         assert out.token_ids == ref.token_ids
@@ -97,7 +97,7 @@ def test_mixed_passes_equal_separate_runs(tiny_checkpoint, kind, num_gpu_batches
 def test_schedulers_give_the_same_tokens(tiny_checkpoint, scheduler):
     folder, model = tiny_checkpoint("llama_gqa_untied")
     prompts = _prompts(model.config.vocab_size, lengths=(3, 8, 5, 13, 6), seed=2)
-    llm = LLM(folder, policy=Policy(gpu_batch_size=2, num_gpu_batches=1, prefill_budget=4,
+    llm = LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=2, num_gpu_batches=1, prefill_budget=4,
                                     scheduler=scheduler))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for ids, out in zip(prompts, outputs):
@@ -106,7 +106,7 @@ def test_schedulers_give_the_same_tokens(tiny_checkpoint, scheduler):
 
 def test_prompt_logprobs_match_transformers(tiny_checkpoint):
     folder, model = tiny_checkpoint("opt")
-    llm = LLM(folder, policy=Policy(prefill_budget=4))
+    llm = LLM(folder, dtype="float32", policy=Policy(prefill_budget=4))
     ids = _prompts(model.config.vocab_size, lengths=(10,))[0]
     out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=True),
                        use_tqdm=False)[0]
@@ -129,8 +129,8 @@ def test_compressed_kv_results_do_not_depend_on_chunking(tiny_checkpoint, budget
     """K is quantized by block and read as stored by every later query, so chunked prefill
     equals whole prefill under compression too (up to float rounding flipping a code)."""
     folder, _ = tiny_checkpoint("llama_gqa_untied")
-    whole = LLM(folder, policy=Policy(prefill_budget=64, compress_kv=True), kv_block_size=4)
-    chunked = LLM(folder, policy=Policy(prefill_budget=budget, compress_kv=True), kv_block_size=4)
+    whole = LLM(folder, dtype="float32", policy=Policy(prefill_budget=64, compress_kv=True), kv_block_size=4)
+    chunked = LLM(folder, dtype="float32", policy=Policy(prefill_budget=budget, compress_kv=True), kv_block_size=4)
     prompts = _prompts(whole.engine.config.vocab_size, lengths=(17, 23))
     for ref, got in zip(prompt_logits(whole, prompts), prompt_logits(chunked, prompts)):
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)

@@ -19,7 +19,7 @@ def test_profile_writes_a_loadable_hardware_json(tmp_path):
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
     assert spec.cpu_memory == total
     assert "disk read" in result.stderr or "disk:" in result.stderr
-    # Measured in the engine's own dtype (LLM(dtype=None): fp32 on the CPU), each step announced
+    # Measured in the engine's own dtype (LLM(dtype=None): on the CPU what dtype auto picks), each step announced
     # before it runs, so a slow step is visible while it runs.
     import torch
 

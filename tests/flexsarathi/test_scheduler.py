@@ -324,7 +324,7 @@ def test_preemption_and_recompute_equal_each_request_alone(tiny_checkpoint, kind
     folder, _ = tiny_checkpoint(kind)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (int(n),), generator=gen).tolist() for n in [12, 5, 9, 3, 11, 7]]
-    alone = LLM(folder, policy=Policy(gpu_batch_size=1, prefill_budget=64, compress_kv=compress_kv),
+    alone = LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=1, prefill_budget=64, compress_kv=compress_kv),
                 kv_block_size=4)
     params = []
     for i, prompt in enumerate(prompts):
@@ -338,10 +338,10 @@ def test_preemption_and_recompute_equal_each_request_alone(tiny_checkpoint, kind
     expected = [alone.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
     tight = Policy(gpu_batch_size=6, prefill_budget=8, compress_kv=compress_kv, kv_cache_tokens=40,
                    kv_gpu=0.5, kv_cpu=0.5)
-    got, preemptions = _engine_run(LLM(folder, policy=tight, kv_block_size=4), prompts, params)
+    got, preemptions = _engine_run(LLM(folder, dtype="float32", policy=tight, kv_block_size=4), prompts, params)
     assert preemptions > 0
     assert got == expected
-    reserved, none = _engine_run(LLM(folder, policy=tight.replace(kv_admission="reserve"), kv_block_size=4),
+    reserved, none = _engine_run(LLM(folder, dtype="float32", policy=tight.replace(kv_admission="reserve"), kv_block_size=4),
                                  prompts, params)
     assert none == 0 and reserved == expected
 
@@ -352,7 +352,7 @@ def test_a_request_longer_than_the_kv_capacity_is_refused(tiny_checkpoint):
     from policy_search.policy import Policy
 
     folder, _ = tiny_checkpoint("opt")
-    llm = LLM(folder, policy=Policy(kv_cache_tokens=16), kv_block_size=4)
+    llm = LLM(folder, dtype="float32", policy=Policy(kv_cache_tokens=16), kv_block_size=4)
     with pytest.raises(FlexSarathiError, match="request 1 needs 20 tokens of KV cache"):
         llm.generate([[1, 2], [1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
 
@@ -367,9 +367,9 @@ def test_set_schedule_switches_schedulers_on_one_engine(tiny_checkpoint):
     folder, _ = tiny_checkpoint("opt")
     prompts = [[3, 4, 5, 6], [7] * 11, [9, 8], [1, 2, 3, 4, 5, 6, 7]]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (9, 3, 14, 6)]
-    alone = LLM(folder, policy=Policy(gpu_batch_size=1, prefill_budget=64))
+    alone = LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=1, prefill_budget=64))
     expected = [alone.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
-    llm = LLM(folder, policy=Policy(gpu_batch_size=2, prefill_budget=6))
+    llm = LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=6))
     for scheduler, admission in (("block", "reserve"), ("decode-maximal", "on-demand"),
                                  ("decode-maximal", "reserve")):
         llm.engine.set_schedule(scheduler=scheduler, kv_admission=admission)

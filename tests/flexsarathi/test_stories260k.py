@@ -22,7 +22,7 @@ def test_greedy_continuations_match_transformers(stories_dir, stories_hf):
     from transformers import AutoTokenizer
 
     hf_tok = AutoTokenizer.from_pretrained(stories_dir)
-    llm = LLM(stories_dir, policy=Policy(gpu_batch_size=3, prefill_budget=4))
+    llm = LLM(stories_dir, dtype="float32", policy=Policy(gpu_batch_size=3, prefill_budget=4))
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs):
         ids = llm.tokenizer.encode(prompt)
@@ -76,7 +76,7 @@ def test_perplexity_cli_matches_transformers(stories_dir, stories_hf, tinystorie
 
     result = subprocess.run(
         [sys.executable, "-m", "flexsarathi", "perplexity", "--model", stories_dir, "--text",
-         str(TINYSTORIES_TEXT), "--separator", "<|endoftext|>", "--quiet"],
+         str(TINYSTORIES_TEXT), "--separator", "<|endoftext|>", "--quiet", "--dtype", "float32"],
         capture_output=True, text=True, cwd=REPO, check=True)
     ours = json.loads(result.stdout.strip().splitlines()[-1])
     docs = split_documents(tinystories_text, "<|endoftext|>")
@@ -99,7 +99,7 @@ def test_perplexity_without_separator_scores_the_whole_text(stories_dir, stories
     tokenizer = AutoTokenizer.from_pretrained(stories_dir)
     text = tokenizer.decode(tokenizer(tinystories_text)["input_ids"][1:2000])
     context = stories_hf.config.max_position_embeddings
-    ours = perplexity(LLM(stories_dir), [text], stride=stride)
+    ours = perplexity(LLM(stories_dir, dtype="float32"), [text], stride=stride)
     ref, tokens = _transformers_perplexity(stories_hf, tokenizer, [text], context, stride)
     assert ours["tokens"] == tokens
     if stride < context:  # overlapping windows score every token but the first

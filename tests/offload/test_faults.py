@@ -231,9 +231,9 @@ def disk_engine(tmp_path_factory):
     tokens for the same prompts (the reference every interrupted engine must give next)."""
     folder = str(tmp_path_factory.mktemp("offload"))
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 3]
-    with LLM("dummy:opt-125m", policy=ON_DISK, offload_dir=folder) as fresh:
+    with LLM("dummy:opt-125m", dtype="float32", policy=ON_DISK, offload_dir=folder) as fresh:
         reference = [o.token_ids for o in fresh.generate(prompts, GREEDY, use_tqdm=False)]
-    llm = LLM("dummy:opt-125m", policy=ON_DISK, offload_dir=folder)
+    llm = LLM("dummy:opt-125m", dtype="float32", policy=ON_DISK, offload_dir=folder)
     yield llm, prompts, reference
     llm.close()
     shutil.rmtree(folder)  # ~500 MB; pytest keeps the temporary folders of recent sessions

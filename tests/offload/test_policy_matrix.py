@@ -43,7 +43,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def _run(folder: str, policy: Policy, prompts, tmp_path, **kwargs):
     # Small KV blocks: sequences straddle tiers often (and K compression groups 8 tokens).
-    llm = LLM(folder, policy=policy, offload_dir=str(tmp_path / "offload"), kv_block_size=8, **kwargs)
+    llm = LLM(folder, dtype="float32", policy=policy, offload_dir=str(tmp_path / "offload"), kv_block_size=8, **kwargs)
     outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     logits = prompt_logits(llm, prompts[:3])
     return outputs, logits, llm
@@ -120,10 +120,10 @@ def test_gpu_budget_is_enforced_before_any_work(references, tmp_path):
     hardware = HardwareSpec.preset("t4").with_memory(gpu=budget / 0.8)
     assert hardware.budgets()["gpu"] == pytest.approx(budget, abs=1)
     with pytest.raises(MemoryBudgetError, match="gpu"):
-        LLM(folder, policy=Policy(**BASE), hardware=hardware, offload_dir=str(tmp_path)) \
+        LLM(folder, dtype="float32", policy=Policy(**BASE), hardware=hardware, offload_dir=str(tmp_path)) \
             .generate(prompts, PARAMS, use_tqdm=False)
     offloaded = Policy(**BASE, w_gpu=0.0, w_cpu=1.0)
-    llm = LLM(folder, policy=offloaded, hardware=hardware, offload_dir=str(tmp_path))
+    llm = LLM(folder, dtype="float32", policy=offloaded, hardware=hardware, offload_dir=str(tmp_path))
     outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     assert outputs == ref_outputs
     assert llm.engine.memory.peak("gpu") <= budget
@@ -135,7 +135,7 @@ def test_auto_policy_runs_the_searched_placement(references, tmp_path):
     folder, prompts, ref_outputs, _, ref_weight_bytes = references("opt_deep", False)
     hardware = HardwareSpec.preset("t4").with_memory(gpu=ref_weight_bytes * 8, cpu=1 << 30)
     workload = Workload(prompt_len=12, gen_len=6)
-    llm = LLM(folder, policy="auto", hardware=hardware, offload_dir=str(tmp_path), workload=workload)
+    llm = LLM(folder, dtype="float32", policy="auto", hardware=hardware, offload_dir=str(tmp_path), workload=workload)
     expected, est = search(ModelSpec.from_name(folder, bytes_per_value=4), hardware, workload)
     assert llm.engine.policy == expected and est.fits
     outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
@@ -180,7 +180,7 @@ def test_offload_folder_faults_are_clear_and_the_next_run_recovers(tiny_checkpoi
     assert not list(offload.rglob("manifest.json"))  # nothing a later run could trust
     monkeypatch.setattr(shutil_module, "disk_usage", real_usage)
     prompts = [[5, 6, 7, 8]]
-    llm = LLM(folder, policy=on_disk, offload_dir=str(offload))  # recovers: writes the store
+    llm = LLM(folder, dtype="float32", policy=on_disk, offload_dir=str(offload))  # recovers: writes the store
     assert llm.generate(prompts, PARAMS, use_tqdm=False)[0].token_ids == \
-        LLM(folder, policy=Policy(**BASE)).generate(prompts, PARAMS, use_tqdm=False)[0].token_ids
+        LLM(folder, dtype="float32", policy=Policy(**BASE)).generate(prompts, PARAMS, use_tqdm=False)[0].token_ids
     assert len(list(offload.rglob("manifest.json"))) == 1

@@ -1,0 +1,58 @@
+"""Describe this CPU: its model, cores, the instruction-set flags that decide which matmul kernels
+are fast (bf16 / fp16 / int8 / AMX), and what torch makes of them. The one place that reads
+/proc/cpuinfo: benchmarks print it in their headers and the compute dtype's cache is keyed by it.
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+# Flags that change which CPU kernels run and how fast: AVX2/FMA/F16C (fp32 and fp16 conversion),
+# AVX-512 and its bf16 / fp16 / VNNI extensions, and AMX tiles.
+RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                  "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+# Environment variables that make torch / oneDNN use fewer of the CPU's instructions (set before
+# torch is imported); e.g. ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 emulates an AVX2 machine.
+ISA_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def _cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
+    """(model name, flags) of the first processor listed; ("", {}) where there is no such file."""
+    model, flags = "", set()
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_description() -> dict:
+    """The CPU model, cores, relevant flags present, torch's CPU capability and the ISA overrides
+    set in the environment (only those set)."""
+    model, flags = _cpuinfo()
+    return {"cpu": model or platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "flags": [f for f in RELEVANT_FLAGS if f in flags],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "overrides": {k: os.environ[k] for k in ISA_OVERRIDES if k in os.environ}}
+
+
+def cpu_line(dtype: torch.dtype | str | None = None) -> str:
+    """One line for a benchmark's header: the CPU, its flags, torch's capability and threads,
+    and (given) the dtype the benchmark computes in."""
+    d = cpu_description()
+    overrides = "".join(f", {k}={v}" for k, v in d["overrides"].items())
+    computes = f"; computes in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+    return (f"CPU: {d['cpu']}, {d['cores']} cores; flags: {' '.join(d['flags']) or 'none of note'}; "
+            f"torch {torch.__version__} (capability {d['torch_cpu_capability']}{overrides}, "
+            f"{torch.get_num_threads()} threads){computes}")
