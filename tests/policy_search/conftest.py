@@ -1,9 +1,14 @@
-"""Shared planner fixtures: the t4 preset, FlexGen's published workload and policies."""
+"""Shared planner fixtures: the t4 preset, FlexGen's published workload and policies, a CPU host
+profile and dummy OPT-1.3B."""
 from __future__ import annotations
 
 import pytest
 
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload
+from policy_search.units import GB, GiB, TFLOPS
+
+ALL_GPU = dict(w_gpu=1.0, w_cpu=0.0, w_disk=0.0, kv_gpu=1.0, kv_cpu=0.0, kv_disk=0.0,
+               act_gpu=1.0, act_cpu=0.0, act_disk=0.0)
 
 # FlexGen (ICML'23) Table 2 and benchmark/flexgen/bench_suite.py, prompt 512 / output 32, on a T4:
 # (model, published tokens/s, the policy FlexGen ran).
@@ -31,3 +36,19 @@ def flexgen_workload() -> Workload:
 def flexgen_published():
     return {name: (published, policy, ModelSpec.from_name(name))
             for name, (published, policy) in FLEXGEN_PUBLISHED.items()}
+
+
+def host_profile(dequant_rate: float, **extra) -> HardwareSpec:
+    """A 2-core host as `flexsarathi profile` describes it (round figures)."""
+    return HardwareSpec(
+        name="host", gpu_memory=24 * GiB, cpu_memory=24 * GiB, disk_memory=64 * GiB,
+        host_to_device=15 * GB, device_to_host=15 * GB, disk_to_host=3 * GB, host_to_disk=0.4 * GB,
+        gpu_matmul_prefill_flops=0.4 * TFLOPS, gpu_matmul_decode_flops=0.2 * TFLOPS,
+        gpu_memory_bandwidth=24 * GB, gpu_attention_prefill_flops=20e9, gpu_attention_decode_flops=1e9,
+        cpu_matmul_flops=0.4 * TFLOPS, cpu_attention_flops=1e9, gpu_dequant_rate=dequant_rate,
+        cpu_dequant_rate=dequant_rate, compute_on_host=True, **extra)
+
+
+@pytest.fixture(scope="module")
+def opt13() -> ModelSpec:
+    return ModelSpec.from_name("dummy:opt-1.3b", bytes_per_value=2)

@@ -5,28 +5,16 @@ import json
 
 import pytest
 
-from policy_search import HardwareSpec, ModelSpec, Policy, SpecError, Workload, estimate
-from policy_search.units import GB, GiB, TFLOPS
+from policy_search import HardwareSpec, Policy, SpecError, Workload, estimate
+from policy_search.units import GB
 
-ALL_GPU = dict(w_gpu=1.0, w_cpu=0.0, w_disk=0.0, kv_gpu=1.0, kv_cpu=0.0, kv_disk=0.0,
-               act_gpu=1.0, act_cpu=0.0, act_disk=0.0)
+from tests.policy_search.conftest import ALL_GPU, host_profile
 
 
 @pytest.fixture(scope="module")
 def host() -> HardwareSpec:
     """A 2-core host as `flexsarathi profile` describes it (round figures)."""
-    return HardwareSpec(
-        name="host", gpu_memory=24 * GiB, cpu_memory=24 * GiB, disk_memory=64 * GiB,
-        host_to_device=15 * GB, device_to_host=15 * GB, disk_to_host=3 * GB, host_to_disk=0.4 * GB,
-        gpu_matmul_prefill_flops=0.4 * TFLOPS, gpu_matmul_decode_flops=0.2 * TFLOPS,
-        gpu_memory_bandwidth=24 * GB, gpu_attention_prefill_flops=20e9, gpu_attention_decode_flops=1e9,
-        cpu_matmul_flops=0.4 * TFLOPS, cpu_attention_flops=1e9, gpu_dequant_rate=5e9,
-        cpu_dequant_rate=5e9, compute_on_host=True)
-
-
-@pytest.fixture(scope="module")
-def opt13() -> ModelSpec:
-    return ModelSpec.from_name("dummy:opt-1.3b", bytes_per_value=2)
+    return host_profile(dequant_rate=5e9)
 
 
 def _decode(est):
