@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from bench_offload import (Pass, Rates, cpu_per_gb, cpu_seconds, disk_read_bytes, drop_cache_of,  # noqa: E402
-                           instrument, machine_busy_seconds, measure_disk_buffered,
+                           instrument, machine_busy_seconds, measure_disk_buffered, measure_matmul,
                            release_free_memory)
 from flexsarathi.machine_info import cpu_line  # noqa: E402
 from flexsarathi.profiler import read_store_rate  # noqa: E402
@@ -214,27 +214,6 @@ def build_engine(args, model: str, policy, hardware):
 
 
 @torch.inference_mode()
-def measure_matmul(shapes: Shapes, rounds: int = 3, seconds_per_round: float = 0.15) -> dict[int, float]:
-    """FLOP/s of one layer's bf16 matmuls (F.linear, as the engine runs them) per row count: best of
-    `rounds` short rounds interleaved over the row counts (as bench_offload.measure_matmul does for
-    OPT's four matrices; these are LLaMA's fused qkv, o, gate+up, down)."""
-    gen = torch.Generator().manual_seed(0)
-    ws = [(torch.randn(o, i, generator=gen) * 0.02).to(torch.bfloat16) for o, i in shapes.matrices]
-    best = {t: 0.0 for t in RATE_TOKENS}
-    for _ in range(rounds):
-        for t in RATE_TOKENS:
-            xs = [torch.randn(t, w.shape[1], generator=gen).to(torch.bfloat16) for w in ws]
-            for w, x in zip(ws, xs):  # warm-up of this shape (and the round's first touch of x)
-                torch.nn.functional.linear(x, w)
-            reps, start = 0, time.perf_counter()
-            while reps == 0 or time.perf_counter() - start < seconds_per_round:
-                for w, x in zip(ws, xs):
-                    torch.nn.functional.linear(x, w)
-                reps += 1
-            best[t] = max(best[t], 2.0 * t * shapes.layer_matrix_params * reps / (time.perf_counter() - start))
-    return best
-
-
 def measure_rates(store: DiskStore, shapes: Shapes) -> Rates:
     """Disk rate (the fastest of three ways of reading the store's files) and bf16 matmul rates."""
     files = store.data_files()
@@ -243,7 +222,8 @@ def measure_rates(store: DiskStore, shapes: Shapes) -> Rates:
     direct, _ = cpu_per_gb(read_store_rate, store, False)
     engine_path, _ = cpu_per_gb(read_store_rate, store, True)
     buffered, _ = cpu_per_gb(measure_disk_buffered, files)
-    rates = Rates(direct, buffered, measure_matmul(shapes), engine_path)
+    matmul = measure_matmul(shapes.matrices, torch.bfloat16, rounds=3, row_counts=RATE_TOKENS)
+    rates = Rates(direct, buffered, matmul, engine_path)
     say(f"  disk read {direct / GB:.2f} GB/s O_DIRECT, {engine_path / GB:.2f} as the engine reads, "
         f"{buffered / GB:.2f} buffered cold: the bound uses {rates.disk / GB:.2f} GB/s")
     say("  bf16 matmul (one layer): " + ", ".join(f"T={t}: {r / 1e12:.3f}" for t, r in rates.matmul.items())

@@ -319,6 +319,12 @@ class Shapes:
     resident_bytes: int  # embeddings + positions + final norm (tied head)
     item: int = 2  # bytes per value of the run's dtype
 
+    @property
+    def matrices(self) -> tuple[tuple[int, int], ...]:
+        """(out, in) of one OPT layer's matmuls as the engine fuses them: qkv, out, fc1, fc2."""
+        h, f = self.hidden, self.ffn
+        return (3 * h, h), (h, h), (f, h), (h, f)
+
     @classmethod
     def of(cls, name: str, item: int) -> "Shapes":
         cfg = known_config(name)
@@ -410,24 +416,23 @@ def measure_disk_buffered(files) -> float:
 
 
 @torch.inference_mode()
-def measure_matmul(shapes: Shapes, dtype: torch.dtype, rounds: int = 5,
-                   seconds_per_round: float = 0.15) -> dict[int, float]:
-    """FLOP/s of one layer's four matmuls in `dtype` (F.linear, as the engine runs them) per T.
+def measure_matmul(matrices, dtype: torch.dtype, rounds: int = 5, seconds_per_round: float = 0.15,
+                   row_counts: tuple[int, ...] = RATE_TOKENS) -> dict[int, float]:
+    """FLOP/s of one layer's matmuls (`matrices`: (out, in) each) in `dtype` (F.linear, as the engine
+    runs them) per row count T.
 
     Best of `rounds` short rounds, interleaved over T: the neighbours' load comes in bursts, and
     the bound wants what the machine can do, not what was left of it at one moment.
     """
-    h, f = shapes.hidden, shapes.ffn
     gen = torch.Generator().manual_seed(0)
-    ws = [torch.randn(o, i, generator=gen).to(dtype) * 0.02
-          for o, i in ((3 * h, h), (h, h), (f, h), (h, f))]
-    xs = {t: [torch.randn(t, w.shape[1], generator=gen).to(dtype) for w in ws] for t in RATE_TOKENS}
-    best = {t: 0.0 for t in RATE_TOKENS}
-    for t in RATE_TOKENS:  # warm-up: oneDNN primitives for every shape
+    ws = [torch.randn(o, i, generator=gen).to(dtype) * 0.02 for o, i in matrices]
+    xs = {t: [torch.randn(t, w.shape[1], generator=gen).to(dtype) for w in ws] for t in row_counts}
+    best = {t: 0.0 for t in row_counts}
+    for t in row_counts:  # warm-up: oneDNN primitives for every shape
         for w, x in zip(ws, xs[t]):
             torch.nn.functional.linear(x, w)
     for _ in range(rounds):
-        for t in RATE_TOKENS:
+        for t in row_counts:
             flops = sum(2.0 * t * w.numel() for w in ws)
             reps, start = 0, time.perf_counter()
             while True:
@@ -1022,7 +1027,7 @@ def measure_machine(args, setup: Setup, plain_key: str, t0: float) -> tuple[Rate
     store.close()
     del store
     release_free_memory()
-    rates = Rates(direct, buffered, measure_matmul(setup.shapes, args.torch_dtype), engine_path)
+    rates = Rates(direct, buffered, measure_matmul(setup.shapes.matrices, args.torch_dtype), engine_path)
     say(f"  disk read: {direct / GB:.2f} GB/s O_DIRECT (DiskStore.read_async, aligned buffers; "
         f"{direct_cpu:.2f} CPU s/GB), {engine_path / GB:.2f} GB/s O_DIRECT as the engine reads "
         f"(read_range_async into aligned buffers; {engine_cpu:.2f} CPU s/GB), {buffered / GB:.2f} GB/s "
@@ -1057,7 +1062,7 @@ def run_all(args, setup: Setup, rates: Rates, prefill_budget: int, acc_folder, g
         results.append(run_ours(label, args, setup.shapes, rates, setup.prompts, policy, setup.hardware,
                                 group, t0, files))
     say(f"  host malloc after our runs: {host_malloc_state()}")
-    after = measure_matmul(setup.shapes, args.torch_dtype)
+    after = measure_matmul(setup.shapes.matrices, args.torch_dtype)
     say(f"  {args.dtype_name} matmul again after the runs: " + ", ".join(
         f"T={t}: {r / 1e12:.3f}" for t, r in after.items()) + " TFLOP/s (the bound above used the "
         "best-of rates before the runs)")
