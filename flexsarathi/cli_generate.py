@@ -114,8 +114,12 @@ def run_generate(args) -> int:
     tokenizer = load_tokenizer(args.model, source.config)
     # The dtype resolved once (auto: this machine's cached choice) for the engine, every Ray actor
     # and the file's meta: a resume in another dtype is refused.
-    dtype = resolve_dtype(args.dtype, source.config.checkpoint_dtype, resolve_device(args.device))
-    args.dtype = str(dtype).removeprefix("torch.")
+    if args.ray:  # for the actors' device (GPU actors may be driven from a machine without one)
+        from flexsarathi.ray.spec import job_dtype
+        args.dtype = job_dtype(args.model, args.dtype, args.device, args.ray_gpus_per_actor or 0)
+    else:
+        dtype = resolve_dtype(args.dtype, source.config.checkpoint_dtype, resolve_device(args.device))
+        args.dtype = str(dtype).removeprefix("torch.")
     meta = {"job": "flexsarathi generate", "format": fmt, "model": _model_name(args.model),
             "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults}
     out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite)

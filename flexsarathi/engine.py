@@ -90,9 +90,10 @@ class RequestOutput:
         return self.outputs[0].finish_reason if self.outputs else None
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device, check_available: bool = True) -> torch.device:
     """The compute device: 'cpu' or 'cuda[:N]' (default: cuda when available); anything else, or
-    CUDA on a machine without it, is a FlexSarathiError saying so."""
+    CUDA on a machine without it, is a FlexSarathiError saying so. check_available=False: only the
+    name is checked (a Ray driver naming its actors' device, which it may not have itself)."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -103,7 +104,7 @@ def resolve_device(device) -> torch.device:
         hint = " (did you mean 'cuda'?)" if str(device).lower().startswith("gpu") else ""
         raise FlexSarathiError(f"device {device!r} is not one FlexSarathi computes on: use 'cpu' or "
                                f"'cuda' / 'cuda:N'{hint}")
-    if resolved.type == "cuda":
+    if resolved.type == "cuda" and check_available:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             raise FlexSarathiError(f"device {device!r}: CUDA is not available on this machine (torch "

@@ -11,6 +11,8 @@ import itertools
 import os
 from dataclasses import dataclass
 
+import torch
+
 from policy_search.policy import Policy
 
 
@@ -40,6 +42,23 @@ class EngineSpec:
         hardware = HardwareSpec.from_dict(self.hardware) if self.hardware is not None else None
         return LLM(self.model, dtype=self.dtype, device=self.device, policy=Policy.from_dict(self.policy),
                    hardware=hardware, offload_dir=offload_dir, seed=self.seed)
+
+
+def job_dtype(model: str, dtype, device, num_gpus: float) -> str:
+    """The one compute dtype of a Ray job, resolved on the driver and shipped to every actor: an
+    explicit dtype as given; auto on GPU actors (given GPUs, or device cuda) the checkpoint's half
+    dtype, on CPU actors this machine's measured choice (flexsarathi/dtype_choice.py). Resolved per
+    actor instead, actors on unlike CPUs (or one measuring while its neighbours load the machine)
+    could compute in different dtypes and the job's records would depend on where each ran."""
+    from flexsarathi.checkpoint import open_weight_source
+    from flexsarathi.engine import resolve_device, resolve_dtype
+
+    if device is None:
+        actor_device = torch.device("cuda" if num_gpus > 0 else "cpu")
+    else:
+        actor_device = resolve_device(device, check_available=False)  # the actors', not necessarily here
+    checkpoint_dtype = open_weight_source(model).config.checkpoint_dtype
+    return str(resolve_dtype(dtype, checkpoint_dtype, actor_device)).removeprefix("torch.")
 
 
 def claim_offload_folder(base: str | None) -> tuple[str, int]:

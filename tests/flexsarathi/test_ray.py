@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from flexsarathi import LLM, SamplingParams
 from flexsarathi.cli import main
@@ -35,7 +36,10 @@ def needs_ray(test):
 # RAY_AUTH_MODE=token: the CLI joins the module's instance as a client of a cluster started with
 # Ray's token authentication (its token is in ~/.ray/auth_token), as on a real cluster.
 ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), RAY_AUTH_MODE="token")
-GREEDY = ["--temperature", "0", "--quiet"]
+# float32: these tests compare records across unlike batchings (an actor's batches, a resumed
+# rest) with the single-process run; bf16 CPU matmuls are batch-variant (a row can round
+# differently beside other rows), so a near-tie could flip a greedy token there.
+GREEDY = ["--temperature", "0", "--quiet", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +138,8 @@ def test_ray_output_equals_single_process(stories_dir, cluster, tmp_path):
     bad = ["{not json", {"id": "none"}, {"id": "long", "prompt_token_ids": [5] * 600},
            {"id": "typo", "prompt": "x", "max_token": 3}, {"id": "big", "prompt_token_ids": [99999]}]
     src = write_lines(tmp_path / "in.jsonl", good + bad)
-    args = ["generate", "--model", stories_dir, "--input", src, "--max-tokens", "8", "--temperature", "0"]
+    args = ["generate", "--model", stories_dir, "--input", src, "--max-tokens", "8", "--temperature", "0",
+            "--dtype", "float32"]  # see GREEDY
     single_process(args + ["--output", str(tmp_path / "single.jsonl"), "--quiet"], rc=1)
     proc = cli(*args, "--output", str(tmp_path / "ray.jsonl"), "--ray", "--ray-address", cluster,
                "--ray-actors", "2", "--ray-batch-size", "3")
@@ -245,14 +250,14 @@ def test_processor_in_a_user_pipeline(stories_dir, cluster):
 
     starts = ["Once upon a time", "Lily wanted to", "The little dog", "One day, a bird", "Tom had a"]
     processor = build_processor(stories_dir, sampling={"max_tokens": 7, "temperature": 0}, concurrency=2,
-                                batch_size=2)
+                                batch_size=2, dtype="float32")  # float32: see GREEDY
     dataset = ray.data.from_items([{"n": i, "start": s} for i, s in enumerate(starts + ["so " * 600])])
     dataset = dataset.map(lambda row: {**row, "prompt": row["start"].rstrip()})
     rows = processor(dataset).filter(lambda row: row["n"] != 1).take_all()
     rows.sort(key=lambda row: row["n"])
     assert [row["n"] for row in rows] == [0, 2, 3, 4, 5]
     assert set(OUTPUT_COLUMNS) | {"n", "start", "prompt"} == set(rows[0])
-    with LLM(stories_dir) as llm:
+    with LLM(stories_dir, dtype="float32") as llm:
         refs = llm.generate([starts[i] for i in (0, 2, 3, 4)], SamplingParams(max_tokens=7, temperature=0),
                             use_tqdm=False)
     for row, ref in zip(rows, refs):
@@ -264,6 +269,28 @@ def test_processor_in_a_user_pipeline(stories_dir, cluster):
     assert too_long["generated_text"] is None and "more than the model's context of 512" in too_long["error"]
 
     token_rows = processor(ray.data.from_items([{"prompt": [1, 403, 407]}])).take_all()
-    with LLM(stories_dir) as llm:
+    with LLM(stories_dir, dtype="float32") as llm:
         ref, = llm.generate([[1, 403, 407]], SamplingParams(max_tokens=7, temperature=0), use_tqdm=False)
     assert list(token_rows[0]["generated_token_ids"]) == ref.token_ids
+
+
+def test_job_dtype_is_resolved_once_for_the_actors_device(stories_dir):
+    """--ray resolves dtype auto on the driver for the device the ACTORS compute on: GPU actors
+    get the checkpoint's half dtype even from a driver without a GPU (this machine), CPU actors
+    this machine's measured choice; an explicit dtype passes through; a bad device is one error.
+    Needs no Ray (the spec module does not import it)."""
+    from flexsarathi.checkpoint import open_weight_source
+    from flexsarathi.dtype_choice import cpu_compute_dtype
+    from flexsarathi.errors import FlexSarathiError
+    from flexsarathi.ray.spec import job_dtype
+
+    saved = open_weight_source(stories_dir).config.checkpoint_dtype
+    gpu_half = str(saved if saved in (torch.float16, torch.bfloat16) else torch.float16).removeprefix("torch.")
+    if torch.cuda.is_available():
+        pytest.skip("checks a driver without a GPU")
+    assert job_dtype(stories_dir, None, None, num_gpus=1) == gpu_half
+    assert job_dtype(stories_dir, "auto", "cuda:1", num_gpus=0) == gpu_half  # named, not present here
+    assert job_dtype(stories_dir, None, None, num_gpus=0) == str(cpu_compute_dtype()).removeprefix("torch.")
+    assert job_dtype(stories_dir, "float32", None, num_gpus=1) == "float32"
+    with pytest.raises(FlexSarathiError, match="'gpu' is not one FlexSarathi computes on"):
+        job_dtype(stories_dir, None, "gpu", num_gpus=1)
