@@ -36,6 +36,11 @@ Set-up
   rows), summed over the passes (as scripts/bench_offload.py: rates measured in this process just
   before the run, best of a few rounds; the disk the fastest of three ways of reading the store).
   Dequantization and every overhead are outside the bound. Target: tok/s >= 0.8 of the bound's.
+  Also printed: the bound at the 4-bit matmul rate, i.e. the compute term priced at the rate of
+  the engine's own call on 4-bit weights (`int4pack_linear`: torch's int4 kernel up to 64 rows,
+  dequantize + GEMM above), measured here on the layer's matrices. No CPU kernel here multiplies
+  4-bit weights at the bf16 GEMM rate (the int4 kernel computes in fp32 FMAs), so where the
+  decode passes are compute-bound (32 rows on 2 cores) this is the bound this machine can reach.
 * llama.cpp: arithmetic, not a run (llama-cpp-python is not installed: building it on 2 shared
   cores and writing a 38 GB GGUF of dummy weights is not done here). At batch 1 its mmap offload
   reads every weight once per token once the model exceeds the RAM it may cache (the page cache
@@ -69,6 +74,8 @@ from offload.disk_store import DiskStore  # noqa: E402
 from policy_search import HardwareSpec, Workload, search  # noqa: E402
 from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402
 from quant import quantize  # noqa: E402
+from quant.cpu_matmul import Int4Packed  # noqa: E402
+from quant.int4pack import int4pack_linear  # noqa: E402
 
 GiB = 1 << 30
 GB = 1e9
@@ -231,6 +238,37 @@ def measure_rates(store: DiskStore, shapes: Shapes) -> Rates:
     return rates
 
 
+@torch.inference_mode()
+def measure_matmul_4bit(shapes: Shapes, group_size: int, rounds: int = 3, seconds_per_round: float = 0.3
+                        ) -> dict[int, float]:
+    """FLOP/s of one layer's matmuls on 4-bit weights in the int4 kernel's layout, by the engine's
+    own call (`int4pack_linear`: the kernel up to CPU_INT4_KERNEL_MAX_ROWS rows, dequantize +
+    GEMM above), per row count: the fastest way this machine has to multiply these weights. Best
+    of `rounds` rounds interleaved over the row counts, as measure_matmul."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [Int4Packed(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=gen),
+                     (torch.rand(o, i // group_size, 2, generator=gen) * 0.01).to(torch.bfloat16), (o, i),
+                     group_size) for o, i in shapes.matrices]
+    scratch = torch.empty(max(o * i for o, i in shapes.matrices), dtype=torch.bfloat16)
+    xs = {t: [torch.randn(t, i, generator=gen).to(torch.bfloat16) for _, i in shapes.matrices] for t in RATE_TOKENS}
+
+    def layer(t: int) -> None:
+        for w, x in zip(ws, xs[t]):
+            int4pack_linear(x, w, None, scratch[:w.shape[0] * w.shape[1]].view(w.shape))
+
+    best = {t: 0.0 for t in RATE_TOKENS}
+    for t in RATE_TOKENS:
+        layer(t)  # warm-up
+    for _ in range(rounds):
+        for t in RATE_TOKENS:
+            reps, start = 0, time.perf_counter()
+            while reps == 0 or time.perf_counter() - start < seconds_per_round:
+                layer(t)
+                reps += 1
+            best[t] = max(best[t], 2.0 * t * shapes.layer_matrix_params * reps / (time.perf_counter() - start))
+    return best
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 
@@ -278,7 +316,14 @@ def run(args, llm, shapes: Shapes, rates: Rates, vocab: int) -> Run:
                cpu / stats["seconds"], others / stats["seconds"])
 
 
-def report(args, shapes: Shapes, rates: Rates, result: Run, est, store_bytes: int) -> None:
+def bound_4bit(result: Run, shapes: Shapes, rates_4bit: Rates) -> float:
+    """The bound with the 4-bit weights' own matmul rate: per pass max(disk time, FLOPs / the
+    rate at which this machine multiplies 4-bit weights at the pass's row count)."""
+    return sum(max(p.io_s, shapes.pass_flops(p.tokens, p.attended, p.rows) / rates_4bit.rate(p.tokens))
+               for p in result.passes)
+
+
+def report(args, shapes: Shapes, rates: Rates, rates_4bit: Rates, result: Run, est, store_bytes: int) -> None:
     r = result
     tok_s, bound_tok_s = r.generated / r.seconds, r.generated / r.bound
     say(f"\n=== llama-2-70b shape, {shapes.layers} layers, 4-bit g64 weights ({store_bytes / GB:.2f} GB store), "
@@ -289,6 +334,10 @@ def report(args, shapes: Shapes, rates: Rates, result: Run, est, store_bytes: in
     say(f"  bound: {r.bound:.1f} s = sum over passes of max(disk bytes / {rates.disk / GB:.2f} GB/s, FLOPs / "
         f"bf16 matmul rate) -> {bound_tok_s:.3f} tok/s; measured / bound time {r.seconds / r.bound:.2f}, "
         f"tok/s / bound tok/s {tok_s / bound_tok_s:.2f} (target >= 0.8)")
+    b4 = bound_4bit(r, shapes, rates_4bit)
+    say(f"  bound at the 4-bit matmul rate (FLOPs / the int4 kernel's or dequantize + GEMM's rate, the "
+        f"faster, at the pass's rows): {b4:.1f} s -> {r.generated / b4:.3f} tok/s; tok/s / that "
+        f"{tok_s * b4 / r.generated:.2f}")
     say(f"  planner predicted {est.throughput:.3f} tok/s: measured / predicted {tok_s / est.throughput:.2f}")
     for kind, ps in (("prefill-carrying", [p for p in r.passes if p.tokens > p.rows]),
                      ("decode-only", [p for p in r.passes if p.tokens <= p.rows])):
@@ -346,10 +395,14 @@ def main() -> int:
     try:
         say("measuring the bound's rates (disk: the store itself)")
         rates = measure_rates(llm.engine.weights.store, shapes)
+        matmul_4bit = measure_matmul_4bit(shapes, WEIGHT_QUANT.group_size)
+        say("  4-bit matmul (one layer, the engine's call): "
+            + ", ".join(f"T={t}: {f / 1e12:.3f}" for t, f in matmul_4bit.items()) + " TFLOP/s")
+        rates_4bit = Rates(rates.disk_direct, rates.disk_buffered, matmul_4bit, rates.disk_engine_path)
         result = run(args, llm, shapes, rates, spec.vocab_size)
     finally:
         llm.close()
-    report(args, shapes, rates, result, est, store_bytes)
+    report(args, shapes, rates, rates_4bit, result, est, store_bytes)
     say(f"done in {time.perf_counter() - t0:.0f} s")
     return 0
 
