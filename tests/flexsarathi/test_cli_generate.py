@@ -22,7 +22,9 @@ from tests.conftest import REPO
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-GREEDY = ["--temperature", "0", "--max-tokens", "6", "--quiet"]
+# float32 on both sides: the CLI runs requests together that the references run alone (or under
+# another policy), and bf16 CPU matmuls are batch-variant (a near-tie could flip a greedy token).
+GREEDY = ["--temperature", "0", "--max-tokens", "6", "--dtype", "float32", "--quiet"]
 
 
 def cli(*args: str, check_rc: int | None = None) -> subprocess.CompletedProcess:
@@ -47,7 +49,7 @@ def write_lines(path, lines) -> str:
 
 @pytest.fixture(scope="module")
 def stories_llm(stories_dir):
-    with LLM(stories_dir) as llm:
+    with LLM(stories_dir, dtype="float32") as llm:  # float32: see GREEDY
         yield llm
 
 
@@ -118,9 +120,9 @@ def test_openai_batch_with_chat(chat_dir, tmp_path):
              {"custom_id": "c4", "method": "POST", "url": "/v1/completions"}]
     src = write_lines(tmp_path / "batch.jsonl", lines)
     cli("generate", "--model", chat_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"), "--quiet",
-        check_rc=1)
+        "--dtype", "float32", check_rc=1)
     got = {r["custom_id"]: r for r in records(tmp_path / "o.jsonl")}
-    with LLM(chat_dir) as llm:
+    with LLM(chat_dir, dtype="float32") as llm:  # float32: see GREEDY
         chat_ids = llm.tokenizer.apply_chat_template(lines[1]["body"]["messages"])
         ref1, ref2 = llm.generate(["Once upon a time", chat_ids], SamplingParams(max_tokens=5, temperature=0),
                                   use_tqdm=False)
@@ -239,7 +241,7 @@ def test_dummy_model_with_weights_on_disk(tmp_path):
         "--offload-dir", str(tmp_path / "offload"), "--ignore-eos", *GREEDY, check_rc=1)
     got = {r["id"]: r for r in records(tmp_path / "o.jsonl")}
     assert "no tokenizer.json" in got["text"]["error"]["message"]
-    with LLM(DUMMY) as llm:
+    with LLM(DUMMY, dtype="float32") as llm:  # float32: see GREEDY
         refs = llm.generate(ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [got[i]["token_ids"] for i in range(3)] == [r.token_ids for r in refs]
 
