@@ -79,7 +79,7 @@ from quant.int4pack import int4pack_linear  # noqa: E402
 
 GiB = 1 << 30
 GB = 1e9
-RATE_TOKENS = (1, 8, 32, 128, 512)
+RATE_TOKENS = (1, 8, 32, 128, 512, 1024)  # up to the prefill budget the planner picks here
 LLAMA_CPP_BITS = {"Q4_0": 4.5, "Q4_K_M": 4.8}  # bits per weight of llama.cpp's 4-bit formats
 # --quick: llama-2-70b's proportions (GQA 8:1, ffn 3.5 x hidden) at a tiny size
 TINY = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=1, intermediate_size=1792,
