@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flexsarathi.cli_common import add_dtype_arg
 from flexsarathi.cli_io import check_output_file
 from policy_search import (HardwareSpec, InfeasibleError, ModelSpec, Policy, PolicyError, SpecError,
                            Workload, estimate, format_report, search_detailed, write_policy_file)
 from policy_search.hardware import PRESETS
+from policy_search.hf_config import DTYPE_BYTES, dtype_name
 from policy_search.units import GiB
 
 
@@ -42,6 +44,7 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
                        help=f"force {what} on or off (default: searched)")
     p.add_argument("--gpu-batch-size", type=int, default=None, help="fix the micro-batch size")
     p.add_argument("--num-gpu-batches", type=int, default=None, help="fix the micro-batch count")
+    add_dtype_arg(p)  # what the engine computes in: the bytes per weight, KV and activation value
     p.add_argument("--policy", default=None,
                    help="estimate this policy JSON instead of searching")
     p.add_argument("--json", default=None, metavar="OUT",
@@ -51,16 +54,27 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _specs(args) -> tuple[ModelSpec, HardwareSpec, Workload]:
-    model = ModelSpec.from_name(args.model)
     hardware = HardwareSpec.resolve(args.hardware)
     hardware = hardware.with_memory(**{tier: None if value is None else value * GiB for tier, value in (
         ("gpu", args.gpu_mem), ("cpu", args.cpu_mem), ("disk", args.disk_mem))})
+    model = ModelSpec.from_name(args.model, bytes_per_value=_bytes_per_value(args.dtype, hardware))
     if args.workload:
         workload = Workload.from_file(args.workload, num_requests=args.num_requests)
     else:
         workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len,
                             num_requests=args.num_requests)
     return model, hardware, workload
+
+
+def _bytes_per_value(dtype, hardware: HardwareSpec) -> int:
+    """Bytes per value in the dtype the engine computes in on `hardware`: --dtype where given; auto
+    on a GPU a half dtype (2), on a CPU profile (`compute_on_host`, measured on this machine) this
+    machine's measured choice: fp32 (4) where bf16 matmuls are slow, as on AVX2-only CPUs."""
+    from flexsarathi.dtype_choice import cpu_compute_dtype, is_auto
+
+    if not is_auto(dtype):
+        return DTYPE_BYTES[dtype_name(dtype, "--dtype")]
+    return cpu_compute_dtype().itemsize if hardware.compute_on_host else 2
 
 
 def run_policy(args) -> int:

@@ -59,6 +59,7 @@ def test_profile_workload_file_and_fixed_knobs(tmp_path, capsys):
     (["--model", "opt-9b"], "unknown model 'opt-9b'"),
     (["--model", "opt-125m", "--hardware", "v100"], "neither a preset"),
     (["--model", "opt-125m", "--prompt-len", "0"], "prompt_len"),
+    (["--model", "opt-125m", "--dtype", "int3"], "--dtype: unsupported dtype 'int3'"),
 ])
 def test_errors_exit_2_with_a_message(argv, message, capsys):
     rc, out, err = run(argv, capsys)
@@ -73,3 +74,36 @@ def test_registered_in_the_engine_cli(tmp_path, capsys):
     est = estimate(policy, ModelSpec.from_name("opt-125m"), HardwareSpec.preset("t4"),
                    Workload(prompt_len=64, gen_len=8))
     assert est.fits and f"{est.throughput:.3f}" in capsys.readouterr().out
+
+
+def test_dtype_sets_the_bytes_per_value(tmp_path, capsys):
+    """--dtype: the bytes the planner charges per weight, KV and activation value. auto: a half
+    dtype on a GPU preset; on a CPU profile (compute_on_host) this machine's measured choice (fp32
+    where bf16 is slow: AVX2-only CPUs). Reference: the planner's estimate at those bytes."""
+    import dataclasses
+
+    from flexsarathi.dtype_choice import cpu_compute_dtype
+
+    fixed = tmp_path / "fixed.json"
+    Policy(gpu_batch_size=4).save(fixed)
+    cpu_profile = tmp_path / "cpu.json"
+    host = dataclasses.replace(HardwareSpec.preset("t4"), compute_on_host=True)
+    host.save(cpu_profile)
+    workload = Workload(prompt_len=64, gen_len=8)
+    here = cpu_compute_dtype().itemsize
+    for hardware, spec, dtype, nbytes in (("t4", HardwareSpec.preset("t4"), None, 2),
+                                          ("t4", HardwareSpec.preset("t4"), "float32", 4),
+                                          (str(cpu_profile), host, None, here),
+                                          (str(cpu_profile), host, "bfloat16", 2)):
+        out_path = tmp_path / "est.json"
+        rc, _, err = run(["--model", "opt-125m", "--hardware", hardware, "--prompt-len", "64", "--gen-len", "8",
+                          "--policy", str(fixed), "--json", str(out_path)] + (["--dtype", dtype] if dtype else []),
+                         capsys)
+        assert rc == 0, err
+        expected = estimate(Policy.load(fixed), ModelSpec.from_name("opt-125m", bytes_per_value=nbytes), spec, workload)
+        got = json.loads(out_path.read_text())["estimate"]["peak_memory_bytes"]
+        assert got["gpu"] == pytest.approx(expected.peak_memory["gpu"]), (hardware, dtype)
+        out_path.unlink()
+    fp32 = estimate(Policy.load(fixed), ModelSpec.from_name("opt-125m", bytes_per_value=4), host, workload)
+    half = estimate(Policy.load(fixed), ModelSpec.from_name("opt-125m", bytes_per_value=2), host, workload)
+    assert fp32.peak_memory["gpu"] > 1.5 * half.peak_memory["gpu"]  # the choice is visible in the plan
