@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from quant import QuantConfig, dequantize, quantize
-from quant.cpu_matmul import (kernel_covers, layout_matches_torch, linear_4bit, pack_for_cpu_kernel, to_int4pack,
+from quant.cpu_matmul import (kernel_covers, kernel_order_scales, layout_matches_torch, linear_4bit, pack_for_cpu_kernel, to_int4pack,
                               weight_error_bound)
 from quant.packing import unpack_4bit
 
@@ -105,3 +105,17 @@ def test_linear_4bit_refuses_fp32_and_wrong_width():
         linear_4bit(torch.randn(2, 128), packed)
     with pytest.raises(ValueError, match="128"):
         linear_4bit(torch.randn(2, 64).bfloat16(), packed)
+
+
+@pytest.mark.parametrize("offset", [0, 2, 1])  # elements into a flat buffer; 1: no int32 view there
+def test_kernel_order_scales_is_the_transpose_bit_for_bit(offset):
+    """The int32 pair transpose equals the plain `[in / group, out, 2]` transpose for every bit
+    pattern (random int16 bits, NaN and infinity patterns included), from a flat buffer at even
+    and odd offsets, as a working buffer's component view is."""
+    out_features, groups = 128, 12
+    bits = torch.randint(-2**15, 2**15, (offset + out_features * groups * 2,), dtype=torch.int16,
+                         generator=torch.Generator().manual_seed(offset))
+    scales_zeros = bits.view(torch.bfloat16)[offset:].view(out_features, groups, 2)
+    got = kernel_order_scales(scales_zeros)
+    assert got.shape == (groups, out_features, 2) and got.is_contiguous()
+    assert torch.equal(got.view(torch.int16), scales_zeros.transpose(0, 1).contiguous().view(torch.int16))
