@@ -116,7 +116,7 @@ def run_generate(args) -> int:
     # and the file's meta: a resume in another dtype is refused.
     if args.ray:  # for the actors' device (GPU actors may be driven from a machine without one)
         from flexsarathi.ray.spec import job_dtype
-        args.dtype = job_dtype(args.model, args.dtype, args.device, args.ray_gpus_per_actor or 0)
+        args.dtype = job_dtype(args.dtype, source.config.checkpoint_dtype, args.device, args.ray_gpus_per_actor or 0)
     else:
         dtype = resolve_dtype(args.dtype, source.config.checkpoint_dtype, resolve_device(args.device))
         args.dtype = str(dtype).removeprefix("torch.")

@@ -39,8 +39,9 @@ Set-up
   Also printed: the bound at the 4-bit matmul rate, i.e. the compute term priced at the rate of
   the engine's own call on 4-bit weights (`int4pack_linear`: torch's int4 kernel up to 64 rows,
   dequantize + GEMM above), measured here on the layer's matrices. No CPU kernel here multiplies
-  4-bit weights at the bf16 GEMM rate (the int4 kernel computes in fp32 FMAs), so where the
-  decode passes are compute-bound (32 rows on 2 cores) this is the bound this machine can reach.
+  4-bit weights at the bf16 GEMM rate (the int4 kernel ran at about half of it at 32 rows), so
+  where the decode passes are compute-bound (32 rows on 2 cores) this is the bound this machine
+  can reach.
 * llama.cpp: arithmetic, not a run (llama-cpp-python is not installed: building it on 2 shared
   cores and writing a 38 GB GGUF of dummy weights is not done here). At batch 1 its mmap offload
   reads every weight once per token once the model exceeds the RAM it may cache (the page cache
@@ -60,9 +61,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from bench_offload import (Pass, Rates, cpu_per_gb, cpu_seconds, disk_read_bytes, drop_cache_of,  # noqa: E402
-                           instrument, machine_busy_seconds, measure_disk_buffered, measure_matmul,
-                           release_free_memory)
+from bench_offload import (Pass, Rates, best_rates, cpu_per_gb, cpu_seconds, disk_read_bytes,  # noqa: E402
+                           drop_cache_of, instrument, machine_busy_seconds, measure_disk_buffered,
+                           measure_matmul, release_free_memory)
 from flexsarathi.machine_info import cpu_line  # noqa: E402
 from flexsarathi.profiler import read_store_rate  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
@@ -243,8 +244,7 @@ def measure_matmul_4bit(shapes: Shapes, group_size: int, rounds: int = 3, second
                         ) -> dict[int, float]:
     """FLOP/s of one layer's matmuls on 4-bit weights in the int4 kernel's layout, by the engine's
     own call (`int4pack_linear`: the kernel up to CPU_INT4_KERNEL_MAX_ROWS rows, dequantize +
-    GEMM above), per row count: the fastest way this machine has to multiply these weights. Best
-    of `rounds` rounds interleaved over the row counts, as measure_matmul."""
+    GEMM above), per row count: the fastest way this machine has to multiply these weights."""
     gen = torch.Generator().manual_seed(0)
     ws = [Int4Packed(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=gen),
                      (torch.rand(o, i // group_size, 2, generator=gen) * 0.01).to(torch.bfloat16), (o, i),
@@ -256,17 +256,7 @@ def measure_matmul_4bit(shapes: Shapes, group_size: int, rounds: int = 3, second
         for w, x in zip(ws, xs[t]):
             int4pack_linear(x, w, None, scratch[:w.shape[0] * w.shape[1]].view(w.shape))
 
-    best = {t: 0.0 for t in RATE_TOKENS}
-    for t in RATE_TOKENS:
-        layer(t)  # warm-up
-    for _ in range(rounds):
-        for t in RATE_TOKENS:
-            reps, start = 0, time.perf_counter()
-            while reps == 0 or time.perf_counter() - start < seconds_per_round:
-                layer(t)
-                reps += 1
-            best[t] = max(best[t], 2.0 * t * shapes.layer_matrix_params * reps / (time.perf_counter() - start))
-    return best
+    return best_rates(layer, 2.0 * shapes.layer_matrix_params, RATE_TOKENS, rounds, seconds_per_round)
 
 
 # ---- the run ------------------------------------------------------------------------------------

@@ -419,30 +419,36 @@ def measure_disk_buffered(files) -> float:
 def measure_matmul(matrices, dtype: torch.dtype, rounds: int = 5, seconds_per_round: float = 0.15,
                    row_counts: tuple[int, ...] = RATE_TOKENS) -> dict[int, float]:
     """FLOP/s of one layer's matmuls (`matrices`: (out, in) each) in `dtype` (F.linear, as the engine
-    runs them) per row count T.
-
-    Best of `rounds` short rounds, interleaved over T: the neighbours' load comes in bursts, and
-    the bound wants what the machine can do, not what was left of it at one moment.
-    """
+    runs them) per row count T (best_rates)."""
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(o, i, generator=gen).to(dtype) * 0.02 for o, i in matrices]
     xs = {t: [torch.randn(t, w.shape[1], generator=gen).to(dtype) for w in ws] for t in row_counts}
-    best = {t: 0.0 for t in row_counts}
-    for t in row_counts:  # warm-up: oneDNN primitives for every shape
+
+    def layer(t: int) -> None:
         for w, x in zip(ws, xs[t]):
             torch.nn.functional.linear(x, w)
+
+    return best_rates(layer, 2.0 * sum(w.numel() for w in ws), row_counts, rounds, seconds_per_round)
+
+
+def best_rates(layer, flops_per_row: float, row_counts, rounds: int, seconds_per_round: float) -> dict[int, float]:
+    """FLOP/s of `layer(T)` (one layer's matmuls over T rows) per row count: the best of `rounds`
+    short rounds, interleaved over T, after a warm-up call each (oneDNN primitives for every
+    shape). Best, not mean: the neighbours' load comes in bursts, and the bound wants what the
+    machine can do, not what was left of it at one moment."""
+    best = {t: 0.0 for t in row_counts}
+    for t in row_counts:
+        layer(t)
     for _ in range(rounds):
         for t in row_counts:
-            flops = sum(2.0 * t * w.numel() for w in ws)
             reps, start = 0, time.perf_counter()
             while True:
-                for w, x in zip(ws, xs[t]):
-                    torch.nn.functional.linear(x, w)
+                layer(t)
                 reps += 1
                 elapsed = time.perf_counter() - start
                 if elapsed > seconds_per_round:
                     break
-            best[t] = max(best[t], flops * reps / elapsed)
+            best[t] = max(best[t], flops_per_row * t * reps / elapsed)
     return best
 
 

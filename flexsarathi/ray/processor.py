@@ -54,7 +54,9 @@ def build_processor(model: str, *, sampling: SamplingParams | dict | None = None
     for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise FlexSarathiError(f"build_processor({name}=...) must be an integer >= 1, got {value!r}")
-    dtype = job_dtype(model, dtype, device, num_gpus)  # one dtype for every actor
+    from flexsarathi.checkpoint import open_weight_source
+
+    dtype = job_dtype(dtype, open_weight_source(model).config.checkpoint_dtype, device, num_gpus)  # one for all actors
     spec_hw = hardware if hardware is None or isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
     if policy == "auto":
         policy = LLM.search_policy(model, spec_hw, workload, dtype)

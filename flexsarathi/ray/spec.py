@@ -44,20 +44,18 @@ class EngineSpec:
                    hardware=hardware, offload_dir=offload_dir, seed=self.seed)
 
 
-def job_dtype(model: str, dtype, device, num_gpus: float) -> str:
+def job_dtype(dtype, checkpoint_dtype: torch.dtype, device, num_gpus: float) -> str:
     """The one compute dtype of a Ray job, resolved on the driver and shipped to every actor: an
     explicit dtype as given; auto on GPU actors (given GPUs, or device cuda) the checkpoint's half
     dtype, on CPU actors this machine's measured choice (flexsarathi/dtype_choice.py). Resolved per
     actor instead, actors on unlike CPUs (or one measuring while its neighbours load the machine)
     could compute in different dtypes and the job's records would depend on where each ran."""
-    from flexsarathi.checkpoint import open_weight_source
     from flexsarathi.engine import resolve_device, resolve_dtype
 
     if device is None:
         actor_device = torch.device("cuda" if num_gpus > 0 else "cpu")
     else:
         actor_device = resolve_device(device, check_available=False)  # the actors', not necessarily here
-    checkpoint_dtype = open_weight_source(model).config.checkpoint_dtype
     return str(resolve_dtype(dtype, checkpoint_dtype, actor_device)).removeprefix("torch.")
 
 

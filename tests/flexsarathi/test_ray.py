@@ -274,23 +274,22 @@ def test_processor_in_a_user_pipeline(stories_dir, cluster):
     assert list(token_rows[0]["generated_token_ids"]) == ref.token_ids
 
 
-def test_job_dtype_is_resolved_once_for_the_actors_device(stories_dir):
+def test_job_dtype_is_resolved_once_for_the_actors_device():
     """--ray resolves dtype auto on the driver for the device the ACTORS compute on: GPU actors
-    get the checkpoint's half dtype even from a driver without a GPU (this machine), CPU actors
-    this machine's measured choice; an explicit dtype passes through; a bad device is one error.
-    Needs no Ray (the spec module does not import it)."""
-    from flexsarathi.checkpoint import open_weight_source
+    get the checkpoint's half dtype (fp16 for an fp32 checkpoint) even from a driver without a GPU
+    (this machine), CPU actors this machine's measured choice; an explicit dtype passes through; a
+    bad device is one error. Needs no Ray (the spec module does not import it)."""
     from flexsarathi.dtype_choice import cpu_compute_dtype
     from flexsarathi.errors import FlexSarathiError
     from flexsarathi.ray.spec import job_dtype
 
-    saved = open_weight_source(stories_dir).config.checkpoint_dtype
-    gpu_half = str(saved if saved in (torch.float16, torch.bfloat16) else torch.float16).removeprefix("torch.")
     if torch.cuda.is_available():
         pytest.skip("checks a driver without a GPU")
-    assert job_dtype(stories_dir, None, None, num_gpus=1) == gpu_half
-    assert job_dtype(stories_dir, "auto", "cuda:1", num_gpus=0) == gpu_half  # named, not present here
-    assert job_dtype(stories_dir, None, None, num_gpus=0) == str(cpu_compute_dtype()).removeprefix("torch.")
-    assert job_dtype(stories_dir, "float32", None, num_gpus=1) == "float32"
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert job_dtype(None, f32, None, num_gpus=1) == "float16"
+    assert job_dtype(None, bf16, None, num_gpus=1) == "bfloat16"
+    assert job_dtype("auto", f32, "cuda:1", num_gpus=0) == "float16"  # named, not present here
+    assert job_dtype(None, f32, None, num_gpus=0) == str(cpu_compute_dtype()).removeprefix("torch.")
+    assert job_dtype("float32", bf16, None, num_gpus=1) == "float32"
     with pytest.raises(FlexSarathiError, match="'gpu' is not one FlexSarathi computes on"):
-        job_dtype(stories_dir, None, "gpu", num_gpus=1)
+        job_dtype(None, f32, "gpu", num_gpus=1)
