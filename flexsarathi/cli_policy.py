@@ -70,11 +70,15 @@ def _bytes_per_value(dtype, hardware: HardwareSpec) -> int:
     """Bytes per value in the dtype the engine computes in on `hardware`: --dtype where given; auto
     on a GPU a half dtype (2), on a CPU profile (`compute_on_host`, measured on this machine) this
     machine's measured choice: fp32 (4) where bf16 matmuls are slow, as on AVX2-only CPUs."""
-    from flexsarathi.dtype_choice import cpu_compute_dtype, is_auto
+    import torch
+
+    from flexsarathi.dtype_choice import is_auto
+    from flexsarathi.engine import resolve_dtype
 
     if not is_auto(dtype):
         return DTYPE_BYTES[dtype_name(dtype, "--dtype")]
-    return cpu_compute_dtype().itemsize if hardware.compute_on_host else 2
+    target = torch.device("cpu" if hardware.compute_on_host else "cuda")  # the planned machine's, not this one's
+    return resolve_dtype(None, torch.float16, target).itemsize  # the engine's rule; either half dtype: 2
 
 
 def run_policy(args) -> int:
