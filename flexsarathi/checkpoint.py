@@ -45,12 +45,15 @@ class WeightSource(ABC):
 
 
 def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSource:
-    """`model` is a checkpoint folder or `dummy:<name>` (see policy_search.model_registry); codes:
+    """`model` is a checkpoint folder, a `.gguf` file or `dummy:<name>` (see policy_search.model_registry); codes:
     a dummy model's layer matrices drawn directly in that quantized format (DummyWeights)."""
     if model.startswith(DUMMY_PREFIX):
         return DummyWeights(model[len(DUMMY_PREFIX):], codes=codes)
     if codes is not None:
         raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
+    if model.endswith(".gguf"):
+        from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint
+        return GGUFCheckpoint(model)
     return SafetensorsCheckpoint(model)
 
 

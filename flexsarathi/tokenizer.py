@@ -12,10 +12,11 @@ from flexsarathi.errors import CheckpointError, FlexSarathiError
 
 
 class Tokenizer:
-    def __init__(self, path: str, add_bos: bool | None, add_eos: bool, bos_id: int | None,
+    def __init__(self, path: str | HFTokenizer, add_bos: bool | None, add_eos: bool, bos_id: int | None,
                  eos_id: int | None, chat_template: str | None = None, special_tokens: dict | None = None):
+        """path: a tokenizer.json, or a built `tokenizers.Tokenizer` (a GGUF file's: models/gguf_tokenizer.py)."""
         try:
-            self._tok = HFTokenizer.from_file(path)
+            self._tok = path if isinstance(path, HFTokenizer) else HFTokenizer.from_file(path)
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad JSON
             raise CheckpointError(f"cannot read tokenizer {path}: {exc}") from None
         self.add_bos, self.add_eos = add_bos, add_eos
@@ -163,8 +164,11 @@ def _read_json(path: str) -> dict:
 
 
 def load_tokenizer(model: str, config) -> Tokenizer | None:
-    """The tokenizer of a checkpoint folder (None for dummy models and folders without one);
+    """The tokenizer of a checkpoint folder or GGUF file (None for dummy models and folders without one);
     config (a ModelConfig) gives the BOS/EOS ids where the tokenizer's files do not."""
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from flexsarathi.models.gguf_checkpoint import gguf_tokenizer
+        return gguf_tokenizer(model)
     if not os.path.isdir(model):
         return None
     return Tokenizer.from_folder(model, config.bos_token_id, (config.eos_token_ids or (None,))[0])

@@ -1,0 +1,145 @@
+"""`GGUFCheckpoint`: a GGUF file as a weight source (flexsarathi/checkpoint.py's contract), plus
+its tokenizer, so that `LLM("model.gguf")` needs nothing else.
+
+Layer matrices of a code-mapped type come as `QTensor`s with their own `QuantConfig` (group 32 or
+16: models/gguf_quants.py), q/k rows put back in HF order and q/k/v, gate/up fused by rows (each
+row's groups are a self-contained byte range, so fusing and reordering rows move codes only).
+Where the engine stores another format it dequantizes them at placement, exactly (offload/
+placement.py `flat_components`). A fused weight whose parts differ in format, norms, biases,
+embeddings and the output head come as floats: gguf's own dequantization, cast to the dtype.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+
+import numpy as np
+import torch
+
+from flexsarathi.checkpoint import WeightSource
+from flexsarathi.errors import CheckpointError
+from flexsarathi.model_config import ModelConfig
+from flexsarathi.models import build_model_math
+from flexsarathi.models.gguf_file import GGUFFile, GGUFTensor, gguf_name, hf_config, qk_heads, unpermute_rows
+from flexsarathi.models.gguf_quants import CONVERTED_TYPES, check_type, conversion_error, to_codes, to_float, \
+    to_qtensor
+from quant import QTensor
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: str, stamp: tuple) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """The file parsed once per (path, size, mtime): the weight source and the tokenizer share it."""
+    st = os.stat(path) if os.path.isfile(path) else None
+    return _open(os.path.realpath(path), (st.st_size, st.st_mtime_ns) if st else None)
+
+
+def gguf_tokenizer(path: str):
+    from flexsarathi.models.gguf_tokenizer import build_gguf_tokenizer
+
+    return build_gguf_tokenizer(open_gguf(path).metadata, path)
+
+
+class GGUFCheckpoint(WeightSource):
+    def __init__(self, path: str, report=None):
+        """report: where conversion errors are told (default: a line on stderr per K-quant type)."""
+        self.path = path
+        self.gguf = open_gguf(path)
+        self.config = ModelConfig.from_hf(hf_config(self.gguf), source=path)
+        self.math = build_model_math(self.config)
+        self._report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.conversion_errors: dict[str, float] = {}  # K-quant type -> largest |error| measured
+        self._validate()
+        if "rope_freqs.weight" in self.gguf.tensors:  # llama3-style scaling as llama.cpp stores it
+            factors = to_float(*self._raw("rope_freqs.weight")).float()
+            self.math.inv_freq = self.math.inv_freq / factors
+
+    @property
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for part in self.gguf.paths:
+            st = os.stat(part)
+            digest.update(f"{os.path.basename(part)}:{st.st_size}:{st.st_mtime_ns}".encode())
+        return f"gguf-{digest.hexdigest()[:16]}"
+
+    def _raw(self, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
+        t = self.gguf.tensor(name)
+        return t.raw, t.type_name, t.shape
+
+    def _validate(self) -> None:
+        """Every tensor the model needs: present, of a supported type, of the config's shape."""
+        expected = [(self.math.hf_global_names(), self.math.global_shapes())]
+        expected += [(self.math.hf_layer_names(i), self.math.layer_shapes()) for i in range(self.config.num_layers)]
+        for names, shapes in expected:
+            for canonical, parts in names.items():
+                tensors = [self.gguf.tensor(gguf_name(hf)) for hf in parts]
+                for t in tensors:
+                    check_type(t.type_name, t.name, self.path)
+                rows = sum(t.shape[0] for t in tensors)
+                want = tuple(shapes[canonical])
+                if any(t.shape[1:] != want[1:] for t in tensors) or rows != want[0]:
+                    got = ", ".join(f"{t.name} {list(t.shape)}" for t in tensors)
+                    raise CheckpointError(f"{self.path}: {got} do not make {canonical} {list(want)} as the "
+                                          f"metadata implies")
+
+    def global_weights(self, dtype):
+        return {k: self._dense(parts, dtype) for k, parts in self.math.hf_global_names().items()}
+
+    def layer_weights(self, layer, dtype):
+        shapes = self.math.layer_shapes()
+        return {k: (self._coded(parts, dtype) if len(shapes[k]) == 2 else None) or self._dense(parts, dtype)
+                for k, parts in self.math.hf_layer_names(layer).items()}
+
+    def _dense(self, hf_names: list[str], dtype: torch.dtype) -> torch.Tensor:
+        pieces = []
+        for hf in hf_names:
+            t = self.gguf.tensor(gguf_name(hf))
+            values = to_float(t.raw, t.type_name, t.shape)
+            heads = qk_heads(t.name, self.config)
+            pieces.append((values if heads is None else values[unpermute_rows(t.shape[0], heads)]).to(dtype))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+    def _coded(self, hf_names: list[str], dtype: torch.dtype) -> QTensor | None:
+        """The fused weight as one QTensor, or None where a part has no codes or the parts' formats differ."""
+        parts = []
+        for hf in hf_names:
+            q = self._qtensor(self.gguf.tensor(gguf_name(hf)), dtype)
+            if q is None or (parts and q.config != parts[0].config):
+                return None
+            parts.append(q)
+        if len(parts) == 1:
+            return parts[0]
+        rows = sum(p.shape[0] for p in parts)
+        return QTensor(data=torch.cat([p.data for p in parts]), scale=torch.cat([p.scale for p in parts]),
+                       minimum=torch.cat([p.minimum for p in parts]), shape=(rows, parts[0].shape[1]),
+                       dtype=dtype, config=parts[0].config)
+
+    def _qtensor(self, t: GGUFTensor, dtype: torch.dtype) -> QTensor | None:
+        codes = to_codes(t.raw, t.type_name, t.shape)
+        q = to_qtensor(codes, dtype) if codes is not None else None
+        if q is None:
+            return None
+        if t.type_name in CONVERTED_TYPES and t.name.startswith("blk.0."):  # measured on the first layer
+            self._tell_error(t.type_name, conversion_error(codes, q), q.config)
+        heads = qk_heads(t.name, self.config)
+        return q if heads is None else permute_rows(q, unpermute_rows(t.shape[0], heads))
+
+    def _tell_error(self, type_name: str, error: float, config) -> None:
+        first = type_name not in self.conversion_errors
+        self.conversion_errors[type_name] = max(error, self.conversion_errors.get(type_name, 0.0))
+        if first:
+            self._report(f"flexsarathi: {self.path}: {type_name} weights convert to {config.bits}-bit groups of "
+                         f"{config.group_size} with fp16 scales: largest |error| against gguf's dequantization "
+                         f"{error:.3g} (first layer's first {type_name} tensor)")
+
+
+def permute_rows(q: QTensor, order: torch.Tensor) -> QTensor:
+    """A row-grouped QTensor with its rows in `order` (row i of the result = row order[i])."""
+    rows = q.shape[0]
+    return QTensor(data=q.data.view(rows, -1)[order].reshape(-1), scale=q.scale.view(rows, -1)[order].reshape(-1),
+                   minimum=q.minimum.view(rows, -1)[order].reshape(-1), shape=q.shape, dtype=q.dtype, config=q.config)

@@ -1,0 +1,194 @@
+"""A GGUF file (llama.cpp's format; single or split `-00001-of-0000N.gguf`): its metadata, its
+tensors as memory-mapped raw blocks, and the model it describes as an HF `config.json` dict.
+
+Read with the `gguf` package's `GGUFReader` (memory-mapped, from the llama.cpp authors): the
+container has versions, alignment rules and value types that the package keeps up with. Every
+failure to read is one `CheckpointError` naming the file. The tensors' names and the q/k row order
+are llama.cpp's (`convert_hf_to_gguf.py`); `hf_name_map` and `unpermute_rows` turn them back into
+the HF checkpoint's, as transformers' GGUF loader does.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flexsarathi.errors import CheckpointError
+
+SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# general.architecture -> the engine's model_type (its families: policy_search/hf_config.py)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+# Architectures whose q/k rows llama.cpp's converter permutes into the interleaved RoPE layout.
+PERMUTED_QK = ("llama",)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    type_name: str  # GGMLQuantizationType name: F32, F16, BF16, Q4_0, Q4_K, ...
+    shape: tuple[int, ...]  # logical shape in torch order ([rows, cols] for a matrix)
+    raw: np.ndarray  # memory-mapped: the values (F32/F16) or uint8 bytes [rows, bytes per row]
+    path: str
+
+
+class GGUFFile:
+    """Metadata (from the first part) and the tensors of every part of one GGUF model."""
+
+    def __init__(self, path: str):
+        self.paths = split_parts(path)
+        self.path = self.paths[0]
+        readers = [_open_reader(p) for p in self.paths]
+        self.metadata = _metadata(readers[0], self.path)
+        self.tensors: dict[str, GGUFTensor] = {}
+        for reader, part in zip(readers, self.paths):
+            for t in reader.tensors:
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, shape, t.data, part)
+        count = self.metadata.get("split.count")
+        if count is not None and int(count) != len(self.paths):
+            raise CheckpointError(f"{self.path} says the model is split in {count} files, "
+                                  f"found {len(self.paths)}")
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise CheckpointError(f"{self.path} has no general.architecture: not a model GGUF")
+        return arch
+
+    def tensor(self, name: str) -> GGUFTensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"tensor {name} is missing from {self.path}")
+        return self.tensors[name]
+
+
+def split_parts(path: str) -> list[str]:
+    """All parts of a split GGUF (given any one of them), or [path]."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    match = SPLIT_RE.match(path)
+    if not match:
+        return [path]
+    count = int(match["count"])
+    parts = [f"{match['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [os.path.basename(p) for p in parts if not os.path.isfile(p)]
+    if missing:
+        raise CheckpointError(f"split GGUF {path}: part(s) {', '.join(missing)} are missing")
+    return parts
+
+
+def _open_reader(path: str):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # bad magic, truncated header or data, unknown version: all ValueError-ish
+        raise CheckpointError(f"{path} is not a readable GGUF file (corrupt or truncated?): "
+                              f"{type(exc).__name__}: {exc}") from None
+
+
+def _metadata(reader, path: str) -> dict:
+    """key -> a Python value (str, int, float, bool, or a list of them)."""
+    out = {}
+    try:
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):  # the container's own header fields
+                continue
+            out[key] = field.contents()
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot read metadata: {type(exc).__name__}: {exc}") from None
+    return out
+
+
+def hf_config(gguf: GGUFFile) -> dict:
+    """The model as an HF config.json dict (what policy_search/hf_config.py parses)."""
+    arch, meta = gguf.architecture, gguf.metadata
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(ARCHITECTURES)}")
+
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{gguf.path}: metadata {arch}.{key} is missing")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+    cfg = {
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": gguf.tensor("token_embd.weight").shape[0],
+        "hidden_size": hidden, "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim or hidden // heads),
+        "max_position_embeddings": int(get("context_length")),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in gguf.tensors,
+        "torch_dtype": _checkpoint_dtype(gguf),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    cfg.update(_rope_scaling(gguf, arch))
+    return cfg
+
+
+def _rope_scaling(gguf: GGUFFile, arch: str) -> dict:
+    meta = gguf.metadata
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    if kind != "linear":
+        raise CheckpointError(f"{gguf.path}: rope scaling {kind!r} is not supported (none or linear)")
+    return {"rope_scaling": {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}}
+
+
+def _checkpoint_dtype(gguf: GGUFFile) -> str:
+    """The dtype the file's weights are closest to: its float matrices' (F32, BF16), else float16
+    (F16 weights, and quantized ones: their scales are fp16)."""
+    types = {t.type_name for t in gguf.tensors.values() if len(t.shape) == 2}
+    if types == {"F32"}:
+        return "float32"
+    return "bfloat16" if "BF16" in types else "float16"
+
+
+# HF checkpoint names (what models/llama.py asks for) -> GGUF names, llama.cpp's tensor map.
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                "mlp.down_proj": "ffn_down"}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def gguf_name(hf_name: str) -> str:
+    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    match = _LAYER_RE.match(hf_name)
+    if not match or match[2] not in _LAYER_NAMES:
+        raise CheckpointError(f"no GGUF tensor corresponds to {hf_name}")
+    return f"blk.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+
+
+def qk_heads(gguf_tensor_name: str, config) -> int | None:
+    """The head count whose rows llama.cpp permuted in this tensor (None: not permuted)."""
+    part = gguf_tensor_name.split(".")[2] if gguf_tensor_name.startswith("blk.") else ""
+    if config.model_type not in PERMUTED_QK or part not in ("attn_q", "attn_k"):
+        return None
+    return config.num_heads if part == "attn_q" else config.num_kv_heads
+
+
+def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation: HF row i is GGUF row `order[i]`.
+
+    llama.cpp stores each head's rows as (pair index d, half h) (the interleaved RoPE layout) where
+    HF has (half h, pair index d): transformers' `_reverse_permute_weights`."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)

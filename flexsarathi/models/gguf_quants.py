@@ -1,0 +1,201 @@
+"""GGUF tensors -> the engine's weights: pure functions of a tensor's raw blocks.
+
+Block types whose codes the engine's group-wise format holds exactly (value = scale * code +
+minimum, fp16 scale and minimum, computed in fp32: quant/groupwise.py) become `QTensor`s with no
+round trip through floats:
+
+| GGUF | its value | engine format | exact? |
+|---|---|---|---|
+| Q4_0 | d * (q - 8), q 4-bit | 4-bit, group 32: scale d, minimum -8d | yes |
+| Q4_1 | d * q + m | 4-bit, group 32: scale d, minimum m | yes |
+| Q5_0 | d * (q - 16), q 5-bit | 8-bit, group 32: scale d, minimum -16d | yes |
+| Q5_1 | d * q + m, q 5-bit | 8-bit, group 32 | yes |
+| Q8_0 | d * q, q int8 | 8-bit, group 32: code q + 128, minimum -128d | yes |
+| Q4_K | d*sc * q - dmin*m per 32 | 4-bit, group 32: scale fp16(d*sc), minimum fp16(-dmin*m) | no |
+| Q5_K | as Q4_K, q 5-bit | 8-bit, group 32 | no |
+| Q6_K | d*sc * (q - 32) per 16, q 6-bit | 8-bit, group 16: scale fp16(d*sc), minimum -32 * that | no |
+
+"exact": the products d*q are exact in fp32 and so is -8d in fp16 (a power of two), so the
+engine's dequantization gives gguf's own `quants.dequantize` bit for bit (a block whose -8d or
+-128d would overflow fp16 makes the tensor fall back to floats). The K-quants' sub-block scale d*sc
+has up to 17 significant bits, fp16 keeps 11: the conversion rounds it, and `conversion_error`
+measures what that costs against the exact values. Other types gguf can dequantize (Q2_K, Q3_K,
+IQ4_NL, IQ4_XS) become float tensors through `gguf.quants.dequantize`.
+
+Every format is min-max (`symmetric=False`): the minimum is stored either way, and one config per
+(bits, group) lets a file that mixes Q4_0, Q4_1 and Q4_K tensors (as Q4_K_M files do) stay one format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flexsarathi.errors import CheckpointError
+from quant import QTensor, QuantConfig, pack_4bit
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+EXACT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+CONVERTED_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZED_TYPES = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + CONVERTED_TYPES + DEQUANTIZED_TYPES
+QK_K = 256  # values per K-quant super-block
+
+
+@dataclass(frozen=True)
+class Codes:
+    """A tensor as group-wise codes: value = scale * code + minimum, per group along the rows."""
+
+    codes: np.ndarray  # uint8 [rows, cols]
+    scale: np.ndarray  # fp32 [rows, cols / group]: exact (before the fp16 rounding of QTensor)
+    minimum: np.ndarray  # fp32 [rows, cols / group]
+    config: QuantConfig
+
+
+def check_type(type_name: str, tensor: str, where: str) -> None:
+    if type_name not in SUPPORTED_TYPES:
+        raise CheckpointError(f"{where}: tensor {tensor} has GGUF type {type_name}, which is not supported; "
+                              f"supported: {', '.join(SUPPORTED_TYPES)}")
+
+
+def to_float(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor's values as gguf's own dequantization gives them: F16 and BF16 as they are, every
+    quantized type in fp32 (`gguf.quants.dequantize`, the reference)."""
+    if type_name == "F32":
+        return torch.from_numpy(np.array(raw, dtype=np.float32)).reshape(shape)  # a copy: raw is a read-only map
+    if type_name == "F16":
+        return torch.from_numpy(np.array(raw, dtype=np.float16)).reshape(shape)
+    if type_name == "BF16":
+        return torch.from_numpy(np.array(raw, dtype=np.uint8).view(np.int16)).view(torch.bfloat16).reshape(shape)
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(np.asarray(raw), GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(values)).reshape(shape)
+
+
+def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes | None:
+    """The codes of a 2-D tensor of a code-mapped type (EXACT_TYPES, CONVERTED_TYPES), else None."""
+    decode = _DECODERS.get(type_name)
+    if decode is None or len(shape) != 2:
+        return None
+    rows, cols = shape
+    block_bytes = _BLOCK_BYTES[type_name]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
+    codes, scale, minimum, config = decode(blocks)  # per block: [n, block values], [n, groups per block]
+    return Codes(codes.reshape(rows, cols), scale.reshape(rows, -1).astype(np.float32),
+                 minimum.reshape(rows, -1).astype(np.float32), config)
+
+
+def to_qtensor(codes: Codes, dtype: torch.dtype) -> QTensor | None:
+    """`Codes` as the engine's QTensor (fp16 scale and minimum); None where one would overflow fp16."""
+    scale, minimum = codes.scale.astype(np.float16), codes.minimum.astype(np.float16)
+    if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
+        return None
+    lines = torch.from_numpy(codes.codes)  # [rows, cols]: one line of groups per row
+    data = pack_4bit(lines) if codes.config.bits == 4 else lines
+    return QTensor(data=data.reshape(-1).contiguous(), scale=torch.from_numpy(scale).reshape(-1),
+                   minimum=torch.from_numpy(minimum).reshape(-1), shape=tuple(codes.codes.shape),
+                   dtype=dtype, config=codes.config)
+
+
+def exact_values(codes: Codes) -> np.ndarray:
+    """fp32 [rows, cols]: the codes with their exact (unrounded) scales: gguf's values."""
+    group = codes.config.group_size
+    rows, cols = codes.codes.shape
+    grouped = codes.codes.reshape(rows, cols // group, group).astype(np.float32)
+    return (grouped * codes.scale[..., None] + codes.minimum[..., None]).reshape(rows, cols)
+
+
+def conversion_error(codes: Codes, qtensor: QTensor) -> float:
+    """Largest |engine value - gguf value| over the tensor (0.0 for the exact types)."""
+    from quant import dequantize
+
+    engine = dequantize(qtensor, torch.float32).numpy()
+    return float(np.abs(engine - exact_values(codes)).max()) if engine.size else 0.0
+
+
+# ---- block decoders: uint8 blocks [n, block bytes] -> (codes [n, values], scale, minimum [n, groups], config)
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at byte `start` of each block, as fp32 [n, 1]."""
+    return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """Bytes [n, k * width] -> per run of `width` bytes: its low nibbles, then its high ones."""
+    runs = qs.reshape(qs.shape[0], -1, 1, width) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (runs & 0x0F).reshape(qs.shape[0], -1)
+
+
+def _high_bits(qh: np.ndarray, values: int) -> np.ndarray:
+    """Q5_0/Q5_1: bit j of a little-endian uint32 is value j's fifth bit -> [n, values] of 0/16."""
+    bits = np.unpackbits(qh, axis=1, bitorder="little")[:, :values]
+    return bits << 4
+
+
+def _q4_0(b):
+    d = _f16(b, 0)
+    return _nibbles(b[:, 2:], 16), d, -8 * d, QuantConfig(bits=4, group_size=32)
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:], 16), _f16(b, 0), _f16(b, 2), QuantConfig(bits=4, group_size=32)
+
+
+def _q5_0(b):
+    d = _f16(b, 0)
+    q = _nibbles(b[:, 6:], 16) | _high_bits(b[:, 2:6], 32)
+    return q, d, -16 * d, QuantConfig(bits=8, group_size=32)
+
+
+def _q5_1(b):
+    q = _nibbles(b[:, 8:], 16) | _high_bits(b[:, 4:8], 32)
+    return q, _f16(b, 0), _f16(b, 2), QuantConfig(bits=8, group_size=32)
+
+
+def _q8_0(b):
+    d = _f16(b, 0)
+    q = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return q, d, -128 * d, QuantConfig(bits=8, group_size=32)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins per block (ggml's get_scale_min_k4)."""
+    d, m, m_d = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_k(b):
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scales(b[:, 4:16])
+    return _nibbles(b[:, 16:144], 32), d * sc, -(dmin * mn), QuantConfig(bits=4, group_size=32)
+
+
+def _q5_k(b):
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scales(b[:, 4:16])
+    low = _nibbles(b[:, 48:176], 32)  # [n, 256]: sub-block j's low nibbles
+    # bit j of qh[i] is the fifth bit of value i of sub-block j
+    high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = low | (high.reshape(-1, QK_K) << 4)
+    return q, d * sc, -(dmin * mn), QuantConfig(bits=8, group_size=32)
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql, qh = b[:, :128], b[:, 128:192]
+    sc, d = b[:, 192:208].view(np.int8).astype(np.float32), _f16(b, 208)
+    low = _nibbles(ql, 64).reshape(n, 2, 4, 32)  # per half of 128 values: 4 runs of 32 low nibbles
+    high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low | (high << 4)).reshape(n, QK_K)
+    scale = d * sc  # [n, 16]: one per 16 values
+    return q, scale, -32 * scale, QuantConfig(bits=8, group_size=16)
+
+
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
+             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176,
+                "Q6_K": 210}

@@ -1,0 +1,125 @@
+"""The tokenizer a GGUF file describes (`tokenizer.ggml.*`), built as a `tokenizers` Tokenizer.
+
+Two kinds, as llama.cpp names them in `tokenizer.ggml.model`:
+- `llama`: SentencePiece BPE. The vocabulary with a score per token; the merges are the file's, or
+  (usually) recovered from the scores: every split of a token into two tokens is a merge, ranked by
+  the merged token's score (SentencePiece merges the highest-scoring pair first). `▁` marks spaces
+  (prefixed to the text unless `add_space_prefix` is false) and unknown bytes fall back to `<0xNN>`.
+- `gpt2`: byte-level BPE with the file's merges, split first by the pre-tokenizer regex that
+  `tokenizer.ggml.pre` names (qwen2, llama-bpe, ...; GPT-2's own by default).
+Tokens typed CONTROL (3) are special tokens and USER_DEFINED (4) added tokens, both matched whole.
+BOS/EOS and whether to add them, and the chat template, come from the metadata too.
+"""
+from __future__ import annotations
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from flexsarathi.errors import CheckpointError
+
+CONTROL, USER_DEFINED = 3, 4
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the split regex its merges were learned with (llama.cpp's llama-vocab.cpp)
+PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                        "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+                        "deepseek-r1-qwen": _QWEN2_SPLIT}
+SUPPORTED_MODELS = ("llama", "gpt2")
+
+
+def build_gguf_tokenizer(meta: dict, where: str):
+    """A flexsarathi Tokenizer from GGUF metadata; None when the file carries no vocabulary."""
+    from flexsarathi.tokenizer import Tokenizer
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None or "tokenizer.ggml.tokens" not in meta:
+        return None
+    if kind not in SUPPORTED_MODELS:
+        raise CheckpointError(f"{where}: tokenizer.ggml.model {kind!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_MODELS)}")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    backend = _spm_backend(meta, tokens) if kind == "llama" else _byte_level_backend(meta, tokens)
+    _add_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or [])
+
+    def token(key: str):
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    specials = {name: token(key) for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                                                   ("unk_token", "unknown_token_id"),
+                                                   ("pad_token", "padding_token_id")) if token(key) is not None}
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))  # llama.cpp's defaults
+    return Tokenizer(backend, add_bos, bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+                     meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
+                     meta.get("tokenizer.chat_template") or None, specials)
+
+
+def _spm_backend(meta: dict, tokens: list[str]) -> HFTokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _file_merges(meta) or spm_merges(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                     unk_token=tokens[unk] if unk is not None else None))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return backend
+
+
+def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE merges implied by a scored vocabulary: every split of a token into two
+    vocabulary tokens, best merged score first; ties by the pieces' lengths (longer first), then
+    by the pieces' ids."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for merged, score in zip(tokens, scores):
+        pairs = [(merged[:k], merged[k:]) for k in range(1, len(merged))
+                 if merged[:k] in vocab and merged[k:] in vocab]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((score, left, right) for left, right in pairs)
+    # a stable sort: equal keys keep the vocabulary order above
+    merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in merges]
+
+
+def _byte_level_backend(meta: dict, tokens: list[str]) -> HFTokenizer:
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    spell = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    # Tokens the file writes as plain text (some added tokens) get the byte-level spelling the
+    # merges and the pre-tokenizer produce.
+    vocab = {t if set(t) <= alphabet else "".join(p for p, _ in spell.pre_tokenize_str(t)): i
+             for i, t in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=_file_merges(meta) or [], fuse_unk=False,
+                                     continuing_subword_prefix="", end_of_word_suffix=""))
+    split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _file_merges(meta: dict) -> list[tuple[str, str]]:
+    return [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+
+
+def _add_special_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> None:
+    """CONTROL tokens as special tokens (skipped when decoding), USER_DEFINED ones as added tokens."""
+    byte_level = isinstance(backend.pre_tokenizer, (pre_tokenizers.ByteLevel, pre_tokenizers.Sequence))
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if byte_level else None
+    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types)
+               if kind == CONTROL and (alphabet is None or set(t) <= alphabet)]
+    if control:
+        backend.add_special_tokens(control)
+    vocab = backend.get_vocab()
+    user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types)
+            if kind == USER_DEFINED and t in vocab]
+    if user:
+        backend.add_tokens(user)

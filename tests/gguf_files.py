@@ -1,0 +1,181 @@
+"""GGUF files for tests, written with the `gguf` package's writer the way llama.cpp's
+convert_hf_to_gguf.py writes them: llama.cpp's tensor names, llama's q/k rows permuted into the
+interleaved RoPE layout, norms in F32, matrices in the asked type (`gguf.quants.quantize` where the
+package has it; for K-quants, random codes drawn directly with small fp16 scales)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# Byte offsets of each block's fp16 scale fields, to draw them small (random bytes would make
+# weights of any size, NaNs included).
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
+LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 1e-4) -> np.ndarray:
+    """uint8 [rows, bytes per row]: random codes, every fp16 scale field |N(0, 1)| * `scale`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    for offset in FP16_FIELDS[type_name]:
+        d = (np.abs(rng.standard_normal(raw.shape[0])) * scale).astype(np.float16)
+        raw[:, offset:offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, cols // block * size)
+
+
+def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: HF's rotate-half row order -> interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def encode_tensor(values: np.ndarray, type_name: str, rng: np.random.Generator):
+    """(array, raw_dtype) for GGUFWriter.add_tensor: F32/F16 as values, others quantized."""
+    from gguf import GGMLQuantizationType, quants
+
+    if type_name == "F32":
+        return values.astype(np.float32), None
+    if type_name == "F16":
+        return values.astype(np.float16), None
+    qtype = GGMLQuantizationType[type_name]
+    if type_name in QUANTIZABLE:
+        return quants.quantize(values.astype(np.float32), qtype), qtype
+    return random_blocks(type_name, *values.shape, rng), qtype
+
+
+def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F32", tokenizer: dict | None = None,
+               split_max_tensors: int = 0, seed: int = 0, type_of=None) -> list[Path]:
+    """Write an HF llama/qwen2 model; returns the file(s) written. type_of(gguf name) overrides
+    weight_type per tensor (mixed files like Q4_K_M)."""
+    import gguf
+
+    cfg = model.config
+    arch = cfg.model_type
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    _write_metadata(writer, cfg)
+    for key, value in (tokenizer or {}).items():
+        _add_value(writer, key, value)
+    rng = np.random.default_rng(seed)
+    for name, values in _tensors(model):
+        kind = embed_type if name in ("token_embd.weight", "output.weight") else weight_type
+        kind = type_of(name) if type_of and values.ndim == 2 and type_of(name) else kind
+        array, raw_dtype = encode_tensor(values, kind if values.ndim == 2 else "F32", rng)
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    names = writer.format_shard_names(Path(path)) if split_max_tensors else [Path(path)]
+    return [Path(p) for p in names]
+
+
+def _write_metadata(writer, cfg) -> None:
+    writer.add_name("tiny-test")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+
+
+def _add_value(writer, key: str, value) -> None:
+    import gguf
+
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif value and isinstance(value[0], str):
+        writer.add_array(key, value)
+    elif value and isinstance(value[0], float):
+        writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
+    else:
+        writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+
+
+def _tensors(model):
+    """(GGUF name, fp32 numpy array) in llama.cpp's order and layout."""
+    cfg = model.config
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    yield "token_embd.weight", state["model.embed_tokens.weight"]
+    yield "output_norm.weight", state["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        yield "output.weight", state["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        for hf, short in LAYER_NAMES.items():
+            for kind in ("weight", "bias"):
+                key = f"model.layers.{i}.{hf}.{kind}"
+                if key not in state:
+                    continue
+                values = state[key]
+                if cfg.model_type == "llama" and short in ("attn_q", "attn_k"):
+                    heads = cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads
+                    values = permute_qk(values, heads)
+                yield f"blk.{i}.{short}.{kind}", values
+
+
+def spm_tokenizer_metadata(tokenizer_json: Path) -> dict:
+    """A SentencePiece-BPE tokenizer.json (stories260K's) as llama.cpp writes it: tokenizer model
+    `llama`, scores (here the negated merge rank of each merged token, so merges follow from the
+    scores as in a real SentencePiece vocabulary), token types (control, byte, normal)."""
+    spec = json.loads(Path(tokenizer_json).read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    ranks = {}
+    for rank, merge in enumerate(spec["model"]["merges"]):
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        ranks.setdefault(left + right, rank)
+    scores = [-float(ranks.get(t, 0)) if t in ranks else 0.0 for t in tokens]
+    special = {a["content"] for a in spec.get("added_tokens", []) if a.get("special")}
+    types = [3 if t in special else 6 if t.startswith("<0x") and t.endswith(">") else 1 for t in tokens]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": vocab.get("<s>", 1),
+            "tokenizer.ggml.eos_token_id": vocab.get("</s>", 2), "tokenizer.ggml.unknown_token_id": vocab.get("<unk>", 0),
+            "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": False}
+
+
+def bpe_tokenizer_metadata(text: str, vocab_size: int = 400) -> dict:
+    """A byte-level BPE trained on `text` with the `tokenizers` library, written as llama.cpp writes
+    a Qwen2 tokenizer: model `gpt2`, pre `qwen2`, merges, control tokens, a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    spec = json.loads(tok.to_str())
+    tokens = [t for t, _ in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    template = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+                "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                "{% endif %}")
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3 if t in specials else 1 for t in tokens],
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
+            "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>"),
+            "tokenizer.ggml.bos_token_id": tokens.index("<|endoftext|>"),
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": template}
