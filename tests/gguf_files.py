@@ -12,12 +12,40 @@ import numpy as np
 # Byte offsets of each block's fp16 scale fields, to draw them small (random bytes would make
 # weights of any size, NaNs included).
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+               "IQ2_XXS": (0,)}
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down"}
+
+
+# Every matrix a whole number of 256-value super-blocks (K-quants) and 32-value blocks.
+GGUF_CONFIGS = {
+    "llama": dict(model_type="llama", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=True, rope_theta=1e6),
+}
+GGUF_CONFIGS["llama_deep"] = dict(GGUF_CONFIGS["llama"], num_hidden_layers=4)
+
+
+def build_model(kind: str, seed: int = 0):
+    """A transformers model of GGUF_CONFIGS[kind] with random weights of a realistic size."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(GGUF_CONFIGS[kind])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.05 * torch.randn_like(param))
+    return model
 
 
 def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 1e-4) -> np.ndarray:
@@ -39,13 +67,15 @@ def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 def encode_tensor(values: np.ndarray, type_name: str, rng: np.random.Generator):
     """(array, raw_dtype) for GGUFWriter.add_tensor: F32/F16 as values, others quantized."""
-    from gguf import GGMLQuantizationType, quants
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
     if type_name == "F32":
         return values.astype(np.float32), None
     if type_name == "F16":
         return values.astype(np.float16), None
     qtype = GGMLQuantizationType[type_name]
+    if values.shape[-1] % GGML_QUANT_SIZES[qtype][0]:  # llama.cpp's fallback for rows not whole blocks
+        return values.astype(np.float16), None
     if type_name in QUANTIZABLE:
         return quants.quantize(values.astype(np.float32), qtype), qtype
     return random_blocks(type_name, *values.shape, rng), qtype

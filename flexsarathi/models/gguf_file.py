@@ -126,8 +126,8 @@ def hf_config(gguf: GGUFFile) -> dict:
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(head_dim or hidden // heads),
         "max_position_embeddings": int(get("context_length")),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _decimal(get("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in gguf.tensors,
         "torch_dtype": _checkpoint_dtype(gguf),
@@ -138,6 +138,12 @@ def hf_config(gguf: GGUFFile) -> dict:
     return cfg
 
 
+def _decimal(value) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not
+    9.99999997e-07): the value the converted config.json had."""
+    return float(str(np.float32(value)))
+
+
 def _rope_scaling(gguf: GGUFFile, arch: str) -> dict:
     meta = gguf.metadata
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
@@ -145,7 +151,7 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> dict:
         return {}
     if kind != "linear":
         raise CheckpointError(f"{gguf.path}: rope scaling {kind!r} is not supported (none or linear)")
-    return {"rope_scaling": {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}}
+    return {"rope_scaling": {"rope_type": "linear", "factor": _decimal(meta[f"{arch}.rope.scaling.factor"])}}
 
 
 def _checkpoint_dtype(gguf: GGUFFile) -> str:

@@ -89,7 +89,8 @@ def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes |
 
 def to_qtensor(codes: Codes, dtype: torch.dtype) -> QTensor | None:
     """`Codes` as the engine's QTensor (fp16 scale and minimum); None where one would overflow fp16."""
-    scale, minimum = codes.scale.astype(np.float16), codes.minimum.astype(np.float16)
+    with np.errstate(over="ignore"):  # checked below
+        scale, minimum = codes.scale.astype(np.float16), codes.minimum.astype(np.float16)
     if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
         return None
     lines = torch.from_numpy(codes.codes)  # [rows, cols]: one line of groups per row
