@@ -44,16 +44,18 @@ class WeightSource(ABC):
     def layer_weights(self, layer: int, dtype: torch.dtype) -> Weights: ...
 
 
-def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSource:
+def open_weight_source(model: str, codes: QuantConfig | None = None, compressed: bool = True) -> WeightSource:
     """`model` is a checkpoint folder, a `.gguf` file or `dummy:<name>` (see policy_search.model_registry); codes:
-    a dummy model's layer matrices drawn directly in that quantized format (DummyWeights)."""
+    a dummy model's layer matrices drawn directly in that quantized format (DummyWeights); compressed:
+    whether the engine stores weights compressed (a GGUF's K-quants then come as converted codes,
+    else as their exact values)."""
     if model.startswith(DUMMY_PREFIX):
         return DummyWeights(model[len(DUMMY_PREFIX):], codes=codes)
     if codes is not None:
         raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
     if model.endswith(".gguf"):
         from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint
-        return GGUFCheckpoint(model)
+        return GGUFCheckpoint(model, convert_k_quants=compressed)
     return SafetensorsCheckpoint(model)
 
 

@@ -156,7 +156,7 @@ class LLMEngine:
         self.engine_config = e = config
         self.device = resolve_device(e.device)
         drawn = e.weight_quant if e.dummy_weight_codes and e.policy.compress_weight else None
-        self.source = open_weight_source(e.model, codes=drawn)
+        self.source = open_weight_source(e.model, codes=drawn, compressed=e.policy.compress_weight)
         self.config, self.math = self.source.config, self.source.math
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = e.policy

@@ -14,6 +14,10 @@ import numpy as np
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
                "IQ2_XXS": (0,)}
+# fp16 scale fields of drawn codes: weights up to about 0.1, as a trained model's (the largest
+# code times the largest sub-block scale times this)
+DRAWN_SCALE = {"Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 2.5e-5, "Q2_K": 2e-3, "Q3_K": 1e-3, "IQ4_NL": 1e-3,
+               "IQ4_XS": 1e-3}
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -78,7 +82,7 @@ def encode_tensor(values: np.ndarray, type_name: str, rng: np.random.Generator):
         return values.astype(np.float16), None
     if type_name in QUANTIZABLE:
         return quants.quantize(values.astype(np.float32), qtype), qtype
-    return random_blocks(type_name, *values.shape, rng), qtype
+    return random_blocks(type_name, *values.shape, rng, scale=DRAWN_SCALE.get(type_name, 1e-4)), qtype
 
 
 def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F32", tokenizer: dict | None = None,

@@ -2,7 +2,8 @@
 its tokenizer, so that `LLM("model.gguf")` needs nothing else.
 
 Layer matrices of a code-mapped type come as `QTensor`s with their own `QuantConfig` (group 32 or
-16: models/gguf_quants.py), q/k rows put back in HF order and q/k/v, gate/up fused by rows (each
+16: models/gguf_quants.py; K-quants only for an engine that stores weights compressed, as their
+conversion rounds their scales), q/k rows put back in HF order and q/k/v, gate/up fused by rows (each
 row's groups are a self-contained byte range, so fusing and reordering rows move codes only).
 Where the engine stores another format it dequantizes them at placement, exactly (offload/
 placement.py `flat_components`). A fused weight whose parts differ in format, norms, biases,
@@ -46,9 +47,11 @@ def gguf_tokenizer(path: str):
 
 
 class GGUFCheckpoint(WeightSource):
-    def __init__(self, path: str, report=None):
-        """report: where conversion errors are told (default: a line on stderr per K-quant type)."""
-        self.path = path
+    def __init__(self, path: str, convert_k_quants: bool = True, report=None):
+        """convert_k_quants: K-quant matrices as converted codes (for an engine that stores weights
+        compressed: far closer than requantizing their values) or as their exact values (False);
+        report: where conversion errors are told (default: a line on stderr per K-quant type)."""
+        self.path, self.convert_k_quants = path, convert_k_quants
         self.gguf = open_gguf(path)
         self.config = ModelConfig.from_hf(hf_config(self.gguf), source=path)
         self.math = build_model_math(self.config)
@@ -120,6 +123,8 @@ class GGUFCheckpoint(WeightSource):
                        dtype=dtype, config=parts[0].config)
 
     def _qtensor(self, t: GGUFTensor, dtype: torch.dtype) -> QTensor | None:
+        if t.type_name in CONVERTED_TYPES and not self.convert_k_quants:
+            return None
         codes = to_codes(t.raw, t.type_name, t.shape)
         q = to_qtensor(codes, dtype) if codes is not None else None
         if q is None:

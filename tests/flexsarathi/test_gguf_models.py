@@ -1,0 +1,129 @@
+"""GGUF models end to end: logits against transformers' own GGUF loading (fp32, its dequantized
+weights), greedy tokens, the file's codes kept as they are, every placement against the
+all-on-device run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from flexsarathi import LLM, SamplingParams  # noqa: E402
+from policy_search import Policy  # noqa: E402
+from quant import QuantConfig  # noqa: E402
+from tests.gguf_files import build_model, write_gguf  # noqa: E402
+from tests.prompt_logits import prompt_logits  # noqa: E402
+
+EXACT = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
+CONVERTED = ["Q4_K", "Q5_K", "Q6_K", "Q4_K_M"]  # Q4_K_M: as llama.cpp's mix (attn_v, ffn_down in Q6_K)
+PROMPTS = [[1, 5, 9, 33, 7, 100, 3], [17, 2, 99, 64, 31, 8, 120, 45, 6, 11, 70, 4, 90]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _type_of(weight_type: str):
+    if weight_type != "Q4_K_M":
+        return None
+    return lambda name: "Q6_K" if any(p in name for p in ("attn_v", "ffn_down")) else "Q4_K"
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory):
+    """gguf_model(kind, weight_type) -> (path, transformers' model loaded from it), once each."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def make(kind: str, weight_type: str):
+        if (kind, weight_type) not in cache:
+            folder = tmp_path_factory.mktemp(f"{kind}-{weight_type}")
+            path = folder / "model.gguf"
+            write_gguf(build_model(kind), path, weight_type=weight_type, type_of=_type_of(weight_type))
+            ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32).eval()
+            cache[kind, weight_type] = (str(path), ref)
+        return cache[kind, weight_type]
+
+    return make
+
+
+def _hf_logits(ref, prompt):
+    with torch.no_grad():
+        return ref(torch.tensor([prompt])).logits[0]
+
+
+def _hf_greedy(ref, prompt, n=8):
+    """Argmax continuation, EOS included (the engine's ignore_eos)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(_hf_logits(ref, ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("weight_type", EXACT + CONVERTED)
+def test_logits_and_tokens_match_transformers(gguf_model, kind, weight_type):
+    """Uncompressed weights: every type's exact values (codes dequantized exactly), so transformers'
+    logits to fp32 rounding and its greedy tokens."""
+    path, ref = gguf_model(kind, weight_type)
+    llm = LLM(path, dtype="float32", device="cpu")
+    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
+        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [_hf_greedy(ref, p) for p in PROMPTS]
+    assert llm.engine.source.conversion_errors == {}
+
+
+@pytest.mark.parametrize("weight_type,quant", [("Q4_K", QuantConfig(bits=4, group_size=32)),
+                                               ("Q6_K", QuantConfig(bits=8, group_size=16))])
+def test_k_quants_stored_as_converted_codes(gguf_model, weight_type, quant, tmp_path, capfd):
+    """Compressed weights in the conversion's format: the codes as the file has them, the sub-block
+    scales rounded to fp16 (the measured error, printed), logits near transformers'."""
+    path, ref = gguf_model("llama", weight_type)
+    llm = LLM(path, dtype="float32", device="cpu", policy=Policy(compress_weight=True), weight_quant=quant,
+              offload_dir=str(tmp_path))
+    error = llm.engine.source.conversion_errors[weight_type]
+    assert f"{weight_type} weights convert to {quant.bits}-bit groups of {quant.group_size}" in capfd.readouterr().err
+    largest = max(p.abs().max().item() for n, p in ref.named_parameters() if "layers.0." in n and p.dim() == 2)
+    assert 0 < error < 1e-3 * largest  # fp16 keeps 11 of the scale's 17 significant bits
+    diff = max((ours - _hf_logits(ref, prompt)).abs().max().item()
+               for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)))
+    print(f"{weight_type}: weight error {error:.3g} (max |w| {largest:.3g}), logits within {diff:.3g} of transformers")
+    assert diff < 1e-2
+
+
+@pytest.mark.parametrize("weight_type,quant", [("Q4_0", QuantConfig(bits=4, group_size=32)),
+                                               ("Q8_0", QuantConfig(bits=8, group_size=32))])
+def test_file_codes_stored_as_they_are(gguf_model, weight_type, quant, tmp_path):
+    """With the engine's format set to the file's, placement keeps the codes (no requantization):
+    the same logits as transformers to fp32 rounding and the same tokens, with weights on disk."""
+    path, ref = gguf_model("llama", weight_type)
+    policy = Policy(compress_weight=True, w_gpu=0.3, w_cpu=0.3, w_disk=0.4)
+    llm = LLM(path, dtype="float32", device="cpu", policy=policy, weight_quant=quant, offload_dir=str(tmp_path))
+    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
+        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [_hf_greedy(ref, p) for p in PROMPTS]
+
+
+PLACEMENTS = {
+    "weights_cpu": dict(w_gpu=0.0, w_cpu=1.0),
+    "weights_disk": dict(w_gpu=0.0, w_disk=1.0),
+    "weights_30_40_30": dict(w_gpu=0.3, w_cpu=0.4, w_disk=0.3),
+    "everything_split": dict(w_gpu=0.2, w_cpu=0.4, w_disk=0.4, kv_gpu=0.3, kv_cpu=0.7, cpu_attention=True,
+                             act_gpu=0.5, act_cpu=0.5, num_gpu_batches=2),
+}
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_K_M"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("compressed", [False, True])
+def test_every_placement_gives_the_all_on_device_tokens(gguf_model, weight_type, placement, compressed, tmp_path):
+    path, _ = gguf_model("llama_deep", weight_type)
+    quant = dict(weight_quant=QuantConfig(bits=4, group_size=32)) if compressed else {}
+    base = dict(gpu_batch_size=2, prefill_budget=6, compress_weight=compressed)
+
+    def run(**changes):
+        llm = LLM(path, dtype="float32", device="cpu", policy=Policy(**base, **changes),
+                  offload_dir=str(tmp_path), **quant)
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+    assert run(**PLACEMENTS[placement]) == run()
