@@ -13,8 +13,8 @@ from policy_search.units import GiB
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF checkpoint folder (config.json + safetensors) or "
-                   "dummy:<name> (random weights: measure throughput, not text quality)")
+    p.add_argument("--model", required=True, help="HF checkpoint folder (config.json + safetensors), a .gguf "
+                   "file (llama.cpp's; its tokenizer included) or dummy:<name> (random weights: measure throughput, not text quality)")
     p.add_argument("--policy", default=None, help="'auto' (searched for --hardware and this job's "
                    "lengths) or a policy JSON (`flexsarathi policy --json`); default: all on the device")
     p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(PRESETS)}) or a profile JSON "

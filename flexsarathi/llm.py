@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Iterator, Sequence as Seq
 
@@ -30,8 +31,15 @@ def planner_model_spec(model: str, dtype=None, kv_block_size: int | None = None,
     from policy_search import ModelSpec
 
     compute = resolve_dtype(dtype, torch.float16, resolve_device(None))  # either half dtype: 2 bytes
+    if model.endswith(".gguf"):  # the config its metadata implies
+        from flexsarathi.models.gguf_checkpoint import open_gguf
+        from flexsarathi.models.gguf_file import hf_config
+        spec = ModelSpec.from_config(hf_config(open_gguf(model)), name=os.path.basename(model),
+                                     bytes_per_value=compute.itemsize)
+    else:
+        spec = ModelSpec.from_name(model, bytes_per_value=compute.itemsize)
     return dataclasses.replace(
-        ModelSpec.from_name(model, bytes_per_value=compute.itemsize),
+        spec,
         weight_format=WeightFormat(weight_quant.bits, weight_quant.group_size),
         kv_format=KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group))
 
@@ -41,7 +49,7 @@ class LLM:
                  seed: int = 0, kv_block_size: int | None = None, hardware=None, offload_dir: str | None = None,
                  compress_weight: bool | None = None, compress_kv: bool | None = None,
                  direct_io: bool = True, workload=None, **engine_options):
-        """model: a checkpoint folder or `dummy:<name>`. policy: a Policy, a policy JSON file,
+        """model: a checkpoint folder, a `.gguf` file (single or any part of a split one) or `dummy:<name>`. policy: a Policy, a policy JSON file,
         "auto" (searched by policy_search for `hardware` and `workload`, a policy_search.Workload,
         default prompt 512 / output 32), or None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,
         `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
