@@ -86,9 +86,9 @@ def encode_tensor(values: np.ndarray, type_name: str, rng: np.random.Generator):
 
 
 def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F32", tokenizer: dict | None = None,
-               split_max_tensors: int = 0, seed: int = 0, type_of=None) -> list[Path]:
+               split_max_tensors: int = 0, seed: int = 0, type_of=None, extra: dict | None = None) -> list[Path]:
     """Write an HF llama/qwen2 model; returns the file(s) written. type_of(gguf name) overrides
-    weight_type per tensor (mixed files like Q4_K_M)."""
+    weight_type per tensor (mixed files like Q4_K_M); extra: more F32 tensors by name."""
     import gguf
 
     cfg = model.config
@@ -103,6 +103,8 @@ def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F
         kind = type_of(name) if type_of and values.ndim == 2 and type_of(name) else kind
         array, raw_dtype = encode_tensor(values, kind if values.ndim == 2 else "F32", rng)
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

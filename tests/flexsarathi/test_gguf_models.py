@@ -127,3 +127,39 @@ def test_every_placement_gives_the_all_on_device_tokens(gguf_model, weight_type,
         return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
     assert run(**PLACEMENTS[placement]) == run()
+
+
+def test_llama3_rope_from_rope_freqs_tensor(tmp_path):
+    """llama.cpp stores llama-3 rope scaling as a `rope_freqs.weight` tensor of per-frequency
+    divisors (convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors, restated here): the
+    engine's logits are those of the transformers model it was written from (rope_type llama3)."""
+    import math
+
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.gguf_files import GGUF_CONFIGS
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    cfg = dict(GGUF_CONFIGS["llama"], rope_scaling=rope)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    head_dim = config.hidden_size // config.num_attention_heads
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * 10000.0 ** (i / head_dim)
+        if wavelen < 16 / 4.0:
+            factors.append(1.0)
+        elif wavelen > 16 / 1.0:
+            factors.append(8.0)
+        else:
+            smooth = (16 / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+    path = tmp_path / "llama3.gguf"
+    write_gguf(model, path, extra={"rope_freqs.weight": np.array(factors, dtype=np.float32)})
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    long_prompt = list(range(3, 43))  # past original_max_position_embeddings: the scaling matters
+    for prompt, ours in zip(PROMPTS + [long_prompt], prompt_logits(llm, PROMPTS + [long_prompt])):
+        assert (ours - _hf_logits(model, prompt)).abs().max().item() < 1e-4

@@ -110,3 +110,17 @@ def test_generate_cli_with_a_gguf_alone(stories_gguf, tmp_path):
         with torch.no_grad():
             out = hf.generate(torch.tensor([ref.prompt_token_ids]), max_new_tokens=12, do_sample=False)
         assert ref.token_ids == out[0, len(ref.prompt_token_ids):].tolist()
+
+
+def test_f32_gguf_of_stories260k_runs_as_its_checkpoint_folder(stories_dir, stories_hf, tmp_path):
+    """The lossless conversion of a real checkpoint: the same tokens and texts as the folder."""
+    from pathlib import Path
+
+    path = tmp_path / "stories-f32.gguf"
+    write_gguf(stories_hf, path, weight_type="F32",
+               tokenizer=spm_tokenizer_metadata(Path(stories_dir) / "tokenizer.json"))
+    prompts = ["Once upon a time", "Lily wanted to", "One day, a big bird"]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    with LLM(str(path), dtype="float32") as ours, LLM(stories_dir, dtype="float32") as ref:
+        for a, b in zip(ours.generate(prompts, params, use_tqdm=False), ref.generate(prompts, params, use_tqdm=False)):
+            assert (a.prompt_token_ids, a.token_ids, a.text) == (b.prompt_token_ids, b.token_ids, b.text)
