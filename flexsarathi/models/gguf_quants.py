@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from flexsarathi.errors import CheckpointError
-from quant import QTensor, QuantConfig, pack_4bit
+from quant import QTensor, QuantConfig, pack_4bit, unpack_4bit
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -41,16 +41,22 @@ CONVERTED_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 DEQUANTIZED_TYPES = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + CONVERTED_TYPES + DEQUANTIZED_TYPES
 QK_K = 256  # values per K-quant super-block
+_CHUNK_VALUES = 2**22  # values decoded at a time
 
 
 @dataclass(frozen=True)
 class Codes:
     """A tensor as group-wise codes: value = scale * code + minimum, per group along the rows."""
 
-    codes: np.ndarray  # uint8 [rows, cols]
+    data: np.ndarray  # uint8 [rows, bytes per row]: the codes as the engine stores them (4-bit: quant/packing.py)
     scale: np.ndarray  # fp32 [rows, cols / group]: exact (before the fp16 rounding of QTensor)
     minimum: np.ndarray  # fp32 [rows, cols / group]
     config: QuantConfig
+
+    @property
+    def codes(self) -> np.ndarray:
+        """uint8 [rows, cols], one code per value."""
+        return unpack_4bit(torch.from_numpy(self.data)).numpy() if self.config.bits == 4 else self.data
 
 
 def check_type(type_name: str, tensor: str, where: str) -> None:
@@ -75,16 +81,64 @@ def to_float(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.T
 
 
 def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes | None:
-    """The codes of a 2-D tensor of a code-mapped type (EXACT_TYPES, CONVERTED_TYPES), else None."""
-    decode = _DECODERS.get(type_name)
-    if decode is None or len(shape) != 2:
+    """The codes of a 2-D tensor of a code-mapped type (EXACT_TYPES, CONVERTED_TYPES), else None.
+
+    Decoded by chunks of rows into preallocated results: the temporaries stay a few MiB however
+    large the tensor (a 70B layer's 8192 x 28672 matrix is 235M values)."""
+    if type_name not in _DECODERS or len(shape) != 2:
         return None
     rows, cols = shape
-    block_bytes = _BLOCK_BYTES[type_name]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
-    codes, scale, minimum, config = decode(blocks)  # per block: [n, block values], [n, groups per block]
-    return Codes(codes.reshape(rows, cols), scale.reshape(rows, -1).astype(np.float32),
-                 minimum.reshape(rows, -1).astype(np.float32), config)
+    raw = raw.reshape(rows, -1)
+    step = max(1, _CHUNK_VALUES // max(cols, 1))
+    parts = [_decode_rows(raw[start:start + step], type_name, cols) for start in range(0, rows, step)]
+    if len(parts) == 1:
+        return parts[0]
+    return Codes(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("data", "scale", "minimum")),
+                 parts[0].config)
+
+
+def _decode_rows(raw: np.ndarray, type_name: str, cols: int) -> Codes:
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, _BLOCK_BYTES[type_name])
+    # per block: 4-bit: nibble runs [n, runs, width], 8-bit: codes [n, values]; [n, groups per block] x 2
+    codes, scale, minimum, config = _DECODERS[type_name](blocks)
+    if config.bits == 4:
+        runs = codes.reshape(rows, -1, codes.shape[-1])
+        data = _pack_runs(runs)
+        if data is None:
+            data = pack_4bit(torch.from_numpy(_unpack_runs(runs).reshape(rows, cols))).numpy()
+    else:
+        data = codes.reshape(rows, cols)
+    return Codes(data, scale.reshape(rows, -1).astype(np.float32), minimum.reshape(rows, -1).astype(np.float32),
+                 config)
+
+
+def _pack_runs(runs: np.ndarray) -> np.ndarray | None:
+    """GGUF's nibble runs -> the engine's packed line, without unpacking to codes.
+
+    `runs` [rows, k, w]: run r's byte j holds value 2w*r + j (low nibble) and 2w*r + w + j (high).
+    The engine's byte i of a line holds values i (low) and i + cols/2 (high): when cols/2 is a
+    whole number of runs, the first half of the runs supplies the low nibbles and the second half
+    the high ones, run by run. None otherwise (an odd number of runs)."""
+    rows, k, w = runs.shape
+    if k % 2:
+        return None
+    first, second = runs[:, : k // 2], runs[:, k // 2:]
+    out = np.empty((rows, k // 2, 2, w), dtype=np.uint8)
+    low, high = out[:, :, 0], out[:, :, 1]  # engine bytes 2w*r + j and 2w*r + w + j
+    np.bitwise_and(first, 0x0F, out=low)
+    low |= second << 4
+    np.right_shift(first, 4, out=high)
+    high |= second & 0xF0
+    return out.reshape(rows, -1)
+
+
+def _unpack_runs(runs: np.ndarray) -> np.ndarray:
+    """Nibble runs [..., k, w] -> codes [..., k * 2w]: each run's low nibbles, then its high ones."""
+    out = np.empty((*runs.shape[:-1], 2, runs.shape[-1]), dtype=np.uint8)
+    np.bitwise_and(runs, 0x0F, out=out[..., 0, :])  # two plain passes (a broadcast shift is 4x slower)
+    np.right_shift(runs, 4, out=out[..., 1, :])
+    return out.reshape(*runs.shape[:-2], -1)
 
 
 def to_qtensor(codes: Codes, dtype: torch.dtype) -> QTensor | None:
@@ -93,18 +147,19 @@ def to_qtensor(codes: Codes, dtype: torch.dtype) -> QTensor | None:
         scale, minimum = codes.scale.astype(np.float16), codes.minimum.astype(np.float16)
     if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
         return None
-    lines = torch.from_numpy(codes.codes)  # [rows, cols]: one line of groups per row
-    data = pack_4bit(lines) if codes.config.bits == 4 else lines
-    return QTensor(data=data.reshape(-1).contiguous(), scale=torch.from_numpy(scale).reshape(-1),
-                   minimum=torch.from_numpy(minimum).reshape(-1), shape=tuple(codes.codes.shape),
-                   dtype=dtype, config=codes.config)
+    rows = codes.data.shape[0]
+    cols = codes.data.shape[1] * (2 if codes.config.bits == 4 else 1)
+    return QTensor(data=torch.from_numpy(codes.data).reshape(-1), scale=torch.from_numpy(scale).reshape(-1),
+                   minimum=torch.from_numpy(minimum).reshape(-1), shape=(rows, cols), dtype=dtype,
+                   config=codes.config)
 
 
 def exact_values(codes: Codes) -> np.ndarray:
     """fp32 [rows, cols]: the codes with their exact (unrounded) scales: gguf's values."""
     group = codes.config.group_size
-    rows, cols = codes.codes.shape
-    grouped = codes.codes.reshape(rows, cols // group, group).astype(np.float32)
+    values = codes.codes
+    rows, cols = values.shape
+    grouped = values.reshape(rows, cols // group, group).astype(np.float32)
     return (grouped * codes.scale[..., None] + codes.minimum[..., None]).reshape(rows, cols)
 
 
@@ -116,7 +171,8 @@ def conversion_error(codes: Codes, qtensor: QTensor) -> float:
     return float(np.abs(engine - exact_values(codes)).max()) if engine.size else 0.0
 
 
-# ---- block decoders: uint8 blocks [n, block bytes] -> (codes [n, values], scale, minimum [n, groups], config)
+# ---- block decoders: uint8 blocks [n, block bytes] -> (4-bit: nibble runs [n, runs, width], 8-bit: codes
+# [n, values]; scale, minimum [n, groups]; config)
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The fp16 at byte `start` of each block, as fp32 [n, 1]."""
@@ -124,9 +180,8 @@ def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
-    """Bytes [n, k * width] -> per run of `width` bytes: its low nibbles, then its high ones."""
-    runs = qs.reshape(qs.shape[0], -1, 1, width) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return (runs & 0x0F).reshape(qs.shape[0], -1)
+    """Bytes [n, k * width] -> codes [n, 2 * k * width]: per run of `width` bytes, its low nibbles, then its high ones."""
+    return _unpack_runs(qs.reshape(qs.shape[0], -1, width)).reshape(qs.shape[0], -1)
 
 
 def _high_bits(qh: np.ndarray, values: int) -> np.ndarray:
@@ -137,11 +192,11 @@ def _high_bits(qh: np.ndarray, values: int) -> np.ndarray:
 
 def _q4_0(b):
     d = _f16(b, 0)
-    return _nibbles(b[:, 2:], 16), d, -8 * d, QuantConfig(bits=4, group_size=32)
+    return b[:, 2:].reshape(-1, 1, 16), d, -8 * d, QuantConfig(bits=4, group_size=32)
 
 
 def _q4_1(b):
-    return _nibbles(b[:, 4:], 16), _f16(b, 0), _f16(b, 2), QuantConfig(bits=4, group_size=32)
+    return b[:, 4:].reshape(-1, 1, 16), _f16(b, 0), _f16(b, 2), QuantConfig(bits=4, group_size=32)
 
 
 def _q5_0(b):
@@ -157,7 +212,7 @@ def _q5_1(b):
 
 def _q8_0(b):
     d = _f16(b, 0)
-    q = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    q = b[:, 2:] ^ np.uint8(0x80)  # int8 x as uint8 x + 128
     return q, d, -128 * d, QuantConfig(bits=8, group_size=32)
 
 
@@ -172,7 +227,7 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q4_k(b):
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scales(b[:, 4:16])
-    return _nibbles(b[:, 16:144], 32), d * sc, -(dmin * mn), QuantConfig(bits=4, group_size=32)
+    return b[:, 16:144].reshape(-1, 4, 32), d * sc, -(dmin * mn), QuantConfig(bits=4, group_size=32)
 
 
 def _q5_k(b):

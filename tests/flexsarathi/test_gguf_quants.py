@@ -99,3 +99,17 @@ def test_unsupported_type_is_one_clear_error():
     with pytest.raises(CheckpointError, match=r"model.gguf: tensor blk.0.attn_q.weight has GGUF type IQ2_XXS, "
                                               r"which is not supported; supported: F32, F16, BF16, Q4_0"):
         gq.check_type("IQ2_XXS", "blk.0.attn_q.weight", "model.gguf")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
+def test_row_chunks_and_odd_block_counts_decode_the_same(type_name, monkeypatch):
+    """Rows of 3 blocks (Q4: an odd number of nibble runs, so codes are unpacked and packed again)
+    and decoding by chunks of rows give gguf's values too."""
+    cols = 3 * (256 if type_name.endswith("_K") else 32)
+    raw = random_blocks(type_name, 40, cols, np.random.default_rng(5), scale=1e-3)
+    whole = gq.to_codes(raw, type_name, (40, cols))
+    monkeypatch.setattr(gq, "_CHUNK_VALUES", 3 * cols)  # 3 rows at a time, the last chunk 1 row
+    chunked = gq.to_codes(raw, type_name, (40, cols))
+    for field in ("data", "scale", "minimum"):
+        assert np.array_equal(getattr(whole, field), getattr(chunked, field))
+    assert np.array_equal(gq.exact_values(chunked), reference(raw, type_name))
