@@ -132,7 +132,9 @@ def hf_config(gguf: GGUFFile) -> dict:
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in gguf.tensors,
         "torch_dtype": _checkpoint_dtype(gguf),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        # end of generation: EOS, and the end-of-turn tokens chat models stop at (llama-3's <|eot_id|>)
+        "eos_token_id": list(dict.fromkeys(meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom")
+                                           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None)),
     }
     cfg.update(_rope_scaling(gguf, arch))
     return cfg

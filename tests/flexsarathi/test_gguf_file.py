@@ -110,3 +110,11 @@ def test_unsupported_architecture_and_tensor_type(tmp_path):
 def test_missing_file():
     with pytest.raises(CheckpointError, match="nowhere.gguf does not exist"):
         open_weight_source("/nowhere.gguf")
+
+
+def test_end_of_turn_tokens_stop_generation(tmp_path):
+    """llama-3 style files name <|eot_id|> apart from EOS: both end a generation."""
+    path = tmp_path / "eot.gguf"
+    write_gguf(build_model("llama"), path, tokenizer={"tokenizer.ggml.eos_token_id": 2,
+                                                      "tokenizer.ggml.eot_token_id": 7})
+    assert open_weight_source(str(path)).config.eos_token_ids == (2, 7)

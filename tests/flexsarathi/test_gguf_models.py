@@ -113,20 +113,30 @@ PLACEMENTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def placed_run(gguf_model, tmp_path_factory):
+    """placed_run(weight_type, compressed, **placement) -> greedy tokens; the all-on-device run once each."""
+    cache = {}
+
+    def run(weight_type: str, compressed: bool, **changes):
+        key = (weight_type, compressed, tuple(sorted(changes.items())))
+        if key not in cache:
+            path, _ = gguf_model("llama_deep", weight_type)
+            quant = dict(weight_quant=QuantConfig(bits=4, group_size=32)) if compressed else {}
+            policy = Policy(gpu_batch_size=2, prefill_budget=6, compress_weight=compressed, **changes)
+            llm = LLM(path, dtype="float32", device="cpu", policy=policy,
+                      offload_dir=str(tmp_path_factory.mktemp("offload")), **quant)
+            cache[key] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        return cache[key]
+
+    return run
+
+
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_K_M"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("compressed", [False, True])
-def test_every_placement_gives_the_all_on_device_tokens(gguf_model, weight_type, placement, compressed, tmp_path):
-    path, _ = gguf_model("llama_deep", weight_type)
-    quant = dict(weight_quant=QuantConfig(bits=4, group_size=32)) if compressed else {}
-    base = dict(gpu_batch_size=2, prefill_budget=6, compress_weight=compressed)
-
-    def run(**changes):
-        llm = LLM(path, dtype="float32", device="cpu", policy=Policy(**base, **changes),
-                  offload_dir=str(tmp_path), **quant)
-        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-
-    assert run(**PLACEMENTS[placement]) == run()
+def test_every_placement_gives_the_all_on_device_tokens(placed_run, weight_type, placement, compressed):
+    assert placed_run(weight_type, compressed, **PLACEMENTS[placement]) == placed_run(weight_type, compressed)
 
 
 def test_llama3_rope_from_rope_freqs_tensor(tmp_path):

@@ -1,0 +1,138 @@
+"""Loading a GGUF's layers into the engine's weights, against reading the file once and against
+dequantizing it to floats (what transformers' GGUF loading does, with gguf.quants.dequantize).
+
+Writes a GGUF of llama-2-7b's layer shapes (random codes, `--layers` layers, `--type`), then in
+fresh subprocesses (each its own peak RSS), from a cold page cache for the file (fadvise DONTNEED):
+  read:  the file's bytes read once (the floor);
+  ours:  GGUFCheckpoint.layer_weights for every layer (codes repacked as QTensors, q/k reordered);
+  deq:   gguf.quants.dequantize of every layer tensor to fp32 (transformers' way).
+Prints seconds, ratios, peak RSS and bytes held (QTensor bytes against the file's tensor bytes).
+
+    python scripts/bench_gguf.py --type Q4_0 --layers 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HIDDEN, FFN, HEADS, VOCAB = 4096, 11008, 32, 32000  # llama-2-7b
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def write_model(path: str, type_name: str, layers: int) -> None:
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in (("block_count", layers), ("context_length", 4096), ("embedding_length", HIDDEN),
+                       ("feed_forward_length", FFN), ("attention.head_count", HEADS),
+                       ("attention.head_count_kv", HEADS)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+
+    def blocks(rows: int, cols: int) -> np.ndarray:
+        raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+        for offset in FP16_FIELDS[type_name]:
+            raw[:, offset:offset + 2] = np.full(raw.shape[0], 1e-4, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+        return raw.reshape(rows, cols // block * size)
+
+    writer.add_tensor("token_embd.weight", np.zeros((VOCAB, HIDDEN), dtype=np.float16))
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    writer.add_tensor("output.weight", np.zeros((VOCAB, HIDDEN), dtype=np.float16))
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN, HIDDEN), "attn_v": (HIDDEN, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    for i in range(layers):
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(HIDDEN, dtype=np.float32))
+        for name, shape in shapes.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", blocks(*shape), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def child(mode: str, path: str) -> dict:
+    """One measurement in this process: seconds and bytes held."""
+    start = time.perf_counter()
+    held = 0
+    if mode == "read":
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(1 << 24):
+                held += len(chunk)
+    elif mode == "ours":
+        import torch
+
+        from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint
+        source = GGUFCheckpoint(path, report=lambda line: None)
+        for i in range(source.config.num_layers):
+            for w in source.layer_weights(i, torch.bfloat16).values():
+                held += w.nbytes if hasattr(w, "config") else w.numel() * w.element_size()
+    else:
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        for t in reader.tensors:
+            if t.name.startswith("blk."):
+                held += gguf.quants.dequantize(t.data, t.tensor_type).nbytes
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "held": held, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def measure(mode: str, path: str) -> dict:
+    drop_cache(path)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, __file__, "--child", mode, path], env=env, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--type", default="Q4_0", choices=sorted(FP16_FIELDS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return
+    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
+    print(f"{cpu}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as folder:
+        path = os.path.join(folder, "model.gguf")
+        write_model(path, args.type, args.layers)
+        layer_bytes = os.path.getsize(path) - 2 * VOCAB * HIDDEN * 2  # less the fp16 embedding and head
+        print(f"{args.type}, {args.layers} layers of llama-2-7b: {os.path.getsize(path) / 2**20:.0f} MiB "
+              f"({layer_bytes / 2**20:.0f} MiB of layers)")
+        results = {mode: measure(mode, path) for mode in ("read", "ours", "deq")}
+    read = results["read"]["seconds"]
+    for mode, r in results.items():
+        print(f"{mode:5s} {r['seconds']:7.2f} s  {r['seconds'] / read:5.2f}x read  peak RSS {r['rss_mib']:7.0f} MiB  "
+              f"held {r['held'] / 2**20:7.0f} MiB")
+    print(f"ours / dequantize-to-fp32: time {results['ours']['seconds'] / results['deq']['seconds']:.2f}x, "
+          f"bytes held {results['ours']['held'] / results['deq']['held']:.3f}x; ours held / layer bytes in "
+          f"the file {results['ours']['held'] / layer_bytes:.3f}")
+
+
+if __name__ == "__main__":
+    main()
