@@ -112,7 +112,11 @@ def main() -> None:
     p.add_argument("--type", default="Q4_0", choices=sorted(FP16_FIELDS))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--write", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.write:
+        write_model(args.write[0], args.write[1], int(args.write[2]))
+        return
     if args.child:
         print(json.dumps(child(*args.child)))
         return
@@ -120,7 +124,9 @@ def main() -> None:
     print(f"{cpu}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as folder:
         path = os.path.join(folder, "model.gguf")
-        write_model(path, args.type, args.layers)
+        # written by a child too: Linux keeps a process's peak RSS across fork + exec, so the
+        # measuring children must come from a parent that never held the model
+        subprocess.run([sys.executable, __file__, "--write", path, args.type, str(args.layers)], check=True)
         layer_bytes = os.path.getsize(path) - 2 * VOCAB * HIDDEN * 2  # less the fp16 embedding and head
         print(f"{args.type}, {args.layers} layers of llama-2-7b: {os.path.getsize(path) / 2**20:.0f} MiB "
               f"({layer_bytes / 2**20:.0f} MiB of layers)")

@@ -28,6 +28,8 @@ from flexsarathi.models.gguf_quants import CONVERTED_TYPES, check_type, conversi
     to_qtensor
 from quant import QTensor
 
+ERROR_ROWS = 256  # rows of each first-layer K-quant tensor whose conversion error is measured
+
 
 @functools.lru_cache(maxsize=4)
 def _open(path: str, stamp: tuple) -> GGUFFile:
@@ -72,7 +74,7 @@ class GGUFCheckpoint(WeightSource):
 
     def _raw(self, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
         t = self.gguf.tensor(name)
-        return t.raw, t.type_name, t.shape
+        return t.read(), t.type_name, t.shape
 
     def _validate(self) -> None:
         """Every tensor the model needs: present, of a supported type, of the config's shape."""
@@ -102,7 +104,7 @@ class GGUFCheckpoint(WeightSource):
         pieces = []
         for hf in hf_names:
             t = self.gguf.tensor(gguf_name(hf))
-            values = to_float(t.raw, t.type_name, t.shape)
+            values = to_float(t.read(), t.type_name, t.shape)
             heads = qk_heads(t.name, self.config)
             pieces.append((values if heads is None else values[unpermute_rows(t.shape[0], heads)]).to(dtype))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
@@ -125,12 +127,12 @@ class GGUFCheckpoint(WeightSource):
     def _qtensor(self, t: GGUFTensor, dtype: torch.dtype) -> QTensor | None:
         if t.type_name in CONVERTED_TYPES and not self.convert_k_quants:
             return None
-        codes = to_codes(t.raw, t.type_name, t.shape)
+        codes = to_codes(t.read(), t.type_name, t.shape)
         q = to_qtensor(codes, dtype) if codes is not None else None
         if q is None:
             return None
         if t.type_name in CONVERTED_TYPES and t.name.startswith("blk.0."):  # measured on the first layer
-            self._tell_error(t.type_name, conversion_error(codes, q), q.config)
+            self._tell_error(t.type_name, conversion_error(codes, q, rows=ERROR_ROWS), q.config)
         heads = qk_heads(t.name, self.config)
         return q if heads is None else permute_rows(q, unpermute_rows(t.shape[0], heads))
 
@@ -140,7 +142,7 @@ class GGUFCheckpoint(WeightSource):
         if first:
             self._report(f"flexsarathi: {self.path}: {type_name} weights convert to {config.bits}-bit groups of "
                          f"{config.group_size} with fp16 scales: largest |error| against gguf's dequantization "
-                         f"{error:.3g} (first layer's first {type_name} tensor)")
+                         f"{error:.3g} (first {ERROR_ROWS} rows of the first layer's first {type_name} tensor)")
 
 
 def permute_rows(q: QTensor, order: torch.Tensor) -> QTensor:

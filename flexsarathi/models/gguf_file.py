@@ -30,8 +30,23 @@ class GGUFTensor:
     name: str
     type_name: str  # GGMLQuantizationType name: F32, F16, BF16, Q4_0, Q4_K, ...
     shape: tuple[int, ...]  # logical shape in torch order ([rows, cols] for a matrix)
-    raw: np.ndarray  # memory-mapped: the values (F32/F16) or uint8 bytes [rows, bytes per row]
+    raw_dtype: np.dtype  # of `read()`: the values' (F32/F16) or uint8 for blocks
+    raw_shape: tuple[int, ...]  # of `read()`: the values' shape or [rows, bytes per row]
+    offset: int  # of the data in the file
     path: str
+
+    def read(self) -> np.ndarray:
+        """The tensor's bytes, read from the file (not through the reader's map: the pages of a
+        mapped file stay in the process's resident set, a whole model's worth by the last layer)."""
+        count = int(np.prod(self.raw_shape))
+        try:
+            with open(self.path, "rb") as f:
+                data = np.fromfile(f, dtype=self.raw_dtype, count=count, offset=self.offset)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read tensor {self.name} from {self.path}: {exc.strerror}") from None
+        if data.size != count:
+            raise CheckpointError(f"{self.path} is truncated: tensor {self.name} ends past the end of the file")
+        return data.reshape(self.raw_shape)
 
 
 class GGUFFile:
@@ -46,7 +61,8 @@ class GGUFFile:
         for reader, part in zip(readers, self.paths):
             for t in reader.tensors:
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-                self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, shape, t.data, part)
+                self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, shape, t.data.dtype,
+                                                  tuple(t.data.shape), int(t.data_offset), part)
         count = self.metadata.get("split.count")
         if count is not None and int(count) != len(self.paths):
             raise CheckpointError(f"{self.path} says the model is split in {count} files, "

@@ -90,11 +90,16 @@ def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes |
     rows, cols = shape
     raw = raw.reshape(rows, -1)
     step = max(1, _CHUNK_VALUES // max(cols, 1))
-    parts = [_decode_rows(raw[start:start + step], type_name, cols) for start in range(0, rows, step)]
-    if len(parts) == 1:
-        return parts[0]
-    return Codes(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("data", "scale", "minimum")),
-                 parts[0].config)
+    first = _decode_rows(raw[:step], type_name, cols)
+    if step >= rows:
+        return first
+    out = Codes(*(np.empty((rows, *getattr(first, f).shape[1:]), dtype=getattr(first, f).dtype)
+                  for f in ("data", "scale", "minimum")), first.config)
+    for start in range(0, rows, step):
+        part = first if start == 0 else _decode_rows(raw[start:start + step], type_name, cols)
+        for f in ("data", "scale", "minimum"):
+            getattr(out, f)[start:start + step] = getattr(part, f)
+    return out
 
 
 def _decode_rows(raw: np.ndarray, type_name: str, cols: int) -> Codes:
@@ -163,12 +168,20 @@ def exact_values(codes: Codes) -> np.ndarray:
     return (grouped * codes.scale[..., None] + codes.minimum[..., None]).reshape(rows, cols)
 
 
-def conversion_error(codes: Codes, qtensor: QTensor) -> float:
-    """Largest |engine value - gguf value| over the tensor (0.0 for the exact types)."""
+def conversion_error(codes: Codes, qtensor: QTensor, rows: int | None = None) -> float:
+    """Largest |engine value - gguf value| over the tensor's first `rows` rows (default: all; 0.0 for
+    the exact types)."""
     from quant import dequantize
 
-    engine = dequantize(qtensor, torch.float32).numpy()
-    return float(np.abs(engine - exact_values(codes)).max()) if engine.size else 0.0
+    n = qtensor.shape[0] if rows is None else min(rows, qtensor.shape[0])
+    if n == 0:
+        return 0.0
+    head = QTensor(data=qtensor.data.view(qtensor.shape[0], -1)[:n].reshape(-1),
+                   scale=qtensor.scale.view(qtensor.shape[0], -1)[:n].reshape(-1),
+                   minimum=qtensor.minimum.view(qtensor.shape[0], -1)[:n].reshape(-1),
+                   shape=(n, qtensor.shape[1]), dtype=qtensor.dtype, config=qtensor.config)
+    exact = exact_values(Codes(codes.data[:n], codes.scale[:n], codes.minimum[:n], codes.config))
+    return float(np.abs(dequantize(head, torch.float32).numpy() - exact).max())
 
 
 # ---- block decoders: uint8 blocks [n, block bytes] -> (4-bit: nibble runs [n, runs, width], 8-bit: codes
