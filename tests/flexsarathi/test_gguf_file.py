@@ -118,3 +118,15 @@ def test_end_of_turn_tokens_stop_generation(tmp_path):
     write_gguf(build_model("llama"), path, tokenizer={"tokenizer.ggml.eos_token_id": 2,
                                                       "tokenizer.ggml.eot_token_id": 7})
     assert open_weight_source(str(path)).config.eos_token_ids == (2, 7)
+
+
+def test_planner_sees_the_gguf_model(llama_file):
+    """policy="auto" prices the model the GGUF's metadata describes."""
+    from flexsarathi.llm import planner_model_spec
+    from policy_search import ModelSpec
+
+    path, model = llama_file
+    spec = planner_model_spec(str(path), dtype="float32")
+    expected = ModelSpec.from_config(model.config.to_dict(), name="llama.gguf", bytes_per_value=4)
+    fields = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+    assert [getattr(spec, f) for f in fields] == [getattr(expected, f) for f in fields] == [2, 256, 4, 2, 64, 128]
