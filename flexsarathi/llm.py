@@ -12,9 +12,10 @@ from typing import Iterator, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from flexsarathi.engine import WEIGHT_QUANT, EngineConfig, LLMEngine, RequestOutput, resolve_device, resolve_dtype
+from quant.config import WEIGHT_QUANT
+from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput, resolve_device, resolve_dtype
 from flexsarathi.errors import FlexSarathiError
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.engine.sampling import SamplingParams
 from offload.memory import TierBudget
 from policy_search.policy import Policy
 from policy_search.quant_format import KV_FORMAT, KVFormat, WeightFormat

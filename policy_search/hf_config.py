@@ -1,6 +1,6 @@
 """`HFConfig`: an HF `config.json` of the OPT or LLaMA family, parsed once for everyone.
 
-Stdlib only: the planner's `ModelSpec` and the runtime's `ModelConfig` (flexsarathi/model_config.py,
+Stdlib only: the planner's `ModelSpec` and the runtime's `ModelConfig` (flexsarathi/models/model_config.py,
 which adds the torch dtype) are both built from it, so they cannot disagree on a default. Accepts
 configs written by transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and 5
 (`rope_parameters`, `dtype`). Errors are SpecErrors naming the source and the field.

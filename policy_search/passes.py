@@ -5,7 +5,7 @@ whole in one pass, then decoded in lockstep for n-1 passes, every member padded 
 longest prompt and output. Decode passes are grouped into a few segments so the KV cache the
 estimate reads grows with the context instead of sitting at its mean.
 
-Decode-maximal (SARATHI, flexsarathi/scheduler.py): `max_running` = B counts every admitted sequence,
+Decode-maximal (SARATHI, flexsarathi/engine/scheduler.py): `max_running` = B counts every admitted sequence,
 prefilling or decoding; each pass carries one decode token per decoding sequence plus prompt tokens up
 to `prefill_budget`. By Little's law a request holds its slot for its prefill passes (1, or s / budget
 when its prompt is cut into chunks) plus its n-1 decode passes, so with budget >= s at most

@@ -1,6 +1,6 @@
 """The working set of a pass: compute-device bytes beyond the weights and the KV pools.
 
-One formula for the engine's budget check (flexsarathi/engine.py: every pass, and the largest pass
+One formula for the engine's budget check (flexsarathi/engine/llm_engine.py: every pass, and the largest pass
 a batch of requests can form, checked before any work) and the planner's memory model
 (cost_model._memory), in plain arithmetic on model dims: the engine passes numbers, the planner
 affine expressions in the placement fractions (policy_search/linear.py). What it charges is what
@@ -24,7 +24,7 @@ from policy_search.policy import TIERS, Policy
 
 LOGIT_BYTES = 4  # logits are kept in fp32
 SCORE_BYTES = 4  # attention scores and the K/V copies they are computed from are fp32
-QUERY_BLOCK = 256  # query rows per score buffer (flexsarathi/attention.py _QUERY_BLOCK)
+QUERY_BLOCK = 256  # query rows per score buffer (flexsarathi/models/attention.py _QUERY_BLOCK)
 
 
 @dataclass(frozen=True)

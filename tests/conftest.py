@@ -53,7 +53,7 @@ TINY_CONFIGS["llama_blocks64"] = dict(TINY_CONFIGS["llama_gqa_untied"], hidden_s
                                       num_hidden_layers=4, max_position_embeddings=128)
 
 
-# The CPU compute dtype's cache (flexsarathi/dtype_choice.py) in a folder of this run, set when
+# The CPU compute dtype's cache (flexsarathi/machine/dtype_choice.py) in a folder of this run, set when
 # this file is imported (before test modules copy os.environ for their subprocesses and Ray actors):
 # the suite neither reads nor writes the user's ~/.cache choice. Removed at exit.
 TEST_CACHE_DIR = tempfile.mkdtemp(prefix="flexsarathi-test-cache-")

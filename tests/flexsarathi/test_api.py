@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexsarathi import LLM, FlexSarathiError, SamplingParams, attention
+from flexsarathi import LLM, FlexSarathiError, SamplingParams
+from flexsarathi.models import attention
 from policy_search import Policy
 
 
@@ -82,7 +83,7 @@ def test_degenerate_sampling_equals_greedy(llm):
 
 
 def test_sampling_follows_the_distribution():
-    from flexsarathi.sampling import sample
+    from flexsarathi.engine.sampling import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))
     gen = torch.Generator().manual_seed(0)
@@ -116,19 +117,19 @@ def test_close_releases_the_engine_and_refuses_new_work(tiny_checkpoint, tmp_pat
 
 
 # ---- the engine's one scheduler across calls ---------------------------------------------------
-def _interrupting(math, at_call: int):
-    """Wraps the model's `finish` (per layer and micro-batch) to raise KeyboardInterrupt on its
+def _interrupting(model, at_call: int):
+    """Wraps the model's `post_attention` (per layer and micro-batch) to raise KeyboardInterrupt on its
     at_call-th call; returns the original to restore."""
-    finish, calls = math.finish, []
+    post_attention, calls = model.post_attention, []
 
     def interrupted(*args):
         calls.append(1)
         if len(calls) == at_call:
             raise KeyboardInterrupt
-        return finish(*args)
+        return post_attention(*args)
 
-    math.finish = interrupted
-    return finish
+    model.post_attention = interrupted
+    return post_attention
 
 
 @pytest.mark.parametrize("at_call", [1, 7, 20])
@@ -142,12 +143,12 @@ def test_an_interrupted_generate_leaks_no_kv_block_and_the_next_equals_a_fresh_e
     fresh = [o.outputs for o in LLM(folder, policy=policy).generate(prompts, params, use_tqdm=False)]
     llm = LLM(folder, policy=policy)
     engine = llm.engine
-    finish = _interrupting(engine.math, at_call)
+    post_attention = _interrupting(engine.model, at_call)
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, params, use_tqdm=False)
     finally:
-        engine.math.finish = finish
+        engine.model.post_attention = post_attention
     assert not engine.has_unfinished() and engine.blocks.idle
     assert engine.blocks.num_free == engine.blocks.num_blocks > 0
     again = [o.outputs for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexsarathi.attention import attend, merge_partial_attention
+from flexsarathi.models.attention import attend, merge_partial_attention
 
 
 def naive(q, k, v, q_pos, kv_len, scale, offset=0):

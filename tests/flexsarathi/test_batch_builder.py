@@ -1,4 +1,4 @@
-"""flexsarathi/batch_builder.py and KVPool.parts_to_attend against arithmetic done by hand over a
+"""flexsarathi/engine/micro_batch_builder.py and KVPool.parts_to_attend against arithmetic done by hand over a
 real BlockManager: slots are block_table * block_size + offset (local to the block's tier), logit
 rows follow the items, decodes group by power-of-two context, a table crossing tiers gives one KV
 part per tier. What a pool hands attention is the stored K/V (plain pools: bitwise; compressed:
@@ -11,12 +11,12 @@ import math
 import pytest
 import torch
 
-from flexsarathi.attention import attend, merge_partial_attention
-from flexsarathi.batch_builder import build_micro_batch
-from flexsarathi.block_manager import BlockManager
-from flexsarathi.sampling import SamplingParams
-from flexsarathi.scheduler import WorkItem
-from flexsarathi.sequence import Sequence
+from flexsarathi.models.attention import attend, merge_partial_attention
+from flexsarathi.engine.micro_batch_builder import build_micro_batch
+from flexsarathi.engine.block_manager import BlockManager
+from flexsarathi.engine.sampling import SamplingParams
+from flexsarathi.engine.scheduler import WorkItem
+from flexsarathi.engine.sequence import Sequence
 from offload.kv_cache import KVCompression, KVPool
 from quant import dequantize, quantize
 

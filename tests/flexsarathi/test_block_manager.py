@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexsarathi.block_manager import TIERS, BlockManager
-from flexsarathi.sampling import SamplingParams
-from flexsarathi.sequence import Sequence
+from flexsarathi.engine.block_manager import TIERS, BlockManager
+from flexsarathi.engine.sampling import SamplingParams
+from flexsarathi.engine.sequence import Sequence
 
 
 def seq(seq_id: int, prompt: int, max_tokens: int) -> Sequence:

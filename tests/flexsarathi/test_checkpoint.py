@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from flexsarathi import LLM, CheckpointError
-from flexsarathi.checkpoint import DummyWeights
-from flexsarathi.model_config import ModelConfig
+from flexsarathi.models.checkpoint import DummyWeights
+from flexsarathi.models.model_config import ModelConfig
 from policy_search.model_registry import KNOWN_MODELS
 from tests.prompt_logits import prompt_logits
 
@@ -121,9 +121,9 @@ def test_dummy_weights_have_the_registered_shapes_and_are_deterministic():
         assert src.config.hidden_size == hf["hidden_size"]
     src = DummyWeights("opt-350m")
     a, b = src.layer_weights(3, torch.float16), DummyWeights("opt-350m").layer_weights(3, torch.float16)
-    assert a.keys() == src.math.layer_shapes().keys()
+    assert a.keys() == src.model.layer_shapes().keys()
     for key, tensor in a.items():
-        assert tuple(tensor.shape) == src.math.layer_shapes()[key]
+        assert tuple(tensor.shape) == src.model.layer_shapes()[key]
         assert torch.equal(tensor, b[key])
     assert not torch.equal(a["fc1.weight"], src.layer_weights(4, torch.float16)["fc1.weight"])
     with pytest.raises(CheckpointError, match="unknown model name 'opt-7b'"):
@@ -136,7 +136,7 @@ def test_dummy_weights_are_seeded_normal_draws_scaled_by_0_02():
     import zlib
 
     src = DummyWeights("opt-125m")
-    shapes = src.math.layer_shapes()
+    shapes = src.model.layer_shapes()
     name = next(k for k, s in shapes.items() if len(s) == 2)
     got = src.layer_weights(1, torch.bfloat16)[name]
     gen = torch.Generator().manual_seed(zlib.crc32(f"0:1.{name}".encode()))

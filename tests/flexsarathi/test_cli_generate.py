@@ -14,9 +14,9 @@ import time
 import pytest
 
 from flexsarathi import LLM, SamplingParams
-from flexsarathi.cli import main
-from flexsarathi.cli_generate import request_seed
-from flexsarathi.batch_io import record_key_of
+from flexsarathi.cli.main import main
+from flexsarathi.cli.generate import request_seed
+from flexsarathi.cli.request_files import record_key_of
 from policy_search import Policy
 from tests.conftest import REPO
 

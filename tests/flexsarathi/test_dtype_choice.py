@@ -1,4 +1,4 @@
-"""The CPU compute dtype chosen by measurement (flexsarathi/dtype_choice.py): the rule on rate
+"""The CPU compute dtype chosen by measurement (flexsarathi/machine/dtype_choice.py): the rule on rate
 tables, the per-machine cache (explicit dtype wins, another machine's entry and a corrupt file
 are measured again), one real measurement here, and the AVX2 class emulated with torch's ISA
 overrides. Nothing here asserts a time: expectations derive from the rates the run measured."""
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from flexsarathi import LLM
-from flexsarathi.dtype_choice import (HALF_SPEEDUP, CACHE_FILE, candidate_dtypes, choose_dtype,
+from flexsarathi.machine.dtype_choice import (HALF_SPEEDUP, CACHE_FILE, candidate_dtypes, choose_dtype,
                                       cpu_compute_dtype, machine_key)
-from flexsarathi.engine import resolve_dtype
-from flexsarathi.machine_info import cpu_description
+from flexsarathi.engine.llm_engine import resolve_dtype
+from flexsarathi.machine.cpu_info import cpu_description
 from tests.conftest import REPO
 
 T = 1e12
@@ -94,7 +94,7 @@ def test_llm_auto_follows_the_cached_choice(cache_dir, tiny_checkpoint):
 
 
 def test_cli_and_planner_follow_the_cached_choice(cache_dir, tiny_checkpoint, capsys):
-    from flexsarathi.cli import main
+    from flexsarathi.cli.main import main
     from flexsarathi.llm import planner_model_spec
 
     if torch.cuda.is_available():
@@ -158,7 +158,7 @@ def test_avx2_class_emulated_picks_what_its_rates_say(tmp_path):
     """torch limited to AVX2 (set before it is imported): the choice follows the rates measured
     there. Where bf16 then runs no faster than the rule asks (as on a real AVX2-only CPU), fp32."""
     env = dict(os.environ, FLEXSARATHI_CACHE_DIR=str(tmp_path), **AVX2_CLASS)
-    code = "from flexsarathi.dtype_choice import cpu_compute_dtype; print(cpu_compute_dtype())"
+    code = "from flexsarathi.machine.dtype_choice import cpu_compute_dtype; print(cpu_compute_dtype())"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     (entry,) = _entries(tmp_path)

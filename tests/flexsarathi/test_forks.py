@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexsarathi import LLM, SamplingParams
-from flexsarathi.block_manager import BlockManager
-from flexsarathi.sampling import sample_seed
-from flexsarathi.scheduler import Scheduler, SchedulerConfig
-from flexsarathi.sequence import Sequence
+from flexsarathi.engine.block_manager import BlockManager
+from flexsarathi.engine.sampling import sample_seed
+from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig
+from flexsarathi.engine.sequence import Sequence
 from policy_search import Policy
 from tests.simulated_model import expected_tokens, sampled_token
 

@@ -23,7 +23,7 @@ def test_profile_writes_a_loadable_hardware_json(tmp_path):
     # before it runs, so a slow step is visible while it runs.
     import torch
 
-    from flexsarathi.engine import resolve_device, resolve_dtype
+    from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
 
     engine_dtype = resolve_dtype(None, torch.float16, resolve_device(None))
     assert f"with {engine_dtype}" in spec.notes
@@ -37,7 +37,7 @@ def test_int4_kernel_rate_where_the_kernel_covers_the_machine():
     (None where the kernel's layout is not this machine's), never for other dtypes."""
     import torch
 
-    from flexsarathi.profiler import LayerShapes, _int4_kernel_rate
+    from flexsarathi.machine.profiler import LayerShapes, _int4_kernel_rate
     from quant.cpu_matmul import layout_matches_torch
 
     shapes = LayerShapes(((128, 256), (64, 128)), heads=2, kv_heads=2, head_dim=64)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flexsarathi import LLM, SamplingParams
-from flexsarathi.cli import main
+from flexsarathi.cli.main import main
 from policy_search import Policy
 from tests.conftest import REPO
 
@@ -92,7 +92,7 @@ def single_process(argv: list[str], rc: int) -> None:
 
 def test_engine_without_ray_never_imports_it(tmp_path):
     src = write_lines(tmp_path / "in.jsonl", [{"id": 0, "prompt_token_ids": [2, 5, 6]}])
-    code = ("import sys; from flexsarathi.cli import main; "
+    code = ("import sys; from flexsarathi.cli.main import main; "
             f"rc = main(['generate', '--model', 'dummy:opt-125m', '--input', {src!r}, '--output', "
             f"{str(tmp_path / 'o.jsonl')!r}, '--max-tokens', '2', '--quiet']); "
             "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'pyarrow', 'pandas')))")
@@ -117,7 +117,7 @@ def test_ray_flags_are_checked_before_any_work(stories_dir, tmp_path, capsys):
 def test_ray_not_installed_is_one_clear_error(stories_dir, tmp_path):
     """Ray made unimportable in the subprocess (as in a checkout without the [ray] extra)."""
     src = write_lines(tmp_path / "in.txt", ["Once upon a time"])
-    code = ("import sys; sys.modules['ray'] = None; from flexsarathi.cli import main; "
+    code = ("import sys; sys.modules['ray'] = None; from flexsarathi.cli.main import main; "
             f"sys.exit(main(['generate', '--model', {stories_dir!r}, '--input', {src!r}, '--output', "
             f"{str(tmp_path / 'o.jsonl')!r}, '--quiet', '--ray']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True,
@@ -279,7 +279,7 @@ def test_job_dtype_is_resolved_once_for_the_actors_device():
     get the checkpoint's half dtype (fp16 for an fp32 checkpoint) even from a driver without a GPU
     (this machine), CPU actors this machine's measured choice; an explicit dtype passes through; a
     bad device is one error. Needs no Ray (the spec module does not import it)."""
-    from flexsarathi.dtype_choice import cpu_compute_dtype
+    from flexsarathi.machine.dtype_choice import cpu_compute_dtype
     from flexsarathi.errors import FlexSarathiError
     from flexsarathi.ray.spec import job_dtype
 

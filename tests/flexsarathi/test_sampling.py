@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from flexsarathi.sampling import SamplingParams, filtered_logits, mask_stops, sample, sample_seed
-from flexsarathi.sequence import Sequence, SequenceStatus
+from flexsarathi.engine.sampling import SamplingParams, filtered_logits, mask_stops, sample, sample_seed
+from flexsarathi.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 64
 

@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexsarathi.block_manager import TIERS, BlockManager
-from flexsarathi.sampling import SamplingParams
-from flexsarathi.scheduler import Scheduler, SchedulerConfig
-from flexsarathi.sequence import Sequence
+from flexsarathi.engine.block_manager import TIERS, BlockManager
+from flexsarathi.engine.sampling import SamplingParams
+from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig
+from flexsarathi.engine.sequence import Sequence
 from tests.simulated_model import expected_tokens, sampled_token
 
 BLOCK = 4

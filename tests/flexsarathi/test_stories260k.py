@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexsarathi import LLM, SamplingParams
-from flexsarathi.perplexity import split_documents
+from flexsarathi.cli.perplexity import split_documents
 from policy_search import Policy
 from tests.conftest import REPO, TINYSTORIES_TEXT
 
@@ -94,7 +94,7 @@ def test_perplexity_without_separator_scores_the_whole_text(stories_dir, stories
     """One document four contexts long, sliding windows as HF's perplexity guide computes them."""
     from transformers import AutoTokenizer
 
-    from flexsarathi.perplexity import perplexity
+    from flexsarathi.cli.perplexity import perplexity
 
     tokenizer = AutoTokenizer.from_pretrained(stories_dir)
     text = tokenizer.decode(tokenizer(tinystories_text)["input_ids"][1:2000])

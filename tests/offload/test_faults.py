@@ -270,22 +270,22 @@ def test_interrupts_from_a_timer_thread_leave_fresh_engine_results(disk_engine):
 
 @pytest.mark.parametrize("at_call", [5, 14, 40])
 def test_an_exception_inside_a_pass_leaves_fresh_engine_results(disk_engine, at_call):
-    """The same at exact points: KeyboardInterrupt raised by the model's `finish` on its n-th call
+    """The same at exact points: KeyboardInterrupt raised by the model's `post_attention` on its n-th call
     (layer n-1 of the first pass, ...), while the next layers' weights are being prefetched."""
     llm, prompts, reference = disk_engine
-    math = llm.engine.executor.math
-    finish, calls = math.finish, []
+    model = llm.engine.executor.model
+    post_attention, calls = model.post_attention, []
 
-    def interrupted_finish(*args):
+    def interrupted_post_attention(*args):
         calls.append(1)
         if len(calls) == at_call:
             raise KeyboardInterrupt
-        return finish(*args)
+        return post_attention(*args)
 
-    math.finish = interrupted_finish
+    model.post_attention = interrupted_post_attention
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:
-        math.finish = finish
+        model.post_attention = post_attention
     assert _tokens(llm, prompts) == reference

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.engine.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flexsarathi.block_manager import BlockManager
-from flexsarathi.scheduler import WorkItem
-from offload.batch import AttentionGroup, KVPart, KVWrite, MicroBatch
+from flexsarathi.engine.block_manager import BlockManager
+from flexsarathi.engine.scheduler import WorkItem
+from offload.micro_batch import AttentionGroup, KVPart, KVWrite, MicroBatch
 from policy_search.policy import TIERS
 
 

@@ -13,9 +13,9 @@ import argparse
 import json
 import random
 
-from flexsarathi.cli_common import add_model_args, build_llm, describe_policy, device_name
+from flexsarathi.cli.engine_args import add_model_args, build_llm, describe_policy, device_name
 from flexsarathi.errors import FlexSarathiError
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.engine.sampling import SamplingParams
 
 WARMUP_PROMPT_LEN = 32  # FlexGen warms up on 32-token prompts, one new token each
 

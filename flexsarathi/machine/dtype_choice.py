@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from flexsarathi.machine_info import cpu_description
+from flexsarathi.machine.cpu_info import cpu_description
 
 HALF_SPEEDUP = 1.3  # a half dtype must be this many times faster than fp32 at both row counts
 DECODE_ROWS, PREFILL_ROWS = 16, 128  # a decode micro-batch; a prefill chunk
@@ -63,7 +63,7 @@ def choose_dtype(rates: Rates) -> torch.dtype:
 def probe_layer():
     """The layer the rates are measured on: OPT-350M's (hidden 1024, MLP 4096; 12.6M parameters),
     small enough that a slow dtype's prefill-like call stays ~0.15 s, large enough to leave the caches."""
-    from flexsarathi.profiler import LayerShapes
+    from flexsarathi.machine.layer_timing import LayerShapes
 
     h, f = 1024, 4096
     return LayerShapes(((3 * h, h), (h, h), (f, h), (h, f)), heads=16, kv_heads=16, head_dim=64)
@@ -75,7 +75,7 @@ def measure_rates(candidates, rounds: int = 2) -> Rates:
     figure of one round, not on one dtype. One thread: the choice is about the CPU's kernels, and a
     multi-thread team on a busy machine waits for its slowest thread (measured at load 12 on 2
     cores: fp32 and bf16 16-row rates within 1.5x of each other with 2 threads, 5-10x apart with 1)."""
-    from flexsarathi.profiler import _layer_matmul_seconds
+    from flexsarathi.machine.layer_timing import layer_matmul_seconds
 
     shapes, cpu = probe_layer(), torch.device("cpu")
     seconds: dict = {}
@@ -85,7 +85,7 @@ def measure_rates(candidates, rounds: int = 2) -> Rates:
         for _ in range(rounds):
             for rows in (DECODE_ROWS, PREFILL_ROWS):
                 for dt in candidates:
-                    s = _layer_matmul_seconds(cpu, dt, shapes, rows, repeats=3)
+                    s = layer_matmul_seconds(cpu, dt, shapes, rows, repeats=3)
                     seconds[dt, rows] = min(seconds.get((dt, rows), s), s)
     finally:
         torch.set_num_threads(threads)

@@ -27,7 +27,7 @@ from collections import deque
 
 import torch
 
-from flexsarathi.sequence import Sequence
+from flexsarathi.engine.sequence import Sequence
 from policy_search.policy import TIERS
 
 

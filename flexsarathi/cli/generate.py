@@ -18,13 +18,13 @@ import re
 import sys
 from importlib import resources
 
-from flexsarathi.batch_io import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
+from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
                                   result_record)
-from flexsarathi.cli_common import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
+from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
                                     resolve_policy)
 from flexsarathi.errors import FlexSarathiError
-from flexsarathi.result_file import ResultFile
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.cli.result_file import ResultFile
+from flexsarathi.engine.sampling import SamplingParams
 
 PACKAGE_PREFIX = "pkg:"  # --input pkg:NAME reads a prompt set shipped in flexsarathi/prompts/
 
@@ -106,9 +106,9 @@ def run_generate(args) -> int:
     _check_ray_args(args)
     fmt, requests = read_requests(_input_path(args.input), args.input_format)
     check_unique_ids(requests)
-    from flexsarathi.checkpoint import open_weight_source
-    from flexsarathi.engine import resolve_device, resolve_dtype
-    from flexsarathi.tokenizer import load_tokenizer
+    from flexsarathi.models.checkpoint import open_weight_source
+    from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
+    from flexsarathi.models.tokenizer import load_tokenizer
 
     source = open_weight_source(args.model)
     tokenizer = load_tokenizer(args.model, source.config)

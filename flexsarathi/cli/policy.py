@@ -2,15 +2,15 @@
 its placement, batch sizes, predicted throughput, peak memory per tier and bounding resource, and
 optionally write the policy JSON that `LLM(..., policy=...)` and `--policy` accept.
 
-A thin layer over `policy_search` (the planner); registered by flexsarathi/cli.py.
+A thin layer over `policy_search` (the planner); registered by flexsarathi/cli/main.py.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from flexsarathi.cli_common import add_dtype_arg
-from flexsarathi.cli_io import check_output_file
+from flexsarathi.cli.engine_args import add_dtype_arg
+from flexsarathi.cli.file_checks import check_output_file
 from policy_search import (HardwareSpec, InfeasibleError, ModelSpec, Policy, PolicyError, SpecError,
                            Workload, estimate, format_report, search_detailed, write_policy_file)
 from policy_search.hardware import PRESETS
@@ -72,8 +72,8 @@ def _bytes_per_value(dtype, hardware: HardwareSpec) -> int:
     machine's measured choice: fp32 (4) where bf16 matmuls are slow, as on AVX2-only CPUs."""
     import torch
 
-    from flexsarathi.dtype_choice import is_auto
-    from flexsarathi.engine import resolve_dtype
+    from flexsarathi.machine.dtype_choice import is_auto
+    from flexsarathi.engine.llm_engine import resolve_dtype
 
     if not is_auto(dtype):
         return DTYPE_BYTES[dtype_name(dtype, "--dtype")]

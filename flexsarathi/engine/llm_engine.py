@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexsarathi.attention import release_host_buffers
-from flexsarathi.batch_builder import build_micro_batch, wants_prompt_logprobs
-from flexsarathi.block_manager import BlockManager
-from flexsarathi.checkpoint import open_weight_source
-from flexsarathi.dtype_choice import cpu_compute_dtype, is_auto
+from flexsarathi.models.attention import release_host_buffers
+from flexsarathi.engine.micro_batch_builder import build_micro_batch, wants_prompt_logprobs
+from flexsarathi.engine.block_manager import BlockManager
+from flexsarathi.models.checkpoint import open_weight_source
+from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import FlexSarathiError
-from flexsarathi.model_config import parse_dtype
-from flexsarathi.sampling import SamplingParams, mask_stops, sample, sample_seed, token_logprobs
-from flexsarathi.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
-from flexsarathi.sequence import Sequence
-from flexsarathi.tokenizer import IncrementalDetokenizer, load_tokenizer
+from flexsarathi.models.model_config import parse_dtype
+from flexsarathi.engine.sampling import SamplingParams, mask_stops, sample, sample_seed, token_logprobs
+from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
+from flexsarathi.engine.sequence import Sequence
+from flexsarathi.models.tokenizer import IncrementalDetokenizer, load_tokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
@@ -33,13 +33,11 @@ from offload.placement import weight_layout_tag
 from offload.tiered_weights import TieredWeights
 from policy_search.policy import TIERS, Policy
 from policy_search.model_spec import ModelSpec
-from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT
+from policy_search.quant_format import KV_FORMAT
 from policy_search.working_set import QUERY_BLOCK, PassTokens, gathered_tiers, working_set, worst_pass
 from quant import QuantConfig
+from quant.config import WEIGHT_QUANT
 
-# Weights grouped along the input dimension (docs/DESIGN.md, "Quantization"); bits and group size
-# are the format the planner prices (policy_search/quant_format.py).
-WEIGHT_QUANT = QuantConfig(bits=WEIGHT_FORMAT.bits, group_size=WEIGHT_FORMAT.group_size, group_dim=-1)
 PLAIN_KV_BLOCK = 16  # tokens per block of an uncompressed KV pool
 STORE_FORMAT = 3  # bump whenever what the weight store holds changes (2: 4-bit packed per row; 3: + norms, biases)
 GPU_TOKEN_MULTIPLE = 128  # matmul tile: passes on a GPU carry a multiple of it where that is free
@@ -118,7 +116,7 @@ def resolve_device(device, check_available: bool = True) -> torch.device:
 def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Explicit dtype wins; else (None or "auto") fp16/bf16 on a GPU (as the checkpoint, fp16 for
     fp32 ones) and on the CPU the dtype this machine computes fastest, fp32 unless a half dtype is
-    clearly faster (measured once per machine and cached: flexsarathi/dtype_choice.py)."""
+    clearly faster (measured once per machine and cached: flexsarathi/machine/dtype_choice.py)."""
     if not is_auto(dtype):
         return parse_dtype(dtype, "LLM(dtype=...)")
     if device.type == "cuda":
@@ -157,7 +155,7 @@ class LLMEngine:
         self.device = resolve_device(e.device)
         drawn = e.weight_quant if e.dummy_weight_codes and e.policy.compress_weight else None
         self.source = open_weight_source(e.model, codes=drawn)
-        self.config, self.math = self.source.config, self.source.math
+        self.config, self.model = self.source.config, self.source.model
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = e.policy
         # A compressed K is grouped per channel over one block (KVFormat.block_size).
@@ -174,7 +172,7 @@ class LLMEngine:
         cuda = self.device.type == "cuda"
         self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,
                                            folder=self._offload_folder() if p.act_disk > 0 else None)
-        self.executor = PassExecutor(self.math, self.weights, self.kv_pools, self.activations,
+        self.executor = PassExecutor(self.model, self.weights, self.kv_pools, self.activations,
                                      self.device, self.dtype, overlap=p.overlap,
                                      cpu_attention=p.cpu_attention)
         self.blocks = BlockManager(self.block_size, {}, num_residual=0)  # laid out per batch
@@ -196,7 +194,7 @@ class LLMEngine:
             f"q{quant.bits}g{quant.group_size}d{quant.group_dim}|{weight_layout_tag(self.dtype, self.device, quant)}"
             if quant else "plain")
         return TieredWeights(
-            num_layers=self.config.num_layers, layer_shapes=self.math.layer_shapes(),
+            num_layers=self.config.num_layers, layer_shapes=self.model.layer_shapes(),
             read_globals=lambda: self.source.global_weights(self.dtype),
             read_layer=lambda i: self.source.layer_weights(i, self.dtype),
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,

@@ -25,36 +25,16 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
-from flexsarathi.attention import attend
+from flexsarathi.machine.layer_timing import LayerShapes, layer_matmul_seconds, layer_matmuls, median_seconds, sync_device
+from flexsarathi.models.attention import attend
 from offload.disk_store import DiskStore
 from offload.host_buffer import aligned_empty
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
 from quant import QuantConfig, dequantize, quantize
-
-
-def _median_seconds(fn, repeats: int = 5, warmup: int = 1, budget: float = 2.0) -> float:
-    """Median seconds of `fn` after `warmup` calls; slow calls get fewer repeats (at least 3) so
-    one figure takes about `budget` seconds at most, whatever the machine."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    while len(times) < repeats:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        if len(times) >= 3 and sum(times) >= budget:
-            break
-    return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _copy_bandwidth(src_device, dst_device, nbytes: int, pin: bool) -> float:
@@ -64,50 +44,9 @@ def _copy_bandwidth(src_device, dst_device, nbytes: int, pin: bool) -> float:
 
     def run():
         dst.copy_(src, non_blocking=True)
-        _sync(torch.device("cuda") if "cuda" in (src_device.type, dst_device.type) else torch.device("cpu"))
+        sync_device(torch.device("cuda") if "cuda" in (src_device.type, dst_device.type) else torch.device("cpu"))
 
-    return nbytes / _median_seconds(run)
-
-
-@dataclass(frozen=True)
-class LayerShapes:
-    """What the profile measures on: one decoder layer's matrices and its attention heads."""
-    matrices: tuple[tuple[int, int], ...]  # (out, in) of each weight matrix, as the engine fuses them
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def params(self) -> int:
-        return sum(o * i for o, i in self.matrices)
-
-    @classmethod
-    def of(cls, model: ModelSpec | None) -> "LayerShapes":
-        if model is None:  # OPT-1.3B: a mid-sized layer that needs offloading on small machines
-            h, f = 2048, 8192
-            return cls(((3 * h, h), (h, h), (f, h), (h, f)), heads=32, kv_heads=32, head_dim=64)
-        h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_size
-        up = (2 * f, h) if model.ffn_kind == "gated" else (f, h)  # gate and up fused
-        return cls(((q + 2 * kv, h), (h, q), up, (h, f)), heads=model.num_heads,
-                   kv_heads=model.num_kv_heads, head_dim=model.head_dim)
-
-
-def _layer_matmuls(device, dtype, shapes: LayerShapes, tokens: int):
-    """A function running the layer's matmuls over `tokens` rows (each on its own input)."""
-    weights = [torch.randn(shape, dtype=dtype, device=device) for shape in shapes.matrices]
-    inputs = [torch.randn(tokens, shape[1], dtype=dtype, device=device) for shape in shapes.matrices]
-
-    def run():
-        for x, w in zip(inputs, weights):
-            torch.nn.functional.linear(x, w)
-        _sync(device)
-
-    return run
-
-
-def _layer_matmul_seconds(device, dtype, shapes: LayerShapes, tokens: int, repeats: int = 7) -> float:
-    """Typical seconds of the layer's matmuls over `tokens` rows."""
-    return _median_seconds(_layer_matmuls(device, dtype, shapes, tokens), repeats=repeats)
+    return nbytes / median_seconds(run)
 
 
 def _matmul_figures(device, dtype, shapes: LayerShapes, on_host: bool) -> tuple[float, float, float]:
@@ -115,13 +54,13 @@ def _matmul_figures(device, dtype, shapes: LayerShapes, on_host: bool) -> tuple[
     flops_per_row = 2 * shapes.params
     weight_bytes = shapes.params * dtype.itemsize
     if not on_host:
-        decode = flops_per_row * 16 / _layer_matmul_seconds(device, dtype, shapes, 16)
-        prefill = flops_per_row * 512 / _layer_matmul_seconds(device, dtype, shapes, 512)
+        decode = flops_per_row * 16 / layer_matmul_seconds(device, dtype, shapes, 16)
+        prefill = flops_per_row * 512 / layer_matmul_seconds(device, dtype, shapes, 512)
         return prefill, decode, 0.0
     rows = (8, 16, 32, 64, 128, 256, 512, 1024)  # decode micro-batches up to whole-block prefills
     seconds, start = [], time.perf_counter()
     for t in rows:  # bounded: at least 6 points, then stop once a call or the whole grows long
-        seconds.append(_layer_matmul_seconds(device, dtype, shapes, t))
+        seconds.append(layer_matmul_seconds(device, dtype, shapes, t))
         if len(seconds) >= 6 and (seconds[-1] > 0.5 or time.perf_counter() - start > 8):
             break
     rows = rows[:len(seconds)]
@@ -175,12 +114,12 @@ def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads:
         j = next(layer) % layers
         if between is not None:
             between()
-            _sync(device)
+            sync_device(device)
         start = time.perf_counter()
         shape = (seqs, context, kv_heads, head_dim)  # gathered as KVPool.gather does
         attend(q, pool_k[j].index_select(0, slots.reshape(-1)).view(shape),
                pool_v[j].index_select(0, slots.reshape(-1)).view(shape), q_pos, kv_len, head_dim ** -0.5)
-        _sync(device)
+        sync_device(device)
         return time.perf_counter() - start
 
     for _ in range(3):  # warm-up: the allocator settles (first calls page-fault their temporaries)
@@ -201,9 +140,9 @@ def _dequant_rate(device, dtype, values: int = 1 << 22) -> float:
 
     def run():
         dequantize(q, out=out)
-        _sync(device)
+        sync_device(device)
 
-    return values / _median_seconds(run)
+    return values / median_seconds(run)
 
 
 INT4_KERNEL_ROWS = 16  # the decode row count the int4 kernel's rate is measured at
@@ -215,7 +154,7 @@ def _int4_kernel_rate(device, dtype, shapes: LayerShapes, rows: int = INT4_KERNE
     where the kernel does not cover this machine or dtype (bf16 on the CPU only). The kernel's
     speed does not depend on the codes, so the packed weights are random bytes (quantizing and
     re-laying out a 70B layer would take longer than the measurement)."""
-    from flexsarathi.engine import WEIGHT_QUANT
+    from quant.config import WEIGHT_QUANT
     from quant.cpu_matmul import Int4Packed, linear_4bit, pack_for_cpu_kernel
 
     if device.type != "cpu" or dtype != torch.bfloat16:
@@ -233,7 +172,7 @@ def _int4_kernel_rate(device, dtype, shapes: LayerShapes, rows: int = INT4_KERNE
         for x, w in zip(inputs, weights):
             linear_4bit(x, w)
 
-    return 2 * shapes.params * rows / _median_seconds(run, repeats=5)
+    return 2 * shapes.params * rows / median_seconds(run, repeats=5)
 
 
 def read_store_rate(store: DiskStore, range_reads: bool = True) -> float:
@@ -326,7 +265,7 @@ def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 
     pass, where the math is a small part) and subtracting the time of its layers' and LM head's
     matmuls measured alone."""
     from flexsarathi.llm import LLM
-    from flexsarathi.sampling import SamplingParams
+    from flexsarathi.engine.sampling import SamplingParams
     from policy_search.policy import Policy
 
     llm = LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=1))
@@ -350,8 +289,8 @@ def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 
     shapes = LayerShapes.of(ModelSpec.from_name(model))
     head = g.get("lm_head.weight", g["embed_tokens.weight"])
     x = torch.randn(1, head.shape[1], dtype=dtype, device=device)
-    head_seconds = _median_seconds(lambda: (torch.nn.functional.linear(x, head), _sync(device)), repeats=7)
-    layer_seconds = _layer_matmul_seconds(device, dtype, shapes, 1)
+    head_seconds = median_seconds(lambda: (torch.nn.functional.linear(x, head), sync_device(device)), repeats=7)
+    layer_seconds = layer_matmul_seconds(device, dtype, shapes, 1)
     return max(0.0, (pass_seconds - head_seconds) / config.num_layers - layer_seconds)
 
 
@@ -367,11 +306,11 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
                     log=print, model: ModelSpec | None = None, prompt_len: int = 128,
                     decode_context: int = 256, decode_seqs: int = 16) -> HardwareSpec:
     """Measure this machine, logging each step before it runs. dtype: the engine's compute dtype
-    (default: what the engine computes in, fp16 on CUDA and on the CPU the dtype measured fastest there, flexsarathi/dtype_choice.py); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
+    (default: what the engine computes in, fp16 on CUDA and on the CPU the dtype measured fastest there, flexsarathi/machine/dtype_choice.py); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
     rates are measured on a whole prompt of `prompt_len` tokens and on `decode_seqs` sequences
     decoding against `decode_context` cached tokens: on a CPU the rate per pair depends on the shape
     (per-call costs weigh on short prompts), so a benchmark passes its workload's."""
-    from flexsarathi.engine import resolve_dtype
+    from flexsarathi.engine.llm_engine import resolve_dtype
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -429,7 +368,7 @@ def _measure_attention(device, dtype, shapes, prompt_len: int, decode_context: i
     cuda = device.type == "cuda"
     heads = dict(heads=shapes.heads, head_dim=shapes.head_dim, kv_heads=shapes.kv_heads)
     if not cuda:  # on the host, attention follows the layer's matmuls (see _attention_rate)
-        heads["between"] = _layer_matmuls(device, dtype, shapes, 64)
+        heads["between"] = layer_matmuls(device, dtype, shapes, 64)
     # A whole prompt (the engine computes the full square and masks it: twice the causal pairs), and
     # a batch of sequences decoding one token each.
     log("  measuring attention (a whole prompt, then a decode batch) ...")

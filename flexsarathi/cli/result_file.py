@@ -15,7 +15,7 @@ import json
 import os
 import time
 
-from flexsarathi.batch_io import is_error_record, record_key
+from flexsarathi.cli.request_files import is_error_record, record_key
 from flexsarathi.errors import FlexSarathiError
 
 FSYNC_INTERVAL_S = 1.0

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from flexsarathi.errors import CheckpointError
-from flexsarathi.model_config import ModelConfig
+from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models import ModelMath, Weights, build_model_math
 from policy_search.model_registry import known_config
 from quant import QTensor, QuantConfig
@@ -58,7 +58,7 @@ class SafetensorsCheckpoint(WeightSource):
     def __init__(self, folder: str):
         self.folder = folder
         self.config = ModelConfig.from_folder(folder)
-        self.math = build_model_math(self.config)
+        self.model = build_model_math(self.config)
         self._handles: dict[str, object] = {}  # file path -> open safetensors handle
         self._file_of = self._index_tensors()  # HF tensor name -> file path
         self._validate_shapes()
@@ -112,8 +112,8 @@ class SafetensorsCheckpoint(WeightSource):
 
     def _validate_shapes(self) -> None:
         """Check every tensor's shape from the headers before any weight is read."""
-        expected = [(self.math.hf_global_names(), self.math.global_shapes())]
-        expected += [(self.math.hf_layer_names(i), self.math.layer_shapes())
+        expected = [(self.model.hf_global_names(), self.model.global_shapes())]
+        expected += [(self.model.hf_layer_names(i), self.model.layer_shapes())
                      for i in range(self.config.num_layers)]
         for names, shapes in expected:
             for canonical, parts in names.items():
@@ -149,10 +149,10 @@ class SafetensorsCheckpoint(WeightSource):
         return out
 
     def global_weights(self, dtype):
-        return self._read(self.math.hf_global_names(), dtype)
+        return self._read(self.model.hf_global_names(), dtype)
 
     def layer_weights(self, layer, dtype):
-        return self._read(self.math.hf_layer_names(layer), dtype)
+        return self._read(self.model.hf_layer_names(layer), dtype)
 
 
 class DummyWeights(WeightSource):
@@ -170,7 +170,7 @@ class DummyWeights(WeightSource):
             raise CheckpointError(str(exc.args[0])) from None
         self.name, self.seed, self.codes = name, seed, codes
         self.config = ModelConfig.from_hf(hf, source=f"{DUMMY_PREFIX}{name}")
-        self.math = build_model_math(self.config)
+        self.model = build_model_math(self.config)
 
     @property
     def fingerprint(self) -> str:
@@ -189,7 +189,7 @@ class DummyWeights(WeightSource):
         return torch.empty(shape).normal_(0.0, 0.02, generator=gen).to(dtype)
 
     def global_weights(self, dtype):
-        return {k: self._make(k, s, dtype) for k, s in self.math.global_shapes().items()}
+        return {k: self._make(k, s, dtype) for k, s in self.model.global_shapes().items()}
 
     def _draw_codes(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> QTensor:
         """Uniformly random codes, every group with the step that gives the normal draws' std (0.02)
@@ -206,4 +206,4 @@ class DummyWeights(WeightSource):
 
     def layer_weights(self, layer, dtype):
         return {k: self._draw_codes(f"{layer}.{k}", s, dtype) if self.codes is not None and len(s) == 2
-                else self._make(f"{layer}.{k}", s, dtype) for k, s in self.math.layer_shapes().items()}
+                else self._make(f"{layer}.{k}", s, dtype) for k, s in self.model.layer_shapes().items()}

@@ -15,7 +15,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from flexsarathi.cli_io import read_text_file
+from flexsarathi.cli.file_checks import read_text_file
 from flexsarathi.errors import FlexSarathiError
 
 FORMATS = ("text", "jsonl", "openai")

@@ -6,11 +6,11 @@ import json
 import os
 import sys
 
-from flexsarathi.cli_bench import add_bench_parser
-from flexsarathi.cli_common import add_compute_args, add_dtype_arg
-from flexsarathi.cli_generate import add_generate_parser
-from flexsarathi.cli_io import check_folder, check_output_file, positive_int, read_text_file
-from flexsarathi.cli_policy import add_policy_parser
+from flexsarathi.cli.bench import add_bench_parser
+from flexsarathi.cli.engine_args import add_compute_args, add_dtype_arg
+from flexsarathi.cli.generate import add_generate_parser
+from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
+from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from offload.disk_store import OffloadError
 from offload.memory import MemoryBudgetError
@@ -49,7 +49,7 @@ def _cmd_demo(args) -> int:
 
 def _cmd_perplexity(args) -> int:
     from flexsarathi import LLM
-    from flexsarathi.perplexity import perplexity, split_documents
+    from flexsarathi.cli.perplexity import perplexity, split_documents
 
     text = read_text_file(args.text, "--text")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy)
@@ -60,10 +60,10 @@ def _cmd_perplexity(args) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from flexsarathi.dtype_choice import is_auto
-    from flexsarathi.engine import DEFAULT_OFFLOAD_DIR
-    from flexsarathi.model_config import parse_dtype
-    from flexsarathi.profiler import profile_machine
+    from flexsarathi.machine.dtype_choice import is_auto
+    from flexsarathi.engine.llm_engine import DEFAULT_OFFLOAD_DIR
+    from flexsarathi.models.model_config import parse_dtype
+    from flexsarathi.machine.profiler import profile_machine
 
     check_output_file(args.output, "--output")
     offload_dir = args.offload_dir or DEFAULT_OFFLOAD_DIR

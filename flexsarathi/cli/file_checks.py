@@ -1,5 +1,5 @@
 """Checks the command line makes on files and folders BEFORE any long work, so bad paths end in
-one clear `error: ...` line (flexsarathi/cli.py's main) and not in a traceback after a search or a
+one clear `error: ...` line (flexsarathi/cli/main.py's main) and not in a traceback after a search or a
 measurement."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import math
 
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.llm import LLM
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.engine.sampling import SamplingParams
 
 
 def split_documents(text: str, separator: str | None) -> list[str]:

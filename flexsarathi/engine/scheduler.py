@@ -48,8 +48,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from flexsarathi.block_manager import BlockManager
-from flexsarathi.sequence import Sequence, SequenceStatus
+from flexsarathi.engine.block_manager import BlockManager
+from flexsarathi.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
