@@ -38,7 +38,7 @@ import numpy as np
 from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTION_EXPRS as f, const
 from policy_search.model_spec import ModelSpec
-from policy_search.passes import PassShape, RunShape
+from policy_search.pass_shape import PassShape, RunShape
 from policy_search.policy import Policy
 from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS
 from policy_search.working_set import QUERY_BLOCK, SCORE_BYTES, PassTokens, working_set

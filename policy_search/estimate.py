@@ -11,7 +11,8 @@ from policy_search.cost_model import RESOURCES, PassCost, pass_cost, time_terms
 from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTIONS, evaluate
 from policy_search.model_spec import ModelSpec
-from policy_search.passes import RunShape, run_shape
+from policy_search.pass_shape import RunShape
+from policy_search.passes import run_shape
 from policy_search.policy import TIERS, Policy
 from policy_search.workload import Workload
 

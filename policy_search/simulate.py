@@ -27,7 +27,7 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from policy_search.passes import PassShape, RunShape
+from policy_search.pass_shape import PassShape, RunShape
 from policy_search.policy import Policy
 from policy_search.workload import Workload
 

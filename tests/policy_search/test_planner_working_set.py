@@ -10,7 +10,7 @@ from offload import executor as executor_module
 from offload.executor import PassExecutor
 from policy_search.cost_model import working_bytes
 from policy_search.linear import FRACTIONS, evaluate
-from policy_search.passes import PassShape, RunShape
+from policy_search.pass_shape import PassShape, RunShape
 from policy_search.policy import Policy
 
 KIND = "llama_gqa_untied"
