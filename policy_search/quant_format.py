@@ -11,10 +11,6 @@ import math
 from dataclasses import dataclass
 
 GROUP_PARAM_BYTES = 2 * 2  # fp16 scale + fp16 minimum per group
-# On a CPU, a pass whose micro-batch has at most this many rows multiplies a 4-bit weight with
-# torch's int4 kernel (quant/cpu_matmul.py: dequantizes inside its tiles); more rows dequantize the
-# weight and run a dense matmul (the kernel's cost grows with the rows far faster than a GEMM's).
-CPU_INT4_KERNEL_MAX_ROWS = 64
 
 
 def group_bytes(bits: int, group_size: int) -> int:

@@ -68,13 +68,14 @@ def resolve_policy(args, hardware, workload) -> Policy:
     return policy.replace(**constraints)
 
 
-def build_llm(args, workload, seed: int = 0):
-    """(LLM, policy) for the model arguments; workload: a policy_search.Workload for --policy auto."""
+def build_llm(args, workload, seed: int = 0, opened=None):
+    """(LLM, policy) for the model arguments; workload: a policy_search.Workload for --policy auto;
+    opened: the model the caller already opened (an OpenedModel of args.model)."""
     from flexsarathi.llm import LLM
 
     hardware = hardware_of(args)
     policy = resolve_policy(args, hardware, workload)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=policy, hardware=hardware,
+    llm = LLM(opened or args.model, dtype=args.dtype, device=args.device, policy=policy, hardware=hardware,
               offload_dir=args.offload_dir, seed=seed)
     return llm, policy
 

@@ -106,12 +106,11 @@ def run_generate(args) -> int:
     _check_ray_args(args)
     fmt, requests = read_requests(_input_path(args.input), args.input_format)
     check_unique_ids(requests)
-    from flexsarathi.models.checkpoint import open_weight_source
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
-    from flexsarathi.models.tokenizer import load_tokenizer
+    from flexsarathi.models.opened_model import open_model
 
-    source = open_weight_source(args.model)
-    tokenizer = load_tokenizer(args.model, source.config)
+    opened = open_model(args.model)  # once per job: the engine built below takes it as it is
+    source = opened.source
     # The dtype resolved once (auto: this machine's cached choice) for the engine, every Ray actor
     # and the file's meta: a resume in another dtype is refused.
     if args.ray:  # for the actors' device (GPU actors may be driven from a machine without one)
@@ -124,7 +123,7 @@ def run_generate(args) -> int:
             "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults}
     out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite)
     try:
-        return _run_job(args, fmt, requests, tokenizer, defaults, out)
+        return _run_job(args, fmt, requests, opened, defaults, out)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished records are in {args.output}; rerun the same command to resume",
               file=sys.stderr)
@@ -159,12 +158,13 @@ def _model_name(model: str) -> str:
     return os.path.realpath(model) if os.path.isdir(model) else model
 
 
-def _run_job(args, fmt: str, requests: list[BatchRequest], tokenizer, defaults: dict, out: ResultFile) -> int:
+def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dict, out: ResultFile) -> int:
     say = (lambda *a: None) if args.quiet else (lambda text: print(text, flush=True))
     pending = [r for r in requests if r.key not in out.done]
     say(f"{len(requests)} requests ({fmt}) in {args.input}: {len(requests) - len(pending)} already in "
         f"{args.output}{' (a torn last line was cut off and is redone)' if out.torn else ''}, "
         f"{len(pending)} to run")
+    tokenizer = opened.tokenizer
     params = {r.key: _prepare(r, tokenizer, defaults, args.seed) for r in pending}
     failed = 0
     for req in pending:
@@ -176,15 +176,15 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], tokenizer, defaults: 
     if runnable:
         record = _recorder(fmt, out, tokenizer, os.path.basename(os.path.normpath(args.model)))
         run = _run_on_ray if args.ray else _run_here
-        stats, policy, failed_here = run(args, runnable, params, record, say)
+        stats, policy, failed_here = run(args, runnable, params, record, say, opened)
         failed += failed_here
     _summary(say, len(pending) - failed, failed, stats, args.output, describe_policy(policy) if stats else None)
     return 1 if failed + out.errors else 0
 
 
-def _run_here(args, runnable: list[BatchRequest], params: dict, record, say):
+def _run_here(args, runnable: list[BatchRequest], params: dict, record, say, opened):
     """(stats, policy, error records written): the requests on one LLM in this process."""
-    llm, policy = build_llm(args, _workload(args, runnable, params))
+    llm, policy = build_llm(args, _workload(args, runnable, params), opened=opened)
     say(f"policy: {describe_policy(policy)}")
     say(f"device: {llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')}")
     try:
@@ -198,9 +198,10 @@ def _run_here(args, runnable: list[BatchRequest], params: dict, record, say):
         llm.close()
 
 
-def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say):
+def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say, opened):
     """(stats, policy, error records written): the same requests on Ray Data actors; the policy
-    is searched here, once, and every actor builds its LLM with it."""
+    is searched here, once, and every actor builds its LLM with it (and opens the model itself:
+    `opened` is this process's)."""
     from flexsarathi.ray.job import RayJobError, RayOptions, run_requests
     from flexsarathi.ray.spec import EngineSpec
 

@@ -16,14 +16,14 @@ import torch
 from flexsarathi.models.attention import release_host_buffers
 from flexsarathi.engine.micro_batch_builder import build_micro_batch, wants_prompt_logprobs
 from flexsarathi.engine.block_manager import BlockManager
-from flexsarathi.models.checkpoint import open_weight_source
+from flexsarathi.models.opened_model import OpenedModel, open_model
 from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.models.model_config import parse_dtype
 from flexsarathi.engine.sampling import SamplingParams, mask_stops, sample, sample_seed, token_logprobs
 from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
 from flexsarathi.engine.sequence import Sequence
-from flexsarathi.models.tokenizer import IncrementalDetokenizer, load_tokenizer
+from flexsarathi.models.tokenizer import IncrementalDetokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
@@ -150,18 +150,23 @@ class LLMEngine:
     """Owns the placed weights, the KV pools and ONE scheduler (with its block manager) for its
     lifetime; `add_requests` queues a batch, `step` runs one pass of it."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, opened: OpenedModel | None = None):
+        """opened: the model already opened by the caller (open_model(config.model)), else opened here."""
         self.engine_config = e = config
         self.device = resolve_device(e.device)
         drawn = e.weight_quant if e.dummy_weight_codes and e.policy.compress_weight else None
-        self.source = open_weight_source(e.model, codes=drawn)
+        if opened is None:
+            opened = open_model(e.model, codes=drawn)
+        elif (opened.name, opened.codes) != (e.model, drawn):
+            raise FlexSarathiError(f"the opened model ({opened.name}, codes {opened.codes}) is not the one "
+                                   f"this engine is configured for ({e.model}, codes {drawn})")
+        self.source, self.tokenizer = opened.source, opened.tokenizer
         self.config, self.model = self.source.config, self.source.model
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = e.policy
         # A compressed K is grouped per channel over one block (KVFormat.block_size).
         self.block_size = e.kv_block_size or (KV_FORMAT.block_size if p.compress_kv else PLAIN_KV_BLOCK)
         self.offload_dir = e.offload_dir or DEFAULT_OFFLOAD_DIR
-        self.tokenizer = load_tokenizer(e.model, self.config)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
         self.memory = MemoryTracker(e.budget)
