@@ -47,8 +47,8 @@ class PassExecutor:
         On a GPU they always do (copies over the bus), and the thread overlaps them with compute.
         On a CPU compute device, gathering KV from host memory and parking hidden states there are
         themselves compute on the same cores: a thread only adds a second OpenMP team competing
-        for them (measured: 15% slower passes on 2 cores). Only the disk tier (KV or activations)
-        is real I/O there."""
+        for them (slower passes: docs/BENCHMARKS.md). Only the disk tier (KV or activations) is
+        real I/O there."""
         if self.device.type != "cpu":
             return True
         return (self.acts.fractions[2] > 0 or any(part.tier == "disk" for g in mb.groups for part in g.parts)

@@ -1,13 +1,13 @@
 """The CPU compute dtype where the user sets none (`dtype=None` or `"auto"`): chosen by measuring
 the matmul rates of the candidate dtypes on this machine, once, and cached per machine.
 
-CPUs differ by 20x in half-precision matmuls: with AVX-512 BF16 (or AMX) bf16 runs ~4x faster than
-fp32, on an AVX2-only CPU ~4x slower (emulated in software). So the candidates (fp32, bf16, and fp16
-only where the CPU has fp16 arithmetic: AVX512-FP16 or AMX-FP16) are timed on one representative
-layer's four matmuls (the profiler's timer) on one thread at a decode-like and a prefill-like row
-count, best of two interleaved rounds: 1.6 s on the AVX-512 BF16 machine, 4.8 s AVX2-emulated (slow
-bf16 calls). `choose_dtype` keeps fp32, the more accurate, unless a half type is at least
-HALF_SPEEDUP times as fast at both row counts.
+CPUs differ widely in half-precision matmuls: with AVX-512 BF16 (or AMX) bf16 is much faster than
+fp32, on an AVX2-only CPU much slower (emulated in software; rates: docs/BENCHMARKS.md, "CPU dtype
+choice"). So the candidates (fp32, bf16, and fp16 only where the CPU has fp16 arithmetic:
+AVX512-FP16 or AMX-FP16) are timed on one representative layer's four matmuls (the profiler's
+timer) on one thread at a decode-like and a prefill-like row count, best of two interleaved rounds
+(a few seconds). `choose_dtype` keeps fp32, the more accurate, unless a half type is at least
+HALF_SPEEDUP times as fast at both row counts; the rule: docs/DESIGN.md.
 Delete the cache file to measure again (e.g. after measuring on a machine busy with other work).
 
 The cache is a small JSON file (`$FLEXSARATHI_CACHE_DIR` or ~/.cache/flexsarathi, `cpu_dtype.json`)

@@ -9,7 +9,7 @@ kernel on the layer's 4-bit weights (bf16 on the CPU only; what the planner pric
 few rows at), and the engine's
 own fixed cost per layer of a pass (run on a small dummy model). Each figure
 is the median of a few repeats after a warm-up, with fewer repeats for slow calls, so the whole run
-takes under a minute on a 2-core machine (measured: 18-23 s in fp32 on a busy 2-core EPYC).
+takes under a minute on a 2-core machine (timings: docs/BENCHMARKS.md).
 
 Without CUDA the profile says `compute_on_host` (the planner then adds cpu-tier copies to the compute
 time) and the matmul figures are those of the cost model's host form, time = weight bytes /

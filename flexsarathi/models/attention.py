@@ -57,8 +57,8 @@ def _fp32_heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
     out = _HOST_WORKSPACE.take(name, shape)
     if x.dtype == torch.float32:
         return out.copy_(x.transpose(1, 2))
-    # Transpose in the narrow type, then widen contiguously: measured 1.0 + 0.9 ms against 3.5 ms
-    # for transposing and widening in one copy (bf16, 30 sequences x 144 tokens x 2048 values).
+    # Transpose in the narrow type, then widen contiguously: faster than one transposing, widening
+    # copy (measured: docs/BENCHMARKS.md, "Smaller measurements behind code comments").
     staged = _HOST_WORKSPACE.take(name, shape, x.dtype).copy_(x.transpose(1, 2))
     return out.copy_(staged)
 
@@ -66,9 +66,8 @@ def _fp32_heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
 # PyTorch's CPU flash-attention kernel (the one F.scaled_dot_product_attention uses on CPU),
 # called directly because it also returns the log-sum-exp that merging partial attentions needs.
 # It accumulates in fp32 for bf16/fp16 inputs, reads K/V strided (no copies), handles grouped-query
-# heads, and tiles the scores. Measured on 2 cores: 4.6x faster than the matmul path below for a
-# 256-row prompt chunk, but 2-3x slower for decode rows (one query per sequence), which therefore
-# keep the matmul path.
+# heads, and tiles the scores. It wins for prompt chunks and loses for decode rows (one query per
+# sequence), which therefore keep the matmul path (measured: docs/BENCHMARKS.md).
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_MIN_ROWS = 16  # query rows per sequence from which the flash kernel is used
 
