@@ -17,6 +17,24 @@ SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
 TINYSTORIES_TEXT = SHARED / "data" / "tinystories_valid_head.txt"
 
+# `python -c KILLED_AFTER_RECORDS N ARGS...` runs `flexsarathi ARGS...` and SIGKILLs itself right after
+# its N-th record is written and flushed: kill -9 at a named point of the job, never on a timer.
+KILLED_AFTER_RECORDS = """
+import os, signal, sys
+from flexsarathi.cli import result_file
+from flexsarathi.cli.main import main
+after, append, written = int(sys.argv[1]), result_file.ResultFile.append, []
+
+def append_then_die(self, record):
+    append(self, record)
+    written.append(record)
+    if len(written) == after:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+result_file.ResultFile.append = append_then_die
+sys.exit(main(sys.argv[2:]))
+"""
+
 # Small configs of every supported family and variant. Each is built with transformers (the
 # reference implementation), given random weights and saved with save_pretrained (safetensors).
 TINY_CONFIGS = {

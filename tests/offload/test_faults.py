@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -148,24 +147,34 @@ def test_an_engine_on_a_damaged_store_gives_the_undamaged_tokens(tmp_path, tiny_
 
 # ---- kill -9, a full disk, an unwritable folder --------------------------------------------------
 
-PLACE = ("from flexsarathi import LLM; from policy_search.policy import Policy; import sys; "
-         "LLM('dummy:opt-125m', policy=Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0), offload_dir=sys.argv[1])")
+# Places every weight of opt-125m on disk (~500 MB) and SIGKILLs itself right after the writer's
+# argv[2]-th tensor: kill -9 at a named point of the store's writing, never on a timer.
+PLACE = """
+import os, signal, sys
+from flexsarathi import LLM
+from offload import store_writer
+from policy_search.policy import Policy
+add, added = store_writer.DiskStoreWriter.add, []
+
+def add_then_die(self, name, tensor):
+    add(self, name, tensor)
+    added.append(name)
+    if len(added) == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+store_writer.DiskStoreWriter.add = add_then_die
+LLM('dummy:opt-125m', policy=Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0), offload_dir=sys.argv[1])
+"""
 
 
 @pytest.mark.slow
 def test_kill_during_placement_leaves_nothing_trusted(tmp_path):
     """A subprocess is killed with SIGKILL while it writes the store (opt-125m: ~500 MB); no file
     under a name a reader trusts may remain, and the next run gives an uninterrupted run's tokens."""
-    child = subprocess.Popen([sys.executable, "-c", PLACE, str(tmp_path)], cwd=REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(p.stat().st_size > (8 << 20) for p in tmp_path.rglob("*") if p.is_file()):
-            assert child.poll() is None and time.monotonic() < deadline, "the writer never got going"
-            time.sleep(0.05)
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+    child = subprocess.run([sys.executable, "-c", PLACE, str(tmp_path), "40"], cwd=REPO, timeout=300)
+    assert child.returncode == -signal.SIGKILL, "the writer finished before its 40th tensor"
     store = _store_dir(tmp_path)
+    assert list(store.glob(".data-*")), "no shard was being written: the kill was not mid-store"
     assert not (store / "manifest.json").exists()
     assert not list(store.glob("data-*.bin")), "a half-written shard sits under its final name"
     prompts = [[5, 6, 7, 8] * 3]

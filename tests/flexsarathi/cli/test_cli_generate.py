@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,7 +17,7 @@ from flexsarathi.cli.main import main
 from flexsarathi.cli.generate import request_seed
 from flexsarathi.cli.request_files import record_key_of
 from policy_search import Policy
-from tests.conftest import REPO
+from tests.conftest import KILLED_AFTER_RECORDS, REPO
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -158,13 +157,9 @@ def test_kill_and_resume_equals_an_uninterrupted_run(stories_dir, tmp_path):
 
     killed = tmp_path / "killed.jsonl"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "flexsarathi", *args, "--output", str(killed)], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while (not killed.exists() or killed.read_bytes().count(b"\n") < 4) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc = subprocess.run([sys.executable, "-c", KILLED_AFTER_RECORDS, "4", *args, "--output", str(killed)],
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    assert proc.returncode == -signal.SIGKILL
     partial = killed.read_bytes().count(b"\n")
     assert 4 <= partial < 24, "the run was not killed partway"
     cli(*args, "--output", str(killed), check_rc=0)

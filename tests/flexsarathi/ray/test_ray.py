@@ -18,7 +18,7 @@ import torch
 from flexsarathi import LLM, SamplingParams
 from flexsarathi.cli.main import main
 from policy_search import Policy
-from tests.conftest import REPO
+from tests.conftest import KILLED_AFTER_RECORDS, REPO
 
 try:
     import ray
@@ -230,11 +230,12 @@ def test_dead_actor_and_killed_driver_lose_nothing(stories_dir, cluster, tmp_pat
     kept = sorted_records(out)
     assert 1 <= len(kept) < len(prompts) and set(kept) <= set(expected)
 
-    proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert _wait_for_lines(out, len(kept) + 4, proc) >= len(kept) + 4
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    driver_killed = [sys.executable, "-c", KILLED_AFTER_RECORDS, "4", *command[3:]]  # after 4 more records
+    proc = subprocess.run(driver_killed, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL
     partial = out.read_bytes().count(b"\n")
+    assert partial == len(kept) + 4
     assert partial < len(prompts), "the driver was not killed partway"
 
     proc = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
