@@ -79,6 +79,29 @@ os.environ["FLEXSARATHI_CACHE_DIR"] = TEST_CACHE_DIR
 atexit.register(shutil.rmtree, TEST_CACHE_DIR, ignore_errors=True)
 
 
+def raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def on_call(owner, name: str, at_call: int, action):
+    """owner.name (a method or function attribute) runs `action()` on its at_call-th call, then
+    itself as before (unless action raised); restored on exit. Yields the list of calls so far."""
+    real, calls, own = getattr(owner, name), [], name in vars(owner)
+
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == at_call:
+            action()
+        return real(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+    try:
+        yield calls
+    finally:
+        setattr(owner, name, real) if own else delattr(owner, name)
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(mount: Path, options: str, why: str):
     """A tmpfs mounted at `mount` (created) with mount `options` (e.g. "size=256k,ro"); skips the

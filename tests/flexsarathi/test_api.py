@@ -7,6 +7,7 @@ import torch
 from flexsarathi import LLM, FlexSarathiError, SamplingParams
 from flexsarathi.models import attention
 from policy_search import Policy
+from tests.conftest import on_call, raise_keyboard_interrupt
 
 
 @pytest.fixture(scope="module")
@@ -117,21 +118,6 @@ def test_close_releases_the_engine_and_refuses_new_work(tiny_checkpoint, tmp_pat
 
 
 # ---- the engine's one scheduler across calls ---------------------------------------------------
-def _interrupting(model, at_call: int):
-    """Wraps the model's `post_attention` (per layer and micro-batch) to raise KeyboardInterrupt on its
-    at_call-th call; returns the original to restore."""
-    post_attention, calls = model.post_attention, []
-
-    def interrupted(*args):
-        calls.append(1)
-        if len(calls) == at_call:
-            raise KeyboardInterrupt
-        return post_attention(*args)
-
-    model.post_attention = interrupted
-    return post_attention
-
-
 @pytest.mark.parametrize("at_call", [1, 7, 20])
 def test_an_interrupted_generate_leaks_no_kv_block_and_the_next_equals_a_fresh_engine(tiny_checkpoint, at_call):
     """The engine keeps its scheduler across calls: an interrupt mid-generate (n=2 forks sharing
@@ -143,12 +129,9 @@ def test_an_interrupted_generate_leaks_no_kv_block_and_the_next_equals_a_fresh_e
     fresh = [o.outputs for o in LLM(folder, policy=policy).generate(prompts, params, use_tqdm=False)]
     llm = LLM(folder, policy=policy)
     engine = llm.engine
-    post_attention = _interrupting(engine.model, at_call)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        engine.model.post_attention = post_attention
+    with on_call(engine.model, "post_attention", at_call, raise_keyboard_interrupt), \
+            pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
     assert not engine.has_unfinished() and engine.blocks.idle
     assert engine.blocks.num_free == engine.blocks.num_blocks > 0
     again = [o.outputs for o in llm.generate(prompts, params, use_tqdm=False)]

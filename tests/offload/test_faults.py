@@ -20,7 +20,7 @@ from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
 from offload.memory import MemoryTracker
 from offload.tiered_weights import TieredWeights
 from policy_search.policy import Policy
-from tests.conftest import REPO, mounted_tmpfs
+from tests.conftest import REPO, mounted_tmpfs, on_call, raise_keyboard_interrupt
 
 SHAPES = {"qkv": (96, 32), "o": (32, 32), "up": (80, 32), "down": (32, 80), "norm": (32,)}
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -258,21 +258,10 @@ def test_interrupts_from_another_thread_leave_fresh_engine_results(disk_engine, 
     named point, never a timer) and finishes that load. The next generate on the same LLM gives the
     fresh engine's tokens."""
     llm, prompts, reference = disk_engine
-    weights = llm.engine.weights
-    load, loads = weights._load, []
-
-    def interrupting_load(*args):
-        loads.append(1)
-        if len(loads) == at_load:
-            _thread.interrupt_main()  # lands in the main thread at its next bytecode, inside generate
-        return load(*args)
-
-    weights._load = interrupting_load
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        del weights._load  # the class's method again
+    # interrupt_main lands in the main thread at its next bytecode, inside generate
+    with on_call(llm.engine.weights, "_load", at_load, _thread.interrupt_main) as loads, \
+            pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
     assert len(loads) >= at_load
     assert _tokens(llm, prompts) == reference, f"after an interrupt at load {at_load}"
 
@@ -282,19 +271,7 @@ def test_an_exception_inside_a_pass_leaves_fresh_engine_results(disk_engine, at_
     """The same at exact points: KeyboardInterrupt raised by the model's `post_attention` on its n-th call
     (layer n-1 of the first pass, ...), while the next layers' weights are being prefetched."""
     llm, prompts, reference = disk_engine
-    model = llm.engine.executor.model
-    post_attention, calls = model.post_attention, []
-
-    def interrupted_post_attention(*args):
-        calls.append(1)
-        if len(calls) == at_call:
-            raise KeyboardInterrupt
-        return post_attention(*args)
-
-    model.post_attention = interrupted_post_attention
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        model.post_attention = post_attention
+    with on_call(llm.engine.executor.model, "post_attention", at_call, raise_keyboard_interrupt), \
+            pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(llm, prompts) == reference
