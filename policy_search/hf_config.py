@@ -7,6 +7,8 @@ configs written by transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) 
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
 from policy_search.errors import SpecError
@@ -162,3 +164,17 @@ def _parse_rope(cfg: dict, source: str) -> RopeConfig:
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
     )
+
+
+def read_config_json(folder: str | os.PathLike) -> tuple[dict, str]:
+    """(the parsed config.json of a checkpoint folder, its path); SpecError naming what is wrong."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+        raise SpecError(f"model folder {folder} does not exist")
+    if not os.path.isfile(path):
+        raise SpecError(f"model folder {folder} has no config.json (a checkpoint folder needs one)")
+    try:
+        with open(path) as f:
+            return json.load(f), path
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path} is not valid JSON: {exc}") from None

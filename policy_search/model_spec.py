@@ -7,12 +7,11 @@ grouped-query attention). Pure arithmetic: nothing here touches weights.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 from policy_search.errors import SpecError
-from policy_search.hf_config import DTYPE_BYTES, HFConfig
+from policy_search.hf_config import DTYPE_BYTES, HFConfig, read_config_json
 from policy_search.model_registry import KNOWN_MODELS, known_config
 from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT, KVFormat, WeightFormat
 from policy_search.units import fmt_bytes
@@ -193,14 +192,7 @@ class ModelSpec:
     def from_name(cls, name: str, bytes_per_value: int | None = None) -> "ModelSpec":
         """A registered name (`opt-30b`, `dummy:opt-175b`, `meta-llama/...`) or a checkpoint folder."""
         if os.path.isdir(name):
-            path = os.path.join(name, "config.json")
-            if not os.path.isfile(path):
-                raise SpecError(f"model folder {name} has no config.json")
-            try:
-                with open(path) as f:
-                    config = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise SpecError(f"{path} is not valid JSON: {exc}") from None
+            config, _ = read_config_json(name)
             return cls.from_config(config, name=os.path.basename(os.path.normpath(name)),
                                    bytes_per_value=bytes_per_value)
         try:

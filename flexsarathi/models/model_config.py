@@ -5,7 +5,6 @@ Two families: OPT (`opt`) and LLaMA (`llama`, `mistral`, `qwen2`).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -13,7 +12,7 @@ import torch
 
 from flexsarathi.errors import CheckpointError
 from policy_search.errors import SpecError
-from policy_search.hf_config import HFConfig, RopeConfig, dtype_name
+from policy_search.hf_config import HFConfig, RopeConfig, dtype_name, read_config_json
 
 __all__ = ["ModelConfig", "RopeConfig", "parse_dtype"]
 
@@ -35,16 +34,10 @@ class ModelConfig(HFConfig):
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "ModelConfig":
-        path = os.path.join(folder, "config.json")
-        if not os.path.isdir(folder):
-            raise CheckpointError(f"model folder {folder} does not exist")
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path} is missing: a checkpoint folder needs config.json")
         try:
-            with open(path) as f:
-                data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+            data, path = read_config_json(folder)
+        except SpecError as exc:
+            raise CheckpointError(str(exc)) from None
         return cls.from_hf(data, source=path)
 
     @classmethod
