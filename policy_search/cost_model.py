@@ -37,9 +37,10 @@ experts its rows route to: the expected share is `ModelSpec.expert_touched_fract
                        cannot start before the router, so they add a chain "routed": the layer's
                        compute before its experts, then the expert reads (the expert matmuls
                        overlap the reads, and the next layer's other weights load meanwhile).
-  cpu_experts          the w_cpu part of every expert is computed on the CPU where it lives (at
-                       cpu_matmul_flops, like cpu_attention): it is not copied to the device, each
-                       micro-batch's rows go to the host and their outputs come back.
+  cpu_experts          the w_cpu part of every expert is computed on the CPU where it lives (its
+                       touched experts streamed at HardwareSpec.cpu_read_bandwidth, the routed FLOPs
+                       at cpu_matmul_flops), like cpu_attention: it is not copied to the device,
+                       each micro-batch's rows go to the host and their outputs come back.
 """
 from __future__ import annotations
 
@@ -161,7 +162,9 @@ def _expert_seconds(s: PassShape, policy: Policy, model: ModelSpec, hw: Hardware
         device = _matmul_seconds(routed, s.tokens, s.decode_tokens, k, hw, model.bytes_per_value, read)
         if policy.compress_weight:
             device += k * read / hw.gpu_dequant_rate
-    cpu = 2 * routed * s.tokens / hw.cpu_matmul_flops
+    # the CPU's matmul streams each micro-batch's touched experts (as stored) and then does the FMAs
+    cpu = (k * read * model.matrix_bytes_per_value(policy.compress_weight) / hw.cpu_read_bandwidth
+           + 2 * routed * s.tokens / hw.cpu_matmul_flops)
     if policy.compress_weight:
         cpu += k * read / hw.cpu_dequant_rate
     return device, cpu
@@ -174,12 +177,26 @@ def _streamed_expert_bytes(s: PassShape, policy: Policy, model: ModelSpec) -> fl
     return experts * model.expert_touched_fraction(s.tokens) if policy.routed_expert_reads else experts
 
 
-def _expert_copied_fraction(policy: Policy, hw: HardwareSpec) -> np.ndarray:
-    """Share of the experts copied to the compute device's working buffers (see _layer_bytes_moved):
-    cpu_experts computes the cpu tier's part where it lives."""
+def delegates_experts(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec) -> bool:
+    """Whether cpu_experts computes this pass's cpu-tier experts on the CPU: on a host compute device
+    always (it saves the memcpy into the working buffers); on a GPU machine where the CPU computes
+    them sooner than their bytes would cross host->device (few rows per expert: decode passes), the
+    pass's prompt chunks otherwise copying them as without the option. Both sides scale with w_cpu,
+    so the choice is the pass's, not the placement's."""
+    if not (policy.cpu_experts and model.num_experts):
+        return False
     if hw.compute_on_host:
-        return const(0.0) if policy.cpu_experts else f.w_cpu
-    return f.w_disk if policy.cpu_experts else f.w_off_gpu
+        return True
+    return _expert_seconds(s, policy, model, hw)[1] < _streamed_expert_bytes(s, policy, model) / hw.host_to_device
+
+
+def _expert_copied_fraction(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec) -> np.ndarray:
+    """Share of the experts copied to the compute device's working buffers (see _layer_bytes_moved):
+    a delegating pass computes the cpu tier's part where it lives."""
+    delegated = delegates_experts(s, policy, model, hw)
+    if hw.compute_on_host:
+        return const(0.0) if delegated else f.w_cpu
+    return f.w_disk if delegated else f.w_off_gpu
 
 
 def _moe_resources(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec,
@@ -187,16 +204,17 @@ def _moe_resources(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareS
     """A MoE layer's expert compute and, under routed_expert_reads, its routed chain: the compute
     before the experts, then the streamed expert bytes over the links they cross."""
     device, cpu_seconds = _expert_seconds(s, policy, model, hw)
-    on_cpu = f.w_cpu if policy.cpu_experts else const(0.0)
+    delegated = delegates_experts(s, policy, model, hw)
+    on_cpu = f.w_cpu if delegated else const(0.0)
     out = {"gpu": (const(1.0) - on_cpu) * device, "cpu": on_cpu * cpu_seconds}
-    if policy.cpu_experts:  # every row's hidden state to the host, its expert output back
+    if delegated:  # every row's hidden state to the host, its expert output back
         rows_bytes = s.tokens * model.hidden_bytes_per_token
         out["device->host"] = const(rows_bytes / hw.device_to_host)
         out["host->device"] = const(rows_bytes / hw.host_to_device)
     if policy.routed_expert_reads and policy.overlap:
         streamed = _streamed_expert_bytes(s, policy, model)
         out[ROUTED] = gpu_before_experts + streamed * (
-            f.w_disk / hw.disk_to_host + _expert_copied_fraction(policy, hw) / hw.host_to_device)
+            f.w_disk / hw.disk_to_host + _expert_copied_fraction(s, policy, model, hw) / hw.host_to_device)
     return out
 
 
@@ -272,7 +290,7 @@ def _layer_bytes_moved(s: PassShape, policy: Policy, model: ModelSpec, hw: Hardw
     if model.num_experts:  # experts: only the streamed ones, and not those computed on the CPU
         experts = model.layer_expert_bytes(policy.compress_weight)
         streamed = _streamed_expert_bytes(s, policy, model)
-        to_device = copied_weights * (weight_bytes - experts) + _expert_copied_fraction(policy, hw) * streamed
+        to_device = copied_weights * (weight_bytes - experts) + _expert_copied_fraction(s, policy, model, hw) * streamed
         weight_bytes = _layer_streamed_bytes(s, policy, model)  # what disk-tier weights read
     to_device = (to_device
                  + f.kv_off_gpu * s.prior_kv_tokens * kv_bytes  # earlier chunks' KV for chunk attention
@@ -359,7 +377,7 @@ def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> di
         if policy.compress_kv:
             workspace += decode_rows * s.max_context * model.kv_bytes_per_token(False)
         cpu = cpu + f.kv_off_gpu * workspace
-    if policy.cpu_experts and model.num_experts:  # one micro-batch's expert inputs, activations, outputs
+    if policy.cpu_experts and model.num_experts:  # a micro-batch's expert rows on the CPU (in any pass)
         cpu = cpu + const(rows * (2 * hidden_bytes + 2 * model.ffn_activation_width * model.bytes_per_value))
     disk = f.w_disk * all_weight_bytes + f.kv_disk * kv_home + f.act_disk * act_home
     return {"gpu": gpu, "cpu": cpu, "disk": disk}

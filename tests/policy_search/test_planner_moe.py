@@ -213,8 +213,11 @@ def test_cpu_experts_move_activations_instead_of_experts():
     assert off.resources["host->device"] - on.resources["host->device"] == pytest.approx(saved, rel=1e-9)
     assert on.resources["device->host"] - off.resources["device->host"] == pytest.approx(
         layers * tokens * hidden / hw.device_to_host, rel=1e-9)
-    routed_flops = 2 * spec.layer_routed_params * tokens  # one layer: each row's top-k experts
-    assert on.resources["cpu"] == pytest.approx(layers * routed_flops / hw.cpu_matmul_flops, rel=1e-9)
+    # one layer on the CPU: stream the touched experts, multiply each row by its top-k experts
+    touched = 1 - (1 - spec.experts_per_token / spec.num_experts) ** tokens
+    read = touched * expert_bytes / hw.cpu_memory_bandwidth
+    routed_flops = 2 * spec.layer_routed_params * tokens
+    assert on.resources["cpu"] == pytest.approx(layers * (read + routed_flops / hw.cpu_matmul_flops), rel=1e-9)
     assert off.resources["cpu"] == 0.0
 
 
@@ -273,3 +276,34 @@ def test_policy_cli_explains_a_moe_plan(tmp_path, capsys):
     assert data["policy"]["routed_expert_reads"] is True
     assert data["experts"]["num_experts"] == 8 and data["experts"]["active_params"] == spec.num_active_params
     assert Policy.load(out_path).routed_expert_reads
+
+
+def test_cpu_experts_delegate_decode_passes_and_copy_for_prompts():
+    """On a T4 the CPU reads a decode pass's few touched experts from memory sooner than they would
+    cross PCIe, but multiplies a 128-row prompt through every expert far slower than the copy."""
+    from policy_search.cost_model import delegates_experts
+    from policy_search.passes import run_shape
+
+    spec, hw = ModelSpec.from_name("mixtral-8x7b"), HardwareSpec.preset("t4")
+    workload = Workload(prompt_len=128, gen_len=8, num_requests=4)
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=1, scheduler="block", cpu_experts=True,
+                    **dict(ALL_DISK, w_disk=0.0, w_cpu=1.0))
+    prefill, *decodes = run_shape(policy, workload).passes
+    expert_bytes = spec.layer_expert_bytes(False)
+    for shape, delegated in ((prefill, False), (decodes[0], True)):
+        rows = shape.decode_tokens + shape.prompt_tokens
+        touched = 1 - (1 - 2 / 8) ** rows
+        cpu = touched * expert_bytes / hw.cpu_memory_bandwidth + 2 * spec.layer_routed_params * rows / hw.cpu_matmul_flops
+        assert (cpu < expert_bytes / hw.host_to_device) == delegated
+        assert delegates_experts(shape, policy, spec, hw) == delegated
+    est = estimate(policy, spec, hw, workload)
+    assert est.passes[0].resources["cpu"] == 0.0 < est.passes[1].resources["cpu"]
+
+
+def test_search_computes_cpu_experts_on_the_cpu_for_small_batches():
+    spec, hw = ModelSpec.from_name("mixtral-8x7b"), HardwareSpec.preset("t4")
+    workload = Workload(prompt_len=128, gen_len=32, num_requests=4)
+    chosen = search_detailed(spec, hw, workload, max_running=4)
+    without = search_detailed(spec, hw, workload, max_running=4, cpu_experts=False)
+    assert chosen.policy.cpu_experts and chosen.policy.w_cpu > 0.5
+    assert chosen.estimate.throughput > 1.3 * without.estimate.throughput
