@@ -182,9 +182,26 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
                 moe=_parse_moe(cfg, need, source) if model_type in MOE_MODEL_TYPES else None)
 
 
+# Router options of other MoE families that change the routing math: accepted only at the value
+# that means the softmax-then-top-k these model types compute (anything else is refused, by name).
+_ROUTER_OPTIONS = {"scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                   "routed_scaling_factor": 1.0, "moe_router_use_sigmoid": False,
+                   "moe_router_enable_expert_bias": False}
+
+
+def _check_router(cfg: dict, source: str) -> None:
+    for key, plain in _ROUTER_OPTIONS.items():
+        if cfg.get(key) is not None and cfg[key] != plain:
+            raise SpecError(f"{source}: router option {key}={cfg[key]!r} is not supported for "
+                            f"{cfg['model_type']} (routing is softmax over the experts, then top-k)")
+    if not isinstance(cfg.get("norm_topk_prob", False), bool):
+        raise SpecError(f"{source}: norm_topk_prob must be true or false, got {cfg['norm_topk_prob']!r}")
+
+
 def _parse_moe(cfg: dict, need, source: str) -> MoEConfig:
     """The experts of a mixtral / qwen2_moe / qwen3_moe config; errors name the field."""
     model_type = cfg["model_type"]
+    _check_router(cfg, source)
     key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
     experts, top_k = need(key), need("num_experts_per_tok")
     if experts < 1 or not 1 <= top_k <= experts:

@@ -153,6 +153,18 @@ def test_bad_mixtral_configs_name_the_field(edit, message):
         ModelSpec.from_config(cfg)
 
 
+@pytest.mark.parametrize("name, edit, message", [
+    ("qwen3-30b-a3b", {"scoring_func": "sigmoid"}, "router option scoring_func='sigmoid' is not supported"),
+    ("mixtral-8x7b", {"routed_scaling_factor": 2.5}, "router option routed_scaling_factor=2.5"),
+    ("qwen3-30b-a3b", {"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+])
+def test_unknown_router_options_are_refused_by_name(name, edit, message):
+    with pytest.raises(SpecError, match=message):
+        ModelSpec.from_config(known_config(name) | edit)
+    # the plain values of those options are the routing these types compute: accepted
+    ModelSpec.from_config(known_config(name) | {"scoring_func": "softmax", "routed_scaling_factor": 1.0})
+
+
 def test_bad_qwen_moe_layer_lists_name_the_field():
     with pytest.raises(SpecError, match="mlp_only_layers must list layer indices in"):
         ModelSpec.from_config(QWEN2_MOE_SMALL | {"mlp_only_layers": [4]})
