@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import os
 
-from policy_search.cost_model import RESOURCES
+from policy_search.cost_model import RESOURCES, delegates_experts
 from policy_search.estimate import Estimate, estimate
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
+from policy_search.passes import run_shape
 from policy_search.policy import TIERS, Policy
 from policy_search.units import fmt_bytes
 from policy_search.workload import Workload
@@ -112,6 +113,11 @@ def moe_lines(policy: Policy, est: Estimate, model: ModelSpec, hardware: Hardwar
                               policy, est, model, hardware, workload))
     lines.append(_option_line("cpu_experts", policy.cpu_experts, "CPU experts (cpu-tier experts computed there)",
                               policy, est, model, hardware, workload))
+    if policy.cpu_experts:
+        shapes = run_shape(policy, workload).passes
+        delegated = [p.kind for p in shapes if delegates_experts(p, policy, model, hardware)]
+        lines.append(f"              on the CPU in: {', '.join(delegated) or 'no pass'}; the other passes copy "
+                     f"the experts (the CPU would be slower than the link)")
     return lines
 
 

@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import pytest
 
-from policy_search import HardwareSpec, ModelSpec, Policy, SpecError, Workload, estimate
+from policy_search import HardwareSpec, ModelSpec, Policy, SpecError, Workload, estimate, format_report
 from policy_search.hf_config import HFConfig
 from policy_search.model_registry import known_config
 from policy_search.quant_format import WEIGHT_FORMAT
@@ -319,3 +319,6 @@ def test_search_computes_cpu_experts_on_the_cpu_for_small_batches():
     without = search_detailed(spec, hw, workload, max_running=4, cpu_experts=False)
     assert chosen.policy.cpu_experts and chosen.policy.w_cpu > 0.5
     assert chosen.estimate.throughput > 1.3 * without.estimate.throughput
+    text = format_report(chosen.policy, chosen.estimate, spec, hw, workload)
+    assert "CPU experts (cpu-tier experts computed there) on: " in text
+    assert "on the CPU in: decode 1/4, decode 2/4, decode 3/4, decode 4/4; the other passes copy" in text
