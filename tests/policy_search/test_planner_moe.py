@@ -288,6 +288,12 @@ def test_policy_cli_explains_a_moe_plan(tmp_path, capsys):
     assert data["policy"]["routed_expert_reads"] is True
     assert data["experts"]["num_experts"] == 8 and data["experts"]["active_params"] == spec.num_active_params
     assert Policy.load(out_path).routed_expert_reads
+    # the options can be fixed from the command line like the other knobs
+    args = parser.parse_args(["policy", "--model", "mixtral-8x7b", "--hardware", str(profile), "--prompt-len", "64",
+                              "--gen-len", "16", "--num-requests", "2", "--gpu-batch-size", "2", "--num-gpu-batches",
+                              "1", "--dtype", "bfloat16", "--no-routed-expert-reads", "--cpu-experts"])
+    assert args.func(args) == 0
+    assert "routed expert reads off, CPU experts on" in capsys.readouterr().out
 
 
 def test_cpu_experts_delegate_decode_passes_and_copy_for_prompts():
