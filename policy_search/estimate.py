@@ -115,12 +115,14 @@ def estimate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
 
 
 _CHAIN_MEMBERS = {
+    "routed": ("gpu", "disk->host", "host->device"),  # cost_model.ROUTED
     "load": ("disk->host", "host->device"),
     "store": ("device->host", "host->disk"),
     "compute": ("gpu", "cpu"),
     "host": ("host->device", "cpu"),
 }
 _HOST_CHAIN_MEMBERS = {
+    "routed": ("gpu", "disk->host", "host->device"),
     "load": ("disk->host",),
     "store": ("host->disk",),
     "compute": ("gpu", "cpu", "host->device", "device->host"),

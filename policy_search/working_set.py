@@ -56,8 +56,10 @@ class WorkingSet:
 def working_set(model: ModelSpec, tokens: PassTokens, compress_kv: bool) -> WorkingSet:
     """Bytes of the pass's working set, in the model's compute dtype (ModelSpec.bytes_per_value)."""
     h, item = model.hidden_size, model.bytes_per_value
-    # input, output, q, k, v, the two FFN activations of one micro-batch, the next one's input
-    layer = tokens.widest * (3 * h + model.q_dim + 2 * model.kv_dim + 2 * model.ffn_size) * item
+    # input, output, q, k, v, the two FFN activations of one micro-batch (a MoE layer's: every
+    # routed expert's rows, and the router's logits), the next one's input
+    ffn = 2 * model.ffn_activation_width + model.num_experts
+    layer = tokens.widest * (3 * h + model.q_dim + 2 * model.kv_dim + ffn) * item
     # K and V gathered, and a second K for compressed pools (earlier blocks dequantized)
     context = (3 if compress_kv else 2) * tokens.context_slots * model.kv_dim * item
     attention = (tokens.attention_slots * 2 * model.kv_dim

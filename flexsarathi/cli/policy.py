@@ -39,7 +39,9 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--scheduler", choices=("decode-maximal", "block"), default=None,
                    help="search only this scheduler (default: both)")
     for knob, what in (("compress-weight", "4-bit weights"), ("compress-kv", "4-bit KV cache"),
-                       ("cpu-attention", "decode attention on the CPU")):
+                       ("cpu-attention", "decode attention on the CPU"),
+                       ("routed-expert-reads", "reading only the routed experts (MoE)"),
+                       ("cpu-experts", "computing cpu-tier experts on the CPU (MoE)")):
         p.add_argument(f"--{knob}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"force {what} on or off (default: searched)")
     p.add_argument("--gpu-batch-size", type=int, default=None, help="fix the micro-batch size")
@@ -96,6 +98,7 @@ def run_policy(args) -> int:
             constraints = {name: value for name, value in (
                 ("scheduler", args.scheduler), ("compress_weight", args.compress_weight),
                 ("compress_kv", args.compress_kv), ("cpu_attention", args.cpu_attention),
+                ("routed_expert_reads", args.routed_expert_reads), ("cpu_experts", args.cpu_experts),
                 ("gpu_batch_size", args.gpu_batch_size), ("num_gpu_batches", args.num_gpu_batches))
                 if value is not None}
             result = search_detailed(model, hardware, workload, **constraints)

@@ -162,6 +162,9 @@ class LLMEngine:
                                    f"this engine is configured for ({e.model}, codes {drawn})")
         self.source, self.tokenizer = opened.source, opened.tokenizer
         self.config, self.model = self.source.config, self.source.model
+        if self.config.moe is not None or self.config.qk_norm:  # until the runtime's qwen3 / MoE families land
+            raise FlexSarathiError(f"{e.model}: model_type {self.config.model_type!r} is planned (flexsarathi "
+                                   f"policy) but not yet run by the engine")
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = e.policy
         # A compressed K is grouped per channel over one block (KVFormat.block_size).
