@@ -1,8 +1,8 @@
 """FlexSarathi: offloading-aware throughput inference (FlexGen placement + SARATHI batching)."""
-from flexsarathi.engine import RequestOutput
+from flexsarathi.engine.llm_engine import RequestOutput
 from flexsarathi.errors import CheckpointError, FlexSarathiError
 from flexsarathi.llm import LLM
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.engine.sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "FlexSarathiError", "CheckpointError"]
 __version__ = "0.1.0"

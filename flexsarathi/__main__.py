@@ -1,5 +1,5 @@
 import sys
 
-from flexsarathi.cli import main
+from flexsarathi.cli.main import main
 
 sys.exit(main())

@@ -13,9 +13,11 @@ from typing import Iterator, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from flexsarathi.engine import WEIGHT_QUANT, EngineConfig, LLMEngine, RequestOutput, resolve_device, resolve_dtype
+from quant.config import WEIGHT_QUANT
+from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput, resolve_device, resolve_dtype
 from flexsarathi.errors import FlexSarathiError
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.models.opened_model import OpenedModel
+from flexsarathi.engine.sampling import SamplingParams
 from offload.memory import TierBudget
 from policy_search.policy import Policy
 from policy_search.quant_format import KV_FORMAT, KVFormat, WeightFormat
@@ -32,8 +34,7 @@ def planner_model_spec(model: str, dtype=None, kv_block_size: int | None = None,
 
     compute = resolve_dtype(dtype, torch.float16, resolve_device(None))  # either half dtype: 2 bytes
     if model.endswith(".gguf"):  # the config its metadata implies
-        from flexsarathi.models.gguf_checkpoint import open_gguf
-        from flexsarathi.models.gguf_file import hf_config
+        from flexsarathi.models.gguf_file import hf_config, open_gguf
         spec = ModelSpec.from_config(hf_config(open_gguf(model)), name=os.path.basename(model),
                                      bytes_per_value=compute.itemsize)
     else:
@@ -45,17 +46,19 @@ def planner_model_spec(model: str, dtype=None, kv_block_size: int | None = None,
 
 
 class LLM:
-    def __init__(self, model: str, dtype=None, device=None, policy: Policy | str | None = None,
+    def __init__(self, model: str | OpenedModel, dtype=None, device=None, policy: Policy | str | None = None,
                  seed: int = 0, kv_block_size: int | None = None, hardware=None, offload_dir: str | None = None,
                  compress_weight: bool | None = None, compress_kv: bool | None = None,
                  direct_io: bool = True, workload=None, **engine_options):
-        """model: a checkpoint folder, a `.gguf` file (single or any part of a split one) or `dummy:<name>`. policy: a Policy, a policy JSON file,
+        """model: a checkpoint folder, a `.gguf` file (single or any part of a split one) or `dummy:<name>`, or one already opened (`open_model`). policy: a Policy, a policy JSON file,
         "auto" (searched by policy_search for `hardware` and `workload`, a policy_search.Workload,
         default prompt 512 / output 32), or None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,
         `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
         enforces. offload_dir: where disk-tier weights, KV and activations live (default
         ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options
         go to EngineConfig (weight_quant, kv_bits, kv_value_group: the compression formats)."""
+        opened = model if isinstance(model, OpenedModel) else None
+        model = opened.name if opened else model
         spec = None
         if hardware is not None:
             from policy_search import HardwareSpec
@@ -75,7 +78,7 @@ class LLM:
         budget = TierBudget(**{tier: int(b) for tier, b in spec.budgets().items()}) if spec else None
         self.engine = LLMEngine(EngineConfig(model, dtype=dtype, device=device, policy=policy, seed=seed,
                                              kv_block_size=kv_block_size, budget=budget, offload_dir=offload_dir,
-                                             direct_io=direct_io, **engine_options))
+                                             direct_io=direct_io, **engine_options), opened)
         self.last_stats: dict = {}
 
     @staticmethod

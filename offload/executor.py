@@ -16,7 +16,7 @@ the micro-batch's new K/V exist; the pool turns context + new rows into the part
 (KVPool.parts_to_attend: compressed KV is its business), whose attentions merge exactly.
 
 The model is injected (offload/ never imports flexsarathi/): any object with `embed`, `qkv`,
-`attend`, `merge_attention`, `finish` and `logits` as in flexsarathi.models.base.
+`attend`, `merge_attention`, `post_attention` and `logits` as in flexsarathi.models.base.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from offload.activations import ActivationStore
-from offload.batch import AttentionGroup, MicroBatch
+from offload.micro_batch import AttentionGroup, MicroBatch
 from offload.host_malloc import keep_freed_host_memory
 from offload.kv_cache import KVPool
 from offload.weights import LayerWeightStore
@@ -34,10 +34,10 @@ CPU = torch.device("cpu")
 
 
 class PassExecutor:
-    def __init__(self, math, weights: LayerWeightStore, kv_pools: dict[str, KVPool],
+    def __init__(self, model, weights: LayerWeightStore, kv_pools: dict[str, KVPool],
                  activations: ActivationStore, device: torch.device, dtype: torch.dtype, *,
                  overlap: bool = True, cpu_attention: bool = False):
-        self.math, self.weights, self.kv_pools, self.acts = math, weights, kv_pools, activations
+        self.model, self.weights, self.kv_pools, self.acts = model, weights, kv_pools, activations
         self.device, self.dtype = torch.device(device), dtype
         self.cpu_attention = cpu_attention
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-act-io") if overlap else None
@@ -47,8 +47,8 @@ class PassExecutor:
         On a GPU they always do (copies over the bus), and the thread overlaps them with compute.
         On a CPU compute device, gathering KV from host memory and parking hidden states there are
         themselves compute on the same cores: a thread only adds a second OpenMP team competing
-        for them (measured: 15% slower passes on 2 cores). Only the disk tier (KV or activations)
-        is real I/O there."""
+        for them (slower passes: docs/BENCHMARKS.md). Only the disk tier (KV or activations) is
+        real I/O there."""
         if self.device.type != "cpu":
             return True
         return (self.acts.fractions[2] > 0 or any(part.tier == "disk" for g in mb.groups for part in g.parts)
@@ -82,7 +82,7 @@ class PassExecutor:
         batches = [mb.to(self.device) for mb in micro_batches]
         g = self.weights.global_weights()
         for k, mb in enumerate(batches):
-            self.acts.put(k, self.math.embed(g, mb.token_ids, mb.positions).to(self.dtype))
+            self.acts.put(k, self.model.embed(g, mb.token_ids, mb.positions).to(self.dtype))
         num_layers = self.weights.num_layers
         threaded = [self._io_worth_a_thread(mb) for mb in batches]
         self.weights.prefetch(0)
@@ -103,7 +103,7 @@ class PassExecutor:
             for future in storing:
                 future.result()
             self.weights.release(layer)
-        return [self.math.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
+        return [self.model.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
 
     def attention_device(self, tier: str, group: AttentionGroup) -> torch.device:
         """Decode attention runs on the CPU where the KV cache lives off the compute device and
@@ -127,7 +127,7 @@ class PassExecutor:
         return part.new_rows is not None
 
     def _compute(self, w, mb: MicroBatch, hidden: torch.Tensor, contexts):
-        q, k, v = self.math.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
+        q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
         attn = torch.empty_like(q)
         for group, group_contexts in zip(mb.groups, contexts):
             rows = (slice(group.row_start, group.row_start + group.num_seqs * group.num_queries)
@@ -138,15 +138,15 @@ class PassExecutor:
                     for part, context in zip(group.parts, group_contexts)
                     for keys, values, key_rule in
                     self.kv_pools[part.tier].parts_to_attend(group, part, context, k_rows, v_rows)]
-            merged = outs[0][0] if len(outs) == 1 else self.math.merge_attention(outs)
+            merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
             attn[rows] = merged.flatten(0, 1)
-        return self.math.finish(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
+        return self.model.post_attention(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
 
     def _attend(self, q_group, group: AttentionGroup, part, keys, values, key_rule):
         """Attention where the keys are (the CPU for delegated decodes); out [B, n, heads, d] and
         lse [B, n, heads] come back to the compute device for merging."""
         dev = keys.device
-        out, lse = self.math.attend(q_group.to(dev), keys, values, group.q_pos.to(dev), part.kv_len.to(dev),
+        out, lse = self.model.attend(q_group.to(dev), keys, values, group.q_pos.to(dev), part.kv_len.to(dev),
                                     part.kv_start.to(dev), key_rule)
         return out.to(self.device), lse.to(self.device)
 

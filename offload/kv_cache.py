@@ -26,14 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.batch import AttentionGroup, KVPart
+from offload.micro_batch import AttentionGroup, KVPart
 from offload.host_buffer import tier_zeros
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, dequantize, quantize
 
 
 # (block_size, "before" | "same"): attend only keys in blocks before each query's own block, or in
-# its own block (flexsarathi.attention.attend's key_blocks); None: every visible key.
+# its own block (flexsarathi.models.attention.attend's key_blocks); None: every visible key.
 KeyRule = tuple[int, str] | None
 
 

@@ -27,6 +27,20 @@ engine's O_DIRECT reads land in the 4096-aligned working buffers themselves (off
 
 Embeddings, the final norm and the LM head stay on the compute device whatever the fractions, as the
 engine keeps them (offload/placement.py): they never stream and count on the gpu tier.
+
+Mixture of experts (ModelSpec.num_experts > 0). Every expert's bytes are stored and, by default,
+streamed; FLOPs count each token's top-k experts only, and a micro-batch's matmuls read only the
+experts its rows route to: the expected share is `ModelSpec.expert_touched_fraction(rows)`,
+1 - (1 - k/E)^rows for uniform routing. Two policy choices:
+  routed_expert_reads  cpu/disk-tier experts are read after the layer's router ran, only those the
+                       pass's rows route to (touched fraction of the pass's tokens). Those reads
+                       cannot start before the router, so they add a chain "routed": the layer's
+                       compute before its experts, then the expert reads (the expert matmuls
+                       overlap the reads, and the next layer's other weights load meanwhile).
+  cpu_experts          the w_cpu part of every expert is computed on the CPU where it lives (its
+                       touched experts streamed at HardwareSpec.cpu_read_bandwidth, the routed FLOPs
+                       at cpu_matmul_flops), like cpu_attention: it is not copied to the device,
+                       each micro-batch's rows go to the host and their outputs come back.
 """
 from __future__ import annotations
 
@@ -38,12 +52,13 @@ import numpy as np
 from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTION_EXPRS as f, const
 from policy_search.model_spec import ModelSpec
-from policy_search.passes import PassShape, RunShape
+from policy_search.pass_shape import PassShape, RunShape
 from policy_search.policy import Policy
 from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS
 from policy_search.working_set import QUERY_BLOCK, SCORE_BYTES, PassTokens, working_set
 
 RESOURCES = ("host->device", "device->host", "disk->host", "host->disk", "gpu", "cpu")
+ROUTED = "routed"  # routed_expert_reads' chain: compute before the experts, then their reads (not a resource)
 
 
 @dataclass(frozen=True)
@@ -59,19 +74,23 @@ def time_terms(resources: dict[str, np.ndarray], overlap: bool,
     """Expressions whose maximum is the pass time (see the module docstring)."""
     r = resources
     if not overlap:
-        return {"serial": sum(r.values())}
+        return {"serial": sum(r[name] for name in RESOURCES)}
     if on_host:
-        return {
+        chains = {
             "load": r["disk->host"],
             "store": r["host->disk"],
             "compute": r["gpu"] + r["cpu"] + r["host->device"] + r["device->host"],
         }
-    return {
-        "load": r["disk->host"] + r["host->device"],
-        "store": r["device->host"] + r["host->disk"],
-        "compute": r["gpu"] + r["cpu"],
-        "host": r["host->device"] + r["cpu"],
-    }
+    else:
+        chains = {
+            "load": r["disk->host"] + r["host->device"],
+            "store": r["device->host"] + r["host->disk"],
+            "compute": r["gpu"] + r["cpu"],
+            "host": r["host->device"] + r["cpu"],
+        }
+    if ROUTED in r:
+        chains[ROUTED] = r[ROUTED]
+    return chains
 
 
 def pass_cost(shape: PassShape, run: RunShape, policy: Policy, model: ModelSpec,
@@ -79,25 +98,31 @@ def pass_cost(shape: PassShape, run: RunShape, policy: Policy, model: ModelSpec,
     resources = _layer_resources(shape, policy, model, hw)
     layers = model.num_layers
     resources = {name: expr * layers for name, expr in resources.items()}
-    for name, expr in _head_resources(shape, model, hw).items():
+    head = _head_resources(shape, model, hw)
+    for name, expr in head.items():
         resources[name] = resources[name] + expr
+    if ROUTED in resources:  # the LM head runs after the last layer's experts
+        resources[ROUTED] = resources[ROUTED] + head["gpu"]
     return PassCost(shape=shape, resources=resources, memory=_memory(shape, run, policy, model),
                     on_host=hw.compute_on_host)
 
 
 def _matmul_seconds(params: float, tokens: float, decode_tokens: float, micro_batches: int,
-                    hw: HardwareSpec, bytes_per_value: int) -> float:
-    """GPU time of `micro_batches` equal matmuls over a `params` weight (all rows of the pass)."""
+                    hw: HardwareSpec, bytes_per_value: int, read_params: float | None = None) -> float:
+    """GPU time of `micro_batches` equal matmuls over a `params` weight (all rows of the pass).
+    read_params: the parameters each micro-batch reads when fewer than `params` per row (a MoE
+    layer's experts: each row multiplies `params`, the micro-batch reads the experts it touches)."""
     if tokens <= 0:
         return 0.0
+    read = params if read_params is None else read_params
     if hw.compute_on_host:
         # A CPU GEMM's time is affine in its rows: each call streams the weights from memory, then does
         # the FMAs, and a few cores overlap the two poorly (measured: within 8% from 8 to 1024 rows).
-        return (micro_batches * params * bytes_per_value / hw.gpu_memory_bandwidth
+        return (micro_batches * read * bytes_per_value / hw.gpu_memory_bandwidth
                 + 2 * params * tokens / hw.gpu_matmul_prefill_flops)
     per_micro_batch = max(2 * params * tokens / micro_batches / hw.gpu_matmul_prefill_flops,
                           2 * params * decode_tokens / micro_batches / hw.gpu_matmul_decode_flops,
-                          params * bytes_per_value / hw.gpu_memory_bandwidth)
+                          read * bytes_per_value / hw.gpu_memory_bandwidth)
     return micro_batches * per_micro_batch
 
 
@@ -109,16 +134,88 @@ def uses_cpu_int4_kernel(s: PassShape, policy: Policy, hw: HardwareSpec) -> bool
 
 
 def _layer_matmul_seconds(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec) -> float:
-    """One layer's matmuls over the pass, 4-bit weights included: the int4 kernel on the packed
-    weight (no dequantization) where `uses_cpu_int4_kernel`, else each micro-batch dequantizes the
-    weight right before its matmul and runs the dense one."""
-    params = model.layer_matrix_params
+    """One layer's matmuls over the pass but its routed experts', 4-bit weights included: the int4
+    kernel on the packed weight (no dequantization) where `uses_cpu_int4_kernel`, else each
+    micro-batch dequantizes the weight right before its matmul and runs the dense one."""
+    params = model.layer_dense_matrix_params
     if uses_cpu_int4_kernel(s, policy, hw):
         return 2 * params * s.tokens / hw.cpu_int4_matmul_flops
     matmul = _matmul_seconds(params, s.tokens, s.decode_tokens, s.micro_batches, hw, model.bytes_per_value)
     if policy.compress_weight:
         matmul += s.micro_batches * params / hw.gpu_dequant_rate
     return matmul
+
+
+def _expert_seconds(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec) -> tuple[float, float]:
+    """One layer's routed-expert matmuls over the pass, all computed on the compute device and all
+    on the CPU (cpu_experts): (device seconds, CPU seconds). Each token multiplies its top-k experts
+    (layer_routed_params); each micro-batch reads the experts its rows touch."""
+    if not model.num_experts or s.tokens <= 0:
+        return 0.0, 0.0
+    k = s.micro_batches
+    routed = model.layer_routed_params
+    read = model.expert_touched_fraction(s.tokens / k) * model.layer_expert_params  # per micro-batch
+    if uses_cpu_int4_kernel(s, policy, hw):  # a few rows per expert: the packed bytes bound it too
+        device = max(2 * routed * s.tokens / hw.cpu_int4_matmul_flops,
+                     k * read * model.weight_format.bytes_per_value / hw.gpu_memory_bandwidth)
+    else:
+        device = _matmul_seconds(routed, s.tokens, s.decode_tokens, k, hw, model.bytes_per_value, read)
+        if policy.compress_weight:
+            device += k * read / hw.gpu_dequant_rate
+    # the CPU's matmul streams each micro-batch's touched experts (as stored) and then does the FMAs
+    cpu = (k * read * model.matrix_bytes_per_value(policy.compress_weight) / hw.cpu_read_bandwidth
+           + 2 * routed * s.tokens / hw.cpu_matmul_flops)
+    if policy.compress_weight:
+        cpu += k * read / hw.cpu_dequant_rate
+    return device, cpu
+
+
+def _streamed_expert_bytes(s: PassShape, policy: Policy, model: ModelSpec) -> float:
+    """Expert bytes of one layer read from the cpu or disk tier per unit fraction: all of them, or
+    with routed_expert_reads those some row of the pass routes to."""
+    experts = model.layer_expert_bytes(policy.compress_weight)
+    return experts * model.expert_touched_fraction(s.tokens) if policy.routed_expert_reads else experts
+
+
+def delegates_experts(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec) -> bool:
+    """Whether cpu_experts computes this pass's cpu-tier experts on the CPU: on a host compute device
+    always (it saves the memcpy into the working buffers); on a GPU machine where the CPU computes
+    them sooner than their bytes would cross host->device (few rows per expert: decode passes), the
+    pass's prompt chunks otherwise copying them as without the option. Both sides scale with w_cpu,
+    so the choice is the pass's, not the placement's."""
+    if not (policy.cpu_experts and model.num_experts):
+        return False
+    if hw.compute_on_host:
+        return True
+    return _expert_seconds(s, policy, model, hw)[1] < _streamed_expert_bytes(s, policy, model) / hw.host_to_device
+
+
+def _expert_copied_fraction(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec) -> np.ndarray:
+    """Share of the experts copied to the compute device's working buffers (see _layer_bytes_moved):
+    a delegating pass computes the cpu tier's part where it lives."""
+    delegated = delegates_experts(s, policy, model, hw)
+    if hw.compute_on_host:
+        return const(0.0) if delegated else f.w_cpu
+    return f.w_disk if delegated else f.w_off_gpu
+
+
+def _moe_resources(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec,
+                   gpu_before_experts: np.ndarray) -> dict[str, np.ndarray]:
+    """A MoE layer's expert compute and, under routed_expert_reads, its routed chain: the compute
+    before the experts, then the streamed expert bytes over the links they cross."""
+    device, cpu_seconds = _expert_seconds(s, policy, model, hw)
+    delegated = delegates_experts(s, policy, model, hw)
+    on_cpu = f.w_cpu if delegated else const(0.0)
+    out = {"gpu": (const(1.0) - on_cpu) * device, "cpu": on_cpu * cpu_seconds}
+    if delegated:  # every row's hidden state to the host, its expert output back
+        rows_bytes = s.tokens * model.hidden_bytes_per_token
+        out["device->host"] = const(rows_bytes / hw.device_to_host)
+        out["host->device"] = const(rows_bytes / hw.host_to_device)
+    if policy.routed_expert_reads and policy.overlap:
+        streamed = _streamed_expert_bytes(s, policy, model)
+        out[ROUTED] = gpu_before_experts + streamed * (
+            f.w_disk / hw.disk_to_host + _expert_copied_fraction(s, policy, model, hw) / hw.host_to_device)
+    return out
 
 
 def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
@@ -147,13 +244,26 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
         if policy.compress_kv:
             cpu_seconds += decode_kv_tokens * kv_values / hw.cpu_dequant_rate
         cpu = f.kv_off_gpu * cpu_seconds
-    return {"host->device": to_device / hw.host_to_device + _disk_read_cpu(policy, model, hw),
-            "device->host": to_host / hw.device_to_host,
-            "disk->host": disk_read / hw.disk_to_host, "host->disk": disk_write / hw.host_to_disk,
-            "gpu": gpu, "cpu": cpu}
+    out = {"host->device": to_device / hw.host_to_device + _disk_read_cpu(s, policy, model, hw),
+           "device->host": to_host / hw.device_to_host,
+           "disk->host": disk_read / hw.disk_to_host, "host->disk": disk_write / hw.host_to_disk,
+           "gpu": gpu, "cpu": cpu}
+    if model.num_experts:
+        for name, expr in _moe_resources(s, policy, model, hw, gpu).items():
+            out[name] = out.get(name, const(0.0)) + expr
+    return out
 
 
-def _disk_read_cpu(policy: Policy, model: ModelSpec, hw: HardwareSpec) -> np.ndarray:
+def _layer_streamed_bytes(s: PassShape, policy: Policy, model: ModelSpec) -> float:
+    """One layer's weight bytes a pass reads from the cpu or disk tier, per unit fraction: all of
+    them, less the experts no row routes to under routed_expert_reads."""
+    weight_bytes = model.layer_weight_bytes(policy.compress_weight)
+    if not model.num_experts:
+        return weight_bytes
+    return weight_bytes - model.layer_expert_bytes(policy.compress_weight) + _streamed_expert_bytes(s, policy, model)
+
+
+def _disk_read_cpu(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec) -> np.ndarray:
     """Seconds the computing cores lose per layer to the disk store's reader threads on a host
     compute device: every streamed disk weight byte costs `hw.disk_read_cpu` of CPU (O_DIRECT
     syscalls, page pinning, completions; 0.02-0.06 CPU s/GB measured beside the engine's passes on a
@@ -161,7 +271,7 @@ def _disk_read_cpu(policy: Policy, model: ModelSpec, hw: HardwareSpec) -> np.nda
     into the working buffers (host->device). Mapped KV/activation reads are not measured: not charged."""
     if not hw.compute_on_host:
         return const(0.0)  # a GPU machine's reader threads run beside the GPU, not on it
-    return f.w_disk * (model.layer_weight_bytes(policy.compress_weight) * hw.disk_read_cpu)
+    return f.w_disk * (_layer_streamed_bytes(s, policy, model) * hw.disk_read_cpu)
 
 
 def _layer_bytes_moved(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec):
@@ -176,7 +286,13 @@ def _layer_bytes_moved(s: PassShape, policy: Policy, model: ModelSpec, hw: Hardw
     # pinned staging buffers (a copy); on the host, O_DIRECT reads land in the 4096-aligned working
     # buffers themselves (offload/placement.py), so only cpu-tier weights are copied.
     copied_weights = f.w_cpu if hw.compute_on_host else f.w_off_gpu
-    to_device = (copied_weights * weight_bytes
+    to_device = copied_weights * weight_bytes
+    if model.num_experts:  # experts: only the streamed ones, and not those computed on the CPU
+        experts = model.layer_expert_bytes(policy.compress_weight)
+        streamed = _streamed_expert_bytes(s, policy, model)
+        to_device = copied_weights * (weight_bytes - experts) + _expert_copied_fraction(s, policy, model, hw) * streamed
+        weight_bytes = _layer_streamed_bytes(s, policy, model)  # what disk-tier weights read
+    to_device = (to_device
                  + f.kv_off_gpu * s.prior_kv_tokens * kv_bytes  # earlier chunks' KV for chunk attention
                  + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer input
     if cpu_attention:
@@ -245,7 +361,7 @@ def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> di
     kv_read_tokens = decode_rows * s.max_context + s.prior_kv_tokens / k
     cpu_attention = policy.cpu_attention and s.decode_tokens > 0
     # Streamed weights: the layer computing and the weight_prefetch ones loading (one without overlap).
-    stream_buffer = policy.weight_buffers * layer_weight_bytes
+    stream_buffer = policy.weight_buffers * model.largest_layer_weight_bytes(policy.compress_weight)
 
     gpu = (f.w_gpu * all_weight_bytes + const(model.embedding_bytes) + f.kv_gpu * kv_home
            + f.w_off_gpu * stream_buffer + working_bytes(s, run, policy, model))
@@ -261,5 +377,7 @@ def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> di
         if policy.compress_kv:
             workspace += decode_rows * s.max_context * model.kv_bytes_per_token(False)
         cpu = cpu + f.kv_off_gpu * workspace
+    if policy.cpu_experts and model.num_experts:  # a micro-batch's expert rows on the CPU (in any pass)
+        cpu = cpu + const(rows * (2 * hidden_bytes + 2 * model.ffn_activation_width * model.bytes_per_value))
     disk = f.w_disk * all_weight_bytes + f.kv_disk * kv_home + f.act_disk * act_home
     return {"gpu": gpu, "cpu": cpu, "disk": disk}

@@ -11,7 +11,8 @@ from policy_search.cost_model import RESOURCES, PassCost, pass_cost, time_terms
 from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTIONS, evaluate
 from policy_search.model_spec import ModelSpec
-from policy_search.passes import RunShape, run_shape
+from policy_search.pass_shape import RunShape
+from policy_search.passes import run_shape
 from policy_search.policy import TIERS, Policy
 from policy_search.workload import Workload
 
@@ -114,12 +115,14 @@ def estimate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
 
 
 _CHAIN_MEMBERS = {
+    "routed": ("gpu", "disk->host", "host->device"),  # cost_model.ROUTED
     "load": ("disk->host", "host->device"),
     "store": ("device->host", "host->disk"),
     "compute": ("gpu", "cpu"),
     "host": ("host->device", "cpu"),
 }
 _HOST_CHAIN_MEMBERS = {
+    "routed": ("gpu", "disk->host", "host->device"),
     "load": ("disk->host",),
     "store": ("host->disk",),
     "compute": ("gpu", "cpu", "host->device", "device->host"),

@@ -17,12 +17,13 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "cpu_matmul_flops": ..., "cpu_attention_flops": ...,
      "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...,
      "compute_on_host": false, "layer_overhead_seconds": 0.0, "disk_read_cpu_seconds_per_byte": 0.0,
-     "cpu_int4_matmul_flops": null}
+     "cpu_int4_matmul_flops": null, "cpu_memory_bandwidth_bytes_per_s": null}
 
 `memory_usable_fraction` (default 0.8), `compute_on_host` (default false),
 `layer_overhead_seconds`, `disk_read_cpu_seconds_per_byte` (default 0) and
 `cpu_int4_matmul_flops` (default null: no int4 kernel figure, 4-bit weights priced as
-dequantization + matmul) may be left out.
+dequantization + matmul) and `cpu_memory_bandwidth_bytes_per_s` (default null: see
+`cpu_read_bandwidth`) may be left out.
 """
 from __future__ import annotations
 
@@ -61,9 +62,11 @@ _JSON_KEYS = {
     "layer_overhead_seconds": "layer_overhead",
     "disk_read_cpu_seconds_per_byte": "disk_read_cpu",
     "cpu_int4_matmul_flops": "cpu_int4_matmul_flops",
+    "cpu_memory_bandwidth_bytes_per_s": "cpu_memory_bandwidth",
 }
 _OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds",
-                  "disk_read_cpu_seconds_per_byte", "cpu_int4_matmul_flops")
+                  "disk_read_cpu_seconds_per_byte", "cpu_int4_matmul_flops", "cpu_memory_bandwidth_bytes_per_s")
+_NULLABLE = ("cpu_int4_matmul_flops", "cpu_memory_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class HardwareSpec:
     gpu_attention_prefill_flops: float  # prompt (chunk) attention
     gpu_attention_decode_flops: float  # one query token against its cache (also bounded by HBM bytes)
     # CPU compute: delegated decode attention where the KV cache lives on the CPU (or disk)
-    cpu_matmul_flops: float  # recorded by profiles; passes never run matmuls on the CPU today
+    cpu_matmul_flops: float  # matmuls on the CPU: MoE experts computed where they live (cpu_experts)
     cpu_attention_flops: float
     # 4-bit group-wise dequantization (and quantization on store), values/s
     gpu_dequant_rate: float
@@ -115,6 +118,9 @@ class HardwareSpec:
     # cover the machine or dtype (and in presets and older profiles): 4-bit weights are then priced
     # as dequantization + matmul. Used for passes on the host with few rows (cost_model.py).
     cpu_int4_matmul_flops: float | None = None
+    # Bytes/s the CPU's matmuls stream weights from host memory at (cpu_experts: a decode micro-batch
+    # routes a few rows to each expert, so reading the expert bounds it). None: `cpu_read_bandwidth`.
+    cpu_memory_bandwidth: float | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -123,7 +129,7 @@ class HardwareSpec:
         for f in fields(self):
             if f.name in ("name", "notes"):
                 continue
-            if f.name == "cpu_int4_matmul_flops" and self.cpu_int4_matmul_flops is None:
+            if f.name in _NULLABLE and getattr(self, f.name) is None:
                 continue
             if f.name == "compute_on_host":
                 if not isinstance(self.compute_on_host, bool):
@@ -155,6 +161,14 @@ class HardwareSpec:
     @property
     def disk_budget(self) -> float:
         return self.disk_memory * self.memory_usable_fraction
+
+    @property
+    def cpu_read_bandwidth(self) -> float:
+        """cpu_memory_bandwidth where known; else on a host compute device its memory bandwidth (the
+        same memory), and on a GPU machine the host->device rate: no faster than the copy it saves."""
+        if self.cpu_memory_bandwidth is not None:
+            return self.cpu_memory_bandwidth
+        return self.gpu_memory_bandwidth if self.compute_on_host else self.host_to_device
 
     def budgets(self) -> dict[str, float]:
         return {"gpu": self.gpu_budget, "cpu": self.cpu_budget, "disk": self.disk_budget}
@@ -289,6 +303,8 @@ _T4 = HardwareSpec(
     cpu_attention_flops=0.0123 * TFLOPS,  # FlexGen cpu_flops (fitted on CPU attention)
     gpu_dequant_rate=T4_DEQUANT,
     cpu_dequant_rate=2e9,  # estimate: a few cores of vectorised unpack + fma
+    # estimate: one Skylake socket's 6 DDR4-2666 channels (128 GB/s peak), a third achieved by a VM's matmuls
+    cpu_memory_bandwidth=40 * GB,
     notes="FlexGen's T4 machine and fitted constants; disk read from GCP local-SSD docs (see source)",
 )
 
@@ -296,7 +312,7 @@ _T4 = HardwareSpec(
 def _datacenter(name: str, *, gpu_gib: float, hbm_gbps: float, dense_tflops: float,
                 fp32_tflops: float, pcie_gbps: float, cpu_gib: float, disk_gib: float,
                 disk_read_gbps: float, disk_write_gbps: float, cpu_attention_tflops: float,
-                notes: str) -> HardwareSpec:
+                cpu_memory_gbps: float, notes: str) -> HardwareSpec:
     hbm = hbm_gbps * GB * 0.8  # ~80% of datasheet HBM bandwidth is achievable by streaming kernels
     return HardwareSpec(
         name=name, gpu_memory=gpu_gib * GiB, cpu_memory=cpu_gib * GiB, disk_memory=disk_gib * GiB,
@@ -311,6 +327,7 @@ def _datacenter(name: str, *, gpu_gib: float, hbm_gbps: float, dense_tflops: flo
         cpu_matmul_flops=1.0 * TFLOPS,  # two-socket server, AVX-512/AMX, rough
         cpu_attention_flops=cpu_attention_tflops * TFLOPS,
         gpu_dequant_rate=hbm_gbps * GB * _DEQUANT_PER_HBM_BYTE, cpu_dequant_rate=8e9,
+        cpu_memory_bandwidth=cpu_memory_gbps * GB * 0.3,  # a third of the sockets' peak: rough
         notes=notes,
     )
 
@@ -319,24 +336,25 @@ PRESETS: dict[str, HardwareSpec] = {
     "t4": _T4,
     # A100 datasheet: 312 TFLOP/s dense bf16, 19.5 fp32; HBM2 1555 GB/s (40 GB), HBM2e 2039 GB/s (80 GB);
     # PCIe 4.0 x16 32 GB/s per direction. Host: 256/512 GB RAM, one PCIe 4.0 NVMe SSD (~3 GB/s read,
-    # ~2 GB/s write through a filesystem). CPU attention: 4x FlexGen's T4 host (more cores, DDR4-3200).
+    # ~2 GB/s write through a filesystem). CPU attention: 4x FlexGen's T4 host (more cores, DDR4-3200);
+    # CPU memory: two sockets x 8 DDR4-3200 channels = 410 GB/s peak (H100/H200 hosts: DDR5-4800, 614).
     "a100-40g": _datacenter("a100-40g", gpu_gib=40, hbm_gbps=1555, dense_tflops=312, fp32_tflops=19.5,
                             pcie_gbps=32, cpu_gib=256, disk_gib=2000, disk_read_gbps=3.0,
-                            disk_write_gbps=2.0, cpu_attention_tflops=0.05,
+                            disk_write_gbps=2.0, cpu_attention_tflops=0.05, cpu_memory_gbps=410,
                             notes="A100 40GB PCIe4 datasheet, derated; typical host assumed"),
     "a100-80g": _datacenter("a100-80g", gpu_gib=80, hbm_gbps=2039, dense_tflops=312, fp32_tflops=19.5,
                             pcie_gbps=32, cpu_gib=512, disk_gib=4000, disk_read_gbps=3.0,
-                            disk_write_gbps=2.0, cpu_attention_tflops=0.05,
+                            disk_write_gbps=2.0, cpu_attention_tflops=0.05, cpu_memory_gbps=410,
                             notes="A100 80GB datasheet, derated; typical host assumed"),
     # H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 fp32, HBM3 3.35 TB/s, PCIe 5.0 x16 64 GB/s.
     # Host: 1 TB DDR5, PCIe 4.0 NVMe (~6 GB/s read / 4 write datasheet, about 2/3 through a filesystem).
     "h100-80g": _datacenter("h100-80g", gpu_gib=80, hbm_gbps=3350, dense_tflops=989, fp32_tflops=67,
                             pcie_gbps=64, cpu_gib=1024, disk_gib=4000, disk_read_gbps=4.0,
-                            disk_write_gbps=2.5, cpu_attention_tflops=0.08,
+                            disk_write_gbps=2.5, cpu_attention_tflops=0.08, cpu_memory_gbps=614,
                             notes="H100 SXM datasheet, derated; typical host assumed"),
     # H200 datasheet: 141 GB HBM3e at 4.8 TB/s, same compute as H100 SXM, PCIe 5.0 x16.
     "h200": _datacenter("h200", gpu_gib=141e9 / GiB, hbm_gbps=4800, dense_tflops=989, fp32_tflops=67,
                         pcie_gbps=64, cpu_gib=2048, disk_gib=8000, disk_read_gbps=4.0,
-                        disk_write_gbps=2.5, cpu_attention_tflops=0.08,
+                        disk_write_gbps=2.5, cpu_attention_tflops=0.08, cpu_memory_gbps=614,
                         notes="H200 SXM datasheet, derated; typical host assumed"),
 }

@@ -56,6 +56,29 @@ def _llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab:
     }
 
 
+def _mixtral(hidden: int, layers: int, heads: int, ffn: int, max_pos: int, aux: float) -> dict:
+    # mistralai/Mixtral-8x7B-v0.1 and Mixtral-8x22B-v0.1 config.json (their published values:
+    # 8 experts, top 2, 8 KV heads, rope_theta 1e6, vocab 32000, untied, bfloat16)
+    return _llama(hidden, layers, heads, 8, ffn, vocab=32000, max_pos=max_pos, theta=1e6) | {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+        "num_experts_per_tok": 2, "sliding_window": None, "router_aux_loss_coef": aux,
+        "torch_dtype": "bfloat16"}
+
+
+def _qwen3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, **moe) -> dict:
+    # Qwen/Qwen3-* config.json: head_dim 128 whatever hidden / heads, rope_theta 1e6, rms_norm_eps
+    # 1e-6, vocab 151936, max_position_embeddings 40960, untied heads from 8B up, bfloat16
+    cfg = _llama(hidden, layers, heads, kv_heads, ffn, vocab=151936, max_pos=40960, theta=1e6,
+                 bos=151643, eos=151645) | {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 128,
+        "rms_norm_eps": 1e-6, "use_sliding_window": False, "sliding_window": None,
+        "max_window_layers": layers, "torch_dtype": "bfloat16"}
+    if moe:
+        cfg |= {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "norm_topk_prob": True, "router_aux_loss_coef": 0.001, **moe}
+    return cfg
+
+
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -76,15 +99,30 @@ KNOWN_MODELS: dict[str, dict] = {
                          bos=128000, eos=128001),
     "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336, vocab=128256, max_pos=131072, theta=500000.0,
                            bos=128000, eos=128001, rope_scaling=_LLAMA3_SCALING),
+    # Mixture of experts. Sources of the values (each file's config.json as published on the HF hub,
+    # cross-checked with copies found by the project's code search): Mixtral-8x7B-v0.1 (also
+    # transformers' MixtralConfig defaults and its printed module tree: 8 x w1/w3 14336 x 4096);
+    # Mixtral-8x22B-v0.1 (a verbatim copy in scaleapi/llm-engine's tests, transformers 4.40.0.dev0).
+    "mixtral-8x7b": _mixtral(4096, 32, 32, 14336, max_pos=32768, aux=0.02),
+    "mixtral-8x22b": _mixtral(6144, 56, 48, 16384, max_pos=65536, aux=0.001),
+    # Qwen3 (Qwen/Qwen3-8B, -32B, -30B-A3B, -235B-A22B config.json; cross-checked with THUDM/slime's
+    # Megatron argument files scripts/models/qwen3-*.sh: layers, hidden, ffn, heads, query groups,
+    # kv-channels 128, moe-ffn-hidden-size, top-k 8 of 128 experts, vocab 151936, rotary base 1e6).
+    "qwen3-8b": _qwen3(4096, 36, 32, 8, 12288),
+    "qwen3-32b": _qwen3(5120, 64, 64, 8, 25600),
+    "qwen3-30b-a3b": _qwen3(2048, 48, 32, 4, 6144, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=768),
+    "qwen3-235b-a22b": _qwen3(4096, 94, 64, 4, 12288, num_experts=128, num_experts_per_tok=8,
+                              moe_intermediate_size=1536),
 }
 
 
 def _normalise(name: str) -> str:
     name = name.strip().lower()
-    for prefix in ("dummy:", "facebook/", "meta-llama/"):
+    for prefix in ("dummy:", "facebook/", "meta-llama/", "mistralai/", "qwen/"):
         if name.startswith(prefix):
             name = name[len(prefix):]
-    return name.replace("llama-2-7b-hf", "llama-2-7b")
+    return name.replace("llama-2-7b-hf", "llama-2-7b").removesuffix("-v0.1")
 
 
 def known_config(name: str) -> dict:

@@ -2,17 +2,23 @@
 (`opt-175b`, `dummy:llama-2-7b`) or a checkpoint folder holding config.json.
 
 Two families, as the engine supports: OPT (`opt`; ReLU MLP of two matrices, biases, LayerNorm,
-learned positions) and LLaMA (`llama`, `mistral`, `qwen2`; gated SiLU MLP of three matrices, RMSNorm,
-grouped-query attention). Pure arithmetic: nothing here touches weights.
+learned positions) and LLaMA (`llama`, `mistral`, `qwen2`, `qwen3`; gated SiLU MLP of three matrices,
+RMSNorm, grouped-query attention). Pure arithmetic: nothing here touches weights.
+
+Mixture of experts (`mixtral`, `qwen2_moe`, `qwen3_moe`): `sparse_layers` of the layers replace the
+dense MLP by `num_experts` gated experts of width `expert_ffn_size`, a router (hidden x experts) and,
+in qwen2_moe, a shared expert with its sigmoid gate. Bytes count every expert; FLOPs only the
+`experts_per_token` (top-k) a token is routed to. Per-layer figures are means over the layers
+(placement fractions apply alike to every layer, so totals are exact); `expert_touched_fraction`
+gives the share of a layer's experts that some row of a batch routes to.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 from policy_search.errors import SpecError
-from policy_search.hf_config import DTYPE_BYTES, HFConfig
+from policy_search.hf_config import DTYPE_BYTES, HFConfig, read_config_json
 from policy_search.model_registry import KNOWN_MODELS, known_config
 from policy_search.quant_format import KV_FORMAT, WEIGHT_FORMAT, KVFormat, WeightFormat
 from policy_search.units import fmt_bytes
@@ -41,6 +47,13 @@ class ModelSpec:
     layer_norm_bias: bool = False  # LayerNorm (OPT) has a bias, RMSNorm (LLaMA) does not
     weight_format: WeightFormat = WEIGHT_FORMAT  # compressed weights (the engine's weight_quant)
     kv_format: KVFormat = KV_FORMAT  # compressed KV cache (the engine's kv_bits, block, kv_value_group)
+    qk_norm: bool = False  # qwen3: an RMSNorm weight over head_dim for q and for k in every layer
+    # Mixture of experts (0 experts: a dense model, the fields below stay 0)
+    num_experts: int = 0  # routed experts of each sparse layer
+    experts_per_token: int = 0  # top-k: experts each token is computed by
+    expert_ffn_size: int = 0  # one expert's gated FFN width
+    shared_expert_ffn_size: int = 0  # qwen2_moe: an expert every token uses, gated by sigmoid(h . g)
+    sparse_layers: int = 0  # layers with experts; the other num_layers - sparse_layers keep ffn_size
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -55,6 +68,24 @@ class ModelSpec:
             raise SpecError(f"ModelSpec.ffn_kind must be one of {FFN_KINDS}, got {self.ffn_kind!r}")
         if self.embed_dim < 0:
             raise SpecError(f"ModelSpec.embed_dim must be >= 0, got {self.embed_dim}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        fields = ("num_experts", "experts_per_token", "expert_ffn_size", "shared_expert_ffn_size", "sparse_layers")
+        for field in fields:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"ModelSpec.{field} must be a non-negative integer, got {value!r}")
+        if not self.num_experts:
+            if any(getattr(self, f) for f in fields):
+                raise SpecError("ModelSpec: expert fields are set but num_experts is 0")
+            return
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise SpecError(f"ModelSpec.experts_per_token={self.experts_per_token} must be in "
+                            f"[1, num_experts={self.num_experts}]")
+        if self.expert_ffn_size < 1 or not 1 <= self.sparse_layers <= self.num_layers:
+            raise SpecError(f"ModelSpec: a model with experts needs expert_ffn_size >= 1 and sparse_layers "
+                            f"in [1, {self.num_layers}], got {self.expert_ffn_size} and {self.sparse_layers}")
 
     # ---- per-layer shapes ------------------------------------------------------------------
     @property
@@ -70,18 +101,74 @@ class ModelSpec:
         return self.embed_dim or self.hidden_size
 
     @property
-    def layer_matrix_params(self) -> int:
-        """Parameters of one decoder layer's weight matrices (what matmuls read)."""
+    def attention_params(self) -> int:
         h = self.hidden_size
-        attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h  # q, k, v, o
-        ffn = (3 if self.ffn_kind == "gated" else 2) * h * self.ffn_size
-        return attention + ffn
+        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h  # q, k, v, o
+
+    @property
+    def dense_ffn_params(self) -> int:
+        """The MLP of a layer without experts."""
+        return (3 if self.ffn_kind == "gated" else 2) * self.hidden_size * self.ffn_size
+
+    @property
+    def expert_params(self) -> int:
+        """One expert: gate, up (hidden -> expert_ffn_size) and down."""
+        return 3 * self.hidden_size * self.expert_ffn_size
+
+    @property
+    def moe_shared_params(self) -> int:
+        """What every token of a sparse layer multiplies besides its experts: the router (hidden x
+        experts) and the shared expert with its gate (hidden x 1)."""
+        h, shared = self.hidden_size, self.shared_expert_ffn_size
+        return h * self.num_experts + (3 * h * shared + h if shared else 0)
+
+    def _per_layer(self, sparse: float, dense: float) -> float:
+        """Mean over the layers of a quantity that is `sparse` in a layer with experts, else `dense`."""
+        if self.sparse_layers == 0:
+            return dense
+        if self.sparse_layers == self.num_layers:
+            return sparse
+        return (self.sparse_layers * sparse + (self.num_layers - self.sparse_layers) * dense) / self.num_layers
+
+    @property
+    def layer_expert_params(self) -> float:
+        """Every routed expert of a layer (mean over layers): stored and streamed, not all computed."""
+        return self._per_layer(self.num_experts * self.expert_params, 0)
+
+    @property
+    def layer_routed_params(self) -> float:
+        """Expert parameters one token multiplies in a layer (top-k experts; mean over layers)."""
+        return self._per_layer(self.experts_per_token * self.expert_params, 0)
+
+    @property
+    def layer_dense_matrix_params(self) -> float:
+        """Matrices every token multiplies (attention, dense MLP, router, shared expert): all but the
+        routed experts (mean over layers)."""
+        return self.attention_params + self._per_layer(self.moe_shared_params, self.dense_ffn_params)
+
+    @property
+    def layer_matrix_params(self) -> int:
+        """Parameters of one decoder layer's weight matrices (what matmuls read), every expert included."""
+        return self.layer_dense_matrix_params + self.layer_expert_params
+
+    @property
+    def layer_active_matrix_params(self) -> float:
+        """Matrix parameters one token multiplies in a layer: the dense ones and its top-k experts."""
+        return self.layer_dense_matrix_params + self.layer_routed_params
+
+    def expert_touched_fraction(self, rows: float) -> float:
+        """Expected share of a sparse layer's experts that `rows` tokens route to, for uniform routing:
+        one token leaves a given expert out with probability 1 - k/E (k distinct of E), so `rows`
+        independent tokens touch it with probability 1 - (1 - k/E)^rows. 0 for a dense model."""
+        if not self.num_experts or rows <= 0:
+            return 0.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** rows
 
     @property
     def layer_vector_params(self) -> int:
         """Biases and norm weights of one layer: small, never quantized."""
         h = self.hidden_size
-        norms = 2 * h * (2 if self.layer_norm_bias else 1)
+        norms = 2 * h * (2 if self.layer_norm_bias else 1) + (2 * self.head_dim if self.qk_norm else 0)
         biases = 0
         if self.linear_bias:
             biases += self.q_dim + 2 * self.kv_dim + h + self.ffn_size + h
@@ -96,12 +183,21 @@ class ModelSpec:
     @property
     def largest_matrix_params(self) -> int:
         """The biggest single matrix: what one dequantization buffer must hold."""
-        return self.hidden_size * max(self.ffn_size, self.q_dim)
+        dense_ffn = self.ffn_size if self.sparse_layers < self.num_layers else 0
+        return self.hidden_size * max(dense_ffn, self.expert_ffn_size, self.shared_expert_ffn_size, self.q_dim)
 
     @property
-    def matmul_flops_per_token(self) -> int:
-        """FLOPs of one layer's matmuls for one token (2 per multiply-add)."""
-        return 2 * self.layer_matrix_params
+    def ffn_activation_width(self) -> int:
+        """Per token, the widest FFN intermediate (gate and up outputs are this wide each): the dense
+        MLP's, or the top-k experts' plus the shared expert's (tokens grouped by expert)."""
+        dense_ffn = self.ffn_size if self.sparse_layers < self.num_layers else 0
+        routed = self.experts_per_token * self.expert_ffn_size + self.shared_expert_ffn_size
+        return max(dense_ffn, routed if self.num_experts else 0)
+
+    @property
+    def matmul_flops_per_token(self) -> float:
+        """FLOPs of one layer's matmuls for one token (2 per multiply-add): routed experts only."""
+        return 2 * self.layer_active_matrix_params
 
     def attention_flops_per_pair(self) -> int:
         """FLOPs per (query token, key token) pair in one layer: QK^T and AV, 2 each per head dim."""
@@ -112,10 +208,24 @@ class ModelSpec:
         """K and V values one token adds to one layer's cache."""
         return 2 * self.kv_dim
 
+    def matrix_bytes_per_value(self, compressed: bool) -> float:
+        return self.weight_format.bytes_per_value if compressed else self.bytes_per_value
+
     def layer_weight_bytes(self, compressed: bool) -> float:
         """Stored bytes of one layer's weights: matrices group-wise (weight_format) when compressed."""
-        matrix_bytes = self.weight_format.bytes_per_value if compressed else self.bytes_per_value
-        return self.layer_matrix_params * matrix_bytes + self.layer_vector_params * self.bytes_per_value
+        return (self.layer_matrix_params * self.matrix_bytes_per_value(compressed)
+                + self.layer_vector_params * self.bytes_per_value)
+
+    def layer_expert_bytes(self, compressed: bool) -> float:
+        """The routed experts' share of layer_weight_bytes (mean over layers)."""
+        return self.layer_expert_params * self.matrix_bytes_per_value(compressed)
+
+    def largest_layer_weight_bytes(self, compressed: bool) -> float:
+        """The largest layer's bytes (a streamed layer's working buffer holds any layer)."""
+        ffn = max(self.dense_ffn_params if self.sparse_layers < self.num_layers else 0,
+                  self.num_experts * self.expert_params + self.moe_shared_params if self.num_experts else 0)
+        return ((self.attention_params + ffn) * self.matrix_bytes_per_value(compressed)
+                + self.layer_vector_params * self.bytes_per_value)
 
     def kv_bytes_per_token(self, compressed: bool) -> float:
         """Bytes one token's K and V take in one layer's cache (kv_format when compressed)."""
@@ -160,11 +270,23 @@ class ModelSpec:
         """All weights as stored: layers (maybe compressed) plus fp16 embeddings and head."""
         return self.num_layers * self.layer_weight_bytes(compressed) + self.embedding_bytes
 
+    @property
+    def num_active_params(self) -> float:
+        """Parameters one token is computed with: every expert but its top-k left out."""
+        return self.num_params - self.num_layers * (self.layer_expert_params - self.layer_routed_params)
+
     def describe(self) -> str:
+        ffn = f"{self.ffn_kind} FFN {self.ffn_size}"
+        if self.num_experts:
+            shared = f" + shared expert {self.shared_expert_ffn_size}" if self.shared_expert_ffn_size else ""
+            ffn = (f"{self.num_experts} experts (top-{self.experts_per_token}) x FFN {self.expert_ffn_size}"
+                   f"{shared} in {self.sparse_layers} of {self.num_layers} layers"
+                   + (f", dense FFN {self.ffn_size} in the others" if self.sparse_layers < self.num_layers else ""))
+        active = f", {self.num_active_params / 1e9:.2f}B active" if self.num_experts else ""
         return (f"{self.name}: {self.num_layers} layers, hidden {self.hidden_size}, "
                 f"{self.num_heads} heads ({self.num_kv_heads} KV) x {self.head_dim}, "
-                f"{self.ffn_kind} FFN {self.ffn_size}, vocab {self.vocab_size}, "
-                f"{self.num_params / 1e9:.2f}B params = {fmt_bytes(self.weight_bytes(False))} "
+                f"{ffn}, vocab {self.vocab_size}, "
+                f"{self.num_params / 1e9:.2f}B params{active} = {fmt_bytes(self.weight_bytes(False))} "
                 f"({fmt_bytes(self.weight_bytes(True))} {self.weight_format.bits}-bit)")
 
     # ---- construction ----------------------------------------------------------------------
@@ -180,6 +302,10 @@ class ModelSpec:
     def from_hf(cls, c: HFConfig, name: str, bytes_per_value: int | None = None) -> "ModelSpec":
         """From a parsed config (the runtime's ModelConfig is one)."""
         opt = c.family == "opt"
+        moe = c.moe
+        experts = {} if moe is None else dict(
+            num_experts=moe.num_experts, experts_per_token=moe.top_k, expert_ffn_size=moe.expert_ffn_size,
+            shared_expert_ffn_size=moe.shared_expert_ffn_size, sparse_layers=moe.sparse_layers(c.num_layers))
         return cls(name=name,
                    num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
                    num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=c.intermediate_size,
@@ -187,20 +313,14 @@ class ModelSpec:
                    bytes_per_value=DTYPE_BYTES[c.dtype_name] if bytes_per_value is None else bytes_per_value,
                    embed_dim=c.word_embed_proj_dim or 0, max_positions=c.max_position_embeddings,
                    learned_positions=opt, tie_embeddings=c.tie_word_embeddings,
-                   linear_bias=c.linear_bias, qkv_bias=c.qkv_bias, layer_norm_bias=opt)
+                   linear_bias=c.linear_bias, qkv_bias=c.qkv_bias, layer_norm_bias=opt,
+                   qk_norm=c.qk_norm, **experts)
 
     @classmethod
     def from_name(cls, name: str, bytes_per_value: int | None = None) -> "ModelSpec":
         """A registered name (`opt-30b`, `dummy:opt-175b`, `meta-llama/...`) or a checkpoint folder."""
         if os.path.isdir(name):
-            path = os.path.join(name, "config.json")
-            if not os.path.isfile(path):
-                raise SpecError(f"model folder {name} has no config.json")
-            try:
-                with open(path) as f:
-                    config = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise SpecError(f"{path} is not valid JSON: {exc}") from None
+            config, _ = read_config_json(name)
             return cls.from_config(config, name=os.path.basename(os.path.normpath(name)),
                                    bytes_per_value=bytes_per_value)
         try:

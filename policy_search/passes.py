@@ -5,7 +5,7 @@ whole in one pass, then decoded in lockstep for n-1 passes, every member padded 
 longest prompt and output. Decode passes are grouped into a few segments so the KV cache the
 estimate reads grows with the context instead of sitting at its mean.
 
-Decode-maximal (SARATHI, flexsarathi/scheduler.py): `max_running` = B counts every admitted sequence,
+Decode-maximal (SARATHI, flexsarathi/engine/scheduler.py): `max_running` = B counts every admitted sequence,
 prefilling or decoding; each pass carries one decode token per decoding sequence plus prompt tokens up
 to `prefill_budget`. By Little's law a request holds its slot for its prefill passes (1, or s / budget
 when its prompt is cut into chunks) plus its n-1 decode passes, so with budget >= s at most
@@ -24,46 +24,12 @@ len(prompts) <= B.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from policy_search.pass_shape import PassShape, RunShape
 from policy_search.policy import Policy
 from policy_search.workload import Workload
 
 DECODE_SEGMENTS = 4  # block decode passes are modelled in this many context segments
-
-
-@dataclass(frozen=True)
-class PassShape:
-    """The content of one pass; token counts are totals over all micro-batches."""
-    kind: str  # "prefill", "decode", "mixed", "ramp/drain"
-    count: float  # passes of this shape in the modelled run
-    decode_tokens: float  # sequences decoding one token each
-    prompt_tokens: float  # prompt tokens (whole prompts or chunks)
-    context: float  # mean KV tokens a decode token attends to, itself included
-    max_context: float  # longest context any sequence of this pass has (sizes KV buffers)
-    prior_kv_tokens: float  # KV tokens of earlier chunks that this pass's chunks read
-    prompt_pairs: float  # causal (query, key) pairs of the prompt tokens
-    sampled: float  # sequences that sample a token (LM head rows)
-    prompt_rows_per_sequence: float  # prompt rows of one sequence in this pass (attention scores)
-    micro_batches: int
-
-    @property
-    def tokens(self) -> float:
-        return self.decode_tokens + self.prompt_tokens
-
-
-@dataclass(frozen=True)
-class RunShape:
-    passes: tuple[PassShape, ...]
-    generated_tokens: float  # useful tokens the modelled run produces
-    requests: float  # requests the modelled run completes
-    kv_tokens: float  # KV-cache capacity reserved per layer, tokens
-    running: int  # sequences running at once (B)
-    steady_state: bool  # True when the run models an unbounded stream
-
-    @property
-    def total_passes(self) -> float:
-        return sum(p.count for p in self.passes)
 
 
 def steady_prefill_budget(policy: Policy, workload: Workload) -> int:

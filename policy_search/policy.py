@@ -42,6 +42,12 @@ class Policy:
     compress_weight: bool = False  # 4-bit group-wise weights, dequantized right before use
     compress_kv: bool = False  # 4-bit group-wise KV cache
     cpu_attention: bool = False  # decode attention runs on the CPU where the KV cache lives there
+    # Mixture of experts (no effect on dense models). routed_expert_reads: a layer's experts on the
+    # cpu or disk tier are read after its router ran, only those some row of the pass routes to.
+    # cpu_experts: the cpu tier's part of the experts is computed on the CPU where it lives (only
+    # activations cross, like cpu_attention) instead of being copied to the compute device.
+    routed_expert_reads: bool = False
+    cpu_experts: bool = False
     prefill_budget: int = 512  # prompt tokens per pass (decode-maximal scheduler)
     overlap: bool = True  # I/O of the next layer / micro-batch overlaps the current compute
     # Layers whose weights load ahead of the one computing (overlap on): each costs one more layer
@@ -75,7 +81,8 @@ class Policy:
             if abs(total - 1.0) > 1e-4:
                 parts = " + ".join(f"{n}={getattr(self, n):g}" for n in names)
                 raise PolicyError(f"Policy {kind} fractions must sum to 1: {parts} = {total:g}")
-        for name in ("compress_weight", "compress_kv", "cpu_attention", "overlap", "pin_weight"):
+        for name in ("compress_weight", "compress_kv", "cpu_attention", "overlap", "pin_weight",
+                     "routed_expert_reads", "cpu_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(f"Policy.{name} must be true or false, got {getattr(self, name)!r}")
         if self.kv_admission not in KV_ADMISSIONS:

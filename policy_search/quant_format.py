@@ -11,10 +11,6 @@ import math
 from dataclasses import dataclass
 
 GROUP_PARAM_BYTES = 2 * 2  # fp16 scale + fp16 minimum per group
-# On a CPU, a pass whose micro-batch has at most this many rows multiplies a 4-bit weight with
-# torch's int4 kernel (quant/cpu_matmul.py: dequantizes inside its tiles); more rows dequantize the
-# weight and run a dense matmul (the kernel's cost grows with the rows far faster than a GEMM's).
-CPU_INT4_KERNEL_MAX_ROWS = 64
 
 
 def group_bytes(bits: int, group_size: int) -> int:
@@ -55,12 +51,8 @@ class KVFormat:
 WEIGHT_FORMAT = WeightFormat()
 KV_FORMAT = KVFormat()
 
-# Rows (tokens) up to which a 4-bit weight held in the CPU int4 kernel's layout is multiplied by
-# that kernel (quant/int4pack.py); above it the weight is dequantized into a bf16 buffer and
-# multiplied by a bf16 GEMM. The kernel dequantizes inside its tiles, so its cost grows with the
-# rows far faster than a GEMM's. Measured on one opt-1.3b layer's linears, 1 thread, CPU time
-# (scripts/bench_quant_cpu.py --layer --threads 1 --cpu-time --rows 1 30 64 128 480), kernel
-# against dequantize + GEMM: 1 row 0.07x, 30 rows 0.50x, 64 rows 0.82x, 128 rows 1.29x, 480 rows
-# 2.13x; the crossover lies near 85 rows, and 64 is the last measured row count where the kernel
-# wins. The planner prices the same rule (a pass's linears use the kernel's rate up to here).
+# Rows up to which a 4-bit weight in the CPU int4 kernel's layout is multiplied by that kernel
+# (quant/int4pack.py), above it dequantized + bf16 GEMM: the kernel dequantizes inside its tiles,
+# so its cost grows with the rows far faster than a GEMM's (measured crossover: docs/BENCHMARKS.md,
+# "Offload benchmark"). The planner prices the same rule.
 CPU_INT4_KERNEL_MAX_ROWS = 64

@@ -2,7 +2,8 @@
 
 The discrete knobs are enumerated; the placement fractions of each knob setting are an LP (lp.py).
 
-  * combos: scheduler (block | decode-maximal) x compress_weight x compress_kv x cpu_attention;
+  * combos: scheduler (block | decode-maximal) x compress_weight x compress_kv x cpu_attention, and
+    for a model with experts x routed_expert_reads x cpu_experts;
   * for each combo, chains of one gpu_batch_size (powers of two, then 3/4 and 3/2 of each combo's
     best, where FlexGen's 48 x 3 lives), each chain running along num_gpu_batches from 1 to the most
     whose weights and KV cache fit all tiers together;
@@ -41,7 +42,8 @@ from policy_search.policy import SCHEDULERS, Policy
 from policy_search.units import fmt_bytes
 from policy_search.workload import Workload
 
-_BOOL_KNOBS = ("compress_weight", "compress_kv", "cpu_attention")
+_BOOL_KNOBS = ("compress_weight", "compress_kv", "cpu_attention", "routed_expert_reads", "cpu_experts")
+_MOE_KNOBS = ("routed_expert_reads", "cpu_experts")  # tried only where the model has experts
 _INT_KNOBS = ("gpu_batch_size", "num_gpu_batches", "prefill_budget")
 CONSTRAINTS = ("scheduler", "overlap", "pin_weight", "max_running") + _BOOL_KNOBS + _INT_KNOBS + FRACTIONS
 BOUND_SLACK = 1.02  # the proportionality bound holds up to small second-order terms (chunk re-reads)
@@ -63,6 +65,8 @@ class Combo:
     compress_weight: bool
     compress_kv: bool
     cpu_attention: bool
+    routed_expert_reads: bool = False
+    cpu_experts: bool = False
 
 
 @dataclass
@@ -103,7 +107,8 @@ class SearchResult:
 def search(model: ModelSpec, hardware: HardwareSpec, workload: Workload,
            **constraints) -> tuple[Policy, Estimate]:
     """Best policy and its estimate. `constraints` fix knobs: scheduler, compress_weight, compress_kv,
-    cpu_attention, overlap, gpu_batch_size, num_gpu_batches, prefill_budget, max_running (upper bound
+    cpu_attention, routed_expert_reads, cpu_experts, overlap, gpu_batch_size, num_gpu_batches,
+    prefill_budget, max_running (upper bound
     on gpu_batch_size x num_gpu_batches), pin_weight, or any placement fraction (w_gpu=0.2, ...)."""
     result = search_detailed(model, hardware, workload, **constraints)
     return result.policy, result.estimate
@@ -180,9 +185,11 @@ class _Searcher:
     def combos(self) -> list[Combo]:
         def values(name, default):
             return (self.constraints[name],) if name in self.constraints else default
+        moe = (False, True) if self.model.num_experts else (False,)
         return [Combo(*c) for c in itertools.product(
             values("scheduler", SCHEDULERS), values("compress_weight", (False, True)),
-            values("compress_kv", (False, True)), values("cpu_attention", (False, True)))]
+            values("compress_kv", (False, True)), values("cpu_attention", (False, True)),
+            *(values(name, moe) for name in _MOE_KNOBS))]
 
     def running_cap(self, combo: Combo) -> int:
         """Largest B whose weights and KV cache alone fit in all tiers together (a necessary condition)."""
@@ -309,7 +316,8 @@ class _Searcher:
     def knobs(self, combo: Combo, gbs: int, nb: int) -> Policy:
         base = Policy(gpu_batch_size=gbs, num_gpu_batches=nb, scheduler=combo.scheduler,
                       compress_weight=combo.compress_weight, compress_kv=combo.compress_kv,
-                      cpu_attention=combo.cpu_attention,
+                      cpu_attention=combo.cpu_attention, routed_expert_reads=combo.routed_expert_reads,
+                      cpu_experts=combo.cpu_experts,
                       overlap=self.constraints.get("overlap", True),
                       pin_weight=self.constraints.get("pin_weight", True))
         budget = self.constraints.get("prefill_budget")

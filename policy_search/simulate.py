@@ -5,7 +5,7 @@ The analytic model (passes.py) describes a run by its steady state and a ramp an
 content. With long-tailed lengths the drain is set by the longest outputs, a block schedule is set
 by the longest member of each block, and KV admission (lifetime reservation or on demand with
 preemption) bounds the running set by the cache rather than by the slots. So for a finite list of
-requests this module replays the scheduler's rules (flexsarathi/scheduler.py, block_manager.py):
+requests this module replays the scheduler's rules (flexsarathi/engine/scheduler.py, block_manager.py):
 
 - block: admit up to `max_running` requests whose whole lives (prompt + max_tokens) fit the cache,
   prefill them whole in one pass, decode in lockstep until all have stopped, next block;
@@ -27,7 +27,7 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from policy_search.passes import PassShape, RunShape
+from policy_search.pass_shape import PassShape, RunShape
 from policy_search.policy import Policy
 from policy_search.workload import Workload
 

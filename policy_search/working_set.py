@@ -1,6 +1,6 @@
 """The working set of a pass: compute-device bytes beyond the weights and the KV pools.
 
-One formula for the engine's budget check (flexsarathi/engine.py: every pass, and the largest pass
+One formula for the engine's budget check (flexsarathi/engine/llm_engine.py: every pass, and the largest pass
 a batch of requests can form, checked before any work) and the planner's memory model
 (cost_model._memory), in plain arithmetic on model dims: the engine passes numbers, the planner
 affine expressions in the placement fractions (policy_search/linear.py). What it charges is what
@@ -24,7 +24,7 @@ from policy_search.policy import TIERS, Policy
 
 LOGIT_BYTES = 4  # logits are kept in fp32
 SCORE_BYTES = 4  # attention scores and the K/V copies they are computed from are fp32
-QUERY_BLOCK = 256  # query rows per score buffer (flexsarathi/attention.py _QUERY_BLOCK)
+QUERY_BLOCK = 256  # query rows per score buffer (flexsarathi/models/attention.py _QUERY_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,10 @@ class WorkingSet:
 def working_set(model: ModelSpec, tokens: PassTokens, compress_kv: bool) -> WorkingSet:
     """Bytes of the pass's working set, in the model's compute dtype (ModelSpec.bytes_per_value)."""
     h, item = model.hidden_size, model.bytes_per_value
-    # input, output, q, k, v, the two FFN activations of one micro-batch, the next one's input
-    layer = tokens.widest * (3 * h + model.q_dim + 2 * model.kv_dim + 2 * model.ffn_size) * item
+    # input, output, q, k, v, the two FFN activations of one micro-batch (a MoE layer's: every
+    # routed expert's rows, and the router's logits), the next one's input
+    ffn = 2 * model.ffn_activation_width + model.num_experts
+    layer = tokens.widest * (3 * h + model.q_dim + 2 * model.kv_dim + ffn) * item
     # K and V gathered, and a second K for compressed pools (earlier blocks dequantized)
     context = (3 if compress_kv else 2) * tokens.context_slots * model.kv_dim * item
     attention = (tokens.attention_slots * 2 * model.kv_dim

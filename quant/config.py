@@ -45,3 +45,8 @@ class QuantConfig:
 
 def _not_int(value: object) -> bool:
     return isinstance(value, bool) or not isinstance(value, int)
+
+
+# The engine's weight format: grouped along the input dimension (docs/DESIGN.md, "Quantization");
+# bits and group size are the ones the planner prices (policy_search/quant_format.py).
+WEIGHT_QUANT = QuantConfig(bits=WEIGHT_FORMAT.bits, group_size=WEIGHT_FORMAT.group_size, group_dim=-1)

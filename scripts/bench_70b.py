@@ -64,12 +64,12 @@ import torch  # noqa: E402
 from bench_offload import (Pass, Rates, best_rates, cpu_per_gb, cpu_seconds, disk_read_bytes,  # noqa: E402
                            drop_cache_of, instrument, machine_busy_seconds, measure_disk_buffered,
                            measure_matmul, release_free_memory)
-from flexsarathi.machine_info import cpu_line  # noqa: E402
-from flexsarathi.profiler import read_store_rate  # noqa: E402
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
+from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
-from flexsarathi.checkpoint import DummyWeights  # noqa: E402
-from flexsarathi.cli_common import describe_policy  # noqa: E402
-from flexsarathi.engine import WEIGHT_QUANT  # noqa: E402
+from flexsarathi.models.checkpoint import DummyWeights  # noqa: E402
+from flexsarathi.cli.engine_args import describe_policy  # noqa: E402
+from quant.config import WEIGHT_QUANT  # noqa: E402
 from flexsarathi.llm import planner_model_spec  # noqa: E402
 from offload.disk_store import DiskStore  # noqa: E402
 from policy_search import HardwareSpec, Workload, search  # noqa: E402
@@ -141,7 +141,7 @@ def load_profile(args, spec) -> HardwareSpec:
     if args.profile and os.path.exists(args.profile):
         say(f"profile: {args.profile} (loaded)")
         return HardwareSpec.load(args.profile)
-    from flexsarathi.profiler import profile_machine
+    from flexsarathi.machine.profiler import profile_machine
 
     say("profile: measuring this machine" + (f" (saved to {args.profile})" if args.profile else ""))
     profile = profile_machine(args.offload_dir, dtype=torch.bfloat16, model=spec, prompt_len=args.prompt_len,

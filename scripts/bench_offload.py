@@ -71,7 +71,7 @@ How it is made honest on this machine (CPU only; see docs "Measuring honestly on
   every overhead are not in the bound, so they show as measured / bound > 1.
 * Dtype: --dtype auto (default) computes in what LLM(dtype="auto") picks on this CPU (bf16 where
   its matmuls are clearly faster than fp32, e.g. AVX-512 BF16; fp32 on an AVX2-only CPU, where bf16
-  is emulated; flexsarathi/dtype_choice.py), or float32 / bfloat16. Both engines, both offload
+  is emulated; flexsarathi/machine/dtype_choice.py), or float32 / bfloat16. Both engines, both offload
   folders and every byte count (weights streamed, KV, budgets, the memory limit, Accelerate's batch,
   the bound) use it; the header names the CPU, its flags and the dtype.
 * Our policy: all prompts running at once (decode-maximal scheduler, one micro-batch: on a CPU
@@ -126,10 +126,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
-from flexsarathi.checkpoint import DummyWeights  # noqa: E402
-from flexsarathi.profiler import read_store_rate  # noqa: E402
-from flexsarathi.engine import resolve_dtype  # noqa: E402
-from flexsarathi.machine_info import cpu_line  # noqa: E402
+from flexsarathi.models.checkpoint import DummyWeights  # noqa: E402
+from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
+from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from offload.disk_store import DiskStore, drop_page_cache  # noqa: E402
 from offload.host_malloc import host_malloc_state  # noqa: E402
 from policy_search import Policy  # noqa: E402
@@ -627,7 +627,7 @@ def hf_config(name: str):
 
 def hf_state_from_dummy(dummy: DummyWeights, layer: int | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF names -> `dtype` tensors of the same dummy weights our engine uses (qkv split in three)."""
-    math_ = dummy.math
+    math_ = dummy.model
     if layer is None:
         src, names = dummy.global_weights(dtype), math_.hf_global_names()
     else:

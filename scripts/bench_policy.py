@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flexsarathi.machine_info import cpu_line  # noqa: E402
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate, search_detailed  # noqa: E402
 
 # FlexGen (ICML'23) Table 2 / benchmark/flexgen/bench_suite.py: T4 16 GB, 208 GB RAM, 1.5 TB SSD.

@@ -14,7 +14,7 @@ measured median pass time with the resource the planner says bounds it.
 How it is set up
 ----------------
 * Profile: `--profile PATH` is loaded when it exists; otherwise this machine is measured first
-  (`flexsarathi.profiler.profile_machine`: the model's layer shapes in the run's dtype (--dtype,
+  (`flexsarathi.machine.profiler.profile_machine`: the model's layer shapes in the run's dtype (--dtype,
   default auto: what LLM(dtype='auto') computes in on this CPU), attention on the
   workload's prompt length and decode context) and saved there. On a
   busy machine prefer measuring in the same run: the rates then see the same neighbours as the runs.
@@ -50,9 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
-from flexsarathi.engine import resolve_dtype  # noqa: E402
-from flexsarathi.machine_info import cpu_line  # noqa: E402
-from flexsarathi.profiler import profile_machine  # noqa: E402
+from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
+from flexsarathi.machine.profiler import profile_machine  # noqa: E402
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate  # noqa: E402
 from policy_search.passes import steady_prefill_budget  # noqa: E402
 from policy_search.units import GiB  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from flexsarathi.machine_info import cpu_line  # noqa: E402
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from quant import QuantConfig, dequantize, quantize  # noqa: E402
 
 WEIGHT_SHAPE = (4096, 4096)  # a LLaMA-7B-sized projection [out_features, in_features]
@@ -102,7 +102,7 @@ def bench_quality(args: argparse.Namespace) -> list[Row]:
     along the head dimension (8 values per head here); K per channel over one KV block of tokens
     (the block size is the K group: 16 by default, 64 for "g64")."""
     from flexsarathi import LLM
-    from flexsarathi.perplexity import perplexity, split_documents
+    from flexsarathi.cli.perplexity import perplexity, split_documents
     from policy_search import Policy
 
     repo = Path(__file__).resolve().parents[1]
@@ -153,7 +153,7 @@ def _fake_quantized_perplexity(model: Path, docs: list[str], config: QuantConfig
     from safetensors.torch import load_file, save_file
 
     from flexsarathi import LLM
-    from flexsarathi.perplexity import perplexity
+    from flexsarathi.cli.perplexity import perplexity
     from policy_search import Policy
 
     with tempfile.TemporaryDirectory() as tmp:

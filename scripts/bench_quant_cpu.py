@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from flexsarathi.machine_info import cpu_line  # noqa: E402
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from quant import QuantConfig, quantize, quantized_linear  # noqa: E402
 from quant.cpu_matmul import layout_matches_torch, linear_4bit, pack_for_cpu_kernel  # noqa: E402
 from quant.int4pack import dequantize_int4pack  # noqa: E402

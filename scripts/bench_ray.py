@@ -52,8 +52,8 @@ def main() -> None:
     import ray
     import torch
 
-    from flexsarathi.engine import resolve_dtype
-    from flexsarathi.machine_info import cpu_line
+    from flexsarathi.engine.llm_engine import resolve_dtype
+    from flexsarathi.machine.cpu_info import cpu_line
 
     # Every command below computes in what dtype auto picks (per thread count: each actor's own).
     print(f"bench_ray: {cpu_line(resolve_dtype('auto', torch.float32, torch.device('cpu')))}", flush=True)

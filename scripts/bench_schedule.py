@@ -49,8 +49,8 @@ import torch  # noqa: E402
 
 from bench_offload import disk_read_bytes, drop_cache_of, machine_busy_seconds, cpu_seconds  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
-from flexsarathi.engine import resolve_dtype  # noqa: E402
-from flexsarathi.machine_info import cpu_line  # noqa: E402
+from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate  # noqa: E402
 from policy_search.passes import steady_prefill_budget  # noqa: E402
 
@@ -282,7 +282,7 @@ def load_profile(args, model: ModelSpec) -> HardwareSpec | None:
     if args.profile and os.path.exists(args.profile):
         say(f"profile: {args.profile} (loaded)")
         return HardwareSpec.load(args.profile)
-    from flexsarathi.profiler import profile_machine
+    from flexsarathi.machine.profiler import profile_machine
 
     say("profile: measuring this machine" + (f" (saved to {args.profile})" if args.profile else ""))
     spec = profile_machine(args.offload_dir, dtype=args.torch_dtype, model=model, log=lambda line: say("  " + line))

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from flexsarathi.machine_info import cpu_line  # noqa: E402
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from offload.disk_store import DiskStore  # noqa: E402
 from offload.host_buffer import aligned_empty  # noqa: E402
 

@@ -17,6 +17,24 @@ SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
 TINYSTORIES_TEXT = SHARED / "data" / "tinystories_valid_head.txt"
 
+# `python -c KILLED_AFTER_RECORDS N ARGS...` runs `flexsarathi ARGS...` and SIGKILLs itself right after
+# its N-th record is written and flushed: kill -9 at a named point of the job, never on a timer.
+KILLED_AFTER_RECORDS = """
+import os, signal, sys
+from flexsarathi.cli import result_file
+from flexsarathi.cli.main import main
+after, append, written = int(sys.argv[1]), result_file.ResultFile.append, []
+
+def append_then_die(self, record):
+    append(self, record)
+    written.append(record)
+    if len(written) == after:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+result_file.ResultFile.append = append_then_die
+sys.exit(main(sys.argv[2:]))
+"""
+
 # Small configs of every supported family and variant. Each is built with transformers (the
 # reference implementation), given random weights and saved with save_pretrained (safetensors).
 TINY_CONFIGS = {
@@ -53,12 +71,35 @@ TINY_CONFIGS["llama_blocks64"] = dict(TINY_CONFIGS["llama_gqa_untied"], hidden_s
                                       num_hidden_layers=4, max_position_embeddings=128)
 
 
-# The CPU compute dtype's cache (flexsarathi/dtype_choice.py) in a folder of this run, set when
+# The CPU compute dtype's cache (flexsarathi/machine/dtype_choice.py) in a folder of this run, set when
 # this file is imported (before test modules copy os.environ for their subprocesses and Ray actors):
 # the suite neither reads nor writes the user's ~/.cache choice. Removed at exit.
 TEST_CACHE_DIR = tempfile.mkdtemp(prefix="flexsarathi-test-cache-")
 os.environ["FLEXSARATHI_CACHE_DIR"] = TEST_CACHE_DIR
 atexit.register(shutil.rmtree, TEST_CACHE_DIR, ignore_errors=True)
+
+
+def raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def on_call(owner, name: str, at_call: int, action):
+    """owner.name (a method or function attribute) runs `action()` on its at_call-th call, then
+    itself as before (unless action raised); restored on exit. Yields the list of calls so far."""
+    real, calls, own = getattr(owner, name), [], name in vars(owner)
+
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == at_call:
+            action()
+        return real(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+    try:
+        yield calls
+    finally:
+        setattr(owner, name, real) if own else delattr(owner, name)
 
 
 @contextlib.contextmanager

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from flexsarathi.batch_builder import wants_prompt_logprobs
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.engine.micro_batch_builder import wants_prompt_logprobs
+from flexsarathi.engine.sampling import SamplingParams
 
 # prompt_logprobs makes every prompt row a logit row; one greedy token ends each request.
 SCORE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=True)

@@ -3,7 +3,7 @@ fixed function of (i, p), as greedy decoding of a real model is a function of th
 So every uninterrupted run gives each sequence the same tokens, and a preempted or forked one must too."""
 from __future__ import annotations
 
-from flexsarathi.sequence import Sequence
+from flexsarathi.engine.sequence import Sequence
 
 
 def sampled_token(seq_id: int, position: int) -> int:

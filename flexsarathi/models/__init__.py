@@ -1,5 +1,5 @@
 """Model families as pure math (see base.py for the contract)."""
-from flexsarathi.model_config import ModelConfig
+from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models.base import ModelMath, Weights
 from flexsarathi.models.llama import LlamaMath
 from flexsarathi.models.opt import OPTMath

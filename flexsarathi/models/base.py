@@ -7,7 +7,7 @@ cache, on the compute device or the CPU) and the model never knows where a weigh
     for each layer:
         q, k, v = qkv(layer, hidden, positions)                # [T, heads|kv_heads, head_dim]
         attn = attend(q, k_ctx, v_ctx, ...)                     # per sequence, against the cache
-        hidden = finish(layer, hidden, attn)                    # o_proj, residual, MLP
+        hidden = post_attention(layer, hidden, attn)            # o_proj, residual, MLP
     logits = logits(globals, hidden[rows])                      # [rows, vocab] fp32
 
 Weights are dicts of canonical names (`qkv_proj.weight`, ...); q/k/v and gate/up projections are
@@ -19,8 +19,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from flexsarathi import attention
-from flexsarathi.model_config import ModelConfig
+from flexsarathi.models import attention
+from flexsarathi.models.model_config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
 
@@ -60,7 +60,7 @@ class ModelMath(ABC):
         ...
 
     @abstractmethod
-    def finish(self, w: Weights, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def post_attention(self, w: Weights, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         ...
 
     @abstractmethod

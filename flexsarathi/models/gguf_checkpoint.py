@@ -1,5 +1,6 @@
-"""`GGUFCheckpoint`: a GGUF file as a weight source (flexsarathi/checkpoint.py's contract), plus
-its tokenizer, so that `LLM("model.gguf")` needs nothing else.
+"""`GGUFCheckpoint`: a GGUF file as a weight source (models/checkpoint.py's contract); with the
+tokenizer models/gguf_tokenizer.py builds from the same file, `LLM("model.gguf")` needs nothing else
+(models/opened_model.py opens both).
 
 Layer matrices of a code-mapped type come as `QTensor`s with their own `QuantConfig` (group 32 or
 16: models/gguf_quants.py; K-quants only for an engine that stores weights compressed, as their
@@ -11,7 +12,6 @@ embeddings and the output head come as floats: gguf's own dequantization, cast t
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import sys
@@ -19,33 +19,16 @@ import sys
 import numpy as np
 import torch
 
-from flexsarathi.checkpoint import WeightSource
+from flexsarathi.models.checkpoint import WeightSource
 from flexsarathi.errors import CheckpointError
-from flexsarathi.model_config import ModelConfig
+from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models import build_model_math
-from flexsarathi.models.gguf_file import GGUFFile, GGUFTensor, gguf_name, hf_config, qk_heads, unpermute_rows
+from flexsarathi.models.gguf_file import GGUFTensor, gguf_name, hf_config, open_gguf, qk_heads, unpermute_rows
 from flexsarathi.models.gguf_quants import CONVERTED_TYPES, check_type, conversion_error, to_codes, to_float, \
     to_qtensor
 from quant import QTensor
 
 ERROR_ROWS = 256  # rows of each first-layer K-quant tensor whose conversion error is measured
-
-
-@functools.lru_cache(maxsize=4)
-def _open(path: str, stamp: tuple) -> GGUFFile:
-    return GGUFFile(path)
-
-
-def open_gguf(path: str) -> GGUFFile:
-    """The file parsed once per (path, size, mtime): the weight source and the tokenizer share it."""
-    st = os.stat(path) if os.path.isfile(path) else None
-    return _open(os.path.realpath(path), (st.st_size, st.st_mtime_ns) if st else None)
-
-
-def gguf_tokenizer(path: str):
-    from flexsarathi.models.gguf_tokenizer import build_gguf_tokenizer
-
-    return build_gguf_tokenizer(open_gguf(path).metadata, path)
 
 
 class GGUFCheckpoint(WeightSource):
@@ -56,13 +39,13 @@ class GGUFCheckpoint(WeightSource):
         self.path, self.convert_k_quants = path, convert_k_quants
         self.gguf = open_gguf(path)
         self.config = ModelConfig.from_hf(hf_config(self.gguf), source=path)
-        self.math = build_model_math(self.config)
+        self.model = build_model_math(self.config)
         self._report = report or (lambda line: print(line, file=sys.stderr, flush=True))
         self.conversion_errors: dict[str, float] = {}  # K-quant type -> largest |error| measured
         self._validate()
         if "rope_freqs.weight" in self.gguf.tensors:  # llama3-style scaling as llama.cpp stores it
             factors = to_float(*self._raw("rope_freqs.weight")).float()
-            self.math.inv_freq = self.math.inv_freq / factors
+            self.model.inv_freq = self.model.inv_freq / factors
 
     @property
     def fingerprint(self) -> str:
@@ -78,8 +61,8 @@ class GGUFCheckpoint(WeightSource):
 
     def _validate(self) -> None:
         """Every tensor the model needs: present, of a supported type, of the config's shape."""
-        expected = [(self.math.hf_global_names(), self.math.global_shapes())]
-        expected += [(self.math.hf_layer_names(i), self.math.layer_shapes()) for i in range(self.config.num_layers)]
+        expected = [(self.model.hf_global_names(), self.model.global_shapes())]
+        expected += [(self.model.hf_layer_names(i), self.model.layer_shapes()) for i in range(self.config.num_layers)]
         for names, shapes in expected:
             for canonical, parts in names.items():
                 tensors = [self.gguf.tensor(gguf_name(hf)) for hf in parts]
@@ -93,12 +76,12 @@ class GGUFCheckpoint(WeightSource):
                                           f"metadata implies")
 
     def global_weights(self, dtype):
-        return {k: self._dense(parts, dtype) for k, parts in self.math.hf_global_names().items()}
+        return {k: self._dense(parts, dtype) for k, parts in self.model.hf_global_names().items()}
 
     def layer_weights(self, layer, dtype):
-        shapes = self.math.layer_shapes()
+        shapes = self.model.layer_shapes()
         return {k: (self._coded(parts, dtype) if len(shapes[k]) == 2 else None) or self._dense(parts, dtype)
-                for k, parts in self.math.hf_layer_names(layer).items()}
+                for k, parts in self.model.hf_layer_names(layer).items()}
 
     def _dense(self, hf_names: list[str], dtype: torch.dtype) -> torch.Tensor:
         pieces = []

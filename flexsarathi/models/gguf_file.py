@@ -9,6 +9,7 @@ the HF checkpoint's, as transformers' GGUF loader does.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -79,6 +80,18 @@ class GGUFFile:
         if name not in self.tensors:
             raise CheckpointError(f"tensor {name} is missing from {self.path}")
         return self.tensors[name]
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: str, stamp: tuple | None) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """The file parsed once per (path, size, mtime): the weight source, the tokenizer and the
+    planner share it."""
+    st = os.stat(path) if os.path.isfile(path) else None
+    return _open(os.path.realpath(path), (st.st_size, st.st_mtime_ns) if st else None)
 
 
 def split_parts(path: str) -> list[str]:

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from flexsarathi.model_config import RopeConfig
+from flexsarathi.models.model_config import RopeConfig
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:

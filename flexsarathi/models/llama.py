@@ -70,7 +70,7 @@ class LlamaMath(ModelMath):
         q, k, v = self._split_qkv(linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")))
         return apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq), v
 
-    def finish(self, w: Weights, hidden, attn):
+    def post_attention(self, w: Weights, hidden, attn):
         hidden = hidden + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
         x = rms_norm(hidden, w["mlp_norm.weight"], self.config.norm_eps)
         gate, up = linear(x, w["gate_up_proj.weight"], w.get("gate_up_proj.bias")).chunk(2, dim=-1)

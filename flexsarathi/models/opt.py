@@ -82,7 +82,7 @@ class OPTMath(ModelMath):
             x = layer_norm(x, w["attn_norm.weight"], w["attn_norm.bias"], self.config.norm_eps)
         return self._split_qkv(linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")))
 
-    def finish(self, w: Weights, hidden, attn):
+    def post_attention(self, w: Weights, hidden, attn):
         eps, pre = self.config.norm_eps, self.config.pre_norm
         hidden = hidden + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
         if not pre:

@@ -11,7 +11,7 @@ import ray.data
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.ray.actors import EngineActor, map_with_engines
 from flexsarathi.ray.spec import EngineSpec, job_dtype
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.engine.sampling import SamplingParams
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_input_tokens",
                   "num_generated_tokens", "error")
@@ -54,9 +54,9 @@ def build_processor(model: str, *, sampling: SamplingParams | dict | None = None
     for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise FlexSarathiError(f"build_processor({name}=...) must be an integer >= 1, got {value!r}")
-    from flexsarathi.checkpoint import open_weight_source
+    from flexsarathi.models.opened_model import open_model
 
-    dtype = job_dtype(dtype, open_weight_source(model).config.checkpoint_dtype, device, num_gpus)  # one for all actors
+    dtype = job_dtype(dtype, open_model(model).source.config.checkpoint_dtype, device, num_gpus)  # one for all actors
     spec_hw = hardware if hardware is None or isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
     if policy == "auto":
         policy = LLM.search_policy(model, spec_hw, workload, dtype)

@@ -47,10 +47,10 @@ class EngineSpec:
 def job_dtype(dtype, checkpoint_dtype: torch.dtype, device, num_gpus: float) -> str:
     """The one compute dtype of a Ray job, resolved on the driver and shipped to every actor: an
     explicit dtype as given; auto on GPU actors (given GPUs, or device cuda) the checkpoint's half
-    dtype, on CPU actors this machine's measured choice (flexsarathi/dtype_choice.py). Resolved per
+    dtype, on CPU actors this machine's measured choice (flexsarathi/machine/dtype_choice.py). Resolved per
     actor instead, actors on unlike CPUs (or one measuring while its neighbours load the machine)
     could compute in different dtypes and the job's records would depend on where each ran."""
-    from flexsarathi.engine import resolve_device, resolve_dtype
+    from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
 
     if device is None:
         actor_device = torch.device("cuda" if num_gpus > 0 else "cpu")
@@ -63,7 +63,7 @@ def claim_offload_folder(base: str | None) -> tuple[str, int]:
     """(folder, lock fd): the first `<base>/actor-<k>` no live process holds. Engines sharing a
     node must not write one disk store at once; the lock dies with the process, so a restarted
     actor reclaims a folder and reuses the weights already placed there. Keep the fd open."""
-    from flexsarathi.engine import DEFAULT_OFFLOAD_DIR
+    from flexsarathi.engine.llm_engine import DEFAULT_OFFLOAD_DIR
 
     base = base or DEFAULT_OFFLOAD_DIR
     os.makedirs(base, exist_ok=True)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexsarathi import LLM, FlexSarathiError, SamplingParams, attention
+from flexsarathi import LLM, FlexSarathiError, SamplingParams
+from flexsarathi.models import attention
 from policy_search import Policy
+from tests.conftest import on_call, raise_keyboard_interrupt
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def test_degenerate_sampling_equals_greedy(llm):
 
 
 def test_sampling_follows_the_distribution():
-    from flexsarathi.sampling import sample
+    from flexsarathi.engine.sampling import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))
     gen = torch.Generator().manual_seed(0)
@@ -116,21 +118,6 @@ def test_close_releases_the_engine_and_refuses_new_work(tiny_checkpoint, tmp_pat
 
 
 # ---- the engine's one scheduler across calls ---------------------------------------------------
-def _interrupting(math, at_call: int):
-    """Wraps the model's `finish` (per layer and micro-batch) to raise KeyboardInterrupt on its
-    at_call-th call; returns the original to restore."""
-    finish, calls = math.finish, []
-
-    def interrupted(*args):
-        calls.append(1)
-        if len(calls) == at_call:
-            raise KeyboardInterrupt
-        return finish(*args)
-
-    math.finish = interrupted
-    return finish
-
-
 @pytest.mark.parametrize("at_call", [1, 7, 20])
 def test_an_interrupted_generate_leaks_no_kv_block_and_the_next_equals_a_fresh_engine(tiny_checkpoint, at_call):
     """The engine keeps its scheduler across calls: an interrupt mid-generate (n=2 forks sharing
@@ -142,12 +129,9 @@ def test_an_interrupted_generate_leaks_no_kv_block_and_the_next_equals_a_fresh_e
     fresh = [o.outputs for o in LLM(folder, policy=policy).generate(prompts, params, use_tqdm=False)]
     llm = LLM(folder, policy=policy)
     engine = llm.engine
-    finish = _interrupting(engine.math, at_call)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        engine.math.finish = finish
+    with on_call(engine.model, "post_attention", at_call, raise_keyboard_interrupt), \
+            pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
     assert not engine.has_unfinished() and engine.blocks.idle
     assert engine.blocks.num_free == engine.blocks.num_blocks > 0
     again = [o.outputs for o in llm.generate(prompts, params, use_tqdm=False)]

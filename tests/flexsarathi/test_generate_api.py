@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from flexsarathi import LLM, FlexSarathiError, SamplingParams
-from flexsarathi.sampling import sample_seed
-from flexsarathi.tokenizer import IncrementalDetokenizer
+from flexsarathi.engine.sampling import sample_seed
+from flexsarathi.models.tokenizer import IncrementalDetokenizer
 from policy_search import Policy
 
 PROMPTS = ["Once upon a time", "Lily wanted to", "The little dog", "One day, a big bird"]

@@ -2,7 +2,7 @@
 allocates: the same compute dtype and the same compressed KV-pool bytes, for 4- and 8-bit KV."""
 import pytest
 
-from flexsarathi.engine import EngineConfig, LLMEngine
+from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine
 from flexsarathi.llm import planner_model_spec
 from offload.kv_cache import KVPool
 from policy_search.policy import Policy
@@ -34,7 +34,7 @@ def test_planner_prices_the_kv_pool_the_engine_allocates(tiny_checkpoint, tmp_pa
 ])
 def test_engine_reserves_the_planners_worst_pass_working_set(tiny_checkpoint, tmp_path, policy):
     """The engine's fail-early check reserves policy_search.working_set's bytes for the largest pass."""
-    from flexsarathi.sampling import SamplingParams
+    from flexsarathi.engine.sampling import SamplingParams
     from policy_search.working_set import working_set, worst_pass
 
     folder, _ = tiny_checkpoint("llama_gqa_untied")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flexsarathi import LLM, SamplingParams
-from flexsarathi.checkpoint import DummyWeights
-from flexsarathi.engine import WEIGHT_QUANT
+from flexsarathi.models.checkpoint import DummyWeights
+from quant.config import WEIGHT_QUANT
 from flexsarathi.errors import FlexSarathiError
 from offload.placed_layers import store_key
 from policy_search import Policy
@@ -31,7 +31,7 @@ def tiny_model(monkeypatch):
 def test_codes_are_deterministic_uniform_and_spread_like_the_normal_draws():
     src = DummyWeights(TINY, codes=WEIGHT_QUANT)
     a, b = src.layer_weights(2, torch.float32), DummyWeights(TINY, codes=WEIGHT_QUANT).layer_weights(2, torch.float32)
-    for key, shape in src.math.layer_shapes().items():
+    for key, shape in src.model.layer_shapes().items():
         if len(shape) == 2:
             assert isinstance(a[key], QTensor) and a[key].config == WEIGHT_QUANT and a[key].shape == shape
             assert torch.equal(a[key].data, b[key].data)

@@ -9,8 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
 from offload.memory import MemoryTracker
 from offload.tiered_weights import TieredWeights
 from policy_search.policy import Policy
-from tests.conftest import REPO, mounted_tmpfs
+from tests.conftest import REPO, mounted_tmpfs, on_call, raise_keyboard_interrupt
 
 SHAPES = {"qkv": (96, 32), "o": (32, 32), "up": (80, 32), "down": (32, 80), "norm": (32,)}
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -149,24 +147,34 @@ def test_an_engine_on_a_damaged_store_gives_the_undamaged_tokens(tmp_path, tiny_
 
 # ---- kill -9, a full disk, an unwritable folder --------------------------------------------------
 
-PLACE = ("from flexsarathi import LLM; from policy_search.policy import Policy; import sys; "
-         "LLM('dummy:opt-125m', policy=Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0), offload_dir=sys.argv[1])")
+# Places every weight of opt-125m on disk (~500 MB) and SIGKILLs itself right after the writer's
+# argv[2]-th tensor: kill -9 at a named point of the store's writing, never on a timer.
+PLACE = """
+import os, signal, sys
+from flexsarathi import LLM
+from offload import store_writer
+from policy_search.policy import Policy
+add, added = store_writer.DiskStoreWriter.add, []
+
+def add_then_die(self, name, tensor):
+    add(self, name, tensor)
+    added.append(name)
+    if len(added) == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+store_writer.DiskStoreWriter.add = add_then_die
+LLM('dummy:opt-125m', policy=Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0), offload_dir=sys.argv[1])
+"""
 
 
 @pytest.mark.slow
 def test_kill_during_placement_leaves_nothing_trusted(tmp_path):
     """A subprocess is killed with SIGKILL while it writes the store (opt-125m: ~500 MB); no file
     under a name a reader trusts may remain, and the next run gives an uninterrupted run's tokens."""
-    child = subprocess.Popen([sys.executable, "-c", PLACE, str(tmp_path)], cwd=REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(p.stat().st_size > (8 << 20) for p in tmp_path.rglob("*") if p.is_file()):
-            assert child.poll() is None and time.monotonic() < deadline, "the writer never got going"
-            time.sleep(0.05)
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+    child = subprocess.run([sys.executable, "-c", PLACE, str(tmp_path), "40"], cwd=REPO, timeout=300)
+    assert child.returncode == -signal.SIGKILL, "the writer finished before its 40th tensor"
     store = _store_dir(tmp_path)
+    assert list(store.glob(".data-*")), "no shard was being written: the kill was not mid-store"
     assert not (store / "manifest.json").exists()
     assert not list(store.glob("data-*.bin")), "a half-written shard sits under its final name"
     prompts = [[5, 6, 7, 8] * 3]
@@ -243,49 +251,27 @@ def _tokens(llm, prompts):
     return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.slow
-def test_interrupts_from_a_timer_thread_leave_fresh_engine_results(disk_engine):
-    """KeyboardInterrupt raised in the main thread (as Ctrl-C in Jupyter) at several points of a
-    generate; each time, the next generate on the same LLM gives the fresh engine's tokens."""
+@pytest.mark.parametrize("at_load", [1, 3, 8, 17])
+def test_interrupts_from_another_thread_leave_fresh_engine_results(disk_engine, at_load):
+    """KeyboardInterrupt sent to the main thread from another thread (as Ctrl-C in Jupyter), while
+    the main thread computes: the weight-prefetch thread sends it on its at_load-th layer load (a
+    named point, never a timer) and finishes that load. The next generate on the same LLM gives the
+    fresh engine's tokens."""
     llm, prompts, reference = disk_engine
-    assert _tokens(llm, prompts) == reference  # the first run also reads and checks the store: slower
-    start = time.perf_counter()
-    assert _tokens(llm, prompts) == reference
-    seconds = time.perf_counter() - start  # what a generate takes from now on
-    interrupted = 0
-    for fraction in (0.05, 0.25, 0.45, 0.65):
-        timer = threading.Timer(fraction * seconds, _thread.interrupt_main)
-        returned = False
-        try:
-            timer.start()
-            llm.generate(prompts, GREEDY, use_tqdm=False)
-            returned = True
-            timer.join()  # an interrupt that lands after generate returned lands in this try
-        except KeyboardInterrupt:
-            timer.join()
-            interrupted += not returned
-        assert _tokens(llm, prompts) == reference, f"after an interrupt at {fraction:.0%} of a generate"
-    assert interrupted >= 2, "the timer fired outside generate: the case was not exercised"
+    # interrupt_main lands in the main thread at its next bytecode, inside generate
+    with on_call(llm.engine.weights, "_load", at_load, _thread.interrupt_main) as loads, \
+            pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert len(loads) >= at_load
+    assert _tokens(llm, prompts) == reference, f"after an interrupt at load {at_load}"
 
 
 @pytest.mark.parametrize("at_call", [5, 14, 40])
 def test_an_exception_inside_a_pass_leaves_fresh_engine_results(disk_engine, at_call):
-    """The same at exact points: KeyboardInterrupt raised by the model's `finish` on its n-th call
+    """The same at exact points: KeyboardInterrupt raised by the model's `post_attention` on its n-th call
     (layer n-1 of the first pass, ...), while the next layers' weights are being prefetched."""
     llm, prompts, reference = disk_engine
-    math = llm.engine.executor.math
-    finish, calls = math.finish, []
-
-    def interrupted_finish(*args):
-        calls.append(1)
-        if len(calls) == at_call:
-            raise KeyboardInterrupt
-        return finish(*args)
-
-    math.finish = interrupted_finish
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        math.finish = finish
+    with on_call(llm.engine.executor.model, "post_attention", at_call, raise_keyboard_interrupt), \
+            pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(llm, prompts) == reference

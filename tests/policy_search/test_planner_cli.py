@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from flexsarathi.cli_policy import add_policy_parser
+from flexsarathi.cli.policy import add_policy_parser
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate, search
 from policy_search.units import GiB
 
@@ -67,7 +67,7 @@ def test_errors_exit_2_with_a_message(argv, message, capsys):
 
 
 def test_registered_in_the_engine_cli(tmp_path, capsys):
-    from flexsarathi.cli import main
+    from flexsarathi.cli.main import main
     assert main(["policy", "--model", "opt-125m", "--prompt-len", "64", "--gen-len", "8",
                  "--json", str(tmp_path / "p.json")]) == 0
     policy = Policy.load(tmp_path / "p.json")
@@ -82,7 +82,7 @@ def test_dtype_sets_the_bytes_per_value(tmp_path, capsys):
     where bf16 is slow: AVX2-only CPUs). Reference: the planner's estimate at those bytes."""
     import dataclasses
 
-    from flexsarathi.dtype_choice import cpu_compute_dtype
+    from flexsarathi.machine.dtype_choice import cpu_compute_dtype
 
     fixed = tmp_path / "fixed.json"
     Policy(gpu_batch_size=4).save(fixed)

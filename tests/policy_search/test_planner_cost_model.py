@@ -189,10 +189,10 @@ def _scheduler_passes(num_requests, prompt, gen, budget, running):
     scheduler on a fixed-length workload: one generated token per sampled row."""
     import torch
 
-    from flexsarathi.block_manager import BlockManager
-    from flexsarathi.sampling import SamplingParams
-    from flexsarathi.scheduler import Scheduler, SchedulerConfig
-    from flexsarathi.sequence import Sequence
+    from flexsarathi.engine.block_manager import BlockManager
+    from flexsarathi.engine.sampling import SamplingParams
+    from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig
+    from flexsarathi.engine.sequence import Sequence
 
     blocks = BlockManager(16, {"cpu": num_requests * math.ceil((prompt + gen) / 16)}, num_residual=num_requests)
     scheduler = Scheduler(SchedulerConfig(max_running=running, num_micro_batches=1, prefill_budget=budget), blocks)

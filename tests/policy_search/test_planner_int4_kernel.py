@@ -75,7 +75,7 @@ def test_kernel_needs_4bit_weights_a_host_and_a_figure(opt13, host):
     compressed = dense.replace(compress_weight=True)
     for plain, kernel in _pairs(compressed, opt13, gpu, wl):
         assert kernel.resources == plain.resources
-    from policy_search.passes import PassShape
+    from policy_search.pass_shape import PassShape
 
     shape = PassShape(kind="decode", count=1, decode_tokens=16, prompt_tokens=0, context=65, max_context=65,
                       prior_kv_tokens=0, prompt_pairs=0, sampled=16, prompt_rows_per_sequence=0, micro_batches=1)

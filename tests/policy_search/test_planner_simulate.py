@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexsarathi.block_manager import BlockManager
-from flexsarathi.sampling import SamplingParams
-from flexsarathi.scheduler import Scheduler, SchedulerConfig
-from flexsarathi.sequence import Sequence
+from flexsarathi.engine.block_manager import BlockManager
+from flexsarathi.engine.sampling import SamplingParams
+from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig
+from flexsarathi.engine.sequence import Sequence
 from policy_search import Policy, Workload
 from policy_search.errors import SpecError
 from policy_search.passes import replays, run_shape

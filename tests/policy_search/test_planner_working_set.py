@@ -3,14 +3,14 @@ planner's gpu working set of a pass equals the engine's reservation for the same
 K/V context the executor really gathers onto the compute device stays within what is charged."""
 import pytest
 
-from flexsarathi.engine import EngineConfig, LLMEngine
+from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine
 from flexsarathi.llm import planner_model_spec
-from flexsarathi.sampling import SamplingParams
+from flexsarathi.engine.sampling import SamplingParams
 from offload import executor as executor_module
 from offload.executor import PassExecutor
 from policy_search.cost_model import working_bytes
 from policy_search.linear import FRACTIONS, evaluate
-from policy_search.passes import PassShape, RunShape
+from policy_search.pass_shape import PassShape, RunShape
 from policy_search.policy import Policy
 
 KIND = "llama_gqa_untied"

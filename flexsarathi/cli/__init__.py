@@ -1,0 +1,1 @@
+"""The `flexsarathi` command: subcommands, batch files in and resumable result files out."""

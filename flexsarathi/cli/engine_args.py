@@ -1,0 +1,113 @@
+"""What `flexsarathi generate` and `flexsarathi bench` share: the model / placement arguments,
+building the LLM from them (policy searched, loaded or default), and describing what ran."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+from flexsarathi.errors import FlexSarathiError
+from policy_search.hardware import PRESETS
+from policy_search.policy import Policy
+from policy_search.units import GiB
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF checkpoint folder (config.json + safetensors), a .gguf "
+                   "file (llama.cpp's; its tokenizer included) or dummy:<name> (random weights: measure throughput, not text quality)")
+    p.add_argument("--policy", default=None, help="'auto' (searched for --hardware and this job's "
+                   "lengths) or a policy JSON (`flexsarathi policy --json`); default: all on the device")
+    p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(PRESETS)}) or a profile JSON "
+                   "(`flexsarathi profile`): its memory limits cap what the engine may use")
+    for tier in ("gpu", "cpu"):
+        p.add_argument(f"--{tier}-mem", type=float, default=None, metavar="GIB",
+                       help=f"{tier} tier capacity in GiB (overrides --hardware's)")
+    p.add_argument("--scheduler", choices=("decode-maximal", "block"), default=None,
+                   help="how passes are formed (default: the policy's)")
+    p.add_argument("--offload-dir", default=None, help="folder for disk-tier weights / KV / activations "
+                   "(default ~/.cache/flexsarathi/offload)")
+    add_compute_args(p)
+
+
+def add_compute_args(p: argparse.ArgumentParser) -> None:
+    """--dtype and --device (every command that builds an engine)."""
+    add_dtype_arg(p)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--dtype, the one definition (engine commands and `profile`)."""
+    p.add_argument("--dtype", default=None, help="compute dtype: auto (the default: on the CPU the "
+                   "fastest here, fp32 unless bf16/fp16 matmuls measure >= 1.3x faster, measured once "
+                   "and cached per machine; on a GPU the checkpoint's half dtype), float32, float16, bfloat16")
+
+
+def hardware_of(args):
+    """The HardwareSpec of --hardware with the memory overrides, or None."""
+    if args.hardware is None:
+        if args.gpu_mem is not None or args.cpu_mem is not None:
+            raise FlexSarathiError("--gpu-mem / --cpu-mem need --hardware (the rest of the machine's figures)")
+        return None
+    from policy_search import HardwareSpec
+
+    spec = HardwareSpec.resolve(args.hardware)
+    return spec.with_memory(gpu=None if args.gpu_mem is None else args.gpu_mem * GiB,
+                            cpu=None if args.cpu_mem is None else args.cpu_mem * GiB)
+
+
+def resolve_policy(args, hardware, workload) -> Policy:
+    from flexsarathi.llm import LLM
+
+    constraints = {"scheduler": args.scheduler} if args.scheduler else {}
+    if args.policy == "auto":
+        if hardware is None:
+            raise FlexSarathiError("--policy auto needs --hardware (a preset such as t4, or a profile "
+                                   "written by `flexsarathi profile`)")
+        return LLM.search_policy(args.model, hardware, workload, args.dtype, **constraints)
+    policy = Policy.load(args.policy) if args.policy else Policy()
+    return policy.replace(**constraints)
+
+
+def build_llm(args, workload, seed: int = 0, opened=None):
+    """(LLM, policy) for the model arguments; workload: a policy_search.Workload for --policy auto;
+    opened: the model the caller already opened (an OpenedModel of args.model)."""
+    from flexsarathi.llm import LLM
+
+    hardware = hardware_of(args)
+    policy = resolve_policy(args, hardware, workload)
+    llm = LLM(opened or args.model, dtype=args.dtype, device=args.device, policy=policy, hardware=hardware,
+              offload_dir=args.offload_dir, seed=seed)
+    return llm, policy
+
+
+def describe_policy(p: Policy) -> str:
+    def split(a, b, c):
+        return f"{a:.0%}/{b:.0%}/{c:.0%}"
+
+    text = (f"{p.scheduler}, {p.gpu_batch_size} x {p.num_gpu_batches} running, prefill budget "
+            f"{p.prefill_budget}; gpu/cpu/disk: weights {split(p.w_gpu, p.w_cpu, p.w_disk)}, KV "
+            f"{split(p.kv_gpu, p.kv_cpu, p.kv_disk)}, activations {split(p.act_gpu, p.act_cpu, p.act_disk)}")
+    extras = [name for name, on in (("4-bit weights", p.compress_weight), ("4-bit KV", p.compress_kv),
+                                    ("CPU attention", p.cpu_attention), ("no overlap", not p.overlap)) if on]
+    return text + (f"; {', '.join(extras)}" if extras else "")
+
+
+def device_name(device) -> str:
+    """Which device actually ran (a preset may describe another one)."""
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    cpu = platform.processor() or "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"cpu: {cpu}, {os.cpu_count()} cores"
+
+
+def memory_summary(report: dict) -> str:
+    from offload.memory import human_bytes
+
+    return ", ".join(f"{tier} {human_bytes(entry['peak'])}" for tier, entry in report.items())

@@ -1,0 +1,58 @@
+"""Checks the command line makes on files and folders BEFORE any long work, so bad paths end in
+one clear `error: ...` line (flexsarathi/cli/main.py's main) and not in a traceback after a search or a
+measurement."""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from flexsarathi.errors import FlexSarathiError
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """`path` can be created or overwritten: its folder exists and is writable, it is no folder."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise FlexSarathiError(f"{flag} {path} is a folder; give a file name")
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise FlexSarathiError(f"{flag} {path}: {folder} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise FlexSarathiError(f"{flag} {path} is not writable")
+
+
+def check_folder(path: str, flag: str) -> None:
+    """`path` is (or can be made) a writable folder."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise FlexSarathiError(f"{flag} {path} cannot be created: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise FlexSarathiError(f"{flag} {path} is not writable")
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """The UTF-8 text of `path`, or an error that says which file and what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise FlexSarathiError(f"cannot read {flag} {path}: {exc.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FlexSarathiError(f"{flag} {path} is not UTF-8 text: byte {data[exc.start]:#04x} at offset "
+                               f"{exc.start} ({exc.reason})") from None

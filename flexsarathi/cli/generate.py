@@ -1,0 +1,304 @@
+"""`flexsarathi generate`: run a batch file of prompts (plain text, JSONL, or OpenAI Batch API
+requests) and write one record per request, as requests finish.
+
+Crash-safe and resumable: rerun the same command after Ctrl-C or kill -9 and it skips the
+requests already in --output (a torn last line is redone). A bad line becomes an error record and
+the job goes on. --ray runs the requests on a pool of engines (Ray Data actors, one LLM each; this
+machine or a cluster) and writes the same records to the same file. Exit code: 0 every line
+succeeded, 1 some lines are error records, 2 the job could not start (bad model, policy, arguments,
+input file, or an --output of another job), 3 the Ray cluster failed partway (the finished records
+are kept: rerun to resume).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+from importlib import resources
+
+from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
+                                  result_record)
+from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
+                                    resolve_policy)
+from flexsarathi.errors import FlexSarathiError
+from flexsarathi.cli.result_file import ResultFile
+from flexsarathi.engine.sampling import SamplingParams
+
+PACKAGE_PREFIX = "pkg:"  # --input pkg:NAME reads a prompt set shipped in flexsarathi/prompts/
+
+
+def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="run a batch file of prompts (text, JSONL, OpenAI Batch)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--input", "-i", required=True,
+                   help=f"prompt file; {PACKAGE_PREFIX}NAME for a set shipped with flexsarathi "
+                        f"({', '.join(packaged_prompt_sets())})")
+    p.add_argument("--output", "-o", required=True, help="JSONL results (appended; resumed on rerun)")
+    p.add_argument("--input-format", choices=("auto", *FORMATS), default="auto",
+                   help="default: detected from the content")
+    p.add_argument("--overwrite", action="store_true", help="start --output afresh")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, policy or summary")
+    g = p.add_argument_group("sampling defaults (a request's own fields win)")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--seed", type=int, default=0,
+                   help="a request without its own seed samples with one derived from this and its id, "
+                        "so a resumed job samples what an uninterrupted one would")
+    add_ray_args(p)
+    p.set_defaults(func=run_generate)
+    return p
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """The --ray flags (parsed without importing ray: only `--ray` does)."""
+    g = p.add_argument_group("Ray Data (pip install 'flexsarathi[ray]')")
+    g.add_argument("--ray", action="store_true", help="run the requests on Ray Data actors, one engine each")
+    g.add_argument("--ray-address", default=None, metavar="ADDR", help="a running cluster ('auto' = the one "
+                   "`ray start` made on this node, or HOST:PORT); default: start a local instance")
+    g.add_argument("--ray-actors", type=int, default=None, metavar="N", help="engines (default 1)")
+    g.add_argument("--ray-gpus-per-actor", type=float, default=None, metavar="G", help="default 0 (CPU)")
+    g.add_argument("--ray-cpus-per-actor", type=float, default=None, metavar="C",
+                   help="CPU cores per actor, its torch threads (default 1)")
+    g.add_argument("--ray-batch-size", type=int, default=None, metavar="B", help="requests per actor call "
+                   "(default: the job split evenly over the actors, at most 8x the policy's running sequences)")
+
+
+def packaged_prompt_sets() -> list[str]:
+    folder = resources.files("flexsarathi") / "prompts"
+    return sorted(f.name for f in folder.iterdir() if f.name.endswith((".txt", ".jsonl")))
+
+
+def _input_path(name: str) -> str:
+    if not name.startswith(PACKAGE_PREFIX):
+        return name
+    path = resources.files("flexsarathi") / "prompts" / name[len(PACKAGE_PREFIX):]
+    if not path.is_file():
+        raise FlexSarathiError(f"--input {name}: no such prompt set; shipped: {', '.join(packaged_prompt_sets())}")
+    return str(path)
+
+
+def _sampling_defaults(args) -> dict:
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k, "min_tokens": args.min_tokens, "stop": list(args.stop),
+                "ignore_eos": args.ignore_eos}
+    SamplingParams(**defaults)  # a bad flag fails the job before any work
+    return defaults
+
+
+def request_seed(seed: int, key: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}|{key}".encode()).digest()[:8], "little") >> 2
+
+
+class PartialJobError(FlexSarathiError):
+    """The job stopped partway for a reason outside the requests (a Ray actor or node lost)."""
+
+
+def run_generate(args) -> int:
+    defaults = _sampling_defaults(args)
+    _check_ray_args(args)
+    fmt, requests = read_requests(_input_path(args.input), args.input_format)
+    check_unique_ids(requests)
+    from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
+    from flexsarathi.models.opened_model import open_model
+
+    opened = open_model(args.model)  # once per job: the engine built below takes it as it is
+    source = opened.source
+    # The dtype resolved once (auto: this machine's cached choice) for the engine, every Ray actor
+    # and the file's meta: a resume in another dtype is refused.
+    if args.ray:  # for the actors' device (GPU actors may be driven from a machine without one)
+        from flexsarathi.ray.spec import job_dtype
+        args.dtype = job_dtype(args.dtype, source.config.checkpoint_dtype, args.device, args.ray_gpus_per_actor or 0)
+    else:
+        dtype = resolve_dtype(args.dtype, source.config.checkpoint_dtype, resolve_device(args.device))
+        args.dtype = str(dtype).removeprefix("torch.")
+    meta = {"job": "flexsarathi generate", "format": fmt, "model": _model_name(args.model),
+            "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults}
+    out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite)
+    try:
+        return _run_job(args, fmt, requests, opened, defaults, out)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished records are in {args.output}; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    except PartialJobError as exc:
+        print(f"error: {exc}; the finished records are in {args.output}: rerun the same command to resume",
+              file=sys.stderr)
+        return 3
+    finally:
+        out.close()
+
+
+def _check_ray_args(args) -> None:
+    given = [f"--ray-{name.replace('_', '-')}" for name in ("address", "actors", "gpus_per_actor",
+                                                            "cpus_per_actor", "batch_size")
+             if getattr(args, f"ray_{name}") is not None]
+    if given and not args.ray:
+        raise FlexSarathiError(f"{', '.join(given)} need(s) --ray")
+    for name in ("actors", "batch_size"):
+        value = getattr(args, f"ray_{name}")
+        if value is not None and value < 1:
+            raise FlexSarathiError(f"--ray-{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("gpus_per_actor", "cpus_per_actor"):
+        value = getattr(args, f"ray_{name}")
+        if value is not None and not value >= (0 if name == "gpus_per_actor" else 0.01):
+            raise FlexSarathiError(f"--ray-{name.replace('_', '-')} must be a positive number, got {value}")
+    if args.ray:
+        import flexsarathi.ray  # noqa: F401 - without Ray Data: one clear error before any work
+
+
+def _model_name(model: str) -> str:
+    return os.path.realpath(model) if os.path.isdir(model) else model
+
+
+def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dict, out: ResultFile) -> int:
+    say = (lambda *a: None) if args.quiet else (lambda text: print(text, flush=True))
+    pending = [r for r in requests if r.key not in out.done]
+    say(f"{len(requests)} requests ({fmt}) in {args.input}: {len(requests) - len(pending)} already in "
+        f"{args.output}{' (a torn last line was cut off and is redone)' if out.torn else ''}, "
+        f"{len(pending)} to run")
+    tokenizer = opened.tokenizer
+    params = {r.key: _prepare(r, tokenizer, defaults, args.seed) for r in pending}
+    failed = 0
+    for req in pending:
+        if req.error:
+            out.append(error_record(fmt, req, req.error))
+            failed += 1
+    runnable = [r for r in pending if not r.error]
+    stats = policy = None
+    if runnable:
+        record = _recorder(fmt, out, tokenizer, os.path.basename(os.path.normpath(args.model)))
+        run = _run_on_ray if args.ray else _run_here
+        stats, policy, failed_here = run(args, runnable, params, record, say, opened)
+        failed += failed_here
+    _summary(say, len(pending) - failed, failed, stats, args.output, describe_policy(policy) if stats else None)
+    return 1 if failed + out.errors else 0
+
+
+def _run_here(args, runnable: list[BatchRequest], params: dict, record, say, opened):
+    """(stats, policy, error records written): the requests on one LLM in this process."""
+    llm, policy = build_llm(args, _workload(args, runnable, params), opened=opened)
+    say(f"policy: {describe_policy(policy)}")
+    say(f"device: {llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')}")
+    try:
+        failed = 0
+        outputs = llm.generate_iter([r.prompt_token_ids for r in runnable], [params[r.key] for r in runnable],
+                                    use_tqdm=not args.quiet, on_error="record")
+        for index, output in outputs:
+            failed += record(runnable[index], output)
+        return llm.last_stats, policy, failed
+    finally:
+        llm.close()
+
+
+def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say, opened):
+    """(stats, policy, error records written): the same requests on Ray Data actors; the policy
+    is searched here, once, and every actor builds its LLM with it (and opens the model itself:
+    `opened` is this process's)."""
+    from flexsarathi.ray.job import RayJobError, RayOptions, run_requests
+    from flexsarathi.ray.spec import EngineSpec
+
+    hardware = hardware_of(args)
+    policy = resolve_policy(args, hardware, _workload(args, runnable, params))
+    say(f"policy: {describe_policy(policy)}")
+    spec = EngineSpec.of(args.model, policy, hardware=hardware, dtype=args.dtype, device=args.device,
+                         offload_dir=args.offload_dir)
+    options = RayOptions(address=args.ray_address, actors=args.ray_actors or 1,
+                         gpus_per_actor=args.ray_gpus_per_actor or 0, cpus_per_actor=args.ray_cpus_per_actor or 1,
+                         batch_size=args.ray_batch_size)
+    failed = 0
+
+    def on_output(index: int, output) -> None:
+        nonlocal failed
+        failed += record(runnable[index], output)
+
+    try:
+        stats = run_requests(spec, options, [(r.prompt_token_ids, params[r.key]) for r in runnable], on_output,
+                             say=say, progress=not args.quiet)
+    except RayJobError as exc:
+        raise PartialJobError(str(exc)) from None
+    return stats, policy, failed
+
+
+def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int) -> SamplingParams | None:
+    """The request's SamplingParams, its prompt as token ids; sets req.error where it cannot run."""
+    if req.error:
+        return None
+    try:
+        fields = {**defaults, **req.sampling}
+        fields.setdefault("seed", None)
+        if fields["seed"] is None:
+            fields["seed"] = request_seed(seed, req.key)
+        params = SamplingParams(**fields)
+        if req.messages is not None:
+            if tokenizer is None:
+                raise FlexSarathiError("this model has no tokenizer.json, so no chat template")
+            req.prompt_token_ids = tokenizer.apply_chat_template(req.messages)
+        elif req.prompt is not None:
+            if tokenizer is None:
+                raise FlexSarathiError("the prompt is text, but this model has no tokenizer.json: give "
+                                       "\"prompt_token_ids\"")
+            req.prompt_token_ids = tokenizer.encode(req.prompt)
+        return params
+    except (FlexSarathiError, TypeError) as exc:
+        req.error = f"line {req.line}: {exc}"
+        return None
+
+
+def _workload(args, requests: list[BatchRequest], params: dict):
+    """The job's lengths, for --policy auto, as the engine will run them: a prompt longer than the
+    model's context is refused by the engine (that line's error record), so it is left out, and an
+    output is cut where prompt + output reach the context. None (the planner's default workload)
+    when no request can run. Only read with --policy auto."""
+    if args.policy != "auto":
+        return None
+    from policy_search import ModelSpec, Workload
+
+    context = ModelSpec.from_name(args.model).max_positions
+    pairs = []
+    for r in requests:
+        prompt, p = len(r.prompt_token_ids), params[r.key]
+        if prompt < context:
+            # n completions share one prefill and the prompt's KV: the others are planned as
+            # 1-token prompts (their own KV is about their outputs; their decode attention,
+            # over the shared prompt too, is undercounted).
+            gen = min(p.max_tokens, context - prompt)
+            pairs += [(prompt, gen)] + [(1, gen)] * (p.n - 1)
+    if not pairs:
+        return None
+    return Workload(pairs=tuple(pairs), num_requests=len(pairs))
+
+
+def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
+    """record(request, output) -> 1 when it appended an error record, else 0: one output as it
+    finishes, wherever it ran (this process or a Ray actor)."""
+    decode = (lambda t: tokenizer.decode([t])) if tokenizer else str
+
+    def record(req: BatchRequest, output) -> int:
+        if output.error is not None:
+            out.append(error_record(fmt, req, re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error)))
+            return 1
+        output.prompt = req.prompt
+        out.append(result_record(fmt, req, output, model, decode))
+        return 0
+
+    return record
+
+
+def _summary(say, ok: int, failed: int, stats: dict | None, output: str, policy: str | None) -> None:
+    say(f"done: {ok} ok, {failed} failed -> {output}")
+    if not stats:
+        return
+    seconds = stats["seconds"]
+    say(f"tokens: {stats['prompt_tokens']} prompt, {stats['generated_tokens']} generated in {seconds:.2f} s "
+        f"({stats['passes']} passes): {stats['tokens_per_s']:.2f} generated tok/s, "
+        f"{(stats['prompt_tokens'] + stats['generated_tokens']) / (seconds or 1e-9):.2f} total tok/s")
+    say(f"policy: {policy}")
+    say(f"peak memory: {memory_summary(stats['memory'])}")

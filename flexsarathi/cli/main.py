@@ -1,0 +1,154 @@
+"""`flexsarathi <command>` (also `python -m flexsarathi`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from flexsarathi.cli.bench import add_bench_parser
+from flexsarathi.cli.engine_args import add_compute_args, add_dtype_arg
+from flexsarathi.cli.generate import add_generate_parser
+from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
+from flexsarathi.cli.policy import add_policy_parser
+from flexsarathi.errors import FlexSarathiError
+from offload.disk_store import OffloadError
+from offload.memory import MemoryBudgetError
+from policy_search.errors import InfeasibleError, SpecError
+from policy_search.policy import PolicyError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_compute_args(p)
+    p.add_argument("--policy", default=None, help="policy JSON (from `flexsarathi policy --json`)")
+
+
+def _cmd_demo(args) -> int:
+    import random
+
+    from flexsarathi import LLM, SamplingParams
+
+    print(f"loading {args.model} ...", flush=True)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy)
+    vocab = llm.engine.config.vocab_size
+    rng = random.Random(0)
+    if llm.tokenizer is not None:
+        prompts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a bird"]
+    else:  # dummy weights have no tokenizer: prompts are token ids
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                                   ignore_eos=True))
+    for out in outputs:
+        shown = repr(out.text) if llm.tokenizer else f"{out.token_ids[:12]}..."
+        print(f"[{out.request_id}] prompt {len(out.prompt_token_ids)} tokens -> {shown} ({out.finish_reason})")
+    s = llm.last_stats
+    print(f"{s['generated_tokens']} tokens in {s['seconds']:.2f} s over {s['passes']} passes: "
+          f"{s['tokens_per_s']:.1f} tokens/s ({llm.engine.device}, {llm.engine.dtype})")
+    return 0
+
+
+def _cmd_perplexity(args) -> int:
+    from flexsarathi import LLM
+    from flexsarathi.cli.perplexity import perplexity, split_documents
+
+    text = read_text_file(args.text, "--text")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy)
+    result = perplexity(llm, split_documents(text, args.separator), stride=args.stride,
+                        use_tqdm=not args.quiet)
+    print(json.dumps({"model": args.model, "text": args.text, **result}))
+    return 0
+
+
+def _cmd_profile(args) -> int:
+    from flexsarathi.machine.dtype_choice import is_auto
+    from flexsarathi.engine.llm_engine import DEFAULT_OFFLOAD_DIR
+    from flexsarathi.models.model_config import parse_dtype
+    from flexsarathi.machine.profiler import profile_machine
+
+    check_output_file(args.output, "--output")
+    offload_dir = args.offload_dir or DEFAULT_OFFLOAD_DIR
+    check_folder(offload_dir, "--offload-dir")
+    dtype = None if is_auto(args.dtype) else parse_dtype(args.dtype, "--dtype")  # None: the engine's
+    spec = profile_machine(offload_dir, dtype=dtype, disk_bytes=args.disk_mib << 20,
+                           log=lambda line: print(line, file=sys.stderr, flush=True))
+    spec.save(args.output)
+    print(f"wrote {args.output}: {spec.describe()}")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other error of the command line (subcommand parsers
+    are made by add_parser with the parent's class, so they inherit this)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="flexsarathi", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="generate from a few prompts and print tokens/s")
+    demo.add_argument("--model", default="dummy:opt-125m", help="checkpoint folder or dummy:<name>")
+    demo.add_argument("--num-prompts", type=positive_int, default=8)
+    demo.add_argument("--prompt-len", type=positive_int, default=64)
+    demo.add_argument("--max-tokens", type=positive_int, default=32)
+    _add_engine_args(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+    ppl = sub.add_parser("perplexity", help="perplexity of a text file (JSON line)")
+    ppl.add_argument("--model", required=True, help="checkpoint folder with tokenizer.json")
+    ppl.add_argument("--text", required=True, help="UTF-8 text file")
+    ppl.add_argument("--separator", default=None, help="document separator, e.g. '<|endoftext|>'")
+    ppl.add_argument("--stride", type=positive_int, default=None,
+                     help="tokens a window moves on: documents longer than the model's context are "
+                          "scored in windows of the context; each token is scored once, in the "
+                          "window that gives it the most history (default: half the context)")
+    ppl.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_engine_args(ppl)
+    ppl.set_defaults(func=_cmd_perplexity)
+
+    prof = sub.add_parser("profile", help="measure this machine into a hardware JSON for --hardware")
+    prof.add_argument("--output", "-o", default="hardware_profile.json")
+    prof.add_argument("--offload-dir", default=None, help="folder whose disk is measured")
+    prof.add_argument("--disk-mib", type=positive_int, default=512, help="size of the disk test file")
+    add_dtype_arg(prof)  # measured in the dtype the engine computes in
+    prof.set_defaults(func=_cmd_profile)
+
+    add_policy_parser(sub)
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+USER_ERRORS = (FlexSarathiError, PolicyError, SpecError, InfeasibleError, MemoryBudgetError, OffloadError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Every failure ends in one `error: ...` line on stderr: exit 2 for bad input and for files
+    or folders that cannot be used, 1 for an unexpected failure (its traceback only with
+    FLEXSARATHI_TRACEBACK=1), 130 when interrupted."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        return _fail(f"error: {_one_line(exc)}", 2)
+    except OSError as exc:  # a file or folder the checks could not foresee (disk full, removed)
+        where = f" ({exc.filename})" if exc.filename else ""
+        return _fail(f"error: {exc.strerror or exc}{where}", 2)
+    except KeyboardInterrupt:
+        return _fail("error: interrupted", 130)
+    except Exception as exc:  # noqa: BLE001 - never a traceback on the command line
+        if os.environ.get("FLEXSARATHI_TRACEBACK"):
+            raise
+        return _fail(f"error: unexpected {type(exc).__name__}: {_one_line(exc)} (a bug: rerun with "
+                     f"FLEXSARATHI_TRACEBACK=1 and report the traceback)", 1)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _fail(line: str, code: int) -> int:
+    print(line, file=sys.stderr, flush=True)
+    return code

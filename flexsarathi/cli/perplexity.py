@@ -1,0 +1,59 @@
+"""Perplexity of a text file: each document (split by a separator, or the whole text) is tokenized
+with BOS and scored in windows of the model's context, as HF's perplexity guide and
+llama-perplexity do. Windows start every `stride` tokens; a token is scored once, by the first
+window that reaches it (where it has the most history: at least context - stride tokens once past
+the first window). With stride < context every token after the document's first is scored; with
+stride = context (non-overlapping windows) a window's first token has no history in it and is not
+scored. Nothing is truncated: the result says how many tokens were scored in how many windows."""
+from __future__ import annotations
+
+import math
+
+from flexsarathi.errors import FlexSarathiError
+from flexsarathi.llm import LLM
+from flexsarathi.engine.sampling import SamplingParams
+
+
+def split_documents(text: str, separator: str | None) -> list[str]:
+    docs = text.split(separator) if separator else [text]
+    return [d.strip() for d in docs if d.strip()]
+
+
+def sliding_windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, scored) per window over a document of `num_tokens`: the window is tokens
+    [begin, end) and its last `scored` positions are the ones it scores (HF's loop)."""
+    windows, prev_end = [], 0
+    for begin in range(0, num_tokens, stride):
+        end = min(begin + context, num_tokens)
+        scored = min(end - prev_end, end - begin - 1)  # a window's first token has no prediction
+        windows.append((begin, end, scored))
+        prev_end = end
+        if end == num_tokens:
+            break
+    return windows
+
+
+def perplexity(llm: LLM, documents: list[str], stride: int | None = None, use_tqdm: bool = False) -> dict:
+    if llm.tokenizer is None:
+        raise FlexSarathiError("perplexity needs a model folder with tokenizer.json")
+    if not documents:
+        raise FlexSarathiError("no documents to score (the text is empty)")
+    context = llm.engine.config.max_position_embeddings
+    stride = context // 2 if stride is None else stride
+    if not 1 <= stride <= context:
+        raise FlexSarathiError(f"stride must be between 1 and the model's context of {context}, got {stride}")
+    prompts, scored = [], []
+    for doc in documents:
+        ids = llm.tokenizer.encode(doc)
+        for begin, end, count in sliding_windows(len(ids), context, stride):
+            prompts.append(ids[begin:end])
+            scored.append(count)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=True),
+                           use_tqdm=use_tqdm)
+    # prompt_logprobs[i] is the log-probability of window token i + 1: keep the last `count`.
+    logprobs = [lp for out, count in zip(outputs, scored) if count for lp in out.prompt_logprobs[-count:]]
+    if not logprobs:
+        raise FlexSarathiError("no token to score: every document is a single token")
+    nll = -math.fsum(logprobs) / len(logprobs)
+    return {"documents": len(documents), "windows": len(prompts), "context": context, "stride": stride,
+            "tokens": len(logprobs), "nll": nll, "perplexity": math.exp(nll)}

@@ -1,0 +1,118 @@
+"""`flexsarathi policy`: search the best offloading policy for a model, machine and workload, print
+its placement, batch sizes, predicted throughput, peak memory per tier and bounding resource, and
+optionally write the policy JSON that `LLM(..., policy=...)` and `--policy` accept.
+
+A thin layer over `policy_search` (the planner); registered by flexsarathi/cli/main.py.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flexsarathi.cli.engine_args import add_dtype_arg
+from flexsarathi.cli.file_checks import check_output_file
+from policy_search import (HardwareSpec, InfeasibleError, ModelSpec, Policy, PolicyError, SpecError,
+                           Workload, estimate, format_report, search_detailed, write_policy_file)
+from policy_search.hardware import PRESETS
+from policy_search.hf_config import DTYPE_BYTES, dtype_name
+from policy_search.units import GiB
+
+
+def add_policy_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "policy", help="search the best offloading policy and print its estimate",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="checkpoint folder with config.json, a registered name (opt-30b) or dummy:<name>")
+    p.add_argument("--hardware", default="t4",
+                   help=f"a preset ({', '.join(PRESETS)}) or a JSON profile from `flexsarathi profile`")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--gen-len", type=int, default=32, help="generated tokens per request")
+    p.add_argument("--workload", default=None,
+                   help="file of (prompt_len, gen_len) pairs, a distribution (overrides the two above)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests in the run (default: an unbounded stream, steady state)")
+    for tier in ("gpu", "cpu", "disk"):
+        p.add_argument(f"--{tier}-mem", type=float, default=None, metavar="GIB",
+                       help=f"{tier.upper() if tier != 'disk' else 'disk'} capacity in GiB "
+                            "(overrides the hardware's)")
+    p.add_argument("--scheduler", choices=("decode-maximal", "block"), default=None,
+                   help="search only this scheduler (default: both)")
+    for knob, what in (("compress-weight", "4-bit weights"), ("compress-kv", "4-bit KV cache"),
+                       ("cpu-attention", "decode attention on the CPU"),
+                       ("routed-expert-reads", "reading only the routed experts (MoE)"),
+                       ("cpu-experts", "computing cpu-tier experts on the CPU (MoE)")):
+        p.add_argument(f"--{knob}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"force {what} on or off (default: searched)")
+    p.add_argument("--gpu-batch-size", type=int, default=None, help="fix the micro-batch size")
+    p.add_argument("--num-gpu-batches", type=int, default=None, help="fix the micro-batch count")
+    add_dtype_arg(p)  # what the engine computes in: the bytes per weight, KV and activation value
+    p.add_argument("--policy", default=None,
+                   help="estimate this policy JSON instead of searching")
+    p.add_argument("--json", default=None, metavar="OUT",
+                   help="write {policy, estimate} here (what --policy and LLM(policy=...) load)")
+    p.set_defaults(func=run_policy)
+    return p
+
+
+def _specs(args) -> tuple[ModelSpec, HardwareSpec, Workload]:
+    hardware = HardwareSpec.resolve(args.hardware)
+    hardware = hardware.with_memory(**{tier: None if value is None else value * GiB for tier, value in (
+        ("gpu", args.gpu_mem), ("cpu", args.cpu_mem), ("disk", args.disk_mem))})
+    model = ModelSpec.from_name(args.model, bytes_per_value=_bytes_per_value(args.dtype, hardware))
+    if args.workload:
+        workload = Workload.from_file(args.workload, num_requests=args.num_requests)
+    else:
+        workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len,
+                            num_requests=args.num_requests)
+    return model, hardware, workload
+
+
+def _bytes_per_value(dtype, hardware: HardwareSpec) -> int:
+    """Bytes per value in the dtype the engine computes in on `hardware`: --dtype where given; auto
+    on a GPU a half dtype (2), on a CPU profile (`compute_on_host`, measured on this machine) this
+    machine's measured choice: fp32 (4) where bf16 matmuls are slow, as on AVX2-only CPUs."""
+    import torch
+
+    from flexsarathi.machine.dtype_choice import is_auto
+    from flexsarathi.engine.llm_engine import resolve_dtype
+
+    if not is_auto(dtype):
+        return DTYPE_BYTES[dtype_name(dtype, "--dtype")]
+    target = torch.device("cpu" if hardware.compute_on_host else "cuda")  # the planned machine's, not this one's
+    return resolve_dtype(None, torch.float16, target).itemsize  # the engine's rule; either half dtype: 2
+
+
+def run_policy(args) -> int:
+    if args.json:
+        check_output_file(args.json, "--json")  # before the search, not after it
+    try:
+        model, hardware, workload = _specs(args)
+        if args.policy:
+            policy = Policy.load(args.policy)
+            est = estimate(policy, model, hardware, workload)
+            print(format_report(policy, est, model, hardware, workload,
+                                title=f"Estimate of {args.policy} for {model.name} on {hardware.name} "
+                                      f"({workload.describe()})"))
+        else:
+            constraints = {name: value for name, value in (
+                ("scheduler", args.scheduler), ("compress_weight", args.compress_weight),
+                ("compress_kv", args.compress_kv), ("cpu_attention", args.cpu_attention),
+                ("routed_expert_reads", args.routed_expert_reads), ("cpu_experts", args.cpu_experts),
+                ("gpu_batch_size", args.gpu_batch_size), ("num_gpu_batches", args.num_gpu_batches))
+                if value is not None}
+            result = search_detailed(model, hardware, workload, **constraints)
+            policy, est = result.policy, result.estimate
+            print(format_report(policy, est, model, hardware, workload))
+            print()
+            for scheduler, (_, best) in sorted(result.best_by_scheduler.items()):
+                print(f"best {scheduler:<15} {best.throughput:10.3f} tokens/s")
+            print(f"searched {result.lps_solved} placement LPs in {result.seconds:.2f} s"
+                  + ("" if result.complete else " (stopped at the LP limit: best found so far)"))
+        if args.json:
+            write_policy_file(args.json, policy, est, model, hardware, workload)
+            print(f"wrote {args.json}")
+    except (SpecError, InfeasibleError, PolicyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

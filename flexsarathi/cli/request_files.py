@@ -1,0 +1,270 @@
+"""Batch files for `flexsarathi generate`: reading the three input formats into requests and
+turning outputs into the records of the matching output format.
+
+Formats, detected from the content (the first non-blank line starting with `{` means JSON lines):
+- text: one prompt per line; blank lines are skipped; a request's id is its line number;
+- jsonl: `{"id", "prompt" | "prompt_token_ids" | "messages", sampling fields...}`;
+- openai: OpenAI Batch API requests `{"custom_id", "method", "url", "body"}` for
+  `/v1/completions` (body.prompt) and `/v1/chat/completions` (body.messages).
+A line that cannot become a request keeps its error; it becomes an error record, not a failed job.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+
+from flexsarathi.cli.file_checks import read_text_file
+from flexsarathi.errors import FlexSarathiError
+
+FORMATS = ("text", "jsonl", "openai")
+# Request fields passed to SamplingParams as they are (JSONL records and OpenAI bodies).
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                   "min_tokens", "n", "ignore_eos")
+COMPLETIONS_URL, CHAT_URL = "/v1/completions", "/v1/chat/completions"
+# OpenAI body fields we cannot honour: refused when set to anything but their neutral value.
+_UNSUPPORTED_OPENAI = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1,
+                       "echo": False, "suffix": None, "stream": False, "tools": None, "response_format": None}
+
+
+@dataclass
+class BatchRequest:
+    """One input line. `error` is set (and the prompt fields may be empty) when it cannot run."""
+
+    line: int  # 1-based line number in the input file
+    id: object = None  # JSONL id / OpenAI custom_id / text line number; None when unreadable
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list | None = None
+    sampling: dict = field(default_factory=dict)  # per-request SamplingParams fields
+    chat: bool = False  # OpenAI chat completion (the output is a chat.completion object)
+    logprobs_style: str | None = None  # "completions" / "chat" when OpenAI logprobs were asked
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        """What identifies this request's record in the output (resume, duplicates)."""
+        return record_key_of(self.id, self.line)
+
+
+def record_key_of(request_id, line: int | None) -> str:
+    return f"id:{json.dumps(request_id, sort_keys=True)}" if request_id is not None else f"line:{line}"
+
+
+def detect_format(lines: list[str]) -> str:
+    first = next((ln for ln in lines if ln.strip()), "")
+    if not first.lstrip().startswith("{"):
+        return "text"
+    for ln in lines:  # the first record that parses tells JSONL from OpenAI Batch
+        try:
+            obj = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return "openai" if "custom_id" in obj or "body" in obj else "jsonl"
+    return "jsonl"
+
+
+def read_requests(path: str, fmt: str = "auto") -> tuple[str, list[BatchRequest]]:
+    """(format, one request per non-blank line). Raises FlexSarathiError when the file cannot be read."""
+    lines = read_text_file(path, "--input").splitlines()
+    fmt = detect_format(lines) if fmt == "auto" else fmt
+    parse = {"text": _text_request, "jsonl": _jsonl_request, "openai": _openai_request}[fmt]
+    return fmt, [parse(number, ln) for number, ln in enumerate(lines, 1) if ln.strip()]
+
+
+def check_unique_ids(requests: list[BatchRequest]) -> None:
+    seen: dict[str, int] = {}
+    for req in requests:
+        if req.id is None:
+            continue
+        if req.key in seen:
+            raise FlexSarathiError(f"duplicate id {req.id!r} on lines {seen[req.key]} and {req.line} "
+                                   "of the input: ids must be unique")
+        seen[req.key] = req.line
+
+
+# ---- parsing --------------------------------------------------------------------------------
+def _text_request(line: int, text: str) -> BatchRequest:
+    return BatchRequest(line=line, id=line, prompt=text)
+
+
+def _json_object(line: int, text: str) -> tuple[dict | None, str | None]:
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        return None, f"line {line} is not valid JSON: {exc}"
+    if not isinstance(obj, dict):
+        return None, f"line {line} is a JSON {type(obj).__name__}, not an object"
+    return obj, None
+
+
+def _readable_id(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _jsonl_request(line: int, text: str) -> BatchRequest:
+    obj, error = _json_object(line, text)
+    if error:
+        return BatchRequest(line=line, error=error)
+    request_id = obj.get("id", line)
+    if not _readable_id(request_id):
+        return BatchRequest(line=line, error=f"line {line}: \"id\" must be a string or an integer, "
+                                             f"got {request_id!r}")
+    req = BatchRequest(line=line, id=request_id)
+    unknown = set(obj) - {"id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS}
+    if unknown:
+        req.error = f"line {line}: unknown field(s) {sorted(unknown)}"
+        return req
+    req.sampling = {k: obj[k] for k in (*SAMPLING_FIELDS, "logprobs") if k in obj}
+    req.error = _set_prompt(req, obj, ("prompt", "prompt_token_ids", "messages"))
+    return req
+
+
+def _set_prompt(req: BatchRequest, obj: dict, allowed: tuple[str, ...]) -> str | None:
+    """Fill the request's prompt from the one prompt field in `obj`; an error message otherwise."""
+    given = [k for k in allowed if k in obj]
+    if len(given) != 1:
+        return f"line {req.line}: needs exactly one of {', '.join(repr(k) for k in allowed)}"
+    value = obj[given[0]]
+    if given[0] == "messages":
+        req.messages = value
+        return None if isinstance(value, list) and value else f"line {req.line}: \"messages\" must be a non-empty list"
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]  # OpenAI allows a list of prompts; one per request is what a batch line means
+    if isinstance(value, str):
+        req.prompt = value
+        return None if value else f"line {req.line}: the prompt is empty"
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        req.prompt_token_ids = value
+        return None
+    return f"line {req.line}: {given[0]!r} must be a non-empty string or list of token ids"
+
+
+def _openai_request(line: int, text: str) -> BatchRequest:
+    obj, error = _json_object(line, text)
+    if error:
+        return BatchRequest(line=line, error=error)
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return BatchRequest(line=line, error=f"line {line}: \"custom_id\" must be a non-empty string")
+    req = BatchRequest(line=line, id=custom_id)
+    req.error = _openai_body(req, obj)
+    return req
+
+
+def _openai_body(req: BatchRequest, obj: dict) -> str | None:
+    where = f"line {req.line}"
+    if obj.get("method", "POST") != "POST":
+        return f"{where}: method must be POST, got {obj.get('method')!r}"
+    url = obj.get("url")
+    if url not in (COMPLETIONS_URL, CHAT_URL):
+        return f"{where}: url must be {COMPLETIONS_URL} or {CHAT_URL}, got {url!r}"
+    req.chat = url == CHAT_URL
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return f"{where}: \"body\" must be an object"
+    for name, neutral in _UNSUPPORTED_OPENAI.items():
+        if body.get(name, neutral) not in (neutral, None):
+            return f"{where}: body.{name} is not supported"
+    req.sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body}
+    if req.chat and "max_completion_tokens" in body:
+        req.sampling["max_tokens"] = body["max_completion_tokens"]
+    error = _openai_logprobs(req, body)
+    return error or _set_prompt(req, body, ("messages",) if req.chat else ("prompt",))
+
+
+def _openai_logprobs(req: BatchRequest, body: dict) -> str | None:
+    """Completions: logprobs = top alternatives (int); chat: logprobs (bool) + top_logprobs (int)."""
+    if req.chat:
+        if body.get("logprobs"):
+            req.sampling["logprobs"] = body.get("top_logprobs") or 0
+            req.logprobs_style = "chat"
+    elif body.get("logprobs") is not None:
+        req.sampling["logprobs"] = body["logprobs"]
+        req.logprobs_style = "completions"
+    return None
+
+
+# ---- output records -------------------------------------------------------------------------
+def usage(output) -> dict:
+    completion = sum(len(c.token_ids) for c in output.outputs)
+    prompt = len(output.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def result_record(fmt: str, req: BatchRequest, output, model: str, decode_token) -> dict:
+    """The record of a finished request. decode_token(id) -> its text (OpenAI logprobs)."""
+    if fmt == "openai":
+        return _openai_result(req, output, model, decode_token)
+    first = output.outputs[0]
+    record = {"id": req.id, "prompt": req.prompt if req.prompt is not None else output.prompt,
+              "text": first.text, "token_ids": first.token_ids, "finish_reason": first.finish_reason,
+              "usage": usage(output)}
+    if req.prompt is None:
+        record["prompt_token_ids"] = output.prompt_token_ids
+    if first.logprobs is not None:
+        record["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in first.logprobs]
+    if len(output.outputs) > 1:
+        record["outputs"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason} for c in output.outputs]
+    return record
+
+
+def error_record(fmt: str, req: BatchRequest, message: str, code: str = "invalid_request") -> dict:
+    error = {"code": code, "message": message}
+    ident = {"line": req.line} if req.id is None else {}
+    if fmt == "openai":
+        return {"id": _stable_id("batch_req_", req.key), "custom_id": req.id, **ident,
+                "response": None, "error": error}
+    return {**({"id": req.id} if req.id is not None else ident), "error": error}
+
+
+def record_key(fmt: str, record: dict) -> str | None:
+    """The key of a record read back from an output file (None: not one of ours)."""
+    request_id = record.get("custom_id" if fmt == "openai" else "id")
+    if request_id is None and "line" not in record:
+        return None
+    return record_key_of(request_id, record.get("line"))
+
+
+def is_error_record(record: dict) -> bool:
+    return record.get("error") is not None
+
+
+def _stable_id(prefix: str, key: str) -> str:
+    """OpenAI ids derived from the request, so a resumed file reads like an uninterrupted one."""
+    return prefix + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _openai_result(req: BatchRequest, output, model: str, decode_token) -> dict:
+    choices = []
+    for c in output.outputs:
+        choice = {"index": c.index, "logprobs": _openai_choice_logprobs(req, c, decode_token),
+                  "finish_reason": c.finish_reason}
+        if req.chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        choices.append(choice)
+    body = {"id": _stable_id("chatcmpl-" if req.chat else "cmpl-", req.key),
+            "object": "chat.completion" if req.chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage(output)}
+    return {"id": _stable_id("batch_req_", req.key), "custom_id": req.id,
+            "response": {"status_code": 200, "request_id": _stable_id("req_", req.key), "body": body},
+            "error": None}
+
+
+def _openai_choice_logprobs(req: BatchRequest, completion, decode_token) -> dict | None:
+    if req.logprobs_style is None or completion.logprobs is None:
+        return None
+    top = req.sampling.get("logprobs") or 0
+    steps = [(t, lp, sorted(lp.items(), key=lambda kv: -kv[1])[:top])
+             for t, lp in zip(completion.token_ids, completion.logprobs)]
+    if req.logprobs_style == "chat":
+        return {"content": [{"token": decode_token(t), "logprob": lp[t],
+                             "top_logprobs": [{"token": decode_token(a), "logprob": v} for a, v in best]}
+                            for t, lp, best in steps]}
+    return {"tokens": [decode_token(t) for t, _, _ in steps], "token_logprobs": [lp[t] for t, lp, _ in steps],
+            "top_logprobs": [{decode_token(a): v for a, v in best} for _, _, best in steps]}

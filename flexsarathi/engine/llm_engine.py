@@ -1,0 +1,519 @@
+"""`LLMEngine`: the step is schedule -> forward (build micro-batches, run the pass) -> sample ->
+postprocess (nano-vllm's shape).
+
+The scheduler decides what runs, the executor (offload/) moves and computes, the model is pure
+math, and this file only glues them and turns logits into tokens.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from flexsarathi.models.attention import release_host_buffers
+from flexsarathi.engine.micro_batch_builder import build_micro_batch, wants_prompt_logprobs
+from flexsarathi.engine.block_manager import BlockManager
+from flexsarathi.models.opened_model import OpenedModel, open_model
+from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
+from flexsarathi.errors import FlexSarathiError
+from flexsarathi.models.model_config import parse_dtype
+from flexsarathi.engine.sampling import SamplingParams, mask_stops, sample, sample_seed, token_logprobs
+from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
+from flexsarathi.engine.sequence import Sequence
+from flexsarathi.models.tokenizer import IncrementalDetokenizer
+from offload.activations import ActivationStore
+from offload.disk_store import DiskStore
+from offload.executor import PassExecutor
+from offload.kv_cache import KVCompression, KVPool
+from offload.memory import MemoryTracker, TierBudget
+from offload.placement import weight_layout_tag
+from offload.tiered_weights import TieredWeights
+from policy_search.policy import TIERS, Policy
+from policy_search.model_spec import ModelSpec
+from policy_search.quant_format import KV_FORMAT
+from policy_search.working_set import QUERY_BLOCK, PassTokens, gathered_tiers, working_set, worst_pass
+from quant import QuantConfig
+from quant.config import WEIGHT_QUANT
+
+PLAIN_KV_BLOCK = 16  # tokens per block of an uncompressed KV pool
+STORE_FORMAT = 3  # bump whenever what the weight store holds changes (2: 4-bit packed per row; 3: + norms, biases)
+GPU_TOKEN_MULTIPLE = 128  # matmul tile: passes on a GPU carry a multiple of it where that is free
+SCHEDULE_FIELDS = ("scheduler", "kv_admission", "kv_cache_tokens", "prefill_budget", "gpu_batch_size")
+DEFAULT_OFFLOAD_DIR = os.path.join(os.path.expanduser("~"), ".cache", "flexsarathi", "offload")
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str  # decode(prompt + token_ids) after decode(prompt), cut before a stop string
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string, None for EOS/length
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: sampled + top `logprobs`
+
+
+@dataclass
+class RequestOutput:
+    """One request's result (vLLM's RequestOutput). `error` is set instead of outputs when the
+    request was refused under `generate(..., on_error="record")`."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[float] | None = None  # one per prompt token after the first
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None
+
+    # The first completion's fields, as before `n` existed.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else None
+
+
+def resolve_device(device, check_available: bool = True) -> torch.device:
+    """The compute device: 'cpu' or 'cuda[:N]' (default: cuda when available); anything else, or
+    CUDA on a machine without it, is a FlexSarathiError saying so. check_available=False: only the
+    name is checked (a Ray driver naming its actors' device, which it may not have itself)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        hint = " (did you mean 'cuda'?)" if str(device).lower().startswith("gpu") else ""
+        raise FlexSarathiError(f"device {device!r} is not one FlexSarathi computes on: use 'cpu' or "
+                               f"'cuda' / 'cuda:N'{hint}")
+    if resolved.type == "cuda" and check_available:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise FlexSarathiError(f"device {device!r}: CUDA is not available on this machine (torch "
+                                   f"{torch.__version__}, no usable GPU); use 'cpu'")
+        if resolved.index is not None and resolved.index >= count:
+            raise FlexSarathiError(f"device {device!r}: this machine has {count} CUDA device(s), "
+                                   f"cuda:0 .. cuda:{count - 1}")
+    return resolved
+
+
+def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Explicit dtype wins; else (None or "auto") fp16/bf16 on a GPU (as the checkpoint, fp16 for
+    fp32 ones) and on the CPU the dtype this machine computes fastest, fp32 unless a half dtype is
+    clearly faster (measured once per machine and cached: flexsarathi/machine/dtype_choice.py)."""
+    if not is_auto(dtype):
+        return parse_dtype(dtype, "LLM(dtype=...)")
+    if device.type == "cuda":
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float16
+    return cpu_compute_dtype()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an LLMEngine is built from (LLM(...) builds it from its keyword arguments)."""
+
+    model: str  # a checkpoint folder or `dummy:<name>`
+    dtype: str | torch.dtype | None = None  # None or "auto": resolve_dtype's rule
+    device: str | torch.device | None = None  # None: cuda when available
+    policy: Policy = field(default_factory=Policy)
+    seed: int = 0  # of the requests that give no SamplingParams.seed
+    kv_block_size: int | None = None  # None: KVFormat.block_size compressed, PLAIN_KV_BLOCK plain
+    budget: TierBudget | None = None  # per-tier memory limits the engine enforces
+    offload_dir: str | None = None  # None: DEFAULT_OFFLOAD_DIR
+    direct_io: bool = True  # O_DIRECT reads of the disk store where the file system allows
+    weight_quant: QuantConfig = WEIGHT_QUANT
+    kv_bits: int = KV_FORMAT.bits
+    kv_value_group: int = KV_FORMAT.value_group
+    # dummy models with 4-bit weights: draw the codes directly instead of quantizing normal draws
+    # (other weights, another disk store; checkpoint.DummyWeights), for models too large to quantize
+    # quickly on a CPU (scripts/bench_70b.py)
+    dummy_weight_codes: bool = False
+
+
+class LLMEngine:
+    """Owns the placed weights, the KV pools and ONE scheduler (with its block manager) for its
+    lifetime; `add_requests` queues a batch, `step` runs one pass of it."""
+
+    def __init__(self, config: EngineConfig, opened: OpenedModel | None = None):
+        """opened: the model already opened by the caller (open_model(config.model)), else opened here."""
+        self.engine_config = e = config
+        self.device = resolve_device(e.device)
+        drawn = e.weight_quant if e.dummy_weight_codes and e.policy.compress_weight else None
+        if opened is None:
+            opened = open_model(e.model, codes=drawn)
+        elif (opened.name, opened.codes) != (e.model, drawn):
+            raise FlexSarathiError(f"the opened model ({opened.name}, codes {opened.codes}) is not the one "
+                                   f"this engine is configured for ({e.model}, codes {drawn})")
+        self.source, self.tokenizer = opened.source, opened.tokenizer
+        if hasattr(self.source, "convert_k_quants"):  # a GGUF: K-quants as codes only where weights are compressed
+            self.source.convert_k_quants = e.policy.compress_weight
+        self.config, self.model = self.source.config, self.source.model
+        if self.config.moe is not None or self.config.qk_norm:  # until the runtime's qwen3 / MoE families land
+            raise FlexSarathiError(f"{e.model}: model_type {self.config.model_type!r} is planned (flexsarathi "
+                                   f"policy) but not yet run by the engine")
+        self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
+        self.policy = p = e.policy
+        # A compressed K is grouped per channel over one block (KVFormat.block_size).
+        self.block_size = e.kv_block_size or (KV_FORMAT.block_size if p.compress_kv else PLAIN_KV_BLOCK)
+        self.offload_dir = e.offload_dir or DEFAULT_OFFLOAD_DIR
+        eos = self.tokenizer.eos_token_id if self.tokenizer else None
+        self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
+        self.memory = MemoryTracker(e.budget)
+        self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
+                                             value_group=e.kv_value_group) if p.compress_kv else None)
+        self.weights = self._place_weights()
+        self.kv_pools: dict[str, KVPool] = {}
+        cuda = self.device.type == "cuda"
+        self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,
+                                           folder=self._offload_folder() if p.act_disk > 0 else None)
+        self.executor = PassExecutor(self.model, self.weights, self.kv_pools, self.activations,
+                                     self.device, self.dtype, overlap=p.overlap,
+                                     cpu_attention=p.cpu_attention)
+        self.blocks = BlockManager(self.block_size, {}, num_residual=0)  # laid out per batch
+        self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
+        self._rng = random.Random(e.seed)
+        self._next_id = 0
+        self.closed = False
+        self._closed_because = "LLM.close() was called"
+
+    def _place_weights(self) -> TieredWeights:
+        e, p = self.engine_config, self.policy
+        if e.weight_quant.group_dim not in (-1, 1):
+            raise FlexSarathiError(f"weight_quant must group along the input dimension (group_dim=-1): "
+                                   f"placement streams row ranges; got {e.weight_quant}")
+        quant = e.weight_quant if p.compress_weight else None
+        # The store format version is part of the key: a store written by an engine with another
+        # layout (e.g. a different 4-bit packing) has different, equally checksummed bytes.
+        store_key = f"fmt{STORE_FORMAT}|{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
+            f"q{quant.bits}g{quant.group_size}d{quant.group_dim}|{weight_layout_tag(self.dtype, self.device, quant)}"
+            if quant else "plain")
+        return TieredWeights(
+            num_layers=self.config.num_layers, layer_shapes=self.model.layer_shapes(),
+            read_globals=lambda: self.source.global_weights(self.dtype),
+            read_layer=lambda i: self.source.layer_weights(i, self.dtype),
+            fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
+            tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch,
+            pin_memory=p.pin_weight and self.device.type == "cuda",
+            disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io))
+
+    def _offload_folder(self) -> str:
+        try:
+            os.makedirs(self.offload_dir, exist_ok=True)
+        except OSError as exc:
+            raise FlexSarathiError(f"offload folder {self.offload_dir} cannot be created: {exc.strerror}") from None
+        return self.offload_dir
+
+    # ---- requests ------------------------------------------------------------------------
+    def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
+                      prompt: str | None = None, sample_index: int = 0) -> Sequence:
+        """sample_index: which of the request's `n` completions this sequence is (its seed)."""
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        seed = (sample_seed(params.seed, sample_index) if params.seed is not None
+                else self._rng.getrandbits(62))
+        if any(t >= self.config.vocab_size for t in params.stop_token_ids):
+            raise FlexSarathiError(f"SamplingParams.stop_token_ids {list(params.stop_token_ids)} has ids "
+                                   f"outside the vocabulary [0, {self.config.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise FlexSarathiError("stop strings need a model folder with tokenizer.json "
+                                   "(use stop_token_ids with token-id prompts)")
+        seq = Sequence(
+            seq_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
+            max_len=min(len(prompt_token_ids) + params.max_tokens, self.config.max_position_embeddings),
+            stop_ids=frozenset(stop), generator=torch.Generator().manual_seed(seed), prompt=prompt,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if params.stop else None,
+            logprobs=[] if params.logprobs is not None else None)
+        self._next_id += 1
+        return seq
+
+    def validate_prompt(self, ids: list[int], index: int) -> None:
+        if len(ids) == 0:
+            raise FlexSarathiError(f"prompt {index} is empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise FlexSarathiError(f"prompt {index}: token id {bad[0]!r} is outside the vocabulary "
+                                   f"[0, {vocab})")
+        if len(ids) > self.config.max_position_embeddings:
+            raise FlexSarathiError(f"prompt {index} has {len(ids)} tokens, more than the model's "
+                                   f"context of {self.config.max_position_embeddings}")
+
+    def add_requests(self, groups: list[list[Sequence]]) -> None:
+        """Queue a batch of requests, each the `n` sequences of one prompt (prefilled once for
+        all). The KV cache is laid out for the batch: the policy's capacity (or, without one,
+        max_running of its longest requests), pools growing only when they hold less; a request
+        that cannot fit, or whose largest pass cannot, is refused before any work."""
+        self._check_open()
+        if self.scheduler.has_unfinished():
+            raise FlexSarathiError("the engine runs one batch of requests at a time: step it to the "
+                                   "end (or abort_all) before adding the next")
+        seqs = [seq for group in groups for seq in group]
+        if not seqs:
+            return
+        running = min(self.policy.max_running, len(seqs))
+        blocks = self._kv_blocks(seqs, running)
+        self._ensure_pools(blocks, running)
+        self.blocks.resize(blocks, num_residual=running)
+        self._check_worst_pass(seqs, running, blocks)
+        for group in groups:
+            self.scheduler.add_group(group)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop the unfinished requests (their KV blocks are free again); returns their sequences."""
+        return self.scheduler.abort_all()
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        p = self.policy
+        return SchedulerConfig(max_running=p.max_running, num_micro_batches=p.num_gpu_batches,
+                               prefill_budget=p.prefill_budget, mode=p.scheduler, kv_admission=p.kv_admission,
+                               token_multiple=GPU_TOKEN_MULTIPLE if self.device.type == "cuda" else 1)
+
+    def set_schedule(self, **changes) -> None:
+        """Change how passes are formed, not where tensors live (e.g. to run both schedulers on
+        one engine): any of SCHEDULE_FIELDS. The scheduler is rebuilt; only while idle."""
+        unknown = sorted(set(changes) - set(SCHEDULE_FIELDS))
+        if unknown:
+            raise FlexSarathiError(f"set_schedule changes only {SCHEDULE_FIELDS}, not {unknown}")
+        if self.scheduler.has_unfinished():
+            raise FlexSarathiError("set_schedule while requests run: step them to the end first")
+        self.policy = self.policy.replace(**changes)
+        self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
+
+    def _kv_blocks(self, seqs: list[Sequence], running: int) -> dict[str, int]:
+        """KV blocks per tier; every request must fit the cache alone (else it could never run)."""
+        p, longest = self.policy, max(s.max_len for s in seqs)
+        per_seq = math.ceil(longest / self.block_size)
+        total = per_seq * running if p.kv_cache_tokens is None else p.kv_cache_tokens // self.block_size
+        if per_seq > total:
+            index = next(i for i, s in enumerate(seqs) if s.max_len == longest)
+            raise FlexSarathiError(
+                f"request {index} needs {longest} tokens of KV cache (prompt + max_tokens) but "
+                f"Policy.kv_cache_tokens={p.kv_cache_tokens} holds {total * self.block_size} "
+                f"({self.block_size}-token blocks); raise kv_cache_tokens or lower max_tokens")
+        return _split_by_fractions(total, p.kv_fractions)
+
+    def _ensure_pools(self, blocks_per_tier: dict[str, int], num_residual: int) -> None:
+        c = self.config
+        for tier, blocks in blocks_per_tier.items():
+            pool = self.kv_pools.get(tier)
+            if pool is not None and pool.num_slots >= blocks * self.block_size and (
+                    pool.compression is None or pool.k_residual.shape[1] >= num_residual):
+                continue
+            if pool is not None:
+                self.memory.release(tier, pool.nbytes, "KV cache")
+                del self.kv_pools[tier], pool
+            slots = blocks * self.block_size
+            nbytes = KVPool.nbytes_for(c.num_layers, slots, c.num_kv_heads, c.head_dim, self.dtype,
+                                       self.kv_compression, num_residual)
+            self.memory.reserve(tier, nbytes, "KV cache")
+            device = self.device if tier == "gpu" else torch.device("cpu")
+            self.kv_pools[tier] = KVPool(
+                tier, c.num_layers, slots, c.num_kv_heads, c.head_dim, self.dtype, device,
+                block_size=self.block_size, compression=self.kv_compression, num_residual=num_residual,
+                pin_memory=tier == "cpu" and self.device.type == "cuda",
+                folder=self._offload_folder() if tier == "disk" else None)
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the I/O threads, close the disk store's files and free the KV pools (their bytes go
+        back to the tracker). Idempotent; the engine refuses new work after."""
+        if self.closed:
+            return
+        self.closed = True
+        self.executor.close()
+        self.weights.close()
+        for tier, pool in list(self.kv_pools.items()):
+            self.memory.release(tier, pool.nbytes, "KV cache")
+        self.kv_pools.clear()
+        self.activations.close()
+        release_host_buffers()
+
+    def recover(self) -> None:
+        """Called by step when an exception (KeyboardInterrupt included) escaped a pass: drop the
+        interrupted batch's sequences (every KV block is free again), wait for the I/O threads
+        and weight prefetches still running, drop parked activations and forget which layer
+        sits in which working buffer. The next call then gives a fresh engine's results; if the
+        engine cannot get there, it is closed and says why on its next use."""
+        if self.closed:
+            return
+        self.scheduler.abort_all()
+        try:
+            self.executor.reset()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except BaseException as exc:  # noqa: BLE001 - the caller re-raises the original error
+            self.close()
+            self._closed_because = (f"it could not recover from an interrupted pass "
+                                    f"({type(exc).__name__}: {exc})")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise FlexSarathiError(f"this engine is closed ({self._closed_because}); create a new LLM")
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One pass; returns the sequences that finished in it. An exception inside it
+        (KeyboardInterrupt included) leaves the engine as a fresh one (see recover) and propagates;
+        between steps the engine is always consistent (prefetches of the next pass's first layers
+        are valid loads), so every loop over step, LLM.generate's among them, is covered."""
+        try:
+            plan = self.scheduler.schedule()
+            outputs = self.forward(plan)
+            seqs, token_ids = self.sample(outputs)
+            return self.scheduler.postprocess(plan, seqs, token_ids)
+        except BaseException:
+            self.recover()
+            raise
+
+    def forward(self, plan: SchedulerOutput) -> list[tuple[WorkItem, torch.Tensor]]:
+        """Runs the scheduled pass. Returns each item that has logits with its rows [rows, vocab]
+        (fp32, CPU): every prompt row for prompt_logprobs, else the last row where it samples."""
+        built = [build_micro_batch(items, self.blocks) for items in plan.micro_batches]
+        batches = [mb for mb, _ in built]
+        with self.memory.reservation("gpu", self._pass_working_bytes(batches), "pass activations"):
+            logits = self.executor.run(batches)
+        for item in plan.items:
+            if item.samples and item.seq.forks:  # the parent's prompt is prefilled: forks join
+                self._copy_prompt_tail(item.seq)
+        outputs = []
+        for (_, spans), mb_logits in zip(built, logits):
+            mb_logits = mb_logits.cpu()
+            outputs += [(span.item, mb_logits[span.offset:span.offset + span.count]) for span in spans]
+        return outputs
+
+    def _pass_working_bytes(self, batches) -> int:
+        return self._working_bytes(self._pass_tokens(batches))
+
+    def _pass_tokens(self, batches) -> PassTokens:
+        """What this pass holds on the compute device (policy_search/working_set.py): the K/V the
+        executor gathers there for each pair of consecutive micro-batches (k computes while k+1
+        loads), and its largest decode and prompt attention calls."""
+        held = []  # per micro-batch: K/V slots gathered onto the compute device
+        keys_max = {True: 0, False: 0}  # is_decode -> the largest call's keys, and its score cells
+        cells_max = {True: 0, False: 0}
+        for mb in batches:
+            slots = 0
+            for g in mb.groups:
+                on_device = gathered_tiers(self.policy, g.is_decode)
+                for p in g.parts:
+                    if p.new_rows is None and p.tier not in on_device:
+                        continue  # attended on the CPU, where it lives
+                    if p.new_rows is None:
+                        slots += p.kv_slots.numel()
+                    keys = g.num_seqs * (p.new_rows[1] - p.new_rows[0] if p.new_rows else p.kv_slots.shape[1])
+                    keys_max[g.is_decode] = max(keys_max[g.is_decode], keys)
+                    cells_max[g.is_decode] = max(cells_max[g.is_decode], keys * min(g.num_queries, QUERY_BLOCK))
+            held.append(slots)
+        return PassTokens(total=sum(mb.num_tokens for mb in batches),
+                          widest=max(mb.num_tokens for mb in batches),
+                          context_slots=max(a + b for a, b in zip(held, held[1:] + [0])),
+                          attention_slots=keys_max[True] + keys_max[False],
+                          attention_cells=cells_max[True] + cells_max[False],
+                          logit_rows=sum(mb.logit_rows.numel() for mb in batches))
+
+    def _working_bytes(self, tokens: PassTokens) -> int:
+        """Compute-device bytes a pass needs beyond weights and KV pools: the planner's formula
+        (policy_search/working_set.py) on this engine's shapes and dtype."""
+        spec = ModelSpec.from_hf(self.config, "engine", self.dtype.itemsize)
+        return working_set(spec, tokens, self.kv_compression is not None).nbytes(self.policy.act_gpu)
+
+    def _check_worst_pass(self, seqs: list[Sequence], running: int, blocks: dict[str, int]) -> None:
+        """Fail before any work when the largest pass this batch of requests can form would not
+        fit the gpu tier next to the weights and KV pools."""
+        all_logits = any(s.params.prompt_logprobs for s in seqs)
+        pool_slots = {tier: n * self.block_size for tier, n in blocks.items()}  # what the blocks can hold
+        worst = worst_pass(self.policy, running, [s.num_prompt_tokens for s in seqs],
+                           [s.max_len for s in seqs], pool_slots, all_logits)
+        with self.memory.reservation("gpu", self._working_bytes(worst), "largest pass (activations)"):
+            pass
+
+    def sample(self, outputs: list[tuple[WorkItem, torch.Tensor]]) -> tuple[list[Sequence], list[int | None]]:
+        """The sequences that sample after this pass with their tokens (None where the context is
+        full): each item ending at its last token, and a parent's forks from the parent's row,
+        each with its own generator. Records prompt and token logprobs on the way."""
+        rows: list[tuple[Sequence, torch.Tensor]] = []
+        for item, logits in outputs:
+            if wants_prompt_logprobs(item):
+                _record_prompt_logprobs(item.seq, item.start, item.end, logits)
+            if item.samples:
+                rows += [(seq, logits[-1]) for seq in (item.seq, *item.seq.forks)]
+        live = [(seq, row) for seq, row in rows if not seq.context_full]
+        tokens: dict[Sequence, int] = {}
+        if live:
+            masked = torch.stack([mask_stops(row, s.stop_ids, s.may_stop) for s, row in live])  # [R, vocab]
+            sampled = sample(masked, [s.params for s, _ in live], [s.generator for s, _ in live])
+            for (seq, row), token in zip(live, sampled):
+                if seq.logprobs is not None:  # of the model's distribution, as vLLM's raw logprobs
+                    seq.logprobs.append(token_logprobs(row, token, seq.params.logprobs))
+                tokens[seq] = token
+        return [seq for seq, _ in rows], [tokens.get(seq) for seq, _ in rows]
+
+    def _copy_prompt_tail(self, parent: Sequence) -> None:
+        """Each fork of `parent` gets a copy of the KV of the prompt's last, partial block in its
+        own block (any tier: pools share a layout); the complete ones it shares."""
+        index, count = divmod(parent.num_prompt_tokens, self.block_size)
+        for fork in parent.forks if count else ():
+            src, src_slots = self.blocks.local_slots(parent.block_table[index], count)
+            dst, dst_slots = self.blocks.local_slots(fork.block_table[index], count)
+            self.kv_pools[src].copy_slots(self.kv_pools[dst], src_slots, dst_slots,
+                                          parent.residual_id, fork.residual_id)
+
+    def to_output(self, seqs: Sequence | list[Sequence]) -> RequestOutput:
+        """The request's output from its finished sequence(s): one per completion (`n`)."""
+        seqs = [seqs] if isinstance(seqs, Sequence) else seqs
+        first = seqs[0]
+        return RequestOutput(
+            request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(i, seq) for i, seq in enumerate(seqs)],
+            prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs else None)
+
+    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
+        text = self.tokenizer.completion_text(seq.prompt_token_ids, seq.output_token_ids) if self.tokenizer else ""
+        if seq.stop_text_end is not None:
+            text = text[:seq.stop_text_end]
+        logprobs = seq.logprobs
+        cumulative = (sum(lp[t] for lp, t in zip(logprobs, seq.output_token_ids))
+                      if logprobs is not None else None)
+        stop_reason = seq.stop_reason  # None for EOS, as vLLM
+        if isinstance(stop_reason, int) and stop_reason not in seq.params.stop_token_ids:
+            stop_reason = None
+        return CompletionOutput(index=index, text=text, token_ids=list(seq.output_token_ids),
+                                finish_reason=seq.finish_reason, stop_reason=stop_reason,
+                                cumulative_logprob=cumulative, logprobs=logprobs)
+
+
+def _split_by_fractions(total: int, fractions: tuple[float, float, float]) -> dict[str, int]:
+    """Blocks per tier, proportional to the fractions (largest remainder, summing to total)."""
+    exact = [f * total for f in fractions]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[:total - sum(counts)]:
+        counts[i] += 1
+    return {tier: n for tier, n in zip(TIERS, counts) if n > 0}
+
+
+def _record_prompt_logprobs(seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:
+    """rows[i] predicts position start + i + 1; keep those that land inside the prompt."""
+    stop = min(end, seq.num_prompt_tokens - 1)
+    if not seq.params.prompt_logprobs or stop <= start:
+        return
+    targets = torch.tensor(seq.prompt_token_ids[start + 1:stop + 1])
+    logprobs = torch.log_softmax(rows[:stop - start].float(), dim=-1)
+    seq.prompt_logprobs += logprobs.gather(1, targets[:, None]).squeeze(1).tolist()

@@ -1,0 +1,1 @@
+"""Measuring this machine: CPU description, matmul/copy/disk rates, the CPU compute dtype."""

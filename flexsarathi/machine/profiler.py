@@ -1,0 +1,397 @@
+"""`flexsarathi profile`: measure this machine into a HardwareSpec JSON that `--hardware` accepts.
+
+Everything is measured on the compute device the engine would use (CUDA when present, else the
+CPU, whose "gpu tier" is then host memory), in the engine's dtype and on the shapes of one decoder
+layer (`model=`: a policy_search.ModelSpec; default: OPT-1.3B's, hidden 2048, MLP 8192, 32 heads):
+copy bandwidths between tiers, disk read (O_DIRECT, page cache bypassed) and write (fsync'd), the
+layer's four matmuls at several row counts, attention rates, dequantization rates, torch's CPU int4
+kernel on the layer's 4-bit weights (bf16 on the CPU only; what the planner prices decode passes of
+few rows at), and the engine's
+own fixed cost per layer of a pass (run on a small dummy model). Each figure
+is the median of a few repeats after a warm-up, with fewer repeats for slow calls, so the whole run
+takes under a minute on a 2-core machine (timings: docs/BENCHMARKS.md).
+
+Without CUDA the profile says `compute_on_host` (the planner then adds cpu-tier copies to the compute
+time) and the matmul figures are those of the cost model's host form, time = weight bytes /
+bandwidth + FLOPs / rate: a CPU GEMM's time is affine in its rows (it streams the weights once per
+call, then does the FMAs, and two cores overlap the two poorly), so the intercept and slope of the
+measured times give `gpu_memory_bandwidth` and `gpu_matmul_prefill_flops`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+
+import torch
+
+from flexsarathi.machine.layer_timing import LayerShapes, layer_matmul_seconds, layer_matmuls, median_seconds, sync_device
+from flexsarathi.models.attention import attend
+from offload.disk_store import DiskStore
+from offload.host_buffer import aligned_empty
+from policy_search.hardware import HardwareSpec
+from policy_search.model_spec import ModelSpec
+from quant import QuantConfig, dequantize, quantize
+
+
+def _copy_bandwidth(src_device, dst_device, nbytes: int, pin: bool) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=src_device, pin_memory=pin and src_device.type == "cpu")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device, pin_memory=pin and dst_device.type == "cpu")
+    src.fill_(1)
+
+    def run():
+        dst.copy_(src, non_blocking=True)
+        sync_device(torch.device("cuda") if "cuda" in (src_device.type, dst_device.type) else torch.device("cpu"))
+
+    return nbytes / median_seconds(run)
+
+
+def _matmul_figures(device, dtype, shapes: LayerShapes, on_host: bool) -> tuple[float, float, float]:
+    """(prefill FLOP/s, decode FLOP/s, weight-streaming bytes/s) of the layer's matmuls."""
+    flops_per_row = 2 * shapes.params
+    weight_bytes = shapes.params * dtype.itemsize
+    if not on_host:
+        decode = flops_per_row * 16 / layer_matmul_seconds(device, dtype, shapes, 16)
+        prefill = flops_per_row * 512 / layer_matmul_seconds(device, dtype, shapes, 512)
+        return prefill, decode, 0.0
+    rows = (8, 16, 32, 64, 128, 256, 512, 1024)  # decode micro-batches up to whole-block prefills
+    seconds, start = [], time.perf_counter()
+    for t in rows:  # bounded: at least 6 points, then stop once a call or the whole grows long
+        seconds.append(layer_matmul_seconds(device, dtype, shapes, t))
+        if len(seconds) >= 6 and (seconds[-1] > 0.5 or time.perf_counter() - start > 8):
+            break
+    rows = rows[:len(seconds)]
+    decode = flops_per_row * 16 / seconds[rows.index(16)]
+    # Line seconds = a + b * rows fitted in relative error (every row count matters alike): a streams
+    # the weights, b is the FMA time per row. On a 2-core EPYC (bf16) it fits 8..1024 rows within 6%.
+    # A point a busy neighbour spoiled (> 25% off the line) is dropped once and the line refitted.
+    points = list(zip(rows, seconds))
+    intercept, slope = _relative_line_fit(points)
+    worst = max(points, key=lambda p: abs((intercept + slope * p[0]) / p[1] - 1))
+    if abs((intercept + slope * worst[0]) / worst[1] - 1) > 0.25:
+        intercept, slope = _relative_line_fit([p for p in points if p != worst])
+    slope = max(slope, 1e-12)
+    intercept = max(intercept, seconds[0] * 0.05)
+    return flops_per_row / slope, decode, weight_bytes / intercept
+
+
+def _relative_line_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) minimising sum(((a + b * x) / y - 1)^2): least squares weighted by 1 / y^2."""
+    w = [1 / y ** 2 for _, y in points]
+    s0 = sum(w)
+    s1 = sum(wi * x for wi, (x, _) in zip(w, points))
+    s2 = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    t0 = sum(wi * y for wi, (_, y) in zip(w, points))
+    t1 = sum(wi * x * y for wi, (x, y) in zip(w, points))
+    det = s0 * s2 - s1 * s1
+    return (s2 * t0 - s1 * t1) / det, (s0 * t1 - s1 * t0) / det
+
+
+def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads: int = 32,
+                    head_dim: int = 128, kv_heads: int | None = None, between=None) -> float:
+    """Causal-pair FLOP/s of attention as the executor runs it: each sequence's K and V gathered
+    from a paged pool by slot (KVPool.gather), then `attend` (prompts: the flash kernel; decodes: fp32
+    matmuls, whose time on a CPU is mostly the fp32 copies of K and V, masks and softmax). `between` (untimed) runs before each
+    call: in a pass, attention sits between a layer's matmuls, which evict its data from the CPU's
+    caches (back-to-back calls run twice as fast on a 2-core EPYC)."""
+    kv_heads = kv_heads or heads
+    q = torch.randn(seqs, queries, heads, head_dim, dtype=dtype, device=device)
+    # Like the engine's pool, one cache per layer, each read once per pass: the call reads a layer
+    # that is not in the CPU caches (a hot 5 MB context would flatter the rate 2x on a CPU).
+    layers = max(2, -(-(256 << 20) // (2 * seqs * context * kv_heads * head_dim * dtype.itemsize)))
+    pool_k = torch.randn(layers, seqs * context, kv_heads, head_dim, dtype=dtype, device=device)
+    pool_v = torch.randn_like(pool_k)
+    # Sequences own runs of slots, in reverse order of admission as a busy pool leaves them.
+    slots = torch.arange(seqs * context, device=device).view(seqs, context).flip(0)
+    q_pos = torch.arange(context - queries, context, device=device).expand(seqs, queries)
+    kv_len = torch.full((seqs,), context, device=device)
+    layer = iter(range(1 << 62))
+
+    def run():
+        j = next(layer) % layers
+        if between is not None:
+            between()
+            sync_device(device)
+        start = time.perf_counter()
+        shape = (seqs, context, kv_heads, head_dim)  # gathered as KVPool.gather does
+        attend(q, pool_k[j].index_select(0, slots.reshape(-1)).view(shape),
+               pool_v[j].index_select(0, slots.reshape(-1)).view(shape), q_pos, kv_len, head_dim ** -0.5)
+        sync_device(device)
+        return time.perf_counter() - start
+
+    for _ in range(3):  # warm-up: the allocator settles (first calls page-fault their temporaries)
+        run()
+    times = []
+    while len(times) < 11 and (len(times) < 3 or sum(times) < 1.0):  # bounded on slow machines
+        times.append(run())
+    seconds = statistics.median(times)
+    # FLOPs as the cost model counts them: the causal (query, key) pairs, 4 * heads * head_dim each
+    # (query i at position context - queries + i sees that many keys plus itself).
+    pairs = seqs * (queries * (context - queries) + queries * (queries + 1) // 2)
+    return 4 * pairs * heads * head_dim / seconds
+
+
+def _dequant_rate(device, dtype, values: int = 1 << 22) -> float:
+    q = quantize(torch.randn(values // 4096, 4096, dtype=dtype, device=device), QuantConfig())
+    out = torch.empty(q.shape, dtype=dtype, device=device)
+
+    def run():
+        dequantize(q, out=out)
+        sync_device(device)
+
+    return values / median_seconds(run)
+
+
+INT4_KERNEL_ROWS = 16  # the decode row count the int4 kernel's rate is measured at
+
+
+def _int4_kernel_rate(device, dtype, shapes: LayerShapes, rows: int = INT4_KERNEL_ROWS) -> float | None:
+    """FLOP/s of torch's CPU int4 kernel (quant/cpu_matmul.py `linear_4bit`) over the layer's
+    matrices at `rows` rows, on weights packed in its layout in the engine's 4-bit format; None
+    where the kernel does not cover this machine or dtype (bf16 on the CPU only). The kernel's
+    speed does not depend on the codes, so the packed weights are random bytes (quantizing and
+    re-laying out a 70B layer would take longer than the measurement)."""
+    from quant.config import WEIGHT_QUANT
+    from quant.cpu_matmul import Int4Packed, linear_4bit, pack_for_cpu_kernel
+
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    group = WEIGHT_QUANT.group_size
+    probe = quantize(torch.randn(64, 2 * group, dtype=dtype), WEIGHT_QUANT)
+    if pack_for_cpu_kernel(probe) is None or any(o % 64 or i % group for o, i in shapes.matrices):
+        return None
+    weights = [Int4Packed(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8),
+                          (torch.rand(o, i // group, 2) * 0.01).to(torch.bfloat16), (o, i), group)
+               for o, i in shapes.matrices]
+    inputs = [torch.randn(rows, i, dtype=dtype) for _, i in shapes.matrices]
+
+    def run():
+        for x, w in zip(inputs, weights):
+            linear_4bit(x, w)
+
+    return 2 * shapes.params * rows / median_seconds(run, repeats=5)
+
+
+def read_store_rate(store: DiskStore, range_reads: bool = True) -> float:
+    """Bytes/s reading every tensor of `store` with O_DIRECT into two alternating 4096-aligned
+    buffers, the next read in flight while one completes: with `range_reads` as the engine streams
+    disk weights (read_range_async: chunks land straight in its aligned working buffers,
+    offload/tiered_weights.py), else as whole tensors (read_async). The profile and
+    scripts/bench_offload.py both measure with it."""
+    names = store.names()
+    biggest = max(store.entry(n).nbytes for n in names)
+    buffers = [aligned_empty((biggest,), torch.uint8) for _ in range(2)]
+    total, start = 0, time.perf_counter()
+    pending = None
+    for i, name in enumerate(names):
+        e = store.entry(name)
+        out = buffers[i % 2][:e.nbytes].view(e.dtype)
+        fut = store.read_range_async(name, 0, out) if range_reads else store.read_async(name, out.view(e.shape))
+        if pending is not None:
+            pending.result()
+        pending = fut
+        total += e.nbytes
+    pending.result()
+    return total / (time.perf_counter() - start)
+
+
+def _while_computing(fn, shapes: LayerShapes, dtype):
+    """fn() on a thread while this thread runs the layer's matmuls (64 rows, torch's threads: the
+    engine's) until it returns, as a pass's compute runs beside the weight loader; fn's result."""
+    weights = [torch.randn(shape, dtype=dtype) for shape in shapes.matrices]
+    inputs = [torch.randn(64, shape[1], dtype=dtype) for shape in shapes.matrices]
+    result = []
+    reader = threading.Thread(target=lambda: result.append(fn()))
+    reader.start()
+    while reader.is_alive():
+        for x, w in zip(inputs, weights):
+            torch.nn.functional.linear(x, w)
+    reader.join()
+    return result[0]
+
+
+def _scratch_store(folder: str, nbytes: int, shapes: LayerShapes, dtype) -> tuple[DiskStore, float]:
+    """A store of at least `nbytes` of the layer's matrices (two layers at least), and its write
+    rate in bytes/s (fsync'd)."""
+    store = DiskStore(folder, "profile", direct_io=True)
+    layer_bytes = shapes.params * dtype.itemsize
+    layers = max(2, -(-nbytes // layer_bytes))
+    data = [torch.randint(0, 255, (o * i * dtype.itemsize,), dtype=torch.uint8) for o, i in shapes.matrices]
+    start = time.perf_counter()
+    writer = store.begin_write(total_bytes=layers * layer_bytes)
+    for layer in range(layers):
+        for i, tensor in enumerate(data):
+            writer.add(f"{layer}.{i}", tensor)
+    writer.commit()
+    write = layers * layer_bytes / (time.perf_counter() - start)
+    store.drop_page_cache()
+    return store, write
+
+
+def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype, busy_cores: bool,
+                    seconds: float = 2.0) -> tuple[float, float, float]:
+    """(read bytes/s, write bytes/s fsync'd, CPU seconds per byte read) of a scratch store of the
+    layer's matrices in `folder`, read as the engine streams disk weights (read_store_rate). With
+    `busy_cores` (compute on the host) the reads run while the cores do the layer's matmuls, as in
+    a pass: reader threads then compete with the matmuls for the cores. The read figure is the
+    median of reads repeated for `seconds` (at least five, after a warm-up read that checks the
+    crc32s): one short read beside a matmul loop spread 1.5-2.8 GB/s between runs on a busy 2-core
+    EPYC, this median 2.8-3.05 (docs/DESIGN.md, "Tried"). The CPU figure is the process's CPU time
+    over one read with the cores otherwise idle (only the reader threads work)."""
+    work = tempfile.mkdtemp(prefix="profile-", dir=folder)
+    try:
+        store, write = _scratch_store(work, nbytes, shapes, dtype)
+        read_store_rate(store)  # warm-up: each tensor's first read checks its crc32
+        cpu = time.process_time()
+        read_store_rate(store)
+        read_cpu = (time.process_time() - cpu) / sum(store.entry(n).nbytes for n in store.names())
+        rates, start = [], time.perf_counter()
+        while len(rates) < 5 or (time.perf_counter() - start < seconds and len(rates) < 100):
+            rates.append(_while_computing(lambda: read_store_rate(store), shapes, dtype) if busy_cores
+                         else read_store_rate(store))
+        store.close()
+        return statistics.median(rates), write, read_cpu
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 12) -> float:
+    """Seconds a pass costs per layer and micro-batch beyond its math: the executor's bookkeeping,
+    thread hand-offs, per-call costs of small ops (kernel launches on a GPU). Measured by running
+    the engine itself on a small model (everything on the compute device, one decode token per
+    pass, where the math is a small part) and subtracting the time of its layers' and LM head's
+    matmuls measured alone."""
+    from flexsarathi.llm import LLM
+    from flexsarathi.engine.sampling import SamplingParams
+    from policy_search.policy import Policy
+
+    llm = LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=1))
+    executor = llm.engine.executor
+    inner, passes = executor.run, []
+
+    def timed(micro_batches):
+        start = time.perf_counter()
+        out = inner(micro_batches)
+        passes.append(time.perf_counter() - start)
+        return out
+
+    executor.run = timed
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    llm.generate([[10] * 8], params, use_tqdm=False)  # warm-up
+    passes.clear()
+    llm.generate([[10] * 8], params, use_tqdm=False)
+    pass_seconds = statistics.median(passes[1:])  # the decode passes
+    config, g = llm.engine.config, llm.engine.weights.global_weights()
+    llm.close()
+    shapes = LayerShapes.of(ModelSpec.from_name(model))
+    head = g.get("lm_head.weight", g["embed_tokens.weight"])
+    x = torch.randn(1, head.shape[1], dtype=dtype, device=device)
+    head_seconds = median_seconds(lambda: (torch.nn.functional.linear(x, head), sync_device(device)), repeats=7)
+    layer_seconds = layer_matmul_seconds(device, dtype, shapes, 1)
+    return max(0.0, (pass_seconds - head_seconds) / config.num_layers - layer_seconds)
+
+
+def _host_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemTotal from /proc/meminfo")
+
+
+def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_bytes: int = 512 << 20,
+                    log=print, model: ModelSpec | None = None, prompt_len: int = 128,
+                    decode_context: int = 256, decode_seqs: int = 16) -> HardwareSpec:
+    """Measure this machine, logging each step before it runs. dtype: the engine's compute dtype
+    (default: what the engine computes in, fp16 on CUDA and on the CPU the dtype measured fastest there, flexsarathi/machine/dtype_choice.py); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
+    rates are measured on a whole prompt of `prompt_len` tokens and on `decode_seqs` sequences
+    decoding against `decode_context` cached tokens: on a CPU the rate per pair depends on the shape
+    (per-call costs weigh on short prompts), so a benchmark passes its workload's."""
+    from flexsarathi.engine.llm_engine import resolve_dtype
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = dtype or resolve_dtype(None, torch.float16, device)  # what LLM(dtype=None) computes in
+    shapes = LayerShapes.of(model)
+    os.makedirs(offload_dir, exist_ok=True)
+    log(f"profiling: compute device {device} ({dtype}), offload folder {offload_dir}, layer of "
+        f"{model.name if model else 'opt-1.3b'} ({shapes.params / 1e6:.1f}M matrix parameters)")
+    figures = {**_measure_transfers(device, dtype, shapes, offload_dir, disk_bytes, log),
+               **_measure_matmuls(device, dtype, shapes, log),
+               **_measure_attention(device, dtype, shapes, prompt_len, decode_context, decode_seqs, log),
+               **_measure_dequant_and_overhead(device, dtype, shapes, log)}
+    gpu_memory = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory()
+    return HardwareSpec(
+        name=f"profile-{os.uname().nodename}", gpu_memory=gpu_memory, cpu_memory=_host_memory(),
+        disk_memory=shutil.disk_usage(offload_dir).free, compute_on_host=not cuda, **figures,
+        notes=f"measured by flexsarathi profile on {device} with {dtype}, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, layer of {model.name if model else 'opt-1.3b'}, attention "
+              f"on a {prompt_len}-token prompt and {decode_seqs} x {decode_context} decode tokens"
+              + ("" if cuda else "; no CUDA: the gpu tier is host memory, compute on the host"))
+
+
+def _measure_transfers(device, dtype, shapes, offload_dir: str, disk_bytes: int, log) -> dict:
+    cuda, cpu = device.type == "cuda", torch.device("cpu")
+    log("  measuring copies between tiers (256 MiB each way) ...")
+    h2d = _copy_bandwidth(cpu, device, 256 << 20, pin=cuda)
+    d2h = _copy_bandwidth(device, cpu, 256 << 20, pin=cuda)
+    log(f"  copies: host->device {h2d / 1e9:.2f} GB/s, device->host {d2h / 1e9:.2f} GB/s")
+    log(f"  measuring the disk: writing and reading {disk_bytes >> 20} MiB in {offload_dir} ...")
+    disk_read, disk_write, read_cpu = _disk_bandwidth(offload_dir, disk_bytes, shapes, dtype, busy_cores=not cuda)
+    log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT as the engine reads"
+        + ("" if cuda else ", while the cores compute") + f"; {read_cpu * 1e9:.3f} CPU s/GB), "
+        f"write {disk_write / 1e9:.2f} GB/s")
+    return dict(host_to_device=h2d, device_to_host=d2h, disk_to_host=disk_read, host_to_disk=disk_write,
+                disk_read_cpu=read_cpu)
+
+
+def _measure_matmuls(device, dtype, shapes, log) -> dict:
+    cuda = device.type == "cuda"
+    log(f"  measuring the layer's matmuls ({dtype}) at 8 .. 1024 rows ...")
+    prefill, decode, weight_stream = _matmul_figures(device, dtype, shapes, on_host=not cuda)
+    if cuda:
+        mem_bw = _copy_bandwidth(device, device, 256 << 20, pin=False) * 2  # read + write
+        cpu_matmul = _matmul_figures(torch.device("cpu"), torch.float32, shapes, on_host=True)[0]
+    else:
+        mem_bw, cpu_matmul = weight_stream, prefill
+    log(f"  matmul: {prefill / 1e12:.3f} TFLOP/s (prefill), {decode / 1e12:.3f} (16 rows), weights "
+        f"stream at {mem_bw / 1e9:.1f} GB/s" + ("" if cuda else " (host form: time = bytes / bw + FLOPs / rate)"))
+    return dict(gpu_matmul_prefill_flops=prefill, gpu_matmul_decode_flops=decode,
+                gpu_memory_bandwidth=mem_bw, cpu_matmul_flops=cpu_matmul)
+
+
+def _measure_attention(device, dtype, shapes, prompt_len: int, decode_context: int, decode_seqs: int,
+                       log) -> dict:
+    cuda = device.type == "cuda"
+    heads = dict(heads=shapes.heads, head_dim=shapes.head_dim, kv_heads=shapes.kv_heads)
+    if not cuda:  # on the host, attention follows the layer's matmuls (see _attention_rate)
+        heads["between"] = layer_matmuls(device, dtype, shapes, 64)
+    # A whole prompt (the engine computes the full square and masks it: twice the causal pairs), and
+    # a batch of sequences decoding one token each.
+    log("  measuring attention (a whole prompt, then a decode batch) ...")
+    attn_prefill = _attention_rate(device, dtype, prompt_len, prompt_len, 1, **heads)
+    attn_decode = _attention_rate(device, dtype, 1, decode_context, decode_seqs, **heads)
+    cpu_attn = (attn_decode if not cuda else
+                _attention_rate(torch.device("cpu"), torch.float32, 1, decode_context, decode_seqs, **heads))
+    log(f"  attention: prefill {attn_prefill / 1e9:.2f} (a {prompt_len}-token prompt), decode "
+        f"{attn_decode / 1e9:.3f} ({decode_seqs} x {decode_context} tokens), CPU decode {cpu_attn / 1e9:.3f} "
+        f"GFLOP/s (causal pairs)")
+    return dict(gpu_attention_prefill_flops=attn_prefill, gpu_attention_decode_flops=attn_decode,
+                cpu_attention_flops=cpu_attn)
+
+
+def _measure_dequant_and_overhead(device, dtype, shapes, log) -> dict:
+    log("  measuring 4-bit dequantization and the CPU int4 kernel ...")
+    dequant = _dequant_rate(device, dtype)
+    cpu_dequant = dequant if device.type != "cuda" else _dequant_rate(torch.device("cpu"), torch.bfloat16)
+    int4 = _int4_kernel_rate(device, dtype, shapes)
+    log(f"  dequantize: {dequant / 1e9:.2f} G values/s; int4 kernel: "
+        + (f"{int4 / 1e12:.3f} TFLOP/s ({INT4_KERNEL_ROWS} rows)" if int4 else "not used here (bf16 on the CPU only)"))
+    log("  measuring the engine's own cost per layer (dummy:opt-125m, one decode token per pass) ...")
+    overhead = _layer_overhead(device, dtype)
+    log(f"  engine overhead: {overhead * 1e3:.2f} ms per layer and micro-batch of a pass (beyond the math)")
+    return dict(gpu_dequant_rate=dequant, cpu_dequant_rate=cpu_dequant, layer_overhead=overhead,
+                cpu_int4_matmul_flops=int4)

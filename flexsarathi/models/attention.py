@@ -1,0 +1,168 @@
+"""Attention of query rows against a sequence's cached keys and values: pure math.
+
+Every attention call is a padded batch of sequences that each bring `n` query rows at known
+absolute positions and a context of `kv_len` cached tokens (the new tokens included). Decodes are
+batched together (n = 1); a prompt chunk [a, b) is one sequence with n = b - a and kv_len = b, so
+it sees all earlier tokens of its sequence and is causal within itself: chunked prefill is the same
+math as whole-prompt prefill.
+
+Scores and softmax are accumulated in fp32. The log-sum-exp of every row is returned so that
+partial attentions over disjoint pieces of a context (e.g. a cache split across tiers) merge exactly.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_QUERY_BLOCK = 256  # query rows per step: bounds the [heads, rows, context] score buffer
+
+
+class _HostWorkspace(threading.local):
+    """Grow-only fp32 buffers for the K/V copies of host attention, one set per thread.
+
+    A decode pass's context copies are tens of MB per layer, above glibc's mmap threshold: fresh
+    ones would be new mappings faulted in on first touch (docs/DESIGN.md, "Tried"). Reused buffers
+    fault once. CUDA tensors do not need this (the caching allocator reuses blocks)."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        numel = torch.Size(shape).numel()
+        key = f"{name}:{dtype}"
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                buf = self.buffers[key] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(shape)
+
+
+_HOST_WORKSPACE = _HostWorkspace()
+
+
+def release_host_buffers() -> None:
+    """Free this thread's reused attention buffers (they grow to the largest decode context seen;
+    LLMEngine.close() calls this). Later calls simply allocate them again."""
+    _HOST_WORKSPACE.buffers.clear()
+
+
+def _fp32_heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
+    """[B, L, kvh, d] -> [B, kvh, L, d] fp32, contiguous (rows of d stay contiguous, so the copy
+    streams; the score matmul then uses K transposed in place rather than a transposing copy)."""
+    batch, length, kv_heads, dim = x.shape
+    if x.device.type != "cpu":
+        return x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    shape = (batch, kv_heads, length, dim)
+    out = _HOST_WORKSPACE.take(name, shape)
+    if x.dtype == torch.float32:
+        return out.copy_(x.transpose(1, 2))
+    # Transpose in the narrow type, then widen contiguously: faster than one transposing, widening
+    # copy (measured: docs/BENCHMARKS.md, "Smaller measurements behind code comments").
+    staged = _HOST_WORKSPACE.take(name, shape, x.dtype).copy_(x.transpose(1, 2))
+    return out.copy_(staged)
+
+
+# PyTorch's CPU flash-attention kernel (the one F.scaled_dot_product_attention uses on CPU),
+# called directly because it also returns the log-sum-exp that merging partial attentions needs.
+# It accumulates in fp32 for bf16/fp16 inputs, reads K/V strided (no copies), handles grouped-query
+# heads, and tiles the scores. It wins for prompt chunks and loses for decode rows (one query per
+# sequence), which therefore keep the matmul path (measured: docs/BENCHMARKS.md).
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_MIN_ROWS = 16  # query rows per sequence from which the flash kernel is used
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+           kv_len: torch.Tensor, scale: float, sliding_window: int | None = None,
+           kv_pos_offset: int | torch.Tensor = 0,
+           key_blocks: tuple[int, str] | None = None,
+           kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [B, n, heads, d]; k, v: [B, L, kv_heads, d]; q_pos: [B, n]; kv_len: [B].
+
+    Key j of sequence b (absolute position kv_pos_offset + j) is visible to query i when
+    j < kv_len[b], position <= q_pos[b, i], and (with a sliding window) position > q_pos - window.
+    key_blocks=(block_size, "before" | "same") further keeps only keys in blocks before the
+    query's block, or in the query's own block (a cache whose complete blocks are stored
+    differently from the block being filled is attended as those two parts, then merged).
+    Returns out [B, n, heads, d] in q's dtype and lse [B, n, heads] in fp32 (-inf where a row sees
+    no key, which only happens for a partial context; its output is then 0).
+    kernel: "auto" (flash for prompt chunks on the CPU, matmuls otherwise), "flash" or "matmul".
+    """
+    n, length = q.shape[1], k.shape[1]
+    key_pos = torch.arange(length, device=q.device) + (
+        kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
+    valid_len = torch.arange(length, device=q.device)[None, :] < kv_len[:, None]  # [B, L]
+
+    def visible(start: int, stop: int) -> torch.Tensor:  # [B, rows, L]
+        qp = q_pos[:, start:stop, None]  # [B, rows, 1]
+        mask = valid_len[:, None, :] & (key_pos <= qp)
+        if sliding_window is not None:
+            mask &= key_pos > qp - sliding_window
+        if key_blocks is not None:
+            size, rule = key_blocks
+            same = (key_pos // size) == (qp // size)
+            mask &= same if rule == "same" else (key_pos // size) < (qp // size)
+        return mask
+
+    if kernel == "auto":
+        use_flash = (_FLASH is not None and q.device.type == "cpu" and n >= _FLASH_MIN_ROWS
+                     and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+        kernel = "flash" if use_flash else "matmul"
+    if kernel == "flash":
+        return _attend_flash(q, k, v, visible(0, n), scale)
+    if kernel != "matmul":
+        raise ValueError(f"attend: kernel must be 'auto', 'flash' or 'matmul', got {kernel!r}")
+    return _attend_matmul(q, k, v, visible, scale)
+
+
+def _attend_flash(q, k, v, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    out, lse = _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
+                      attn_mask=bias[:, None], scale=scale)  # out [B, heads, n, d], lse [B, heads, n]
+    out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    blind = ~visible.any(-1)  # [B, n]: rows that see no key (the kernel gives them lse 0)
+    if bool(blind.any()):
+        out = out.masked_fill(blind[:, :, None, None], 0.0)
+        lse = lse.masked_fill(blind[:, :, None], float("-inf"))
+    return out.contiguous(), lse.contiguous()
+
+
+def _attend_matmul(q, k, v, visible, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scores and softmax in blocks of query rows (see attend)."""
+    batch, n, heads, dim = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    kf = _fp32_heads_first(k, "k")  # [B, kvh, L, d]
+    vf = _fp32_heads_first(v, "v")  # [B, kvh, L, d]
+    outs, lses = [], []
+    for start in range(0, n, _QUERY_BLOCK):
+        stop = min(n, start + _QUERY_BLOCK)
+        rows = stop - start
+        # [B, rows, kvh, g, d] -> [B, kvh, g*rows, d]: GQA without repeating K/V.
+        qb = q[:, start:stop].float().view(batch, rows, kv_heads, group, dim)
+        qb = qb.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * rows, dim)
+        scores = torch.matmul(qb, kf.transpose(-1, -2)).mul_(scale).view(batch, kv_heads, group, rows, length)
+        scores.masked_fill_(~visible(start, stop)[:, None, None], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g, rows]
+        probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+        probs = torch.nan_to_num_(probs, nan=0.0)
+        out = torch.matmul(probs.view(batch, kv_heads, group * rows, length), vf)
+        outs.append(out.view(batch, kv_heads, group, rows, dim).permute(0, 3, 1, 2, 4)
+                    .reshape(batch, rows, heads, dim))
+        lses.append(lse.permute(0, 3, 1, 2).reshape(batch, rows, heads))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
+    return out.to(q.dtype), lse
+
+
+def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exact softmax over a union of disjoint key sets from per-part (out, lse) pairs.
+
+    out: [..., heads, d], lse: [..., heads]. out = sum_i exp(lse_i - lse) * out_i, where
+    lse = logsumexp_i(lse_i).
+    """
+    lses = torch.stack([lse for _, lse in parts])  # [P, ..., heads]
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.nan_to_num(torch.exp(lses - total), nan=0.0)  # rows seeing no key weigh 0
+    merged = sum(w.unsqueeze(-1) * o.float() for w, (o, _) in zip(weights, parts))
+    return merged.to(parts[0][0].dtype)

@@ -1,0 +1,210 @@
+"""Weight sources: an HF safetensors checkpoint (single or sharded) or deterministic dummy weights.
+
+Both yield weights layer by layer in canonical names (q/k/v and gate/up fused), already cast to
+the requested dtype, so that placement can write each layer to its tier and a model larger than
+RAM never sits in RAM whole.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import zlib
+from abc import ABC, abstractmethod
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from flexsarathi.errors import CheckpointError
+from flexsarathi.models.model_config import ModelConfig
+from flexsarathi.models import ModelMath, Weights, build_model_math
+from policy_search.model_registry import known_config
+from quant import QTensor, QuantConfig
+from quant.layout import GroupLayout
+
+DUMMY_PREFIX = "dummy:"
+
+
+class WeightSource(ABC):
+    """Canonical weights of one model, read one layer at a time."""
+
+    config: ModelConfig
+    math: ModelMath
+
+    @property
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """Identifies the content, so that an offload folder written from it can be reused."""
+
+    @abstractmethod
+    def global_weights(self, dtype: torch.dtype) -> Weights: ...
+
+    @abstractmethod
+    def layer_weights(self, layer: int, dtype: torch.dtype) -> Weights: ...
+
+
+def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSource:
+    """`model` is a checkpoint folder or `dummy:<name>` (see policy_search.model_registry; a `.gguf`
+    file is opened by opened_model.open_model); codes:
+    a dummy model's layer matrices drawn directly in that quantized format (DummyWeights)."""
+    if model.startswith(DUMMY_PREFIX):
+        return DummyWeights(model[len(DUMMY_PREFIX):], codes=codes)
+    if codes is not None:
+        raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
+    return SafetensorsCheckpoint(model)
+
+
+class SafetensorsCheckpoint(WeightSource):
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.config = ModelConfig.from_folder(folder)
+        self.model = build_model_math(self.config)
+        self._handles: dict[str, object] = {}  # file path -> open safetensors handle
+        self._file_of = self._index_tensors()  # HF tensor name -> file path
+        self._validate_shapes()
+
+    @property
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for path in sorted(set(self._file_of.values())):
+            st = os.stat(path)
+            digest.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+        return f"ckpt-{digest.hexdigest()[:16]}"
+
+    def _index_tensors(self) -> dict[str, str]:
+        index_path = os.path.join(self.folder, "model.safetensors.index.json")
+        single = os.path.join(self.folder, "model.safetensors")
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index_path} is not a valid safetensors index: {exc}") from None
+            files = {name: os.path.join(self.folder, shard) for name, shard in weight_map.items()}
+            for shard in sorted(set(files.values())):
+                if not os.path.isfile(shard):
+                    raise CheckpointError(f"{index_path} lists shard {os.path.basename(shard)}, "
+                                          f"which is missing from {self.folder}")
+            return files
+        if os.path.isfile(single):
+            return {name: single for name in self._open(single).keys()}
+        found = sorted(f for f in os.listdir(self.folder) if f.endswith(".safetensors"))
+        if len(found) == 1:
+            path = os.path.join(self.folder, found[0])
+            return {name: path for name in self._open(path).keys()}
+        raise CheckpointError(f"no weights in {self.folder}: expected model.safetensors or "
+                              "model.safetensors.index.json (only safetensors checkpoints are read)")
+
+    def _open(self, path: str):
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(path, framework="pt")
+            except (SafetensorError, OSError, Exception) as exc:  # header corrupt / file truncated
+                raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from None
+        return self._handles[path]
+
+    def _resolve(self, hf_name: str) -> str:
+        # Some OPT checkpoints were saved without the leading "model." of OPTForCausalLM.
+        for candidate in (hf_name, hf_name.removeprefix("model.")):
+            if candidate in self._file_of:
+                return candidate
+        raise CheckpointError(f"tensor {hf_name} is missing from the checkpoint in {self.folder}")
+
+    def _validate_shapes(self) -> None:
+        """Check every tensor's shape from the headers before any weight is read."""
+        expected = [(self.model.hf_global_names(), self.model.global_shapes())]
+        expected += [(self.model.hf_layer_names(i), self.model.layer_shapes())
+                     for i in range(self.config.num_layers)]
+        for names, shapes in expected:
+            for canonical, parts in names.items():
+                rows = 0
+                for hf_name in parts:
+                    name = self._resolve(hf_name)
+                    path = self._file_of[name]
+                    shape = tuple(self._open(path).get_slice(name).get_shape())
+                    want = list(shapes[canonical])
+                    if len(shape) != len(want) or list(shape[1:]) != want[1:]:
+                        raise CheckpointError(
+                            f"{path}: tensor {name} has shape {list(shape)}, which does not match "
+                            f"config.json (expected [rows, {', '.join(map(str, want[1:]))}] for "
+                            f"{canonical} {want})")
+                    rows += shape[0]
+                if rows != shapes[canonical][0]:
+                    raise CheckpointError(
+                        f"tensor(s) {', '.join(parts)} in {self.folder} have {rows} rows in total, but "
+                        f"config.json implies {shapes[canonical][0]} ({canonical})")
+
+    def _read(self, names: dict[str, list[str]], dtype: torch.dtype) -> Weights:
+        out = {}
+        for canonical, parts in names.items():
+            tensors = []
+            for hf_name in parts:
+                name = self._resolve(hf_name)
+                try:
+                    tensors.append(self._open(self._file_of[name]).get_tensor(name).to(dtype))
+                except (SafetensorError, RuntimeError, OSError) as exc:
+                    raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: "
+                                          f"{exc}") from None
+            out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        return out
+
+    def global_weights(self, dtype):
+        return self._read(self.model.hf_global_names(), dtype)
+
+    def layer_weights(self, layer, dtype):
+        return self._read(self.model.hf_layer_names(layer), dtype)
+
+
+class DummyWeights(WeightSource):
+    """Random weights of a registered model's real shape (as FlexGen benchmarks): deterministic
+    per (model, layer, tensor), generated on demand, so any layer can be regenerated alone."""
+
+    def __init__(self, name: str, seed: int = 0, codes: QuantConfig | None = None):
+        """codes: draw each layer's 2-D weights directly as uniformly random codes of that format
+        (QTensors) instead of quantizing normal draws: generating and quantizing a 70B layer takes
+        tens of seconds on two cores, drawing its codes about one (scripts/bench_70b.py). Other
+        weights than the normal draws, so another fingerprint (and disk store)."""
+        try:
+            hf = known_config(name)
+        except KeyError as exc:
+            raise CheckpointError(str(exc.args[0])) from None
+        self.name, self.seed, self.codes = name, seed, codes
+        self.config = ModelConfig.from_hf(hf, source=f"{DUMMY_PREFIX}{name}")
+        self.model = build_model_math(self.config)
+
+    @property
+    def fingerprint(self) -> str:
+        codes = self.codes
+        drawn = f"-codes{codes.bits}g{codes.group_size}d{codes.group_dim}{'s' if codes.symmetric else ''}" if codes else ""
+        return f"dummy-{self.name}-seed{self.seed}{drawn}"
+
+    def _make(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if key.endswith("norm.weight"):
+            return torch.ones(shape, dtype=dtype)
+        if key.endswith(".bias") or len(shape) == 1:
+            return torch.zeros(shape, dtype=dtype)
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}".encode()))
+        # randn(shape) * 0.02, bit for bit (the fingerprint, so stores written before, stay valid)
+        # without a second fp32 temporary: a 70B layer's fused gate/up weight is 1.9 GB in fp32.
+        return torch.empty(shape).normal_(0.0, 0.02, generator=gen).to(dtype)
+
+    def global_weights(self, dtype):
+        return {k: self._make(k, s, dtype) for k, s in self.model.global_shapes().items()}
+
+    def _draw_codes(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> QTensor:
+        """Uniformly random codes, every group with the step that gives the normal draws' std (0.02)
+        and its minimum half the code range below 0: values spread evenly around 0."""
+        config = self.codes
+        groups = GroupLayout.of(shape, config).num_groups
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}:codes".encode()))
+        data = torch.randint(0, 256, (groups * config.bytes_per_group,), generator=gen, dtype=torch.uint8)
+        levels = 2**config.bits  # a uniform code's std is step * sqrt((levels^2 - 1) / 12)
+        step = 0.02 / math.sqrt((levels**2 - 1) / 12)
+        scale = torch.full((groups,), step, dtype=torch.float16)
+        minimum = torch.full((groups,), -step * (levels - 1) / 2, dtype=torch.float16)
+        return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(shape), dtype=dtype, config=config)
+
+    def layer_weights(self, layer, dtype):
+        return {k: self._draw_codes(f"{layer}.{k}", s, dtype) if self.codes is not None and len(s) == 2
+                else self._make(f"{layer}.{k}", s, dtype) for k, s in self.model.layer_shapes().items()}

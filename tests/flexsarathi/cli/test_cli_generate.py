@@ -1,0 +1,252 @@
+"""`flexsarathi generate` and `flexsarathi bench` end to end, as subprocesses, on stories260K and a
+dummy model. References: the in-process `LLM.generate` API (itself tested against transformers)
+and, for kills and torn lines, the uninterrupted run of the same command."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from flexsarathi import LLM, SamplingParams
+from flexsarathi.cli.main import main
+from flexsarathi.cli.generate import request_seed
+from flexsarathi.cli.request_files import record_key_of
+from policy_search import Policy
+from tests.conftest import KILLED_AFTER_RECORDS, REPO
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# float32 on both sides: the CLI runs requests together that the references run alone (or under
+# another policy), and bf16 CPU matmuls are batch-variant (a near-tie could flip a greedy token).
+GREEDY = ["--temperature", "0", "--max-tokens", "6", "--dtype", "float32", "--quiet"]
+
+
+def cli(*args: str, check_rc: int | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "flexsarathi", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if check_rc is not None:
+        assert proc.returncode == check_rc, proc.stdout + proc.stderr
+    return proc
+
+
+def records(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def write_lines(path, lines) -> str:
+    path.write_text("".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def stories_llm(stories_dir):
+    with LLM(stories_dir, dtype="float32") as llm:  # float32: see GREEDY
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def chat_dir(stories_dir, tmp_path_factory):
+    """stories260K with a chat template added (it ships none)."""
+    folder = tmp_path_factory.mktemp("chat") / "stories-chat"
+    shutil.copytree(stories_dir, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": CHAT_TEMPLATE}))
+    return str(folder)
+
+
+def greedy(llm, prompts, max_tokens=6):
+    return llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+
+
+def test_text_input(stories_dir, stories_llm, tmp_path):
+    prompts = ["Once upon a time", "Lily wanted to", "The little dog"]
+    src = write_lines(tmp_path / "in.txt", [prompts[0], prompts[1], "   ", prompts[2]])
+    cli("generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "out.jsonl"), *GREEDY,
+        check_rc=0)
+    got = {r["id"]: r for r in records(tmp_path / "out.jsonl")}
+    assert sorted(got) == [1, 2, 4]  # ids are line numbers; the blank line is skipped
+    for line, ref in zip([1, 2, 4], greedy(stories_llm, prompts)):
+        r = got[line]
+        assert (r["text"], r["token_ids"], r["finish_reason"]) == (ref.text, ref.token_ids, ref.finish_reason)
+        assert r["usage"] == {"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": 6,
+                              "total_tokens": len(ref.prompt_token_ids) + 6}
+        full = stories_llm.tokenizer.decode(ref.prompt_token_ids + r["token_ids"])
+        assert r["prompt"] + r["text"] == full  # the leading space of the first word is kept
+
+
+def test_jsonl_bad_lines_become_error_records(stories_dir, stories_llm, tmp_path):
+    good = [{"id": "a", "prompt": "Once upon a time"},
+            {"id": 7, "prompt_token_ids": [1, 403, 407], "max_tokens": 3},
+            {"id": "s", "prompt": "Lily wanted to", "stop": [" a"], "max_tokens": 12}]
+    bad = [{"id": "chat", "messages": [{"role": "user", "content": "hi"}]},  # no chat template
+           "{not json", {"id": "none"}, {"id": "long", "prompt_token_ids": [5] * 600},
+           {"id": "temp", "prompt": "x", "temperature": -1}, {"id": "typo", "prompt": "x", "max_token": 3}]
+    src = write_lines(tmp_path / "in.jsonl", good + bad)
+    cli("generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"), *GREEDY,
+        check_rc=1)
+    got = {r.get("id", r.get("line")): r for r in records(tmp_path / "o.jsonl")}
+    assert len(got) == 9
+    ref_a, = greedy(stories_llm, ["Once upon a time"])
+    ref_7, = greedy(stories_llm, [[1, 403, 407]], max_tokens=3)
+    assert got["a"]["token_ids"] == ref_a.token_ids and got["a"]["text"] == ref_a.text
+    assert got[7]["token_ids"] == ref_7.token_ids and got[7]["prompt_token_ids"] == [1, 403, 407]
+    free, = greedy(stories_llm, ["Lily wanted to"], max_tokens=12)
+    assert " a" in free.text and got["s"]["text"] == free.text[:free.text.index(" a")]
+    assert got["s"]["finish_reason"] == "stop"
+    messages = {"chat": "no chat template", 5: "line 5 is not valid JSON", "none": "needs exactly one of",
+                "long": "600 tokens, more than the model's context of 512",
+                "temp": "temperature must be a finite number", "typo": "unknown field(s) ['max_token']"}
+    for key, text in messages.items():
+        assert text in got[key]["error"]["message"], got[key]
+    assert got[5] == {"line": 5, "error": got[5]["error"]}
+
+
+def test_openai_batch_with_chat(chat_dir, tmp_path):
+    lines = [{"custom_id": "c1", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}},
+             {"custom_id": "c2", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": [{"role": "user", "content": "A story"}], "max_tokens": 5,
+                       "temperature": 0, "logprobs": True, "top_logprobs": 2}},
+             {"custom_id": "c3", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+             {"custom_id": "c4", "method": "POST", "url": "/v1/completions"}]
+    src = write_lines(tmp_path / "batch.jsonl", lines)
+    cli("generate", "--model", chat_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"), "--quiet",
+        "--dtype", "float32", check_rc=1)
+    got = {r["custom_id"]: r for r in records(tmp_path / "o.jsonl")}
+    with LLM(chat_dir, dtype="float32") as llm:  # float32: see GREEDY
+        chat_ids = llm.tokenizer.apply_chat_template(lines[1]["body"]["messages"])
+        ref1, ref2 = llm.generate(["Once upon a time", chat_ids], SamplingParams(max_tokens=5, temperature=0),
+                                  use_tqdm=False)
+    body1, body2 = got["c1"]["response"]["body"], got["c2"]["response"]["body"]
+    assert got["c1"]["error"] is None and got["c1"]["response"]["status_code"] == 200
+    assert body1["object"] == "text_completion" and body1["choices"][0]["text"] == ref1.text
+    assert body2["object"] == "chat.completion"
+    assert body2["choices"][0]["message"] == {"role": "assistant", "content": ref2.text}
+    assert body2["usage"] == {"prompt_tokens": len(chat_ids), "completion_tokens": 5, "total_tokens": len(chat_ids) + 5}
+    content = body2["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5 and all(len(step["top_logprobs"]) == 2 for step in content)
+    for cid, text in (("c3", "url must be"), ("c4", '"body" must be an object')):
+        assert got[cid]["response"] is None and text in got[cid]["error"]["message"]
+
+
+def _policy_file(tmp_path, **fields) -> str:
+    path = str(tmp_path / "policy.json")
+    Policy(**fields).save(path)
+    return path
+
+
+def test_kill_and_resume_equals_an_uninterrupted_run(stories_dir, tmp_path):
+    """SIGKILL partway (seeded sampling, so results are comparable), rerun, and a torn last line."""
+    prompts = [f"Once upon a time, number {i}" for i in range(24)]
+    src = write_lines(tmp_path / "in.txt", prompts)
+    args = ["generate", "--model", stories_dir, "--input", src, "--policy",
+            _policy_file(tmp_path, gpu_batch_size=2), "--max-tokens", "8", "--ignore-eos",
+            "--dtype", "float32", "--quiet"]  # the resumed rest runs in other batches: bf16 is batch-variant
+    full = tmp_path / "full.jsonl"
+    cli(*args, "--output", str(full), check_rc=0)
+    reference = {r["id"]: r for r in records(full)}
+    assert len(reference) == 24
+
+    killed = tmp_path / "killed.jsonl"
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", KILLED_AFTER_RECORDS, "4", *args, "--output", str(killed)],
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    partial = killed.read_bytes().count(b"\n")
+    assert 4 <= partial < 24, "the run was not killed partway"
+    cli(*args, "--output", str(killed), check_rc=0)
+    resumed = records(killed)
+    assert len(resumed) == 24 and {r["id"]: r for r in resumed} == reference  # no duplicate, none lost
+
+    data = full.read_bytes()  # a torn last line (and a complete one before it) is redone
+    torn = tmp_path / "torn.jsonl"
+    torn.write_bytes(data[:-9])
+    shutil.copy(str(full) + ".meta.json", str(torn) + ".meta.json")
+    proc = cli(*args[:-1], "--output", str(torn), check_rc=0)
+    assert "torn last line" in proc.stdout and "23 already in" in proc.stdout
+    assert sorted(map(json.dumps, records(torn))) == sorted(map(json.dumps, records(full)))
+
+
+def test_mismatch_duplicates_and_bad_jobs_exit_2(stories_dir, tmp_path, capsys):
+    src = write_lines(tmp_path / "in.txt", ["Once upon a time"])
+    out = str(tmp_path / "o.jsonl")
+    base = ["generate", "--model", stories_dir, "--input", src, "--output", out, "--quiet", "--max-tokens", "2"]
+    assert main(base) == 0 and main(base) == 0 and len(records(out)) == 1  # rerun: nothing to redo
+    capsys.readouterr()
+    assert main(base + ["--temperature", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --output") and "temperature" in err and "--overwrite" in err
+    assert main(base + ["--temperature", "0.5", "--overwrite"]) == 0 and len(records(out)) == 1
+    dup = write_lines(tmp_path / "dup.jsonl", [{"id": "x", "prompt": "a"}, {"id": "y", "prompt": "b"},
+                                                {"id": "x", "prompt": "c"}])
+    assert main(["generate", "--model", stories_dir, "--input", dup, "--output", str(tmp_path / "d.jsonl")]) == 2
+    assert "duplicate id 'x' on lines 1 and 3" in capsys.readouterr().err
+    assert not (tmp_path / "d.jsonl").exists()  # refused before any work
+    options = {"--model": stories_dir, "--input": src, "--output": out}
+    for flag, value in (("--model", str(tmp_path / "nope")), ("--input", str(tmp_path / "missing.txt")),
+                        ("--policy", "auto"), ("--policy", str(tmp_path / "no_policy.json"))):
+        argv = ["generate", *[x for kv in (options | {flag: value}).items() for x in kv], "--quiet", "--overwrite"]
+        assert main(argv) == 2, flag
+        assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_seeds_follow_the_request_id():
+    assert request_seed(0, record_key_of("a", 1)) == request_seed(0, record_key_of("a", 9))
+    assert request_seed(0, record_key_of("a", 1)) != request_seed(1, record_key_of("a", 1))
+    assert request_seed(0, record_key_of("a", 1)) != request_seed(0, record_key_of("b", 1))
+
+
+DUMMY = "dummy:opt-125m"
+
+
+def test_policy_auto_with_a_prompt_beyond_the_context(stories_dir, stories_llm, tmp_path):
+    """--policy auto plans for the requests the engine will run: a prompt longer than the context is
+    that line's error record (it used to fail the policy search for the whole job), and an output
+    that would run past the context is planned as the engine cuts it."""
+    near = [1] + [403] * 505  # 506 + 12 > 512: the engine stops at the context
+    src = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Once upon a time"},
+                                              {"id": "long", "prompt_token_ids": [5] * 600},
+                                              {"id": "near", "prompt_token_ids": near, "max_tokens": 12}])
+    cli("generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"),
+        "--policy", "auto", "--hardware", "t4", *GREEDY, check_rc=1)
+    got = {r["id"]: r for r in records(tmp_path / "o.jsonl")}
+    assert "600 tokens, more than the model's context of 512" in got["long"]["error"]["message"]
+    ref_a, = greedy(stories_llm, ["Once upon a time"])
+    ref_near, = greedy(stories_llm, [near], max_tokens=12)
+    assert got["a"]["token_ids"] == ref_a.token_ids
+    assert got["near"]["token_ids"] == ref_near.token_ids and len(ref_near.token_ids) == 512 - 506
+
+
+def test_dummy_model_with_weights_on_disk(tmp_path):
+    """Token-id prompts on a dummy model with half its weights on disk, against the all-on-device
+    API; a text prompt (no tokenizer) is an error record."""
+    ids = [[2, 100, 200, 300], [2, 5, 6, 7, 8, 9], [2, 42]]
+    src = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt_token_ids": p} for i, p in enumerate(ids)]
+                      + [{"id": "text", "prompt": "hello"}])
+    policy = _policy_file(tmp_path, w_gpu=0.5, w_cpu=0.0, w_disk=0.5, kv_gpu=0.0, kv_cpu=1.0, cpu_attention=True)
+    cli("generate", "--model", DUMMY, "--input", src, "--output", str(tmp_path / "o.jsonl"), "--policy", policy,
+        "--offload-dir", str(tmp_path / "offload"), "--ignore-eos", *GREEDY, check_rc=1)
+    got = {r["id"]: r for r in records(tmp_path / "o.jsonl")}
+    assert "no tokenizer.json" in got["text"]["error"]["message"]
+    with LLM(DUMMY, dtype="float32") as llm:  # float32: see GREEDY
+        refs = llm.generate(ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [got[i]["token_ids"] for i in range(3)] == [r.token_ids for r in refs]
+
+
+def test_bench_prints_consistent_json():
+    proc = cli("bench", "--model", DUMMY, "--prompt-len", "8", "--gen-len", "3", "--num-prompts", "2", check_rc=0)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["generated_tokens"] == 2 * 3 and result["prompt_tokens"] == 2 * 8
+    assert result["throughput_tok_s"] == pytest.approx(result["generated_tokens"] / result["seconds"])
+    assert result["total_tok_s"] == pytest.approx((6 + 16) / result["seconds"])
+    assert result["passes"] >= 3 and result["device"].startswith(("cpu", "cuda"))
+    assert set(result["peak_bytes"]) == {"gpu", "cpu", "disk"} and result["peak_bytes"]["gpu"] > 0
+    assert "throughput" in proc.stdout.splitlines()[-2] or "throughput" in proc.stdout

@@ -1,0 +1,99 @@
+"""The sampler against references computed independently: argmax for greedy, top-k / top-p masks
+by sorting probabilities in float64, torch.multinomial on the same generator state for seeded
+draws, and the min_tokens rule on a Sequence (stop tokens barred until it may stop)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flexsarathi.engine.sampling import SamplingParams, filtered_logits, mask_stops, sample, sample_seed
+from flexsarathi.engine.sequence import Sequence, SequenceStatus
+
+VOCAB = 64
+
+
+def rows(count: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(count, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3  # [R, vocab]
+
+
+def reference_kept(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> set[int]:
+    """Tokens top-k then top-p keep, by a float64 sort: the k most likely, then the smallest
+    most-likely prefix of what is left whose renormalised probability reaches top_p."""
+    x = logits.double().numpy() / temperature
+    order = np.argsort(-x, kind="stable")
+    if top_k != -1:
+        order = order[:top_k]
+    probs = np.exp(x[order] - x[order].max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs  # probability of the more likely kept tokens
+    return {int(t) for t, b in zip(order, before) if b < top_p}
+
+
+def test_greedy_is_argmax_whatever_the_generator():
+    logits = rows(8)
+    params = [SamplingParams(temperature=0)] * 8
+    gens = [torch.Generator().manual_seed(i) for i in range(8)]
+    assert sample(logits, params, gens) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (-1, 0.5), (-1, 0.9), (10, 0.7), (VOCAB, 0.3)])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_top_k_top_p_keep_the_float64_reference_set(top_k, top_p, temperature):
+    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    for row in rows(20, seed=top_k + int(top_p * 10)):
+        kept = filtered_logits(row, p)
+        assert {int(t) for t in torch.isfinite(kept).nonzero().flatten()} == reference_kept(
+            row, temperature, top_k, top_p)
+        finite = torch.isfinite(kept)
+        torch.testing.assert_close(kept[finite], row[finite] / temperature, atol=0, rtol=0)
+
+
+def test_draws_stay_inside_the_kept_set():
+    row = rows(1, seed=5)[0] / 3
+    p = SamplingParams(temperature=1.0, top_k=12, top_p=0.6)
+    kept = reference_kept(row, 1.0, 12, 0.6)
+    assert 2 < len(kept) < 12  # both filters bite
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample(row[None], [p], [gen])[0] for _ in range(300)}
+    assert draws == kept  # 300 draws reach every kept token (each over 10% likely here)
+
+
+def test_seeded_sampling_follows_its_own_generator_whatever_shares_the_batch():
+    logits = rows(4, seed=2)
+    p = SamplingParams(temperature=0.8)
+    alone = [sample(logits[i:i + 1], [p], [torch.Generator().manual_seed(100 + i)])[0] for i in range(4)]
+    batch = sample(logits, [p] * 4, [torch.Generator().manual_seed(100 + i) for i in range(4)])
+    assert batch == alone
+    # The reference draw: multinomial on the same generator state over the softmax.
+    ref = [int(torch.multinomial((logits[i] / 0.8).softmax(-1), 1,
+                                 generator=torch.Generator().manual_seed(100 + i))) for i in range(4)]
+    assert batch == ref
+    gen = torch.Generator().manual_seed(7)
+    first = [sample(logits[:1], [p], [gen])[0] for _ in range(20)]
+    gen = torch.Generator().manual_seed(7)
+    assert [sample(logits[:1], [p], [gen])[0] for _ in range(20)] == first
+
+
+def test_sample_seed_keeps_index_zero_and_differs_per_index():
+    for seed in (0, 1, 12345, 2**61):
+        seeds = [sample_seed(seed, i) for i in range(1000)]
+        assert seeds[0] == seed and len(set(seeds)) == 1000
+        assert all(0 <= s < 2**62 for s in seeds[1:])
+
+
+def test_min_tokens_bars_stop_tokens_until_the_sequence_may_stop():
+    stop, runner_up = 5, 9
+    row = torch.zeros(VOCAB)
+    row[stop], row[runner_up] = 10.0, 5.0  # the stop token is the greedy choice
+    params = SamplingParams(max_tokens=10, temperature=0, min_tokens=3)
+    seq = Sequence(0, [1, 2], params, max_len=12, stop_ids=frozenset({stop}), generator=torch.Generator())
+    while not seq.status.finished:
+        masked = mask_stops(row, seq.stop_ids, seq.may_stop)
+        assert math.isinf(masked[stop]) == (len(seq.output_token_ids) < 3)
+        seq.append(sample(masked[None], [params], [seq.generator])[0])
+    assert seq.output_token_ids == [runner_up] * 3 + [stop]
+    assert seq.status is SequenceStatus.FINISHED_STOPPED and seq.stop_reason == stop
+    assert mask_stops(row, frozenset(), False) is row  # nothing to bar: the row itself

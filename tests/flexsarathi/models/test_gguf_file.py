@@ -1,0 +1,132 @@
+"""The GGUF container: metadata -> the engine's config, llama.cpp's tensor names and q/k order
+undone, split files, and one clear error for a corrupt, truncated or unsupported file."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint  # noqa: E402
+from flexsarathi.errors import CheckpointError  # noqa: E402
+from flexsarathi.models.gguf_file import GGUFFile, hf_config, unpermute_rows  # noqa: E402
+from flexsarathi.models.model_config import ModelConfig  # noqa: E402
+from tests.gguf_files import build_model, permute_qk, write_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory):
+    model = build_model("llama")
+    path = tmp_path_factory.mktemp("gguf") / "llama.gguf"
+    write_gguf(model, path, weight_type="F32")
+    return path, model
+
+
+def test_metadata_gives_the_config_transformers_has(llama_file):
+    path, model = llama_file
+    ours = ModelConfig.from_hf(hf_config(GGUFFile(str(path))))
+    ref = ModelConfig.from_hf(model.config.to_dict())
+    for field in ("model_type", "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "intermediate_size", "max_position_embeddings", "norm_eps", "tie_word_embeddings",
+                  "qkv_bias", "rope"):
+        assert getattr(ours, field) == getattr(ref, field), field
+    assert ours.dtype_name == "float32"
+
+
+def test_unpermute_undoes_llama_cpp_permutation():
+    w = np.arange(4 * 2 * 3 * 5, dtype=np.float32).reshape(24, 5)
+    for heads in (1, 2, 4):
+        assert torch.equal(torch.from_numpy(permute_qk(w, heads))[unpermute_rows(24, heads)], torch.from_numpy(w))
+
+
+def test_weights_are_the_hf_weights(llama_file):
+    path, model = llama_file
+    source = GGUFCheckpoint(str(path))
+    state = model.state_dict()
+    layer = source.layer_weights(1, torch.float32)
+    p = "model.layers.1."
+    qkv = torch.cat([state[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(layer["qkv_proj.weight"], qkv)
+    assert torch.equal(layer["gate_up_proj.weight"], torch.cat([state[p + "mlp.gate_proj.weight"],
+                                                                state[p + "mlp.up_proj.weight"]]))
+    g = source.global_weights(torch.float32)
+    assert torch.equal(g["lm_head.weight"], state["lm_head.weight"])
+
+
+def test_split_file_reads_as_the_single_file(llama_file, tmp_path):
+    path, model = llama_file
+    parts = write_gguf(model, tmp_path / "split.gguf", split_max_tensors=7)
+    assert len(parts) > 2 and parts[0].name == f"split-00001-of-{len(parts):05d}.gguf"
+    single, split = GGUFCheckpoint(str(path)), GGUFCheckpoint(str(parts[1]))  # any part names the model
+    assert split.config == single.config
+    for i in range(split.config.num_layers):
+        a, b = single.layer_weights(i, torch.float32), split.layer_weights(i, torch.float32)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    parts[-1].unlink()
+    with pytest.raises(CheckpointError, match=f"part.*{parts[-1].name}.* missing"):
+        GGUFCheckpoint(str(parts[0]))
+
+
+def _one_line_error(path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        GGUFCheckpoint(str(path))
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    return message
+
+
+def test_flipped_magic_is_one_clear_error(llama_file, tmp_path):
+    data = bytearray(llama_file[0].read_bytes())
+    data[0:4] = b"FUGG"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    assert "not a readable GGUF file" in _one_line_error(bad)
+
+
+@pytest.mark.parametrize("keep", [0.05, 0.5, 0.999])
+def test_truncated_file_is_one_clear_error(llama_file, tmp_path, keep):
+    data = llama_file[0].read_bytes()
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(data[:int(len(data) * keep)])
+    assert "not a readable GGUF file" in _one_line_error(bad)
+
+
+def test_unsupported_architecture_and_tensor_type(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    assert "GGUF architecture 'mamba' is not supported; supported: llama, qwen2" in \
+        _one_line_error(tmp_path / "mamba.gguf")
+
+    model = build_model("llama")
+    path = tmp_path / "iq2.gguf"
+    write_gguf(model, path, weight_type="F32", type_of=lambda name: "IQ2_XXS" if "ffn_up" in name else None)
+    assert "blk.0.ffn_up.weight has GGUF type IQ2_XXS, which is not supported; supported: F32" in _one_line_error(path)
+
+
+def test_missing_file():
+    with pytest.raises(CheckpointError, match="nowhere.gguf does not exist"):
+        GGUFCheckpoint("/nowhere.gguf")
+
+
+def test_end_of_turn_tokens_stop_generation(tmp_path):
+    """llama-3 style files name <|eot_id|> apart from EOS: both end a generation."""
+    path = tmp_path / "eot.gguf"
+    write_gguf(build_model("llama"), path, tokenizer={"tokenizer.ggml.eos_token_id": 2,
+                                                      "tokenizer.ggml.eot_token_id": 7})
+    assert GGUFCheckpoint(str(path)).config.eos_token_ids == (2, 7)
+
+
+def test_planner_sees_the_gguf_model(llama_file):
+    """policy="auto" prices the model the GGUF's metadata describes."""
+    from flexsarathi.llm import planner_model_spec
+    from policy_search import ModelSpec
+
+    path, model = llama_file
+    spec = planner_model_spec(str(path), dtype="float32")
+    expected = ModelSpec.from_config(model.config.to_dict(), name="llama.gguf", bytes_per_value=4)
+    fields = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+    assert [getattr(spec, f) for f in fields] == [getattr(expected, f) for f in fields] == [2, 256, 4, 2, 64, 128]

@@ -1,0 +1,126 @@
+"""The tokenizer a GGUF carries (`tokenizer.ggml.*`) encodes and decodes a text file as
+transformers' GGUF tokenizer does (AutoTokenizer.from_pretrained(dir, gguf_file=...)): SentencePiece
+(`llama`, stories260K's vocabulary) and byte-level BPE (`gpt2`, pre `qwen2`, trained here);
+`flexsarathi generate --model model.gguf` runs with nothing else."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from flexsarathi import LLM, SamplingParams  # noqa: E402
+from flexsarathi.models.gguf_tokenizer import load_gguf_tokenizer  # noqa: E402
+from flexsarathi.models.tokenizer import Tokenizer  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+from tests.gguf_files import bpe_tokenizer_metadata, spm_tokenizer_metadata, write_gguf  # noqa: E402
+
+EXTRA = ["Hello, world!  Two  spaces.", "ünïcödé ✓ 中文 🙂", " leading space", "trailing  ", "\n\nnew\tlines\n",
+         "<|im_start|>user\nhi<|im_end|>", "<s> and </s> as text"]
+
+
+@pytest.fixture(scope="module")
+def stories_gguf(stories_dir, stories_hf, tmp_path_factory):
+    """stories260K as a Q8_0 GGUF (ffn_down, 172 wide, in F16 as llama.cpp falls back) with its
+    vocabulary as a SentencePiece GGUF vocabulary."""
+    from pathlib import Path
+
+    folder = tmp_path_factory.mktemp("stories-gguf")
+    write_gguf(stories_hf, folder / "stories.gguf", weight_type="Q8_0",
+               tokenizer=spm_tokenizer_metadata(Path(stories_dir) / "tokenizer.json"))
+    return folder / "stories.gguf"
+
+
+@pytest.fixture(scope="module")
+def bpe_gguf(tinystories_text, tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    meta = bpe_tokenizer_metadata(tinystories_text)
+    config = AutoConfig.for_model("qwen2", vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("bpe-gguf") / "bpe.gguf"
+    write_gguf(AutoModelForCausalLM.from_config(config), path, tokenizer=meta)
+    return path
+
+
+def _texts(text: str) -> list[str]:
+    return text.splitlines() + [text, *EXTRA]
+
+
+@pytest.mark.parametrize("which", ["stories_gguf", "bpe_gguf"])
+def test_encodes_and_decodes_the_text_file_as_transformers(which, request, tinystories_text):
+    from transformers import AutoTokenizer
+
+    path = request.getfixturevalue(which)
+    ours = load_gguf_tokenizer(str(path))
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in _texts(tinystories_text):
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"], text[:80]
+        assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def test_spm_vocabulary_tokenizes_as_the_original_tokenizer_json(stories_dir, stories_gguf, tinystories_text):
+    """Merges recovered from the scores give the original tokenizer's tokens."""
+    original = Tokenizer.from_folder(stories_dir, 1, 2)
+    ours = load_gguf_tokenizer(str(stories_gguf))
+    for text in _texts(tinystories_text)[:50] + EXTRA:
+        assert ours.encode(text) == original.encode(text)
+
+
+def test_specials_and_chat_template(bpe_gguf):
+    from transformers import AutoTokenizer
+
+    ours = load_gguf_tokenizer(str(bpe_gguf))
+    ref = AutoTokenizer.from_pretrained(bpe_gguf.parent, gguf_file=bpe_gguf.name)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, add_generation_prompt=True,
+                                                                          tokenize=True, return_dict=False)
+    assert ours.eos_token_id == ref.convert_tokens_to_ids("<|im_end|>")
+    assert ours.encode("<|im_start|>")[0] == ref.convert_tokens_to_ids("<|im_start|>")  # matched whole
+
+
+def test_generate_cli_with_a_gguf_alone(stories_gguf, tmp_path):
+    """`flexsarathi generate --model model.gguf`: config, weights and tokenizer from the one file;
+    the records equal the in-process LLM's, whose tokens are transformers' greedy ones."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = ["Once upon a time", "The little dog"]
+    (tmp_path / "in.txt").write_text("\n".join(prompts) + "\n")
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+           "FLEXSARATHI_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "flexsarathi", "generate", "--model", str(stories_gguf),
+                           "--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.jsonl"),
+                           "--temperature", "0", "--max-tokens", "12", "--dtype", "float32", "--quiet"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    with LLM(str(stories_gguf), dtype="float32") as llm:
+        refs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(stories_gguf.parent, gguf_file=stories_gguf.name,
+                                              dtype=torch.float32).eval()
+    for record, ref in zip(records, refs):
+        assert (record["text"], record["token_ids"]) == (ref.text, ref.token_ids) and ref.text
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ref.prompt_token_ids]), max_new_tokens=12, do_sample=False)
+        assert ref.token_ids == out[0, len(ref.prompt_token_ids):].tolist()
+
+
+def test_f32_gguf_of_stories260k_runs_as_its_checkpoint_folder(stories_dir, stories_hf, tmp_path):
+    """The lossless conversion of a real checkpoint: the same tokens and texts as the folder."""
+    from pathlib import Path
+
+    path = tmp_path / "stories-f32.gguf"
+    write_gguf(stories_hf, path, weight_type="F32",
+               tokenizer=spm_tokenizer_metadata(Path(stories_dir) / "tokenizer.json"))
+    prompts = ["Once upon a time", "Lily wanted to", "One day, a big bird"]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    with LLM(str(path), dtype="float32") as ours, LLM(stories_dir, dtype="float32") as ref:
+        for a, b in zip(ours.generate(prompts, params, use_tqdm=False), ref.generate(prompts, params, use_tqdm=False)):
+            assert (a.prompt_token_ids, a.token_ids, a.text) == (b.prompt_token_ids, b.token_ids, b.text)

@@ -1,0 +1,296 @@
+"""`flexsarathi generate --ray` and `flexsarathi.ray.build_processor` on a local Ray instance with
+2 CPU actors. Reference: the single-process run of the same command (itself tested against the
+in-process API and transformers), record for record after sorting by id, error records included;
+for kills, the uninterrupted single-process run. One Ray instance serves the module (the CLI
+subprocesses join it with --ray-address); one test lets the CLI start its own."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from flexsarathi import LLM, SamplingParams
+from flexsarathi.cli.main import main
+from policy_search import Policy
+from tests.conftest import KILLED_AFTER_RECORDS, REPO
+
+try:
+    import ray
+except ImportError:  # make test installs the [ray] extra; a bare checkout skips these tests
+    ray = None
+
+
+def needs_ray(test):
+    """Marked `ray`; skipped, saying why, where Ray Data is not installed."""
+    skip = pytest.mark.skipif(ray is None, reason="Ray Data is not installed: pip install -e '.[ray]' "
+                                                  "(make test installs it)")
+    return pytest.mark.ray(skip(test))
+
+
+# RAY_AUTH_MODE=token: the CLI joins the module's instance as a client of a cluster started with
+# Ray's token authentication (its token is in ~/.ray/auth_token), as on a real cluster.
+ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), RAY_AUTH_MODE="token")
+# float32: these tests compare records across unlike batchings (an actor's batches, a resumed
+# rest) with the single-process run; bf16 CPU matmuls are batch-variant (a row can round
+# differently beside other rows), so a near-tie could flip a greedy token there.
+GREEDY = ["--temperature", "0", "--quiet", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The address of one small local Ray instance shared by this module's tests. 4 logical CPUs
+    on 2 cores: the 2 one-CPU actors, and room for the user pipeline's own map and filter tasks
+    (with every CPU held by an actor those would wait forever)."""
+    if ray is None:
+        pytest.skip("Ray Data is not installed: pip install -e '.[ray]' (make test installs it)")
+    ray.init(address="local", num_cpus=4, object_store_memory=256 << 20, include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flexsarathi", *args], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+
+
+def write_lines(path, lines) -> str:
+    path.write_text("".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines))
+    return str(path)
+
+
+def sorted_records(path) -> list[str]:
+    """The file's records, sorted by id (or line), each as canonical JSON."""
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    records.sort(key=lambda r: json.dumps(r.get("id", r.get("line"))))
+    return [json.dumps(r, sort_keys=True) for r in records]
+
+
+def assert_same_records(got: list[str], expected: list[str]) -> None:
+    """Equal record for record, except that log-probabilities agree to float32 rounding: an actor's
+    batches are not the single process's, and batched matmuls round in another order."""
+    assert len(got) == len(expected)
+    for mine, theirs in zip(map(json.loads, got), map(json.loads, expected)):
+        mine_lp, theirs_lp = mine.pop("logprobs", None), theirs.pop("logprobs", None)
+        assert mine == theirs
+        assert (mine_lp is None) == (theirs_lp is None)
+        for step, ref in zip(mine_lp or [], theirs_lp or []):
+            assert step.keys() == ref.keys() and all(step[t] == pytest.approx(ref[t], abs=1e-4) for t in ref)
+
+
+def single_process(argv: list[str], rc: int) -> None:
+    assert main(argv) == rc
+
+
+def test_engine_without_ray_never_imports_it(tmp_path):
+    src = write_lines(tmp_path / "in.jsonl", [{"id": 0, "prompt_token_ids": [2, 5, 6]}])
+    code = ("import sys; from flexsarathi.cli.main import main; "
+            f"rc = main(['generate', '--model', 'dummy:opt-125m', '--input', {src!r}, '--output', "
+            f"{str(tmp_path / 'o.jsonl')!r}, '--max-tokens', '2', '--quiet']); "
+            "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'pyarrow', 'pandas')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.stdout.split() == ["0", "[]"], proc.stdout + proc.stderr
+
+
+def test_ray_flags_are_checked_before_any_work(stories_dir, tmp_path, capsys):
+    src = write_lines(tmp_path / "in.txt", ["Once upon a time"])
+    base = ["generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"), "--quiet"]
+    for extra, message in ((["--ray-actors", "2"], "--ray-actors need(s) --ray"),
+                           (["--ray", "--ray-actors", "0"], "--ray-actors must be >= 1"),
+                           (["--ray", "--ray-batch-size", "0"], "--ray-batch-size must be >= 1"),
+                           (["--ray", "--ray-cpus-per-actor", "0"], "--ray-cpus-per-actor must be a positive")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_ray_not_installed_is_one_clear_error(stories_dir, tmp_path):
+    """Ray made unimportable in the subprocess (as in a checkout without the [ray] extra)."""
+    src = write_lines(tmp_path / "in.txt", ["Once upon a time"])
+    code = ("import sys; sys.modules['ray'] = None; from flexsarathi.cli.main import main; "
+            f"sys.exit(main(['generate', '--model', {stories_dir!r}, '--input', {src!r}, '--output', "
+            f"{str(tmp_path / 'o.jsonl')!r}, '--quiet', '--ray']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: flexsarathi.ray needs Ray Data") and "pip install" in proc.stderr
+    assert not (tmp_path / "o.jsonl").exists()  # refused before any work
+
+
+@needs_ray
+def test_ray_output_equals_single_process(stories_dir, cluster, tmp_path):
+    """stories260K, 2 actors, batches of 3: every record equal to the single-process run's,
+    the error records (written by the driver, or refused by an actor's engine) included."""
+    good = [{"id": f"p{i}", "prompt": f"Once upon a time, number {i}"} for i in range(9)]
+    good += [{"id": 7, "prompt_token_ids": [1, 403, 407], "max_tokens": 3},
+             {"id": "stop", "prompt": "Lily wanted to", "stop": [" a"], "max_tokens": 12},
+             {"id": "lp", "prompt": "The dog", "logprobs": 2}]
+    bad = ["{not json", {"id": "none"}, {"id": "long", "prompt_token_ids": [5] * 600},
+           {"id": "typo", "prompt": "x", "max_token": 3}, {"id": "big", "prompt_token_ids": [99999]}]
+    src = write_lines(tmp_path / "in.jsonl", good + bad)
+    args = ["generate", "--model", stories_dir, "--input", src, "--max-tokens", "8", "--temperature", "0",
+            "--dtype", "float32"]  # see GREEDY
+    single_process(args + ["--output", str(tmp_path / "single.jsonl"), "--quiet"], rc=1)
+    proc = cli(*args, "--output", str(tmp_path / "ray.jsonl"), "--ray", "--ray-address", cluster,
+               "--ray-actors", "2", "--ray-batch-size", "3")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    expected = sorted_records(tmp_path / "single.jsonl")
+    assert len(expected) == len(good) + len(bad)
+    assert sum('"error": {' in r for r in expected) == len(bad)
+    assert_same_records(sorted_records(tmp_path / "ray.jsonl"), expected)
+    # The summary lines of a single-process run, plus where the batches ran.
+    assert "on 2 actor(s)" in proc.stdout, proc.stdout
+    assert f"done: {len(good)} ok, {len(bad)} failed" in proc.stdout and "generated tok/s" in proc.stdout
+
+
+@needs_ray
+def test_ray_dummy_model_with_disk_weights_on_a_local_instance(tmp_path):
+    """No --ray-address: the CLI starts (and stops) its own instance. Half the weights stream
+    from disk; each actor claims its own offload folder."""
+    ids = [[2, 100 + i, 200, 300 + 7 * i] for i in range(6)]
+    src = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt_token_ids": p} for i, p in enumerate(ids)]
+                      + [{"id": "text", "prompt": "hello"}])  # no tokenizer: an error record
+    policy = str(tmp_path / "policy.json")
+    Policy(w_gpu=0.5, w_cpu=0.0, w_disk=0.5, kv_gpu=0.0, kv_cpu=1.0, cpu_attention=True).save(policy)
+    args = ["generate", "--model", "dummy:opt-125m", "--input", src, "--policy", policy, "--max-tokens", "5",
+            "--ignore-eos", *GREEDY]
+    single_process(args + ["--output", str(tmp_path / "single.jsonl"), "--offload-dir", str(tmp_path / "o1")],
+                   rc=1)
+    proc = cli(*args, "--output", str(tmp_path / "ray.jsonl"), "--offload-dir", str(tmp_path / "o2"),
+               "--ray", "--ray-actors", "2", "--ray-batch-size", "3")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert sorted_records(tmp_path / "ray.jsonl") == sorted_records(tmp_path / "single.jsonl")
+    assert sorted(p.name for p in (tmp_path / "o2").iterdir() if p.is_dir()) == ["actor-0", "actor-1"]
+
+
+def _actor_pids() -> list[int]:
+    """The processes of this module's RequestRunner actors (their process titles name them)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"MapWorker(MapBatches(RequestRunner))" in f.read():
+                    pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _wait_for_lines(path, count: int, proc: subprocess.Popen) -> int:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists() and path.read_bytes().count(b"\n") >= count:
+            break
+        time.sleep(0.05)
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@needs_ray
+def test_dead_actor_and_killed_driver_lose_nothing(stories_dir, cluster, tmp_path):
+    """The actors SIGKILLed mid-job: exit 3, one clear error line, the finished records kept. The
+    rerun SIGKILLed itself (the driver), then rerun: the file equals the uninterrupted run
+    (--policy auto: one search on the driver, the same policy in every actor)."""
+    # One batch of 12 per actor: the first 8..52 tokens long, the second 300..388, so the first
+    # batch's records are out while the second actor is still far from done and the kill below
+    # lands mid-batch (an idle actor's death loses nothing and Ray Data just replaces it; with
+    # lengths close together a fast machine could finish both before the kill).
+    prompts = [{"id": i, "prompt": f"Once upon a time, number {i}",
+                "max_tokens": 8 + 4 * i if i < 12 else 300 + 8 * (i - 12)} for i in range(24)]
+    src = write_lines(tmp_path / "in.jsonl", prompts)
+    args = ["generate", "--model", stories_dir, "--input", src, "--ignore-eos", *GREEDY,
+            "--policy", "auto", "--hardware", "t4"]  # searched by the driver, shipped to the actors
+    single_process(args + ["--output", str(tmp_path / "single.jsonl")], rc=0)
+    expected = sorted_records(tmp_path / "single.jsonl")
+    out = tmp_path / "ray.jsonl"
+    command = [sys.executable, "-m", "flexsarathi", *args, "--output", str(out), "--ray", "--ray-address", cluster,
+               "--ray-actors", "2", "--ray-batch-size", "12"]
+
+    proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert _wait_for_lines(out, 1, proc) >= 1
+    actors = _actor_pids()
+    assert actors, "no actor process found"
+    for pid in actors:  # both: the one that wrote is mid-batch; the other may still be starting
+        os.kill(pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 3, stdout + stderr
+    assert "Traceback" not in stderr and stderr.count("error: ") == 1, stderr
+    assert "error: the Ray job failed: " in stderr
+    assert "an actor (pid" not in stderr or any(f"an actor (pid {pid} on " in stderr for pid in actors), stderr
+    assert f"the finished records are in {out}: rerun the same command to resume" in stderr
+    kept = sorted_records(out)
+    assert 1 <= len(kept) < len(prompts) and set(kept) <= set(expected)
+
+    driver_killed = [sys.executable, "-c", KILLED_AFTER_RECORDS, "4", *command[3:]]  # after 4 more records
+    proc = subprocess.run(driver_killed, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    partial = out.read_bytes().count(b"\n")
+    assert partial == len(kept) + 4
+    assert partial < len(prompts), "the driver was not killed partway"
+
+    proc = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted_records(out) == expected  # none lost, none twice
+
+
+@needs_ray
+def test_processor_in_a_user_pipeline(stories_dir, cluster):
+    """from_items -> the user's own map -> build_processor -> the user's filter -> take_all,
+    against LLM.generate in this process."""
+    from flexsarathi.ray import OUTPUT_COLUMNS, build_processor
+
+    starts = ["Once upon a time", "Lily wanted to", "The little dog", "One day, a bird", "Tom had a"]
+    processor = build_processor(stories_dir, sampling={"max_tokens": 7, "temperature": 0}, concurrency=2,
+                                batch_size=2, dtype="float32")  # float32: see GREEDY
+    dataset = ray.data.from_items([{"n": i, "start": s} for i, s in enumerate(starts + ["so " * 600])])
+    dataset = dataset.map(lambda row: {**row, "prompt": row["start"].rstrip()})
+    rows = processor(dataset).filter(lambda row: row["n"] != 1).take_all()
+    rows.sort(key=lambda row: row["n"])
+    assert [row["n"] for row in rows] == [0, 2, 3, 4, 5]
+    assert set(OUTPUT_COLUMNS) | {"n", "start", "prompt"} == set(rows[0])
+    with LLM(stories_dir, dtype="float32") as llm:
+        refs = llm.generate([starts[i] for i in (0, 2, 3, 4)], SamplingParams(max_tokens=7, temperature=0),
+                            use_tqdm=False)
+    for row, ref in zip(rows, refs):
+        assert row["error"] is None
+        assert row["generated_text"] == ref.text and list(row["generated_token_ids"]) == ref.token_ids
+        assert row["finish_reason"] == ref.finish_reason
+        assert (row["num_input_tokens"], row["num_generated_tokens"]) == (len(ref.prompt_token_ids), 7)
+    too_long = rows[-1]
+    assert too_long["generated_text"] is None and "more than the model's context of 512" in too_long["error"]
+
+    token_rows = processor(ray.data.from_items([{"prompt": [1, 403, 407]}])).take_all()
+    with LLM(stories_dir, dtype="float32") as llm:
+        ref, = llm.generate([[1, 403, 407]], SamplingParams(max_tokens=7, temperature=0), use_tqdm=False)
+    assert list(token_rows[0]["generated_token_ids"]) == ref.token_ids
+
+
+def test_job_dtype_is_resolved_once_for_the_actors_device():
+    """--ray resolves dtype auto on the driver for the device the ACTORS compute on: GPU actors
+    get the checkpoint's half dtype (fp16 for an fp32 checkpoint) even from a driver without a GPU
+    (this machine), CPU actors this machine's measured choice; an explicit dtype passes through; a
+    bad device is one error. Needs no Ray (the spec module does not import it)."""
+    from flexsarathi.machine.dtype_choice import cpu_compute_dtype
+    from flexsarathi.errors import FlexSarathiError
+    from flexsarathi.ray.spec import job_dtype
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a driver without a GPU")
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert job_dtype(None, f32, None, num_gpus=1) == "float16"
+    assert job_dtype(None, bf16, None, num_gpus=1) == "bfloat16"
+    assert job_dtype("auto", f32, "cuda:1", num_gpus=0) == "float16"  # named, not present here
+    assert job_dtype(None, f32, None, num_gpus=0) == str(cpu_compute_dtype()).removeprefix("torch.")
+    assert job_dtype("float32", bf16, None, num_gpus=1) == "float32"
+    with pytest.raises(FlexSarathiError, match="'gpu' is not one FlexSarathi computes on"):
+        job_dtype(None, f32, "gpu", num_gpus=1)
