@@ -24,7 +24,7 @@ from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models import build_model_math
 from flexsarathi.models.gguf_file import GGUFTensor, gguf_name, hf_config, open_gguf, qk_heads, unpermute_rows
-from flexsarathi.models.gguf_quants import CONVERTED_TYPES, check_type, conversion_error, to_codes, to_float, \
+from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, check_type, conversion_error, to_codes, to_float, \
     to_qtensor
 from quant import QTensor
 
@@ -82,6 +82,24 @@ class GGUFCheckpoint(WeightSource):
         shapes = self.model.layer_shapes()
         return {k: (self._coded(parts, dtype) if len(shapes[k]) == 2 else None) or self._dense(parts, dtype)
                 for k, parts in self.model.hf_layer_names(layer).items()}
+
+    def quantized_formats(self) -> dict | None:
+        """Per layer matrix (canonical name): the format its codes have in every layer, or None
+        where some layer's parts have none or differ (Q4_K_M's mixed layers). None when no matrix is
+        held as codes. For an engine that stores each tensor in its own format (a pre-quantized
+        checkpoint's: its codes kept as they are)."""
+        formats = {}
+        for name, shape in self.model.layer_shapes().items():
+            if len(shape) == 2:
+                seen = {self._format(self.model.hf_layer_names(i)[name]) for i in range(self.config.num_layers)}
+                formats[name] = seen.pop() if len(seen) == 1 else None
+        return formats if any(formats.values()) else None
+
+    def _format(self, hf_names: list[str]):
+        """The format the fused parts' codes share (as `_coded` fuses them), else None."""
+        types = [self.gguf.tensor(gguf_name(hf)).type_name for hf in hf_names]
+        found = {None if t in CONVERTED_TYPES and not self.convert_k_quants else CODE_FORMATS.get(t) for t in types}
+        return found.pop() if len(found) == 1 else None
 
     def _dense(self, hf_names: list[str], dtype: torch.dtype) -> torch.Tensor:
         pieces = []

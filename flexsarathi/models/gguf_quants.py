@@ -264,6 +264,10 @@ def _q6_k(b):
     return q, scale, -32 * scale, QuantConfig(bits=8, group_size=16)
 
 
+# The engine format each code-mapped type becomes (what its decoder returns).
+CODE_FORMATS = {**{t: QuantConfig(bits=4, group_size=32) for t in ("Q4_0", "Q4_1", "Q4_K")},
+                **{t: QuantConfig(bits=8, group_size=32) for t in ("Q5_0", "Q5_1", "Q8_0", "Q5_K")},
+                "Q6_K": QuantConfig(bits=8, group_size=16)}
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
              "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176,

@@ -130,3 +130,23 @@ def test_planner_sees_the_gguf_model(llama_file):
     expected = ModelSpec.from_config(model.config.to_dict(), name="llama.gguf", bytes_per_value=4)
     fields = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
     assert [getattr(spec, f) for f in fields] == [getattr(expected, f) for f in fields] == [2, 256, 4, 2, 64, 128]
+
+
+def test_quantized_formats_name_each_matrix_held_as_codes(tmp_path):
+    """What an engine storing each tensor in its own format keeps: a matrix whose codes have one
+    format in every layer; fused parts of differing formats, or K-quants left as values, are None."""
+    from quant import QuantConfig
+
+    path = tmp_path / "mixed.gguf"
+    mixed = {"attn_v": "Q6_K", "ffn_down": "Q8_0", "attn_output": "F16"}
+    write_gguf(build_model("llama"), path, weight_type="Q4_K",
+               type_of=lambda name: next((t for part, t in mixed.items() if part in name), None))
+    q4, q8 = QuantConfig(bits=4, group_size=32), QuantConfig(bits=8, group_size=32)
+    source = GGUFCheckpoint(str(path))
+    assert source.quantized_formats() == {"qkv_proj.weight": None, "o_proj.weight": None,
+                                          "gate_up_proj.weight": q4, "down_proj.weight": q8}
+    source.convert_k_quants = False
+    assert source.quantized_formats() == {"qkv_proj.weight": None, "o_proj.weight": None,
+                                          "gate_up_proj.weight": None, "down_proj.weight": q8}
+    layer = source.layer_weights(0, torch.float32)
+    assert layer["down_proj.weight"].config == q8 and isinstance(layer["gate_up_proj.weight"], torch.Tensor)

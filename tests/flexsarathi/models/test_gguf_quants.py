@@ -38,6 +38,7 @@ def test_exact_types_equal_gguf_dequantize_bit_for_bit(type_name, codes_from):
     ref = reference(raw, type_name)
     codes = gq.to_codes(raw, type_name, (ROWS, COLS))
     q = gq.to_qtensor(codes, torch.float32)
+    assert q.config == gq.CODE_FORMATS[type_name]
     assert q.config.bits == (4 if type_name.startswith("Q4") else 8) and q.config.group_size == 32
     assert np.array_equal(dequantize(q, torch.float32).numpy(), ref)
     for dtype in (torch.float16, torch.bfloat16):
@@ -53,6 +54,7 @@ def test_k_quants_convert_within_the_fp16_rounding_of_their_scales(type_name):
     codes = gq.to_codes(raw, type_name, (ROWS, COLS))
     assert np.array_equal(gq.exact_values(codes), ref)  # the decoding itself is exact
     q = gq.to_qtensor(codes, torch.float32)
+    assert q.config == gq.CODE_FORMATS[type_name]
     engine = dequantize(q, torch.float32).numpy()
     # Bound: a code times half an fp16 ulp of its scale, plus half an ulp of the minimum (+ fp32 rounding).
     group = q.config.group_size
