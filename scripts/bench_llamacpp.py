@@ -21,8 +21,8 @@ llama.cpp
   random ids). Written once into --work-dir, reused.
 * Run: `llama-batched-bench -npp P -ntg G-1 -npl N -t threads` with a context of N x (P + G):
   N sequences of P random prompt tokens, then G - 1 steps decoding all N at once, so it processes
-  the same tokens as ours generating G per prompt (the first comes from the prompt pass). Its JSON
-  line gives the prompt and generation times and rates.
+  the same tokens as ours generating G per prompt (the first comes from the prompt pass). Its
+  result row gives the prompt and generation times.
 
 Ours: `LLM("dummy:<model>", dummy_weight_codes=True)` (the same kind of random 4-bit codes), dtype
 --dtype (auto: what this CPU computes fastest), decode-maximal with all N running, prefill budget
@@ -51,7 +51,6 @@ The machine is shared: `others` is how many cores the rest of the machine used d
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -251,22 +250,30 @@ class EngineRun:
 def llama_cpp_command(binary: str, gguf_path: str, w: Workload, threads: int, file_backed: bool) -> list[str]:
     cmd = [binary, "-m", gguf_path, "-c", str(w.context), "-b", "2048", "-ub", str(PREFILL_BUDGET),
            "-npp", str(w.prompt_len), "-ntg", str(w.gen_len - 1), "-npl", str(w.prompts), "-t", str(threads),
-           "--output-format", "jsonl"]
+           "--output-format", "md"]
     return cmd + (["--no-repack"] if file_backed else [])
 
 
-def run_llama_cpp(cmd: list[str], log_path: str) -> EngineRun:
-    """Run llama-batched-bench (a child: same memory group) and read its JSON line."""
-    busy0, child0, start = machine_busy_seconds(), children_cpu_seconds(), time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    wall = time.perf_counter() - start
-    others = (machine_busy_seconds() - busy0 - (children_cpu_seconds() - child0)) / wall
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"bench_llamacpp: llama-batched-bench failed (exit {proc.returncode}); see {log_path}")
-    r = json.loads(lines[-1])
-    return EngineRun("llama.cpp", r["t_pp"], r["t_tg"], r["t"], max(0.0, others))
+def run_llama_cpp(cmd: list[str], log_path: str, tries: int = 3) -> EngineRun:
+    """Run llama-batched-bench (a child: same memory group) and read its result row. Its logger is
+    a thread that the process can exit before it has written the last lines: the row went missing
+    (exit 0) in about one run in three on the tiny model here, JSON or table alike. Rerun then."""
+    for attempt in range(1, tries + 1):
+        busy0, child0, start = machine_busy_seconds(), children_cpu_seconds(), time.perf_counter()
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        wall = time.perf_counter() - start
+        others = (machine_busy_seconds() - busy0 - (children_cpu_seconds() - child0)) / wall
+        # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+        rows = [ln.strip("| ").split("|") for ln in proc.stdout.splitlines()
+                if ln.startswith("|") and ln[1:].strip()[:1].isdigit()]
+        if proc.returncode != 0:
+            raise SystemExit(f"bench_llamacpp: llama-batched-bench failed (exit {proc.returncode}); see {log_path}")
+        if rows:
+            t_pp, t_tg, t = (float(rows[-1][i]) for i in (4, 6, 8))
+            return EngineRun("llama.cpp", t_pp, t_tg, t, max(0.0, others))
+        say(f"  llama.cpp: its result row was lost at exit (try {attempt} of {tries})")
+    raise SystemExit(f"bench_llamacpp: llama-batched-bench printed no result in {tries} runs; see {log_path}")
 
 
 def children_cpu_seconds() -> float:
@@ -343,11 +350,10 @@ def workload_bound(shapes: Shapes, rates: Rates, w: Workload, disk_bytes_per_pas
     return prompt_s, gen_s
 
 
-def measure_rates(shapes: Shapes, dtype: torch.dtype, disk_files, store) -> Rates:
-    """Disk: cold buffered reads of `disk_files` and (given) the O_DIRECT reads of our store; the
+def measure_rates(shapes: Shapes, dtype: torch.dtype, disk_files, direct: float) -> Rates:
+    """Disk: cold buffered reads of `disk_files` and `direct`, the O_DIRECT rate of our store; the
     F.linear rate of one layer's matmuls in `dtype`."""
     buffered = measure_disk_buffered(disk_files) if disk_files else 0.0
-    direct = read_store_rate(store, range_reads=False) if store is not None else 0.0
     rates = Rates(direct, buffered, measure_matmul(shapes.matrices, dtype, rounds=3, row_counts=RATE_TOKENS))
     say(f"  disk: {buffered / GB:.2f} GB/s buffered cold (the GGUF), {direct / GB:.2f} GB/s O_DIRECT (our store)"
         if disk_files else "  disk: not in this regime's bound")
@@ -373,39 +379,58 @@ class Bench:
 
 
 def run_regime(b: Bench, on_disk: bool, mem_limit_gib: float) -> tuple[list[EngineRun], tuple[float, float]]:
-    """Both engines, llama.cpp first, in one regime; (runs, (prompt, generation) bound seconds)."""
+    """Both engines, llama.cpp first, in one regime; (runs, (prompt, generation) bound seconds). Our
+    engine is built only after llama.cpp has exited: neither holds memory while the other runs."""
     group = MemoryGroup(int(mem_limit_gib * GiB)) if on_disk else None
+    if group is not None:  # joined first: everything both engines allocate counts against the limit
+        why = group.enter()
+        say(f"  memory group: {group.path}, limit {mem_limit_gib:.2f} GiB (llama.cpp runs as a child: same group)"
+            if why is None else f"  WARNING: no memory group ({why}): this 'beyond RAM' run is NOT limited")
+    try:
+        theirs = run_theirs(b, on_disk, group)
+        ours, store_rate = run_ours_in_regime(b, on_disk, group)
+        rates = measure_rates(b.shapes, b.dtype, [b.gguf_path] if on_disk else [], store_rate)
+        # a pass reads every layer's 4-bit weights (4.5 bits each, both formats); embeddings and head stay in RAM
+        disk_bytes = b.shapes.layers * b.shapes.layer_matrix_params * 4.5 / 8 if on_disk else 0
+        return [theirs, ours], workload_bound(b.shapes, rates, b.workload, disk_bytes)
+    finally:
+        if group is not None:
+            group.leave()
+        release_free_memory()
+
+
+def run_theirs(b: Bench, on_disk: bool, group: MemoryGroup | None) -> EngineRun:
+    drop_cache_of([b.gguf_path])
+    if group is not None:
+        group.reset_peak()
+    cmd = llama_cpp_command(b.binary, b.gguf_path, b.workload, b.threads, file_backed=on_disk)
+    say("  llama.cpp: " + " ".join(os.path.basename(c) if c == b.binary else c for c in cmd))
+    r = run_llama_cpp(cmd, os.path.join(b.work_dir, f"llama_cpp_{'disk' if on_disk else 'ram'}.log"))
+    say(f"  llama.cpp done in {r.total_s:.1f} s")
+    return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group))
+
+
+def run_ours_in_regime(b: Bench, on_disk: bool, group: MemoryGroup | None) -> tuple[EngineRun, float]:
+    """(our run, our store's O_DIRECT read rate: 0 in RAM), the engine built and closed here."""
+    if group is not None:
+        group.reset_peak()
+    say("  FlexSarathi: building the engine" + (" (the disk store is written the first time)" if on_disk else ""))
     llm = build_ours(b.model, b.dtype, b.workload, on_disk, b.work_dir, budget_gib=64.0 if not on_disk else 4.0)
     try:
         store = llm.engine.weights.store
         files = [b.gguf_path] + (store.data_files() if store is not None else [])
         drop_cache_of(files)
-        if group is not None:
-            why = group.enter()
-            say(f"  memory group: {group.path}, limit {mem_limit_gib:.2f} GiB (llama.cpp runs as a child: same group)"
-                if why is None else f"  WARNING: no memory group ({why}): this 'beyond RAM' run is NOT limited")
-        # a pass reads every layer's 4-bit weights (4.5 bits each, both formats); embeddings and head stay in RAM
-        disk_bytes = b.shapes.layers * b.shapes.layer_matrix_params * 4.5 / 8 if on_disk else 0
-        rates = measure_rates(b.shapes, b.dtype, [b.gguf_path] if on_disk else [], store if on_disk else None)
-        bound = workload_bound(b.shapes, rates, b.workload, disk_bytes)
-        drop_cache_of(files)
-        cmd = llama_cpp_command(b.binary, b.gguf_path, b.workload, b.threads, file_backed=on_disk)
-        say("  llama.cpp: " + " ".join(os.path.basename(c) if c == b.binary else c for c in cmd))
-        theirs = run_llama_cpp(cmd, os.path.join(b.work_dir, f"llama_cpp_{'disk' if on_disk else 'ram'}.log"))
-        peak = group.read("memory.max_usage_in_bytes") if group else None
-        theirs = EngineRun(theirs.engine, theirs.prompt_s, theirs.gen_s, theirs.total_s, theirs.others,
-                           peak / GiB if peak else None)
-        if group is not None:
-            group.reset_peak()
-        say(f"  llama.cpp done in {theirs.total_s:.1f} s; FlexSarathi running")
-        ours = run_ours(llm, b.workload, b.cfg["vocab_size"], files)
-        peak = group.read("memory.max_usage_in_bytes") if group else None
-        ours = EngineRun(ours.engine, ours.prompt_s, ours.gen_s, ours.total_s, ours.others, peak / GiB if peak else None)
-        return [theirs, ours], bound
+        store_rate = read_store_rate(store, range_reads=False) if on_disk else 0.0
+        r = run_ours(llm, b.workload, b.cfg["vocab_size"], files)
+        say(f"  FlexSarathi done in {r.total_s:.1f} s")
+        return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group)), store_rate
     finally:
         llm.close()
-        if group is not None:
-            group.leave()
+
+
+def peak_gib(group: MemoryGroup | None) -> float | None:
+    peak = group.read("memory.max_usage_in_bytes") if group is not None else None
+    return peak / GiB if peak else None
 
 
 def print_regime(name: str, runs: list[EngineRun], bound: tuple[float, float], w: Workload) -> None:
