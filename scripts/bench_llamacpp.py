@@ -30,14 +30,15 @@ Ours: `LLM("dummy:<model>", dummy_weight_codes=True)` (the same kind of random 4
 warm-up. Prompt and generation rates are split by pass: passes carrying prompt tokens vs decode-only.
 
 Regimes
-* ram: the whole model in memory. llama.cpp with its defaults (mmap, weights repacked for its
+* ram: the whole model in memory (no memory group). llama.cpp with its defaults (mmap, weights repacked for its
   kernels); ours with every 4-bit layer resident on the compute tier.
 * disk: beyond RAM. This process joins a fresh cgroup-v1 memory group (--mem-limit-gib, default 5
   GiB; bench_offload.MemoryGroup) and llama.cpp runs as its child, so both engines live under the one
   limit; every file's page cache is dropped before each run. llama.cpp with --no-repack (repacking
   copies the weights into anonymous memory; without it they stay file-backed mmap pages the limit
   evicts); ours with every layer 4-bit on disk read with O_DIRECT, two layers prefetched, KV on
-  the cpu tier with CPU decode attention. No cgroup (not root, no memory controller): said loudly,
+  the cpu tier with CPU decode attention. llama.cpp runs first; our engine is built only after it has
+  exited (the store written the first time), so neither holds memory while the other runs. No cgroup (not root, no memory controller): said loudly,
   and the regime runs unconstrained (a RAM run in disguise).
 
 Bounds (this machine's, measured in this process before the runs; bench_offload's functions):
