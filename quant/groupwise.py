@@ -24,7 +24,7 @@ def quantize(x: torch.Tensor, config: QuantConfig) -> QTensor:
     layout = GroupLayout.of(x.shape, config)
     groups = layout.to_groups(x)  # [num_groups, group_size], x's dtype
     scale = torch.empty(layout.num_groups, dtype=torch.float16, device=x.device)
-    minimum = torch.empty_like(scale)
+    minimum = torch.empty_like(scale, dtype=torch.float32 if config.minimum_fp32 else torch.float16)
     codes = torch.empty(layout.num_groups, config.group_size, dtype=torch.uint8, device=x.device)
     # On CPU, chunks of many groups keep the fp32 temporaries small: they stay in cache and are
     # reused by the allocator instead of being page-faulted in afresh (several times the arithmetic

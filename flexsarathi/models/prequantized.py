@@ -1,0 +1,137 @@
+"""Pre-quantized weights: how a weight source hands the engine codes that it stores as they are.
+
+The interface (`WeightSource` in flexsarathi/checkpoint.py; HF GPTQ/AWQ/compressed-tensors folders
+in flexsarathi/models/quantized_checkpoint.py; GGUF files may implement the same):
+
+- `source.quantized_formats()` -> `{canonical 2-D layer weight name: QuantConfig | None}`: the
+  format each layer weight comes in, the same for every layer (placement cuts every layer alike);
+  None: that weight comes in the compute dtype. A full-precision source returns None instead of a
+  dict, and the engine quantizes with its own `weight_quant` when the policy compresses weights.
+- `source.layer_weights(layer, dtype)` yields, for every name with a format, a `QTensor` of exactly
+  that `QuantConfig` (and `dtype` as its dtype); placement writes its codes, scales and minimums
+  into the store without a round trip through floats.
+- `source.describe()` -> `SourceDescription`, what `flexsarathi inspect` prints.
+
+Sources build their QTensors from unsigned integer codes with `codes_to_qtensor` (value =
+`scale * (code - zero)`): exact where the engine's format holds the checkpoint's numbers (fp16
+scale, integer zero point: the minimum `-scale * zero` in fp32 with `QuantConfig.minimum_fp32`),
+otherwise rounded, with the error measured. Where the codes cannot be kept at all (act-order
+groups), `requantize` converts the exact dequantized values once; `ConversionLog` gathers the
+measured errors per tensor kind and prints them once every layer has been read.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from quant import QTensor, QuantConfig, dequantize, pack_4bit, quantize
+
+
+@dataclass(frozen=True)
+class TensorKind:
+    """One canonical layer weight as a checkpoint holds it and as the engine will store it."""
+
+    name: str  # canonical, e.g. "qkv_proj.weight"
+    source_type: str  # as the checkpoint holds it, e.g. "int4 g128 asym (gptq)"
+    stored: QuantConfig | None  # the engine's format; None: the compute dtype
+    conversion: str  # "codes kept (exact)", "requantized once (act-order)", "fp16 as is", ...
+
+
+@dataclass(frozen=True)
+class SourceDescription:
+    format: str  # "gptq", "awq", "compressed-tensors", "safetensors", "dummy", "gguf", ...
+    detail: str  # one line: bits, groups, symmetry, version
+    kinds: tuple[TensorKind, ...]
+    file_bytes: int | None  # the files' bytes on disk; None: generated weights
+
+
+def describe_config(config: QuantConfig | None) -> str:
+    if config is None:
+        return "compute dtype"
+    minimum = "fp32" if config.minimum_fp32 else "fp16"
+    return f"{config.bits}-bit codes, groups of {config.group_size}, fp16 scale + {minimum} minimum"
+
+
+def codes_to_qtensor(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int,
+                     config: QuantConfig, dtype: torch.dtype) -> tuple[QTensor, float]:
+    """uint8 codes `[out, in]` (unsigned, < 2**bits), scale `[out, groups]` (any float dtype), zero
+    point `[out, groups]` or one integer -> (QTensor of `config` reading back `scale * (code - zero)`,
+    the largest absolute difference from that value computed in fp32: 0.0 when exact).
+
+    Exact when the scale converts to fp16 exactly and the minimum `-scale * zero` does in the
+    config's minimum dtype (fp32 always does: 11 + 9 significant bits at most)."""
+    out_features, in_features = codes.shape
+    if in_features % config.group_size or scale.shape != (out_features, in_features // config.group_size):
+        raise ValueError(f"codes {tuple(codes.shape)} and scale {tuple(scale.shape)} do not match "
+                         f"groups of {config.group_size}")
+    scale16 = scale.to(torch.float16)
+    zero = torch.as_tensor(zero, dtype=torch.float32).expand(scale.shape)
+    minimum = -(scale16.float() * zero)  # exact in fp32
+    stored_min = minimum if config.minimum_fp32 else minimum.to(torch.float16)
+    lines = codes.contiguous()  # one line of groups per row: the layout `quantize` packs
+    data = (pack_4bit(lines) if config.bits == 4 else lines).reshape(-1)
+    q = QTensor(data=data, scale=scale16.reshape(-1), minimum=stored_min.reshape(-1),
+                shape=(out_features, in_features), dtype=dtype, config=config)
+    exact = torch.equal(scale16.float(), scale.float()) and torch.equal(stored_min.float(), minimum)
+    if exact:
+        return q, 0.0
+    reference = reference_values(codes, scale.float(), zero)
+    return q, float((dequantize(q, torch.float32) - reference).abs().max())
+
+
+def reference_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                     g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 `[out, in]` = `scale * (code - zero)` with column j in group `g_idx[j]` (default
+    j // group size): the checkpoint's own dequantization, what conversions are measured against."""
+    out_features, in_features = codes.shape
+    if g_idx is None:
+        g_idx = torch.arange(in_features) // (in_features // scale.shape[1])
+    zero = torch.as_tensor(zero, dtype=torch.float32).expand(scale.shape)
+    return (codes.float() - zero[:, g_idx]) * scale.float()[:, g_idx]
+
+
+def requantize(values: torch.Tensor, config: QuantConfig, dtype: torch.dtype) -> tuple[QTensor, float]:
+    """fp32 `[out, in]` -> (QTensor of `config` by the engine's min-max `quantize`, the largest
+    absolute difference from `values`)."""
+    q = quantize(values, config)
+    error = float((dequantize(q, torch.float32) - values).abs().max())
+    return replace(q, dtype=dtype), error
+
+
+def concat_rows(parts: list[QTensor]) -> QTensor:
+    """QTensors `[out_i, in]` of one config -> `[sum out_i, in]` (q/k/v fused): each row is its own
+    line of groups, so codes, scales and minimums simply follow one another."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return QTensor(data=torch.cat([p.data for p in parts]), scale=torch.cat([p.scale for p in parts]),
+                   minimum=torch.cat([p.minimum for p in parts]),
+                   shape=(sum(p.shape[0] for p in parts), first.shape[1]), dtype=first.dtype,
+                   config=first.config)
+
+
+@dataclass
+class ConversionLog:
+    """Largest measured conversion error per tensor kind; one line each printed (to `stream`) once
+    the last layer has been read, and kept in `errors` for callers and tests."""
+
+    num_layers: int
+    what: str  # e.g. "gptq" (names the checkpoint in the printed lines)
+    stream: object = None  # None: sys.stderr
+    errors: dict[str, tuple[float, str]] = field(default_factory=dict)  # kind -> (max error, how)
+    _printed: bool = False
+
+    def record(self, kind: str, error: float, how: str) -> None:
+        if error > 0 or kind in self.errors:
+            previous = self.errors.get(kind, (0.0, how))[0]
+            self.errors[kind] = (max(previous, error), how)
+
+    def layer_done(self, layer: int) -> None:
+        if layer != self.num_layers - 1 or self._printed:
+            return
+        self._printed = True
+        for kind, (error, how) in sorted(self.errors.items()):
+            print(f"{self.what}: {kind} {how}: max |error| {error:.3g} against the checkpoint's own "
+                  f"dequantization (fp32)", file=self.stream or sys.stderr, flush=True)
