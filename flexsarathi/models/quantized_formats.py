@@ -101,7 +101,7 @@ def _bits(value: object, allowed: tuple[int, ...], where: str, method: str) -> i
 
 
 def _group_size(value: object, where: str, method: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1 or value % 2:
+    if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1 or (value > 0 and value % 2):
         raise _unsupported(where, f"{method} with group_size={value!r}")
     return value
 
