@@ -220,3 +220,102 @@ def test_unsupported_quantization_config_is_one_clear_error(tmp_path, qc, named)
     message = str(info.value)
     assert named in message and "is not supported" in message
     assert "gptq (4 or 8 bits" in message and "awq (4-bit GEMM)" in message and "pack-quantized" in message
+
+
+# ---- compressed-tensors: the package compresses a transformers-built model and is the reference ----
+CT_CASES = [  # (model, bits, group (-1: channel-wise), symmetric)
+    ("llama", 4, 32, True), ("qwen2", 4, 64, False), ("llama", 4, 128, False), ("llama", 8, 128, True),
+    ("qwen2", 8, -1, False), ("llama", 4, -1, True),
+]
+
+
+def ct_checkpoint(folder, kind, bits, group, sym, seed=0):
+    """compressed-tensors' compressor run on a transformers model (fp16) whose Linear weights are
+    scale * (q - zero) for random codes; -> (folder, fp16 model as compressed)."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+
+    model = _hf_model(kind, seed).half()
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym,
+                            strategy="channel" if group == -1 else "group", group_size=None if group == -1 else group)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                                ignore=["lm_head"], format="pack-quantized")
+    apply_quantization_config(model, config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    middle = 2 ** (bits - 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for lin in LINEARS:
+                module = layer.get_submodule(lin)
+                out_features, in_features = module.weight.shape
+                codes, scale, zero = draw(out_features, in_features, bits, in_features if group == -1 else group,
+                                          sym, gen)
+                module.weight_scale.copy_(scale)
+                if not sym:
+                    module.weight_zero_point.copy_((zero - middle).to(module.weight_zero_point.dtype))
+                module.weight.copy_(dequantize_ref(codes, scale, zero).half())
+    compressor = ModelCompressor(quantization_config=config)
+    compressor.compress_model(model)
+    os.makedirs(folder, exist_ok=True)
+    from safetensors.torch import save_file
+
+    tied = model.config.tie_word_embeddings
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
+              os.path.join(folder, "model.safetensors"))
+    model.config.save_pretrained(folder)
+    compressor.update_config(str(folder))
+    assert ct.__version__
+    return str(folder), model
+
+
+def _ct_reference(folder, kind: str, bits: int, sym: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own decompression of every Linear weight from the saved tensors, with
+    the scales in `dtype` (fp32: exact scale * (q - zero))."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        scheme = QuantizationScheme.model_validate(json.load(f)["quantization_config"]["config_groups"]["group_0"])
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    out = {}
+    for name in [n.removesuffix(".weight_packed") for n in saved if n.endswith(".weight_packed")]:
+        local = {k.removeprefix(name + "."): v for k, v in saved.items() if k.startswith(name + ".")}
+        local["weight_scale"] = local["weight_scale"].to(dtype)
+        out[name] = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+    return out
+
+
+@pytest.mark.parametrize("kind,bits,group,sym", CT_CASES)
+def test_compressed_tensors_equal_the_packages_decompression(tmp_path, kind, bits, group, sym):
+    folder, _ = ct_checkpoint(tmp_path / "ckpt", kind, bits, group, sym)
+    ref32 = _ct_reference(folder, kind, bits, sym, torch.float32)
+    ref16 = _ct_reference(folder, kind, bits, sym, torch.float16)
+    source = open_weight_source(folder)
+    assert all(c.bits == bits and c.minimum_fp32 == (not sym) for c in source.quantized_formats().values())
+    reference = _hf_model(kind, 0)
+    for i, layer in enumerate(reference.model.layers):
+        weights = source.layer_weights(i, torch.float32)
+        for canonical, modules in FUSED.items():
+            names = [f"model.layers.{i}.{m}" for m in modules]
+            q = weights[canonical]
+            assert torch.equal(dequantize(q, torch.float32), torch.cat([ref32[n] for n in names]))
+            assert torch.equal(dequantize(q, torch.float16), torch.cat([ref16[n] for n in names]))
+            with torch.no_grad():
+                for n, m in zip(names, modules):
+                    layer.get_submodule(m).weight.copy_(ref32[n])
+    _fp16_rest_from(folder, reference)
+    _check_logits_and_tokens(folder, reference, tmp_path / "off")
+
+
+def _fp16_rest_from(folder, model) -> None:
+    """The reference model's unquantized weights: the checkpoint's fp16 ones."""
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in saved:
+                param.copy_(saved[name].float())
