@@ -9,6 +9,7 @@ import sys
 from flexsarathi.cli_bench import add_bench_parser
 from flexsarathi.cli_common import add_compute_args, add_dtype_arg
 from flexsarathi.cli_generate import add_generate_parser
+from flexsarathi.cli_inspect import add_inspect_parser
 from flexsarathi.cli_io import check_folder, check_output_file, positive_int, read_text_file
 from flexsarathi.cli_policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_policy_parser(sub)
     add_generate_parser(sub)
     add_bench_parser(sub)
+    add_inspect_parser(sub)
     return parser
 
 

@@ -7,6 +7,7 @@ A thin layer over `policy_search` (the planner); registered by flexsarathi/cli.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from flexsarathi.cli_common import add_dtype_arg
@@ -58,6 +59,11 @@ def _specs(args) -> tuple[ModelSpec, HardwareSpec, Workload]:
     hardware = hardware.with_memory(**{tier: None if value is None else value * GiB for tier, value in (
         ("gpu", args.gpu_mem), ("cpu", args.cpu_mem), ("disk", args.disk_mem))})
     model = ModelSpec.from_name(args.model, bytes_per_value=_bytes_per_value(args.dtype, hardware))
+    from flexsarathi.models.quantized_checkpoint import prequantized_weight_format
+
+    checkpoint_format = prequantized_weight_format(args.model)  # stored as it is: priced as it is
+    if checkpoint_format is not None:
+        model = dataclasses.replace(model, weight_format=checkpoint_format)
     if args.workload:
         workload = Workload.from_file(args.workload, num_requests=args.num_requests)
     else:

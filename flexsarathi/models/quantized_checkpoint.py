@@ -24,6 +24,7 @@ from flexsarathi.models.prequantized import (ConversionLog, SourceDescription, T
                                              concat_rows, reference_values, requantize)
 from flexsarathi.models.quantized_formats import TENSORS, ModuleCodes, QuantMethod, Scheme, packed_shape, \
     parse_quantization_config
+from policy_search.quant_format import WeightFormat
 from quant import QuantConfig
 
 
@@ -202,3 +203,17 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         weights = super().layer_weights(layer, dtype)
         self.log.layer_done(layer)
         return weights
+
+
+def prequantized_weight_format(model: str) -> WeightFormat | None:
+    """The format the planner prices for a pre-quantized folder: that of its largest quantized
+    tensor kind (channel-wise: one group per row of that kind); None for any other model."""
+    if not os.path.isdir(model) or read_quantization_config(model) is None:
+        return None
+    source = QuantizedCheckpoint(model)
+    shapes = source.math.layer_shapes()
+    quantized = [(shapes[n][0] * shapes[n][1], c) for n, c in source.formats.items() if c is not None]
+    if not quantized:
+        return None
+    config = max(quantized, key=lambda pair: pair[0])[1]
+    return WeightFormat(config.bits, config.group_size, config.minimum_bytes)

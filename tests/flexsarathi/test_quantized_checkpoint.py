@@ -319,3 +319,31 @@ def _fp16_rest_from(folder, model) -> None:
         for name, param in model.named_parameters():
             if name in saved:
                 param.copy_(saved[name].float())
+
+
+def test_planner_prices_the_bytes_the_engine_stores(tmp_path):
+    from flexsarathi.llm import planner_model_spec
+
+    folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 4, 32, False)
+    spec = planner_model_spec(folder, dtype="float32")
+    assert (spec.weight_format.bits, spec.weight_format.group_size, spec.weight_format.minimum_bytes) == (4, 32, 4)
+    with LLM(folder, dtype="float32", device="cpu", policy=Policy(w_gpu=0.0, w_cpu=1.0)) as llm:
+        plan = llm.engine.weights.plan
+        stored = sum(p.bytes_on("cpu") for p in plan.tensors)  # one layer's matrices
+    assert stored == spec.layer_matrix_params * spec.weight_format.bytes_per_value
+
+
+def test_inspect_names_format_kinds_and_bytes(tmp_path, capsys):
+    from flexsarathi.cli import main
+
+    folder, _ = packed_checkpoint(tmp_path / "ckpt", "qwen2", "awq", 4, 64, False)
+    assert main(["inspect", "--model", folder]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("format: awq: int4 g64 asym, GEMM (")
+    assert any(line.startswith("  qkv_proj.weight [256, 128]: int4 g64 asym (awq) -> 4-bit codes, groups of 64, "
+                               "fp16 scale + fp32 minimum (codes kept exactly)") for line in out)
+    # 4 bits + (2 + 4) bytes per 64 values = 4.75 bits per weight
+    assert "(4.75 bits per weight;" in out[-1]
+    assert main(["inspect", "--model", "dummy:llama-2-7b"]) == 0
+    out = capsys.readouterr().out
+    assert "format: dummy: float16, full precision" in out and "with compress_weight: 3.39 GiB" in out
