@@ -19,6 +19,10 @@ class QuantConfig:
     # minimum `-s * z` needs up to 11 + 8 significant bits, exact in fp32 but not in fp16, and
     # `q * s + minimum` is then exact too (flexsarathi/models/quantized_checkpoint.py).
     minimum_fp32: bool = False
+    # 4 bits: byte j of a line holds codes 2j (low nibble) and 2j + 1 (high) instead of the split
+    # halves of quant/packing.py: GPTQ's and compressed-tensors' int32 words read as bytes, so their
+    # codes are stored without repacking (a layer of llama-2-7b repacked costs seconds on 2 cores).
+    adjacent_pairs: bool = False
 
     def __post_init__(self) -> None:
         if _not_int(self.bits) or self.bits not in ALLOWED_BITS:
@@ -34,6 +38,9 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.symmetric must be a bool, got {self.symmetric!r}")
         if not isinstance(self.minimum_fp32, bool):
             raise ValueError(f"QuantConfig.minimum_fp32 must be a bool, got {self.minimum_fp32!r}")
+        if self.adjacent_pairs is not False and (self.adjacent_pairs is not True or self.bits != 4):
+            raise ValueError(f"QuantConfig.adjacent_pairs is a bool for bits=4 only, got {self.adjacent_pairs!r} "
+                             f"with bits={self.bits}")
 
     @property
     def max_code(self) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from quant import QTensor, QuantConfig, dequantize, pack_4bit, quantize
+from quant.packing import pack_4bit_pairs, unpack_4bit_pairs_into
 
 
 @dataclass(frozen=True)
@@ -54,15 +55,19 @@ def describe_config(config: QuantConfig | None) -> str:
     return f"{config.bits}-bit codes, groups of {config.group_size}, fp16 scale + {minimum} minimum"
 
 
-def codes_to_qtensor(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int,
-                     config: QuantConfig, dtype: torch.dtype) -> tuple[QTensor, float]:
+def codes_to_qtensor(codes: torch.Tensor | None, scale: torch.Tensor, zero: torch.Tensor | int,
+                     config: QuantConfig, dtype: torch.dtype, *,
+                     packed: torch.Tensor | None = None) -> tuple[QTensor, float]:
     """uint8 codes `[out, in]` (unsigned, < 2**bits), scale `[out, groups]` (any float dtype), zero
     point `[out, groups]` or one integer -> (QTensor of `config` reading back `scale * (code - zero)`,
     the largest absolute difference from that value computed in fp32: 0.0 when exact).
+    `packed`: instead of `codes`, uint8 `[out, in * bits / 8]` already in the config's byte layout
+    (4 bits: `adjacent_pairs`), stored without a copy.
 
     Exact when the scale converts to fp16 exactly and the minimum `-scale * zero` does in the
     config's minimum dtype (fp32 always does: 11 + 9 significant bits at most)."""
-    out_features, in_features = codes.shape
+    out_features = scale.shape[0]
+    in_features = codes.shape[1] if codes is not None else packed.shape[1] * 8 // config.bits
     if in_features % config.group_size or scale.shape != (out_features, in_features // config.group_size):
         raise ValueError(f"codes {tuple(codes.shape)} and scale {tuple(scale.shape)} do not match "
                          f"groups of {config.group_size}")
@@ -70,15 +75,31 @@ def codes_to_qtensor(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     zero = torch.as_tensor(zero, dtype=torch.float32).expand(scale.shape)
     minimum = -(scale16.float() * zero)  # exact in fp32
     stored_min = minimum if config.minimum_fp32 else minimum.to(torch.float16)
-    lines = codes.contiguous()  # one line of groups per row: the layout `quantize` packs
-    data = (pack_4bit(lines) if config.bits == 4 else lines).reshape(-1)
+    data = packed.reshape(-1) if packed is not None else pack_lines(codes.contiguous(), config)
     q = QTensor(data=data, scale=scale16.reshape(-1), minimum=stored_min.reshape(-1),
                 shape=(out_features, in_features), dtype=dtype, config=config)
     exact = torch.equal(scale16.float(), scale.float()) and torch.equal(stored_min.float(), minimum)
     if exact:
         return q, 0.0
+    codes = codes if codes is not None else unpack_lines(packed, config)
     reference = reference_values(codes, scale.float(), zero)
     return q, float((dequantize(q, torch.float32) - reference).abs().max())
+
+
+def pack_lines(codes: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """uint8 codes `[out, in]`, one line of groups per row -> flat QTensor.data of `config`."""
+    if config.bits == 8:
+        return codes.reshape(-1)
+    return (pack_4bit_pairs(codes) if config.adjacent_pairs else pack_4bit(codes)).reshape(-1)
+
+
+def unpack_lines(packed: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """uint8 `[out, in * bits / 8]` in `config`'s byte layout (adjacent pairs at 4 bits) -> codes `[out, in]`."""
+    if config.bits == 8:
+        return packed
+    codes = torch.empty(packed.shape[0], 2 * packed.shape[1], dtype=torch.uint8)
+    unpack_4bit_pairs_into(packed, codes)
+    return codes
 
 
 def reference_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

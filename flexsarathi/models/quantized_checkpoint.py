@@ -154,7 +154,9 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
                    for hf in self.math.hf_layer_names(i)[name]):
                 act_order.add(name)
             exact_min = scheme.symmetric or name in act_order  # requantized groups: fp16 min-max
-            formats[name] = QuantConfig(bits=scheme.bits, group_size=group, minimum_fp32=not exact_min)
+            pairs = scheme.bits == 4 and name not in act_order  # codes kept as the checkpoint's bytes
+            formats[name] = QuantConfig(bits=scheme.bits, group_size=group, minimum_fp32=not exact_min,
+                                        adjacent_pairs=pairs)
         return formats, act_order
 
     def _has_act_order(self, hf_name: str, group: int) -> bool:
@@ -186,10 +188,10 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         for hf_name in parts:
             m = self._codes(hf_name, self._scheme(hf_name))
             if canonical in self.act_order:
-                q, error = requantize(reference_values(m.codes, m.scale, m.zero, m.g_idx), config, dtype)
+                q, error = requantize(reference_values(m.unpacked(), m.scale, m.zero, m.g_idx), config, dtype)
                 how = f"requantized from act-order groups to {config.bits}-bit groups of {config.group_size}"
             else:
-                q, error = codes_to_qtensor(m.codes, m.scale, m.zero, config, dtype)
+                q, error = codes_to_qtensor(m.codes, m.scale, m.zero, config, dtype, packed=m.pairs)
                 how = "codes kept, scale or minimum rounded to the stored dtype"
             self.log.record(canonical, error, how)
             pieces.append(q)
@@ -197,7 +199,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
 
     def _dequantized(self, hf_name: str, dtype: torch.dtype) -> torch.Tensor:
         m = self._codes(hf_name, self._scheme(hf_name))
-        return reference_values(m.codes, m.scale, m.zero, m.g_idx).to(dtype)
+        return reference_values(m.unpacked(), m.scale, m.zero, m.g_idx).to(dtype)
 
     def layer_weights(self, layer, dtype):
         weights = super().layer_weights(layer, dtype)

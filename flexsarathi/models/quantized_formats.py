@@ -49,12 +49,21 @@ class Scheme:
 
 @dataclass(frozen=True)
 class ModuleCodes:
-    """One module's weight as the checkpoint stores it, unpacked: value = scale * (code - zero)."""
+    """One module's weight as the checkpoint stores it: value = scale * (code - zero)."""
 
-    codes: torch.Tensor  # uint8 [out, in], unsigned
+    codes: torch.Tensor | None  # uint8 [out, in], unsigned; None: given as `pairs`
     scale: torch.Tensor  # [out, groups], the checkpoint's float dtype
     zero: torch.Tensor | int  # [out, groups] integers, or one for all (symmetric)
     g_idx: torch.Tensor | None  # [in] group of each column; None: column // group size
+    # 4 bits: uint8 [out, in / 2], byte j holding codes 2j (low nibble) and 2j + 1: the int32 words
+    # of GPTQ (once transposed) and compressed-tensors read as bytes
+    pairs: torch.Tensor | None = None
+
+    def unpacked(self) -> torch.Tensor:
+        """uint8 codes [out, in]."""
+        if self.codes is not None:
+            return self.codes
+        return torch.stack([self.pairs & 0x0F, self.pairs >> 4], dim=-1).reshape(self.pairs.shape[0], -1)
 
 
 @dataclass(frozen=True)
@@ -170,11 +179,22 @@ def unpack_int32(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack([data & 0x0F, data >> 4], dim=-1).reshape(*data.shape[:-1], -1)
 
 
+def row_bytes(words: torch.Tensor, bits: int, values: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """int32 `[out, words]` packed along each row -> (codes, pairs): 8 bits: the bytes are the codes
+    `[out, values]`; 4 bits: the bytes are adjacent pairs `[out, values / 2]` (little-endian words)."""
+    if sys.byteorder != "little":
+        raise CheckpointError("packed int32 weights are read on little-endian machines only")
+    data = words.contiguous().view(torch.uint8)[:, :values * bits // 8]
+    data = data if data.is_contiguous() else data.contiguous()
+    return (data, None) if bits == 8 else (None, data)
+
+
 def gptq_codes(t: dict[str, torch.Tensor], scheme: Scheme) -> ModuleCodes:
-    codes = unpack_int32(t["qweight"].t(), scheme.bits)  # [out, in]
+    qweight = t["qweight"]  # [in * bits / 32, out]: transposed, each row's words hold its values in order
+    codes, pairs = row_bytes(qweight.t(), scheme.bits, qweight.shape[0] * 32 // scheme.bits)
     mask = (1 << scheme.bits) - 1
     zero = (unpack_int32(t["qzeros"], scheme.bits) & mask).t().to(torch.int16) + scheme.zero_offset
-    return ModuleCodes(codes, t["scales"].t(), zero, t.get("g_idx"))
+    return ModuleCodes(codes, t["scales"].t(), zero, t.get("g_idx"), pairs)
 
 
 def awq_codes(t: dict[str, torch.Tensor], scheme: Scheme) -> ModuleCodes:
@@ -187,9 +207,8 @@ def awq_codes(t: dict[str, torch.Tensor], scheme: Scheme) -> ModuleCodes:
 
 
 def compressed_tensors_codes(t: dict[str, torch.Tensor], scheme: Scheme) -> ModuleCodes:
-    codes = unpack_int32(t["weight_packed"], scheme.bits)
     out_features, in_features = (int(v) for v in t["weight_shape"].tolist())
-    codes = codes[:out_features, :in_features]
+    codes, pairs = row_bytes(t["weight_packed"], scheme.bits, in_features)
     middle = 1 << (scheme.bits - 1)  # stored codes and zero points are offset by it
     zero: torch.Tensor | int = middle
     if not scheme.symmetric:
@@ -198,7 +217,7 @@ def compressed_tensors_codes(t: dict[str, torch.Tensor], scheme: Scheme) -> Modu
             zero = unpack_int32(zp.t(), scheme.bits)[:, :out_features].t().to(torch.int16)
         else:  # stored unpacked, signed
             zero = zp.to(torch.int16) + middle
-    return ModuleCodes(codes.contiguous(), t["weight_scale"], zero, t.get("weight_g_idx"))
+    return ModuleCodes(codes, t["weight_scale"], zero, t.get("weight_g_idx"), pairs)
 
 
 # suffixes of each method's tensors (the first: the packed codes, whose presence marks the module
