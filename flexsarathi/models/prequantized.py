@@ -71,19 +71,35 @@ def codes_to_qtensor(codes: torch.Tensor | None, scale: torch.Tensor, zero: torc
     if in_features % config.group_size or scale.shape != (out_features, in_features // config.group_size):
         raise ValueError(f"codes {tuple(codes.shape)} and scale {tuple(scale.shape)} do not match "
                          f"groups of {config.group_size}")
-    scale16 = scale.to(torch.float16)
-    zero = torch.as_tensor(zero, dtype=torch.float32).expand(scale.shape)
-    minimum = -(scale16.float() * zero)  # exact in fp32
-    stored_min = minimum if config.minimum_fp32 else minimum.to(torch.float16)
+    scale16 = scale if scale.dtype == torch.float16 else scale.to(torch.float16)
+    minimum, min_exact = _minimum(scale16, zero, config)
     data = packed.reshape(-1) if packed is not None else pack_lines(codes.contiguous(), config)
-    q = QTensor(data=data, scale=scale16.reshape(-1), minimum=stored_min.reshape(-1),
+    q = QTensor(data=data, scale=scale16.reshape(-1), minimum=minimum.reshape(-1),
                 shape=(out_features, in_features), dtype=dtype, config=config)
-    exact = torch.equal(scale16.float(), scale.float()) and torch.equal(stored_min.float(), minimum)
-    if exact:
+    if min_exact and (scale.dtype == torch.float16 or torch.equal(scale16.float(), scale.float())):
         return q, 0.0
     codes = codes if codes is not None else unpack_lines(packed, config)
-    reference = reference_values(codes, scale.float(), zero)
+    reference = reference_values(codes, scale.float(), torch.as_tensor(zero, dtype=torch.float32))
     return q, float((dequantize(q, torch.float32) - reference).abs().max())
+
+
+def _minimum(scale16: torch.Tensor, zero: torch.Tensor | int, config: QuantConfig) -> tuple[torch.Tensor, bool]:
+    """(`-scale * zero` in the config's minimum dtype, whether exactly). Checked only where it can
+    round: fp32 holds the product of an fp16 scale and a zero point below 2**13 exactly, and fp16
+    that of one zero point for all groups that is a power of two (a symmetric format's)."""
+    if isinstance(zero, torch.Tensor):
+        low, high = zero.aminmax() if zero.numel() else (torch.tensor(0), torch.tensor(0))
+        if low == high:  # one zero point for all groups (symmetric)
+            zero = int(low)
+    # fp32 arithmetic: fp16 elementwise ops are not vectorised on CPUs without AVX-512 FP16
+    product = -(scale16.float() * torch.as_tensor(zero, dtype=torch.float32))  # exact in fp32
+    if isinstance(zero, int) and zero > 0 and zero & (zero - 1) == 0 and not config.minimum_fp32:
+        # a power of two: exact in fp16 too, unless it overflows
+        return product.to(torch.float16), bool(product.abs().max() <= torch.finfo(torch.float16).max)
+    if config.minimum_fp32:
+        return product, True
+    minimum = product.to(torch.float16)
+    return minimum, torch.equal(minimum.float(), product)
 
 
 def pack_lines(codes: torch.Tensor, config: QuantConfig) -> torch.Tensor:
