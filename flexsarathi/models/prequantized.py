@@ -15,7 +15,10 @@ in flexsarathi/models/quantized_checkpoint.py; GGUF files may implement the same
 Sources build their QTensors from unsigned integer codes with `codes_to_qtensor` (value =
 `scale * (code - zero)`): exact where the engine's format holds the checkpoint's numbers (fp16
 scale, integer zero point: the minimum `-scale * zero` in fp32 with `QuantConfig.minimum_fp32`),
-otherwise rounded, with the error measured. Where the codes cannot be kept at all (act-order
+otherwise rounded, with the error measured. 4-bit codes whose bytes already hold adjacent pairs
+(GPTQ's and compressed-tensors' int32 words) are passed as `packed=` with
+`QuantConfig.adjacent_pairs` and stored without a copy; formats that hold `code * scale + minimum`
+with an fp16 minimum use `affine_to_qtensor`. Where the codes cannot be kept at all (act-order
 groups), `requantize` converts the exact dequantized values once; `ConversionLog` gathers the
 measured errors per tensor kind and prints them once every layer has been read.
 """
@@ -100,6 +103,15 @@ def _minimum(scale16: torch.Tensor, zero: torch.Tensor | int, config: QuantConfi
         return product, True
     minimum = product.to(torch.float16)
     return minimum, torch.equal(minimum.float(), product)
+
+
+def affine_to_qtensor(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, config: QuantConfig,
+                      dtype: torch.dtype) -> QTensor:
+    """Codes already of the engine's form `code * scale + minimum` (e.g. GGUF Q4_1/Q5_1-style blocks
+    with an fp16 minimum): uint8 codes `[out, in]`, fp16 scale and minimum `[out, groups]` (fp32
+    minimum with `config.minimum_fp32`) -> QTensor, no conversion at all."""
+    return QTensor(data=pack_lines(codes.contiguous(), config), scale=scale.reshape(-1),
+                   minimum=minimum.reshape(-1), shape=tuple(codes.shape), dtype=dtype, config=config)
 
 
 def pack_lines(codes: torch.Tensor, config: QuantConfig) -> torch.Tensor:

@@ -184,8 +184,12 @@ PLACEMENTS = [dict(w_gpu=0.0, w_cpu=1.0), dict(w_gpu=0.0, w_cpu=0.0, w_disk=1.0)
               dict(w_gpu=0.3, w_cpu=0.3, w_disk=0.4)]
 
 
-def test_every_placement_gives_the_all_on_device_tokens(tmp_path):
-    folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 4, 32, False)
+@pytest.mark.parametrize("make", ["gptq-int4-asym", "ct-int8-sym"])
+def test_every_placement_gives_the_all_on_device_tokens(tmp_path, make):
+    if make == "gptq-int4-asym":  # adjacent-pair codes, fp16 scales, fp32 minimums
+        folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 4, 32, False)
+    else:  # byte codes, fp16 scales and minimums, channel-wise on qwen2 (biases)
+        folder, _ = ct_checkpoint(tmp_path / "ckpt", "qwen2", 8, -1, True)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
     def tokens(**fractions):
