@@ -22,6 +22,7 @@ from flexsarathi.checkpoint import SafetensorsCheckpoint
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.prequantized import (ConversionLog, SourceDescription, TensorKind, codes_to_qtensor,
                                              concat_rows, reference_values, requantize)
+from flexsarathi.models.safetensors_pread import PreadReader
 from flexsarathi.models.quantized_formats import TENSORS, ModuleCodes, QuantMethod, Scheme, packed_shape, \
     parse_quantization_config
 from policy_search.quant_format import WeightFormat
@@ -43,6 +44,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
     def __init__(self, folder: str):
         where = os.path.join(folder, "config.json")
         self.method: QuantMethod = parse_quantization_config(read_quantization_config(folder), where)
+        self._reader = PreadReader()  # tensors read into fresh memory, not mapped (RSS: one layer)
         super().__init__(folder)  # indexes the files, then _validate_shapes (below)
         self.formats, self.act_order = self._kind_formats()
         self.log = ConversionLog(self.config.num_layers, f"{self.method.name} checkpoint {folder}")
@@ -90,7 +92,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             handle = self._open(self._file_of[name])
             try:
                 out[suffix] = (tuple(handle.get_slice(name).get_shape()) if shapes_only
-                               else handle.get_tensor(name))
+                               else self._reader.get(self._file_of[name], name))
             except (SafetensorError, RuntimeError, OSError) as exc:
                 raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: {exc}") from None
         return out
@@ -166,7 +168,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         if key is None or (key not in self._file_of and key.removeprefix("model.") not in self._file_of):
             return False
         name = self._resolve(key)
-        g_idx = self._open(self._file_of[name]).get_tensor(name)
+        g_idx = self._reader.get(self._file_of[name], name)
         return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group)
 
     # ---- reading ---------------------------------------------------------------------------
@@ -180,7 +182,10 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
                 out[canonical] = torch.cat([self._dequantized(hf, dtype) for hf in parts])
             else:
                 plain[canonical] = parts
-        out.update(super()._read(plain, dtype))
+        for canonical, parts in plain.items():
+            names = [self._resolve(hf_name) for hf_name in parts]
+            tensors = [self._reader.get(self._file_of[name], name).to(dtype) for name in names]
+            out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         return out
 
     def _read_quantized(self, canonical: str, parts: list[str], config: QuantConfig, dtype: torch.dtype):

@@ -351,3 +351,11 @@ def test_inspect_names_format_kinds_and_bytes(tmp_path, capsys):
     assert main(["inspect", "--model", "dummy:llama-2-7b"]) == 0
     out = capsys.readouterr().out
     assert "format: dummy: float16, full precision" in out and "with compress_weight: 3.39 GiB" in out
+
+
+def test_truncated_quantized_checkpoint_is_one_clear_error(tmp_path):
+    folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 4, 128, True)
+    path = os.path.join(folder, "model.safetensors")
+    os.truncate(path, os.path.getsize(path) - 1000)
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        LLM(folder, dtype="float32", device="cpu")
