@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from flexsarathi.cli_common import add_dtype_arg
@@ -104,6 +105,10 @@ def run_policy(args) -> int:
                 ("compress_kv", args.compress_kv), ("cpu_attention", args.cpu_attention),
                 ("gpu_batch_size", args.gpu_batch_size), ("num_gpu_batches", args.num_gpu_batches))
                 if value is not None}
+            from flexsarathi.models.quantized_checkpoint import read_quantization_config
+
+            if os.path.isdir(args.model) and read_quantization_config(args.model) is not None:
+                constraints.setdefault("compress_weight", True)  # its codes are stored as they are
             result = search_detailed(model, hardware, workload, **constraints)
             policy, est = result.policy, result.estimate
             print(format_report(policy, est, model, hardware, workload))
