@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Iterator, Sequence as Seq
 
@@ -86,9 +85,9 @@ class LLM:
             raise FlexSarathiError('policy="auto" needs hardware= (a preset such as "t4", or a profile '
                                    'written by `flexsarathi profile`)')
         spec = planner_model_spec(model, dtype, **(formats or {}))
-        from flexsarathi.models.quantized_checkpoint import read_quantization_config
+        from flexsarathi.models.quantized_checkpoint import prequantized_weight_format
 
-        if os.path.isdir(model) and read_quantization_config(model) is not None:
+        if prequantized_weight_format(model) is not None:
             constraints.setdefault("compress_weight", True)  # its codes are stored as they are
         policy, _ = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32), **constraints)
         return policy

@@ -213,13 +213,17 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
 
 
 def prequantized_weight_format(model: str) -> WeightFormat | None:
-    """The format the planner prices for a pre-quantized folder: that of its largest quantized
-    tensor kind (channel-wise: one group per row of that kind); None for any other model."""
-    if not os.path.isdir(model) or read_quantization_config(model) is None:
+    """The format the planner prices for a pre-quantized checkpoint (any source whose
+    `quantized_formats()` is a dict: an HF folder with a quantization_config, a GGUF file once its
+    reader implements it): that of its largest quantized tensor kind (channel-wise: one group per
+    row of that kind); None for any other model (full precision, dummy:<name>, a registered name)."""
+    if not os.path.exists(model) or (os.path.isdir(model) and read_quantization_config(model) is None):
         return None
-    source = QuantizedCheckpoint(model)
-    shapes = source.math.layer_shapes()
-    quantized = [(shapes[n][0] * shapes[n][1], c) for n, c in source.formats.items() if c is not None]
+    from flexsarathi.checkpoint import open_weight_source
+
+    source = open_weight_source(model)
+    formats, shapes = source.quantized_formats() or {}, source.math.layer_shapes()
+    quantized = [(shapes[n][0] * shapes[n][1], c) for n, c in formats.items() if c is not None]
     if not quantized:
         return None
     config = max(quantized, key=lambda pair: pair[0])[1]
