@@ -32,6 +32,8 @@ def planner_model_spec(model: str, dtype=None, kv_block_size: int | None = None,
     default device and its weight and KV compression formats."""
     from policy_search import ModelSpec
 
+    from flexsarathi.models.quantized_checkpoint import prequantized_weight_format
+
     compute = resolve_dtype(dtype, torch.float16, resolve_device(None))  # either half dtype: 2 bytes
     if model.endswith(".gguf"):  # the config its metadata implies
         from flexsarathi.models.gguf_file import hf_config, open_gguf
@@ -39,9 +41,11 @@ def planner_model_spec(model: str, dtype=None, kv_block_size: int | None = None,
                                      bytes_per_value=compute.itemsize)
     else:
         spec = ModelSpec.from_name(model, bytes_per_value=compute.itemsize)
+    # A pre-quantized checkpoint is stored in its own format (the bytes the engine streams).
+    weight_format = prequantized_weight_format(model) or WeightFormat(weight_quant.bits, weight_quant.group_size)
     return dataclasses.replace(
         spec,
-        weight_format=WeightFormat(weight_quant.bits, weight_quant.group_size),
+        weight_format=weight_format,
         kv_format=KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group))
 
 
@@ -92,6 +96,10 @@ class LLM:
             raise FlexSarathiError('policy="auto" needs hardware= (a preset such as "t4", or a profile '
                                    'written by `flexsarathi profile`)')
         spec = planner_model_spec(model, dtype, **(formats or {}))
+        from flexsarathi.models.quantized_checkpoint import prequantized_weight_format
+
+        if prequantized_weight_format(model) is not None:
+            constraints.setdefault("compress_weight", True)  # its codes are stored as they are
         policy, _ = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32), **constraints)
         return policy
 

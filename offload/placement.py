@@ -20,6 +20,7 @@ overlap, 1 + `prefetch` buffers); offload/tiered_weights.py streams them.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,13 @@ from quant.cpu_matmul import BLOCK_ROWS, KERNEL_LAYOUT_ID, Int4Packed, kernel_co
     pack_for_cpu_kernel
 
 Weights = dict[str, object]
+# One format for every 2-D weight, or one per canonical tensor name (a pre-quantized checkpoint's
+# own formats; None: that tensor stays in the compute dtype).
+QuantFormats = QuantConfig | None | Mapping[str, QuantConfig | None]
+
+
+def quant_of(quant: QuantFormats, name: str) -> QuantConfig | None:
+    return quant.get(name) if isinstance(quant, Mapping) else quant
 
 
 @dataclass(frozen=True)
@@ -108,21 +116,21 @@ def components_of(shape: tuple[int, int], dtype: torch.dtype, quant: QuantConfig
         return (Component("packed", torch.uint8, cols // 2), Component("scales_zeros", torch.bfloat16, 2 * groups_per_row))
     return (Component("data", torch.uint8, groups_per_row * quant.bytes_per_group),
             Component("scale", torch.float16, groups_per_row),
-            Component("minimum", torch.float16, groups_per_row))
+            Component("minimum", torch.float32 if quant.minimum_fp32 else torch.float16, groups_per_row))
 
 
-def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: QuantConfig | None,
+def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: QuantFormats,
                fractions: tuple[float, float, float], device: torch.device | None = None) -> list[TensorPlan]:
     """Cut the layer's 2-D weights at the fraction boundaries of their total bytes (row granularity;
     64-row blocks for a weight in the CPU int4 kernel's layout). `device`: the compute device."""
-    plans = [(name, shape, uses_kernel_layout(shape, dtype, device, quant)) for name, shape in shapes.items()
-             if len(shape) == 2]
-    plans = [(name, shape, kernel, components_of(shape, dtype, quant, kernel)) for name, shape, kernel in plans]
-    row_bytes = {name: sum(c.nbytes(1) for c in comps) for name, _, _, comps in plans}
-    total = sum(shape[0] * row_bytes[name] for name, shape, _, _ in plans)
+    plans = [(name, shape, quant_of(quant, name)) for name, shape in shapes.items() if len(shape) == 2]
+    plans = [(name, shape, q, uses_kernel_layout(shape, dtype, device, q)) for name, shape, q in plans]
+    plans = [(name, shape, q, kernel, components_of(shape, dtype, q, kernel)) for name, shape, q, kernel in plans]
+    row_bytes = {name: sum(c.nbytes(1) for c in comps) for name, _, _, _, comps in plans}
+    total = sum(shape[0] * row_bytes[name] for name, shape, _, _, _ in plans)
     cuts = [fractions[0] * total, (fractions[0] + fractions[1]) * total]  # byte positions
     out, offset = [], 0
-    for name, shape, kernel, comps in plans:
+    for name, shape, q, kernel, comps in plans:
         rows, rb = shape[0], row_bytes[name]
         unit = BLOCK_ROWS if kernel else 1
         # Row index where each cut falls inside this tensor, rounded to the nearest unit of rows.
@@ -130,7 +138,7 @@ def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: Qu
         edges = [0, boundaries[0], max(boundaries[0], boundaries[1]), rows]
         pieces = tuple(Piece(tier, edges[i], edges[i + 1]) for i, tier in enumerate(TIERS)
                        if edges[i + 1] > edges[i])
-        out.append(TensorPlan(name, (shape[0], shape[1]), dtype, quant, comps, pieces, kernel))
+        out.append(TensorPlan(name, (shape[0], shape[1]), dtype, q, comps, pieces, kernel))
         offset += rows * rb
     return out
 
@@ -174,7 +182,7 @@ class WeightPlan:
 
     @classmethod
     def make(cls, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-             quant: QuantConfig | None, fractions: tuple[float, float, float], overlap: bool,
+             quant: QuantFormats, fractions: tuple[float, float, float], overlap: bool,
              prefetch: int, device: torch.device | None = None) -> WeightPlan:
         return cls(num_layers, tuple(plan_layer(layer_shapes, dtype, quant, fractions, device)),
                    {k: s for k, s in layer_shapes.items() if len(s) != 2}, dtype,

@@ -17,8 +17,7 @@ from offload.disk_store import DiskStore, StoreCorruptError
 from offload.host_buffer import aligned_empty
 from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, store_key
-from offload.placement import WeightPlan, Weights, assemble
-from quant import QuantConfig
+from offload.placement import QuantFormats, WeightPlan, Weights, assemble
 
 
 class TieredWeights:
@@ -27,7 +26,7 @@ class TieredWeights:
     def __init__(self, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]],
                  read_globals: Callable[[], dict], read_layer: Callable[[int], dict],
                  fractions: tuple[float, float, float], device: torch.device, dtype: torch.dtype,
-                 quant: QuantConfig | None, tracker: MemoryTracker, overlap: bool, prefetch: int = 1,
+                 quant: QuantFormats, tracker: MemoryTracker, overlap: bool, prefetch: int = 1,
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False):
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.plan = WeightPlan.make(num_layers=num_layers, layer_shapes=layer_shapes, dtype=dtype,

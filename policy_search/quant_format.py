@@ -13,19 +13,21 @@ from dataclasses import dataclass
 GROUP_PARAM_BYTES = 2 * 2  # fp16 scale + fp16 minimum per group
 
 
-def group_bytes(bits: int, group_size: int) -> int:
-    """Stored bytes of one group: its codes and its scale and minimum."""
-    return group_size * bits // 8 + GROUP_PARAM_BYTES
+def group_bytes(bits: int, group_size: int, minimum_bytes: int = 2) -> int:
+    """Stored bytes of one group: its codes, its fp16 scale and its minimum (fp16, or fp32 for a
+    pre-quantized checkpoint's integer zero points)."""
+    return group_size * bits // 8 + GROUP_PARAM_BYTES - 2 + minimum_bytes
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     bits: int = 4
     group_size: int = 64  # along the input dimension of a Linear weight [out, in]
+    minimum_bytes: int = 2  # 4: the minimum kept in fp32 (a pre-quantized checkpoint's zero points)
 
     @property
     def bytes_per_value(self) -> float:
-        return group_bytes(self.bits, self.group_size) / self.group_size
+        return group_bytes(self.bits, self.group_size, self.minimum_bytes) / self.group_size
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,15 @@ class QuantConfig:
     group_size: int = WEIGHT_FORMAT.group_size  # consecutive values along `group_dim` that share one scale and minimum
     group_dim: int = -1  # for a Linear weight [out, in], -1 groups along the input dimension
     symmetric: bool = False  # False: min-max (asymmetric); True: zero-point fixed at the middle code
+    # The minimum (the value of code 0) kept in fp32 instead of fp16. A pre-quantized checkpoint's
+    # asymmetric groups read back `s * (q - z)` with an fp16 `s` and an integer zero point `z`: the
+    # minimum `-s * z` needs up to 11 + 8 significant bits, exact in fp32 but not in fp16, and
+    # `q * s + minimum` is then exact too (flexsarathi/models/quantized_checkpoint.py).
+    minimum_fp32: bool = False
+    # 4 bits: byte j of a line holds codes 2j (low nibble) and 2j + 1 (high) instead of the split
+    # halves of quant/packing.py: GPTQ's and compressed-tensors' int32 words read as bytes, so their
+    # codes are stored without repacking (a layer of llama-2-7b repacked costs seconds on 2 cores).
+    adjacent_pairs: bool = False
 
     def __post_init__(self) -> None:
         if _not_int(self.bits) or self.bits not in ALLOWED_BITS:
@@ -27,6 +36,11 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.group_dim must be an integer, got {self.group_dim!r}")
         if not isinstance(self.symmetric, bool):
             raise ValueError(f"QuantConfig.symmetric must be a bool, got {self.symmetric!r}")
+        if not isinstance(self.minimum_fp32, bool):
+            raise ValueError(f"QuantConfig.minimum_fp32 must be a bool, got {self.minimum_fp32!r}")
+        if self.adjacent_pairs is not False and (self.adjacent_pairs is not True or self.bits != 4):
+            raise ValueError(f"QuantConfig.adjacent_pairs is a bool for bits=4 only, got {self.adjacent_pairs!r} "
+                             f"with bits={self.bits}")
 
     @property
     def max_code(self) -> int:
@@ -37,6 +51,11 @@ class QuantConfig:
     def zero_code(self) -> int:
         """The code that stands for 0.0 in symmetric mode (the middle code)."""
         return 2 ** (self.bits - 1)
+
+    @property
+    def minimum_bytes(self) -> int:
+        """Bytes of one group's stored minimum: 4 (fp32) or 2 (fp16)."""
+        return 4 if self.minimum_fp32 else 2
 
     @property
     def bytes_per_group(self) -> int:

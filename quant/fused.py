@@ -47,7 +47,7 @@ def quantized_linear(x: torch.Tensor, qweight: QTensor | Int4Packed, bias: torch
         if triton_kernels.supports(x, qweight):
             return triton_kernels.dequant_linear(x, qweight, bias)
     return _compiled_dequant_linear()(x, qweight.data, qweight.scale, qweight.minimum, bias, qweight.layout,
-                                      qweight.config.bits)
+                                      qweight.config.bits, qweight.config.adjacent_pairs)
 
 
 _local = threading.local()
@@ -68,14 +68,17 @@ def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     return buffers[key]
 
 
-def dequant_linear_reference(x, data, scale, minimum, bias, layout: GroupLayout, bits: int) -> torch.Tensor:
+def dequant_linear_reference(x, data, scale, minimum, bias, layout: GroupLayout, bits: int,
+                             adjacent_pairs: bool = False) -> torch.Tensor:
     """Plain-op dequantize + linear that `torch.compile` fuses into one dequant kernel and a matmul.
 
     The same arithmetic as `dequantize` (fp32, one rounding to `x.dtype`) written without in-place or
     `out=` tricks, which are there for eager CPU speed and only get in a compiler's way.
     """
     packed = data.view(layout.num_rows, layout.padded_len * bits // 8)  # one line of groups per row
-    if bits == 4:
+    if bits == 4 and adjacent_pairs:
+        codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(layout.num_rows, -1)
+    elif bits == 4:
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=1)  # split halves of each line
     else:
         codes = packed

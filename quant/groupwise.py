@@ -11,7 +11,7 @@ import torch
 from quant.config import QuantConfig
 from quant.group_params import check_representable, scale_and_minimum
 from quant.layout import GroupLayout
-from quant.packing import pack_4bit, unpack_4bit
+from quant.packing import pack_4bit, pack_4bit_pairs, unpack_4bit, unpack_4bit_pairs_into
 from quant.qtensor import QTensor
 
 _CPU_CHUNK_VALUES = 2**20  # values per chunk in `quantize` on CPU: 4 MiB fp32 temporaries
@@ -24,7 +24,7 @@ def quantize(x: torch.Tensor, config: QuantConfig) -> QTensor:
     layout = GroupLayout.of(x.shape, config)
     groups = layout.to_groups(x)  # [num_groups, group_size], x's dtype
     scale = torch.empty(layout.num_groups, dtype=torch.float16, device=x.device)
-    minimum = torch.empty_like(scale)
+    minimum = torch.empty_like(scale, dtype=torch.float32 if config.minimum_fp32 else torch.float16)
     codes = torch.empty(layout.num_groups, config.group_size, dtype=torch.uint8, device=x.device)
     # On CPU, chunks of many groups keep the fp32 temporaries small: they stay in cache and are
     # reused by the allocator instead of being page-faulted in afresh (several times the arithmetic
@@ -41,7 +41,8 @@ def quantize(x: torch.Tensor, config: QuantConfig) -> QTensor:
     # or blocks of a paged KV cache) is a self-contained byte range, and unpacking still streams
     # over runs as long as the line.
     lines = codes.view(layout.num_rows, layout.padded_len)
-    data = (pack_4bit(lines) if config.bits == 4 else lines).reshape(-1)
+    pack = pack_4bit_pairs if config.adjacent_pairs else pack_4bit
+    data = (pack(lines) if config.bits == 4 else lines).reshape(-1)
     return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(x.shape), dtype=x.dtype, config=config)
 
 
@@ -111,7 +112,10 @@ def _dequantize_lines_fp32(q: QTensor, values: torch.Tensor) -> None:
         stop = min(num_rows, start + step)
         codes, target = packed[start:stop], lines[start:stop]
         work = target if in_place else scratch[:stop - start]
-        work.copy_(unpack_4bit(codes) if q.config.bits == 4 else codes)  # value c
+        if q.config.adjacent_pairs:
+            unpack_4bit_pairs_into(codes, work)  # value c
+        else:
+            work.copy_(unpack_4bit(codes) if q.config.bits == 4 else codes)  # value c
         groups = slice(start * groups_per_line, stop * groups_per_line)
         per_group_affine_(work.view(-1, q.config.group_size), multiplier[groups], offset[groups])
         if not in_place:
@@ -131,7 +135,11 @@ def _codes_as_fp16_subnormals(q: QTensor, values: torch.Tensor) -> None:
         bits.copy_(packed)
         return
     half = bits.shape[1] // 2
-    low, high = bits[:, :half], bits[:, half:]  # see pack_4bit: split halves of each line
+    if q.config.adjacent_pairs:
+        pairs = bits.view(layout.num_rows, half, 2)
+        low, high = pairs[..., 0], pairs[..., 1]
+    else:
+        low, high = bits[:, :half], bits[:, half:]  # see pack_4bit: split halves of each line
     low.copy_(packed)  # uint8 -> int16: the whole byte
     torch.bitwise_right_shift(low, 4, out=high)
     low.bitwise_and_(0x0F)

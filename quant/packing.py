@@ -46,6 +46,20 @@ def unpack_4bit_into(packed: torch.Tensor, low_out: torch.Tensor, high_out: torc
     torch.bitwise_right_shift(packed, 4, out=high_out)
 
 
+def pack_4bit_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in [0, 15], `[..., n]` (n even) -> `[..., n / 2]`, byte j = code 2j | code 2j+1 << 4."""
+    _check_uint8("pack_4bit_pairs", codes)
+    pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return torch.bitwise_and(pairs[..., 0], 0x0F).bitwise_or_(pairs[..., 1] << 4)
+
+
+def unpack_4bit_pairs_into(packed: torch.Tensor, out: torch.Tensor) -> None:
+    """uint8 `[..., m]` -> `out` `[..., 2m]` (any dtype that holds 0..15): the inverse of pack_4bit_pairs."""
+    pairs = out.view(*out.shape[:-1], packed.shape[-1], 2)
+    pairs[..., 0].copy_(packed & 0x0F)
+    pairs[..., 1].copy_(packed >> 4)
+
+
 def _check_uint8(name: str, t: torch.Tensor) -> None:
     if t.dtype != torch.uint8:
         raise ValueError(f"{name} needs a uint8 tensor, got {t.dtype}")

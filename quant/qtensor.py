@@ -15,7 +15,7 @@ class QTensor:
     # packed two per byte by `pack_4bit` over that whole sequence.
     data: torch.Tensor
     scale: torch.Tensor  # fp16 [num_groups]: the step between consecutive codes
-    minimum: torch.Tensor  # fp16 [num_groups]: the value of code 0
+    minimum: torch.Tensor  # fp16 [num_groups] (fp32 with config.minimum_fp32): the value of code 0
     shape: tuple[int, ...]  # the original shape
     dtype: torch.dtype  # the original dtype, what `dequantize` returns by default
     config: QuantConfig
@@ -30,7 +30,7 @@ class QTensor:
         expected = {
             "data": (torch.uint8, (layout.num_groups * self.config.bytes_per_group,)),
             "scale": (torch.float16, (layout.num_groups,)),
-            "minimum": (torch.float16, (layout.num_groups,)),
+            "minimum": (torch.float32 if self.config.minimum_fp32 else torch.float16, (layout.num_groups,)),
         }
         where = f"shape {self.shape} with {self.config}"
         for name, (dtype, shape) in expected.items():

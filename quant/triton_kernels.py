@@ -26,6 +26,7 @@ def supports(x: torch.Tensor, qweight: QTensor) -> bool:
         x.dtype in (torch.float16, torch.bfloat16)
         and x.device == qweight.device
         and len(qweight.shape) == 2
+        and not qweight.config.adjacent_pairs  # the kernel reads split halves
         and layout.groups_are_contiguous
         and _block_k(qweight) is not None
         and x.numel() > 0

@@ -9,6 +9,7 @@ import sys
 from flexsarathi.cli.bench import add_bench_parser
 from flexsarathi.cli.engine_args import add_compute_args, add_dtype_arg
 from flexsarathi.cli.generate import add_generate_parser
+from flexsarathi.cli.inspect_model import add_inspect_parser
 from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
 from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_policy_parser(sub)
     add_generate_parser(sub)
     add_bench_parser(sub)
+    add_inspect_parser(sub)
     return parser
 
 

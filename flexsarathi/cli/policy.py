@@ -7,6 +7,7 @@ A thin layer over `policy_search` (the planner); registered by flexsarathi/cli/m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from flexsarathi.cli.engine_args import add_dtype_arg
@@ -60,12 +61,22 @@ def _specs(args) -> tuple[ModelSpec, HardwareSpec, Workload]:
     hardware = hardware.with_memory(**{tier: None if value is None else value * GiB for tier, value in (
         ("gpu", args.gpu_mem), ("cpu", args.cpu_mem), ("disk", args.disk_mem))})
     model = ModelSpec.from_name(args.model, bytes_per_value=_bytes_per_value(args.dtype, hardware))
+    stored = checkpoint_format(args.model)  # a pre-quantized checkpoint is stored as it is: priced so
+    if stored is not None:
+        model = dataclasses.replace(model, weight_format=stored)
     if args.workload:
         workload = Workload.from_file(args.workload, num_requests=args.num_requests)
     else:
         workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len,
                             num_requests=args.num_requests)
     return model, hardware, workload
+
+
+def checkpoint_format(model: str):
+    """A pre-quantized checkpoint's own weight format, None for other models."""
+    from flexsarathi.models.quantized_checkpoint import prequantized_weight_format
+
+    return prequantized_weight_format(model)
 
 
 def _bytes_per_value(dtype, hardware: HardwareSpec) -> int:
@@ -101,6 +112,8 @@ def run_policy(args) -> int:
                 ("routed_expert_reads", args.routed_expert_reads), ("cpu_experts", args.cpu_experts),
                 ("gpu_batch_size", args.gpu_batch_size), ("num_gpu_batches", args.num_gpu_batches))
                 if value is not None}
+            if checkpoint_format(args.model) is not None:
+                constraints.setdefault("compress_weight", True)  # its codes are stored as they are
             result = search_detailed(model, hardware, workload, **constraints)
             policy, est = result.policy, result.estimate
             print(format_report(policy, est, model, hardware, workload))

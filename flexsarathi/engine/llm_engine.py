@@ -146,6 +146,19 @@ class EngineConfig:
     dummy_weight_codes: bool = False
 
 
+def _formats_key(quant, dtype: torch.dtype, device: torch.device) -> str:
+    """The weight formats' part of the store key (one format: as before per-tensor formats existed)."""
+    def one(q: QuantConfig | None) -> str:
+        if q is None:
+            return "plain"
+        wide = ("m32" if q.minimum_fp32 else "") + ("p" if q.adjacent_pairs else "")
+        return f"q{q.bits}g{q.group_size}d{q.group_dim}{wide}|{weight_layout_tag(dtype, device, q)}"
+
+    if quant is None or isinstance(quant, QuantConfig):
+        return one(quant)
+    return ";".join(f"{name}={one(q)}" for name, q in sorted(quant.items()))
+
+
 class LLMEngine:
     """Owns the placed weights, the KV pools and ONE scheduler (with its block manager) for its
     lifetime; `add_requests` queues a batch, `step` runs one pass of it."""
@@ -198,11 +211,12 @@ class LLMEngine:
             raise FlexSarathiError(f"weight_quant must group along the input dimension (group_dim=-1): "
                                    f"placement streams row ranges; got {e.weight_quant}")
         quant = e.weight_quant if p.compress_weight else None
+        # A pre-quantized checkpoint's codes are stored in its own formats, whatever the policy says.
+        quant = self.source.quantized_formats() or quant
         # The store format version is part of the key: a store written by an engine with another
         # layout (e.g. a different 4-bit packing) has different, equally checksummed bytes.
         store_key = f"fmt{STORE_FORMAT}|{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
-            f"q{quant.bits}g{quant.group_size}d{quant.group_dim}|{weight_layout_tag(self.dtype, self.device, quant)}"
-            if quant else "plain")
+            _formats_key(quant, self.dtype, self.device))
         return TieredWeights(
             num_layers=self.config.num_layers, layer_shapes=self.model.layer_shapes(),
             read_globals=lambda: self.source.global_weights(self.dtype),

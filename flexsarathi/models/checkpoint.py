@@ -43,6 +43,12 @@ class WeightSource(ABC):
     @abstractmethod
     def layer_weights(self, layer: int, dtype: torch.dtype) -> Weights: ...
 
+    def quantized_formats(self) -> dict[str, QuantConfig | None] | None:
+        """A pre-quantized source: canonical 2-D layer weight -> the QuantConfig its QTensors come in
+        (None: the compute dtype), stored by the engine as they are (flexsarathi/models/prequantized.py).
+        None: full-precision weights, quantized by the engine with its own format when asked to."""
+        return None
+
 
 def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSource:
     """`model` is a checkpoint folder or `dummy:<name>` (see policy_search.model_registry; a `.gguf`
@@ -52,6 +58,10 @@ def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSo
         return DummyWeights(model[len(DUMMY_PREFIX):], codes=codes)
     if codes is not None:
         raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
+    from flexsarathi.models.quantized_checkpoint import QuantizedCheckpoint, read_quantization_config
+
+    if read_quantization_config(model) is not None:  # GPTQ, AWQ, compressed-tensors
+        return QuantizedCheckpoint(model)
     return SafetensorsCheckpoint(model)
 
 

@@ -1,0 +1,91 @@
+"""`flexsarathi inspect --model PATH`: what a checkpoint is, in a few lines: its format, the
+quantization of each layer tensor kind, its bytes, and what the engine will store.
+
+Any weight source works (open_weight_source): a source that describes itself (`describe()` ->
+flexsarathi/models/prequantized.SourceDescription: pre-quantized HF folders, and GGUF files once
+their reader implements it) is printed as it says; other sources (full-precision safetensors,
+dummy:<name>) get a description from their shapes and dtype. Reads headers only (and GPTQ's small
+g_idx tensors), never the weights.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from flexsarathi.cli.engine_args import add_dtype_arg
+from flexsarathi.models.prequantized import SourceDescription, TensorKind, describe_config
+from policy_search.units import fmt_bytes
+
+
+def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("inspect", help="what a checkpoint is: format, quantization, bytes, what is stored",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint folder or dummy:<name>")
+    add_dtype_arg(p)
+    p.set_defaults(func=run_inspect)
+    return p
+
+
+def run_inspect(args) -> int:
+    from flexsarathi.models.checkpoint import open_weight_source
+    from flexsarathi.machine.dtype_choice import is_auto
+    from flexsarathi.models.model_config import parse_dtype
+
+    source = open_weight_source(args.model)
+    dtype = torch.float16 if is_auto(args.dtype) else parse_dtype(args.dtype, "--dtype")
+    for line in inspect_lines(args.model, source, dtype):
+        print(line)
+    return 0
+
+
+def describe_source(source) -> SourceDescription:
+    """The source's own description, or one built from its shapes and checkpoint dtype."""
+    describe = getattr(source, "describe", None)
+    if describe is not None:
+        return describe()
+    folder = getattr(source, "folder", None)
+    files = None
+    if folder is not None:
+        files = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    dtype = str(source.config.checkpoint_dtype).removeprefix("torch.")
+    codes = getattr(source, "codes", None)  # dummy weights drawn as codes
+    kinds = tuple(TensorKind(name, f"{codes.bits}-bit codes drawn" if codes else dtype, None,
+                             "quantized by the engine when the policy compresses weights")
+                  for name, shape in source.math.layer_shapes().items() if len(shape) == 2)
+    fmt = "dummy" if folder is None else "safetensors"
+    return SourceDescription(fmt, f"{dtype}, full precision", kinds, files)
+
+
+def inspect_lines(model: str, source, dtype: torch.dtype) -> list[str]:
+    from offload.placement import WeightPlan
+
+    c, d = source.config, describe_source(source)
+    formats = source.quantized_formats()
+    files = f" ({fmt_bytes(d.file_bytes)} of files)" if d.file_bytes is not None else ""
+    lines = [f"model: {model}: {c.model_type}, {c.num_layers} layers, hidden {c.hidden_size}, "
+             f"{c.num_heads} heads ({c.num_kv_heads} KV), vocab {c.vocab_size}",
+             f"format: {d.format}: {d.detail}{files}"]
+    shapes = source.math.layer_shapes()
+    for kind in d.kinds:
+        stored = describe_config(kind.stored) if kind.stored else str(dtype).removeprefix("torch.")
+        lines.append(f"  {kind.name} {list(shapes[kind.name])}: {kind.source_type} -> {stored} ({kind.conversion})")
+    plan = WeightPlan.make(num_layers=c.num_layers, layer_shapes=shapes, dtype=dtype, quant=formats,
+                           fractions=(1.0, 0.0, 0.0), overlap=False, prefetch=1)
+    layer = sum(p.shape[0] * p.row_bytes for p in plan.tensors)
+    values = sum(p.shape[0] * p.shape[1] for p in plan.tensors)
+    globals_bytes = sum(torch.Size(s).numel() for s in source.math.global_shapes().values()) * dtype.itemsize
+    lines.append(f"engine stores: layer weights {fmt_bytes(layer * c.num_layers)} ({8 * layer / values:.2f} bits "
+                 f"per weight; {fmt_bytes(layer)} streamed per layer and pass when offloaded), norms and biases "
+                 f"{fmt_bytes(plan.small_bytes)}, embeddings and head {fmt_bytes(globals_bytes)} "
+                 f"({str(dtype).removeprefix('torch.')})")
+    if formats is None:  # the engine quantizes full-precision weights itself when asked to
+        from flexsarathi.engine.llm_engine import WEIGHT_QUANT
+
+        packed = WeightPlan.make(num_layers=c.num_layers, layer_shapes=shapes, dtype=dtype, quant=WEIGHT_QUANT,
+                                 fractions=(1.0, 0.0, 0.0), overlap=False, prefetch=1)
+        compressed = sum(p.shape[0] * p.row_bytes for p in packed.tensors)
+        lines.append(f"  with compress_weight: {fmt_bytes(compressed * c.num_layers)} "
+                     f"({describe_config(WEIGHT_QUANT)}, quantized once at placement)")
+    return lines

@@ -1,0 +1,230 @@
+"""`QuantizedCheckpoint`: an HF safetensors folder whose config.json has a `quantization_config`
+(GPTQ, AWQ GEMM, compressed-tensors pack-quantized), read as a pre-quantized weight source.
+
+Each layer weight comes out as a QTensor of the engine's format holding the checkpoint's own codes
+(flexsarathi/models/prequantized.py): scale fp16, minimum `-scale * zero` (fp32 for asymmetric
+formats, where fp16 would round it), groups of the checkpoint's size (channel-wise: one group per
+row). Act-order GPTQ (a `g_idx` that is not column // group) mixes groups inside a contiguous run of
+columns, which the engine's format cannot hold: those weights are dequantized exactly and quantized
+once by the engine's min-max quantizer, the error measured and printed. Weights the checkpoint does
+not quantize (embeddings, norms, an ignored lm_head) stay as they are; a quantized lm_head is
+dequantized (it is read with the embeddings, which are never streamed).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import SafetensorError
+
+from flexsarathi.models.checkpoint import SafetensorsCheckpoint
+from flexsarathi.errors import CheckpointError
+from flexsarathi.models.prequantized import (ConversionLog, SourceDescription, TensorKind, codes_to_qtensor,
+                                             concat_rows, reference_values, requantize)
+from flexsarathi.models.safetensors_pread import PreadReader
+from flexsarathi.models.quantized_formats import TENSORS, ModuleCodes, QuantMethod, Scheme, packed_shape, \
+    parse_quantization_config
+from policy_search.quant_format import WeightFormat
+from quant import QuantConfig
+
+
+def read_quantization_config(folder: str) -> dict | None:
+    """config.json's `quantization_config`, or None when it has none (or cannot be read: the
+    full-precision loader reports that)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return config.get("quantization_config") if isinstance(config, dict) else None
+
+
+class QuantizedCheckpoint(SafetensorsCheckpoint):
+    def __init__(self, folder: str):
+        where = os.path.join(folder, "config.json")
+        self.method: QuantMethod = parse_quantization_config(read_quantization_config(folder), where)
+        self._reader = PreadReader()  # tensors read into fresh memory, not mapped (RSS: one layer)
+        super().__init__(folder)  # indexes the files, then _validate_shapes (below)
+        self.formats, self.act_order = self._kind_formats()
+        self.log = ConversionLog(self.config.num_layers, f"{self.method.name} checkpoint {folder}")
+
+    # ---- the pre-quantized source interface (flexsarathi/models/prequantized.py) ---------------
+    def quantized_formats(self) -> dict[str, QuantConfig | None]:
+        return dict(self.formats)
+
+    def describe(self) -> SourceDescription:
+        kinds = []
+        for name, config in self.formats.items():
+            scheme = self._scheme(self.math.hf_layer_names(0)[name][0])
+            source = f"{scheme.describe()} ({self.method.name})" if scheme else str(self.config.checkpoint_dtype)
+            how = ("requantized once at placement (act-order g_idx), error measured" if name in self.act_order
+                   else "codes kept exactly" if config else "as is")
+            kinds.append(TensorKind(name, source, config, how))
+        files = {path for path in self._file_of.values()}
+        return SourceDescription(self.method.name, self.method.detail, tuple(kinds),
+                                 sum(os.path.getsize(p) for p in files))
+
+    # ---- modules ---------------------------------------------------------------------------
+    def _scheme(self, hf_name: str) -> Scheme | None:
+        """The scheme of the module a `<module>.weight` name belongs to, None when it is stored in
+        floats (no packed codes in the files)."""
+        module = hf_name.removesuffix(".weight")
+        if hf_name == module:
+            return None  # a bias
+        packed = TENSORS[self.method.name][0][0]
+        if f"{module}.{packed}" not in self._file_of and f"{module}.{packed}".removeprefix("model.") not in self._file_of:
+            return None
+        scheme = self.method.scheme_for(module)
+        if scheme is None:
+            raise CheckpointError(f"{self.folder}: {module} has packed weights but no scheme of the "
+                                  f"quantization_config applies to it")
+        return scheme
+
+    def _module_tensors(self, module: str, shapes_only: bool = False) -> dict:
+        required, optional, _ = TENSORS[self.method.name]
+        out = {}
+        for suffix in required + optional:
+            name = f"{module}.{suffix}"
+            if suffix in optional and name not in self._file_of and name.removeprefix("model.") not in self._file_of:
+                continue
+            name = self._resolve(name)
+            handle = self._open(self._file_of[name])
+            try:
+                out[suffix] = (tuple(handle.get_slice(name).get_shape()) if shapes_only
+                               else self._reader.get(self._file_of[name], name))
+            except (SafetensorError, RuntimeError, OSError) as exc:
+                raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: {exc}") from None
+        return out
+
+    def _codes(self, hf_name: str, scheme: Scheme) -> ModuleCodes:
+        module = hf_name.removesuffix(".weight")
+        return TENSORS[self.method.name][2](self._module_tensors(module), scheme)
+
+    def _validate_shapes(self) -> None:
+        """Every weight's [out, in] from the headers (packed or not) against config.json."""
+        groups = [(self.math.hf_global_names(), self.math.global_shapes())]
+        groups += [(self.math.hf_layer_names(i), self.math.layer_shapes()) for i in range(self.config.num_layers)]
+        for names, shapes in groups:
+            for canonical, parts in names.items():
+                want = list(shapes[canonical])
+                rows = 0
+                for hf_name in parts:
+                    shape = self._part_shape(hf_name)
+                    if len(shape) != len(want) or list(shape[1:]) != want[1:]:
+                        raise CheckpointError(f"{self.folder}: {hf_name} has shape {list(shape)}, which does "
+                                              f"not match config.json ([rows, {', '.join(map(str, want[1:]))}] "
+                                              f"for {canonical} {want})")
+                    rows += shape[0]
+                if rows != want[0]:
+                    raise CheckpointError(f"{', '.join(parts)} in {self.folder} have {rows} rows in total, but "
+                                          f"config.json implies {want[0]} ({canonical})")
+
+    def _part_shape(self, hf_name: str) -> tuple[int, ...]:
+        scheme = self._scheme(hf_name)
+        if scheme is None:
+            name = self._resolve(hf_name)
+            return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
+        module = hf_name.removesuffix(".weight")
+        out_features, in_features = packed_shape(self.method.name, self._module_tensors(module, True), scheme.bits)
+        if self.method.name == "compressed-tensors":  # the packed width is rounded up to whole words
+            out_features, in_features = (int(v) for v in self._module_tensors(module)["weight_shape"].tolist())
+        return out_features, in_features
+
+    # ---- formats per tensor kind --------------------------------------------------------------
+    def _kind_formats(self) -> tuple[dict[str, QuantConfig | None], set[str]]:
+        """Per canonical 2-D layer weight: the engine format every layer's copy is stored in (one
+        scheme across its parts and layers), and the kinds whose act-order needs a conversion."""
+        formats, act_order = {}, set()
+        for name, shape in self.math.layer_shapes().items():
+            if len(shape) != 2:
+                continue
+            seen = {self._scheme(hf) for i in range(self.config.num_layers) for hf in self.math.hf_layer_names(i)[name]}
+            if len(seen) != 1:
+                raise CheckpointError(f"{self.folder}: the parts of {name} are stored in different formats "
+                                      f"({', '.join(s.describe() if s else 'floats' for s in seen)}); one "
+                                      "format per tensor kind is supported")
+            scheme = seen.pop()
+            if scheme is None:
+                formats[name] = None
+                continue
+            group = shape[1] if scheme.group_size <= 0 else scheme.group_size
+            if shape[1] % group:
+                raise CheckpointError(f"{self.folder}: {name} has {shape[1]} input features, not a multiple of "
+                                      f"the group size {group}")
+            if any(self._has_act_order(hf, group) for i in range(self.config.num_layers)
+                   for hf in self.math.hf_layer_names(i)[name]):
+                act_order.add(name)
+            exact_min = scheme.symmetric or name in act_order  # requantized groups: fp16 min-max
+            pairs = scheme.bits == 4 and name not in act_order  # codes kept as the checkpoint's bytes
+            formats[name] = QuantConfig(bits=scheme.bits, group_size=group, minimum_fp32=not exact_min,
+                                        adjacent_pairs=pairs)
+        return formats, act_order
+
+    def _has_act_order(self, hf_name: str, group: int) -> bool:
+        module = hf_name.removesuffix(".weight")
+        optional = TENSORS[self.method.name][1]
+        key = next((f"{module}.{s}" for s in optional if s.endswith("g_idx")), None)
+        if key is None or (key not in self._file_of and key.removeprefix("model.") not in self._file_of):
+            return False
+        name = self._resolve(key)
+        g_idx = self._reader.get(self._file_of[name], name)
+        return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group)
+
+    # ---- reading ---------------------------------------------------------------------------
+    def _read(self, names: dict[str, list[str]], dtype: torch.dtype):
+        out, plain = {}, {}
+        for canonical, parts in names.items():
+            config = self.formats.get(canonical)
+            if config is not None:
+                out[canonical] = self._read_quantized(canonical, parts, config, dtype)
+            elif any(self._scheme(hf) for hf in parts):  # a quantized global (lm_head): dequantized
+                out[canonical] = torch.cat([self._dequantized(hf, dtype) for hf in parts])
+            else:
+                plain[canonical] = parts
+        for canonical, parts in plain.items():
+            names = [self._resolve(hf_name) for hf_name in parts]
+            tensors = [self._reader.get(self._file_of[name], name).to(dtype) for name in names]
+            out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        return out
+
+    def _read_quantized(self, canonical: str, parts: list[str], config: QuantConfig, dtype: torch.dtype):
+        pieces = []
+        for hf_name in parts:
+            m = self._codes(hf_name, self._scheme(hf_name))
+            if canonical in self.act_order:
+                q, error = requantize(reference_values(m.unpacked(), m.scale, m.zero, m.g_idx), config, dtype)
+                how = f"requantized from act-order groups to {config.bits}-bit groups of {config.group_size}"
+            else:
+                q, error = codes_to_qtensor(m.codes, m.scale, m.zero, config, dtype, packed=m.pairs)
+                how = "codes kept, scale or minimum rounded to the stored dtype"
+            self.log.record(canonical, error, how)
+            pieces.append(q)
+        return concat_rows(pieces)
+
+    def _dequantized(self, hf_name: str, dtype: torch.dtype) -> torch.Tensor:
+        m = self._codes(hf_name, self._scheme(hf_name))
+        return reference_values(m.unpacked(), m.scale, m.zero, m.g_idx).to(dtype)
+
+    def layer_weights(self, layer, dtype):
+        weights = super().layer_weights(layer, dtype)
+        self.log.layer_done(layer)
+        return weights
+
+
+def prequantized_weight_format(model: str) -> WeightFormat | None:
+    """The format the planner prices for a pre-quantized checkpoint (any source whose
+    `quantized_formats()` is a dict: an HF folder with a quantization_config, a GGUF file once its
+    reader implements it): that of its largest quantized tensor kind (channel-wise: one group per
+    row of that kind); None for any other model (full precision, dummy:<name>, a registered name)."""
+    if not os.path.exists(model) or (os.path.isdir(model) and read_quantization_config(model) is None):
+        return None
+    from flexsarathi.models.checkpoint import open_weight_source
+
+    source = open_weight_source(model)
+    formats, shapes = source.quantized_formats() or {}, source.math.layer_shapes()
+    quantized = [(shapes[n][0] * shapes[n][1], c) for n, c in formats.items() if c is not None]
+    if not quantized:
+        return None
+    config = max(quantized, key=lambda pair: pair[0])[1]
+    return WeightFormat(config.bits, config.group_size, config.minimum_bytes)
