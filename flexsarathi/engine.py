@@ -116,14 +116,32 @@ def resolve_device(device, check_available: bool = True) -> torch.device:
 
 
 def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Explicit dtype wins; else (None or "auto") fp16/bf16 on a GPU (as the checkpoint, fp16 for
-    fp32 ones) and on the CPU the dtype this machine computes fastest, fp32 unless a half dtype is
-    clearly faster (measured once per machine and cached: flexsarathi/dtype_choice.py)."""
+    """Explicit dtype wins; else (None or "auto") a half dtype on a GPU (gpu_auto_dtype) and on the
+    CPU the dtype this machine computes fastest, fp32 unless a half dtype is clearly faster
+    (measured once per machine and cached: flexsarathi/dtype_choice.py)."""
     if not is_auto(dtype):
         return parse_dtype(dtype, "LLM(dtype=...)")
     if device.type == "cuda":
-        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float16
+        return gpu_auto_dtype(checkpoint_dtype, cuda_capability(device))
     return cpu_compute_dtype()
+
+
+def gpu_auto_dtype(checkpoint_dtype: torch.dtype, capability: tuple[int, int] | None) -> torch.dtype:
+    """The checkpoint's half dtype (fp16 for fp32 ones), except bf16 below sm_80: a T4 (sm_75) has
+    no bf16 tensor cores (torch emulates it slowly) and Triton's bf16 `tl.dot` does not compile
+    there. capability None (unknown: a Ray driver planning for GPUs it does not have) keeps the
+    checkpoint's dtype; pass dtype="float16" for a cluster of older GPUs."""
+    if checkpoint_dtype == torch.bfloat16 and (capability is None or tuple(capability) >= (8, 0)):
+        return torch.bfloat16
+    return torch.float16
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of `device`, None where this process cannot see it."""
+    index = device.index if device.index is not None else 0
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 @dataclass(frozen=True)
@@ -202,7 +220,8 @@ class LLMEngine:
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
             tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch,
             pin_memory=p.pin_weight and self.device.type == "cuda",
-            disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io))
+            disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io,
+                                         pin_memory=self.device.type == "cuda"))
 
     def _offload_folder(self) -> str:
         try:
