@@ -28,7 +28,7 @@ from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
 from offload.kv_cache import KVCompression, KVPool
-from offload.memory import MemoryTracker, TierBudget
+from offload.memory import MemoryTracker, TierBudget, dequant_scratch_bytes
 from offload.placement import weight_layout_tag
 from offload.tiered_weights import TieredWeights
 from policy_search.policy import TIERS, Policy
@@ -184,10 +184,13 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(e.model, self.config)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
-        self.memory = MemoryTracker(e.budget)
+        self.memory = MemoryTracker(e.budget, self.device)
         self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
                                              value_group=e.kv_value_group) if p.compress_kv else None)
         self.weights = self._place_weights()
+        if self.device.type == "cuda" and p.compress_weight:  # quant/fused.py's one dequantized weight
+            self.memory.reserve("gpu", dequant_scratch_bytes(self.math.layer_shapes(), self.dtype.itemsize),
+                                "dequantize scratch")
         self.kv_pools: dict[str, KVPool] = {}
         cuda = self.device.type == "cuda"
         self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,
@@ -408,6 +411,8 @@ class LLMEngine:
         for (_, spans), mb_logits in zip(built, logits):
             mb_logits = mb_logits.cpu()
             outputs += [(span.item, mb_logits[span.offset:span.offset + span.count]) for span in spans]
+        for pool in self.kv_pools.values():  # CUDA's deferred inf/NaN check, after the sync above
+            pool.check_finite()
         return outputs
 
     def _pass_working_bytes(self, batches) -> int:
