@@ -95,8 +95,10 @@ class ModelSpec:
 
     @property
     def largest_matrix_params(self) -> int:
-        """The biggest single matrix: what one dequantization buffer must hold."""
-        return self.hidden_size * max(self.ffn_size, self.q_dim)
+        """The biggest single matrix as the engine fuses them (q/k/v one matrix; a gated MLP's gate
+        and up one [2 * ffn, hidden] matrix): what one dequantization buffer must hold."""
+        ffn_out = (2 if self.ffn_kind == "gated" else 1) * self.ffn_size
+        return self.hidden_size * max(ffn_out, self.q_dim + 2 * self.kv_dim)
 
     @property
     def matmul_flops_per_token(self) -> int:

@@ -50,14 +50,12 @@ def test_the_dequantize_scratch_is_the_largest_weight_as_the_engine_fuses_it():
     config, math = _math("opt-30b")
     shapes = math.layer_shapes()
     assert dequant_scratch_bytes(shapes, 2) == 28672 * 7168 * 2  # fc1 [ffn, hidden]
-    # the planner prices the same matrix for OPT
+    # the planner prices the same matrix
     assert dequant_scratch_bytes(shapes, 2) == ModelSpec.from_hf(config, "opt-30b", 2).largest_matrix_params * 2
     config, math = _math("llama-2-70b")
-    # LLaMA's gate and up are one fused [2 * ffn, hidden] weight: twice the planner's
-    # largest_matrix_params (ffn x hidden), which therefore under-prices it (docs/GPU.md).
+    # LLaMA's gate and up are one fused [2 * ffn, hidden] weight, and the planner prices that one.
     assert dequant_scratch_bytes(math.layer_shapes(), 2) == 2 * 28672 * 8192 * 2
-    assert ModelSpec.from_hf(config, "llama-2-70b", 2).largest_matrix_params == 28672 * 8192
-
+    assert ModelSpec.from_hf(config, "llama-2-70b", 2).largest_matrix_params == 2 * 28672 * 8192
 
 def test_rope_inv_freq_is_made_once_per_device():
     _, math = _math("llama-2-7b")
