@@ -138,10 +138,10 @@ def gpu_auto_dtype(checkpoint_dtype: torch.dtype, capability: tuple[int, int] | 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) of `device`, None where this process cannot see it."""
-    index = device.index if device.index is not None else 0
-    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+    if not torch.cuda.is_available():
         return None
-    return tuple(torch.cuda.get_device_capability(index))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(index)) if index < torch.cuda.device_count() else None
 
 
 @dataclass(frozen=True)

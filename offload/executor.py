@@ -28,7 +28,7 @@ from offload.activations import ActivationStore
 from offload.batch import AttentionGroup, MicroBatch, host_of
 from offload.host_malloc import keep_freed_host_memory
 from offload.kv_cache import KVPool
-from offload.streams import IOStream, bind_thread, device_guard, record_event, to_host, used_on, wait_for
+from offload.streams import IOStream, bind_thread, device_guard, indexed, record_event, to_host, used_on, wait_for
 from offload.weights import LayerWeightStore
 
 CPU = torch.device("cpu")
@@ -42,7 +42,7 @@ class PassExecutor:
         self.device, self.dtype = torch.device(device), dtype
         self.cpu_attention = cpu_attention
         self._io = (ThreadPoolExecutor(1, thread_name_prefix="kv-act-io", initializer=bind_thread,
-                                       initargs=(self.device,)) if overlap else None)
+                                       initargs=(indexed(self.device),)) if overlap else None)
         # CUDA: the I/O thread's copies run on their own stream, ordered by events (offload/streams.py).
         self._io_stream = IOStream(self.device if overlap else CPU)
 

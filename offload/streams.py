@@ -19,9 +19,17 @@ import torch
 
 
 def bind_thread(device: torch.device) -> None:
-    """ThreadPoolExecutor initializer: this thread's current CUDA device is the engine's."""
+    """ThreadPoolExecutor initializer: this thread's current CUDA device is the engine's. Pass
+    `indexed(device)`, made on the engine's thread: a bare "cuda" means that thread's device."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index)
+
+
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index made explicit ("cuda" -> "cuda:<this thread's current device>")."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def device_guard(device: torch.device):

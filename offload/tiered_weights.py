@@ -18,7 +18,7 @@ from offload.host_buffer import aligned_empty, pinned_empty
 from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, store_key
 from offload.placement import WeightPlan, Weights, assemble
-from offload.streams import bind_thread
+from offload.streams import bind_thread, indexed
 from quant import QuantConfig
 
 
@@ -49,7 +49,7 @@ class TieredWeights:
             tracker.reserve("cpu", self.plan.num_slots * sum(p.bytes_on("disk") for p in self.plan.streamed),
                             "weight staging (pinned)")
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch", initializer=bind_thread,
-                                         initargs=(self.device,)) if overlap else None)
+                                         initargs=(indexed(self.device),)) if overlap else None)
         self._stream = torch.cuda.Stream(self.device) if self.cuda and overlap else None
         self._pending: dict[int, tuple[int, Future | None]] = {}  # layer -> (slot, its load)
         self._in_use: dict[int, int] = {}  # layer -> slot, from get() to release()

@@ -11,7 +11,7 @@ import torch
 from offload.batch import POOL_INDEX_FIELDS, AttentionGroup, KVPart, KVWrite, MicroBatch, host_of
 from offload.disk_store import DiskStore
 from offload.memory import MemoryTracker
-from offload.streams import IOStream, record_event, to_host, used_on
+from offload.streams import IOStream, indexed, record_event, to_host, used_on
 from quant import QuantConfig, dequantize, quantize
 
 META = torch.device("meta")  # a device that is not the CPU, with no data: where tensors went shows
@@ -66,7 +66,7 @@ def test_a_disk_store_pins_only_when_told(tmp_path):
 def test_stream_helpers_are_inert_on_the_cpu():
     t = torch.arange(4)
     assert to_host(t) is t
-    assert record_event(torch.device("cpu")) is None
+    assert record_event(torch.device("cpu")) is None and indexed(torch.device("cpu")) == torch.device("cpu")
     used_on([t, None], None)
     assert IOStream(torch.device("cpu")).run(None, lambda a, b: a + b, 2, 3) == (5, None)
 
