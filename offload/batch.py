@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from offload.streams import to_device
+
 # Fields that index a pool: they stay the batch builder's host tensors, and each pool moves them to
 # its own device (no-op for the cpu and disk tiers). Moving them to the GPU with the rest made
 # every host-tier gather and store copy them back first: a sync behind all queued compute.
@@ -17,7 +19,7 @@ POOL_INDEX_FIELDS = frozenset({"kv_slots", "residual_ids", "complete_len", "slot
 
 
 def _move(obj, device: torch.device):
-    changes = {f.name: getattr(obj, f.name).to(device, non_blocking=True) for f in fields(obj)
+    changes = {f.name: to_device(getattr(obj, f.name), device) for f in fields(obj)
                if f.name not in POOL_INDEX_FIELDS and isinstance(getattr(obj, f.name), torch.Tensor)}
     return replace(obj, **changes, host=host_of(obj))
 
@@ -96,5 +98,5 @@ class MicroBatch:
         """On `device` for compute; pool indices stay on the host (POOL_INDEX_FIELDS), and every
         moved group, part and write keeps its host original (host_of)."""
         groups = [replace(_move(g, device), parts=[_move(p, device) for p in g.parts]) for g in self.groups]
-        return MicroBatch(self.token_ids.to(device), self.positions.to(device), groups,
-                          [_move(w, device) for w in self.kv_writes], self.logit_rows.to(device))
+        return MicroBatch(to_device(self.token_ids, device), to_device(self.positions, device), groups,
+                          [_move(w, device) for w in self.kv_writes], to_device(self.logit_rows, device))

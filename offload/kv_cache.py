@@ -29,7 +29,7 @@ import torch
 
 from offload.batch import AttentionGroup, KVPart, host_of
 from offload.host_buffer import tier_zeros
-from offload.streams import to_host
+from offload.streams import to_device, to_host
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, dequantize, quantize
 
@@ -169,12 +169,12 @@ class KVPool:
         if self.device.type == "cpu":
             k, v = to_host(k), to_host(v)
         if self.compression is None:
-            slots = slots.to(self.device, non_blocking=True)
+            slots = to_device(slots, self.device)
             self.k[layer].index_copy_(0, slots, k.to(self.device, self.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.device, self.dtype))
             return
         q = quantize(v, self.v_config, nonfinite=self._flag(v.device))
-        dev_slots = slots.to(self.device, non_blocking=True)
+        dev_slots = to_device(slots, self.device)
         for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
             self.v_codes[name][layer].index_copy_(0, dev_slots, part.view(v.shape[0], -1).to(self.device))
         self._store_keys(layer, slots.cpu(), residual_ids.cpu(), k.to(self.device, self.dtype))
@@ -192,16 +192,16 @@ class KVPool:
             done_blocks = blocks[done]
             in_done = torch.isin(blocks, done_blocks)
             which = (blocks[in_done][:, None] == done_blocks[None, :]).int().argmax(dim=1)
-            full = residual[rows[done].to(dev, non_blocking=True)].clone()  # [nb, bs, kvh, d]
-            full[which.to(dev, non_blocking=True), offsets[in_done].to(dev, non_blocking=True)] = \
-                k[in_done.nonzero().squeeze(1).to(dev, non_blocking=True)]
+            full = residual[to_device(rows[done], dev)].clone()  # [nb, bs, kvh, d]
+            full[to_device(which, dev), to_device(offsets[in_done], dev)] = \
+                k[to_device(in_done.nonzero().squeeze(1), dev)]
             q = quantize(full.permute(0, 2, 3, 1), self.k_config, nonfinite=self._flag(dev))  # groups: bs tokens of one channel
             for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
-                self.k_codes[name][layer].index_copy_(0, done_blocks.to(dev, non_blocking=True),
+                self.k_codes[name][layer].index_copy_(0, to_device(done_blocks, dev),
                                                       part.view(done_blocks.shape[0], -1))
         keep = (~in_done).nonzero().squeeze(1)
-        residual[rows[keep].to(dev, non_blocking=True), offsets[keep].to(dev, non_blocking=True)] = \
-            k[keep.to(dev, non_blocking=True)]
+        residual[to_device(rows[keep], dev), to_device(offsets[keep], dev)] = \
+            k[to_device(keep, dev)]
 
     def gather(self, layer: int, slots: torch.Tensor, device: torch.device,
                residual_ids: torch.Tensor | None = None,
@@ -211,7 +211,7 @@ class KVPool:
         pools, the first complete_len[b] positions come from quantized blocks, the rest from the
         sequence's residual block. Host pools gather into pinned memory when `device` is CUDA, so
         the copy up is an asynchronous DMA."""
-        slots = slots.to(self.device, non_blocking=True)  # the batch builder's host tensor: a no-op here
+        slots = to_device(slots, self.device)  # the batch builder's host tensor: a no-op here
         if self.compression is None:
             # index_select, not advanced indexing: 4x faster on the CPU for this shape
             flat = slots.reshape(-1)
@@ -235,7 +235,7 @@ class KVPool:
         kvh, d, bs = self.kv_heads, self.head_dim, self.block_size
         num_blocks, full = -(-length // bs), length // bs
         blocks = slots[:, ::bs] // bs  # [B, nb]
-        parts = {n: t[layer][blocks].reshape(-1).to(device, non_blocking=True) for n, t in self.k_codes.items()}
+        parts = {n: to_device(t[layer][blocks].reshape(-1), device) for n, t in self.k_codes.items()}
         by_block = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                       shape=(batch * num_blocks, kvh, d, bs), dtype=self.dtype, config=self.k_config))
         by_block = by_block.view(batch, num_blocks, kvh, d, bs).permute(0, 1, 4, 2, 3)  # [B, nb, bs, kvh, d]
@@ -246,7 +246,7 @@ class KVPool:
             k[:, full * bs:].copy_(by_block[:, full, :length - full * bs])
         del by_block
         self._fill_open_blocks(k, layer, residual_ids, complete_len)
-        parts = {n: t[layer][slots].reshape(-1).to(device, non_blocking=True) for n, t in self.v_codes.items()}
+        parts = {n: to_device(t[layer][slots].reshape(-1), device) for n, t in self.v_codes.items()}
         v = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                shape=(batch * length, kvh, d), dtype=self.dtype, config=self.v_config))
         return k, v.view(batch, length, kvh, d)
@@ -260,8 +260,8 @@ class KVPool:
         # batch builder's host tensor): on CUDA, nonzero() would be a sync.
         seq, pos = (torch.arange(length)[None, :] >= complete_len.cpu()[:, None]).nonzero(as_tuple=True)
         if seq.numel():
-            residual = self.k_residual[layer][residual_ids.to(self.device, non_blocking=True)].to(device, non_blocking=True)
-            seq, pos = seq.to(device, non_blocking=True), pos.to(device, non_blocking=True)
+            residual = to_device(self.k_residual[layer][to_device(residual_ids, self.device)], device)
+            seq, pos = to_device(seq, device), to_device(pos, device)
             k[seq, pos] = residual[seq, pos % self.block_size]
 
     # ---- what a group's queries attend ---------------------------------------------------------

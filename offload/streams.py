@@ -61,6 +61,14 @@ def used_on(tensors, stream: torch.cuda.Stream | None) -> None:
             t.record_stream(stream)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`, without waiting. A pageable host tensor goes up from a pinned copy (from
+    pageable memory the driver may wait for the stream before it stages the bytes)."""
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t` on the CPU. From CUDA: a non-blocking copy into pinned memory, then a wait on an event
     recorded after it (only this copy and what precedes it on the current stream are waited for)."""
