@@ -28,7 +28,8 @@ from offload.activations import ActivationStore
 from offload.batch import AttentionGroup, MicroBatch, host_of
 from offload.host_malloc import keep_freed_host_memory
 from offload.kv_cache import KVPool
-from offload.streams import IOStream, bind_thread, device_guard, indexed, record_event, to_host, used_on, wait_for
+from offload.streams import (IOStream, bind_thread, device_guard, indexed, record_event, to_device, to_host,
+                             used_on, wait_for)
 from offload.weights import LayerWeightStore
 
 CPU = torch.device("cpu")
@@ -174,7 +175,7 @@ class PassExecutor:
         meta_group, meta_part = (host_of(group), host_of(part)) if dev.type == "cpu" else (group, part)
         out, lse = self.math.attend(q_on[dev], keys, values, meta_group.q_pos, meta_part.kv_len,
                                     meta_part.kv_start, key_rule)
-        return out.to(self.device, non_blocking=True), lse.to(self.device, non_blocking=True)
+        return to_device(out, self.device), to_device(lse, self.device)
 
     @torch.inference_mode()
     def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v) -> None:

@@ -17,7 +17,8 @@ class LlamaMath(ModelMath):
 
     def inv_freq_on(self, device):
         if device not in self._inv_freq_on:
-            self._inv_freq_on[device] = self.inv_freq.to(device)
+            # non_blocking: no stream sync (the source lives on in self.inv_freq)
+            self._inv_freq_on[device] = self.inv_freq.to(device, non_blocking=True)
         return self._inv_freq_on[device]
 
     def global_shapes(self):
