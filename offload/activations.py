@@ -4,12 +4,17 @@ Between layer j and j+1 of a micro-batch, its hidden states [T, hidden] are park
 `act_gpu` of the rows stay on the compute device, the next `act_cpu` go to host memory, the rest to
 a memory-mapped file in the offload folder. They are brought back before the next layer (the
 executor prefetches micro-batch k+1 while k computes).
+
+On CUDA, `put` and `take` only enqueue copies on the caller's current stream (pinned host buffers,
+one per micro-batch, reused pass after pass): the caller orders them (the executor's I/O stream
+and events, offload/streams.py); nothing here waits for a stream.
 """
 from __future__ import annotations
 
 import torch
 
-from offload.host_buffer import tier_zeros
+from offload.host_buffer import pinned_empty, tier_zeros
+from offload.streams import to_host
 
 
 class ActivationStore:
@@ -19,11 +24,18 @@ class ActivationStore:
         self.pin, self.folder = pin_memory, folder
         self._parked: dict[int, list[tuple[str, torch.Tensor, int]]] = {}
         self._spill: dict[int, torch.Tensor] = {}  # key -> reusable disk buffer (bytes)
+        self._pinned: dict[int, torch.Tensor] = {}  # key -> reusable pinned host buffer (bytes, CUDA)
 
     def close(self) -> None:
         """Drop parked states and the disk spill buffers (their mapped files are already unlinked)."""
         self._parked.clear()
         self._spill.clear()
+        self._pinned.clear()
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held for parked rows (CUDA)."""
+        return sum(t.numel() for t in self._pinned.values())
 
     @property
     def all_on_device(self) -> bool:
@@ -45,7 +57,7 @@ class ActivationStore:
             kept = hidden if gpu == hidden.shape[0] else hidden[:gpu].clone()
             parked.append(("gpu", kept, gpu))
         if cpu > gpu:
-            host = torch.empty((cpu - gpu, hidden.shape[1]), dtype=hidden.dtype, pin_memory=self.pin)
+            host = self._host_rows(key, cpu - gpu, hidden)
             parked.append(("cpu", host.copy_(hidden[gpu:cpu], non_blocking=True), cpu - gpu))
         if hidden.shape[0] > cpu:
             rows = hidden.shape[0] - cpu
@@ -54,10 +66,22 @@ class ActivationStore:
             if spill is None or spill.numel() < nbytes:
                 spill = self._spill[key] = tier_zeros((nbytes,), torch.uint8, torch.device("cpu"), folder=self.folder)
             disk = spill[:nbytes].view(hidden.dtype).view(rows, hidden.shape[1])
-            parked.append(("disk", disk.copy_(hidden[cpu:]), rows))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # host copies complete
+            parked.append(("disk", disk.copy_(to_host(hidden[cpu:])), rows))  # an event wait, no stream sync
         self._parked[key] = parked
+
+    def _host_rows(self, key: int, rows: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Host memory for `rows` rows of `hidden`: on CUDA a pinned buffer per key, reused (the
+        next put of a key is ordered after the take that read it, on the caller's streams); on the
+        CPU a fresh tensor, because take hands it to compute as it is."""
+        shape = (rows, hidden.shape[1])
+        if not self.pin:
+            return torch.empty(shape, dtype=hidden.dtype)
+        nbytes = rows * hidden.shape[1] * hidden.dtype.itemsize
+        buf = self._pinned.get(key)
+        if buf is None or buf.numel() < nbytes:
+            self._pinned.pop(key, None)
+            buf = self._pinned[key] = pinned_empty((nbytes,), torch.uint8)
+        return buf[:nbytes].view(hidden.dtype).view(shape)
 
     def take(self, key: int) -> torch.Tensor:
         parked = self._parked.pop(key)

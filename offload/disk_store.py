@@ -83,7 +83,7 @@ class DiskStore:
 
     def __init__(self, folder: str | os.PathLike, key: str, *, direct_io: bool = False,
                  num_threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 pin_memory: bool | None = None, verify_reads: bool = True):
+                 pin_memory: bool = False, verify_reads: bool = True):
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         if chunk_bytes < 2 * ALIGNMENT or chunk_bytes % ALIGNMENT:  # range reads need one spare unit
@@ -95,9 +95,11 @@ class DiskStore:
         self.manifest_path = self.path / MANIFEST_NAME
         self.direct_io = direct_io
         self.chunk_bytes = chunk_bytes
-        # Buffers the store allocates itself are pinned when the compute device is CUDA, so the
-        # host->device copy that follows a read can run asynchronously.
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        # Buffers the store allocates itself are pinned when the engine computes on CUDA (its caller
+        # says so), so the host->device copy that follows a read can run asynchronously. Not from
+        # torch.cuda.is_available(): a CPU engine on a GPU machine would pin host memory and start
+        # a CUDA context for nothing.
+        self.pin_memory = pin_memory
         self._reader = ChunkReader(self.path, direct_io=direct_io, num_threads=num_threads,
                                    chunk_bytes=chunk_bytes)
         self._closed = False

@@ -25,9 +25,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from offload.activations import ActivationStore
-from offload.micro_batch import AttentionGroup, MicroBatch
+from offload.micro_batch import AttentionGroup, MicroBatch, host_of
 from offload.host_malloc import keep_freed_host_memory
 from offload.kv_cache import KVPool
+from offload.streams import (IOStream, bind_thread, device_guard, indexed, record_event, to_device, to_host,
+                             used_on, wait_for)
 from offload.weights import LayerWeightStore
 
 CPU = torch.device("cpu")
@@ -40,7 +42,10 @@ class PassExecutor:
         self.model, self.weights, self.kv_pools, self.acts = model, weights, kv_pools, activations
         self.device, self.dtype = torch.device(device), dtype
         self.cpu_attention = cpu_attention
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-act-io") if overlap else None
+        self._io = (ThreadPoolExecutor(1, thread_name_prefix="kv-act-io", initializer=bind_thread,
+                                       initargs=(indexed(self.device),)) if overlap else None)
+        # CUDA: the I/O thread's copies run on their own stream, ordered by events (offload/streams.py).
+        self._io_stream = IOStream(self.device if overlap else CPU)
 
     def _io_worth_a_thread(self, mb: MicroBatch) -> bool:
         """Whether the micro-batch's loads and stores leave the compute device's memory system.
@@ -54,12 +59,14 @@ class PassExecutor:
         return (self.acts.fractions[2] > 0 or any(part.tier == "disk" for g in mb.groups for part in g.parts)
                 or any(write.tier == "disk" for write in mb.kv_writes))
 
-    def _submit(self, fn, *args, threaded: bool = True) -> Future:
+    def _submit(self, fn, fence, *args, threaded: bool = True) -> Future:
+        """fn(*args) on the I/O thread (its stream waiting for `fence`), or inline on the compute
+        stream; the future gives (result, event to wait for or None)."""
         if self._io is None or not threaded:
             done: Future = Future()
-            done.set_result(fn(*args))
+            done.set_result((fn(*args), None))
             return done
-        return self._io.submit(fn, *args)
+        return self._io.submit(self._io_stream.run, fence, fn, *args)
 
     def reset(self) -> None:
         """After an exception inside `run` (KeyboardInterrupt included): wait for the KV /
@@ -79,31 +86,45 @@ class PassExecutor:
         """Runs one pass; returns, per micro-batch, fp32 logits of its `logit_rows` [R, vocab]."""
         if self.device.type == "cpu":
             keep_freed_host_memory()  # once per process; see offload/host_malloc.py
-        batches = [mb.to(self.device) for mb in micro_batches]
-        g = self.weights.global_weights()
-        for k, mb in enumerate(batches):
-            self.acts.put(k, self.model.embed(g, mb.token_ids, mb.positions).to(self.dtype))
-        num_layers = self.weights.num_layers
-        threaded = [self._io_worth_a_thread(mb) for mb in batches]
-        self.weights.prefetch(0)
-        for layer in range(num_layers):
-            w = self.weights.get(layer)
-            # The next layers, wrapping to the next pass's first: their loads overlap this layer
-            # (and after the last, the LM head and the scheduling between passes).
-            for ahead in range(1, self.weights.prefetch_depth + 1):
-                self.weights.prefetch((layer + ahead) % num_layers)
-            loading = self._submit(self._load, layer, batches[0], 0, threaded=threaded[0])
-            storing = []
+        with device_guard(self.device):
+            batches = [mb.to(self.device) for mb in micro_batches]
+            g = self.weights.global_weights()
             for k, mb in enumerate(batches):
-                hidden, contexts = loading.result()
-                if k + 1 < len(batches):
-                    loading = self._submit(self._load, layer, batches[k + 1], k + 1, threaded=threaded[k + 1])
-                hidden, new_k, new_v = self._compute(w, mb, hidden, contexts)
-                storing.append(self._submit(self._store, layer, mb, k, hidden, new_k, new_v, threaded=threaded[k]))
-            for future in storing:
-                future.result()
-            self.weights.release(layer)
-        return [self.model.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
+                self.acts.put(k, self.model.embed(g, mb.token_ids, mb.positions).to(self.dtype))
+            # Loads see the parked embeddings and the pools as the steps between passes left them.
+            start = record_event(self.device)
+            for layer in range(self.weights.num_layers):
+                self._run_layer(layer, batches, start)
+            return [self.model.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
+
+    def _run_layer(self, layer: int, batches: list[MicroBatch], start) -> None:
+        """Layer `layer` on every micro-batch: k computes while k + 1 loads and k - 1 stores."""
+        num_layers, compute = self.weights.num_layers, self._compute_stream()
+        threaded = [self._io_worth_a_thread(mb) for mb in batches]
+        w = self.weights.get(layer)
+        # The next layers, wrapping to the next pass's first: their loads overlap this layer
+        # (and after the last, the LM head and the scheduling between passes).
+        for ahead in range(1, self.weights.prefetch_depth + 1):
+            self.weights.prefetch((layer + ahead) % num_layers)
+        loading = self._submit(self._load, start, layer, batches[0], 0, threaded=threaded[0])
+        storing = []
+        for k, mb in enumerate(batches):
+            (hidden, contexts), loaded = loading.result()
+            wait_for(loaded, self.device)
+            used_on([hidden, *(t for parts in contexts for kv in parts if kv is not None for t in kv)], compute)
+            if k + 1 < len(batches):
+                loading = self._submit(self._load, start, layer, batches[k + 1], k + 1, threaded=threaded[k + 1])
+            hidden, new_k, new_v = self._compute(w, mb, hidden, contexts)
+            if threaded[k]:
+                used_on([hidden, new_k, new_v], self._io_stream.stream)
+            storing.append(self._submit(self._store, record_event(self.device), layer, mb, k, hidden, new_k, new_v,
+                                        threaded=threaded[k]))
+        for future in storing:
+            wait_for(future.result()[1], self.device)
+        self.weights.release(layer)
+
+    def _compute_stream(self):
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def attention_device(self, tier: str, group: AttentionGroup) -> torch.device:
         """Decode attention runs on the CPU where the KV cache lives off the compute device and
@@ -133,8 +154,9 @@ class PassExecutor:
             rows = (slice(group.row_start, group.row_start + group.num_seqs * group.num_queries)
                     if group.row_start is not None else group.token_rows)  # a slice is a view, no copy
             q_group = q[rows].unflatten(0, (group.num_seqs, group.num_queries))
+            q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
             k_rows, v_rows = k[rows], v[rows]
-            outs = [self._attend(q_group, group, part, keys, values, key_rule)
+            outs = [self._attend(q_on, group, part, keys, values, key_rule)
                     for part, context in zip(group.parts, group_contexts)
                     for keys, values, key_rule in
                     self.kv_pools[part.tier].parts_to_attend(group, part, context, k_rows, v_rows)]
@@ -142,13 +164,18 @@ class PassExecutor:
             attn[rows] = merged.flatten(0, 1)
         return self.model.post_attention(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
 
-    def _attend(self, q_group, group: AttentionGroup, part, keys, values, key_rule):
+    def _attend(self, q_on: dict, group: AttentionGroup, part, keys, values, key_rule):
         """Attention where the keys are (the CPU for delegated decodes); out [B, n, heads, d] and
-        lse [B, n, heads] come back to the compute device for merging."""
+        lse [B, n, heads] come back to the compute device for merging. On the CPU the positions
+        and lengths are the batch builder's host tensors: only q crosses, once per group."""
         dev = keys.device
-        out, lse = self.model.attend(q_group.to(dev), keys, values, group.q_pos.to(dev), part.kv_len.to(dev),
-                                    part.kv_start.to(dev), key_rule)
-        return out.to(self.device), lse.to(self.device)
+        if dev not in q_on:
+            q = next(iter(q_on.values()))  # the compute device's q
+            q_on[dev] = to_host(q) if dev.type == "cpu" else q.to(dev, non_blocking=True)  # no stream sync
+        meta_group, meta_part = (host_of(group), host_of(part)) if dev.type == "cpu" else (group, part)
+        out, lse = self.model.attend(q_on[dev], keys, values, meta_group.q_pos, meta_part.kv_len,
+                                    meta_part.kv_start, key_rule)
+        return to_device(out, self.device), to_device(lse, self.device)
 
     @torch.inference_mode()
     def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v) -> None:

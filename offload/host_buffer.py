@@ -1,8 +1,16 @@
-"""Host buffers the tiers allocate: 4096-aligned (for O_DIRECT), pinned, or mapped from a file."""
+"""Host buffers the tiers allocate: 4096-aligned (for O_DIRECT), pinned, or mapped from a file.
+
+Long-lived pinned buffers (cpu-tier weights and KV, staging, parked activations) are page-locked
+with cudaHostRegister on 4096-aligned memory (`pinned_empty`): exactly the bytes the tracker
+counts. torch's pinned allocator (`pin_memory=True`) rounds every request up to a power of two and
+keeps freed blocks cached, so the same buffers took up to ~2x what was counted, and a dropped KV
+pool stayed pinned; it is left to short-lived copies (offload/streams.py), which it reuses safely.
+"""
 from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,9 +38,24 @@ def aligned_empty(shape: Sequence[int], dtype: torch.dtype, *,
     buffer (one extra memcpy). Pinned memory comes from cudaHostAlloc, which is page-aligned already.
     """
     if pin_memory:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return pinned_empty(shape, dtype)
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     return torch.from_numpy(aligned_bytes(nbytes)).view(dtype).reshape(tuple(shape))
+
+
+def pinned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised, 4096-aligned CPU tensor page-locked for CUDA (cudaHostRegister) at exactly
+    its size, unregistered when its memory is freed."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)  # owns the memory; the tensor keeps it alive
+    start = (-raw.ctypes.data) % ALIGNMENT
+    if nbytes:
+        ptr, cudart = raw.ctypes.data + start, torch.cuda.cudart()
+        code = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+        if code != 0:
+            raise RuntimeError(f"pinning {nbytes} bytes of host memory failed (cudaHostRegister error {code})")
+        weakref.finalize(raw, cudart.cudaHostUnregister, ptr)  # before numpy frees the memory
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).reshape(tuple(shape))
 
 
 def mapped_zeros(shape: Sequence[int], dtype: torch.dtype, folder: str) -> torch.Tensor:
@@ -55,5 +78,7 @@ def tier_zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device, *
                pin_memory: bool = False, folder: str | None = None) -> torch.Tensor:
     """A zeroed tensor on `device` (pinned when asked), or mapped from a file in `folder` (disk tier)."""
     if folder is None:
-        return torch.zeros(tuple(shape), dtype=dtype, device=device, pin_memory=pin_memory)
+        if pin_memory and torch.device(device).type == "cpu":
+            return pinned_empty(shape, dtype).zero_()
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
     return mapped_zeros(shape, dtype, folder)

@@ -22,12 +22,14 @@ quantized. `KVPool.parts_to_attend` is the one place that turns this rule into a
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
-from offload.micro_batch import AttentionGroup, KVPart
+from offload.micro_batch import AttentionGroup, KVPart, host_of
 from offload.host_buffer import tier_zeros
+from offload.streams import to_device, to_host
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, dequantize, quantize
 
@@ -66,6 +68,9 @@ class KVPool:
         self.device = torch.device(device)
         self.kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.compression = compression
+        # CUDA: "a value quantized here was not finite", one flag per (device, thread), set without a
+        # host sync and checked by check_finite() after the pass (quantize's `nonfinite`).
+        self._nonfinite: dict[tuple[torch.device, int], torch.Tensor] = {}
         if num_slots % block_size:
             raise ValueError(f"KVPool: {num_slots} slots is not a whole number of {block_size}-token blocks")
 
@@ -111,15 +116,33 @@ class KVPool:
                              + num_slots * v_groups * (v.bytes_per_group + 4) + residual)
 
     # ---- compression helpers (pure functions of values: what a stored value reads back as) ---
+    def _flag(self, device: torch.device) -> torch.Tensor | None:
+        if device.type != "cuda":
+            return None  # quantize checks at once on the CPU
+        key = (device, threading.get_ident())
+        if key not in self._nonfinite:
+            self._nonfinite[key] = torch.zeros((), dtype=torch.bool, device=device)
+        return self._nonfinite[key]
+
+    def check_finite(self) -> None:
+        """Raise if a value quantized on CUDA since the last check was inf, NaN or beyond fp16 (the
+        CPU raises inside quantize); one host sync, made where the caller syncs anyway."""
+        flags, self._nonfinite = list(self._nonfinite.values()), {}
+        if any(bool(flag) for flag in flags):
+            raise ValueError(f"KV cache ({self.tier} tier): a key or value to quantize was inf, NaN or "
+                             "beyond fp16's range")
+
     def round_trip_v(self, v: torch.Tensor) -> torch.Tensor:
         """V rows [T, kv_heads, head_dim] as they read back from the pool."""
-        return v if self.compression is None else dequantize(quantize(v, self.v_config), v.dtype)
+        if self.compression is None:
+            return v
+        return dequantize(quantize(v, self.v_config, nonfinite=self._flag(v.device)), v.dtype)
 
     def round_trip_k_blocks(self, k: torch.Tensor) -> torch.Tensor:
         """Whole K blocks [num_blocks * block_size, kv_heads, head_dim] as they read back."""
         bs = self.block_size
         blocks = k.unflatten(0, (-1, bs)).permute(0, 2, 3, 1)  # [nb, kvh, d, bs]
-        back = dequantize(quantize(blocks, self.k_config), k.dtype)
+        back = dequantize(quantize(blocks, self.k_config, nonfinite=self._flag(k.device)), k.dtype)
         return back.permute(0, 3, 1, 2).reshape(k.shape)
 
     def copy_slots(self, dst: "KVPool", src_slots: torch.Tensor, dst_slots: torch.Tensor,
@@ -139,37 +162,46 @@ class KVPool:
     # ---- store / gather -------------------------------------------------------------------
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               residual_ids: torch.Tensor | None = None) -> None:
-        """slots: [T]; k, v: [T, kv_heads, head_dim] on any device; residual_ids: [T] the
-        residual row of each token's sequence (compressed pools)."""
-        slots = slots.to(self.device)
+        """slots: [T] (best a host tensor: the batch builder's); k, v: [T, kv_heads, head_dim] on any
+        device; residual_ids: [T] the residual row of each token's sequence (compressed pools).
+        A host pool takes k and v through pinned memory and an event wait (no stream sync) and
+        does its arithmetic on the host; a device pool's index arithmetic runs on the host too."""
+        if self.device.type == "cpu":
+            k, v = to_host(k), to_host(v)
         if self.compression is None:
+            slots = to_device(slots, self.device)
             self.k[layer].index_copy_(0, slots, k.to(self.device, self.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.device, self.dtype))
             return
-        q = quantize(v, self.v_config)
+        q = quantize(v, self.v_config, nonfinite=self._flag(v.device))
+        dev_slots = to_device(slots, self.device)
         for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
-            self.v_codes[name][layer].index_copy_(0, slots, part.view(v.shape[0], -1).to(self.device))
-        rows = residual_ids.to(self.device)
-        k = k.to(self.device, self.dtype)
-        offsets = slots % self.block_size
-        blocks = slots // self.block_size
-        residual = self.k_residual[layer]
-        in_done = torch.zeros_like(slots, dtype=torch.bool)
-        done = offsets == self.block_size - 1  # tokens that complete their block
+            self.v_codes[name][layer].index_copy_(0, dev_slots, part.view(v.shape[0], -1).to(self.device))
+        self._store_keys(layer, slots.cpu(), residual_ids.cpu(), k.to(self.device, self.dtype))
+
+    def _store_keys(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -> None:
+        """K of a compressed pool: into each sequence's residual (open) block; a block completed
+        here is assembled from its residual row (tokens stored by earlier passes) and this call's
+        tokens of that block, then quantized. The row is not written first: later tokens of the
+        same sequence in this call reuse it for the next block. slots, rows: host [T]."""
+        offsets, blocks = slots % self.block_size, slots // self.block_size
+        done = offsets == self.block_size - 1  # tokens that complete their block (host: no sync)
+        in_done = torch.zeros_like(done)
+        residual, dev = self.k_residual[layer], self.device
         if bool(done.any()):
-            # A block completed here is assembled from its residual row (tokens stored by earlier
-            # passes) and this call's tokens of that block, then quantized. The row is not written
-            # first: later tokens of the same sequence in this call reuse it for the next block.
             done_blocks = blocks[done]
             in_done = torch.isin(blocks, done_blocks)
-            full = residual[rows[done]].clone()  # [nb, bs, kvh, d]
             which = (blocks[in_done][:, None] == done_blocks[None, :]).int().argmax(dim=1)
-            full[which, offsets[in_done]] = k[in_done]
-            q = quantize(full.permute(0, 2, 3, 1), self.k_config)  # groups: bs tokens of one channel
+            full = residual[to_device(rows[done], dev)].clone()  # [nb, bs, kvh, d]
+            full[to_device(which, dev), to_device(offsets[in_done], dev)] = \
+                k[to_device(in_done.nonzero().squeeze(1), dev)]
+            q = quantize(full.permute(0, 2, 3, 1), self.k_config, nonfinite=self._flag(dev))  # groups: bs tokens of one channel
             for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
-                self.k_codes[name][layer].index_copy_(0, done_blocks, part.view(done_blocks.shape[0], -1))
-        keep = ~in_done
-        residual[rows[keep], offsets[keep]] = k[keep]
+                self.k_codes[name][layer].index_copy_(0, to_device(done_blocks, dev),
+                                                      part.view(done_blocks.shape[0], -1))
+        keep = (~in_done).nonzero().squeeze(1)
+        residual[to_device(rows[keep], dev), to_device(offsets[keep], dev)] = \
+            k[to_device(keep, dev)]
 
     def gather(self, layer: int, slots: torch.Tensor, device: torch.device,
                residual_ids: torch.Tensor | None = None,
@@ -177,15 +209,22 @@ class KVPool:
         """slots: [B, L] (block-aligned: position j of a row is in the row's block j // block_size)
         -> fresh k, v [B, L, kv_heads, head_dim] in the pool dtype on `device`. For compressed
         pools, the first complete_len[b] positions come from quantized blocks, the rest from the
-        sequence's residual block."""
-        slots = slots.to(self.device)
+        sequence's residual block. Host pools gather into pinned memory when `device` is CUDA, so
+        the copy up is an asynchronous DMA."""
+        slots = to_device(slots, self.device)  # the batch builder's host tensor: a no-op here
         if self.compression is None:
             # index_select, not advanced indexing: 4x faster on the CPU for this shape
             flat = slots.reshape(-1)
             shape = (*slots.shape, self.kv_heads, self.head_dim)
-            return (self.k[layer].index_select(0, flat).view(shape).to(device, non_blocking=True),
-                    self.v[layer].index_select(0, flat).view(shape).to(device, non_blocking=True))
+            return self._select(self.k[layer], flat, device).view(shape), self._select(self.v[layer], flat, device).view(shape)
         return self._gather_compressed(layer, slots, device, residual_ids, complete_len)
+
+    def _select(self, table: torch.Tensor, flat: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """table[flat] on `device` (rows of one layer's K or V)."""
+        if table.device.type == "cpu" and device.type == "cuda":
+            staged = torch.empty((flat.numel(), *table.shape[1:]), dtype=table.dtype, pin_memory=True)
+            return torch.index_select(table, 0, flat, out=staged).to(device, non_blocking=True)
+        return table.index_select(0, flat).to(device, non_blocking=True)
 
     def _gather_compressed(self, layer: int, slots: torch.Tensor, device: torch.device,
                            residual_ids: torch.Tensor, complete_len: torch.Tensor):
@@ -196,7 +235,7 @@ class KVPool:
         kvh, d, bs = self.kv_heads, self.head_dim, self.block_size
         num_blocks, full = -(-length // bs), length // bs
         blocks = slots[:, ::bs] // bs  # [B, nb]
-        parts = {n: t[layer][blocks].reshape(-1).to(device, non_blocking=True) for n, t in self.k_codes.items()}
+        parts = {n: to_device(t[layer][blocks].reshape(-1), device) for n, t in self.k_codes.items()}
         by_block = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                       shape=(batch * num_blocks, kvh, d, bs), dtype=self.dtype, config=self.k_config))
         by_block = by_block.view(batch, num_blocks, kvh, d, bs).permute(0, 1, 4, 2, 3)  # [B, nb, bs, kvh, d]
@@ -207,7 +246,7 @@ class KVPool:
             k[:, full * bs:].copy_(by_block[:, full, :length - full * bs])
         del by_block
         self._fill_open_blocks(k, layer, residual_ids, complete_len)
-        parts = {n: t[layer][slots].reshape(-1).to(device, non_blocking=True) for n, t in self.v_codes.items()}
+        parts = {n: to_device(t[layer][slots].reshape(-1), device) for n, t in self.v_codes.items()}
         v = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                shape=(batch * length, kvh, d), dtype=self.dtype, config=self.v_config))
         return k, v.view(batch, length, kvh, d)
@@ -217,9 +256,12 @@ class KVPool:
         """k [B, L, kv_heads, d]: positions from complete_len[b] on read sequence b's residual
         block (position j -> residual row j % block_size), in place."""
         length, device = k.shape[1], k.device
-        seq, pos = (torch.arange(length, device=device)[None, :] >= complete_len.to(device)[:, None]).nonzero(as_tuple=True)
+        # Which positions read the residual block, worked out on the host (complete_len is the
+        # batch builder's host tensor): on CUDA, nonzero() would be a sync.
+        seq, pos = (torch.arange(length)[None, :] >= complete_len.cpu()[:, None]).nonzero(as_tuple=True)
         if seq.numel():
-            residual = self.k_residual[layer][residual_ids.to(self.device)].to(device, non_blocking=True)
+            residual = to_device(self.k_residual[layer][to_device(residual_ids, self.device)], device)
+            seq, pos = to_device(seq, device), to_device(pos, device)
             k[seq, pos] = residual[seq, pos % self.block_size]
 
     # ---- what a group's queries attend ---------------------------------------------------------
@@ -246,10 +288,14 @@ class KVPool:
             return new_k[lo:hi].unsqueeze(0), self.round_trip_v(new_v[lo:hi]).unsqueeze(0)
         k, v = context  # fresh tensors from gather: patched in place
         if part.patch_src.numel():
-            dev, src = k.device, part.patch_src
-            seq, pos = part.patch_seq.to(dev), part.patch_pos.to(dev)
-            k[seq, pos] = new_k[src].to(dev, k.dtype)  # K of the open block stays exact
-            v[seq, pos] = self.round_trip_v(new_v[src]).to(dev, v.dtype)
+            dev, src = k.device, part.patch_src  # src: rows of new_k (the compute device)
+            # On the CPU (delegated attention) the positions are the batch builder's host tensors
+            # and the new rows come down through pinned memory: no stream sync.
+            at = host_of(part) if dev.type == "cpu" else part
+            seq, pos = at.patch_seq, at.patch_pos
+            k[seq, pos] = to_host(new_k[src]).to(k.dtype) if dev.type == "cpu" else new_k[src].to(dev, k.dtype)
+            v_back = self.round_trip_v(new_v[src])  # K of the open block stays exact, V as stored
+            v[seq, pos] = to_host(v_back).to(v.dtype) if dev.type == "cpu" else v_back.to(dev, v.dtype)
         return k, v
 
     def _keys_as_stored(self, group: AttentionGroup, part: KVPart, k: torch.Tensor) -> torch.Tensor:
@@ -259,9 +305,10 @@ class KVPool:
         if group.is_decode:
             return k
         bs, k_prior = self.block_size, k
+        lengths = host_of(part)  # host tensors: int() of a device tensor would be a sync per sequence
         for b in range(group.num_seqs):
-            lo = int(part.complete_len[b])
-            hi = int(part.kv_len[b]) // bs * bs
+            lo = int(lengths.complete_len[b])
+            hi = int(lengths.kv_len[b]) // bs * bs
             if hi > lo:
                 if k_prior is k:
                     k_prior = k.clone()

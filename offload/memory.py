@@ -9,6 +9,7 @@ and on CUDA the report adds torch's own peak so the two can be compared.
 
 from __future__ import annotations
 
+import math
 import operator
 import threading
 from collections.abc import Iterator, Mapping
@@ -83,7 +84,11 @@ class MemoryTracker:
     made off the engine's thread (today all are made on it) cannot lose an update.
     """
 
-    def __init__(self, budget: TierBudget | Mapping[str, int | None] | None = None):
+    def __init__(self, budget: TierBudget | Mapping[str, int | None] | None = None,
+                 device: torch.device | str | None = None):
+        """device: the engine's compute device; on CUDA the report adds that device's torch peak
+        (not the current device's: `--device cuda:1`)."""
+        self.device = torch.device(device) if device is not None else None
         if budget is None:
             budget = TierBudget()
         elif not isinstance(budget, TierBudget):
@@ -184,7 +189,7 @@ class MemoryTracker:
                 }
                 for tier in TIERS
             }
-        torch_peak = _torch_cuda_peak_bytes()
+        torch_peak = _torch_cuda_peak_bytes(self.device)
         if torch_peak is not None:
             report["gpu"]["torch_peak"] = torch_peak
         return report
@@ -237,9 +242,18 @@ def _checked_nbytes(nbytes: int) -> int:
     return nbytes
 
 
-def _torch_cuda_peak_bytes() -> int | None:
-    # Only when CUDA is already in use: querying would otherwise create a CUDA context as a side
-    # effect of printing a report.
+def _torch_cuda_peak_bytes(device: torch.device | None) -> int | None:
+    # Only for a CUDA engine, and only when CUDA is already in use: querying would otherwise
+    # create a CUDA context as a side effect of printing a report.
+    if device is None or device.type != "cuda":
+        return None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
+        return int(torch.cuda.max_memory_allocated(device))
     return None
+
+
+def dequant_scratch_bytes(layer_shapes: Mapping[str, tuple[int, ...]], itemsize: int) -> int:
+    """The gpu-tier bytes of a CUDA engine's one dequantized weight (quant/fused.py: a buffer grown
+    to the largest weight matrix, in the compute dtype); the planner prices the same
+    (cost_model: largest_matrix_params x bytes_per_value)."""
+    return max((math.prod(shape) for shape in layer_shapes.values() if len(shape) == 2), default=0) * itemsize

@@ -6,15 +6,28 @@ positions); attention then runs per tier ("part") and the parts are merged exact
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from offload.streams import to_device
+
+# Fields that index a pool: they stay the batch builder's host tensors, and each pool moves them to
+# its own device (no-op for the cpu and disk tiers). Moving them to the GPU with the rest made
+# every host-tier gather and store copy them back first: a sync behind all queued compute.
+POOL_INDEX_FIELDS = frozenset({"kv_slots", "residual_ids", "complete_len", "slots"})
+
 
 def _move(obj, device: torch.device):
-    changes = {f.name: getattr(obj, f.name).to(device, non_blocking=True) for f in fields(obj)
-               if isinstance(getattr(obj, f.name), torch.Tensor)}
-    return replace(obj, **changes)
+    changes = {f.name: to_device(getattr(obj, f.name), device) for f in fields(obj)
+               if f.name not in POOL_INDEX_FIELDS and isinstance(getattr(obj, f.name), torch.Tensor)}
+    return replace(obj, **changes, host=host_of(obj))
+
+
+def host_of(obj):
+    """The batch builder's all-host version of a moved group, part or write (itself if not moved):
+    what CPU attention and host-side index arithmetic read, with no device -> host copy."""
+    return obj if obj.host is None else obj.host
 
 
 @dataclass
@@ -34,6 +47,7 @@ class KVPart:
     # whose keys in this tier all arrive in this pass), in order; the executor then attends them
     # directly instead of gathering slots from the pool and patching every one of them.
     new_rows: tuple[int, int] | None = None
+    host: "KVPart | None" = field(default=None, repr=False, compare=False)  # see host_of
 
 
 @dataclass
@@ -46,6 +60,7 @@ class AttentionGroup:
     q_pos: torch.Tensor  # [B, n] absolute positions of the query rows
     parts: list[KVPart]
     row_start: int | None = None  # token_rows == row_start + arange(B * n): the executor slices
+    host: "AttentionGroup | None" = field(default=None, repr=False, compare=False)  # see host_of
 
     @property
     def num_seqs(self) -> int:
@@ -64,6 +79,7 @@ class KVWrite:
     rows: torch.Tensor  # [S]
     slots: torch.Tensor  # [S]
     residual_ids: torch.Tensor  # [S] residual row of each token's sequence
+    host: "KVWrite | None" = field(default=None, repr=False, compare=False)  # see host_of
 
 
 @dataclass
@@ -79,6 +95,8 @@ class MicroBatch:
         return self.token_ids.shape[0]
 
     def to(self, device: torch.device) -> "MicroBatch":
+        """On `device` for compute; pool indices stay on the host (POOL_INDEX_FIELDS), and every
+        moved group, part and write keeps its host original (host_of)."""
         groups = [replace(_move(g, device), parts=[_move(p, device) for p in g.parts]) for g in self.groups]
-        return MicroBatch(self.token_ids.to(device), self.positions.to(device), groups,
-                          [_move(w, device) for w in self.kv_writes], self.logit_rows.to(device))
+        return MicroBatch(to_device(self.token_ids, device), to_device(self.positions, device), groups,
+                          [_move(w, device) for w in self.kv_writes], to_device(self.logit_rows, device))

@@ -11,7 +11,7 @@ import torch
 
 from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
 from offload.store_writer import DiskStoreWriter
-from offload.host_buffer import aligned_empty
+from offload.host_buffer import aligned_empty, pinned_empty
 from offload.placement import Component, TensorPlan, WeightPlan, flat_components
 
 Pieces = dict[tuple[str, int], list[torch.Tensor]]  # (tensor name, piece index) -> its components
@@ -101,8 +101,8 @@ class PlacedLayers:
                 target = self.device if piece.tier == "gpu" else torch.device("cpu")
                 sliced = [c[cm.numel(piece.row_start):cm.numel(piece.row_end)].to(target).clone()
                           for c, cm in zip(comps, plan.components)]
-                if piece.tier == "cpu" and self.pin:
-                    sliced = [t.pin_memory() for t in sliced]
+                if piece.tier == "cpu" and self.pin:  # exactly its bytes (offload/host_buffer.py)
+                    sliced = [pinned_empty(t.shape, t.dtype).copy_(t) for t in sliced]
                 pieces[(plan.name, i)] = sliced
             if writer is not None:
                 _add_tensor(writer, layer, plan, comps)

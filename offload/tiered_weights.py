@@ -14,10 +14,11 @@ from contextlib import nullcontext
 import torch
 
 from offload.disk_store import DiskStore, StoreCorruptError
-from offload.host_buffer import aligned_empty
+from offload.host_buffer import aligned_empty, pinned_empty
 from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, store_key
 from offload.placement import QuantFormats, WeightPlan, Weights, assemble
+from offload.streams import bind_thread, indexed
 
 
 class TieredWeights:
@@ -42,8 +43,12 @@ class TieredWeights:
         self._buffers = [self._slot_buffers(self._working_buffer) for _ in range(self.plan.num_slots)]
         self._staging = None
         if self.cuda and self.store is not None:  # disk -> pinned host staging -> device
-            self._staging = [self._slot_buffers(_pinned) for _ in range(self.plan.num_slots)]
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch") if overlap else None
+            # Per slot and streamed tensor: (first disk row, pinned buffers for the disk rows only).
+            self._staging = [self._staging_buffers() for _ in range(self.plan.num_slots)]
+            tracker.reserve("cpu", self.plan.num_slots * sum(p.bytes_on("disk") for p in self.plan.streamed),
+                            "weight staging (pinned)")
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch", initializer=bind_thread,
+                                         initargs=(indexed(self.device),)) if overlap else None)
         self._stream = torch.cuda.Stream(self.device) if self.cuda and overlap else None
         self._pending: dict[int, tuple[int, Future | None]] = {}  # layer -> (slot, its load)
         self._in_use: dict[int, int] = {}  # layer -> slot, from get() to release()
@@ -51,11 +56,26 @@ class TieredWeights:
         # CUDA: an event per slot, recorded on the compute stream when the pass releases the layer
         # in it; the next load into the slot waits for it (compute is asynchronous on a GPU).
         self._slot_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
+        # CUDA with disk pieces: an event per slot recorded after the copies out of its staging
+        # buffers; the next disk read into them waits for that event only, so this layer's reads
+        # overlap the previous layer's host -> device copies (a stream sync made them add up).
+        self._staging_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
 
     def _slot_buffers(self, make: Callable[[int, torch.dtype], torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         """One working slot: per streamed tensor, a flat buffer per component."""
         return {p.name: [make(cm.numel(p.shape[0]), cm.dtype) for cm in p.components]
                 for p in self.plan.streamed}
+
+    def _staging_buffers(self) -> dict[str, tuple[int, list[torch.Tensor]]]:
+        """One slot's staging: per streamed tensor with disk rows (one contiguous tail of rows,
+        as placement cuts them), its first disk row and a pinned buffer per component."""
+        staging = {}
+        for p in self.plan.streamed:
+            disk = [piece for piece in p.pieces if piece.tier == "disk"]
+            if disk:
+                first, rows = disk[0].row_start, disk[-1].row_end - disk[0].row_start
+                staging[p.name] = (first, [pinned_empty((cm.numel(rows),), cm.dtype) for cm in p.components])
+        return staging
 
     def _working_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         # On the host, working buffers start on a 4096-byte boundary so that O_DIRECT reads of disk
@@ -121,6 +141,7 @@ class TieredWeights:
         self._in_use.clear()
         self._next_slot = 0
         self._slot_free = [None] * len(self._slot_free)
+        self._staging_free = [None] * len(self._staging_free)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -141,8 +162,8 @@ class TieredWeights:
             return self._load_slot(layer, slot)
 
     def _load_slot(self, layer: int, slot: int):
-        if self._stream is not None:
-            self._stream.synchronize()  # copies out of this slot's staging buffers are done
+        if self._staging_free[slot] is not None:
+            self._staging_free[slot].synchronize()  # copies out of this slot's staging buffers are done
         reads = []
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), AllReads() as pending:
             if self._stream is not None and self._slot_free[slot] is not None:
@@ -155,7 +176,10 @@ class TieredWeights:
                     for c, (cm, buf) in enumerate(zip(plan.components, buffers)):
                         lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
                         if piece.tier == "disk":
-                            target = self._staging[slot][plan.name][c][lo:hi] if self._staging else buf[lo:hi]
+                            target = buf[lo:hi]
+                            if self._staging:
+                                first, staged = self._staging[slot][plan.name]
+                                target = staged[c][lo - cm.numel(first):hi - cm.numel(first)]
                             future = pending.add(self.store.read_range_async(
                                 store_key(layer, plan.name, cm), lo * cm.dtype.itemsize, target))
                             reads.append((future, buf[lo:hi], target))
@@ -168,14 +192,13 @@ class TieredWeights:
             if self._stream is not None:
                 event = torch.cuda.Event()
                 event.record(self._stream)
+                if self._staging is not None:
+                    self._staging_free[slot] = event
                 return event
-            if self.cuda:
-                torch.cuda.current_stream(self.device).synchronize()
+            if self.cuda and self._staging is not None:
+                # Serial: the copies run on the compute stream, ordered with the layer's compute;
+                # only the staging buffers' reuse needs an event.
+                self._staging_free[slot] = torch.cuda.Event()
+                self._staging_free[slot].record(torch.cuda.current_stream(self.device))
         return None
 
-
-
-
-
-def _pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, pin_memory=True)

@@ -182,9 +182,11 @@ class ModelSpec:
 
     @property
     def largest_matrix_params(self) -> int:
-        """The biggest single matrix: what one dequantization buffer must hold."""
+        """The biggest single matrix as the engine fuses them (q/k/v one matrix; a gated MLP's gate
+        and up one [2 * ffn, hidden] matrix; one expert's): what one dequantization buffer must hold."""
         dense_ffn = self.ffn_size if self.sparse_layers < self.num_layers else 0
-        return self.hidden_size * max(dense_ffn, self.expert_ffn_size, self.shared_expert_ffn_size, self.q_dim)
+        ffn_out = (2 if self.ffn_kind == "gated" else 1) * max(dense_ffn, self.expert_ffn_size, self.shared_expert_ffn_size)
+        return self.hidden_size * max(ffn_out, self.q_dim + 2 * self.kv_dim)
 
     @property
     def ffn_activation_width(self) -> int:

@@ -1,14 +1,19 @@
-"""`quantized_linear(x, qweight, bias)`: `F.linear(x, dequantize(qweight), bias)`, fused on CUDA.
+"""`quantized_linear(x, qweight, bias)`: `F.linear(x, dequantize(qweight), bias)`, fused on CUDA where it pays.
 
 CPU (and any non-CUDA device): dequantize into a reused buffer, then `F.linear` - this is what the
 engine runs there for a weight in our own layout (a fresh allocation per call would cost more than
 the dequantization itself: page-faulting new memory runs at a fraction of copy speed). A weight
 in the CPU int4 kernel's layout (`Int4Packed`) goes to quant/int4pack.py: the kernel at few rows,
 the same reused buffer and `F.linear` at many.
-CUDA: a Triton kernel that reads the packed codes and dequantizes each tile in registers right
-before its `tl.dot`, so the fp16 weight never exists in memory; where Triton is missing or the
-layout is one the kernel does not cover, a `torch.compile`d dequantize + linear, which materialises
-the weight once. Triton and the compiler are imported lazily: the package imports without them.
+CUDA (`use_triton` is the rule): at few rows (decode) on sm_80+ a Triton kernel that reads the
+packed codes and dequantizes each tile in registers right before its `tl.dot`, so the fp16 weight
+never exists in memory and a decode reads 4 bits per weight instead of 16. Everywhere else - many
+rows (prefill is compute-bound: one dequantization then cuBLAS's tensor-core GEMM beats
+re-dequantizing each weight tile once per 64-row block), sm_75 (recent Triton has no tensor-core
+path there), no triton, or a layout the kernel does not cover - the same reused-buffer dequantize
++ `F.linear` as on the CPU. No `torch.compile` in the hot path: with static shapes it recompiled
+for every new token count (seconds each) until the recompile limit. Triton is imported lazily:
+the package imports without it.
 """
 from __future__ import annotations
 
@@ -39,15 +44,49 @@ def quantized_linear(x: torch.Tensor, qweight: QTensor | Int4Packed, bias: torch
             f"quantized_linear: x {tuple(x.shape)} does not match a weight of shape {qweight.shape} "
             "([out_features, in_features])"
         )
-    if x.device.type != "cuda":
-        return F.linear(x, dequantize(qweight, x.dtype, out=_scratch(qweight.shape, x.dtype, x.device)), bias)
-    if _triton_installed():
-        from quant import triton_kernels  # noqa: PLC0415 - lazy: imports triton
+    if x.device.type == "cuda":
+        if _triton_installed():
+            from quant import triton_kernels  # noqa: PLC0415 - lazy: imports triton
 
-        if triton_kernels.supports(x, qweight):
-            return triton_kernels.dequant_linear(x, qweight, bias)
-    return _compiled_dequant_linear()(x, qweight.data, qweight.scale, qweight.minimum, bias, qweight.layout,
-                                      qweight.config.bits, qweight.config.adjacent_pairs)
+            rows = x.numel() // max(1, x.shape[-1])
+            if use_triton(rows, _capability(x.device)) and triton_kernels.supports(x, qweight):
+                return triton_kernels.dequant_linear(x, qweight, bias)
+        out = _cuda_scratch(qweight.shape[0] * qweight.shape[1], x.dtype, x.device).view(qweight.shape)
+        return F.linear(x, dequantize(qweight, x.dtype, out=out), bias)
+    return F.linear(x, dequantize(qweight, x.dtype, out=_scratch(qweight.shape, x.dtype, x.device)), bias)
+
+
+def _cuda_scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`numel` values of ONE per-thread buffer per (dtype, device), grown to the largest weight seen:
+    linears run one after another on one stream, so the next one's dequantization is ordered after
+    the previous matmul read it. The gpu tier is charged one largest layer weight for it
+    (offload/memory.py, cuda_reserve_bytes)."""
+    buffers = getattr(_local, "cuda", None)
+    if buffers is None:
+        buffers = _local.cuda = {}
+    key = (dtype, device)
+    if key not in buffers or buffers[key].numel() < numel:
+        buffers.pop(key, None)  # freed before the larger one is allocated
+        with torch.inference_mode(False):
+            buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffers[key][:numel]
+
+
+# Rows up to which the fused kernel runs (decode passes and small prompt chunks). Above it a GEMM
+# is compute-bound and one dequantization (a few passes over the fp16 weight at HBM speed) costs
+# less than the kernel's per-64-row-block re-dequantization and its non-tensor-core-tuned tiles.
+TRITON_MAX_ROWS = 64
+TRITON_MIN_CAPABILITY = (8, 0)  # sm_80+: bf16 and fp16 tensor cores in Triton's tl.dot
+
+
+def use_triton(rows: int, capability: tuple[int, int] | None) -> bool:
+    """The dispatch rule: the fused Triton kernel for `rows` rows on a GPU of `capability`."""
+    return capability is not None and tuple(capability) >= TRITON_MIN_CAPABILITY and 0 < rows <= TRITON_MAX_ROWS
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 _local = threading.local()
@@ -85,11 +124,6 @@ def dequant_linear_reference(x, data, scale, minimum, bias, layout: GroupLayout,
     codes = codes.reshape(layout.num_groups, layout.group_size)  # [num_groups, group_size]
     values = codes.float() * scale.float()[:, None] + minimum.float()[:, None]
     return F.linear(x, layout.from_groups(values.to(x.dtype)), bias)
-
-
-@functools.cache
-def _compiled_dequant_linear():
-    return torch.compile(dequant_linear_reference, dynamic=False)
 
 
 @functools.cache

@@ -17,8 +17,13 @@ from quant.qtensor import QTensor
 _CPU_CHUNK_VALUES = 2**20  # values per chunk in `quantize` on CPU: 4 MiB fp32 temporaries
 
 
-def quantize(x: torch.Tensor, config: QuantConfig) -> QTensor:
-    """Quantize a floating tensor of any shape, on its own device, group-wise along `config.group_dim`."""
+def quantize(x: torch.Tensor, config: QuantConfig, *, nonfinite: torch.Tensor | None = None) -> QTensor:
+    """Quantize a floating tensor of any shape, on its own device, group-wise along `config.group_dim`.
+
+    Values whose group minimum or step do not fit fp16 (inf, NaN, huge) raise ValueError. On CUDA
+    that check is a host sync, so a hot path (KV stores) passes `nonfinite`, a bool scalar on x's
+    device that is OR-ed with "some group is not representable" and checked where the caller
+    syncs anyway (offload/kv_cache.py); on the CPU the check is always immediate."""
     if not x.dtype.is_floating_point:
         raise ValueError(f"quantize needs a floating tensor, got {x.dtype}")
     layout = GroupLayout.of(x.shape, config)
@@ -29,12 +34,14 @@ def quantize(x: torch.Tensor, config: QuantConfig) -> QTensor:
     # On CPU, chunks of many groups keep the fp32 temporaries small: they stay in cache and are
     # reused by the allocator instead of being page-faulted in afresh (several times the arithmetic
     # on a VM). On CUDA one launch per operation over the whole tensor is fastest.
-    rows_per_chunk = max(1, _CPU_CHUNK_VALUES // config.group_size) if x.device.type == "cpu" else layout.num_groups
+    # (max(1, ...): an empty tensor has no groups and range() refuses a step of 0.)
+    rows_per_chunk = max(1, _CPU_CHUNK_VALUES // config.group_size if x.device.type == "cpu" else layout.num_groups)
     for start in range(0, layout.num_groups, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
         _quantize_groups(groups[rows], config, scale[rows], minimum[rows], codes[rows])
-    if x.device.type != "cuda":
-        # On CUDA this would cost a host sync per call (KV is quantized on every store): skipped there.
+    if nonfinite is not None and x.device.type == "cuda":
+        nonfinite |= ~(torch.isfinite(scale).all() & torch.isfinite(minimum).all())  # no host sync
+    else:
         check_representable(scale, minimum)
     # 4 bits: each line of groups (all groups of one row along the group dimension) is packed on
     # its own, split halves within the line: any set of lines (a row range of a weight, the slots

@@ -2,9 +2,9 @@
 
 Imported (with triton) only by `quant.fused`, on a CUDA input where triton is installed. Covered
 layout: a 2-d weight `[N, K]` grouped along K (`group_dim=-1`), K a multiple of `group_size`,
-`group_size` a multiple of 16, x in fp16 / bf16. At 4 bits each weight row is packed on its own in
-split halves: byte `j` of row `n` holds code `(n, j)` (low nibble) and code `(n, j + K / 2)` (high
-nibble). A K-tile that divides both the group and `K / 2` lies in one half of the row and one group:
+`group_size` a multiple of 16, x in fp16 / bf16; quant/fused.py calls it only at few rows on
+sm_80+ (`use_triton`). At 4 bits each weight row is packed on its own in split halves: byte `j`
+of row `n` holds code `(n, j)` (low nibble) and code `(n, j + K / 2)` (high nibble). A K-tile that divides both the group and `K / 2` lies in one half of the row and one group:
 it is one contiguous byte tile and one shift.
 """
 import torch
@@ -42,14 +42,32 @@ def dequant_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None)
     num_tokens = x2d.shape[0]
     out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)  # [M, N]
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, 64))
+    block_n = block_n_for(out_features, triton.cdiv(num_tokens, block_m), _multiprocessors(x.device))
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, block_n))
     _dequant_matmul_kernel[grid](
         x2d, qweight.data, qweight.scale, qweight.minimum, bias if bias is not None else out, out,
         num_tokens, in_features, out_features, x2d.stride(0), out.stride(0),
         GROUP_SIZE=qweight.config.group_size, PACKED=qweight.config.bits == 4, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=_block_k(qweight),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(qweight),
     )
     return out.view(*x.shape[:-1], out_features)
+
+
+def block_n_for(out_features: int, row_blocks: int, multiprocessors: int) -> int:
+    """Weight rows per program: 64, or narrower until every SM has a program. At decode (one row
+    block) a fixed 64 left SMs idle on a 7168-wide output (112 programs for an H100's 132 SMs); 32
+    gives 224. The layer shapes of large models then fill the GPU without split-K; tl.dot needs
+    at least 16."""
+    for block_n in (64, 32):
+        if row_blocks * triton.cdiv(out_features, block_n) >= multiprocessors:
+            return block_n
+    return 16
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter (TRITON_INTERPRET=1, CPU tensors): any grid is fine
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

@@ -28,7 +28,7 @@ from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
 from offload.kv_cache import KVCompression, KVPool
-from offload.memory import MemoryTracker, TierBudget
+from offload.memory import MemoryTracker, TierBudget, dequant_scratch_bytes
 from offload.placement import weight_layout_tag
 from offload.tiered_weights import TieredWeights
 from policy_search.policy import TIERS, Policy
@@ -114,14 +114,32 @@ def resolve_device(device, check_available: bool = True) -> torch.device:
 
 
 def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Explicit dtype wins; else (None or "auto") fp16/bf16 on a GPU (as the checkpoint, fp16 for
-    fp32 ones) and on the CPU the dtype this machine computes fastest, fp32 unless a half dtype is
-    clearly faster (measured once per machine and cached: flexsarathi/machine/dtype_choice.py)."""
+    """Explicit dtype wins; else (None or "auto") a half dtype on a GPU (gpu_auto_dtype) and on the
+    CPU the dtype this machine computes fastest, fp32 unless a half dtype is clearly faster
+    (measured once per machine and cached: flexsarathi/machine/dtype_choice.py)."""
     if not is_auto(dtype):
         return parse_dtype(dtype, "LLM(dtype=...)")
     if device.type == "cuda":
-        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float16
+        return gpu_auto_dtype(checkpoint_dtype, cuda_capability(device))
     return cpu_compute_dtype()
+
+
+def gpu_auto_dtype(checkpoint_dtype: torch.dtype, capability: tuple[int, int] | None) -> torch.dtype:
+    """The checkpoint's half dtype (fp16 for fp32 ones), except bf16 below sm_80: a T4 (sm_75) has
+    no bf16 tensor cores (torch emulates it slowly) and Triton's bf16 `tl.dot` does not compile
+    there. capability None (unknown: a Ray driver planning for GPUs it does not have) keeps the
+    checkpoint's dtype; pass dtype="float16" for a cluster of older GPUs."""
+    if checkpoint_dtype == torch.bfloat16 and (capability is None or tuple(capability) >= (8, 0)):
+        return torch.bfloat16
+    return torch.float16
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of `device`, None where this process cannot see it."""
+    if not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(index)) if index < torch.cuda.device_count() else None
 
 
 @dataclass(frozen=True)
@@ -187,10 +205,13 @@ class LLMEngine:
         self.offload_dir = e.offload_dir or DEFAULT_OFFLOAD_DIR
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
-        self.memory = MemoryTracker(e.budget)
+        self.memory = MemoryTracker(e.budget, self.device)
         self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
                                              value_group=e.kv_value_group) if p.compress_kv else None)
         self.weights = self._place_weights()
+        if self.device.type == "cuda" and p.compress_weight:  # quant/fused.py's one dequantized weight
+            self.memory.reserve("gpu", dequant_scratch_bytes(self.model.layer_shapes(), self.dtype.itemsize),
+                                "dequantize scratch")
         self.kv_pools: dict[str, KVPool] = {}
         cuda = self.device.type == "cuda"
         self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,
@@ -224,7 +245,8 @@ class LLMEngine:
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
             tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch,
             pin_memory=p.pin_weight and self.device.type == "cuda",
-            disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io))
+            disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io,
+                                         pin_memory=self.device.type == "cuda"))
 
     def _offload_folder(self) -> str:
         try:
@@ -411,6 +433,8 @@ class LLMEngine:
         for (_, spans), mb_logits in zip(built, logits):
             mb_logits = mb_logits.cpu()
             outputs += [(span.item, mb_logits[span.offset:span.offset + span.count]) for span in spans]
+        for pool in self.kv_pools.values():  # CUDA's deferred inf/NaN check, after the sync above
+            pool.check_finite()
         return outputs
 
     def _pass_working_bytes(self, batches) -> int:

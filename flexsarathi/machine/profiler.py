@@ -323,7 +323,7 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
                **_measure_matmuls(device, dtype, shapes, log),
                **_measure_attention(device, dtype, shapes, prompt_len, decode_context, decode_seqs, log),
                **_measure_dequant_and_overhead(device, dtype, shapes, log)}
-    gpu_memory = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory()
+    gpu_memory = _free_device_memory(device) if cuda else _host_memory()
     return HardwareSpec(
         name=f"profile-{os.uname().nodename}", gpu_memory=gpu_memory, cpu_memory=_host_memory(),
         disk_memory=shutil.disk_usage(offload_dir).free, compute_on_host=not cuda, **figures,
@@ -331,6 +331,14 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
               f"{torch.get_num_threads()} threads, layer of {model.name if model else 'opt-1.3b'}, attention "
               f"on a {prompt_len}-token prompt and {decode_seqs} x {decode_context} decode tokens"
               + ("" if cuda else "; no CUDA: the gpu tier is host memory, compute on the host"))
+
+
+def _free_device_memory(device) -> int:
+    """What this process can still allocate on the GPU, not the card's total: the CUDA context and
+    other processes' memory are not ours to plan. The planner fills `memory_usable_fraction` of it;
+    the rest is the headroom for cuBLAS workspaces, Triton scratch and fragmentation."""
+    free, _ = torch.cuda.mem_get_info(device)  # read after this process's context exists
+    return int(free)
 
 
 def _measure_transfers(device, dtype, shapes, offload_dir: str, disk_bytes: int, log) -> dict:

@@ -66,10 +66,12 @@ def _fp32_heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
 # PyTorch's CPU flash-attention kernel (the one F.scaled_dot_product_attention uses on CPU),
 # called directly because it also returns the log-sum-exp that merging partial attentions needs.
 # It accumulates in fp32 for bf16/fp16 inputs, reads K/V strided (no copies), handles grouped-query
-# heads, and tiles the scores. It wins for prompt chunks and loses for decode rows (one query per
-# sequence), which therefore keep the matmul path (measured: docs/BENCHMARKS.md).
+# heads, and tiles the scores. Measured on 2 cores: 4.6x faster than the matmul path below for a
+# 256-row prompt chunk, but 2-3x slower for bf16 decode rows (one query per sequence), which
+# therefore keep the matmul path; fp32 decode rows take it too (0.27-0.70 of the matmul path's
+# time in four runs of scripts/bench_attention_lse.py, docs/GPU.md).
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_MIN_ROWS = 16  # query rows per sequence from which the flash kernel is used
+_FLASH_MIN_ROWS = 16  # half-precision query rows per sequence from which the flash kernel is used
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -86,7 +88,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     differently from the block being filled is attended as those two parts, then merged).
     Returns out [B, n, heads, d] in q's dtype and lse [B, n, heads] in fp32 (-inf where a row sees
     no key, which only happens for a partial context; its output is then 0).
-    kernel: "auto" (flash for prompt chunks on the CPU, matmuls otherwise), "flash" or "matmul".
+    kernel: "auto" (on the CPU flash for fp32 and for half-precision prompt chunks, matmuls
+    otherwise), "flash" or "matmul".
     """
     n, length = q.shape[1], k.shape[1]
     key_pos = torch.arange(length, device=q.device) + (
@@ -105,8 +108,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         return mask
 
     if kernel == "auto":
-        use_flash = (_FLASH is not None and q.device.type == "cpu" and n >= _FLASH_MIN_ROWS
-                     and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+        use_flash = (_FLASH is not None and q.device.type == "cpu"
+                     and (q.dtype == torch.float32 or (n >= _FLASH_MIN_ROWS and q.dtype in (torch.bfloat16, torch.float16))))
         kernel = "flash" if use_flash else "matmul"
     if kernel == "flash":
         return _attend_flash(q, k, v, visible(0, n), scale)

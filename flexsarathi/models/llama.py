@@ -10,7 +10,16 @@ from flexsarathi.models.layers import apply_rope, linear, rms_norm, rope_inv_fre
 class LlamaMath(ModelMath):
     def __init__(self, config):
         super().__init__(config)
-        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)  # [head_dim / 2] fp32, CPU
+        # One copy per device, made once: `inv_freq.to(cuda)` in every layer would be two blocking
+        # host-to-device copies per layer and micro-batch (each waits for all queued compute).
+        self._inv_freq_on = {self.inv_freq.device: self.inv_freq}
+
+    def inv_freq_on(self, device):
+        if device not in self._inv_freq_on:
+            # non_blocking: no stream sync (the source lives on in self.inv_freq)
+            self._inv_freq_on[device] = self.inv_freq.to(device, non_blocking=True)
+        return self._inv_freq_on[device]
 
     def global_shapes(self):
         c = self.config
@@ -68,7 +77,8 @@ class LlamaMath(ModelMath):
     def qkv(self, w: Weights, hidden, positions):
         x = rms_norm(hidden, w["attn_norm.weight"], self.config.norm_eps)
         q, k, v = self._split_qkv(linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")))
-        return apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq), v
+        inv_freq = self.inv_freq_on(q.device)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def post_attention(self, w: Weights, hidden, attn):
         hidden = hidden + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))

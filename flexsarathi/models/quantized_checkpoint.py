@@ -56,7 +56,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
     def describe(self) -> SourceDescription:
         kinds = []
         for name, config in self.formats.items():
-            scheme = self._scheme(self.math.hf_layer_names(0)[name][0])
+            scheme = self._scheme(self.model.hf_layer_names(0)[name][0])
             source = f"{scheme.describe()} ({self.method.name})" if scheme else str(self.config.checkpoint_dtype)
             how = ("requantized once at placement (act-order g_idx), error measured" if name in self.act_order
                    else "codes kept exactly" if config else "as is")
@@ -103,8 +103,8 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
 
     def _validate_shapes(self) -> None:
         """Every weight's [out, in] from the headers (packed or not) against config.json."""
-        groups = [(self.math.hf_global_names(), self.math.global_shapes())]
-        groups += [(self.math.hf_layer_names(i), self.math.layer_shapes()) for i in range(self.config.num_layers)]
+        groups = [(self.model.hf_global_names(), self.model.global_shapes())]
+        groups += [(self.model.hf_layer_names(i), self.model.layer_shapes()) for i in range(self.config.num_layers)]
         for names, shapes in groups:
             for canonical, parts in names.items():
                 want = list(shapes[canonical])
@@ -136,10 +136,10 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         """Per canonical 2-D layer weight: the engine format every layer's copy is stored in (one
         scheme across its parts and layers), and the kinds whose act-order needs a conversion."""
         formats, act_order = {}, set()
-        for name, shape in self.math.layer_shapes().items():
+        for name, shape in self.model.layer_shapes().items():
             if len(shape) != 2:
                 continue
-            seen = {self._scheme(hf) for i in range(self.config.num_layers) for hf in self.math.hf_layer_names(i)[name]}
+            seen = {self._scheme(hf) for i in range(self.config.num_layers) for hf in self.model.hf_layer_names(i)[name]}
             if len(seen) != 1:
                 raise CheckpointError(f"{self.folder}: the parts of {name} are stored in different formats "
                                       f"({', '.join(s.describe() if s else 'floats' for s in seen)}); one "
@@ -153,7 +153,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
                 raise CheckpointError(f"{self.folder}: {name} has {shape[1]} input features, not a multiple of "
                                       f"the group size {group}")
             if any(self._has_act_order(hf, group) for i in range(self.config.num_layers)
-                   for hf in self.math.hf_layer_names(i)[name]):
+                   for hf in self.model.hf_layer_names(i)[name]):
                 act_order.add(name)
             exact_min = scheme.symmetric or name in act_order  # requantized groups: fp16 min-max
             pairs = scheme.bits == 4 and name not in act_order  # codes kept as the checkpoint's bytes

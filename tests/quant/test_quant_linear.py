@@ -83,3 +83,14 @@ def test_triton_kernel_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_grid_gives_every_sm_a_program_where_the_output_allows():
+    from quant.triton_kernels import block_n_for
+
+    assert block_n_for(7168, 1, 132) == 32  # OPT-30B hidden at decode on an H100: 224 programs
+    assert block_n_for(28672, 1, 132) == 64  # fc1: 448 programs at 64 already
+    assert block_n_for(1024, 1, 132) == 16  # narrow outputs go to the kernel's smallest tile
+    assert block_n_for(8192, 1, 132) == 32 and block_n_for(8192, 1, 108) == 64  # H100, A100
+    assert block_n_for(7168, 4, 132) == 64  # 64 rows in 16-row blocks: 448 programs

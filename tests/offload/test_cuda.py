@@ -1,0 +1,171 @@
+"""What only a GPU can show (issue 28; docs/GPU.md lists these with what each shows). Every test is
+marked `gpu` and skips without CUDA; the CPU-side halves of the same rules are in
+tests/offload/test_device_discipline.py and tests/flexsarathi/test_gpu_rules.py."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexsarathi import LLM, SamplingParams
+from flexsarathi.engine.llm_engine import resolve_dtype
+from offload.executor import PassExecutor
+from policy_search import Policy
+from quant import QuantConfig, dequantize, quantize, quantized_linear
+from tests.offload.test_policy_matrix import BASE, CASES, COMPRESSED_CASES, _prompts
+from tests.prompt_logits import prompt_logits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _llm(folder, policy: Policy, tmp_path, device: str = "cuda", dtype: str = "float32") -> LLM:
+    return LLM(folder, dtype=dtype, device=device, policy=policy, offload_dir=str(tmp_path / "offload"),
+               kv_block_size=8)
+
+
+def _tokens(llm: LLM, prompts) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+# ---- no host sync inside the layer loop -------------------------------------------------------
+SYNC_FREE = {  # placements whose layer loop must not wait for the GPU (cpu_attention must: it needs q)
+    "all_on_device": dict(),
+    "streamed_weights_kv_and_activations_on_the_host": dict(w_gpu=0.2, w_cpu=0.4, w_disk=0.4, kv_gpu=0.5,
+                                                            kv_cpu=0.5, act_gpu=0.5, act_cpu=0.5, num_gpu_batches=2),
+    "compressed_kv_split": dict(kv_gpu=0.5, kv_cpu=0.5, compress_kv=True, num_gpu_batches=2),
+}
+
+
+@pytest.mark.parametrize("case", list(SYNC_FREE))
+def test_the_layer_loop_makes_no_host_sync(tiny_checkpoint, tmp_path, monkeypatch, case):
+    """set_sync_debug_mode("error") around every layer of every pass (loads, compute, stores and the
+    prefetches running meanwhile, on every thread): a stream synchronize, a blocking copy, .item(),
+    nonzero() or a boolean mask on a CUDA tensor raises. The tokens are those of a run without it."""
+    folder = tiny_checkpoint("llama_deep")[0]
+    policy = Policy(**{**BASE, **SYNC_FREE[case]})
+    prompts = _prompts(128)
+    expected = _tokens(_llm(folder, policy, tmp_path / "plain"), prompts)
+    original = PassExecutor._run_layer
+
+    def checked(self, *args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(self, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(PassExecutor, "_run_layer", checked)
+    assert _tokens(_llm(folder, policy, tmp_path / "checked"), prompts) == expected
+
+
+# ---- every placement with CUDA compute gives the all-on-device tokens ---------------------------
+@pytest.fixture(scope="module")
+def cuda_references(tiny_checkpoint, tmp_path_factory):
+    cache = {}
+
+    def get(model: str, compressed: bool):
+        if (model, compressed) not in cache:
+            folder = tiny_checkpoint(model)[0]
+            prompts = _prompts(128)
+            llm = _llm(folder, Policy(**BASE, compress_weight=compressed, compress_kv=compressed),
+                       tmp_path_factory.mktemp("ref"))
+            cache[(model, compressed)] = folder, prompts, _tokens(llm, prompts), prompt_logits(llm, prompts[:3])
+        return cache[(model, compressed)]
+
+    return get
+
+
+def _check_placement(cuda_references, model, compressed, case, tmp_path):
+    folder, prompts, ref_tokens, ref_logits = cuda_references(model, compressed)
+    llm = _llm(folder, Policy(**{**BASE, **CASES[case], "compress_weight": compressed,
+                                 "compress_kv": compressed}), tmp_path)
+    assert _tokens(llm, prompts) == ref_tokens
+    for got, ref in zip(prompt_logits(llm, prompts[:3]), ref_logits):
+        torch.testing.assert_close(got, ref, atol=1e-3 if compressed else 1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("model", ["opt_deep", "llama_deep"])
+@pytest.mark.parametrize("case", list(CASES))  # cpu attention among them (kv_*_cpu_attention, everything_off_gpu)
+def test_every_placement_on_cuda_gives_the_all_on_device_tokens(cuda_references, model, case, tmp_path):
+    _check_placement(cuda_references, model, False, case, tmp_path)
+
+
+@pytest.mark.parametrize("model", ["opt_deep", "llama_deep"])
+@pytest.mark.parametrize("case", COMPRESSED_CASES)
+def test_every_compressed_placement_on_cuda_gives_the_all_on_device_tokens(cuda_references, model, case, tmp_path):
+    _check_placement(cuda_references, model, True, case, tmp_path)
+
+
+# ---- the Triton kernel at large models' layer shapes ------------------------------------------
+LAYER_SHAPES = {  # [out_features, in_features] as the engine fuses them
+    "opt-30b": {"qkv": (3 * 7168, 7168), "out": (7168, 7168), "fc1": (28672, 7168), "fc2": (7168, 28672)},
+    "llama-2-70b": {"qkv": (8192 + 2 * 1024, 8192), "o": (8192, 8192), "gate_up": (2 * 28672, 8192),
+                    "down": (8192, 28672)},
+}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("model", list(LAYER_SHAPES))
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_triton_kernel_at_large_layer_shapes_matches_dequantize_then_matmul(model, rows):
+    """fp16, 4-bit group 64 (the weight format): the kernel (and quantized_linear, which picks it
+    at these rows on sm_80+) against dequantize + fp32 matmul."""
+    from quant import triton_kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (out_features, in_features) in LAYER_SHAPES[model].items():
+        weight = (torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02).half()
+        q = quantize(weight, QuantConfig(bits=4, group_size=64, group_dim=-1))
+        del weight
+        x = torch.randn(rows, in_features, device="cuda", generator=gen).half()
+        expected = F.linear(x.float(), dequantize(q, torch.float32))
+        assert triton_kernels.supports(x, q), name
+        torch.testing.assert_close(triton_kernels.dequant_linear(x, q, None).float(), expected, rtol=1e-2, atol=5e-2)
+        torch.testing.assert_close(quantized_linear(x, q).float(), expected, rtol=1e-2, atol=5e-2)
+
+
+# ---- pinned host memory is what the tracker counts --------------------------------------------
+def test_pinned_host_bytes_are_what_the_tracker_counts(tiny_checkpoint, tmp_path):
+    """cpu-tier weights, the KV pool and the disk weights' staging are page-locked (is_pinned) at
+    exactly their bytes (cudaHostRegister, no power-of-two rounding), and those bytes are the
+    tracker's cpu-tier reservations for them."""
+    folder = tiny_checkpoint("llama_deep")[0]
+    policy = Policy(**BASE, w_gpu=0.2, w_cpu=0.4, w_disk=0.4, kv_gpu=0.0, kv_cpu=1.0, act_gpu=0.5, act_cpu=0.5)
+    llm = _llm(folder, policy, tmp_path)
+    _tokens(llm, _prompts(128))
+    engine = llm.engine
+    weights, placed = engine.weights, engine.weights.placed
+    cpu_pieces = [t for layer in range(weights.num_layers) for plan in weights.plan.tensors
+                  for i, piece in enumerate(plan.pieces) if piece.tier == "cpu"
+                  for t in placed.pieces[layer][(plan.name, i)]]
+    staging = [t for slot in weights._staging for _, buffers in slot.values() for t in buffers]
+    pool = engine.kv_pools["cpu"]
+    assert all(t.is_pinned() for t in cpu_pieces + staging + [pool.k, pool.v])
+    by_what = engine.memory.in_use_by_what("cpu")
+    assert sum(t.nbytes for t in cpu_pieces) == by_what["weights (cpu tier)"]
+    assert sum(t.nbytes for t in staging) == by_what["weight staging (pinned)"]
+    assert pool.nbytes == by_what["KV cache"]
+    assert engine.activations.pinned_bytes > 0
+
+
+# ---- the engine's device, not the current one -------------------------------------------------
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_engine_on_cuda1_leaves_cuda0_untouched(tiny_checkpoint, tmp_path):
+    """Worker threads and the pass run on the engine's device: nothing is allocated on cuda:0
+    (the current device of every thread by default), and the tokens are cuda:0's."""
+    folder = tiny_checkpoint("llama_deep")[0]
+    policy = Policy(**BASE, w_gpu=0.5, w_cpu=0.5, kv_gpu=0.5, kv_cpu=0.5, num_gpu_batches=2)
+    prompts = _prompts(128)
+    torch.cuda.reset_peak_memory_stats(0)
+    before = torch.cuda.max_memory_allocated(0)
+    on_one = _tokens(_llm(folder, policy, tmp_path / "one", device="cuda:1"), prompts)
+    assert torch.cuda.max_memory_allocated(0) == before
+    assert on_one == _tokens(_llm(folder, policy, tmp_path / "zero", device="cuda:0"), prompts)
+
+
+def test_auto_dtype_on_this_gpu_has_tensor_cores_for_it():
+    bf16_ok = torch.cuda.get_device_capability() >= (8, 0)
+    assert resolve_dtype(None, torch.bfloat16, torch.device("cuda")) == (torch.bfloat16 if bf16_ok else torch.float16)
