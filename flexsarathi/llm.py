@@ -5,48 +5,21 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Iterator, Sequence as Seq
 
-import torch
 from tqdm.auto import tqdm
 
-from quant.config import WEIGHT_QUANT
-from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput, resolve_device, resolve_dtype
+from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from flexsarathi.errors import FlexSarathiError
-from flexsarathi.models.opened_model import OpenedModel
+from flexsarathi.models.opened_model import OpenedModel, open_model
+from flexsarathi.engine.planner_spec import planned_model
 from flexsarathi.engine.sampling import SamplingParams
 from offload.memory import TierBudget
 from policy_search.policy import Policy
-from policy_search.quant_format import KV_FORMAT, KVFormat, WeightFormat
 
 Prompt = str | list[int]
-
-
-def planner_model_spec(model: str, dtype=None, kv_block_size: int | None = None,
-                       weight_quant=WEIGHT_QUANT, kv_bits: int = KV_FORMAT.bits,
-                       kv_value_group: int = KV_FORMAT.value_group):
-    """The planner's ModelSpec of `model` as LLMEngine runs it: the engine's compute dtype on the
-    default device and its weight and KV compression formats."""
-    from policy_search import ModelSpec
-
-    from flexsarathi.models.quantized_checkpoint import prequantized_weight_format
-
-    compute = resolve_dtype(dtype, torch.float16, resolve_device(None))  # either half dtype: 2 bytes
-    if model.endswith(".gguf"):  # the config its metadata implies
-        from flexsarathi.models.gguf_file import hf_config, open_gguf
-        spec = ModelSpec.from_config(hf_config(open_gguf(model)), name=os.path.basename(model),
-                                     bytes_per_value=compute.itemsize)
-    else:
-        spec = ModelSpec.from_name(model, bytes_per_value=compute.itemsize)
-    # A pre-quantized checkpoint is stored in its own format (the bytes the engine streams).
-    weight_format = prequantized_weight_format(model) or WeightFormat(weight_quant.bits, weight_quant.group_size)
-    return dataclasses.replace(
-        spec,
-        weight_format=weight_format,
-        kv_format=KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group))
 
 
 class LLM:
@@ -69,9 +42,11 @@ class LLM:
 
             spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
         if policy == "auto":
+            if opened is None and os.path.exists(model):
+                opened = open_model(model)  # once: the search reads its config, the engine its weights
             formats = {k: v for k, v in engine_options.items() if k in ("weight_quant", "kv_bits", "kv_value_group")}
             formats["kv_block_size"] = kv_block_size
-            policy = self.search_policy(model, spec, workload, dtype, formats=formats)
+            policy = self.search_policy(opened or model, spec, workload, dtype, device=device, formats=formats)
         elif isinstance(policy, str):
             policy = Policy.load(policy)
         policy = policy or Policy()
@@ -86,21 +61,18 @@ class LLM:
         self.last_stats: dict = {}
 
     @staticmethod
-    def search_policy(model: str, hardware, workload, dtype, formats: dict | None = None,
+    def search_policy(model: str | OpenedModel, hardware, workload, dtype, device=None, formats: dict | None = None,
                       **constraints) -> Policy:
         """policy_search's best policy for this model, hardware and workload (constraints: see
-        policy_search.search, e.g. scheduler="block"; formats: planner_model_spec's options)."""
+        policy_search.search, e.g. scheduler="block"; formats: planned_model's options)."""
         from policy_search import Workload, search
 
         if hardware is None:
             raise FlexSarathiError('policy="auto" needs hardware= (a preset such as "t4", or a profile '
                                    'written by `flexsarathi profile`)')
-        spec = planner_model_spec(model, dtype, **(formats or {}))
-        from flexsarathi.models.quantized_checkpoint import prequantized_weight_format
-
-        if prequantized_weight_format(model) is not None:
-            constraints.setdefault("compress_weight", True)  # its codes are stored as they are
-        policy, _ = search(spec, hardware, workload or Workload(prompt_len=512, gen_len=32), **constraints)
+        planned = planned_model(model, dtype, device=device, **(formats or {}))
+        policy, _ = search(planned.spec, hardware, workload or Workload(prompt_len=512, gen_len=32),
+                           **planned.search_constraints(constraints))
         return policy
 
     def close(self) -> None:

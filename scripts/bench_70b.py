@@ -70,7 +70,7 @@ from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.models.checkpoint import DummyWeights  # noqa: E402
 from flexsarathi.cli.engine_args import describe_policy  # noqa: E402
 from quant.config import WEIGHT_QUANT  # noqa: E402
-from flexsarathi.llm import planner_model_spec  # noqa: E402
+from flexsarathi.engine.planner_spec import planner_model_spec  # noqa: E402
 from offload.disk_store import DiskStore  # noqa: E402
 from policy_search import HardwareSpec, Workload, search  # noqa: E402
 from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402

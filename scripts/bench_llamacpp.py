@@ -71,7 +71,7 @@ from bench_offload import (MemoryGroup, Rates, cpu_seconds, drop_cache_of, machi
                            measure_disk_buffered, measure_matmul, release_free_memory)
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
-from flexsarathi.llm import planner_model_spec  # noqa: E402
+from flexsarathi.engine.planner_spec import planner_model_spec  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from policy_search import Policy  # noqa: E402

@@ -1,7 +1,7 @@
 """`flexsarathi inspect --model PATH`: what a checkpoint is, in a few lines: its format, the
 quantization of each layer tensor kind, its bytes, and what the engine will store.
 
-Any weight source works (open_weight_source): a source that describes itself (`describe()` ->
+Any weight source works (opened_model.open_model): a source that describes itself (`describe()` ->
 flexsarathi/models/prequantized.SourceDescription: pre-quantized HF folders, and GGUF files once
 their reader implements it) is printed as it says; other sources (full-precision safetensors,
 dummy:<name>) get a description from their shapes and dtype. Reads headers only (and GPTQ's small
@@ -22,18 +22,18 @@ from policy_search.units import fmt_bytes
 def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("inspect", help="what a checkpoint is: format, quantization, bytes, what is stored",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint folder or dummy:<name>")
+    p.add_argument("--model", required=True, help="checkpoint folder, .gguf file or dummy:<name>")
     add_dtype_arg(p)
     p.set_defaults(func=run_inspect)
     return p
 
 
 def run_inspect(args) -> int:
-    from flexsarathi.models.checkpoint import open_weight_source
     from flexsarathi.machine.dtype_choice import is_auto
     from flexsarathi.models.model_config import parse_dtype
+    from flexsarathi.models.opened_model import open_model
 
-    source = open_weight_source(args.model)
+    source = open_model(args.model).source
     dtype = torch.float16 if is_auto(args.dtype) else parse_dtype(args.dtype, "--dtype")
     for line in inspect_lines(args.model, source, dtype):
         print(line)
@@ -53,7 +53,7 @@ def describe_source(source) -> SourceDescription:
     codes = getattr(source, "codes", None)  # dummy weights drawn as codes
     kinds = tuple(TensorKind(name, f"{codes.bits}-bit codes drawn" if codes else dtype, None,
                              "quantized by the engine when the policy compresses weights")
-                  for name, shape in source.math.layer_shapes().items() if len(shape) == 2)
+                  for name, shape in source.model.layer_shapes().items() if len(shape) == 2)
     fmt = "dummy" if folder is None else "safetensors"
     return SourceDescription(fmt, f"{dtype}, full precision", kinds, files)
 
@@ -67,7 +67,7 @@ def inspect_lines(model: str, source, dtype: torch.dtype) -> list[str]:
     lines = [f"model: {model}: {c.model_type}, {c.num_layers} layers, hidden {c.hidden_size}, "
              f"{c.num_heads} heads ({c.num_kv_heads} KV), vocab {c.vocab_size}",
              f"format: {d.format}: {d.detail}{files}"]
-    shapes = source.math.layer_shapes()
+    shapes = source.model.layer_shapes()
     for kind in d.kinds:
         stored = describe_config(kind.stored) if kind.stored else str(dtype).removeprefix("torch.")
         lines.append(f"  {kind.name} {list(shapes[kind.name])}: {kind.source_type} -> {stored} ({kind.conversion})")
@@ -75,7 +75,7 @@ def inspect_lines(model: str, source, dtype: torch.dtype) -> list[str]:
                            fractions=(1.0, 0.0, 0.0), overlap=False, prefetch=1)
     layer = sum(p.shape[0] * p.row_bytes for p in plan.tensors)
     values = sum(p.shape[0] * p.shape[1] for p in plan.tensors)
-    globals_bytes = sum(torch.Size(s).numel() for s in source.math.global_shapes().values()) * dtype.itemsize
+    globals_bytes = sum(torch.Size(s).numel() for s in source.model.global_shapes().values()) * dtype.itemsize
     lines.append(f"engine stores: layer weights {fmt_bytes(layer * c.num_layers)} ({8 * layer / values:.2f} bits "
                  f"per weight; {fmt_bytes(layer)} streamed per layer and pass when offloaded), norms and biases "
                  f"{fmt_bytes(plan.small_bytes)}, embeddings and head {fmt_bytes(globals_bytes)} "

@@ -7,15 +7,14 @@ A thin layer over `policy_search` (the planner); registered by flexsarathi/cli/m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from flexsarathi.cli.engine_args import add_dtype_arg
 from flexsarathi.cli.file_checks import check_output_file
-from policy_search import (HardwareSpec, InfeasibleError, ModelSpec, Policy, PolicyError, SpecError,
+from policy_search import (HardwareSpec, InfeasibleError, Policy, PolicyError, SpecError,
                            Workload, estimate, format_report, search_detailed, write_policy_file)
 from policy_search.hardware import PRESETS
-from policy_search.hf_config import DTYPE_BYTES, dtype_name
+from policy_search.hf_config import dtype_name
 from policy_search.units import GiB
 
 
@@ -56,49 +55,33 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _specs(args) -> tuple[ModelSpec, HardwareSpec, Workload]:
+def _specs(args):
+    """(PlannedModel, HardwareSpec, Workload) of the arguments."""
+    from flexsarathi.engine.planner_spec import planned_model
+    from flexsarathi.machine.dtype_choice import is_auto
+
     hardware = HardwareSpec.resolve(args.hardware)
     hardware = hardware.with_memory(**{tier: None if value is None else value * GiB for tier, value in (
         ("gpu", args.gpu_mem), ("cpu", args.cpu_mem), ("disk", args.disk_mem))})
-    model = ModelSpec.from_name(args.model, bytes_per_value=_bytes_per_value(args.dtype, hardware))
-    stored = checkpoint_format(args.model)  # a pre-quantized checkpoint is stored as it is: priced so
-    if stored is not None:
-        model = dataclasses.replace(model, weight_format=stored)
+    if not is_auto(args.dtype):
+        dtype_name(args.dtype, "--dtype")  # a bad name is one error naming the flag
+    # The engine's dtype on the planned machine (auto: a half dtype on a GPU, this machine's measured
+    # choice on a CPU profile), not on this one; a pre-quantized checkpoint priced in its own format.
+    planned = planned_model(args.model, args.dtype, device="cpu" if hardware.compute_on_host else "cuda")
     if args.workload:
         workload = Workload.from_file(args.workload, num_requests=args.num_requests)
     else:
         workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len,
                             num_requests=args.num_requests)
-    return model, hardware, workload
-
-
-def checkpoint_format(model: str):
-    """A pre-quantized checkpoint's own weight format, None for other models."""
-    from flexsarathi.models.quantized_checkpoint import prequantized_weight_format
-
-    return prequantized_weight_format(model)
-
-
-def _bytes_per_value(dtype, hardware: HardwareSpec) -> int:
-    """Bytes per value in the dtype the engine computes in on `hardware`: --dtype where given; auto
-    on a GPU a half dtype (2), on a CPU profile (`compute_on_host`, measured on this machine) this
-    machine's measured choice: fp32 (4) where bf16 matmuls are slow, as on AVX2-only CPUs."""
-    import torch
-
-    from flexsarathi.machine.dtype_choice import is_auto
-    from flexsarathi.engine.llm_engine import resolve_dtype
-
-    if not is_auto(dtype):
-        return DTYPE_BYTES[dtype_name(dtype, "--dtype")]
-    target = torch.device("cpu" if hardware.compute_on_host else "cuda")  # the planned machine's, not this one's
-    return resolve_dtype(None, torch.float16, target).itemsize  # the engine's rule; either half dtype: 2
+    return planned, hardware, workload
 
 
 def run_policy(args) -> int:
     if args.json:
         check_output_file(args.json, "--json")  # before the search, not after it
     try:
-        model, hardware, workload = _specs(args)
+        planned, hardware, workload = _specs(args)
+        model = planned.spec
         if args.policy:
             policy = Policy.load(args.policy)
             est = estimate(policy, model, hardware, workload)
@@ -112,9 +95,7 @@ def run_policy(args) -> int:
                 ("routed_expert_reads", args.routed_expert_reads), ("cpu_experts", args.cpu_experts),
                 ("gpu_batch_size", args.gpu_batch_size), ("num_gpu_batches", args.num_gpu_batches))
                 if value is not None}
-            if checkpoint_format(args.model) is not None:
-                constraints.setdefault("compress_weight", True)  # its codes are stored as they are
-            result = search_detailed(model, hardware, workload, **constraints)
+            result = search_detailed(model, hardware, workload, **planned.search_constraints(constraints))
             policy, est = result.policy, result.estimate
             print(format_report(policy, est, model, hardware, workload))
             print()

@@ -30,7 +30,7 @@ class WeightSource(ABC):
     """Canonical weights of one model, read one layer at a time."""
 
     config: ModelConfig
-    math: ModelMath
+    model: ModelMath  # the family's math, built from config
 
     @property
     @abstractmethod
@@ -48,21 +48,6 @@ class WeightSource(ABC):
         (None: the compute dtype), stored by the engine as they are (flexsarathi/models/prequantized.py).
         None: full-precision weights, quantized by the engine with its own format when asked to."""
         return None
-
-
-def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSource:
-    """`model` is a checkpoint folder or `dummy:<name>` (see policy_search.model_registry; a `.gguf`
-    file is opened by opened_model.open_model); codes:
-    a dummy model's layer matrices drawn directly in that quantized format (DummyWeights)."""
-    if model.startswith(DUMMY_PREFIX):
-        return DummyWeights(model[len(DUMMY_PREFIX):], codes=codes)
-    if codes is not None:
-        raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
-    from flexsarathi.models.quantized_checkpoint import QuantizedCheckpoint, read_quantization_config
-
-    if read_quantization_config(model) is not None:  # GPTQ, AWQ, compressed-tensors
-        return QuantizedCheckpoint(model)
-    return SafetensorsCheckpoint(model)
 
 
 class SafetensorsCheckpoint(WeightSource):

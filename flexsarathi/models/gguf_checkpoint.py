@@ -45,7 +45,7 @@ class GGUFCheckpoint(WeightSource):
         self._validate()
         if "rope_freqs.weight" in self.gguf.tensors:  # llama3-style scaling as llama.cpp stores it
             factors = to_float(*self._raw("rope_freqs.weight")).float()
-            self.model.inv_freq = self.model.inv_freq / factors
+            self.model.divide_rope_frequencies(factors)
 
     @property
     def fingerprint(self) -> str:

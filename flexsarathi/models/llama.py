@@ -1,6 +1,7 @@
 """LLaMA family (llama, mistral, qwen2): RMSNorm, SwiGLU, RoPE, grouped-query attention."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from flexsarathi.models.base import ModelMath, Weights
@@ -14,6 +15,11 @@ class LlamaMath(ModelMath):
         # One copy per device, made once: `inv_freq.to(cuda)` in every layer would be two blocking
         # host-to-device copies per layer and micro-batch (each waits for all queued compute).
         self._inv_freq_on = {self.inv_freq.device: self.inv_freq}
+
+    def divide_rope_frequencies(self, factors: torch.Tensor) -> None:
+        """Per-frequency scaling given as a tensor (llama.cpp's `rope_freqs.weight`) [head_dim / 2]."""
+        self.inv_freq = self.inv_freq / factors
+        self._inv_freq_on = {self.inv_freq.device: self.inv_freq}  # copies of the old values dropped
 
     def inv_freq_on(self, device):
         if device not in self._inv_freq_on:

@@ -1,10 +1,14 @@
-"""A model opened once per job: its weight source and its tokenizer, shared by whoever needs them
-(the CLI reads the tokenizer and the weights' fingerprint before it builds the engine)."""
+"""Opening a model: the one place that tells model kinds apart (a checkpoint folder, pre-quantized or
+not, a `.gguf` file, `dummy:<name>`) and opens its weight source and tokenizer once per job, shared
+by whoever needs them (the CLI reads the tokenizer and the weights' fingerprint before it builds the
+engine; the planner reads the config)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexsarathi.models.checkpoint import WeightSource, open_weight_source
+from flexsarathi.errors import CheckpointError
+from flexsarathi.models.checkpoint import DUMMY_PREFIX, DummyWeights, SafetensorsCheckpoint, WeightSource
+from flexsarathi.models.quantized_checkpoint import QuantizedCheckpoint, read_quantization_config
 from flexsarathi.models.tokenizer import Tokenizer, load_tokenizer
 from quant import QuantConfig
 
@@ -24,3 +28,15 @@ def open_model(model: str, codes: QuantConfig | None = None) -> OpenedModel:
         return OpenedModel(model, GGUFCheckpoint(model), load_gguf_tokenizer(model))
     source = open_weight_source(model, codes=codes)
     return OpenedModel(model, source, load_tokenizer(model, source.config), codes)
+
+
+def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSource:
+    """The weights alone of a checkpoint folder or `dummy:<name>` (see policy_search.model_registry);
+    codes: a dummy model's layer matrices drawn directly in that quantized format (DummyWeights)."""
+    if model.startswith(DUMMY_PREFIX):
+        return DummyWeights(model[len(DUMMY_PREFIX):], codes=codes)
+    if codes is not None:
+        raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
+    if read_quantization_config(model) is not None:  # GPTQ, AWQ, compressed-tensors
+        return QuantizedCheckpoint(model)
+    return SafetensorsCheckpoint(model)

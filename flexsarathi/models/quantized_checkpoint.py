@@ -25,7 +25,6 @@ from flexsarathi.models.prequantized import (ConversionLog, SourceDescription, T
 from flexsarathi.models.safetensors_pread import PreadReader
 from flexsarathi.models.quantized_formats import TENSORS, ModuleCodes, QuantMethod, Scheme, packed_shape, \
     parse_quantization_config
-from policy_search.quant_format import WeightFormat
 from quant import QuantConfig
 
 
@@ -210,21 +209,3 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         weights = super().layer_weights(layer, dtype)
         self.log.layer_done(layer)
         return weights
-
-
-def prequantized_weight_format(model: str) -> WeightFormat | None:
-    """The format the planner prices for a pre-quantized checkpoint (any source whose
-    `quantized_formats()` is a dict: an HF folder with a quantization_config, a GGUF file once its
-    reader implements it): that of its largest quantized tensor kind (channel-wise: one group per
-    row of that kind); None for any other model (full precision, dummy:<name>, a registered name)."""
-    if not os.path.exists(model) or (os.path.isdir(model) and read_quantization_config(model) is None):
-        return None
-    from flexsarathi.models.checkpoint import open_weight_source
-
-    source = open_weight_source(model)
-    formats, shapes = source.quantized_formats() or {}, source.math.layer_shapes()
-    quantized = [(shapes[n][0] * shapes[n][1], c) for n, c in formats.items() if c is not None]
-    if not quantized:
-        return None
-    config = max(quantized, key=lambda pair: pair[0])[1]
-    return WeightFormat(config.bits, config.group_size, config.minimum_bytes)

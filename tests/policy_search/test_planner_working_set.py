@@ -4,7 +4,7 @@ K/V context the executor really gathers onto the compute device stays within wha
 import pytest
 
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine
-from flexsarathi.llm import planner_model_spec
+from flexsarathi.engine.planner_spec import planner_model_spec
 from flexsarathi.engine.sampling import SamplingParams
 from offload import executor as executor_module
 from offload.executor import PassExecutor

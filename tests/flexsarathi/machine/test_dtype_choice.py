@@ -95,7 +95,7 @@ def test_llm_auto_follows_the_cached_choice(cache_dir, tiny_checkpoint):
 
 def test_cli_and_planner_follow_the_cached_choice(cache_dir, tiny_checkpoint, capsys):
     from flexsarathi.cli.main import main
-    from flexsarathi.llm import planner_model_spec
+    from flexsarathi.engine.planner_spec import planner_model_spec
 
     if torch.cuda.is_available():
         pytest.skip("the default device is a GPU here: the CPU rule is not the one that applies")

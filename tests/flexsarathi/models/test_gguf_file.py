@@ -122,7 +122,7 @@ def test_end_of_turn_tokens_stop_generation(tmp_path):
 
 def test_planner_sees_the_gguf_model(llama_file):
     """policy="auto" prices the model the GGUF's metadata describes."""
-    from flexsarathi.llm import planner_model_spec
+    from flexsarathi.engine.planner_spec import planner_model_spec
     from policy_search import ModelSpec
 
     path, model = llama_file

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flexsarathi import LLM, SamplingParams
-from flexsarathi.models.checkpoint import open_weight_source
+from flexsarathi.models.opened_model import open_weight_source
 from flexsarathi.errors import CheckpointError
 from policy_search.policy import Policy
 from quant import dequantize
@@ -326,7 +326,7 @@ def _fp16_rest_from(folder, model) -> None:
 
 
 def test_planner_prices_the_bytes_the_engine_stores(tmp_path):
-    from flexsarathi.llm import planner_model_spec
+    from flexsarathi.engine.planner_spec import planner_model_spec
 
     folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 4, 32, False)
     spec = planner_model_spec(folder, dtype="float32")

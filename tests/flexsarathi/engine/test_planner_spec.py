@@ -1,9 +1,9 @@
-"""The planner's ModelSpec of a model (flexsarathi.llm.planner_model_spec) prices what the engine
+"""The planner's ModelSpec of a model (flexsarathi.engine.planner_spec.planner_model_spec) prices what the engine
 allocates: the same compute dtype and the same compressed KV-pool bytes, for 4- and 8-bit KV."""
 import pytest
 
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine
-from flexsarathi.llm import planner_model_spec
+from flexsarathi.engine.planner_spec import planner_model_spec
 from offload.kv_cache import KVPool
 from policy_search.policy import Policy
 

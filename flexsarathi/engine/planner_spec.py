@@ -1,0 +1,69 @@
+"""The planner's view of a model as LLMEngine runs it: the model's shapes, the engine's compute dtype
+on the device it will run on, and the weight and KV formats the engine stores (a pre-quantized
+checkpoint's own codes, kept as they are). One home for what `LLM(policy="auto")`, `flexsarathi
+policy` and the benchmarks hand to policy_search."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
+from flexsarathi.models.checkpoint import DUMMY_PREFIX, WeightSource
+from flexsarathi.models.opened_model import OpenedModel, open_model
+from policy_search.model_spec import ModelSpec
+from policy_search.quant_format import KV_FORMAT, KVFormat, WeightFormat
+from quant.config import WEIGHT_QUANT
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    spec: ModelSpec
+    stores_own_codes: bool  # a pre-quantized checkpoint: its codes are stored as they are
+
+    def search_constraints(self, given: dict) -> dict:
+        """The search's constraints: a pre-quantized checkpoint keeps 4-bit weights on unless the
+        caller says otherwise (its full-precision weights do not exist)."""
+        return {"compress_weight": True, **given} if self.stores_own_codes else dict(given)
+
+
+def planned_model(model: str | OpenedModel, dtype=None, device=None, kv_block_size: int | None = None,
+                  weight_quant=WEIGHT_QUANT, kv_bits: int = KV_FORMAT.bits,
+                  kv_value_group: int = KV_FORMAT.value_group) -> PlannedModel:
+    """model: a registered name (`opt-30b`, `dummy:opt-30b`), a checkpoint folder, a `.gguf` file, or
+    an OpenedModel. device: where the engine will compute (default: this machine's default device)."""
+    device = resolve_device(device, check_available=False) if device is not None else resolve_device(None)
+    compute = resolve_dtype(dtype, torch.float16, device)  # either half dtype: 2 bytes
+    if isinstance(model, str) and not os.path.exists(model):  # a registered shape: nothing to open
+        spec, stored = ModelSpec.from_name(model, bytes_per_value=compute.itemsize), None
+    else:
+        opened = model if isinstance(model, OpenedModel) else open_model(model)
+        spec = ModelSpec.from_hf(opened.source.config, _short_name(opened.name), bytes_per_value=compute.itemsize)
+        stored = stored_weight_format(opened.source)
+    spec = dataclasses.replace(
+        spec, weight_format=stored or WeightFormat(weight_quant.bits, weight_quant.group_size),
+        kv_format=KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group))
+    return PlannedModel(spec, stored is not None)
+
+
+def planner_model_spec(model: str | OpenedModel, dtype=None, **options) -> ModelSpec:
+    """The planner's ModelSpec of `model` (planned_model's options)."""
+    return planned_model(model, dtype, **options).spec
+
+
+def stored_weight_format(source: WeightSource) -> WeightFormat | None:
+    """A pre-quantized source's format as the planner prices it: that of its largest quantized
+    tensor kind (channel-wise: one group per row of that kind); None for full-precision sources."""
+    formats, shapes = source.quantized_formats() or {}, source.model.layer_shapes()
+    quantized = [(shapes[n][0] * shapes[n][1], c) for n, c in formats.items() if c is not None]
+    if not quantized:
+        return None
+    config = max(quantized, key=lambda pair: pair[0])[1]
+    return WeightFormat(config.bits, config.group_size, config.minimum_bytes)
+
+
+def _short_name(model: str) -> str:
+    return model.removeprefix(DUMMY_PREFIX) if model.startswith(DUMMY_PREFIX) else os.path.basename(
+        os.path.normpath(model))
