@@ -113,7 +113,7 @@ class SafetensorsCheckpoint(WeightSource):
     def _validate_shapes(self) -> None:
         """Check every tensor's shape from the headers before any weight is read."""
         expected = [(self.math.hf_global_names(), self.math.global_shapes())]
-        expected += [(self.math.hf_layer_names(i), self.math.layer_shapes())
+        expected += [(self.math.hf_layer_names(i), self.math.layer_shapes(i))
                      for i in range(self.config.num_layers)]
         for names, shapes in expected:
             for canonical, parts in names.items():
@@ -205,5 +205,7 @@ class DummyWeights(WeightSource):
         return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(shape), dtype=dtype, config=config)
 
     def layer_weights(self, layer, dtype):
-        return {k: self._draw_codes(f"{layer}.{k}", s, dtype) if self.codes is not None and len(s) == 2
-                else self._make(f"{layer}.{k}", s, dtype) for k, s in self.math.layer_shapes().items()}
+        codes = self.codes is not None
+        resident = self.math.resident_weights()  # routers: never drawn as codes (placed uncompressed)
+        return {k: self._draw_codes(f"{layer}.{k}", s, dtype) if codes and len(s) == 2 and k not in resident
+                else self._make(f"{layer}.{k}", s, dtype) for k, s in self.math.layer_shapes(layer).items()}

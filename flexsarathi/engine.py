@@ -196,7 +196,9 @@ class LLMEngine:
             f"q{quant.bits}g{quant.group_size}d{quant.group_dim}|{weight_layout_tag(self.dtype, self.device, quant)}"
             if quant else "plain")
         return TieredWeights(
-            num_layers=self.config.num_layers, layer_shapes=self.math.layer_shapes(),
+            num_layers=self.config.num_layers,
+            layer_shapes=[self.math.layer_shapes(j) for j in range(self.config.num_layers)],
+            row_blocks=self.math.expert_stacks(), resident=self.math.resident_weights(),
             read_globals=lambda: self.source.global_weights(self.dtype),
             read_layer=lambda i: self.source.layer_weights(i, self.dtype),
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 
 from offload.disk_store import DiskStore, StoreCorruptError
-from offload.host_buffer import aligned_empty
+from offload.host_buffer import align_up, aligned_empty
 from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, store_key
 from offload.placement import WeightPlan, Weights, assemble
@@ -28,11 +28,14 @@ class TieredWeights:
                  read_globals: Callable[[], dict], read_layer: Callable[[int], dict],
                  fractions: tuple[float, float, float], device: torch.device, dtype: torch.dtype,
                  quant: QuantConfig | None, tracker: MemoryTracker, overlap: bool, prefetch: int = 1,
-                 disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False):
+                 disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False,
+                 row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset()):
+        """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
+        offload.placement.plan_layer."""
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.plan = WeightPlan.make(num_layers=num_layers, layer_shapes=layer_shapes, dtype=dtype,
                                     quant=quant, fractions=fractions, overlap=overlap, prefetch=prefetch,
-                                    device=self.device)
+                                    device=self.device, row_blocks=row_blocks, resident=resident)
         self.prefetch_depth = self.plan.prefetch_depth
         self.cuda = self.device.type == "cuda"
         self.plan.reserve(tracker)
@@ -40,6 +43,7 @@ class TieredWeights:
         tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
         self.store = disk_store() if self.plan.needs_disk else None
         self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda)
+        self._kinds = self.plan.kinds
         self._buffers = [self._slot_buffers(self._working_buffer) for _ in range(self.plan.num_slots)]
         self._staging = None
         if self.cuda and self.store is not None:  # disk -> pinned host staging -> device
@@ -53,10 +57,27 @@ class TieredWeights:
         # in it; the next load into the slot waits for it (compute is asynchronous on a GPU).
         self._slot_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
 
-    def _slot_buffers(self, make: Callable[[int, torch.dtype], torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        """One working slot: per streamed tensor, a flat buffer per component."""
-        return {p.name: [make(cm.numel(p.shape[0]), cm.dtype) for cm in p.components]
-                for p in self.plan.streamed}
+    def _slot_buffers(self, make: Callable[[int, torch.dtype], torch.Tensor]) -> list[dict[str, list[torch.Tensor]]]:
+        """One working slot: one byte buffer the size of the largest layer's streamed tensors and,
+        per distinct layer plan, a flat view of it per streamed tensor and component (each starting
+        on a 4096-byte boundary, as O_DIRECT reads want). Index: the plan's place in plan.kinds."""
+        layouts = []
+        for kind in self.plan.kinds:
+            offset, views = 0, {}
+            for p in kind.streamed:
+                views[p.name] = []
+                for cm in p.components:
+                    views[p.name].append((offset, cm.numel(p.shape[0]), cm.dtype))
+                    offset = align_up(offset + cm.nbytes(p.shape[0]))
+            layouts.append((offset, views))
+        arena = make(max([size for size, _ in layouts] + [0]), torch.uint8)
+        return [{name: [arena[o:o + n * dt.itemsize].view(dt) for o, n, dt in comps] for name, comps in views.items()}
+                for _, views in layouts]
+
+    def _kind(self, layer: int) -> int:
+        """Index of the layer's plan in plan.kinds (its views in a slot)."""
+        plan = self.plan.layer(layer)
+        return next(i for i, k in enumerate(self._kinds) if k is plan)
 
     def _working_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         # On the host, working buffers start on a 4096-byte boundary so that O_DIRECT reads of disk
@@ -89,11 +110,12 @@ class TieredWeights:
             torch.cuda.current_stream(self.device).wait_event(event)
         self._in_use[layer] = slot
         weights: Weights = dict(self.placed.small[layer])
-        for plan in self.plan.tensors:
+        buffers = self._buffers[slot][self._kind(layer)]
+        for plan in self.plan.layer(layer).tensors:
             if plan.resident:
                 weights[plan.name] = assemble(plan, self.placed.pieces[layer][(plan.name, 0)])
             else:
-                weights[plan.name] = assemble(plan, self._buffers[slot][plan.name])
+                weights[plan.name] = assemble(plan, buffers[plan.name])
         return weights
 
     def release(self, layer: int) -> None:
@@ -148,15 +170,14 @@ class TieredWeights:
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), AllReads() as pending:
             if self._stream is not None and self._slot_free[slot] is not None:
                 self._stream.wait_event(self._slot_free[slot])  # the layer that used it is computed
-            for plan in self.plan.tensors:
-                if plan.resident:
-                    continue
-                buffers = self._buffers[slot][plan.name]
+            kind = self._kind(layer)
+            for plan in self.plan.layer(layer).streamed:
+                buffers = self._buffers[slot][kind][plan.name]
                 for i, piece in enumerate(plan.pieces):
                     for c, (cm, buf) in enumerate(zip(plan.components, buffers)):
                         lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
                         if piece.tier == "disk":
-                            target = self._staging[slot][plan.name][c][lo:hi] if self._staging else buf[lo:hi]
+                            target = self._staging[slot][kind][plan.name][c][lo:hi] if self._staging else buf[lo:hi]
                             future = pending.add(self.store.read_range_async(
                                 store_key(layer, plan.name, cm), lo * cm.dtype.itemsize, target))
                             reads.append((future, buf[lo:hi], target))

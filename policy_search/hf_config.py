@@ -1,4 +1,5 @@
-"""`HFConfig`: an HF `config.json` of the OPT or LLaMA family, parsed once for everyone.
+"""`HFConfig`: an HF `config.json` of the OPT or LLaMA family (with qwen3's q/k norms and the
+mixture-of-experts variants mixtral, qwen2_moe, qwen3_moe: `MoeConfig`), parsed once for everyone.
 
 Stdlib only: the planner's `ModelSpec` and the runtime's `ModelConfig` (flexsarathi/model_config.py,
 which adds the torch dtype) are both built from it, so they cannot disagree on a default. Accepts
@@ -11,7 +12,14 @@ from dataclasses import dataclass, field
 
 from policy_search.errors import SpecError
 
-FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+            "qwen3_moe": "llama", "mixtral": "llama", "qwen2_moe": "llama"}
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# Router options of other MoE families (DeepSeek's grouped / sigmoid routing); with anything but
+# their neutral value the router would not be softmax-then-top-k, so such a config is refused.
+_NEUTRAL_ROUTER_OPTIONS = {"scoring_func": ("softmax",), "topk_method": ("greedy",), "n_group": (None, 1),
+                           "topk_group": (None, 1), "routed_scaling_factor": (None, 1, 1.0),
+                           "n_routed_experts": (None,), "n_shared_experts": (None, 0)}
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
@@ -35,6 +43,18 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Mixture-of-experts MLPs (mixtral, qwen2_moe, qwen3_moe): the router is a softmax over all
+    experts, then top-k, renormalised to sum 1 where `norm_topk_prob` (always for mixtral)."""
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    expert_intermediate_size: int  # each expert's FFN width (moe_intermediate_size; mixtral's intermediate_size)
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # layers whose MLP is the experts; the others are dense (intermediate_size)
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: one sigmoid-gated shared expert; 0: none
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,8 @@ class HFConfig:
     mlp_bias: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
     sliding_window: int | None = None  # mistral / qwen2 with use_sliding_window
+    qk_norm: bool = False  # qwen3, qwen3_moe: per-head RMSNorm of q and k before RoPE
+    moe: MoeConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -137,15 +159,43 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
         raise SpecError(f"{source}: num_heads={heads} (num_attention_heads) is not a multiple of "
                         f"num_kv_heads={kv_heads} (num_key_value_heads)")
     attention_bias = bool(cfg.get("attention_bias", False))
+    model_type = cfg.get("model_type")
     window = cfg.get("sliding_window")
-    if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not cfg.get("use_sliding_window", False):
         window = None
+    if window and model_type in ("qwen3", "qwen2_moe"):  # windows on only some layers (max_window_layers)
+        raise SpecError(f"{source}: use_sliding_window=true is not supported for {model_type}")
     return dict(num_kv_heads=kv_heads, head_dim=int(cfg.get("head_dim") or hidden // heads),
                 intermediate_size=need("intermediate_size"), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=cfg.get("model_type") == "qwen2" or attention_bias, o_bias=attention_bias,
-                mlp_bias=bool(cfg.get("mlp_bias", False)), rope=_parse_rope(cfg, source),
-                sliding_window=int(window) if window else None)
+                qkv_bias=model_type == "qwen2" or attention_bias or (
+                    model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
+                o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)), rope=_parse_rope(cfg, source),
+                sliding_window=int(window) if window else None, qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                moe=_parse_moe(cfg, need, source) if model_type in MOE_TYPES else None)
+
+
+def _parse_moe(cfg: dict, need, source: str) -> MoeConfig:
+    for key, neutral in _NEUTRAL_ROUTER_OPTIONS.items():
+        if key in cfg and cfg[key] not in neutral:
+            raise SpecError(f"{source}: router option {key!r}={cfg[key]!r} is not supported (the router "
+                            f"is a softmax over all experts, then top-k)")
+    mixtral = cfg["model_type"] == "mixtral"
+    experts_key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    experts, top_k = need(experts_key), need("num_experts_per_tok")
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise SpecError(f"{source}: num_experts_per_tok={top_k} must be between 1 and {experts_key}={experts}")
+    layers = need("num_hidden_layers")
+    step = need("decoder_sparse_step") if not mixtral and cfg.get("decoder_sparse_step") is not None else 1
+    dense = [] if mixtral else (cfg.get("mlp_only_layers") or [])
+    if step < 1 or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+        raise SpecError(f"{source}: decoder_sparse_step={step} / mlp_only_layers={dense} do not name layers of "
+                        f"a {layers}-layer model")
+    return MoeConfig(  # which layers are sparse: transformers' Qwen2MoeDecoderLayer rule
+        num_experts=experts, top_k=top_k, norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
+        expert_intermediate_size=need("intermediate_size" if mixtral else "moe_intermediate_size"),
+        sparse_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
 def _parse_rope(cfg: dict, source: str) -> RopeConfig:
