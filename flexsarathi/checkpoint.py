@@ -159,13 +159,14 @@ class DummyWeights(WeightSource):
     """Random weights of a registered model's real shape (as FlexGen benchmarks): deterministic
     per (model, layer, tensor), generated on demand, so any layer can be regenerated alone."""
 
-    def __init__(self, name: str, seed: int = 0, codes: QuantConfig | None = None):
+    def __init__(self, name: str, seed: int = 0, codes: QuantConfig | None = None, config: dict | None = None):
         """codes: draw each layer's 2-D weights directly as uniformly random codes of that format
         (QTensors) instead of quantizing normal draws: generating and quantizing a 70B layer takes
         tens of seconds on two cores, drawing its codes about one (scripts/bench_70b.py). Other
-        weights than the normal draws, so another fingerprint (and disk store)."""
+        weights than the normal draws, so another fingerprint (and disk store). config: an HF
+        config dict to use instead of the registered model `name`'s."""
         try:
-            hf = known_config(name)
+            hf = known_config(name) if config is None else dict(config)
         except KeyError as exc:
             raise CheckpointError(str(exc.args[0])) from None
         self.name, self.seed, self.codes = name, seed, codes
