@@ -146,6 +146,11 @@ class EngineConfig:
     # (other weights, another disk store; checkpoint.DummyWeights), for models too large to quantize
     # quickly on a CPU (scripts/bench_70b.py)
     dummy_weight_codes: bool = False
+    # Mixture of experts (None: the policy's field of that name where it has one, else off):
+    # read a layer's experts off the gpu tier only once routed; compute experts held on the cpu
+    # tier there (offload/tiered_weights.py RowBlockAccess)
+    routed_expert_reads: bool | None = None
+    cpu_experts: bool | None = None
 
 
 class LLMEngine:
@@ -199,12 +204,17 @@ class LLMEngine:
             num_layers=self.config.num_layers,
             layer_shapes=[self.math.layer_shapes(j) for j in range(self.config.num_layers)],
             row_blocks=self.math.expert_stacks(), resident=self.math.resident_weights(),
+            routed_reads=self._moe_flag("routed_expert_reads"), cpu_blocks=self._moe_flag("cpu_experts"),
             read_globals=lambda: self.source.global_weights(self.dtype),
             read_layer=lambda i: self.source.layer_weights(i, self.dtype),
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
             tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch,
             pin_memory=p.pin_weight and self.device.type == "cuda",
             disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io))
+
+    def _moe_flag(self, name: str) -> bool:
+        value = getattr(self.engine_config, name)
+        return bool(getattr(self.policy, name, False) if value is None else value)
 
     def _offload_folder(self) -> str:
         try:

@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from flexsarathi.models.base import Weights
 from flexsarathi.models.layers import linear, rms_norm, swiglu
 from flexsarathi.models.llama import LlamaMath
+from offload.weights import ROW_BLOCKS
 
 GATE_UP, DOWN = "experts.gate_up_proj.weight", "experts.down_proj.weight"
 ROUTER, SHARED_GATE = "router.weight", "shared_expert_gate.weight"
+CPU = torch.device("cpu")
 
 
 def weight_rows(weight, start: int, stop: int):
@@ -123,21 +125,30 @@ class MoeMath(LlamaMath):
 
     def sparse_mlp(self, w: Weights, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Routed experts (one matmul per expert over its rows) plus the gated shared expert."""
-        out = self.run_experts(w[GATE_UP], w[DOWN], x, routing, range(self.moe.num_experts))
+        out = self.run_experts(w, x, routing)
         if "shared_expert.gate_up_proj.weight" in w:
             shared = swiglu(x, w["shared_expert.gate_up_proj.weight"], w["shared_expert.down_proj.weight"])
             out = out + torch.sigmoid(F.linear(x, w[SHARED_GATE])) * shared
         return out
 
-    def run_experts(self, gate_up, down, x: torch.Tensor, routing: Routing, experts) -> torch.Tensor:
-        """Sum over the routed experts in `experts` of weight * expert(x rows): [T, hidden]."""
+    def run_experts(self, w: Weights, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Sum over the routed experts of weight * expert(x rows): [T, hidden], in expert order.
+        Where the weights come with ROW_BLOCKS (offload/tiered_weights.py): an expert held whole
+        on the cpu tier is computed there (its rows of x go to the CPU, its output comes back);
+        the others are read into the working buffer now, if they were left for after routing."""
         f2, h = 2 * self.moe.expert_intermediate_size, self.config.hidden_size
+        blocks, on_cpu = w.get(ROW_BLOCKS), {}
+        routed = [e for e, _, _ in routing.experts()]
+        if blocks is not None:
+            on_cpu = {e: held for e in routed if (held := blocks.on_cpu(e)) is not None}
+            blocks.load([e for e in routed if e not in on_cpu])
         out = torch.zeros_like(x)
-        wanted = set(experts)
         for e, first, last in routing.experts():
-            if e not in wanted:
-                continue
             tokens = routing.tokens[first:last]
-            y = swiglu(x[tokens], weight_rows(gate_up, e * f2, (e + 1) * f2), weight_rows(down, e * h, (e + 1) * h))
+            if e in on_cpu:
+                y = swiglu(x[tokens].to(CPU), on_cpu[e][GATE_UP], on_cpu[e][DOWN]).to(x.device)
+            else:
+                y = swiglu(x[tokens], weight_rows(w[GATE_UP], e * f2, (e + 1) * f2),
+                           weight_rows(w[DOWN], e * h, (e + 1) * h))
             out.index_add_(0, tokens, (y * routing.weights[first:last, None]).to(out.dtype))
         return out

@@ -206,3 +206,35 @@ def test_dummy_weights_of_an_moe_config(sharded_checkpoint):
     plain = DummyWeights("tiny-qwen2-moe", config=config).layer_weights(1, torch.float32)
     out = source.math.finish(plain, x, torch.randn(5, source.config.q_size))  # runs: a sparse layer
     assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+# ---- routed-only reads and CPU expert computation: the all-on-device tokens, flags on and off ---
+FLAG_PLACEMENTS = {"cpu": dict(w_gpu=0.0, w_cpu=1.0), "disk": dict(w_gpu=0.0, w_disk=1.0),
+                   "split": dict(w_gpu=0.2, w_cpu=0.4, w_disk=0.4)}
+
+
+@pytest.mark.parametrize("model", ["mixtral_deep", "qwen2_moe_deep"])
+@pytest.mark.parametrize("placement", list(FLAG_PLACEMENTS))
+@pytest.mark.parametrize("routed, cpu", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("compressed", [False, True])
+def test_routed_reads_and_cpu_experts_give_reference_tokens(references, model, placement, routed, cpu,  # noqa: F811
+                                                             compressed, tmp_path):
+    folder, prompts, ref_outputs, ref_logits, _ = references(model, compressed)
+    scheduler = "block" if placement == "split" and compressed else "decode-maximal"
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=2, prefill_budget=6, scheduler=scheduler,
+                    compress_weight=compressed, compress_kv=compressed, **FLAG_PLACEMENTS[placement])
+    llm = LLM(folder, dtype="float32", policy=policy, offload_dir=str(tmp_path), kv_block_size=8,
+              routed_expert_reads=routed, cpu_experts=cpu)
+    outputs = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0,
+                                                                         ignore_eos=True), use_tqdm=False)]
+    assert outputs == ref_outputs
+    for got, ref in zip(prompt_logits(llm, prompts[:3]), ref_logits):
+        torch.testing.assert_close(got, ref, atol=1e-3 if compressed else 2e-5, rtol=0)
+    stats = llm.engine.weights.stats
+    assert stats["expert_loads"] > 0
+    experts = llm.engine.config.moe.num_experts
+    if cpu and placement == "cpu":  # every expert on the cpu tier: computed there, none read
+        assert stats["experts_on_cpu"] > 0 and stats["experts_read"] == 0
+    if routed and not (cpu and placement == "cpu"):
+        # decode passes of 1-2 rows per micro-batch route to fewer than all experts of a layer
+        assert 0 < stats["experts_read"] < stats["expert_loads"] * experts
