@@ -39,6 +39,8 @@ class TieredWeights:
         the CPU (RowBlockAccess)."""
         self.routed_reads, self.cpu_blocks = routed_reads, cpu_blocks
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
+        # experts_read: experts read after routing; experts_on_cpu: computed on the cpu tier (per
+        # micro-batch); expert_loads: layer loads that had experts left for after routing
         self.stats = {"experts_read": 0, "experts_on_cpu": 0, "expert_loads": 0}
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.plan = WeightPlan.make(num_layers=num_layers, layer_shapes=layer_shapes, dtype=dtype,
@@ -307,6 +309,8 @@ class RowBlockAccess:
                         if rows is not None:
                             w._copy_rows(self.layer, self.slot, plan, i, *rows, pending, reads)
             w._finish_reads(reads)
+        if w.cuda and reads:  # copies out of the staging buffers (compute stream) end before its next fill
+            torch.cuda.current_stream(w.device).synchronize()
         w._blocks_in[self.slot].update(missing)
         w.stats["experts_read"] += len(missing)
 

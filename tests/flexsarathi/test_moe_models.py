@@ -15,7 +15,7 @@ from flexsarathi.errors import CheckpointError
 from policy_search import Policy
 from tests.conftest import MOE_KINDS, build_hf_model
 from tests.flexsarathi.test_models import GREEDY, _prompts, hf_greedy, hf_logits
-from tests.offload.test_policy_matrix import CASES, _check, references  # noqa: F401 (a fixture)
+from tests.offload.test_policy_matrix import CASES, _check, references, stories_dir_or_none  # noqa: F401 (fixtures)
 from tests.prompt_logits import prompt_logits
 
 KINDS = ["qwen3", "qwen3_tied"] + MOE_KINDS
