@@ -91,14 +91,14 @@ MOE_CASES = ["weights_cpu", "weights_disk", "weights_30_40_30", "overlap_off", "
              "block_schedule", "everything_off_gpu"]
 
 
-@pytest.mark.parametrize("model", ["mixtral_deep", "qwen2_moe_deep"])
-@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("model, case", [("qwen2_moe_deep", case) for case in MOE_CASES] +
+                         [("mixtral_deep", case) for case in ("weights_disk", "weights_30_40_30", "block_schedule")])
 def test_placement_gives_reference_tokens(references, model, case, tmp_path):  # noqa: F811
     _check(references, model, False, CASES[case], tmp_path)
 
 
-@pytest.mark.parametrize("model", ["mixtral_deep", "qwen2_moe_deep"])
-@pytest.mark.parametrize("case", ["weights_30_40_30", "everything_off_gpu", "block_schedule"])
+@pytest.mark.parametrize("model, case", [("qwen2_moe_deep", "weights_30_40_30"), ("qwen2_moe_deep", "block_schedule"),
+                                         ("mixtral_deep", "everything_off_gpu")])
 def test_compressed_placement_gives_compressed_reference_tokens(references, model, case, tmp_path):  # noqa: F811
     _check(references, model, True, CASES[case], tmp_path)
 
@@ -213,14 +213,19 @@ FLAG_PLACEMENTS = {"cpu": dict(w_gpu=0.0, w_cpu=1.0), "disk": dict(w_gpu=0.0, w_
                    "split": dict(w_gpu=0.2, w_cpu=0.4, w_disk=0.4)}
 
 
-@pytest.mark.parametrize("model", ["mixtral_deep", "qwen2_moe_deep"])
-@pytest.mark.parametrize("placement", list(FLAG_PLACEMENTS))
-@pytest.mark.parametrize("routed, cpu", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("compressed", [False, True])
+# (model, placement, routed_expert_reads, cpu_experts, compressed): each flag on and off over the
+# tiers, the split placements with both schedulers; the flags off are the placement tests above.
+FLAG_CASES = [("mixtral_deep", "disk", True, False, False), ("mixtral_deep", "cpu", False, True, False),
+              ("mixtral_deep", "split", True, True, False), ("mixtral_deep", "split", True, True, True),
+              ("qwen2_moe_deep", "disk", True, False, True), ("qwen2_moe_deep", "cpu", True, True, False),
+              ("qwen2_moe_deep", "split", True, False, False), ("qwen2_moe_deep", "split", False, True, True)]
+
+
+@pytest.mark.parametrize("model, placement, routed, cpu, compressed", FLAG_CASES)
 def test_routed_reads_and_cpu_experts_give_reference_tokens(references, model, placement, routed, cpu,  # noqa: F811
                                                              compressed, tmp_path):
     folder, prompts, ref_outputs, ref_logits, _ = references(model, compressed)
-    scheduler = "block" if placement == "split" and compressed else "decode-maximal"
+    scheduler = "block" if placement == "split" and compressed else "decode-maximal"  # both schedulers
     policy = Policy(gpu_batch_size=2, num_gpu_batches=2, prefill_budget=6, scheduler=scheduler,
                     compress_weight=compressed, compress_kv=compressed, **FLAG_PLACEMENTS[placement])
     llm = LLM(folder, dtype="float32", policy=policy, offload_dir=str(tmp_path), kv_block_size=8,
