@@ -1,5 +1,8 @@
-"""`HFConfig`: an HF `config.json` of the OPT or LLaMA family (with qwen3's q/k norms and the
-mixture-of-experts variants mixtral, qwen2_moe, qwen3_moe: `MoeConfig`), parsed once for everyone.
+"""`HFConfig`: an HF `config.json` of the OPT or LLaMA family, parsed once for everyone.
+
+LLaMA-family model types include Qwen3 (per-head q/k RMSNorm, `head_dim` independent of hidden /
+heads) and the mixture-of-experts ones (`mixtral`, `qwen2_moe`, `qwen3_moe`): their experts are
+described by `MoEConfig` (None for a dense model).
 
 Stdlib only: the planner's `ModelSpec` and the runtime's `ModelConfig` (flexsarathi/model_config.py,
 which adds the torch dtype) are both built from it, so they cannot disagree on a default. Accepts
@@ -13,13 +16,10 @@ from dataclasses import dataclass, field
 from policy_search.errors import SpecError
 
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-            "qwen3_moe": "llama", "mixtral": "llama", "qwen2_moe": "llama"}
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
-# Router options of other MoE families (DeepSeek's grouped / sigmoid routing); with anything but
-# their neutral value the router would not be softmax-then-top-k, so such a config is refused.
-_NEUTRAL_ROUTER_OPTIONS = {"scoring_func": ("softmax",), "topk_method": ("greedy",), "n_group": (None, 1),
-                           "topk_group": (None, 1), "routed_scaling_factor": (None, 1, 1.0),
-                           "n_routed_experts": (None,), "n_shared_experts": (None, 0)}
+            "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama"}
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head of q and k before RoPE
+_QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
@@ -46,15 +46,22 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
-class MoeConfig:
-    """Mixture-of-experts MLPs (mixtral, qwen2_moe, qwen3_moe): the router is a softmax over all
-    experts, then top-k, renormalised to sum 1 where `norm_topk_prob` (always for mixtral)."""
-    num_experts: int
-    top_k: int  # num_experts_per_tok
-    expert_intermediate_size: int  # each expert's FFN width (moe_intermediate_size; mixtral's intermediate_size)
-    norm_topk_prob: bool
-    sparse_layers: tuple[int, ...]  # layers whose MLP is the experts; the others are dense (intermediate_size)
-    shared_expert_intermediate_size: int = 0  # qwen2_moe: one sigmoid-gated shared expert; 0: none
+class MoEConfig:
+    """The experts of a mixture-of-experts model (the layers that have them: `is_sparse`)."""
+    num_experts: int  # routed experts per sparse layer (num_experts / num_local_experts)
+    top_k: int  # experts each token is routed to (num_experts_per_tok)
+    expert_ffn_size: int  # one expert's gated FFN width (moe_intermediate_size; Mixtral: intermediate_size)
+    norm_topk_prob: bool  # the top-k routing weights are renormalised to sum to 1 (Mixtral: always)
+    shared_expert_ffn_size: int = 0  # qwen2_moe: an always-on expert with a sigmoid gate; 0: none
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (those keep a dense MLP)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has experts, as transformers decides it."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def sparse_layers(self, num_layers: int) -> int:
+        return sum(self.is_sparse(i) for i in range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -85,8 +92,8 @@ class HFConfig:
     mlp_bias: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
     sliding_window: int | None = None  # mistral / qwen2 with use_sliding_window
-    qk_norm: bool = False  # qwen3, qwen3_moe: per-head RMSNorm of q and k before RoPE
-    moe: MoeConfig | None = None
+    qk_norm: bool = False  # qwen3: RMSNorm of each q and k head before RoPE
+    moe: MoEConfig | None = None  # mixtral / qwen2_moe / qwen3_moe; None: every layer a dense MLP
 
     @property
     def q_size(self) -> int:
@@ -158,44 +165,62 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
     if heads % kv_heads:
         raise SpecError(f"{source}: num_heads={heads} (num_attention_heads) is not a multiple of "
                         f"num_kv_heads={kv_heads} (num_key_value_heads)")
-    attention_bias = bool(cfg.get("attention_bias", False))
     model_type = cfg.get("model_type")
+    attention_bias = bool(cfg.get("attention_bias", False))
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not cfg.get("use_sliding_window", False):
+    if model_type in _QWEN_TYPES and not cfg.get("use_sliding_window", False):
         window = None
-    if window and model_type in ("qwen3", "qwen2_moe"):  # windows on only some layers (max_window_layers)
-        raise SpecError(f"{source}: use_sliding_window=true is not supported for {model_type}")
+    # qwen2 and qwen2_moe bias q, k and v (transformers 5 writes it as qkv_bias); qwen3 does not
+    qkv_bias = bool(cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))) or attention_bias
     return dict(num_kv_heads=kv_heads, head_dim=int(cfg.get("head_dim") or hidden // heads),
                 intermediate_size=need("intermediate_size"), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or attention_bias or (
-                    model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
-                o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)), rope=_parse_rope(cfg, source),
-                sliding_window=int(window) if window else None, qk_norm=model_type in ("qwen3", "qwen3_moe"),
-                moe=_parse_moe(cfg, need, source) if model_type in MOE_TYPES else None)
+                qkv_bias=qkv_bias, o_bias=attention_bias,
+                mlp_bias=bool(cfg.get("mlp_bias", False)), rope=_parse_rope(cfg, source),
+                sliding_window=int(window) if window else None,
+                qk_norm=model_type in QK_NORM_MODEL_TYPES,
+                moe=_parse_moe(cfg, need, source) if model_type in MOE_MODEL_TYPES else None)
 
 
-def _parse_moe(cfg: dict, need, source: str) -> MoeConfig:
-    for key, neutral in _NEUTRAL_ROUTER_OPTIONS.items():
-        if key in cfg and cfg[key] not in neutral:
-            raise SpecError(f"{source}: router option {key!r}={cfg[key]!r} is not supported (the router "
-                            f"is a softmax over all experts, then top-k)")
-    mixtral = cfg["model_type"] == "mixtral"
-    experts_key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
-    experts, top_k = need(experts_key), need("num_experts_per_tok")
+# Router options of other MoE families that change the routing math: accepted only at the value
+# that means the softmax-then-top-k these model types compute (anything else is refused, by name).
+_ROUTER_OPTIONS = {"scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                   "routed_scaling_factor": 1.0, "moe_router_use_sigmoid": False,
+                   "moe_router_enable_expert_bias": False}
+
+
+def _check_router(cfg: dict, source: str) -> None:
+    for key, plain in _ROUTER_OPTIONS.items():
+        if cfg.get(key) is not None and cfg[key] != plain:
+            raise SpecError(f"{source}: router option {key}={cfg[key]!r} is not supported for "
+                            f"{cfg['model_type']} (routing is softmax over the experts, then top-k)")
+    if not isinstance(cfg.get("norm_topk_prob", False), bool):
+        raise SpecError(f"{source}: norm_topk_prob must be true or false, got {cfg['norm_topk_prob']!r}")
+
+
+def _parse_moe(cfg: dict, need, source: str) -> MoEConfig:
+    """The experts of a mixtral / qwen2_moe / qwen3_moe config; errors name the field."""
+    model_type = cfg["model_type"]
+    _check_router(cfg, source)
+    key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    experts, top_k = need(key), need("num_experts_per_tok")
     if experts < 1 or not 1 <= top_k <= experts:
-        raise SpecError(f"{source}: num_experts_per_tok={top_k} must be between 1 and {experts_key}={experts}")
+        raise SpecError(f"{source}: num_experts_per_tok={top_k} must be in [1, {key}={experts}]")
+    if model_type == "mixtral":  # every layer sparse, experts as wide as intermediate_size, top-k renormalised
+        return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=need("intermediate_size"),
+                         norm_topk_prob=True)
+    step = need("decoder_sparse_step") if cfg.get("decoder_sparse_step") is not None else 1
+    if step < 1:
+        raise SpecError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
     layers = need("num_hidden_layers")
-    step = need("decoder_sparse_step") if not mixtral and cfg.get("decoder_sparse_step") is not None else 1
-    dense = [] if mixtral else (cfg.get("mlp_only_layers") or [])
-    if step < 1 or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
-        raise SpecError(f"{source}: decoder_sparse_step={step} / mlp_only_layers={dense} do not name layers of "
-                        f"a {layers}-layer model")
-    return MoeConfig(  # which layers are sparse: transformers' Qwen2MoeDecoderLayer rule
-        num_experts=experts, top_k=top_k, norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
-        expert_intermediate_size=need("intermediate_size" if mixtral else "moe_intermediate_size"),
-        sparse_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in dense):
+        raise SpecError(f"{source}: mlp_only_layers must list layer indices in [0, {layers}), got {dense!r}")
+    shared = need("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+    return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=need("moe_intermediate_size"),
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_ffn_size=shared,
+                     decoder_sparse_step=step, mlp_only_layers=tuple(sorted(set(dense))))
 
 
 def _parse_rope(cfg: dict, source: str) -> RopeConfig:

@@ -62,7 +62,8 @@ def run(folder: str, batch: int, routed: bool, offload: str, args) -> dict:
     seconds = time.perf_counter() - start
     stats = {k: weights.stats[k] - before[k] for k in weights.stats}
     passes = llm.last_stats["passes"]
-    sparse_layers = len(llm.engine.config.moe.sparse_layers)
+    config = llm.engine.config
+    sparse_layers = config.moe.sparse_layers(config.num_layers)
     llm.close()
     return {"tokens": [o.token_ids for o in outputs], "seconds": seconds, "passes": passes,
             "tok_s": batch * args.gen_len / seconds, "experts_read": stats["experts_read"],

@@ -60,7 +60,7 @@ class MoeMath(LlamaMath):
     def __init__(self, config):
         super().__init__(config)
         self.moe = config.moe
-        self.sparse = frozenset(self.moe.sparse_layers)
+        self.sparse = frozenset(i for i in range(config.num_layers) if self.moe.is_sparse(i))
         self.mixtral = config.model_type == "mixtral"
 
     # ---- shapes and names --------------------------------------------------------------------
@@ -68,10 +68,10 @@ class MoeMath(LlamaMath):
         if layer not in self.sparse:
             return super().layer_shapes(layer)
         c, m = self.config, self.moe
-        h, f, e = c.hidden_size, m.expert_intermediate_size, m.num_experts
+        h, f, e = c.hidden_size, m.expert_ffn_size, m.num_experts
         shapes = {**self.attention_shapes(), ROUTER: (e, h), GATE_UP: (e * 2 * f, h), DOWN: (e * h, f)}
-        if m.shared_expert_intermediate_size:
-            s = m.shared_expert_intermediate_size
+        if m.shared_expert_ffn_size:
+            s = m.shared_expert_ffn_size
             shapes.update({"shared_expert.gate_up_proj.weight": (2 * s, h),
                            "shared_expert.down_proj.weight": (h, s), SHARED_GATE: (1, h)})
         return shapes
@@ -95,7 +95,7 @@ class MoeMath(LlamaMath):
         names[ROUTER] = [mlp + "gate.weight"]
         names[GATE_UP] = [mlp + f"experts.{e}.{x}.weight" for e in experts for x in (gate, up)]
         names[DOWN] = [mlp + f"experts.{e}.{down}.weight" for e in experts]
-        if self.moe.shared_expert_intermediate_size:
+        if self.moe.shared_expert_ffn_size:
             names["shared_expert.gate_up_proj.weight"] = [mlp + "shared_expert.gate_proj.weight",
                                                           mlp + "shared_expert.up_proj.weight"]
             names["shared_expert.down_proj.weight"] = [mlp + "shared_expert.down_proj.weight"]
@@ -136,7 +136,7 @@ class MoeMath(LlamaMath):
         Where the weights come with ROW_BLOCKS (offload/tiered_weights.py): an expert held whole
         on the cpu tier is computed there (its rows of x go to the CPU, its output comes back);
         the others are read into the working buffer now, if they were left for after routing."""
-        f2, h = 2 * self.moe.expert_intermediate_size, self.config.hidden_size
+        f2, h = 2 * self.moe.expert_ffn_size, self.config.hidden_size
         blocks, on_cpu = w.get(ROW_BLOCKS), {}
         routed = [e for e, _, _ in routing.experts()]
         if blocks is not None:
