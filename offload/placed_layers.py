@@ -56,7 +56,7 @@ class PlacedLayers:
                     small, pieces = self._read_from_store(layer)
                 else:
                     weights = self._source_layer(layer, damage)
-                    small = {k: weights[k].to(self.device) for k in self.plan.small_shapes}
+                    small = {k: weights[k].to(self.device) for k in self.plan.layer(layer).small_shapes}
                     pieces = self._place_layer(weights, layer, writer)
                     del weights
                 self.small.append(small)
@@ -93,7 +93,8 @@ class PlacedLayers:
         with a writer, the layer also goes to the disk store whole (every tensor's components and
         the small tensors)."""
         pieces = {}
-        for plan in self.plan.tensors:
+        layer_plan = self.plan.layer(layer)
+        for plan in layer_plan.tensors:
             comps = flat_components(weights[plan.name], plan)
             for i, piece in enumerate(plan.pieces):
                 if piece.tier == "disk":
@@ -107,24 +108,24 @@ class PlacedLayers:
             if writer is not None:
                 _add_tensor(writer, layer, plan, comps)
         if writer is not None:
-            for k in self.plan.small_shapes:
+            for k in layer_plan.small_shapes:
                 writer.add(small_key(layer, k), weights[k])
         return pieces
 
     def _write_layer(self, weights: dict, layer: int, writer: DiskStoreWriter) -> None:
         """The layer to the disk store, as _place_layer writes it (same names, same order)."""
-        for plan in self.plan.tensors:
+        for plan in self.plan.layer(layer).tensors:
             _add_tensor(writer, layer, plan, flat_components(weights[plan.name], plan))
-        for k in self.plan.small_shapes:
+        for k in self.plan.layer(layer).small_shapes:
             writer.add(small_key(layer, k), weights[k])
 
     def _read_from_store(self, layer: int) -> tuple[dict, Pieces]:
         """(small tensors, gpu- and cpu-tier pieces) of `layer`, read from the complete store."""
         store = self.store
-        small = {k: store.read_tensor(small_key(layer, k)).to(self.device) for k in self.plan.small_shapes}
+        small = {k: store.read_tensor(small_key(layer, k)).to(self.device) for k in self.plan.layer(layer).small_shapes}
         pieces = {}
         with AllReads() as reads:
-            for plan in self.plan.tensors:
+            for plan in self.plan.layer(layer).tensors:
                 for i, piece in enumerate(plan.pieces):
                     if piece.tier == "disk":
                         continue

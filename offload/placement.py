@@ -75,6 +75,11 @@ class TensorPlan:
     components: tuple[Component, ...]
     pieces: tuple[Piece, ...]
     kernel_layout: bool = False  # 4-bit in the CPU int4 kernel's layout (pieces on 64-row blocks)
+    blocks: int = 1  # equal row blocks stacked in it (a layer's experts), each addressable alone
+
+    @property
+    def block_rows(self) -> int:
+        return self.shape[0] // self.blocks
 
     @property
     def row_bytes(self) -> int:
@@ -120,12 +125,22 @@ def components_of(shape: tuple[int, int], dtype: torch.dtype, quant: QuantConfig
 
 
 def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: QuantFormats,
-               fractions: tuple[float, float, float], device: torch.device | None = None) -> list[TensorPlan]:
+               fractions: tuple[float, float, float], device: torch.device | None = None,
+               row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset()) -> list[TensorPlan]:
     """Cut the layer's 2-D weights at the fraction boundaries of their total bytes (row granularity;
-    64-row blocks for a weight in the CPU int4 kernel's layout). `device`: the compute device."""
-    plans = [(name, shape, quant_of(quant, name)) for name, shape in shapes.items() if len(shape) == 2]
-    plans = [(name, shape, q, uses_kernel_layout(shape, dtype, device, q)) for name, shape, q in plans]
-    plans = [(name, shape, q, kernel, components_of(shape, dtype, q, kernel)) for name, shape, q, kernel in plans]
+    64-row blocks for a weight in the CPU int4 kernel's layout). `device`: the compute device.
+    row_blocks: weights made of that many equal row blocks (experts): the kernel layout only where
+    every block is whole 64-row blocks, so that a block stays a contiguous row range. resident: 2-D
+    weights kept with the small tensors (uncompressed, on the compute device)."""
+    blocks = row_blocks or {}
+
+    def kernel(name, shape, q):
+        return uses_kernel_layout((shape[0] // blocks.get(name, 1), shape[1]), dtype, device, q)
+
+    plans = [(name, shape, quant_of(quant, name)) for name, shape in shapes.items()
+             if len(shape) == 2 and name not in resident]
+    plans = [(name, shape, q, kernel(name, shape, q)) for name, shape, q in plans]
+    plans = [(name, shape, q, k, components_of(shape, dtype, q, k)) for name, shape, q, k in plans]
     row_bytes = {name: sum(c.nbytes(1) for c in comps) for name, _, _, _, comps in plans}
     total = sum(shape[0] * row_bytes[name] for name, shape, _, _, _ in plans)
     cuts = [fractions[0] * total, (fractions[0] + fractions[1]) * total]  # byte positions
@@ -138,7 +153,7 @@ def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: Qu
         edges = [0, boundaries[0], max(boundaries[0], boundaries[1]), rows]
         pieces = tuple(Piece(tier, edges[i], edges[i + 1]) for i, tier in enumerate(TIERS)
                        if edges[i + 1] > edges[i])
-        out.append(TensorPlan(name, (shape[0], shape[1]), dtype, q, comps, pieces, kernel))
+        out.append(TensorPlan(name, (shape[0], shape[1]), dtype, q, comps, pieces, kernel, blocks.get(name, 1)))
         offset += rows * rb
     return out
 
@@ -157,63 +172,133 @@ def flat_components(tensor: torch.Tensor | QTensor, plan: TensorPlan) -> list[to
     return [q.data, q.scale, q.minimum]
 
 
-def assemble(plan: TensorPlan, components: list[torch.Tensor]):
-    """Flat components -> the weight the model uses (a tensor, a QTensor, or an Int4Packed)."""
+def assemble(plan: TensorPlan, components: list[torch.Tensor], rows: int | None = None):
+    """Flat components -> the weight the model uses (a tensor, a QTensor, or an Int4Packed);
+    rows: the components hold that many of the weight's rows (one expert's), not all."""
+    shape = plan.shape if rows is None else (rows, plan.shape[1])
     if plan.quant is None:
-        return components[0].view(plan.shape)
+        return components[0].view(shape)
     if plan.kernel_layout:
-        return Int4Packed.from_flat(*components, plan.shape, plan.quant.group_size)
+        return Int4Packed.from_flat(*components, shape, plan.quant.group_size)
     data, scale, minimum = components
-    return QTensor(data=data, scale=scale, minimum=minimum, shape=plan.shape, dtype=plan.dtype,
-                   config=plan.quant)
+    return QTensor(data=data, scale=scale, minimum=minimum, shape=shape, dtype=plan.dtype, config=plan.quant)
 
 
 @dataclass(frozen=True)
-class WeightPlan:
-    """Where every weight of the model lives (the same cut for every layer) and the bytes each tier
-    and the working buffers need."""
+class LayerPlan:
+    """One layer's cut: its 2-D weights over the tiers, and its small tensors (norms, biases,
+    routers) resident on the compute device."""
 
-    num_layers: int
-    tensors: tuple[TensorPlan, ...]  # the layer's 2-D weights, cut over the tiers
-    small_shapes: dict[str, tuple[int, ...]]  # norms and biases: resident on the compute device
-    dtype: torch.dtype
-    num_slots: int  # working buffers a streamed layer is assembled in
-    prefetch_depth: int  # layers loading ahead of the one computing
-
-    @classmethod
-    def make(cls, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-             quant: QuantFormats, fractions: tuple[float, float, float], overlap: bool,
-             prefetch: int, device: torch.device | None = None) -> WeightPlan:
-        return cls(num_layers, tuple(plan_layer(layer_shapes, dtype, quant, fractions, device)),
-                   {k: s for k, s in layer_shapes.items() if len(s) != 2}, dtype,
-                   num_slots=prefetch + 1 if overlap else 1, prefetch_depth=prefetch if overlap else 1)
+    tensors: tuple[TensorPlan, ...]
+    small_shapes: dict[str, tuple[int, ...]]
 
     @property
     def streamed(self) -> list[TensorPlan]:
         return [p for p in self.tensors if not p.resident]
 
+    def bytes_on(self, tier: str) -> int:
+        return sum(p.bytes_on(tier) for p in self.tensors)
+
+    @property
+    def large_bytes(self) -> int:
+        return sum(p.shape[0] * p.row_bytes for p in self.tensors)
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of a working slot holding this layer's streamed tensors."""
+        return sum(p.shape[0] * p.row_bytes for p in self.streamed)
+
+    def small_bytes(self, dtype: torch.dtype) -> int:
+        return sum(torch.Size(s).numel() for s in self.small_shapes.values()) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """Where every weight of the model lives and the bytes each tier and the working buffers need.
+    Every layer is cut at the same fractions; layers of different shapes (a mixture-of-experts
+    model's dense layers among sparse ones) have plans of their own (`layer(j)`)."""
+
+    num_layers: int
+    layers: tuple[LayerPlan, ...]  # per layer (layers of equal shapes share one LayerPlan)
+    dtype: torch.dtype
+    num_slots: int  # working buffers a streamed layer is assembled in
+    prefetch_depth: int  # layers loading ahead of the one computing
+
+    @classmethod
+    def make(cls, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]] | list[dict[str, tuple[int, ...]]],
+             dtype: torch.dtype, quant: QuantFormats, fractions: tuple[float, float, float], overlap: bool,
+             prefetch: int, device: torch.device | None = None, row_blocks: dict[str, int] | None = None,
+             resident: frozenset[str] = frozenset()) -> WeightPlan:
+        """layer_shapes: one dict for every layer, or one per layer."""
+        per_layer = [layer_shapes] * num_layers if isinstance(layer_shapes, dict) else list(layer_shapes)
+        if len(per_layer) != num_layers:
+            raise ValueError(f"WeightPlan: {len(per_layer)} layer shape dicts for {num_layers} layers")
+        kinds: dict[tuple, LayerPlan] = {}
+        for shapes in per_layer:
+            key = tuple(sorted(shapes.items()))
+            if key not in kinds:
+                small = {k: s for k, s in shapes.items() if len(s) != 2 or k in resident}
+                kinds[key] = LayerPlan(tuple(plan_layer(shapes, dtype, quant, fractions, device, row_blocks,
+                                                        resident)), small)
+        return cls(num_layers, tuple(kinds[tuple(sorted(s.items()))] for s in per_layer), dtype,
+                   num_slots=prefetch + 1 if overlap else 1, prefetch_depth=prefetch if overlap else 1)
+
+    def layer(self, layer: int) -> LayerPlan:
+        return self.layers[layer]
+
+    @property
+    def kinds(self) -> list[LayerPlan]:
+        """The distinct layer plans, in order of first appearance."""
+        seen: list[LayerPlan] = []
+        for plan in self.layers:
+            if not any(plan is k for k in seen):
+                seen.append(plan)
+        return seen
+
+    def _uniform(self) -> LayerPlan:
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise ValueError("WeightPlan: layers differ in shapes; use layer(j)")
+        return kinds[0]
+
+    @property
+    def tensors(self) -> tuple[TensorPlan, ...]:
+        """The layers' 2-D weights where every layer has the same shapes."""
+        return self._uniform().tensors
+
+    @property
+    def small_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self._uniform().small_shapes
+
+    @property
+    def streamed(self) -> list[TensorPlan]:
+        return self._uniform().streamed
+
     @property
     def needs_disk(self) -> bool:
-        return any(p.bytes_on("disk") for p in self.tensors)
+        return any(k.bytes_on("disk") for k in self.kinds)
 
     @property
     def small_bytes(self) -> int:
-        return sum(torch.Size(s).numel() for s in self.small_shapes.values()) * self.dtype.itemsize * self.num_layers
+        return sum(plan.small_bytes(self.dtype) for plan in self.layers)
 
     @property
     def store_bytes(self) -> int:
         """Bytes of the disk store: every layer whole (all its pieces and small tensors)."""
-        return sum(p.shape[0] * p.row_bytes for p in self.tensors) * self.num_layers + self.small_bytes
+        return sum(plan.large_bytes for plan in self.layers) + self.small_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """A working slot holds any layer's streamed tensors: the largest."""
+        return max(k.streamed_bytes for k in self.kinds)
 
     def reserve(self, tracker: MemoryTracker) -> None:
         """Reserve every tier's bytes before any weight is read: a policy that does not fit fails
         here, with the arithmetic, rather than halfway through loading."""
-        resident = sum(p.bytes_on("gpu") for p in self.tensors if p.resident) * self.num_layers
-        split_gpu_rows = sum(p.bytes_on("gpu") for p in self.streamed) * self.num_layers
-        per_slot = sum(p.shape[0] * p.row_bytes for p in self.streamed)
+        resident = sum(p.bytes_on("gpu") for plan in self.layers for p in plan.tensors if p.resident)
+        split_gpu_rows = sum(p.bytes_on("gpu") for plan in self.layers for p in plan.streamed)
         tracker.reserve("gpu", resident + split_gpu_rows + self.small_bytes, "weights (gpu tier)")
-        tracker.reserve("gpu", self.num_slots * per_slot, "weight working buffers")
-        tracker.reserve("cpu", sum(p.bytes_on("cpu") for p in self.tensors) * self.num_layers,
-                        "weights (cpu tier)")
+        tracker.reserve("gpu", self.num_slots * self.slot_bytes, "weight working buffers")
+        tracker.reserve("cpu", sum(plan.bytes_on("cpu") for plan in self.layers), "weights (cpu tier)")
         if self.needs_disk:
             tracker.reserve("disk", self.store_bytes, "weights (disk tier)")

@@ -14,11 +14,12 @@ from contextlib import nullcontext
 import torch
 
 from offload.disk_store import DiskStore, StoreCorruptError
-from offload.host_buffer import aligned_empty, pinned_empty
+from offload.host_buffer import align_up, aligned_empty, pinned_empty
 from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, store_key
-from offload.placement import QuantFormats, WeightPlan, Weights, assemble
+from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble
 from offload.streams import bind_thread, indexed
+from offload.weights import ROW_BLOCKS
 
 
 class TieredWeights:
@@ -28,11 +29,23 @@ class TieredWeights:
                  read_globals: Callable[[], dict], read_layer: Callable[[int], dict],
                  fractions: tuple[float, float, float], device: torch.device, dtype: torch.dtype,
                  quant: QuantFormats, tracker: MemoryTracker, overlap: bool, prefetch: int = 1,
-                 disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False):
+                 disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False,
+                 row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
+                 routed_reads: bool = False, cpu_blocks: bool = False):
+        """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
+        offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
+        reads the blocks off the gpu tier only when the model asks for them (after routing);
+        cpu_blocks leaves a block held whole on the cpu tier there, for the model to compute on
+        the CPU (RowBlockAccess)."""
+        self.routed_reads, self.cpu_blocks = routed_reads, cpu_blocks
+        self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
+        # experts_read: experts read after routing; experts_on_cpu: computed on the cpu tier (per
+        # micro-batch); expert_loads: layer loads that had experts left for after routing
+        self.stats = {"experts_read": 0, "experts_on_cpu": 0, "expert_loads": 0}
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.plan = WeightPlan.make(num_layers=num_layers, layer_shapes=layer_shapes, dtype=dtype,
                                     quant=quant, fractions=fractions, overlap=overlap, prefetch=prefetch,
-                                    device=self.device)
+                                    device=self.device, row_blocks=row_blocks, resident=resident)
         self.prefetch_depth = self.plan.prefetch_depth
         self.cuda = self.device.type == "cuda"
         self.plan.reserve(tracker)
@@ -40,13 +53,12 @@ class TieredWeights:
         tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
         self.store = disk_store() if self.plan.needs_disk else None
         self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda)
+        self._kinds = self.plan.kinds
         self._buffers = [self._slot_buffers(self._working_buffer) for _ in range(self.plan.num_slots)]
         self._staging = None
         if self.cuda and self.store is not None:  # disk -> pinned host staging -> device
-            # Per slot and streamed tensor: (first disk row, pinned buffers for the disk rows only).
-            self._staging = [self._staging_buffers() for _ in range(self.plan.num_slots)]
-            tracker.reserve("cpu", self.plan.num_slots * sum(p.bytes_on("disk") for p in self.plan.streamed),
-                            "weight staging (pinned)")
+            self._staging = [self._slot_buffers(_pinned) for _ in range(self.plan.num_slots)]
+            tracker.reserve("cpu", self.plan.num_slots * self.plan.slot_bytes, "weight staging (pinned)")
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch", initializer=bind_thread,
                                          initargs=(indexed(self.device),)) if overlap else None)
         self._stream = torch.cuda.Stream(self.device) if self.cuda and overlap else None
@@ -56,26 +68,33 @@ class TieredWeights:
         # CUDA: an event per slot, recorded on the compute stream when the pass releases the layer
         # in it; the next load into the slot waits for it (compute is asynchronous on a GPU).
         self._slot_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
+        self._blocks_in: list[set[int]] = [set() for _ in range(self.plan.num_slots)]  # routed reads done
         # CUDA with disk pieces: an event per slot recorded after the copies out of its staging
         # buffers; the next disk read into them waits for that event only, so this layer's reads
         # overlap the previous layer's host -> device copies (a stream sync made them add up).
         self._staging_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
 
-    def _slot_buffers(self, make: Callable[[int, torch.dtype], torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        """One working slot: per streamed tensor, a flat buffer per component."""
-        return {p.name: [make(cm.numel(p.shape[0]), cm.dtype) for cm in p.components]
-                for p in self.plan.streamed}
+    def _slot_buffers(self, make: Callable[[int, torch.dtype], torch.Tensor]) -> list[dict[str, list[torch.Tensor]]]:
+        """One working slot: one byte buffer the size of the largest layer's streamed tensors and,
+        per distinct layer plan, a flat view of it per streamed tensor and component (each starting
+        on a 4096-byte boundary, as O_DIRECT reads want). Index: the plan's place in plan.kinds."""
+        layouts = []
+        for kind in self.plan.kinds:
+            offset, views = 0, {}
+            for p in kind.streamed:
+                views[p.name] = []
+                for cm in p.components:
+                    views[p.name].append((offset, cm.numel(p.shape[0]), cm.dtype))
+                    offset = align_up(offset + cm.nbytes(p.shape[0]))
+            layouts.append((offset, views))
+        arena = make(max([size for size, _ in layouts] + [0]), torch.uint8)
+        return [{name: [arena[o:o + n * dt.itemsize].view(dt) for o, n, dt in comps] for name, comps in views.items()}
+                for _, views in layouts]
 
-    def _staging_buffers(self) -> dict[str, tuple[int, list[torch.Tensor]]]:
-        """One slot's staging: per streamed tensor with disk rows (one contiguous tail of rows,
-        as placement cuts them), its first disk row and a pinned buffer per component."""
-        staging = {}
-        for p in self.plan.streamed:
-            disk = [piece for piece in p.pieces if piece.tier == "disk"]
-            if disk:
-                first, rows = disk[0].row_start, disk[-1].row_end - disk[0].row_start
-                staging[p.name] = (first, [pinned_empty((cm.numel(rows),), cm.dtype) for cm in p.components])
-        return staging
+    def _kind(self, layer: int) -> int:
+        """Index of the layer's plan in plan.kinds (its views in a slot)."""
+        plan = self.plan.layer(layer)
+        return next(i for i, k in enumerate(self._kinds) if k is plan)
 
     def _working_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         # On the host, working buffers start on a 4096-byte boundary so that O_DIRECT reads of disk
@@ -108,11 +127,16 @@ class TieredWeights:
             torch.cuda.current_stream(self.device).wait_event(event)
         self._in_use[layer] = slot
         weights: Weights = dict(self.placed.small[layer])
-        for plan in self.plan.tensors:
+        buffers = self._buffers[slot][self._kind(layer)]
+        for plan in self.plan.layer(layer).tensors:
             if plan.resident:
                 weights[plan.name] = assemble(plan, self.placed.pieces[layer][(plan.name, 0)])
             else:
-                weights[plan.name] = assemble(plan, self._buffers[slot][plan.name])
+                weights[plan.name] = assemble(plan, buffers[plan.name])
+        access = self.block_access(layer, slot)
+        if access is not None:
+            weights[ROW_BLOCKS] = access
+            self.stats["expert_loads"] += 1
         return weights
 
     def release(self, layer: int) -> None:
@@ -164,31 +188,16 @@ class TieredWeights:
     def _load_slot(self, layer: int, slot: int):
         if self._staging_free[slot] is not None:
             self._staging_free[slot].synchronize()  # copies out of this slot's staging buffers are done
+        self._blocks_in[slot] = set()  # experts read after routing (RowBlockAccess) start over
         reads = []
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), AllReads() as pending:
             if self._stream is not None and self._slot_free[slot] is not None:
                 self._stream.wait_event(self._slot_free[slot])  # the layer that used it is computed
-            for plan in self.plan.tensors:
-                if plan.resident:
-                    continue
-                buffers = self._buffers[slot][plan.name]
+            for plan in self.plan.layer(layer).streamed:
                 for i, piece in enumerate(plan.pieces):
-                    for c, (cm, buf) in enumerate(zip(plan.components, buffers)):
-                        lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
-                        if piece.tier == "disk":
-                            target = buf[lo:hi]
-                            if self._staging:
-                                first, staged = self._staging[slot][plan.name]
-                                target = staged[c][lo - cm.numel(first):hi - cm.numel(first)]
-                            future = pending.add(self.store.read_range_async(
-                                store_key(layer, plan.name, cm), lo * cm.dtype.itemsize, target))
-                            reads.append((future, buf[lo:hi], target))
-                        else:
-                            buf[lo:hi].copy_(self.placed.pieces[layer][(plan.name, i)][c], non_blocking=True)
-            for future, dest, staged in reads:
-                future.result()
-                if staged is not dest:
-                    dest.copy_(staged, non_blocking=True)
+                    for lo, hi in self._rows_now(layer, plan, piece):
+                        self._copy_rows(layer, slot, plan, i, lo, hi, pending, reads)
+            self._finish_reads(reads)
             if self._stream is not None:
                 event = torch.cuda.Event()
                 event.record(self._stream)
@@ -202,3 +211,121 @@ class TieredWeights:
                 self._staging_free[slot].record(torch.cuda.current_stream(self.device))
         return None
 
+    def _rows_now(self, layer: int, plan: TensorPlan, piece) -> list[tuple[int, int]]:
+        """The piece's row ranges a layer load copies: all of it, except for experts (stacked row
+        blocks) off the gpu tier that are read after routing (routed_reads) or computed where they
+        are (cpu_blocks)."""
+        if plan.blocks == 1 or piece.tier == "gpu" or not (self.routed_reads or self.cpu_blocks):
+            return [(piece.row_start, piece.row_end)]
+        if self.routed_reads:
+            return []
+        on_cpu = self._on_cpu(layer)
+        return [r for e in range(plan.blocks) if e not in on_cpu for r in [_clip(plan, e, piece)] if r is not None]
+
+    def _copy_rows(self, layer: int, slot: int, plan: TensorPlan, i: int, row_lo: int, row_hi: int,
+                   pending: AllReads, reads: list) -> None:
+        """Rows [row_lo, row_hi) of piece i of `plan` into the slot's buffer (disk reads queued in
+        `reads`, finished by _finish_reads)."""
+        piece, kind = plan.pieces[i], self._kind(layer)
+        buffers = self._buffers[slot][kind][plan.name]
+        for c, (cm, buf) in enumerate(zip(plan.components, buffers)):
+            lo, hi = cm.numel(row_lo), cm.numel(row_hi)
+            if piece.tier == "disk":
+                target = self._staging[slot][kind][plan.name][c][lo:hi] if self._staging else buf[lo:hi]
+                future = pending.add(self.store.read_range_async(
+                    store_key(layer, plan.name, cm), lo * cm.dtype.itemsize, target))
+                reads.append((future, buf[lo:hi], target))
+            else:
+                held = self.placed.pieces[layer][(plan.name, i)][c]  # the piece's rows from row_start
+                base = cm.numel(piece.row_start)
+                buf[lo:hi].copy_(held[lo - base:hi - base], non_blocking=True)
+
+    @staticmethod
+    def _finish_reads(reads: list) -> None:
+        for future, dest, staged in reads:
+            future.result()
+            if staged is not dest:
+                dest.copy_(staged, non_blocking=True)
+
+    # ---- experts: stacked row blocks read after routing, or computed on the cpu tier ------------
+    def _on_cpu(self, layer: int) -> frozenset[int]:
+        """cpu_blocks: the blocks (experts) every stacked weight of the layer holds whole in a
+        cpu-tier piece: computed there, never copied."""
+        plan = self.plan.layer(layer)
+        if not self.cpu_blocks:
+            return frozenset()
+        if id(plan) not in self._cpu_blocks_of:
+            stacked = [p for p in plan.streamed if p.blocks > 1]
+            blocks = range(stacked[0].blocks) if stacked else range(0)
+            self._cpu_blocks_of[id(plan)] = frozenset(
+                e for e in blocks if all(self._cpu_piece(p, e) is not None for p in stacked))
+        return self._cpu_blocks_of[id(plan)]
+
+    def _cpu_piece(self, plan: TensorPlan, block: int) -> int | None:
+        lo, hi = block * plan.block_rows, (block + 1) * plan.block_rows
+        for i, piece in enumerate(plan.pieces):
+            if piece.tier == "cpu" and piece.row_start <= lo and hi <= piece.row_end:
+                return i
+        return None
+
+    def block_access(self, layer: int, slot: int) -> RowBlockAccess | None:
+        stacked = [p for p in self.plan.layer(layer).streamed if p.blocks > 1]
+        if not stacked or not (self.routed_reads or self.cpu_blocks):
+            return None
+        return RowBlockAccess(self, layer, slot, stacked)
+
+
+def _clip(plan: TensorPlan, block: int, piece) -> tuple[int, int] | None:
+    """The rows of `block` inside `piece`, or None."""
+    lo, hi = max(block * plan.block_rows, piece.row_start), min((block + 1) * plan.block_rows, piece.row_end)
+    return (lo, hi) if lo < hi else None
+
+
+class RowBlockAccess:
+    """The experts of one streamed layer in its working slot (offload.weights.ROW_BLOCKS): `load`
+    reads the routed ones not read yet (routed_reads), `on_cpu` gives an expert held whole on the
+    cpu tier as views of that memory, to compute there (cpu_blocks)."""
+
+    def __init__(self, weights: TieredWeights, layer: int, slot: int, stacked: list[TensorPlan]):
+        self.weights, self.layer, self.slot, self.stacked = weights, layer, slot, stacked
+
+    def on_cpu(self, block: int) -> dict | None:
+        """{name: the block's rows} where every stacked weight holds the block on the cpu tier."""
+        w = self.weights
+        if block not in w._on_cpu(self.layer):
+            return None
+        out = {}
+        for plan in self.stacked:
+            i = w._cpu_piece(plan, block)
+            piece, held = plan.pieces[i], w.placed.pieces[self.layer][(plan.name, i)]
+            lo, hi = block * plan.block_rows - piece.row_start, (block + 1) * plan.block_rows - piece.row_start
+            out[plan.name] = assemble(plan, [t[cm.numel(lo):cm.numel(hi)] for t, cm in zip(held, plan.components)],
+                                      rows=plan.block_rows)
+        w.stats["experts_on_cpu"] += 1
+        return out
+
+    def load(self, blocks) -> None:
+        """Make `blocks` valid in the slot's buffers (a no-op without routed_reads: loaded whole)."""
+        w = self.weights
+        missing = sorted(set(blocks) - w._blocks_in[self.slot]) if w.routed_reads else []
+        if not missing:
+            return
+        reads = []
+        with AllReads() as pending:
+            for plan in self.stacked:
+                for i, piece in enumerate(plan.pieces):
+                    if piece.tier == "gpu":
+                        continue
+                    for e in missing:
+                        rows = _clip(plan, e, piece)
+                        if rows is not None:
+                            w._copy_rows(self.layer, self.slot, plan, i, *rows, pending, reads)
+            w._finish_reads(reads)
+        if w.cuda and reads:  # copies out of the staging buffers (compute stream) end before its next fill
+            torch.cuda.current_stream(w.device).synchronize()
+        w._blocks_in[self.slot].update(missing)
+        w.stats["experts_read"] += len(missing)
+
+
+def _pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return pinned_empty((numel,), dtype)  # page-locked at exactly its size (counted by the tracker)

@@ -7,6 +7,9 @@ from typing import Protocol
 import torch
 
 Weights = dict[str, torch.Tensor]
+# In a layer's weights where it has stacked row blocks (experts) read after routing or computed on
+# the cpu tier: an object with load(blocks) and on_cpu(block) (offload.tiered_weights.RowBlockAccess).
+ROW_BLOCKS = "row_blocks"
 
 
 class LayerWeightStore(Protocol):

@@ -65,6 +65,14 @@ class Int4Packed:
         return cls(packed.view(out_features, in_features // 2),
                    scales_zeros.view(out_features, in_features // group_size, 2), shape, group_size)
 
+    def rows(self, start: int, stop: int) -> Int4Packed:
+        """Rows [start, stop) on 64-row block boundaries, as a view (blocks are contiguous)."""
+        if start % BLOCK_ROWS or stop % BLOCK_ROWS or not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(f"Int4Packed.rows({start}, {stop}): rows must be whole {BLOCK_ROWS}-row blocks "
+                             f"within [0, {self.shape[0]}]")
+        return Int4Packed(self.packed[start:stop], self.scales_zeros[start:stop], (stop - start, self.shape[1]),
+                          self.group_size)
+
     def components(self) -> list[torch.Tensor]:
         """The stored form: flat uint8 codes, then flat bf16 scales and zeros (row-major both)."""
         return [self.packed.reshape(-1), self.scales_zeros.reshape(-1)]

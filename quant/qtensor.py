@@ -72,5 +72,19 @@ class QTensor:
     def is_pinned(self) -> bool:
         return all(t.is_pinned() for t in (self.data, self.scale, self.minimum))
 
+    def rows(self, start: int, stop: int) -> "QTensor":
+        """Rows [start, stop) of a 2-D weight grouped along its last dimension, as a view: each row's
+        groups (codes packed per row, quant/packing.py), scales and minimums are one contiguous run."""
+        layout = self.layout
+        if len(self.shape) != 2 or layout.group_dim != 1 or not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(f"QTensor.rows({start}, {stop}): needs a 2-D weight grouped along dim 1 and "
+                             f"rows within [0, {self.shape[0] if self.shape else 0}], got shape {self.shape}, "
+                             f"group_dim {layout.group_dim}")
+        groups = layout.padded_len // layout.group_size  # per row
+        per_byte = groups * self.config.bytes_per_group
+        return replace(self, data=self.data[start * per_byte:stop * per_byte],
+                       scale=self.scale[start * groups:stop * groups],
+                       minimum=self.minimum[start * groups:stop * groups], shape=(stop - start, self.shape[1]))
+
     def _map(self, fn) -> "QTensor":
         return replace(self, data=fn(self.data), scale=fn(self.scale), minimum=fn(self.minimum))

@@ -61,9 +61,47 @@ TINY_CONFIGS = {
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     max_position_embeddings=64, sliding_window=None, tie_word_embeddings=False),
 }
+# Qwen3 and the mixture-of-experts families: head_dim independent of hidden / heads, several expert
+# counts and top-k, renormalised or not, a shared expert, dense layers among sparse ones.
+_QWEN3_BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+TINY_CONFIGS.update({
+    "qwen3": dict(_QWEN3_BASE, model_type="qwen3", tie_word_embeddings=False),
+    "qwen3_tied": dict(_QWEN3_BASE, model_type="qwen3", head_dim=12, num_key_value_heads=1,
+                       tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3_moe": dict(_QWEN3_BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=False),
+    # 8 experts, top-3, not renormalised, layer 1 dense (mlp_only_layers), tied head
+    "qwen3_moe_dense_layer": dict(_QWEN3_BASE, model_type="qwen3_moe", num_hidden_layers=3, num_experts=8,
+                                  num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=False,
+                                  mlp_only_layers=[1], tie_word_embeddings=True),
+    "mixtral": dict(model_type="mixtral", vocab_size=128, hidden_size=32, intermediate_size=40,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=False),
+    "mixtral_top1_tied": dict(model_type="mixtral", vocab_size=128, hidden_size=32, intermediate_size=24,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                              max_position_embeddings=64, num_local_experts=3, num_experts_per_tok=1,
+                              tie_word_embeddings=True),
+    # shared expert with its sigmoid gate; decoder_sparse_step=2: layers 1, 3 sparse, 0, 2 dense
+    "qwen2_moe": dict(model_type="qwen2_moe", vocab_size=128, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=40, decoder_sparse_step=2, norm_topk_prob=False,
+                      tie_word_embeddings=False),
+    "qwen2_moe_norm_tied": dict(model_type="qwen2_moe", vocab_size=128, hidden_size=32, intermediate_size=48,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                max_position_embeddings=64, num_experts=5, num_experts_per_tok=3,
+                                moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                norm_topk_prob=True, tie_word_embeddings=True),
+})
+MOE_KINDS = ["qwen3_moe", "qwen3_moe_dense_layer", "mixtral", "mixtral_top1_tied", "qwen2_moe",
+             "qwen2_moe_norm_tied"]
 # Deeper variants for placement tests: with 6 layers, two working buffers are a third of the layers.
 TINY_CONFIGS["opt_deep"] = dict(TINY_CONFIGS["opt"], num_hidden_layers=6)
 TINY_CONFIGS["llama_deep"] = dict(TINY_CONFIGS["llama_gqa_untied"], num_hidden_layers=6)
+TINY_CONFIGS["mixtral_deep"] = dict(TINY_CONFIGS["mixtral"], num_hidden_layers=6)
+TINY_CONFIGS["qwen2_moe_deep"] = dict(TINY_CONFIGS["qwen2_moe"], num_hidden_layers=6)
 # Every weight a whole number of 64-row blocks and 64-value groups: what the CPU int4 kernel covers.
 TINY_CONFIGS["opt_blocks64"] = dict(TINY_CONFIGS["opt"], hidden_size=128, ffn_dim=256, word_embed_proj_dim=128,
                                     num_hidden_layers=4, max_position_embeddings=128)

@@ -162,6 +162,11 @@ class EngineConfig:
     # (other weights, another disk store; checkpoint.DummyWeights), for models too large to quantize
     # quickly on a CPU (scripts/bench_70b.py)
     dummy_weight_codes: bool = False
+    # Mixture of experts (None: the policy's field of that name where it has one, else off):
+    # read a layer's experts off the gpu tier only once routed; compute experts held on the cpu
+    # tier there (offload/tiered_weights.py RowBlockAccess)
+    routed_expert_reads: bool | None = None
+    cpu_experts: bool | None = None
 
 
 def _formats_key(quant, dtype: torch.dtype, device: torch.device) -> str:
@@ -195,9 +200,6 @@ class LLMEngine:
         if hasattr(self.source, "convert_k_quants"):  # a GGUF: K-quants as codes only where weights are compressed
             self.source.convert_k_quants = e.policy.compress_weight
         self.config, self.model = self.source.config, self.source.model
-        if self.config.moe is not None or self.config.qk_norm:  # until the runtime's qwen3 / MoE families land
-            raise FlexSarathiError(f"{e.model}: model_type {self.config.model_type!r} is planned (flexsarathi "
-                                   f"policy) but not yet run by the engine")
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = e.policy
         # A compressed K is grouped per channel over one block (KVFormat.block_size).
@@ -239,7 +241,10 @@ class LLMEngine:
         store_key = f"fmt{STORE_FORMAT}|{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
             _formats_key(quant, self.dtype, self.device))
         return TieredWeights(
-            num_layers=self.config.num_layers, layer_shapes=self.model.layer_shapes(),
+            num_layers=self.config.num_layers,
+            layer_shapes=[self.model.layer_shapes(j) for j in range(self.config.num_layers)],
+            row_blocks=self.model.expert_stacks(), resident=self.model.resident_weights(),
+            routed_reads=self._moe_flag("routed_expert_reads"), cpu_blocks=self._moe_flag("cpu_experts"),
             read_globals=lambda: self.source.global_weights(self.dtype),
             read_layer=lambda i: self.source.layer_weights(i, self.dtype),
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
@@ -247,6 +252,10 @@ class LLMEngine:
             pin_memory=p.pin_weight and self.device.type == "cuda",
             disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io,
                                          pin_memory=self.device.type == "cuda"))
+
+    def _moe_flag(self, name: str) -> bool:
+        value = getattr(self.engine_config, name)
+        return bool(getattr(self.policy, name, False) if value is None else value)
 
     def _offload_folder(self) -> str:
         try:

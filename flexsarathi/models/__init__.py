@@ -2,11 +2,14 @@
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models.base import ModelMath, Weights
 from flexsarathi.models.llama import LlamaMath
+from flexsarathi.models.moe import MoeMath
 from flexsarathi.models.opt import OPTMath
 
 
 def build_model_math(config: ModelConfig) -> ModelMath:
-    return OPTMath(config) if config.family == "opt" else LlamaMath(config)
+    if config.family == "opt":
+        return OPTMath(config)
+    return MoeMath(config) if config.moe is not None else LlamaMath(config)
 
 
-__all__ = ["ModelMath", "Weights", "build_model_math", "LlamaMath", "OPTMath"]
+__all__ = ["ModelMath", "Weights", "build_model_math", "LlamaMath", "MoeMath", "OPTMath"]

@@ -38,8 +38,20 @@ class ModelMath(ABC):
         ...
 
     @abstractmethod
-    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+    def layer_shapes(self, layer: int = 0) -> dict[str, tuple[int, ...]]:
+        """Canonical weight -> shape of `layer` (layers of a mixture-of-experts model may differ:
+        dense MLP layers among sparse ones)."""
         ...
+
+    def expert_stacks(self) -> dict[str, int]:
+        """2-D weights that are experts stacked by rows -> how many (each expert a contiguous row
+        range of equal size): placement keeps an expert's rows addressable on their own."""
+        return {}
+
+    def resident_weights(self) -> frozenset[str]:
+        """2-D weights kept on the compute device uncompressed, like norms (routers: tiny, and a
+        4-bit router would change which experts a token goes to)."""
+        return frozenset()
 
     @abstractmethod
     def hf_layer_names(self, layer: int) -> dict[str, list[str]]:

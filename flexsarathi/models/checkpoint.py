@@ -109,7 +109,7 @@ class SafetensorsCheckpoint(WeightSource):
     def _validate_shapes(self) -> None:
         """Check every tensor's shape from the headers before any weight is read."""
         expected = [(self.model.hf_global_names(), self.model.global_shapes())]
-        expected += [(self.model.hf_layer_names(i), self.model.layer_shapes())
+        expected += [(self.model.hf_layer_names(i), self.model.layer_shapes(i))
                      for i in range(self.config.num_layers)]
         for names, shapes in expected:
             for canonical, parts in names.items():
@@ -155,13 +155,14 @@ class DummyWeights(WeightSource):
     """Random weights of a registered model's real shape (as FlexGen benchmarks): deterministic
     per (model, layer, tensor), generated on demand, so any layer can be regenerated alone."""
 
-    def __init__(self, name: str, seed: int = 0, codes: QuantConfig | None = None):
+    def __init__(self, name: str, seed: int = 0, codes: QuantConfig | None = None, config: dict | None = None):
         """codes: draw each layer's 2-D weights directly as uniformly random codes of that format
         (QTensors) instead of quantizing normal draws: generating and quantizing a 70B layer takes
         tens of seconds on two cores, drawing its codes about one (scripts/bench_70b.py). Other
-        weights than the normal draws, so another fingerprint (and disk store)."""
+        weights than the normal draws, so another fingerprint (and disk store). config: an HF
+        config dict to use instead of the registered model `name`'s."""
         try:
-            hf = known_config(name)
+            hf = known_config(name) if config is None else dict(config)
         except KeyError as exc:
             raise CheckpointError(str(exc.args[0])) from None
         self.name, self.seed, self.codes = name, seed, codes
@@ -201,5 +202,7 @@ class DummyWeights(WeightSource):
         return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(shape), dtype=dtype, config=config)
 
     def layer_weights(self, layer, dtype):
-        return {k: self._draw_codes(f"{layer}.{k}", s, dtype) if self.codes is not None and len(s) == 2
-                else self._make(f"{layer}.{k}", s, dtype) for k, s in self.model.layer_shapes().items()}
+        codes = self.codes is not None
+        resident = self.model.resident_weights()  # routers: never drawn as codes (placed uncompressed)
+        return {k: self._draw_codes(f"{layer}.{k}", s, dtype) if codes and len(s) == 2 and k not in resident
+                else self._make(f"{layer}.{k}", s, dtype) for k, s in self.model.layer_shapes(layer).items()}

@@ -18,6 +18,12 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     return quantized_linear(x, weight, bias)
 
 
+def swiglu(x: torch.Tensor, gate_up, down, gate_up_bias=None, down_bias=None) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)), gate and up fused in one weight [2 * ffn, hidden]."""
+    gate, up = linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down, down_bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As HF LlamaRMSNorm: normalise in fp32, cast back, then scale.
     xf = x.float()

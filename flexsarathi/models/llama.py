@@ -1,11 +1,12 @@
-"""LLaMA family (llama, mistral, qwen2): RMSNorm, SwiGLU, RoPE, grouped-query attention."""
+"""LLaMA family (llama, mistral, qwen2, qwen3): RMSNorm, SwiGLU, RoPE, grouped-query attention;
+qwen3 normalises each head of q and k (RMSNorm over head_dim) before RoPE."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from flexsarathi.models.base import ModelMath, Weights
-from flexsarathi.models.layers import apply_rope, linear, rms_norm, rope_inv_freq
+from flexsarathi.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu
 
 
 class LlamaMath(ModelMath):
@@ -35,7 +36,11 @@ class LlamaMath(ModelMath):
             shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
         return shapes
 
-    def layer_shapes(self):
+    def layer_shapes(self, layer=0):
+        return {**self.attention_shapes(), **self.dense_mlp_shapes()}
+
+    def attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The layer up to the MLP: norms, q/k/v and o projections (with the family's biases)."""
         c = self.config
         qkv_out = c.q_size + 2 * c.kv_size
         shapes = {
@@ -43,13 +48,19 @@ class LlamaMath(ModelMath):
             "qkv_proj.weight": (qkv_out, c.hidden_size),
             "o_proj.weight": (c.hidden_size, c.q_size),
             "mlp_norm.weight": (c.hidden_size,),
-            "gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size),
-            "down_proj.weight": (c.hidden_size, c.intermediate_size),
         }
         if c.qkv_bias:
             shapes["qkv_proj.bias"] = (qkv_out,)
         if c.o_bias:
             shapes["o_proj.bias"] = (c.hidden_size,)
+        if c.qk_norm:
+            shapes["q_norm.weight"] = shapes["k_norm.weight"] = (c.head_dim,)
+        return shapes
+
+    def dense_mlp_shapes(self) -> dict[str, tuple[int, ...]]:
+        c = self.config
+        shapes = {"gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size),
+                  "down_proj.weight": (c.hidden_size, c.intermediate_size)}
         if c.mlp_bias:
             shapes["gate_up_proj.bias"] = (2 * c.intermediate_size,)
             shapes["down_proj.bias"] = (c.hidden_size,)
@@ -68,8 +79,10 @@ class LlamaMath(ModelMath):
             "o_proj.bias": [p + "self_attn.o_proj.bias"],
             "gate_up_proj.bias": [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"],
             "down_proj.bias": [p + "mlp.down_proj.bias"],
+            "q_norm.weight": [p + "self_attn.q_norm.weight"],
+            "k_norm.weight": [p + "self_attn.k_norm.weight"],
         }
-        return {k: v for k, v in names.items() if k in self.layer_shapes()}
+        return {k: v for k, v in names.items() if k in self.layer_shapes(layer)}
 
     def hf_global_names(self):
         names = {"embed_tokens.weight": ["model.embed_tokens.weight"],
@@ -83,14 +96,17 @@ class LlamaMath(ModelMath):
     def qkv(self, w: Weights, hidden, positions):
         x = rms_norm(hidden, w["attn_norm.weight"], self.config.norm_eps)
         q, k, v = self._split_qkv(linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")))
+        if "q_norm.weight" in w:  # qwen3: per head, over head_dim
+            eps = self.config.norm_eps
+            q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
         inv_freq = self.inv_freq_on(q.device)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def post_attention(self, w: Weights, hidden, attn):
         hidden = hidden + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
         x = rms_norm(hidden, w["mlp_norm.weight"], self.config.norm_eps)
-        gate, up = linear(x, w["gate_up_proj.weight"], w.get("gate_up_proj.bias")).chunk(2, dim=-1)
-        return hidden + linear(F.silu(gate) * up, w["down_proj.weight"], w.get("down_proj.bias"))
+        return hidden + swiglu(x, w["gate_up_proj.weight"], w["down_proj.weight"],
+                               w.get("gate_up_proj.bias"), w.get("down_proj.bias"))
 
     def logits(self, g: Weights, hidden):
         x = rms_norm(hidden, g["final_norm.weight"], self.config.norm_eps)

@@ -1,7 +1,7 @@
 """`ModelConfig`: the model's shape and math options for the runtime: policy_search's `HFConfig`
 (the one config.json parser, shared with the planner) plus the checkpoint's torch dtype.
 
-Two families: OPT (`opt`) and LLaMA (`llama`, `mistral`, `qwen2`).
+Two families: OPT (`opt`) and LLaMA (`llama`, `mistral`, `qwen2`, `qwen3`; with mixture-of-experts MLPs `mixtral`, `qwen2_moe`, `qwen3_moe`).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ class OPTMath(ModelMath):
             shapes["lm_head.weight"] = (c.vocab_size, c.embed_dim)
         return shapes
 
-    def layer_shapes(self):
+    def layer_shapes(self, layer=0):
         c = self.config
         h, f = c.hidden_size, c.intermediate_size
         shapes = {

@@ -1,0 +1,154 @@
+"""Mixture-of-experts LLaMA-family models (mixtral, qwen2_moe, qwen3_moe): a sparse layer's MLP is
+a router and `E` experts (each a SwiGLU MLP of the expert width), qwen2_moe adding one shared
+expert behind a sigmoid gate; dense layers (`mlp_only_layers`, `decoder_sparse_step`) keep the
+LLaMA MLP. Everything up to the MLP is LlamaMath's (qwen3_moe: with its q/k norms).
+
+The experts of a layer are stacked by rows into two weights, `experts.gate_up_proj.weight`
+[E * 2F, hidden] (expert e's gate rows then its up rows) and `experts.down_proj.weight`
+[E * hidden, F], so a layer still moves few large tensors and expert e is one contiguous row
+range of each: placement cuts, streams and compresses them as any other weight, and reading only
+the routed experts is reading row ranges. The router stays uncompressed on the compute device.
+
+The router is transformers' (softmax in fp32 over all experts, top-k, renormalised where
+`norm_topk_prob`); the experts run grouped: one matmul per routed expert over the rows routed to
+it, results scaled by their routing weight and summed in expert order (index_add_), as
+transformers' `*Experts.forward` does, so fp32 results match it to rounding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flexsarathi.models.base import Weights
+from flexsarathi.models.layers import linear, rms_norm, swiglu
+from flexsarathi.models.llama import LlamaMath
+from offload.weights import ROW_BLOCKS
+
+GATE_UP, DOWN = "experts.gate_up_proj.weight", "experts.down_proj.weight"
+ROUTER, SHARED_GATE = "router.weight", "shared_expert_gate.weight"
+CPU = torch.device("cpu")
+
+
+def weight_rows(weight, start: int, stop: int):
+    """Rows [start, stop) of a 2-D weight as the model uses it: a tensor, a QTensor or an
+    Int4Packed (both compressed forms keep a row range contiguous)."""
+    return weight[start:stop] if isinstance(weight, torch.Tensor) else weight.rows(start, stop)
+
+
+class Routing:
+    """Which experts each of T tokens goes to, grouped by expert: `order` lists the (token, slot)
+    pairs sorted by expert, `counts[e]` how many of them expert e gets."""
+
+    def __init__(self, top_index: torch.Tensor, top_weight: torch.Tensor, num_experts: int):
+        # top_index, top_weight: [T, k]
+        flat = top_index.reshape(-1)  # [T * k], token-major
+        self.order = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending within
+        self.tokens = self.order // top_index.shape[1]  # [T * k] token of each sorted pair
+        self.weights = top_weight.reshape(-1)[self.order]  # [T * k]
+        self.counts = torch.bincount(flat, minlength=num_experts).tolist()
+
+    def experts(self):
+        """(expert, first, last) per routed expert, in expert order: its pairs are order[first:last]."""
+        start = 0
+        for e, n in enumerate(self.counts):
+            if n:
+                yield e, start, start + n
+            start += n
+
+
+class MoeMath(LlamaMath):
+    def __init__(self, config):
+        super().__init__(config)
+        self.moe = config.moe
+        self.sparse = frozenset(i for i in range(config.num_layers) if self.moe.is_sparse(i))
+        self.mixtral = config.model_type == "mixtral"
+
+    # ---- shapes and names --------------------------------------------------------------------
+    def layer_shapes(self, layer=0):
+        if layer not in self.sparse:
+            return super().layer_shapes(layer)
+        c, m = self.config, self.moe
+        h, f, e = c.hidden_size, m.expert_ffn_size, m.num_experts
+        shapes = {**self.attention_shapes(), ROUTER: (e, h), GATE_UP: (e * 2 * f, h), DOWN: (e * h, f)}
+        if m.shared_expert_ffn_size:
+            s = m.shared_expert_ffn_size
+            shapes.update({"shared_expert.gate_up_proj.weight": (2 * s, h),
+                           "shared_expert.down_proj.weight": (h, s), SHARED_GATE: (1, h)})
+        return shapes
+
+    def expert_stacks(self):
+        return {GATE_UP: self.moe.num_experts, DOWN: self.moe.num_experts}
+
+    def resident_weights(self):
+        return frozenset((ROUTER, SHARED_GATE))
+
+    def hf_layer_names(self, layer):
+        names = super().hf_layer_names(layer)  # attention (and a dense layer's MLP)
+        if layer not in self.sparse:
+            return names
+        p = f"model.layers.{layer}."
+        if self.mixtral:  # w1: gate, w3: up, w2: down
+            mlp, gate, up, down = p + "block_sparse_moe.", "w1", "w3", "w2"
+        else:
+            mlp, gate, up, down = p + "mlp.", "gate_proj", "up_proj", "down_proj"
+        experts = range(self.moe.num_experts)
+        names[ROUTER] = [mlp + "gate.weight"]
+        names[GATE_UP] = [mlp + f"experts.{e}.{x}.weight" for e in experts for x in (gate, up)]
+        names[DOWN] = [mlp + f"experts.{e}.{down}.weight" for e in experts]
+        if self.moe.shared_expert_ffn_size:
+            names["shared_expert.gate_up_proj.weight"] = [mlp + "shared_expert.gate_proj.weight",
+                                                          mlp + "shared_expert.up_proj.weight"]
+            names["shared_expert.down_proj.weight"] = [mlp + "shared_expert.down_proj.weight"]
+            names[SHARED_GATE] = [mlp + "shared_expert_gate.weight"]
+        return names
+
+    # ---- math ----------------------------------------------------------------------------------
+    def post_attention(self, w: Weights, hidden, attn):
+        if ROUTER not in w:
+            return super().post_attention(w, hidden, attn)  # a dense layer
+        hidden = hidden + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
+        x = rms_norm(hidden, w["mlp_norm.weight"], self.config.norm_eps)  # [T, hidden]
+        return hidden + self.sparse_mlp(w, x, self.route(w, x))
+
+    def route(self, w: Weights, x: torch.Tensor) -> Routing:
+        """The router as transformers computes it: fp32 softmax over all experts, top-k, renormalised
+        where norm_topk_prob; qwen casts the weights back to the activations' dtype, mixtral keeps
+        them fp32 (its experts' products are then fp32, cast when summed)."""
+        logits = F.linear(x, w[ROUTER])  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_weight, top_index = torch.topk(probs, self.moe.top_k, dim=-1)  # [T, k]
+        if self.moe.norm_topk_prob:
+            top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
+        if not self.mixtral:
+            top_weight = top_weight.to(logits.dtype)
+        return Routing(top_index, top_weight, self.moe.num_experts)
+
+    def sparse_mlp(self, w: Weights, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Routed experts (one matmul per expert over its rows) plus the gated shared expert."""
+        out = self.run_experts(w, x, routing)
+        if "shared_expert.gate_up_proj.weight" in w:
+            shared = swiglu(x, w["shared_expert.gate_up_proj.weight"], w["shared_expert.down_proj.weight"])
+            out = out + torch.sigmoid(F.linear(x, w[SHARED_GATE])) * shared
+        return out
+
+    def run_experts(self, w: Weights, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Sum over the routed experts of weight * expert(x rows): [T, hidden], in expert order.
+        Where the weights come with ROW_BLOCKS (offload/tiered_weights.py): an expert held whole
+        on the cpu tier is computed there (its rows of x go to the CPU, its output comes back);
+        the others are read into the working buffer now, if they were left for after routing."""
+        f2, h = 2 * self.moe.expert_ffn_size, self.config.hidden_size
+        blocks, on_cpu = w.get(ROW_BLOCKS), {}
+        routed = [e for e, _, _ in routing.experts()]
+        if blocks is not None:
+            on_cpu = {e: held for e in routed if (held := blocks.on_cpu(e)) is not None}
+            blocks.load([e for e in routed if e not in on_cpu])
+        out = torch.zeros_like(x)
+        for e, first, last in routing.experts():
+            tokens = routing.tokens[first:last]
+            if e in on_cpu:
+                y = swiglu(x[tokens].to(CPU), on_cpu[e][GATE_UP], on_cpu[e][DOWN]).to(x.device)
+            else:
+                y = swiglu(x[tokens], weight_rows(w[GATE_UP], e * f2, (e + 1) * f2),
+                           weight_rows(w[DOWN], e * h, (e + 1) * h))
+            out.index_add_(0, tokens, (y * routing.weights[first:last, None]).to(out.dtype))
+        return out
