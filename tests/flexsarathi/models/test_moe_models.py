@@ -14,7 +14,7 @@ from flexsarathi.models.checkpoint import DummyWeights
 from flexsarathi.errors import CheckpointError
 from policy_search import Policy
 from tests.conftest import MOE_KINDS, build_hf_model
-from tests.flexsarathi.test_models import GREEDY, _prompts, hf_greedy, hf_logits
+from tests.flexsarathi.models.test_models import GREEDY, _prompts, hf_greedy, hf_logits
 from tests.offload.test_policy_matrix import CASES, _check, references, stories_dir_or_none  # noqa: F401 (fixtures)
 from tests.prompt_logits import prompt_logits
 
