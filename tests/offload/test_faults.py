@@ -258,10 +258,16 @@ def test_interrupts_from_another_thread_leave_fresh_engine_results(disk_engine, 
     named point, never a timer) and finishes that load. The next generate on the same LLM gives the
     fresh engine's tokens."""
     llm, prompts, reference = disk_engine
-    # interrupt_main lands in the main thread at its next bytecode, inside generate
-    with on_call(llm.engine.weights, "_load", at_load, _thread.interrupt_main) as loads, \
-            pytest.raises(KeyboardInterrupt):
-        llm.generate(prompts, GREEDY, use_tqdm=False)
+    # interrupt_main lands in the main thread at its next bytecode, inside generate, as Python's
+    # own SIGINT handler: set here, since a test run earlier in this process may have left another
+    # (interrupt_main does nothing where SIGINT is ignored, and a library's handler may defer it).
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with on_call(llm.engine.weights, "_load", at_load, _thread.interrupt_main) as loads, \
+                pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        signal.signal(signal.SIGINT, handler)
     assert len(loads) >= at_load
     assert _tokens(llm, prompts) == reference, f"after an interrupt at load {at_load}"
 
