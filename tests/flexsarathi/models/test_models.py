@@ -63,7 +63,11 @@ def test_greedy_tokens_match_transformers(tiny_checkpoint, kind):
 @pytest.mark.parametrize("kind", ["opt", "llama_gqa_untied"])
 @pytest.mark.parametrize("budget", [1, 3, 7, 64])
 def test_chunked_prefill_equals_whole_prefill(tiny_checkpoint, kind, budget):
-    folder, _ = tiny_checkpoint(kind)
+    assert_chunked_prefill_equals_whole(tiny_checkpoint(kind)[0], budget)
+
+
+def assert_chunked_prefill_equals_whole(folder: str, budget: int) -> None:
+    """Prompts prefilled in chunks of `budget` tokens give the whole prefill's prompt logits and tokens."""
     whole = LLM(folder, dtype="float32", policy=Policy(prefill_budget=64))
     chunked = LLM(folder, dtype="float32", policy=Policy(prefill_budget=budget))
     prompts = _prompts(whole.engine.config.vocab_size, lengths=(17, 23))

@@ -14,7 +14,8 @@ from flexsarathi.models.checkpoint import DummyWeights
 from flexsarathi.errors import CheckpointError
 from policy_search import Policy
 from tests.conftest import MOE_KINDS, build_hf_model
-from tests.flexsarathi.models.test_models import GREEDY, _prompts, hf_greedy, hf_logits
+from tests.flexsarathi.models.test_models import (GREEDY, _prompts, assert_chunked_prefill_equals_whole, hf_greedy,
+                                                  hf_logits)
 from tests.offload.test_policy_matrix import CASES, _check, references, stories_dir_or_none  # noqa: F401 (fixtures)
 from tests.prompt_logits import prompt_logits
 
@@ -75,15 +76,7 @@ def test_the_configs_cover_what_the_issue_asks(sharded_checkpoint):
 @pytest.mark.parametrize("kind", ["qwen3_moe_dense_layer", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("budget", [1, 5])
 def test_chunked_prefill_equals_whole_prefill(sharded_checkpoint, kind, budget):
-    folder, _ = sharded_checkpoint(kind)
-    whole = LLM(folder, dtype="float32", policy=Policy(prefill_budget=64))
-    chunked = LLM(folder, dtype="float32", policy=Policy(prefill_budget=budget))
-    prompts = _prompts(whole.engine.config.vocab_size, lengths=(17, 23))
-    for ref, got in zip(prompt_logits(whole, prompts), prompt_logits(chunked, prompts)):
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    ref_out = whole.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)] == \
-        [o.token_ids for o in ref_out]
+    assert_chunked_prefill_equals_whole(sharded_checkpoint(kind)[0], budget)
 
 
 # ---- placements: the experts streamed like every other weight ---------------------------------
