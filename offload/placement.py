@@ -92,6 +92,12 @@ class TensorPlan:
     def resident(self) -> bool:
         return all(p.tier == "gpu" for p in self.pieces)
 
+    @property
+    def gpu_rows(self) -> int:
+        """Rows [0, gpu_rows) on the gpu tier (tiers are cut in order gpu, cpu, disk): used in place;
+        only rows [gpu_rows, rows) are streamed into a working buffer (offload.weights.RowSplit)."""
+        return sum(p.rows for p in self.pieces if p.tier == "gpu")
+
 
 def uses_kernel_layout(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None,
                        quant: QuantConfig | None) -> bool:
@@ -205,8 +211,9 @@ class LayerPlan:
 
     @property
     def streamed_bytes(self) -> int:
-        """Bytes of a working slot holding this layer's streamed tensors."""
-        return sum(p.shape[0] * p.row_bytes for p in self.streamed)
+        """Bytes of a working slot holding this layer's streamed rows: those off the gpu tier (the
+        slot aligns each component's start to 4096 bytes on top: at most 4 KiB each)."""
+        return sum((p.shape[0] - p.gpu_rows) * p.row_bytes for p in self.streamed)
 
     def small_bytes(self, dtype: torch.dtype) -> int:
         return sum(torch.Size(s).numel() for s in self.small_shapes.values()) * dtype.itemsize

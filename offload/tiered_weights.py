@@ -19,7 +19,7 @@ from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, store_key
 from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble
 from offload.streams import bind_thread, indexed
-from offload.weights import ROW_BLOCKS
+from offload.weights import ROW_BLOCKS, RowSplit
 
 
 class TieredWeights:
@@ -54,11 +54,9 @@ class TieredWeights:
         self.store = disk_store() if self.plan.needs_disk else None
         self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda)
         self._kinds = self.plan.kinds
-        self._buffers = [self._slot_buffers(self._working_buffer) for _ in range(self.plan.num_slots)]
-        self._staging = None
-        if self.cuda and self.store is not None:  # disk -> pinned host staging -> device
-            self._staging = [self._slot_buffers(_pinned) for _ in range(self.plan.num_slots)]
-            tracker.reserve("cpu", self.plan.num_slots * self.plan.slot_bytes, "weight staging (pinned)")
+        self._buffers = [_slot_views(self._slot_layouts(_off_gpu_rows), self._working_buffer)
+                         for _ in range(self.plan.num_slots)]
+        self._staging = self._pinned_staging(tracker) if self.cuda and self.store is not None else None
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch", initializer=bind_thread,
                                          initargs=(indexed(self.device),)) if overlap else None)
         self._stream = torch.cuda.Stream(self.device) if self.cuda and overlap else None
@@ -74,22 +72,31 @@ class TieredWeights:
         # overlap the previous layer's host -> device copies (a stream sync made them add up).
         self._staging_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
 
-    def _slot_buffers(self, make: Callable[[int, torch.dtype], torch.Tensor]) -> list[dict[str, list[torch.Tensor]]]:
-        """One working slot: one byte buffer the size of the largest layer's streamed tensors and,
-        per distinct layer plan, a flat view of it per streamed tensor and component (each starting
-        on a 4096-byte boundary, as O_DIRECT reads want). Index: the plan's place in plan.kinds."""
+    def _pinned_staging(self, tracker: MemoryTracker) -> list[list[dict[str, list[torch.Tensor]]]]:
+        """Disk -> pinned host staging -> device: per slot, only each streamed tensor's disk rows
+        (for any layer kind), so the pinned memory is what the disk tier needs, not a whole layer."""
+        layouts = self._slot_layouts(_disk_rows)
+        tracker.reserve("cpu", self.plan.num_slots * _arena_bytes(layouts), "weight staging (pinned)")
+        return [_slot_views(layouts, _pinned) for _ in range(self.plan.num_slots)]
+
+    def _slot_layouts(self, rows_of: Callable[[TensorPlan], tuple[int, int]]) -> list[tuple[int, dict]]:
+        """One working slot's layout per distinct layer plan (index: its place in plan.kinds): the
+        bytes it needs and, per streamed tensor with rows in `rows_of(plan)` = [first, end), a
+        (byte offset, numel, dtype) per component, each starting on a 4096-byte boundary (as
+        O_DIRECT reads want). A slot is one byte arena of the largest kind's size."""
         layouts = []
         for kind in self.plan.kinds:
             offset, views = 0, {}
             for p in kind.streamed:
+                first, end = rows_of(p)
+                if end <= first:
+                    continue
                 views[p.name] = []
                 for cm in p.components:
-                    views[p.name].append((offset, cm.numel(p.shape[0]), cm.dtype))
-                    offset = align_up(offset + cm.nbytes(p.shape[0]))
+                    views[p.name].append((offset, cm.numel(end - first), cm.dtype))
+                    offset = align_up(offset + cm.nbytes(end - first))
             layouts.append((offset, views))
-        arena = make(max([size for size, _ in layouts] + [0]), torch.uint8)
-        return [{name: [arena[o:o + n * dt.itemsize].view(dt) for o, n, dt in comps] for name, comps in views.items()}
-                for _, views in layouts]
+        return layouts
 
     def _kind(self, layer: int) -> int:
         """Index of the layer's plan in plan.kinds (its views in a slot)."""
@@ -131,6 +138,11 @@ class TieredWeights:
         for plan in self.plan.layer(layer).tensors:
             if plan.resident:
                 weights[plan.name] = assemble(plan, self.placed.pieces[layer][(plan.name, 0)])
+            elif plan.gpu_rows:  # its gpu rows in place, the rest from the working buffer
+                streamed = plan.shape[0] - plan.gpu_rows
+                weights[plan.name] = RowSplit((
+                    assemble(plan, self.placed.pieces[layer][(plan.name, 0)], rows=plan.gpu_rows),
+                    assemble(plan, buffers[plan.name], rows=streamed)))
             else:
                 weights[plan.name] = assemble(plan, buffers[plan.name])
         access = self.block_access(layer, slot)
@@ -215,7 +227,9 @@ class TieredWeights:
         """The piece's row ranges a layer load copies: all of it, except for experts (stacked row
         blocks) off the gpu tier that are read after routing (routed_reads) or computed where they
         are (cpu_blocks)."""
-        if plan.blocks == 1 or piece.tier == "gpu" or not (self.routed_reads or self.cpu_blocks):
+        if piece.tier == "gpu":
+            return []  # used in place (RowSplit), never copied
+        if plan.blocks == 1 or not (self.routed_reads or self.cpu_blocks):
             return [(piece.row_start, piece.row_end)]
         if self.routed_reads:
             return []
@@ -230,15 +244,20 @@ class TieredWeights:
         buffers = self._buffers[slot][kind][plan.name]
         for c, (cm, buf) in enumerate(zip(plan.components, buffers)):
             lo, hi = cm.numel(row_lo), cm.numel(row_hi)
+            dest = buf[lo - cm.numel(plan.gpu_rows):hi - cm.numel(plan.gpu_rows)]  # buffers start at gpu_rows
             if piece.tier == "disk":
-                target = self._staging[slot][kind][plan.name][c][lo:hi] if self._staging else buf[lo:hi]
+                if self._staging:  # its views start at the tensor's first disk row
+                    first = cm.numel(_disk_rows(plan)[0])
+                    target = self._staging[slot][kind][plan.name][c][lo - first:hi - first]
+                else:
+                    target = dest
                 future = pending.add(self.store.read_range_async(
                     store_key(layer, plan.name, cm), lo * cm.dtype.itemsize, target))
-                reads.append((future, buf[lo:hi], target))
+                reads.append((future, dest, target))
             else:
                 held = self.placed.pieces[layer][(plan.name, i)][c]  # the piece's rows from row_start
                 base = cm.numel(piece.row_start)
-                buf[lo:hi].copy_(held[lo - base:hi - base], non_blocking=True)
+                dest.copy_(held[lo - base:hi - base], non_blocking=True)
 
     @staticmethod
     def _finish_reads(reads: list) -> None:
@@ -325,6 +344,28 @@ class RowBlockAccess:
             torch.cuda.current_stream(w.device).synchronize()
         w._blocks_in[self.slot].update(missing)
         w.stats["experts_read"] += len(missing)
+
+
+def _off_gpu_rows(plan: TensorPlan) -> tuple[int, int]:
+    """[first, end) of the rows a working buffer holds: those off the gpu tier (a tail)."""
+    return plan.gpu_rows, plan.shape[0]
+
+
+def _disk_rows(plan: TensorPlan) -> tuple[int, int]:
+    """[first, end) spanning the tensor's disk pieces ((0, 0) without any)."""
+    disk = [piece for piece in plan.pieces if piece.tier == "disk"]
+    return (disk[0].row_start, disk[-1].row_end) if disk else (0, 0)
+
+
+def _arena_bytes(layouts: list[tuple[int, dict]]) -> int:
+    return max([size for size, _ in layouts] + [0])
+
+
+def _slot_views(layouts: list[tuple[int, dict]], make: Callable[[int, torch.dtype], torch.Tensor]) -> list[dict[str, list[torch.Tensor]]]:
+    """One slot: an arena from `make` and, per layer kind, the views `layouts` name in it."""
+    arena = make(_arena_bytes(layouts), torch.uint8)
+    return [{name: [arena[o:o + n * dt.itemsize].view(dt) for o, n, dt in comps] for name, comps in views.items()}
+            for _, views in layouts]
 
 
 def _pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -2,7 +2,8 @@
 TieredWeights: everything on the compute device is the case w_gpu = 1)."""
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -10,6 +11,35 @@ Weights = dict[str, torch.Tensor]
 # In a layer's weights where it has stacked row blocks (experts) read after routing or computed on
 # the cpu tier: an object with load(blocks) and on_cpu(block) (offload.tiered_weights.RowBlockAccess).
 ROW_BLOCKS = "row_blocks"
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """A 2-D weight whose rows live in consecutive parts: a weight cut between the gpu tier and the
+    others keeps its gpu rows where they are and only the rest is streamed into a working buffer,
+    so a buffer holds what is off the GPU (as the planner prices it), not the whole weight, and the
+    gpu rows are not copied every layer. A linear is one matmul per part, outputs concatenated
+    (flexsarathi/models/layers.py). parts: tensors, QTensors or Int4Packed, [rows_i, in_features]."""
+
+    parts: tuple[Any, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(part.shape[0] for part in self.parts), self.parts[0].shape[1])
+
+    def whole(self) -> torch.Tensor:
+        """The weight as one new tensor (uncompressed parts only): for inspection, not the hot path."""
+        return torch.cat(self.parts)
+
+    def rows(self, start: int, stop: int):
+        """Rows [start, stop): a view of one part, or a RowSplit of the parts it spans."""
+        pieces, offset = [], 0
+        for part in self.parts:
+            lo, hi = max(start - offset, 0), min(stop - offset, part.shape[0])
+            if lo < hi:
+                pieces.append(part[lo:hi] if isinstance(part, torch.Tensor) else part.rows(lo, hi))
+            offset += part.shape[0]
+        return pieces[0] if len(pieces) == 1 else RowSplit(tuple(pieces))
 
 
 class LayerWeightStore(Protocol):

@@ -5,7 +5,7 @@
     policy, est = search(model, HardwareSpec.preset("t4"), Workload(prompt_len=512, gen_len=32))
     print(est.throughput, est.peak_memory, est.passes)
 """
-from policy_search.errors import InfeasibleError, SpecError
+from policy_search.errors import InfeasibleError, SolverMissingError, SpecError
 from policy_search.estimate import Estimate, PassEstimate, estimate
 from policy_search.hardware import PRESETS, HardwareSpec
 from policy_search.model_spec import ModelSpec
@@ -19,5 +19,5 @@ __all__ = [
     "ModelSpec", "HardwareSpec", "PRESETS", "Workload",
     "search", "search_detailed", "SearchResult", "estimate", "Estimate", "PassEstimate",
     "format_report", "policy_file", "write_policy_file",
-    "SpecError", "InfeasibleError",
+    "SpecError", "InfeasibleError", "SolverMissingError",
 ]

@@ -1,4 +1,4 @@
-"""Planner errors. Both are ValueErrors whose message names the bad field or the memory shortfall."""
+"""Planner errors, each with a message that names the bad field, the memory shortfall or the missing tool."""
 from __future__ import annotations
 
 
@@ -8,3 +8,7 @@ class SpecError(ValueError):
 
 class InfeasibleError(ValueError):
     """No policy fits the workload in the available memory; the message gives the arithmetic."""
+
+
+class SolverMissingError(RuntimeError):
+    """No CBC executable: the LP cannot be solved here (the message says how to get one)."""

@@ -17,9 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import pulp
-from pulp.apis import coin_api
+
+try:  # PuLP < 4 ships a CBC binary (coin_api.pulp_cbc_path); PuLP 4 has neither that module nor the binary
+    from pulp.apis import coin_api
+except ImportError:
+    coin_api = None
 
 from policy_search.cost_model import PassCost, time_terms
+from policy_search.errors import SolverMissingError
 from policy_search.linear import FRACTION_GROUPS, FRACTIONS, terms
 from policy_search.policy import TIERS
 from policy_search.units import GiB, MiB
@@ -163,11 +168,17 @@ def _variable(prob: pulp.LpProblem, name: str, low, high):
 
 
 def _solver() -> pulp.LpSolver:
-    """CBC: the binary bundled with pulp (PULP_CBC_CMD's, without its PuLP-4 deprecation warning),
-    else a `cbc` on PATH (`pip install pulp[cbc]`, the PuLP 4 way)."""
+    """CBC: the binary bundled with pulp < 4 (PULP_CBC_CMD's, without its PuLP-4 deprecation
+    warning), else the one PuLP 4 finds (its `cbc` extra's cbcbox wheel, or `cbc` on PATH)."""
     bundled = getattr(coin_api, "pulp_cbc_path", None)
     path = bundled if bundled and os.access(bundled, os.X_OK) else None
-    return pulp.COIN_CMD(path=path, msg=False)
+    solver = pulp.COIN_CMD(path=path, msg=False)
+    if not solver.available():
+        raise SolverMissingError(
+            f"the policy search needs the CBC solver, and pulp {pulp.__version__} finds none: install "
+            "pulp<4 (bundles CBC; what `pip install flexsarathi` asks for), or `pip install 'pulp[cbc]'`, "
+            "or put a `cbc` executable on PATH")
+    return solver
 
 
 def _clean(fractions: dict[str, float]) -> dict[str, float]:

@@ -15,7 +15,7 @@ from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from offload.disk_store import OffloadError
 from offload.memory import MemoryBudgetError
-from policy_search.errors import InfeasibleError, SpecError
+from policy_search.errors import InfeasibleError, SolverMissingError, SpecError
 from policy_search.policy import PolicyError
 
 
@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS = (FlexSarathiError, PolicyError, SpecError, InfeasibleError, MemoryBudgetError, OffloadError)
+USER_ERRORS = (FlexSarathiError, PolicyError, SpecError, InfeasibleError, SolverMissingError, MemoryBudgetError,
+               OffloadError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,21 @@ import torch
 import torch.nn.functional as F
 
 from flexsarathi.models.model_config import RopeConfig
+from offload.weights import RowSplit
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias; `weight` may be a compressed QTensor (dequantized right before use)."""
+    """x @ weight.T + bias; `weight` may be a compressed QTensor (dequantized right before use) or a
+    RowSplit (one matmul per part of its rows, outputs side by side)."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
+    if isinstance(weight, RowSplit):
+        outs, start = [], 0
+        for part in weight.parts:
+            stop = start + part.shape[0]
+            outs.append(linear(x, part, None if bias is None else bias[start:stop]))
+            start = stop
+        return torch.cat(outs, dim=-1)
     from quant import quantized_linear  # a compressed QTensor
 
     return quantized_linear(x, weight, bias)

@@ -19,6 +19,7 @@ from flexsarathi.errors import FlexSarathiError
 from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
 from offload.memory import MemoryTracker
 from offload.tiered_weights import TieredWeights
+from offload.weights import RowSplit
 from policy_search.policy import Policy
 from tests.conftest import REPO, mounted_tmpfs, on_call, raise_keyboard_interrupt
 
@@ -57,7 +58,7 @@ def _smash(folder, offset: int = 0) -> Path:
 def _all_layers(weights: TieredWeights) -> list[dict[str, torch.Tensor]]:
     out = []
     for i in range(weights.num_layers):
-        out.append({k: v.clone() for k, v in weights.get(i).items()})
+        out.append({k: v.whole() if isinstance(v, RowSplit) else v.clone() for k, v in weights.get(i).items()})
         weights.release(i)
     return out
 

@@ -36,7 +36,8 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(folder, policy, offload_dir, prompts=None):
-    llm = LLM(folder, dtype="bfloat16", policy=policy, offload_dir=str(offload_dir), kv_block_size=8)
+    # the CPU int4 kernel is the CPU compute path's: named, since a GPU machine's default is CUDA
+    llm = LLM(folder, dtype="bfloat16", device="cpu", policy=policy, offload_dir=str(offload_dir), kv_block_size=8)
     prompts = prompts or _prompts()
     tokens = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     return tokens, prompt_logits(llm, prompts[:3]), llm
@@ -116,7 +117,8 @@ def test_a_store_in_another_layout_is_rebuilt_not_misread(reference, tmp_path, m
         old_store = old.engine.weights.store
     assert any(n.endswith(".data") for n in _manifest_tensor_names(tmp_path / "old"))
     # The kernel-layout engine's store folder, filled with the row-major store's files.
-    probe = LLM(folder, dtype="bfloat16", policy=on_disk, offload_dir=str(tmp_path / "probe"), kv_block_size=8)
+    probe = LLM(folder, dtype="bfloat16", device="cpu", policy=on_disk, offload_dir=str(tmp_path / "probe"),
+                kv_block_size=8)
     new_store: DiskStore = probe.engine.weights.store
     assert new_store.key != old_store.key
     target = tmp_path / "new" / new_store.path.name

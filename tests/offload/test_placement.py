@@ -11,6 +11,7 @@ from offload.disk_store import DiskStore
 from offload.memory import MemoryTracker
 from offload.placement import TIERS, plan_layer
 from offload.tiered_weights import TieredWeights
+from offload.weights import RowSplit
 from quant import QTensor, QuantConfig, dequantize, quantize
 
 SHAPES = {"qkv": (96, 32), "o": (32, 32), "up": (80, 32), "down": (32, 80), "norm": (32,), "bias": (96,)}
@@ -54,6 +55,8 @@ def _weights(tmp_path, quant, read_layer, overlap=True) -> TieredWeights:
 
 
 def _plain(value):
+    if isinstance(value, RowSplit):  # gpu rows in place, the rest from a working buffer
+        return torch.cat([_plain(part) for part in value.parts])
     return dequantize(value) if isinstance(value, QTensor) else value
 
 

@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from policy_search import ModelSpec, Policy, Workload, estimate
-from policy_search import lp
+from policy_search import SolverMissingError, lp
 from policy_search.bounds import placement_bound
 from policy_search.estimate import pass_costs
 from policy_search.units import GiB
@@ -90,3 +90,36 @@ def test_relaxation_bounds_the_lp(tight, gbs, nb, kind):
         assert free >= bound >= (1 / solution.seconds_per_token) * (1 - 1e-9)
     if bound == 0:
         assert not solution.fits
+
+
+# ---- the CBC solver under PuLP 4 (no pulp.apis.coin_api, no bundled binary) ------------------------
+def test_lp_module_imports_without_pulps_bundled_cbc_module():
+    """PuLP 4 has no pulp.apis.coin_api (a Python 3.12 machine installing pulp>=2.7 got it and the
+    planner failed at import); emulated by making that module unimportable."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pulp.apis; del pulp.apis.coin_api; sys.modules['pulp.apis.coin_api'] = None; "
+            "import policy_search.lp as lp; assert lp.coin_api is None")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_without_a_bundled_cbc_the_one_on_path_solves_the_same(tight, monkeypatch, tmp_path):
+    model, hw, wl = tight
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=2)
+    bundled = lp._solver().path
+    expected = solve_one(policy, model, hw, wl)[1]
+    (tmp_path / "cbc").symlink_to(bundled)  # PuLP 4's way: a `cbc` found on PATH
+    monkeypatch.setattr(lp, "coin_api", None)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert lp._solver().path != bundled
+    assert solve_one(policy, model, hw, wl)[1] == expected
+
+
+def test_no_cbc_anywhere_is_one_clear_error(tight, monkeypatch, tmp_path):
+    model, hw, wl = tight
+    monkeypatch.setattr(lp, "coin_api", None)
+    monkeypatch.setenv("PATH", str(tmp_path))  # empty: no cbc
+    with pytest.raises(SolverMissingError, match=r"needs the CBC solver.*pulp<4"):
+        solve_one(Policy(gpu_batch_size=4, num_gpu_batches=2), model, hw, wl)

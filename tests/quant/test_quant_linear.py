@@ -59,6 +59,8 @@ def test_cuda_quantized_linear_matches_dequantize_then_linear(case, dtype):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernel itself "
+                    "(tests/offload/test_cuda.py); the interpreter stands in for it only without a GPU")
 def test_triton_kernel_in_the_interpreter():
     # TRITON_INTERPRET=1 runs the kernel with numpy on CPU tensors: the kernel's indexing (the
     # split-half nibbles, the group of each tile, the masks) is checked without a GPU. It must be set

@@ -53,3 +53,32 @@ def test_engine_reserves_the_planners_worst_pass_working_set(tiny_checkpoint, tm
         assert reserved == working_set(spec, tokens, policy.compress_kv).nbytes(policy.act_gpu)
     finally:
         engine.close()
+
+
+# every weight a whole number of 4-bit groups (no padding, as in real models' shapes)
+@pytest.mark.parametrize("kind", ["opt_blocks64", "llama_blocks64"])
+@pytest.mark.parametrize("fractions", [(0.9, 0.1, 0.0), (0.6, 0.2, 0.2), (0.0, 1.0, 0.0)])
+@pytest.mark.parametrize("compress", [False, True])
+def test_weight_working_buffers_are_what_the_planner_prices(tiny_checkpoint, tmp_path, kind, fractions, compress):
+    """The working buffers hold a layer's rows off the gpu tier (w_off_gpu of it per buffer), as the
+    planner's memory model prices them (policy_search/cost_model.py). A weight cut between the GPU
+    and another tier was buffered whole, so a searched policy that split one (opt-6.7b on a T4,
+    w_gpu 0.94: 256 MiB of buffers where 45 MiB were priced) did not fit the engine's budget."""
+    folder, _ = tiny_checkpoint(kind)
+    w_gpu, w_cpu, w_disk = fractions
+    policy = Policy(w_gpu=w_gpu, w_cpu=w_cpu, w_disk=w_disk, compress_weight=compress)
+    engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
+    try:
+        spec = planner_model_spec(folder)
+        layer = spec.largest_layer_weight_bytes(compress)
+        planned = policy.weight_buffers * (1 - w_gpu) * layer
+        plan = engine.weights.plan
+        # the engine cuts at whole rows (64-row blocks in the CPU int4 kernel's layout): one unit of
+        # rows per weight either way
+        rounding = policy.weight_buffers * sum((64 if p.kernel_layout else 1) * p.row_bytes
+                                               for p in plan.layer(0).tensors)
+        reserved = engine.memory.in_use_by_what("gpu").get("weight working buffers", 0)
+        assert reserved == plan.num_slots * plan.slot_bytes
+        assert reserved <= planned + rounding
+    finally:
+        engine.close()

@@ -275,17 +275,17 @@ def test_processor_in_a_user_pipeline(stories_dir, cluster):
     assert list(token_rows[0]["generated_token_ids"]) == ref.token_ids
 
 
+@needs_ray  # flexsarathi.ray (the spec module's package) imports Ray Data
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a driver without a GPU")
 def test_job_dtype_is_resolved_once_for_the_actors_device():
     """--ray resolves dtype auto on the driver for the device the ACTORS compute on: GPU actors
     get the checkpoint's half dtype (fp16 for an fp32 checkpoint) even from a driver without a GPU
     (this machine), CPU actors this machine's measured choice; an explicit dtype passes through; a
-    bad device is one error. Needs no Ray (the spec module does not import it)."""
+    bad device is one error. Starts no Ray instance."""
     from flexsarathi.machine.dtype_choice import cpu_compute_dtype
     from flexsarathi.errors import FlexSarathiError
     from flexsarathi.ray.spec import job_dtype
 
-    if torch.cuda.is_available():
-        pytest.skip("checks a driver without a GPU")
     f32, bf16 = torch.float32, torch.bfloat16
     assert job_dtype(None, f32, None, num_gpus=1) == "float16"
     assert job_dtype(None, bf16, None, num_gpus=1) == "bfloat16"

@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""FlexSarathi against FlexGen itself on one CUDA GPU, with T4 memory caps (prints; asserts nothing).
+
+    python scripts/bench_flexgen_gpu.py                       # every case below
+    python scripts/bench_flexgen_gpu.py --cases opt-6.7b      # the cases of one model
+    python scripts/bench_flexgen_gpu.py --cases opt-6.7b/all-gpu --skip-flexgen
+
+Needs a CUDA GPU and, for the baseline, the `flexgen` package (pip install flexgen==0.1.8: FlexGen's
+own `flexgen.flex_opt`). Each run is its own process (a clean CUDA context and pinned-memory state),
+FlexGen's and ours one after the other for each case, so the ratio is taken on the same machine
+minutes apart. The table's last column is ours / FlexGen; every figure is FlexGen's definition:
+generated tokens / (prefill + decode seconds) of one measured run after a warm-up.
+
+Cases: FlexGen's published T4 policies for prompt 512 / output 32 (benchmark/flexgen/bench_suite.py
+of the FlexGen repository), dummy weights (`--path _DUMMY_` there, `dummy:<model>` here):
+* opt-6.7b/all-gpu: `--percent 100 0 100 0 100 0 --gpu-batch-size 2 --overlap False`;
+* opt-6.7b/4bit: the same placement, `--gpu-batch-size 72 --compress-weight --compress-cache`;
+* opt-30b/cpu-weights: `--percent 20 80 0 100 0 100 --gpu-batch-size 48 --num-gpu-batches 1
+  --cpu-cache-compute`: FlexGen's ablation-suite policy. Its headline policy (3 GPU batches of 48)
+  keeps 108 GB of KV cache on the host beside 48 GB of weights: more than a 128 GiB machine has.
+Ours runs the same policy (block schedule, as FlexGen; and decode-maximal on the same engine), and
+the policy our planner searches for the t4 preset (`policy="auto"`). Our engine holds itself to a
+T4's memory: with FlexGen's policies the whole of it (15 GiB: the 15360 MiB CUDA reports on a T4,
+where FlexGen ran them; its 6.7B all-GPU policy needs 13 GB, over the planner's 80% rule); with the
+searched policy the t4 preset as a user gets it (the planner's 80% of 16 GiB). CPU: the preset's
+208 GiB or 85% of this machine's RAM, the smaller. FlexGen has no caps: it uses what its policy asks
+for. The report names the GPU that ran.
+
+FlexGen asks the Hugging Face hub for OPT's tokenizer only to turn its fixed prompt ("Paris is the
+capital city of", left-padded to the prompt length) into ids; there is no hub here, so the wrapper
+gives it those ids (seven ids below OPT's vocabulary, padded with OPT's pad id 1). With dummy
+weights the ids do not change the work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
+from policy_search import Policy  # noqa: E402
+from policy_search.units import GiB  # noqa: E402
+
+
+
+T4_CUDA_GIB = 15.0  # a 16 GB T4 as CUDA reports it: 15360 MiB
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # model/policy
+    model: str  # registered name, e.g. opt-6.7b
+    flexgen_args: tuple[str, ...] | None  # FlexGen's flags for this policy (None: ours only)
+    policy: Policy | None  # the same policy in our fields (None: only the searched one)
+    ours_auto: bool = True  # also run the policy our planner searches for `hardware`
+    schedulers: tuple[str, ...] = field(default=("block", "decode-maximal"))
+    hardware: str = "t4"  # the preset whose memory caps our engine
+    auto_4bit: bool = False  # search among 4-bit-weight policies only
+    requests: int = 0  # a closed workload of this many requests for the search (0: a steady stream)
+
+
+def _flexgen_policy(percent, gbs, ngb=1, cpu_attention=False, overlap=True, compress=False, pin_weight=True):
+    w_gpu, w_cpu, kv_gpu, kv_cpu, act_gpu, act_cpu = (p / 100 for p in percent)
+    return Policy(gpu_batch_size=gbs, num_gpu_batches=ngb, w_gpu=w_gpu, w_cpu=w_cpu, w_disk=1 - w_gpu - w_cpu,
+                  kv_gpu=kv_gpu, kv_cpu=kv_cpu, kv_disk=1 - kv_gpu - kv_cpu, act_gpu=act_gpu, act_cpu=act_cpu,
+                  act_disk=1 - act_gpu - act_cpu, cpu_attention=cpu_attention, overlap=overlap,
+                  compress_weight=compress, compress_kv=compress, pin_weight=pin_weight, scheduler="block")
+
+
+CASES = [
+    Case("opt-6.7b/all-gpu", "opt-6.7b",
+         ("--percent", "100", "0", "100", "0", "100", "0", "--gpu-batch-size", "2", "--overlap", "False"),
+         _flexgen_policy((100, 0, 100, 0, 100, 0), 2, overlap=False)),
+    Case("opt-6.7b/4bit", "opt-6.7b",
+         ("--percent", "100", "0", "100", "0", "100", "0", "--gpu-batch-size", "72", "--overlap", "False",
+          "--compress-weight", "--compress-cache"),
+         _flexgen_policy((100, 0, 100, 0, 100, 0), 72, overlap=False, compress=True), ours_auto=False),
+    Case("opt-30b/cpu-weights", "opt-30b",
+         ("--percent", "20", "80", "0", "100", "0", "100", "--gpu-batch-size", "48", "--num-gpu-batches", "1",
+          "--cpu-cache-compute"),
+         _flexgen_policy((20, 80, 0, 100, 0, 100), 48, cpu_attention=True)),
+    # FlexGen runs OPT only: ours alone, 4-bit weights (codes drawn, as scripts/bench_70b.py) on A100-80GB caps
+    # (64 requests: the steady-stream policy runs 4096 sequences at once, minutes of prefill alone)
+    Case("llama-2-70b/4bit", "llama-2-70b", None, None, hardware="a100-80g", auto_4bit=True, requests=64),
+]
+
+# FlexGen's own entry point with the tokenizer replaced (no hub here); argv: FlexGen's flags.
+FLEXGEN_MAIN = """
+import argparse, sys
+import flexgen.flex_opt as flex_opt
+
+class Ids:  # what FlexGen reads of a tokenizer's output
+    def __init__(self, input_ids): self.input_ids = input_ids
+
+class FixedPromptTokenizer:
+    PROMPT_IDS = [2, 32826, 16, 5, 812, 343, 9]  # stand-ins for "</s>Paris is the capital city of"
+    pad_token_id = 1  # OPT's
+    def __call__(self, prompts, padding, max_length):
+        pad = [self.pad_token_id] * (max_length - len(self.PROMPT_IDS))
+        return Ids([pad + self.PROMPT_IDS for _ in prompts])  # left padding, as FlexGen asks
+
+class NoHub:
+    @staticmethod
+    def from_pretrained(*args, **kwargs): return FixedPromptTokenizer()
+
+flex_opt.AutoTokenizer = NoHub
+parser = argparse.ArgumentParser()
+flex_opt.add_parser_arguments(parser)
+flex_opt.run_flexgen(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def _machine_ram_gib() -> float:
+    with open("/proc/meminfo") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    return kib * 1024 / GiB
+
+
+def run_flexgen(case: Case, lengths: tuple[int, int], work: Path, timeout: float) -> dict:
+    log = work / f"flexgen-{case.name.replace('/', '-')}.log"
+    log.unlink(missing_ok=True)
+    argv = [sys.executable, "-c", FLEXGEN_MAIN, "--model", f"facebook/{case.model}", "--path", "_DUMMY_",
+            "--offload-dir", str(work / "flexgen_offload"), "--prompt-len", str(lengths[0]),
+            "--gen-len", str(lengths[1]), "--log-file", str(log), *case.flexgen_args]
+    done = _run(argv, timeout)
+    if done.get("error"):
+        return done
+    fields = {}
+    for line in log.read_text().splitlines():
+        for part in line.split("\t"):
+            key, _, value = part.partition(":")
+            fields[key.strip()] = value.strip()
+    return {"tok_s": float(fields["total throughput"].split()[0]), "seconds": float(fields["total latency"].split()[0]),
+            "peak_gpu": fields.get("peak gpu mem", "?"), "projected": fields.get("projected")}
+
+
+def run_ours(case: Case, policy: str, schedulers: tuple[str, ...], lengths: tuple[int, int], work: Path,
+             cpu_mem_gib: float, timeout: float) -> list[dict]:
+    """One process: the engine is built once (weights made once) and measured with each scheduler in
+    turn (LLMEngine.set_schedule; placement unchanged). policy: a policy file or "auto"."""
+    if policy == "auto" and case.auto_4bit:
+        policy = "auto-4bit"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--ours-run", "cuda", case.model, policy, case.hardware,
+            f"{cpu_mem_gib:.1f}", str(work / "ours_offload"), str(lengths[0]), str(lengths[1]), str(case.requests),
+            *schedulers]
+    done = _run(argv, timeout)
+    if done.get("error"):
+        return [done]
+    return [json.loads(line) for line in done["stdout"].splitlines() if line.startswith("{")]
+
+
+def ours_run(device: str, model: str, policy: str, preset: str, cpu_mem_gib: float, offload_dir: str,
+             prompt_len: int, gen_len: int, requests: int, schedulers: list[str]) -> None:
+    """`flexsarathi bench`'s protocol on one engine: a warm-up (32-token prompts, one token each),
+    then per scheduler one measured run of policy.max_running prompts; one JSON line each."""
+    from flexsarathi import LLM, SamplingParams
+    from flexsarathi.cli.bench import WARMUP_PROMPT_LEN, _prompts
+    from flexsarathi.cli.engine_args import describe_policy, device_name
+    from policy_search import HardwareSpec, Workload
+
+    hardware = HardwareSpec.preset(preset).with_memory(cpu=min(cpu_mem_gib * GiB, HardwareSpec.preset(preset).cpu_memory))
+    workload = Workload(prompt_len=prompt_len, gen_len=gen_len, num_requests=requests or None)
+    if policy == "auto-4bit":
+        policy = LLM.search_policy(f"dummy:{model}", hardware, workload, "float16", device=device,
+                                   compress_weight=True)
+    elif policy != "auto":  # FlexGen's own policy: the whole T4 (see the docstring)
+        hardware = hardware.replace(memory_usable_fraction=1.0).with_memory(gpu=T4_CUDA_GIB * GiB)
+    # dummy_weight_codes: 4-bit weights drawn as codes (quantizing 7B-70B random draws on the CPU takes
+    # minutes); no effect on uncompressed weights
+    with LLM(f"dummy:{model}", dtype="float16", device=device, policy=policy, hardware=hardware,
+             offload_dir=offload_dir, workload=workload, dummy_weight_codes=True) as llm:
+        engine = llm.engine
+        count, vocab = requests or engine.policy.max_running, engine.config.vocab_size
+        llm.generate(_prompts(count, WARMUP_PROMPT_LEN, vocab, 1),
+                     SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
+        for scheduler in schedulers or [engine.policy.scheduler]:
+            engine.set_schedule(scheduler=scheduler)
+            llm.generate(_prompts(count, prompt_len, vocab, 0),
+                         SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True), use_tqdm=False)
+            s = llm.last_stats
+            print(json.dumps({"scheduler": scheduler, "tok_s": s["tokens_per_s"], "seconds": s["seconds"],
+                              "policy": describe_policy(engine.policy), "device": device_name(engine.device),
+                              "num_prompts": count, "peak_gpu": s["memory"]["gpu"]["peak"]}), flush=True)
+
+
+def _run(argv: list[str], timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    try:
+        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {done.returncode}: " + " | ".join(tail)}
+    return {"stdout": done.stdout}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=None, help="case names or model names (default: all)")
+    parser.add_argument("--skip-flexgen", action="store_true")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    parser.add_argument("--work", default=None, help="folder for offload files (default: a temporary one)")
+    parser.add_argument("--json", default=None, help="also write every result to this JSON file")
+    parser.add_argument("--ours-run", nargs="+", help=argparse.SUPPRESS)  # internal: one engine's runs
+    args = parser.parse_args()
+    if args.ours_run:
+        device, model, policy, preset, cpu_mem_gib, offload_dir, prompt_len, gen_len, requests, *schedulers = \
+            args.ours_run
+        ours_run(device, model, policy, preset, float(cpu_mem_gib), offload_dir, int(prompt_len), int(gen_len),
+                 int(requests), schedulers)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    cases = [c for c in CASES if not args.cases or c.name in args.cases or c.model in args.cases]
+    cpu_mem = min(208.0, 0.85 * _machine_ram_gib())
+    print(f"GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / GiB:.0f} GiB), "
+          f"torch {torch.__version__}; {cpu_line()}; RAM {_machine_ram_gib():.0f} GiB")
+    print(f"ours: T4 caps (GPU {T4_CUDA_GIB:.0f} GiB whole for FlexGen's policies, the t4 preset's 80% of 16 GiB for the "
+          f"searched one; CPU {cpu_mem:.0f} GiB), fp16; prompt {args.prompt_len}, output {args.gen_len}\n")
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_flexgen_gpu_"))
+    lengths = (args.prompt_len, args.gen_len)
+    results = []
+    for case in cases:
+        flexgen = {"error": "no FlexGen run (FlexGen runs OPT only)"}
+        if case.flexgen_args is not None:
+            flexgen = {"error": "skipped"} if args.skip_flexgen else run_flexgen(case, lengths, work, args.timeout)
+            _report(results, case, "FlexGen (flexgen.flex_opt)", flexgen, flexgen)
+        if case.policy is not None:
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                policy_file = f.name
+            case.policy.save(policy_file)
+            for result in run_ours(case, policy_file, case.schedulers, lengths, work, cpu_mem, args.timeout):
+                _report(results, case, f"ours, FlexGen's policy, {result.get('scheduler', '?')}", result, flexgen)
+        if case.ours_auto:
+            searched = f"ours, searched for {case.hardware}" + (" (4-bit weights)" if case.auto_4bit else "")
+            for result in run_ours(case, "auto", (), lengths, work, cpu_mem, args.timeout):
+                _report(results, case, searched, result, flexgen)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _report(results: list, case: Case, who: str, result: dict, flexgen: dict) -> None:
+    results.append({"case": case.name, "who": who, **result})
+    if result.get("error"):
+        print(f"{case.name:<20} {who:<42} FAILED: {result['error']}", flush=True)
+        return
+    ratio = f"{result['tok_s'] / flexgen['tok_s']:.2f}x" if "tok_s" in flexgen and flexgen is not result else ""
+    extra = f"  [{result['policy']}]" if "policy" in result else ""
+    print(f"{case.name:<20} {who:<42} {result['tok_s']:9.2f} tok/s  {result['seconds']:8.2f} s  {ratio:>6}{extra}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks (issue 27, docs/GPU.md) in one run on a CUDA machine, each step under its own time
+# limit so that one hang cannot eat the rest; logs go to $OUT (default out/gpu_checks).
+#
+#   scripts/gpu_checks.sh                       # suite, triton, flexgen (every case)
+#   STEPS="suite" scripts/gpu_checks.sh         # some steps only
+#   PYTEST_ARGS="tests/offload -k cuda" STEPS=suite scripts/gpu_checks.sh
+#   FLEXGEN_CASES="opt-6.7b" STEPS=flexgen scripts/gpu_checks.sh
+#
+# suite:   the whole test suite on this machine: the engine's default device is CUDA here, so every
+#          test that builds an engine without naming a device computes on the GPU; the `gpu`-marked
+#          tests run too. pytest-xdist spreads it over the cores when installed.
+# triton:  scripts/bench_triton_gpu.py (the kernel against dequantize + matmul, 70B / 30B shapes).
+# flexgen: scripts/bench_flexgen_gpu.py (ours against FlexGen itself under T4 caps).
+# WHEELS=dir installs the wheels in dir first (a machine without a package index); SHARED=dir is
+# copied to ../shared when that is absent (the stories260K checkpoint the suite reads).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu_checks}
+mkdir -p "$OUT"
+STEPS=${STEPS:-"suite triton flexgen"}
+PY=${PYTHON:-python3}
+
+if [ -n "${WHEELS:-}" ]; then  # into the interpreter's own environment: the suite's subprocesses see them too
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "$WHEELS"/*.whl \
+        || { echo "installing $WHEELS failed"; exit 1; }
+fi
+if [ -n "${SHARED:-}" ] && [ ! -e ../shared ]; then cp -r "$SHARED" ../shared; fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+{ date -u; nvidia-smi; $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton',
+triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(),
+torch.cuda.get_device_capability())"; nproc; free -g; } > "$OUT/env.txt" 2>&1
+
+for step in $STEPS; do
+    start=$(date +%s)
+    case $step in
+    suite)
+        # -rA: every test's outcome in the log as it ends; a hung test fails after TEST_TIMEOUT s
+        extra=""
+        $PY -c "import xdist" 2>/dev/null && extra="-n ${WORKERS:-$(nproc)}"
+        $PY -c "import pytest_timeout" 2>/dev/null && extra="$extra --timeout ${TEST_TIMEOUT:-150}"
+        # shellcheck disable=SC2086
+        OMP_NUM_THREADS=2 timeout "${SUITE_TIMEOUT:-300}" $PY -m pytest -q -rfE $extra -p no:cacheprovider \
+            --durations=20 --junitxml="$OUT/junit.xml" ${PYTEST_ARGS:-} > "$OUT/suite.log" 2>&1
+        ;;
+    triton)
+        timeout "${TRITON_TIMEOUT:-90}" $PY scripts/bench_triton_gpu.py > "$OUT/triton.log" 2>&1 ;;
+    flexgen)
+        # shellcheck disable=SC2086
+        timeout "${FLEXGEN_TIMEOUT:-600}" $PY scripts/bench_flexgen_gpu.py ${FLEXGEN_CASES:+--cases $FLEXGEN_CASES} \
+            --timeout "${FLEXGEN_RUN_TIMEOUT:-300}" --json "$OUT/flexgen.json" > "$OUT/flexgen.log" 2>&1 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+    esac
+    echo "step $step: exit $? in $(( $(date +%s) - start )) s"
+    tail -n 5 "$OUT/$step.log" 2>/dev/null
+done
