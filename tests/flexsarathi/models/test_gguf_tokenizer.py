@@ -63,12 +63,27 @@ def test_encodes_and_decodes_the_text_file_as_transformers(which, request, tinys
     # loader follows it in recent versions but not in all (5.17 drops it), so it is checked against
     # the file and transformers is the reference for the text itself.
     bos = [_field(path, "tokenizer.ggml.bos_token_id")] if _field(path, "tokenizer.ggml.add_bos_token") else []
+    if which == "stories_gguf":  # the reference must agree with the checkpoint's own tokenizer.json first
+        _skip_unless_reference_matches_original(ref, request.getfixturevalue("stories_dir"), tinystories_text)
     for text in _texts(tinystories_text):
         body = ref(text, add_special_tokens=False)["input_ids"]
         assert ours.encode(text, add_special_tokens=False) == body, text[:80]
         ids = ours.encode(text)
         assert ids == bos + body, text[:80]
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def _skip_unless_reference_matches_original(ref, stories_dir: str, text: str) -> None:
+    """transformers 5.17's GGUF conversion of an SPM vocabulary tokenizes a leading space unlike the
+    checkpoint's tokenizer.json (5.24 agrees with it): seen on the GPU machine's image. Such a
+    version is no reference for this file; ours is checked against the original tokenizer below."""
+    import transformers
+
+    original = Tokenizer.from_folder(stories_dir, 1, 2)
+    for line in _texts(text):
+        if ref(line, add_special_tokens=False)["input_ids"] != original.encode(line, add_special_tokens=False):
+            pytest.skip(f"transformers {transformers.__version__}'s GGUF tokenizer differs from the checkpoint's "
+                        f"tokenizer.json on {line[:30]!r}: not a reference here")
 
 
 def _field(path, key: str):
