@@ -1,9 +1,11 @@
 """Streams placed weights to the compute device: the executor's LayerWeightStore over the tiers.
 
-Before use, every non-resident tensor is assembled in a working buffer on the compute device (with
-overlap, 1 + `prefetch` buffers: layers j+1 .. j+prefetch load while layer j computes). On a
-CPU-only machine the compute device is the CPU and the gpu tier is a budgeted working set in host
-memory, so cpu-tier weights are still copied into working buffers, exactly as on a GPU.
+Before use, the rows of every weight that are off the gpu tier are assembled in a working buffer on
+the compute device (with overlap, 1 + `prefetch` buffers: layers j+1 .. j+prefetch load while layer
+j computes); a weight with rows on the gpu tier too is used as its gpu rows in place beside the
+buffered ones (offload.weights.RowSplit). On a CPU-only machine the compute device is the CPU and
+the gpu tier is a budgeted working set in host memory, so cpu-tier weights are still copied into
+working buffers, exactly as on a GPU.
 """
 from __future__ import annotations
 
@@ -54,8 +56,8 @@ class TieredWeights:
         self.store = disk_store() if self.plan.needs_disk else None
         self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda)
         self._kinds = self.plan.kinds
-        self._buffers = [_slot_views(self._slot_layouts(_off_gpu_rows), self._working_buffer)
-                         for _ in range(self.plan.num_slots)]
+        layouts = self._slot_layouts(_off_gpu_rows)
+        self._buffers = [_slot_views(layouts, self._working_buffer) for _ in range(self.plan.num_slots)]
         self._staging = self._pinned_staging(tracker) if self.cuda and self.store is not None else None
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="weight-prefetch", initializer=bind_thread,
                                          initargs=(indexed(self.device),)) if overlap else None)
@@ -224,11 +226,11 @@ class TieredWeights:
         return None
 
     def _rows_now(self, layer: int, plan: TensorPlan, piece) -> list[tuple[int, int]]:
-        """The piece's row ranges a layer load copies: all of it, except for experts (stacked row
-        blocks) off the gpu tier that are read after routing (routed_reads) or computed where they
-        are (cpu_blocks)."""
+        """The piece's row ranges a layer load copies: none of a gpu piece (used in place), all of
+        any other, except for experts (stacked row blocks) read after routing (routed_reads) or
+        computed where they are (cpu_blocks)."""
         if piece.tier == "gpu":
-            return []  # used in place (RowSplit), never copied
+            return []
         if plan.blocks == 1 or not (self.routed_reads or self.cpu_blocks):
             return [(piece.row_start, piece.row_end)]
         if self.routed_reads:
