@@ -174,16 +174,28 @@ def test_ray_dummy_model_with_disk_weights_on_a_local_instance(tmp_path):
 
 
 def _actor_pids() -> list[int]:
-    """The processes of this module's RequestRunner actors (their process titles name them)."""
+    """The processes of this module's RequestRunner actors (their process titles name them) in THIS
+    test process's Ray instance: its workers descend from it (the driver starts the raylet, the
+    raylet the workers). Another suite running beside this one has actors of the same name, and
+    killing those made its Ray test fail (seen with two `make test` runs side by side)."""
     pids = []
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"MapWorker(MapBatches(RequestRunner))" in f.read():
+                if b"MapWorker(MapBatches(RequestRunner))" in f.read() and _descends_from(int(entry), os.getpid()):
                     pids.append(int(entry))
         except (OSError, ValueError):
             continue
     return pids
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        with open(f"/proc/{pid}/stat") as f:  # "pid (comm) state ppid ...": comm may hold spaces
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    return False
 
 
 def _wait_for_lines(path, count: int, proc: subprocess.Popen) -> int:
