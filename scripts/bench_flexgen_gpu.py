@@ -46,10 +46,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
+from flexsarathi.machine.profiler import _host_memory  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from policy_search.units import GiB  # noqa: E402
-
-
 
 T4_CUDA_GIB = 15.0  # a 16 GB T4 as CUDA reports it: 15360 MiB
 
@@ -67,26 +66,25 @@ class Case:
     requests: int = 0  # a closed workload of this many requests for the search (0: a steady stream)
 
 
-def _flexgen_policy(percent, gbs, ngb=1, cpu_attention=False, overlap=True, compress=False, pin_weight=True):
+def flexgen_case(name: str, model: str, percent: tuple[int, ...], gbs: int, ngb: int = 1, cpu_attention=False,
+                 overlap=True, compress=False, **options) -> Case:
+    """A FlexGen policy given once: its `flex_opt` flags and the same policy in our fields."""
+    args = ("--percent", *map(str, percent), "--gpu-batch-size", str(gbs), "--num-gpu-batches", str(ngb),
+            "--overlap", str(overlap))
+    args += ("--cpu-cache-compute",) * cpu_attention + ("--compress-weight", "--compress-cache") * compress
     w_gpu, w_cpu, kv_gpu, kv_cpu, act_gpu, act_cpu = (p / 100 for p in percent)
-    return Policy(gpu_batch_size=gbs, num_gpu_batches=ngb, w_gpu=w_gpu, w_cpu=w_cpu, w_disk=1 - w_gpu - w_cpu,
-                  kv_gpu=kv_gpu, kv_cpu=kv_cpu, kv_disk=1 - kv_gpu - kv_cpu, act_gpu=act_gpu, act_cpu=act_cpu,
-                  act_disk=1 - act_gpu - act_cpu, cpu_attention=cpu_attention, overlap=overlap,
-                  compress_weight=compress, compress_kv=compress, pin_weight=pin_weight, scheduler="block")
+    policy = Policy(gpu_batch_size=gbs, num_gpu_batches=ngb, w_gpu=w_gpu, w_cpu=w_cpu, w_disk=1 - w_gpu - w_cpu,
+                    kv_gpu=kv_gpu, kv_cpu=kv_cpu, kv_disk=1 - kv_gpu - kv_cpu, act_gpu=act_gpu, act_cpu=act_cpu,
+                    act_disk=1 - act_gpu - act_cpu, cpu_attention=cpu_attention, overlap=overlap,
+                    compress_weight=compress, compress_kv=compress, scheduler="block")
+    return Case(name, model, args, policy, **options)
 
 
 CASES = [
-    Case("opt-6.7b/all-gpu", "opt-6.7b",
-         ("--percent", "100", "0", "100", "0", "100", "0", "--gpu-batch-size", "2", "--overlap", "False"),
-         _flexgen_policy((100, 0, 100, 0, 100, 0), 2, overlap=False)),
-    Case("opt-6.7b/4bit", "opt-6.7b",
-         ("--percent", "100", "0", "100", "0", "100", "0", "--gpu-batch-size", "72", "--overlap", "False",
-          "--compress-weight", "--compress-cache"),
-         _flexgen_policy((100, 0, 100, 0, 100, 0), 72, overlap=False, compress=True), ours_auto=False),
-    Case("opt-30b/cpu-weights", "opt-30b",
-         ("--percent", "20", "80", "0", "100", "0", "100", "--gpu-batch-size", "48", "--num-gpu-batches", "1",
-          "--cpu-cache-compute"),
-         _flexgen_policy((20, 80, 0, 100, 0, 100), 48, cpu_attention=True)),
+    flexgen_case("opt-6.7b/all-gpu", "opt-6.7b", (100, 0, 100, 0, 100, 0), 2, overlap=False),
+    flexgen_case("opt-6.7b/4bit", "opt-6.7b", (100, 0, 100, 0, 100, 0), 72, overlap=False, compress=True,
+                 ours_auto=False),
+    flexgen_case("opt-30b/cpu-weights", "opt-30b", (20, 80, 0, 100, 0, 100), 48, cpu_attention=True),
     # FlexGen runs OPT only: ours alone, 4-bit weights (codes drawn, as scripts/bench_70b.py) on A100-80GB caps
     # (64 requests: the steady-stream policy runs 4096 sequences at once, minutes of prefill alone)
     Case("llama-2-70b/4bit", "llama-2-70b", None, None, hardware="a100-80g", auto_4bit=True, requests=64),
@@ -116,12 +114,6 @@ parser = argparse.ArgumentParser()
 flex_opt.add_parser_arguments(parser)
 flex_opt.run_flexgen(parser.parse_args(sys.argv[1:]))
 """
-
-
-def _machine_ram_gib() -> float:
-    with open("/proc/meminfo") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
-    return kib * 1024 / GiB
 
 
 def run_flexgen(case: Case, lengths: tuple[int, int], work: Path, timeout: float) -> dict:
@@ -226,9 +218,9 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     cases = [c for c in CASES if not args.cases or c.name in args.cases or c.model in args.cases]
-    cpu_mem = min(208.0, 0.85 * _machine_ram_gib())
+    cpu_mem = min(208.0, 0.85 * (_host_memory() / GiB))
     print(f"GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / GiB:.0f} GiB), "
-          f"torch {torch.__version__}; {cpu_line()}; RAM {_machine_ram_gib():.0f} GiB")
+          f"torch {torch.__version__}; {cpu_line()}; RAM {(_host_memory() / GiB):.0f} GiB")
     print(f"ours: T4 caps (GPU {T4_CUDA_GIB:.0f} GiB whole for FlexGen's policies, the t4 preset's 80% of 16 GiB for the "
           f"searched one; CPU {cpu_mem:.0f} GiB), fp16; prompt {args.prompt_len}, output {args.gen_len}\n")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_flexgen_gpu_"))

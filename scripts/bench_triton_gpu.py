@@ -27,11 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant import QuantConfig, dequantize, quantize  # noqa: E402
 
-LAYER_SHAPES = {  # [out_features, in_features] as the engine fuses them
-    "llama-2-70b": {"qkv": (8192 + 2 * 1024, 8192), "o": (8192, 8192), "gate_up": (2 * 28672, 8192),
-                    "down": (8192, 28672)},
-    "opt-30b": {"qkv": (3 * 7168, 7168), "out": (7168, 7168), "fc1": (28672, 7168), "fc2": (7168, 28672)},
-}
+MODELS = ("llama-2-70b", "opt-30b")
+
+
+def layer_matrices(model: str) -> dict[str, tuple[int, int]]:
+    """A registered model's layer weights [out_features, in_features] as the engine fuses them."""
+    from flexsarathi.models import build_model_math
+    from flexsarathi.models.model_config import ModelConfig
+    from policy_search.model_registry import known_config
+
+    shapes = build_model_math(ModelConfig.from_hf(known_config(model), source=model)).layer_shapes()
+    return {name.removesuffix(".weight"): shape for name, shape in shapes.items() if len(shape) == 2}
 
 
 def timed(fn, repeats: int) -> float:
@@ -51,7 +57,7 @@ def timed(fn, repeats: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(LAYER_SHAPES))
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
@@ -67,7 +73,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = QuantConfig(bits=4, group_size=64, group_dim=-1)
     for model in args.models:
-        for name, (out_features, in_features) in LAYER_SHAPES[model].items():
+        for name, (out_features, in_features) in layer_matrices(model).items():
             weight = (torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02).half()
             q = quantize(weight, config)
             del weight

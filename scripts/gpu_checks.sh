@@ -36,7 +36,7 @@ for step in $STEPS; do
     start=$(date +%s)
     case $step in
     suite)
-        # -rA: every test's outcome in the log as it ends; a hung test fails after TEST_TIMEOUT s
+        # -rfE: failures and errors summarised at the end; a hung test fails after TEST_TIMEOUT s
         extra=""
         $PY -c "import xdist" 2>/dev/null && extra="-n ${WORKERS:-$(nproc)}"
         $PY -c "import pytest_timeout" 2>/dev/null && extra="$extra --timeout ${TEST_TIMEOUT:-150}"
