@@ -252,8 +252,12 @@ def _torch_cuda_peak_bytes(device: torch.device | None) -> int | None:
     return None
 
 
-def dequant_scratch_bytes(layer_shapes: Mapping[str, tuple[int, ...]], itemsize: int) -> int:
+def dequant_scratch_bytes(layer_shapes: Mapping[str, tuple[int, ...]], itemsize: int,
+                          expert_stacks: Mapping[str, int] | None = None) -> int:
     """The gpu-tier bytes of a CUDA engine's one dequantized weight (quant/fused.py: a buffer grown
-    to the largest weight matrix, in the compute dtype); the planner prices the same
-    (cost_model: largest_matrix_params x bytes_per_value)."""
-    return max((math.prod(shape) for shape in layer_shapes.values() if len(shape) == 2), default=0) * itemsize
+    to the largest matrix it dequantizes, in the compute dtype; a stack of experts is dequantized one
+    expert's rows at a time); the planner prices the same (cost_model: largest_matrix_params x
+    bytes_per_value)."""
+    stacks = expert_stacks or {}
+    return max((math.prod(shape) // stacks.get(name, 1) for name, shape in layer_shapes.items() if len(shape) == 2),
+               default=0) * itemsize

@@ -212,7 +212,8 @@ class LLMEngine:
                                              value_group=e.kv_value_group) if p.compress_kv else None)
         self.weights = self._place_weights()
         if self.device.type == "cuda" and p.compress_weight:  # quant/fused.py's one dequantized weight
-            self.memory.reserve("gpu", dequant_scratch_bytes(self.model.layer_shapes(), self.dtype.itemsize),
+            self.memory.reserve("gpu", dequant_scratch_bytes(self.model.weight_kinds(), self.dtype.itemsize,
+                                                      self.model.expert_stacks()),
                                 "dequantize scratch")
         self.kv_pools: dict[str, KVPool] = {}
         cuda = self.device.type == "cuda"

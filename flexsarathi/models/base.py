@@ -43,6 +43,15 @@ class ModelMath(ABC):
         dense MLP layers among sparse ones)."""
         ...
 
+    def weight_kinds(self) -> dict[str, tuple[int, ...]]:
+        """Every canonical layer weight any layer has -> its shape (the first layer that has it):
+        a mixture-of-experts model's dense and sparse layers hold different kinds."""
+        kinds: dict[str, tuple[int, ...]] = {}
+        for layer in range(self.config.num_layers):
+            for name, shape in self.layer_shapes(layer).items():
+                kinds.setdefault(name, tuple(shape))
+        return kinds
+
     def expert_stacks(self) -> dict[str, int]:
         """2-D weights that are experts stacked by rows -> how many (each expert a contiguous row
         range of equal size): placement keeps an expert's rows addressable on their own."""

@@ -55,7 +55,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
     def describe(self) -> SourceDescription:
         kinds = []
         for name, config in self.formats.items():
-            scheme = self._scheme(self.model.hf_layer_names(0)[name][0])
+            scheme = self._scheme(self._parts_of(name)[0][0])
             source = f"{scheme.describe()} ({self.method.name})" if scheme else str(self.config.checkpoint_dtype)
             how = ("requantized once at placement (act-order g_idx), error measured" if name in self.act_order
                    else "codes kept exactly" if config else "as is")
@@ -103,7 +103,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
     def _validate_shapes(self) -> None:
         """Every weight's [out, in] from the headers (packed or not) against config.json."""
         groups = [(self.model.hf_global_names(), self.model.global_shapes())]
-        groups += [(self.model.hf_layer_names(i), self.model.layer_shapes()) for i in range(self.config.num_layers)]
+        groups += [(self.model.hf_layer_names(i), self.model.layer_shapes(i)) for i in range(self.config.num_layers)]
         for names, shapes in groups:
             for canonical, parts in names.items():
                 want = list(shapes[canonical])
@@ -135,10 +135,12 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         """Per canonical 2-D layer weight: the engine format every layer's copy is stored in (one
         scheme across its parts and layers), and the kinds whose act-order needs a conversion."""
         formats, act_order = {}, set()
-        for name, shape in self.model.layer_shapes().items():
-            if len(shape) != 2:
+        resident = self.model.resident_weights()  # routers: read uncompressed (dequantized if the file packs them)
+        for name, shape in self.model.weight_kinds().items():
+            if len(shape) != 2 or name in resident:
                 continue
-            seen = {self._scheme(hf) for i in range(self.config.num_layers) for hf in self.model.hf_layer_names(i)[name]}
+            parts = self._parts_of(name)
+            seen = {self._scheme(hf) for layer_parts in parts for hf in layer_parts}
             if len(seen) != 1:
                 raise CheckpointError(f"{self.folder}: the parts of {name} are stored in different formats "
                                       f"({', '.join(s.describe() if s else 'floats' for s in seen)}); one "
@@ -151,14 +153,18 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             if shape[1] % group:
                 raise CheckpointError(f"{self.folder}: {name} has {shape[1]} input features, not a multiple of "
                                       f"the group size {group}")
-            if any(self._has_act_order(hf, group) for i in range(self.config.num_layers)
-                   for hf in self.model.hf_layer_names(i)[name]):
+            if any(self._has_act_order(hf, group) for layer_parts in parts for hf in layer_parts):
                 act_order.add(name)
             exact_min = scheme.symmetric or name in act_order  # requantized groups: fp16 min-max
             pairs = scheme.bits == 4 and name not in act_order  # codes kept as the checkpoint's bytes
             formats[name] = QuantConfig(bits=scheme.bits, group_size=group, minimum_fp32=not exact_min,
                                         adjacent_pairs=pairs)
         return formats, act_order
+
+    def _parts_of(self, name: str) -> list[list[str]]:
+        """The HF names `name` is made of, in each layer that has it (a mixture-of-experts model's
+        dense and sparse layers hold different kinds)."""
+        return [names[name] for i in range(self.config.num_layers) if name in (names := self.model.hf_layer_names(i))]
 
     def _has_act_order(self, hf_name: str, group: int) -> bool:
         module = hf_name.removesuffix(".weight")

@@ -56,6 +56,11 @@ def test_the_dequantize_scratch_is_the_largest_weight_as_the_engine_fuses_it():
     # LLaMA's gate and up are one fused [2 * ffn, hidden] weight, and the planner prices that one.
     assert dequant_scratch_bytes(math.layer_shapes(), 2) == 2 * 28672 * 8192 * 2
     assert ModelSpec.from_hf(config, "llama-2-70b", 2).largest_matrix_params == 2 * 28672 * 8192
+    # Experts are dequantized one expert's rows at a time: the scratch holds one expert's gate and up
+    # ([2 * 14336, 4096] for Mixtral-8x7B), not the layer's stack of 8, and the planner prices that.
+    config, math = _math("mixtral-8x7b")
+    scratch = dequant_scratch_bytes(math.weight_kinds(), 2, math.expert_stacks())
+    assert scratch == 2 * 14336 * 4096 * 2 == ModelSpec.from_hf(config, "mixtral-8x7b", 2).largest_matrix_params * 2
 
 def test_rope_inv_freq_is_made_once_per_device():
     _, math = _math("llama-2-7b")
