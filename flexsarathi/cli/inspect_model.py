@@ -53,39 +53,48 @@ def describe_source(source) -> SourceDescription:
     codes = getattr(source, "codes", None)  # dummy weights drawn as codes
     kinds = tuple(TensorKind(name, f"{codes.bits}-bit codes drawn" if codes else dtype, None,
                              "quantized by the engine when the policy compresses weights")
-                  for name, shape in source.model.layer_shapes().items() if len(shape) == 2)
+                  for name, shape in source.model.weight_kinds().items() if len(shape) == 2)
     fmt = "dummy" if folder is None else "safetensors"
     return SourceDescription(fmt, f"{dtype}, full precision", kinds, files)
 
 
 def inspect_lines(model: str, source, dtype: torch.dtype) -> list[str]:
-    from offload.placement import WeightPlan
-
     c, d = source.config, describe_source(source)
     formats = source.quantized_formats()
     files = f" ({fmt_bytes(d.file_bytes)} of files)" if d.file_bytes is not None else ""
     lines = [f"model: {model}: {c.model_type}, {c.num_layers} layers, hidden {c.hidden_size}, "
              f"{c.num_heads} heads ({c.num_kv_heads} KV), vocab {c.vocab_size}",
              f"format: {d.format}: {d.detail}{files}"]
-    shapes = source.model.layer_shapes()
+    shapes = source.model.weight_kinds()
     for kind in d.kinds:
         stored = describe_config(kind.stored) if kind.stored else str(dtype).removeprefix("torch.")
         lines.append(f"  {kind.name} {list(shapes[kind.name])}: {kind.source_type} -> {stored} ({kind.conversion})")
-    plan = WeightPlan.make(num_layers=c.num_layers, layer_shapes=shapes, dtype=dtype, quant=formats,
-                           fractions=(1.0, 0.0, 0.0), overlap=False, prefetch=1)
-    layer = sum(p.shape[0] * p.row_bytes for p in plan.tensors)
-    values = sum(p.shape[0] * p.shape[1] for p in plan.tensors)
+    total, values, small, largest = _stored_layer_bytes(source.model, c.num_layers, dtype, formats)
     globals_bytes = sum(torch.Size(s).numel() for s in source.model.global_shapes().values()) * dtype.itemsize
-    lines.append(f"engine stores: layer weights {fmt_bytes(layer * c.num_layers)} ({8 * layer / values:.2f} bits "
-                 f"per weight; {fmt_bytes(layer)} streamed per layer and pass when offloaded), norms and biases "
-                 f"{fmt_bytes(plan.small_bytes)}, embeddings and head {fmt_bytes(globals_bytes)} "
+    lines.append(f"engine stores: layer weights {fmt_bytes(total)} ({8 * total / values:.2f} bits "
+                 f"per weight; up to {fmt_bytes(largest)} streamed per layer and pass when offloaded), norms and "
+                 f"biases {fmt_bytes(small)}, embeddings and head {fmt_bytes(globals_bytes)} "
                  f"({str(dtype).removeprefix('torch.')})")
     if formats is None:  # the engine quantizes full-precision weights itself when asked to
         from flexsarathi.engine.llm_engine import WEIGHT_QUANT
 
-        packed = WeightPlan.make(num_layers=c.num_layers, layer_shapes=shapes, dtype=dtype, quant=WEIGHT_QUANT,
-                                 fractions=(1.0, 0.0, 0.0), overlap=False, prefetch=1)
-        compressed = sum(p.shape[0] * p.row_bytes for p in packed.tensors)
-        lines.append(f"  with compress_weight: {fmt_bytes(compressed * c.num_layers)} "
+        compressed = _stored_layer_bytes(source.model, c.num_layers, dtype, WEIGHT_QUANT)[0]
+        lines.append(f"  with compress_weight: {fmt_bytes(compressed)} "
                      f"({describe_config(WEIGHT_QUANT)}, quantized once at placement)")
     return lines
+
+
+def _stored_layer_bytes(model, num_layers: int, dtype: torch.dtype, quant) -> tuple[int, int, int, int]:
+    """(matrix bytes of every layer, their values, norm and bias bytes of every layer, the largest
+    layer's matrix bytes) as placement stores them; layers may differ (dense among sparse)."""
+    from offload.placement import WeightPlan
+
+    total = values = small = largest = 0
+    for layer in range(num_layers):
+        plan = WeightPlan.make(num_layers=1, layer_shapes=model.layer_shapes(layer), dtype=dtype, quant=quant,
+                               fractions=(1.0, 0.0, 0.0), overlap=False, prefetch=1)
+        matrices = sum(p.shape[0] * p.row_bytes for p in plan.tensors)
+        total, largest = total + matrices, max(largest, matrices)
+        values += sum(p.shape[0] * p.shape[1] for p in plan.tensors)
+        small += plan.small_bytes
+    return total, values, small, largest
