@@ -56,7 +56,9 @@ def planner_model_spec(model: str | OpenedModel, dtype=None, **options) -> Model
 def stored_weight_format(source: WeightSource) -> WeightFormat | None:
     """A pre-quantized source's format as the planner prices it: that of its largest quantized
     tensor kind (channel-wise: one group per row of that kind); None for full-precision sources."""
-    formats, shapes = source.quantized_formats() or {}, source.model.layer_shapes()
+    formats, shapes = source.quantized_formats() or {}, {}
+    for layer in range(source.config.num_layers):  # an MoE model's dense and sparse layers differ
+        shapes.update(source.model.layer_shapes(layer))
     quantized = [(shapes[n][0] * shapes[n][1], c) for n, c in formats.items() if c is not None]
     if not quantized:
         return None
