@@ -195,10 +195,35 @@ def _add_value(writer, key: str, value) -> None:
         writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
 
 
-def _tensors(model):
-    """(GGUF name, fp32 numpy array) in llama.cpp's order and layout."""
+def dequantized_model(model, path: Path):
+    """`model` with every weight replaced by gguf's own dequantization (`quants.dequantize`) of the
+    file's values of it: the reference where transformers cannot load the file. Each HF value is
+    found in the file by pushing its index through the writer's layout (`_tensors`: row
+    permutations, splits and reshapes only)."""
+    import torch
+    from gguf import GGUFReader, quants
+
+    stored = {t.name: np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+              for t in GGUFReader(str(path)).tensors}
+    state, offsets, total = model.state_dict(), {}, 0
+    for key, value in state.items():
+        offsets[key], total = total, total + value.numel()
+    index = {k: np.arange(offsets[k], offsets[k] + v.numel()).reshape(tuple(v.shape)) for k, v in state.items()}
+    flat = np.full(total, np.nan, dtype=np.float32)
+    for name, where in _tensors(model, index):
+        flat[where.reshape(-1)] = stored[name]
+    with torch.no_grad():
+        for key, value in state.items():
+            found = flat[offsets[key]:offsets[key] + value.numel()]
+            if not np.isnan(found).all():  # all NaN: a tied lm_head, not in the file
+                value.copy_(torch.from_numpy(found).reshape(value.shape))
+    return model
+
+
+def _tensors(model, state: dict | None = None):
+    """(GGUF name, fp32 numpy array) in llama.cpp's order and layout (of `state`'s arrays if given)."""
     cfg = model.config
-    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    state = state or {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     yield "token_embd.weight", state["model.embed_tokens.weight"]
     yield "output_norm.weight", state["model.norm.weight"]
     if not cfg.tie_word_embeddings:
