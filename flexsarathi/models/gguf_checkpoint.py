@@ -5,7 +5,9 @@ tokenizer models/gguf_tokenizer.py builds from the same file, `LLM("model.gguf")
 Layer matrices of a code-mapped type come as `QTensor`s with their own `QuantConfig` (group 32 or
 16: models/gguf_quants.py; K-quants only for an engine that stores weights compressed, as their
 conversion rounds their scales), q/k rows put back in HF order and q/k/v, gate/up fused by rows (each
-row's groups are a self-contained byte range, so fusing and reordering rows move codes only).
+row's groups are a self-contained byte range, so fusing and reordering rows move codes only). A
+mixture-of-experts layer's 3-D expert stacks (llama.cpp's ffn_{gate,up,down}_exps) are read as
+[experts * rows, cols] matrices and reordered into models/moe.py's stacked experts the same way.
 Where the engine stores another format it dequantizes them at placement, exactly (offload/
 placement.py `flat_components`). A fused weight whose parts differ in format, norms, biases,
 embeddings and the output head come as floats: gguf's own dequantization, cast to the dtype.

@@ -4,8 +4,9 @@ tensors as memory-mapped raw blocks, and the model it describes as an HF `config
 Read with the `gguf` package's `GGUFReader` (memory-mapped, from the llama.cpp authors): the
 container has versions, alignment rules and value types that the package keeps up with. Every
 failure to read is one `CheckpointError` naming the file. The tensors' names and the q/k row order
-are llama.cpp's (`convert_hf_to_gguf.py`); `hf_name_map` and `unpermute_rows` turn them back into
-the HF checkpoint's, as transformers' GGUF loader does.
+are llama.cpp's (`convert_hf_to_gguf.py`); `gguf_part` and `unpermute_rows` turn them back into
+the HF checkpoint's, as transformers' GGUF loader does (an expert's matrix: its slice of the layer's
+3-D stack).
 """
 from __future__ import annotations
 
