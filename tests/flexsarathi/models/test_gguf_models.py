@@ -153,6 +153,7 @@ def test_qwen3_and_moe_match_the_model_written(written_model, kind, weight_type)
 def test_expert_codes_stored_as_they_are(written_model, tmp_path):
     """A Q4_0 MoE file with the engine's format the file's: the experts' (and every matrix's) codes
     kept, no requantization, so the reference's logits to fp32 rounding."""
+    from flexsarathi.engine.planner_spec import stored_weight_format
     from flexsarathi.models.moe import DOWN, GATE_UP
 
     path, ref = written_model("qwen2_moe", "Q4_0")
@@ -162,6 +163,7 @@ def test_expert_codes_stored_as_they_are(written_model, tmp_path):
     formats = llm.engine.source.quantized_formats()
     assert formats[GATE_UP] == formats[DOWN] == formats["shared_expert.gate_up_proj.weight"] == quant
     assert formats["gate_up_proj.weight"] == quant  # layer 0's dense MLP
+    assert stored_weight_format(llm.engine.source).bits == 4  # the planner sees every layer's kinds
     for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
         assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
 
