@@ -1,7 +1,11 @@
 """GGUF files for tests, written with the `gguf` package's writer the way llama.cpp's
-convert_hf_to_gguf.py writes them: llama.cpp's tensor names, llama's q/k rows permuted into the
-interleaved RoPE layout, norms in F32, matrices in the asked type (`gguf.quants.quantize` where the
-package has it; for K-quants, random codes drawn directly with small fp16 scales)."""
+convert_hf_to_gguf.py writes them: llama.cpp's tensor names, llama's (and Mixtral's) q/k rows
+permuted into the interleaved RoPE layout, norms and routers in F32, matrices in the asked type
+(`gguf.quants.quantize` where the package has it; for K-quants, random codes drawn directly with
+small fp16 scales). Mixture-of-experts models: each layer's experts as llama.cpp stacks them, one
+3-D tensor per kind (ffn_gate_exps, ffn_up_exps [E, F, H], ffn_down_exps [E, H, F]), from
+transformers' fused `experts.gate_up_proj` [E, 2F, H] (gate rows first) and `experts.down_proj`;
+Mixtral as architecture `llama` with `llama.expert_count`."""
 from __future__ import annotations
 
 import json
@@ -21,8 +25,16 @@ DRAWN_SCALE = {"Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 2.5e-5, "Q2_K": 2e-3, "Q3_K":
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+               "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+# transformers' model_type -> llama.cpp's general.architecture
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+             "mixtral": "llama"}
+PERMUTED_QK = ("llama", "mixtral")  # llama.cpp's LlamaModel permutes q/k rows (Mixtral is one)
+ALWAYS_F32 = ("ffn_gate_inp",)  # routers: llama.cpp's converter and quantizer keep them F32
 
 
 # Every matrix a whole number of 256-value super-blocks (K-quants) and 32-value blocks.
@@ -35,6 +47,21 @@ GGUF_CONFIGS = {
                   tie_word_embeddings=True, rope_theta=1e6),
 }
 GGUF_CONFIGS["llama_deep"] = dict(GGUF_CONFIGS["llama"], num_hidden_layers=4)
+# Every matrix row a whole number of 32-value blocks. qwen3: head_dim 64, not hidden / heads.
+_SMALL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rope_theta=1e6)
+GGUF_CONFIGS.update({
+    "qwen3": dict(_SMALL, model_type="qwen3", head_dim=64, tie_word_embeddings=True),
+    "qwen3_moe": dict(_SMALL, model_type="qwen3_moe", head_dim=64, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64, norm_topk_prob=True, tie_word_embeddings=False),
+    # layer 0 dense (mlp_only_layers): llama.cpp's own qwen2moe graph needs experts in every layer,
+    # the file is one it would not load; its tensors are what convert_hf_to_gguf.py writes per layer
+    "qwen2_moe": dict(_SMALL, model_type="qwen2_moe", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64, shared_expert_intermediate_size=96, norm_topk_prob=False,
+                      mlp_only_layers=[0], tie_word_embeddings=False),
+    "mixtral": dict(_SMALL, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=False),
+})
 
 
 def build_model(kind: str, seed: int = 0):
@@ -82,17 +109,19 @@ def encode_tensor(values: np.ndarray, type_name: str, rng: np.random.Generator):
         return values.astype(np.float16), None
     if type_name in QUANTIZABLE:
         return quants.quantize(values.astype(np.float32), qtype), qtype
-    return random_blocks(type_name, *values.shape, rng, scale=DRAWN_SCALE.get(type_name, 1e-4)), qtype
+    rows = random_blocks(type_name, int(np.prod(values.shape[:-1])), values.shape[-1], rng,
+                         scale=DRAWN_SCALE.get(type_name, 1e-4))
+    return rows.reshape(*values.shape[:-1], -1), qtype
 
 
 def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F32", tokenizer: dict | None = None,
                split_max_tensors: int = 0, seed: int = 0, type_of=None, extra: dict | None = None) -> list[Path]:
-    """Write an HF llama/qwen2 model; returns the file(s) written. type_of(gguf name) overrides
-    weight_type per tensor (mixed files like Q4_K_M); extra: more F32 tensors by name."""
+    """Write an HF llama/qwen2/qwen3/MoE model; returns the file(s) written. type_of(gguf name)
+    overrides weight_type per tensor (mixed files like Q4_K_M); extra: more F32 tensors by name."""
     import gguf
 
     cfg = model.config
-    arch = cfg.model_type
+    arch = GGUF_ARCH[cfg.model_type]
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _write_metadata(writer, cfg)
     for key, value in (tokenizer or {}).items():
@@ -100,8 +129,9 @@ def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F
     rng = np.random.default_rng(seed)
     for name, values in _tensors(model):
         kind = embed_type if name in ("token_embd.weight", "output.weight") else weight_type
-        kind = type_of(name) if type_of and values.ndim == 2 and type_of(name) else kind
-        array, raw_dtype = encode_tensor(values, kind if values.ndim == 2 else "F32", rng)
+        kind = type_of(name) if type_of and values.ndim >= 2 and type_of(name) else kind
+        matrix = values.ndim >= 2 and name.split(".")[-2] not in ALWAYS_F32
+        array, raw_dtype = encode_tensor(values, kind if matrix else "F32", rng)
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
     for name, values in (extra or {}).items():
         writer.add_tensor(name, values)
@@ -129,6 +159,21 @@ def _write_metadata(writer, cfg) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
+    _write_moe_metadata(writer, cfg)
+
+
+def _write_moe_metadata(writer, cfg) -> None:
+    """What convert_hf_to_gguf.py writes for experts: count and top-k (TextModel), the qwen MoE
+    models' expert widths (Qwen2MoeModel, which Qwen3MoeModel extends)."""
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
 def _add_value(writer, key: str, value) -> None:
@@ -150,10 +195,35 @@ def _add_value(writer, key: str, value) -> None:
         writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
 
 
-def _tensors(model):
-    """(GGUF name, fp32 numpy array) in llama.cpp's order and layout."""
+def dequantized_model(model, path: Path):
+    """`model` with every weight replaced by gguf's own dequantization (`quants.dequantize`) of the
+    file's values of it: the reference where transformers cannot load the file. Each HF value is
+    found in the file by pushing its index through the writer's layout (`_tensors`: row
+    permutations, splits and reshapes only)."""
+    import torch
+    from gguf import GGUFReader, quants
+
+    stored = {t.name: np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+              for t in GGUFReader(str(path)).tensors}
+    state, offsets, total = model.state_dict(), {}, 0
+    for key, value in state.items():
+        offsets[key], total = total, total + value.numel()
+    index = {k: np.arange(offsets[k], offsets[k] + v.numel()).reshape(tuple(v.shape)) for k, v in state.items()}
+    flat = np.full(total, np.nan, dtype=np.float32)
+    for name, where in _tensors(model, index):
+        flat[where.reshape(-1)] = stored[name]
+    with torch.no_grad():
+        for key, value in state.items():
+            found = flat[offsets[key]:offsets[key] + value.numel()]
+            if not np.isnan(found).all():  # all NaN: a tied lm_head, not in the file
+                value.copy_(torch.from_numpy(found).reshape(value.shape))
+    return model
+
+
+def _tensors(model, state: dict | None = None):
+    """(GGUF name, fp32 numpy array) in llama.cpp's order and layout (of `state`'s arrays if given)."""
     cfg = model.config
-    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    state = state or {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     yield "token_embd.weight", state["model.embed_tokens.weight"]
     yield "output_norm.weight", state["model.norm.weight"]
     if not cfg.tie_word_embeddings:
@@ -165,10 +235,25 @@ def _tensors(model):
                 if key not in state:
                     continue
                 values = state[key]
-                if cfg.model_type == "llama" and short in ("attn_q", "attn_k"):
+                if cfg.model_type in PERMUTED_QK and short in ("attn_q", "attn_k"):
                     heads = cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads
                     values = permute_qk(values, heads)
+                if short == "ffn_gate_inp_shexp":  # HF's [1, hidden]; llama.cpp's {n_embd}
+                    values = values.reshape(-1)
                 yield f"blk.{i}.{short}.{kind}", values
+        yield from _expert_tensors(state, i)
+
+
+def _expert_tensors(state: dict, layer: int):
+    """A sparse layer's experts as llama.cpp's three 3-D stacks (none for a dense layer)."""
+    p = f"model.layers.{layer}.mlp.experts."
+    if p + "gate_up_proj" not in state:
+        return
+    gate_up, down = state[p + "gate_up_proj"], state[p + "down_proj"]  # [E, 2F, H], [E, H, F]
+    width = gate_up.shape[1] // 2
+    yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :width])
+    yield f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, width:])
+    yield f"blk.{layer}.ffn_down_exps.weight", down
 
 
 def spm_tokenizer_metadata(tokenizer_json: Path) -> dict:

@@ -5,7 +5,9 @@ tokenizer models/gguf_tokenizer.py builds from the same file, `LLM("model.gguf")
 Layer matrices of a code-mapped type come as `QTensor`s with their own `QuantConfig` (group 32 or
 16: models/gguf_quants.py; K-quants only for an engine that stores weights compressed, as their
 conversion rounds their scales), q/k rows put back in HF order and q/k/v, gate/up fused by rows (each
-row's groups are a self-contained byte range, so fusing and reordering rows move codes only).
+row's groups are a self-contained byte range, so fusing and reordering rows move codes only). A
+mixture-of-experts layer's 3-D expert stacks (llama.cpp's ffn_{gate,up,down}_exps) are read as
+[experts * rows, cols] matrices and reordered into models/moe.py's stacked experts the same way.
 Where the engine stores another format it dequantizes them at placement, exactly (offload/
 placement.py `flat_components`). A fused weight whose parts differ in format, norms, biases,
 embeddings and the output head come as floats: gguf's own dequantization, cast to the dtype.
@@ -23,7 +25,7 @@ from flexsarathi.models.checkpoint import WeightSource
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models import build_model_math
-from flexsarathi.models.gguf_file import GGUFTensor, gguf_name, hf_config, open_gguf, qk_heads, unpermute_rows
+from flexsarathi.models.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, unpermute_rows
 from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, check_type, conversion_error, to_codes, to_float, \
     to_qtensor
 from quant import QTensor
@@ -59,76 +61,114 @@ class GGUFCheckpoint(WeightSource):
         t = self.gguf.tensor(name)
         return t.read(), t.type_name, t.shape
 
+    def _parts(self, hf_names: list[str]) -> list[tuple[GGUFTensor, int | None]]:
+        """Each HF tensor's GGUF tensor, and its expert where that is a 3-D stack of experts."""
+        return [(self.gguf.tensor(p.name), p.expert) for p in map(gguf_part, hf_names)]
+
     def _validate(self) -> None:
-        """Every tensor the model needs: present, of a supported type, of the config's shape."""
+        """Every tensor the model needs, in each layer as that layer has it (dense or with experts):
+        present, of a supported type, of the config's shape."""
         expected = [(self.model.hf_global_names(), self.model.global_shapes())]
-        expected += [(self.model.hf_layer_names(i), self.model.layer_shapes()) for i in range(self.config.num_layers)]
+        expected += [(self.model.hf_layer_names(i), self.model.layer_shapes(i)) for i in range(self.config.num_layers)]
         for names, shapes in expected:
-            for canonical, parts in names.items():
-                tensors = [self.gguf.tensor(gguf_name(hf)) for hf in parts]
-                for t in tensors:
-                    check_type(t.type_name, t.name, self.path)
-                rows = sum(t.shape[0] for t in tensors)
-                want = tuple(shapes[canonical])
-                if any(t.shape[1:] != want[1:] for t in tensors) or rows != want[0]:
-                    got = ", ".join(f"{t.name} {list(t.shape)}" for t in tensors)
-                    raise CheckpointError(f"{self.path}: {got} do not make {canonical} {list(want)} as the "
-                                          f"metadata implies")
+            for canonical, hf_names in names.items():
+                self._check_parts(canonical, self._parts(hf_names), tuple(shapes[canonical]))
+
+    def _check_parts(self, canonical: str, parts, want: tuple[int, ...]) -> None:
+        experts = self.config.moe.num_experts if self.config.moe else 0
+        shapes = []
+        for t, expert in parts:
+            check_type(t.type_name, t.name, self.path)
+            if expert is not None and (len(t.shape) != 3 or t.shape[0] != experts):
+                raise CheckpointError(f"{self.path}: {t.name} {list(t.shape)} is not a stack of {experts} experts "
+                                      f"[experts, rows, cols] as the metadata implies")
+            shape = t.shape[1:] if expert is not None else t.shape
+            shapes.append((1, *shape) if len(want) == 2 and len(shape) == 1 else shape)  # qwen2moe's 1-D shared gate
+        if any(s[1:] != want[1:] for s in shapes) or sum(s[0] for s in shapes) != want[0]:
+            got = ", ".join(dict.fromkeys(f"{t.name} {list(t.shape)}" for t, _ in parts))
+            raise CheckpointError(f"{self.path}: {got} do not make {canonical} {list(want)} as the "
+                                  f"metadata implies")
 
     def global_weights(self, dtype):
         return {k: self._dense(parts, dtype) for k, parts in self.model.hf_global_names().items()}
 
     def layer_weights(self, layer, dtype):
-        shapes = self.model.layer_shapes()
-        return {k: (self._coded(parts, dtype) if len(shapes[k]) == 2 else None) or self._dense(parts, dtype)
-                for k, parts in self.model.hf_layer_names(layer).items()}
+        """Matrices as codes where the file has them (routers and shared-expert gates, kept resident
+        uncompressed, as floats); each weight in its canonical shape."""
+        shapes, resident = self.model.layer_shapes(layer), self.model.resident_weights()
+        out = {}
+        for k, parts in self.model.hf_layer_names(layer).items():
+            coded = self._coded(parts, dtype) if len(shapes[k]) == 2 and k not in resident else None
+            out[k] = coded or self._dense(parts, dtype).reshape(shapes[k])
+        return out
 
     def quantized_formats(self) -> dict | None:
-        """Per layer matrix (canonical name): the format its codes have in every layer, or None
-        where some layer's parts have none or differ (Q4_K_M's mixed layers). None when no matrix is
-        held as codes. For an engine that stores each tensor in its own format (a pre-quantized
-        checkpoint's: its codes kept as they are)."""
-        formats = {}
-        for name, shape in self.model.layer_shapes().items():
-            if len(shape) == 2:
-                seen = {self._format(self.model.hf_layer_names(i)[name]) for i in range(self.config.num_layers)}
-                formats[name] = seen.pop() if len(seen) == 1 else None
+        """Per layer matrix (canonical name): the format its codes have in every layer that has it,
+        or None where some layer's parts have none or differ (Q4_K_M's mixed layers). None when no
+        matrix is held as codes. For an engine that stores each tensor in its own format (a
+        pre-quantized checkpoint's: its codes kept as they are)."""
+        seen: dict[str, set] = {}
+        resident = self.model.resident_weights()
+        for i in range(self.config.num_layers):
+            names = self.model.hf_layer_names(i)
+            for name, shape in self.model.layer_shapes(i).items():
+                if len(shape) == 2 and name not in resident:
+                    seen.setdefault(name, set()).add(self._format(names[name]))
+        formats = {name: found.pop() if len(found) == 1 else None for name, found in seen.items()}
         return formats if any(formats.values()) else None
 
     def _format(self, hf_names: list[str]):
         """The format the fused parts' codes share (as `_coded` fuses them), else None."""
-        types = [self.gguf.tensor(gguf_name(hf)).type_name for hf in hf_names]
+        types = [t.type_name for t, _ in self._parts(hf_names)]
         found = {None if t in CONVERTED_TYPES and not self.convert_k_quants else CODE_FORMATS.get(t) for t in types}
         return found.pop() if len(found) == 1 else None
 
+    def _layout(self, hf_names: list[str]) -> tuple[list[GGUFTensor], torch.Tensor | None]:
+        """The distinct GGUF tensors of a fused weight (each read once, a 3-D stack as its
+        [experts * rows, cols] matrix) and the rows of their concatenation that make the weight, in
+        order; None where that is all of them as they are. E.g. gate_up of E experts: expert e's gate
+        rows, then its up rows, from ffn_gate_exps and ffn_up_exps."""
+        tensors, offsets, total, order = [], {}, 0, []
+        for t, expert in self._parts(hf_names):
+            if t.name not in offsets:
+                offsets[t.name] = total
+                tensors.append(t)
+                total += _rows(t)
+            rows = t.shape[0] if expert is None else t.shape[1]
+            start = offsets[t.name] + (0 if expert is None else expert * rows)
+            order.append(torch.arange(start, start + rows))
+        order = torch.cat(order)
+        same = order.numel() == total and bool((order == torch.arange(total)).all())
+        return tensors, None if same else order
+
     def _dense(self, hf_names: list[str], dtype: torch.dtype) -> torch.Tensor:
+        tensors, order = self._layout(hf_names)
         pieces = []
-        for hf in hf_names:
-            t = self.gguf.tensor(gguf_name(hf))
+        for t in tensors:
             values = to_float(t.read(), t.type_name, t.shape)
+            values = values.reshape(_rows(t), t.shape[-1]) if len(t.shape) > 2 else values
             heads = qk_heads(t.name, self.config)
             pieces.append((values if heads is None else values[unpermute_rows(t.shape[0], heads)]).to(dtype))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        values = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        return values if order is None else values[order]
 
     def _coded(self, hf_names: list[str], dtype: torch.dtype) -> QTensor | None:
-        """The fused weight as one QTensor, or None where a part has no codes or the parts' formats differ."""
+        """The fused weight as one QTensor, or None where a part has no codes or the parts' formats
+        differ. Each row's groups are self-contained, so fusing and reordering rows move codes only."""
+        tensors, order = self._layout(hf_names)
         parts = []
-        for hf in hf_names:
-            q = self._qtensor(self.gguf.tensor(gguf_name(hf)), dtype)
+        for t in tensors:
+            q = self._qtensor(t, dtype)
             if q is None or (parts and q.config != parts[0].config):
                 return None
             parts.append(q)
-        if len(parts) == 1:
-            return parts[0]
-        rows = sum(p.shape[0] for p in parts)
-        return QTensor(data=torch.cat([p.data for p in parts]), scale=torch.cat([p.scale for p in parts]),
-                       minimum=torch.cat([p.minimum for p in parts]), shape=(rows, parts[0].shape[1]),
-                       dtype=dtype, config=parts[0].config)
+        q = parts[0] if len(parts) == 1 else concat_rows(parts)
+        return q if order is None else permute_rows(q, order)
 
     def _qtensor(self, t: GGUFTensor, dtype: torch.dtype) -> QTensor | None:
         if t.type_name in CONVERTED_TYPES and not self.convert_k_quants:
             return None
-        codes = to_codes(t.read(), t.type_name, t.shape)
+        codes = to_codes(t.read(), t.type_name, (_rows(t), t.shape[-1]))
         q = to_qtensor(codes, dtype) if codes is not None else None
         if q is None:
             return None
@@ -144,6 +184,19 @@ class GGUFCheckpoint(WeightSource):
             self._report(f"flexsarathi: {self.path}: {type_name} weights convert to {config.bits}-bit groups of "
                          f"{config.group_size} with fp16 scales: largest |error| against gguf's dequantization "
                          f"{error:.3g} (first {ERROR_ROWS} rows of the first layer's first {type_name} tensor)")
+
+
+def _rows(t: GGUFTensor) -> int:
+    """Rows of the tensor as a matrix (a 3-D stack [experts, rows, cols]: experts * rows)."""
+    return int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
+
+
+def concat_rows(parts: list[QTensor]) -> QTensor:
+    """Row-grouped QTensors of one format and width, stacked by rows."""
+    rows = sum(p.shape[0] for p in parts)
+    return QTensor(data=torch.cat([p.data for p in parts]), scale=torch.cat([p.scale for p in parts]),
+                   minimum=torch.cat([p.minimum for p in parts]), shape=(rows, parts[0].shape[1]),
+                   dtype=parts[0].dtype, config=parts[0].config)
 
 
 def permute_rows(q: QTensor, order: torch.Tensor) -> QTensor:

@@ -4,8 +4,9 @@ tensors as memory-mapped raw blocks, and the model it describes as an HF `config
 Read with the `gguf` package's `GGUFReader` (memory-mapped, from the llama.cpp authors): the
 container has versions, alignment rules and value types that the package keeps up with. Every
 failure to read is one `CheckpointError` naming the file. The tensors' names and the q/k row order
-are llama.cpp's (`convert_hf_to_gguf.py`); `hf_name_map` and `unpermute_rows` turn them back into
-the HF checkpoint's, as transformers' GGUF loader does.
+are llama.cpp's (`convert_hf_to_gguf.py`); `gguf_part` and `unpermute_rows` turn them back into
+the HF checkpoint's, as transformers' GGUF loader does (an expert's matrix: its slice of the layer's
+3-D stack).
 """
 from __future__ import annotations
 
@@ -20,10 +21,19 @@ import torch
 from flexsarathi.errors import CheckpointError
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
-# general.architecture -> the engine's model_type (its families: policy_search/hf_config.py)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
-# Architectures whose q/k rows llama.cpp's converter permutes into the interleaved RoPE layout.
-PERMUTED_QK = ("llama",)
+# general.architecture -> the engine's model_type (its families: policy_search/hf_config.py);
+# llama.cpp writes Mixtral as `llama` with `llama.expert_count` experts (`model_type`)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+                 "qwen3moe": "qwen3_moe"}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Model types whose q/k rows llama.cpp's converter permutes into the interleaved RoPE layout: its
+# LlamaModel's (Mixtral included); qwen2/qwen3 keep HF's row order.
+PERMUTED_QK = ("llama", "mixtral")
+# Whether the top-k routing weights are renormalised, where the file has no
+# `{arch}.expert_weights_norm`: llama.cpp's graphs fix it per architecture (llama, i.e. Mixtral,
+# and qwen3moe renormalise, qwen2moe does not), as transformers' GGUF loader assumes for qwen3_moe.
+NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+SOFTMAX_GATING = 1  # gguf.ExpertGatingFuncType.SOFTMAX: the only routing these model types compute
 
 
 @dataclass(frozen=True)
@@ -135,9 +145,7 @@ def _metadata(reader, path: str) -> dict:
 def hf_config(gguf: GGUFFile) -> dict:
     """The model as an HF config.json dict (what policy_search/hf_config.py parses)."""
     arch, meta = gguf.architecture, gguf.metadata
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
-                              f"{', '.join(ARCHITECTURES)}")
+    model_type = gguf_model_type(gguf)
 
     def get(key: str, default=None):
         value = meta.get(f"{arch}.{key}", default)
@@ -148,7 +156,7 @@ def hf_config(gguf: GGUFFile) -> dict:
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
     cfg = {
-        "model_type": ARCHITECTURES[arch],
+        "model_type": model_type,
         "vocab_size": gguf.tensor("token_embd.weight").shape[0],
         "hidden_size": hidden, "num_hidden_layers": int(get("block_count")),
         "intermediate_size": int(get("feed_forward_length")),
@@ -166,7 +174,53 @@ def hf_config(gguf: GGUFFile) -> dict:
                                            if meta.get(f"tokenizer.ggml.{k}_token_id") is not None)),
     }
     cfg.update(_rope_scaling(gguf, arch))
+    if model_type in MOE_TYPES:
+        cfg.update(_moe_fields(gguf, arch, get))
     return cfg
+
+
+def gguf_model_type(gguf: GGUFFile) -> str:
+    arch = gguf.architecture
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(ARCHITECTURES)} (llama with experts: mixtral)")
+    if arch == "llama" and int(gguf.metadata.get("llama.expert_count") or 0) > 0:
+        return "mixtral"
+    return ARCHITECTURES[arch]
+
+
+def sparse_layers(gguf: GGUFFile, num_layers: int) -> list[int]:
+    """The layers with experts: those with a router (llama.cpp's graphs decide it the same way)."""
+    return [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors]
+
+
+def _moe_fields(gguf: GGUFFile, arch: str, get) -> dict:
+    """The experts as the HF config has them. A layer is sparse where it has a router; the dense
+    ones become `mlp_only_layers` (decoder_sparse_step 1), so the engine plans each layer as the
+    file has it. Widths from the metadata llama.cpp writes, else from the tensors."""
+    experts, layers = int(get("expert_count")), int(get("block_count"))
+    sparse = sparse_layers(gguf, layers)
+    if experts < 1 or not sparse:
+        raise CheckpointError(f"{gguf.path}: metadata {arch}.expert_count={experts} but no layer has experts "
+                              f"(tensors blk.N.ffn_gate_inp.weight, blk.N.ffn_*_exps.weight)")
+    gating = gguf.metadata.get(f"{arch}.expert_gating_func", SOFTMAX_GATING)
+    if gating != SOFTMAX_GATING:
+        raise CheckpointError(f"{gguf.path}: metadata {arch}.expert_gating_func={gating} is not supported "
+                              f"(only {SOFTMAX_GATING}: softmax over the experts, then top-k)")
+    first = sparse[0]
+    width = int(get("expert_feed_forward_length", gguf.tensor(f"blk.{first}.ffn_gate_exps.weight").shape[1]))
+    fields = {"num_experts_per_tok": int(get("expert_used_count"))}
+    if arch == "llama":  # Mixtral: every layer sparse, the experts as wide as intermediate_size
+        if len(sparse) != layers:
+            raise CheckpointError(f"{gguf.path}: mixtral (llama with experts) needs experts in every layer; "
+                                  f"layers {sorted(set(range(layers)) - set(sparse))} have none")
+        return {**fields, "num_local_experts": experts, "intermediate_size": width}
+    shexp = gguf.tensors.get(f"blk.{first}.ffn_up_shexp.weight")
+    return {**fields, "num_experts": experts, "moe_intermediate_size": width,
+            "norm_topk_prob": bool(gguf.metadata.get(f"{arch}.expert_weights_norm", NORM_TOPK[arch])),
+            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length",
+                                                       shexp.shape[0] if shexp else 0)),
+            "decoder_sparse_step": 1, "mlp_only_layers": sorted(set(range(layers)) - set(sparse))}
 
 
 def _decimal(value) -> float:
@@ -188,30 +242,54 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> dict:
 def _checkpoint_dtype(gguf: GGUFFile) -> str:
     """The dtype the file's weights are closest to: its float matrices' (F32, BF16), else float16
     (F16 weights, and quantized ones: their scales are fp16)."""
-    types = {t.type_name for t in gguf.tensors.values() if len(t.shape) == 2}
+    types = {t.type_name for t in gguf.tensors.values() if len(t.shape) >= 2}
     if types == {"F32"}:
         return "float32"
     return "bfloat16" if "BF16" in types else "float16"
 
 
-# HF checkpoint names (what models/llama.py asks for) -> GGUF names, llama.cpp's tensor map.
+# HF checkpoint names (what models/llama.py and models/moe.py ask for) -> GGUF names, llama.cpp's tensor map.
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
 _LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                 "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                "mlp.down_proj": "ffn_down"}
+                "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+                "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+# One expert's matrix (qwen's names, Mixtral's w1/w3/w2) -> the 3-D tensor [experts, rows, cols]
+# that llama.cpp stacks every expert of the layer into.
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
+
+
+@dataclass(frozen=True)
+class GGUFPart:
+    """Where an HF tensor is in the file: a whole tensor, or expert `expert`'s slice of a 3-D one."""
+    name: str
+    expert: int | None = None
+
+
+def gguf_part(hf_name: str) -> GGUFPart:
+    """`model.layers.3.self_attn.q_proj.weight` -> blk.3.attn_q.weight;
+    `model.layers.3.mlp.experts.5.up_proj.weight` -> expert 5 of blk.3.ffn_up_exps.weight."""
+    if hf_name in _GLOBAL_NAMES:
+        return GGUFPart(_GLOBAL_NAMES[hf_name])
+    match = _LAYER_RE.match(hf_name)
+    expert = _EXPERT_RE.match(match[2]) if match else None
+    if expert and expert[2] in _EXPERT_NAMES:
+        return GGUFPart(f"blk.{match[1]}.{_EXPERT_NAMES[expert[2]]}.{match[3]}", int(expert[1]))
+    if not match or match[2] not in _LAYER_NAMES:
+        raise CheckpointError(f"no GGUF tensor corresponds to {hf_name}")
+    return GGUFPart(f"blk.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}")
 
 
 def gguf_name(hf_name: str) -> str:
-    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`."""
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    match = _LAYER_RE.match(hf_name)
-    if not match or match[2] not in _LAYER_NAMES:
-        raise CheckpointError(f"no GGUF tensor corresponds to {hf_name}")
-    return f"blk.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    """The GGUF tensor that holds `hf_name` (an expert's: the layer's 3-D stack)."""
+    return gguf_part(hf_name).name
 
 
 def qk_heads(gguf_tensor_name: str, config) -> int | None:

@@ -81,13 +81,14 @@ def to_float(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.T
 
 
 def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes | None:
-    """The codes of a 2-D tensor of a code-mapped type (EXACT_TYPES, CONVERTED_TYPES), else None.
+    """The codes of a matrix of a code-mapped type (EXACT_TYPES, CONVERTED_TYPES), else None; a
+    3-D stack [experts, rows, cols] as its [experts * rows, cols] matrix (each row's blocks are its own).
 
     Decoded by chunks of rows into preallocated results: the temporaries stay a few MiB however
     large the tensor (a 70B layer's 8192 x 28672 matrix is 235M values)."""
-    if type_name not in _DECODERS or len(shape) != 2:
+    if type_name not in _DECODERS or len(shape) < 2:
         return None
-    rows, cols = shape
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
     raw = raw.reshape(rows, -1)
     step = max(1, _CHUNK_VALUES // max(cols, 1))
     first = _decode_rows(raw[:step], type_name, cols)

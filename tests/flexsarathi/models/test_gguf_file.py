@@ -92,14 +92,34 @@ def test_truncated_file_is_one_clear_error(llama_file, tmp_path, keep):
     assert "not a readable GGUF file" in _one_line_error(bad)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_and_qwen3_metadata_give_the_config_transformers_has(kind, tmp_path):
+    """Expert count, top-k, widths, renormalisation (llama.cpp's per architecture), the dense layers
+    (those without a router), qwen3's head_dim and q/k norms: as the model the file was written from."""
+    model = build_model(kind)
+    write_gguf(model, tmp_path / "m.gguf")
+    ours = ModelConfig.from_hf(hf_config(GGUFFile(str(tmp_path / "m.gguf"))))
+    ref = ModelConfig.from_hf(model.config.to_dict())
+    for field in ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                  "qkv_bias", "qk_norm", "moe"):
+        assert getattr(ours, field) == getattr(ref, field), field
+
+
+def test_experts_in_metadata_but_not_in_tensors(tmp_path):
+    path = tmp_path / "llama.gguf"
+    write_gguf(build_model("llama"), path, tokenizer={"llama.expert_count": 4, "llama.expert_used_count": 2})
+    assert "metadata llama.expert_count=4 but no layer has experts (tensors blk.N.ffn_gate_inp.weight" in \
+        _one_line_error(path)
+
+
 def test_unsupported_architecture_and_tensor_type(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
         step()
     writer.close()
-    assert "GGUF architecture 'mamba' is not supported; supported: llama, qwen2" in \
-        _one_line_error(tmp_path / "mamba.gguf")
+    assert "GGUF architecture 'mamba' is not supported; supported: llama, qwen2, qwen3, qwen2moe, qwen3moe " \
+        "(llama with experts: mixtral)" in _one_line_error(tmp_path / "mamba.gguf")
 
     model = build_model("llama")
     path = tmp_path / "iq2.gguf"

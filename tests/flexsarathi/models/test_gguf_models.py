@@ -1,6 +1,7 @@
 """GGUF models end to end: logits against transformers' own GGUF loading (fp32, its dequantized
 weights), greedy tokens, the file's codes kept as they are, every placement against the
-all-on-device run."""
+all-on-device run; qwen3 and the mixture-of-experts architectures against the model each file was
+written from, its weights gguf's dequantization of the file's."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ pytest.importorskip("gguf")
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from quant import QuantConfig  # noqa: E402
-from tests.gguf_files import build_model, write_gguf  # noqa: E402
+from tests.gguf_files import build_model, dequantized_model, write_gguf  # noqa: E402
 from tests.prompt_logits import prompt_logits  # noqa: E402
 
 EXACT = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
@@ -114,14 +115,69 @@ PLACEMENTS = {
 
 
 @pytest.fixture(scope="module")
-def placed_run(gguf_model, tmp_path_factory):
-    """placed_run(weight_type, compressed, **placement) -> greedy tokens; the all-on-device run once each."""
+def written_model(tmp_path_factory):
+    """written_model(kind, weight_type) -> (path, the transformers model it was written from with
+    its weights replaced by gguf's `quants.dequantize` of the file's tensors), once each.
+
+    The reference for qwen3 and the MoE files: transformers' GGUF loader reads none of them right
+    (transformers 5.2x: qwen3 without `attention.key_length`, so head_dim 128; qwen2_moe/qwen3_moe
+    without the expert widths, so its default sizes, a size-mismatch error; Mixtral's arch `llama`
+    as a dense llama with its MLPs left random)."""
     cache = {}
 
-    def run(weight_type: str, compressed: bool, **changes):
-        key = (weight_type, compressed, tuple(sorted(changes.items())))
+    def make(kind: str, weight_type: str):
+        if (kind, weight_type) not in cache:
+            path = tmp_path_factory.mktemp(f"{kind}-{weight_type}") / "model.gguf"
+            model = build_model(kind)
+            write_gguf(model, path, weight_type=weight_type)
+            cache[kind, weight_type] = (str(path), dequantized_model(model, path))
+        return cache[kind, weight_type]
+
+    return make
+
+
+@pytest.mark.parametrize("kind,weight_type", [("qwen3", "F32"), ("qwen3", "Q8_0"), ("qwen3_moe", "F32"),
+                                              ("qwen3_moe", "Q4_0"), ("qwen2_moe", "F32"), ("qwen2_moe", "Q8_0"),
+                                              ("mixtral", "F32"), ("mixtral", "Q4_0")])
+def test_qwen3_and_moe_match_the_model_written(written_model, kind, weight_type):
+    """qwen3 (head_dim not hidden / heads, q/k norms), qwen3moe, qwen2moe (shared expert, layer 0
+    dense), Mixtral (arch llama with experts, q/k permuted): logits to fp32 rounding, greedy tokens."""
+    path, ref = written_model(kind, weight_type)
+    llm = LLM(path, dtype="float32", device="cpu")
+    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
+        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [_hf_greedy(ref, p) for p in PROMPTS]
+
+
+def test_expert_codes_stored_as_they_are(written_model, tmp_path):
+    """A Q4_0 MoE file with the engine's format the file's: the experts' (and every matrix's) codes
+    kept, no requantization, so the reference's logits to fp32 rounding."""
+    from flexsarathi.engine.planner_spec import stored_weight_format
+    from flexsarathi.models.moe import DOWN, GATE_UP
+
+    path, ref = written_model("qwen2_moe", "Q4_0")
+    quant = QuantConfig(bits=4, group_size=32)
+    llm = LLM(path, dtype="float32", device="cpu", policy=Policy(compress_weight=True), weight_quant=quant,
+              offload_dir=str(tmp_path))
+    formats = llm.engine.source.quantized_formats()
+    assert formats[GATE_UP] == formats[DOWN] == formats["shared_expert.gate_up_proj.weight"] == quant
+    assert formats["gate_up_proj.weight"] == quant  # layer 0's dense MLP
+    assert stored_weight_format(llm.engine.source).bits == 4  # the planner sees every layer's kinds
+    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
+        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def placed_run(gguf_model, written_model, tmp_path_factory):
+    """placed_run(weight_type, compressed, kind="llama_deep", **placement) -> greedy tokens; the
+    all-on-device run once each."""
+    cache = {}
+
+    def run(weight_type: str, compressed: bool, kind: str = "llama_deep", **changes):
+        key = (kind, weight_type, compressed, tuple(sorted(changes.items())))
         if key not in cache:
-            path, _ = gguf_model("llama_deep", weight_type)
+            path, _ = (gguf_model if kind == "llama_deep" else written_model)(kind, weight_type)
             quant = dict(weight_quant=QuantConfig(bits=4, group_size=32)) if compressed else {}
             policy = Policy(gpu_batch_size=2, prefill_budget=6, compress_weight=compressed, **changes)
             llm = LLM(path, dtype="float32", device="cpu", policy=policy,
@@ -137,6 +193,12 @@ def placed_run(gguf_model, tmp_path_factory):
 @pytest.mark.parametrize("compressed", [False, True])
 def test_every_placement_gives_the_all_on_device_tokens(placed_run, weight_type, placement, compressed):
     assert placed_run(weight_type, compressed, **PLACEMENTS[placement]) == placed_run(weight_type, compressed)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_moe_experts_split_across_tiers_give_the_all_on_device_tokens(placed_run, compressed):
+    split = PLACEMENTS["weights_30_40_30"]
+    assert placed_run("Q4_0", compressed, "qwen3_moe", **split) == placed_run("Q4_0", compressed, "qwen3_moe")
 
 
 def test_llama3_rope_from_rope_freqs_tensor(tmp_path):
