@@ -63,7 +63,7 @@ def inspect_lines(model: str, source, dtype: torch.dtype) -> list[str]:
     formats = source.quantized_formats()
     files = f" ({fmt_bytes(d.file_bytes)} of files)" if d.file_bytes is not None else ""
     lines = [f"model: {model}: {c.model_type}, {c.num_layers} layers, hidden {c.hidden_size}, "
-             f"{c.num_heads} heads ({c.num_kv_heads} KV), vocab {c.vocab_size}",
+             f"{c.num_heads} heads ({c.num_kv_heads} KV), vocab {c.vocab_size}" + _experts(c),
              f"format: {d.format}: {d.detail}{files}"]
     shapes = source.model.weight_kinds()
     for kind in d.kinds:
@@ -82,6 +82,15 @@ def inspect_lines(model: str, source, dtype: torch.dtype) -> list[str]:
         lines.append(f"  with compress_weight: {fmt_bytes(compressed)} "
                      f"({describe_config(WEIGHT_QUANT)}, quantized once at placement)")
     return lines
+
+
+def _experts(c) -> str:
+    m = c.moe
+    if m is None:
+        return ""
+    shared = f" + a shared expert of {m.shared_expert_ffn_size}" if m.shared_expert_ffn_size else ""
+    return (f", {m.num_experts} experts of {m.expert_ffn_size} (top {m.top_k}){shared} in "
+            f"{m.sparse_layers(c.num_layers)} of {c.num_layers} layers")
 
 
 def _stored_layer_bytes(model, num_layers: int, dtype: torch.dtype, quant) -> tuple[int, int, int, int]:

@@ -197,8 +197,7 @@ class LLMEngine:
             raise FlexSarathiError(f"the opened model ({opened.name}, codes {opened.codes}) is not the one "
                                    f"this engine is configured for ({e.model}, codes {drawn})")
         self.source, self.tokenizer = opened.source, opened.tokenizer
-        if hasattr(self.source, "convert_k_quants"):  # a GGUF: K-quants as codes only where weights are compressed
-            self.source.convert_k_quants = e.policy.compress_weight
+        self.source.use_for(compress_weight=e.policy.compress_weight)
         self.config, self.model = self.source.config, self.source.model
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = e.policy

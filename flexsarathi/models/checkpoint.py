@@ -43,6 +43,11 @@ class WeightSource(ABC):
     @abstractmethod
     def layer_weights(self, layer: int, dtype: torch.dtype) -> Weights: ...
 
+    def use_for(self, compress_weight: bool) -> None:
+        """Told by the engine whether its policy stores weights compressed. A source whose codes only
+        approximate its values (GGUF's K-quants: their scales rounded) gives them as codes only
+        then, else their exact values; every other source gives the same either way."""
+
     def quantized_formats(self) -> dict[str, QuantConfig | None] | None:
         """A pre-quantized source: canonical 2-D layer weight -> the QuantConfig its QTensors come in
         (None: the compute dtype), stored by the engine as they are (flexsarathi/models/prequantized.py).

@@ -24,6 +24,7 @@ import torch
 from flexsarathi.models.checkpoint import WeightSource
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
+from flexsarathi.models.prequantized import concat_rows
 from flexsarathi.models import build_model_math
 from flexsarathi.models.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, unpermute_rows
 from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, check_type, conversion_error, to_codes, to_float, \
@@ -48,6 +49,9 @@ class GGUFCheckpoint(WeightSource):
         if "rope_freqs.weight" in self.gguf.tensors:  # llama3-style scaling as llama.cpp stores it
             factors = to_float(*self._raw("rope_freqs.weight")).float()
             self.model.divide_rope_frequencies(factors)
+
+    def use_for(self, compress_weight: bool) -> None:
+        self.convert_k_quants = compress_weight
 
     @property
     def fingerprint(self) -> str:
@@ -162,7 +166,7 @@ class GGUFCheckpoint(WeightSource):
             if q is None or (parts and q.config != parts[0].config):
                 return None
             parts.append(q)
-        q = parts[0] if len(parts) == 1 else concat_rows(parts)
+        q = concat_rows(parts)
         return q if order is None else permute_rows(q, order)
 
     def _qtensor(self, t: GGUFTensor, dtype: torch.dtype) -> QTensor | None:
@@ -189,14 +193,6 @@ class GGUFCheckpoint(WeightSource):
 def _rows(t: GGUFTensor) -> int:
     """Rows of the tensor as a matrix (a 3-D stack [experts, rows, cols]: experts * rows)."""
     return int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
-
-
-def concat_rows(parts: list[QTensor]) -> QTensor:
-    """Row-grouped QTensors of one format and width, stacked by rows."""
-    rows = sum(p.shape[0] for p in parts)
-    return QTensor(data=torch.cat([p.data for p in parts]), scale=torch.cat([p.scale for p in parts]),
-                   minimum=torch.cat([p.minimum for p in parts]), shape=(rows, parts[0].shape[1]),
-                   dtype=parts[0].dtype, config=parts[0].config)
 
 
 def permute_rows(q: QTensor, order: torch.Tensor) -> QTensor:

@@ -213,3 +213,27 @@ def placed_tokens(tmp_path_factory):
         return cache[key]
 
     return run
+
+
+def test_inspect_tells_the_experts_and_every_layers_bytes(checkpoint, capsys):
+    """`flexsarathi inspect`: the experts in the model line; the layer bytes summed over dense and
+    sparse layers: 4-bit codes (16 bytes per group of 32) + an fp16 scale + the minimum (fp16 where
+    the format is symmetric, else fp32), the router in fp16 (the checkpoint's dtype)."""
+    from flexsarathi.cli.main import main
+
+    folder = checkpoint[0]
+    source = open_weight_source(folder)
+    c, formats = source.config, source.quantized_formats()
+    assert main(["inspect", "--model", folder]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(f", {c.moe.num_experts} experts of {c.moe.expert_ffn_size} (top {c.moe.top_k})"
+                           + (f" + a shared expert of {c.moe.shared_expert_ffn_size}"
+                              if c.moe.shared_expert_ffn_size else "")
+                           + f" in {c.moe.sparse_layers(c.num_layers)} of {c.num_layers} layers")
+    total = 0
+    for layer in range(c.num_layers):
+        for name, shape in source.model.layer_shapes(layer).items():
+            if len(shape) == 2:
+                group = 16 + 2 + (4 if formats[name].minimum_fp32 else 2) if formats.get(name) else None
+                total += shape[0] * shape[1] // 32 * group if group else shape[0] * shape[1] * 2
+    assert f"engine stores: layer weights {total / 1024:.2f} KiB" in out[-1]
