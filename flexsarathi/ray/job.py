@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -164,10 +165,14 @@ def _cluster_summary() -> str:
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, ray.exceptions.ActorDiedError):
-        lines = (ln.strip() for ln in str(exc).splitlines())
-        where = dict(ln.split(": ", 1) for ln in lines if ln.startswith(("pid:", "ip:")))
-        return (f"an actor (pid {where.get('pid', '?')} on {where.get('ip', '?')}) died: its process was killed, "
-                "ran out of memory or crashed, or its node was lost")
+        text = str(exc)
+        # "pid: 123" / "ip: 1.2.3.4" lines for a lost process, "(pid=123, ip=1.2.3.4, ...)" for a failed start
+        pid, ip = (re.search(rf"\b{key}[:=] *([^\s,)]+)", text) for key in ("pid", "ip"))
+        where = f"pid {pid[1] if pid else '?'} on {ip[1] if ip else '?'}"
+        if exc.actor_init_failed:  # its __init__ raised: the traceback's last line says what
+            last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+            return f"an actor ({where}) could not start: {last}"[:400]
+        return f"an actor ({where}) died: its process was killed, ran out of memory or crashed, or its node was lost"
     cause = getattr(exc, "cause", None)
     return _first_line(cause if isinstance(cause, BaseException) else exc)
 

@@ -24,6 +24,18 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture
+def small_probe(monkeypatch):
+    """A 16x smaller probe layer (hidden 256, MLP 1024): the tests of the cache's behaviour still
+    measure for real, in a fraction of the time; the real-size measurement has its own test."""
+    from flexsarathi.machine import dtype_choice
+    from flexsarathi.machine.layer_timing import LayerShapes
+
+    h, f = 256, 1024
+    monkeypatch.setattr(dtype_choice, "probe_layer",
+                        lambda: LayerShapes(((3 * h, h), (h, h), (f, h), (h, f)), heads=4, kv_heads=4, head_dim=64))
+
+
+@pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXSARATHI_CACHE_DIR", str(tmp_path))
     return tmp_path
@@ -118,7 +130,7 @@ def test_a_real_measurement_picks_a_candidate_and_caches_it(cache_dir):
     assert cpu_compute_dtype() == chosen and _entries(cache_dir) == [entry]  # read back, not re-measured
 
 
-def test_another_machines_entry_is_not_used(cache_dir):
+def test_another_machines_entry_is_not_used(cache_dir, small_probe):
     other = dict(machine_key(), cpu="Some Other CPU", threads=machine_key()["threads"] + 7)
     # Whatever this machine picks, one of these two entries disagrees with it: neither may be used.
     planted = [{"key": dict(other, flags=[]), "dtype": "float32"}, {"key": other, "dtype": "bfloat16"}]
@@ -130,7 +142,7 @@ def test_another_machines_entry_is_not_used(cache_dir):
 
 
 @pytest.mark.parametrize("content", [b"\xff{not json", b'{"entries": 3}', None])
-def test_a_corrupt_cache_is_measured_again_and_rewritten(cache_dir, content):
+def test_a_corrupt_cache_is_measured_again_and_rewritten(cache_dir, content, small_probe):
     path = cache_dir / CACHE_FILE
     if content is None:  # this machine's entry naming no dtype it could compute in
         _write_cache(cache_dir, [{"key": machine_key(), "dtype": "int3"}])
@@ -141,7 +153,7 @@ def test_a_corrupt_cache_is_measured_again_and_rewritten(cache_dir, content):
     assert len(_entries(cache_dir)) == 1
 
 
-def test_an_unwritable_cache_folder_costs_no_run(tmp_path, monkeypatch, caplog):
+def test_an_unwritable_cache_folder_costs_no_run(tmp_path, monkeypatch, caplog, small_probe):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("FLEXSARATHI_CACHE_DIR", str(blocker))

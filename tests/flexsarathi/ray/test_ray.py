@@ -255,6 +255,39 @@ def test_dead_actor_and_killed_driver_lose_nothing(stories_dir, cluster, tmp_pat
     assert sorted_records(out) == expected  # none lost, none twice
 
 
+# `python -c ACTORS_FAIL_TO_START ARGS...` runs `flexsarathi ARGS...` with actors whose __init__ raises
+# (the class is defined here, in __main__, so Ray ships it by value to the workers).
+ACTORS_FAIL_TO_START = """
+import sys
+from flexsarathi.cli.main import main
+from flexsarathi.ray import job
+
+class BrokenRunner(job.RequestRunner):
+    def __init__(self, *args, **kwargs):
+        raise OSError("injected: the model folder cannot be read on this node")
+
+job.RequestRunner = BrokenRunner
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@needs_ray
+def test_actor_that_cannot_start_is_one_error_naming_why(stories_dir, cluster, tmp_path):
+    """An actor whose engine cannot be built (its __init__ raises): exit 3, one error line that says
+    what the actor raised, not that its process was killed; no record written."""
+    src = write_lines(tmp_path / "in.txt", ["Once upon a time", "The dog"])
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-c", ACTORS_FAIL_TO_START, "generate", "--model", stories_dir,
+                           "--input", src, "--output", str(out), "--max-tokens", "4", "--ray", "--ray-address",
+                           cluster, "--ray-actors", "1", *GREEDY], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error: ") == 1, proc.stderr
+    assert "could not start: OSError: injected: the model folder cannot be read on this node" in proc.stderr
+    assert "its process was killed" not in proc.stderr
+    assert not out.exists() or out.read_text() == ""
+
+
 @needs_ray
 def test_processor_in_a_user_pipeline(stories_dir, cluster):
     """from_items -> the user's own map -> build_processor -> the user's filter -> take_all,
