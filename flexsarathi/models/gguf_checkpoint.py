@@ -27,8 +27,8 @@ from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models.prequantized import concat_rows
 from flexsarathi.models import build_model_math
 from flexsarathi.models.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, unpermute_rows
-from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, check_type, conversion_error, to_codes, to_float, \
-    to_qtensor
+from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, check_type, common_format, conversion_error, \
+    to_codes, to_float, to_qtensor, widen
 from quant import QTensor
 
 ERROR_ROWS = 256  # rows of each first-layer K-quant tensor whose conversion error is measured
@@ -45,6 +45,7 @@ class GGUFCheckpoint(WeightSource):
         self.model = build_model_math(self.config)
         self._report = report or (lambda line: print(line, file=sys.stderr, flush=True))
         self.conversion_errors: dict[str, float] = {}  # K-quant type -> largest |error| measured
+        self._formats = None  # (convert_k_quants, quantized_formats()) once computed
         self._validate()
         if "rope_freqs.weight" in self.gguf.tensors:  # llama3-style scaling as llama.cpp stores it
             factors = to_float(*self._raw("rope_freqs.weight")).float()
@@ -99,33 +100,35 @@ class GGUFCheckpoint(WeightSource):
     def layer_weights(self, layer, dtype):
         """Matrices as codes where the file has them (routers and shared-expert gates, kept resident
         uncompressed, as floats); each weight in its canonical shape."""
-        shapes, resident = self.model.layer_shapes(layer), self.model.resident_weights()
+        shapes, formats = self.model.layer_shapes(layer), self.quantized_formats() or {}
         out = {}
         for k, parts in self.model.hf_layer_names(layer).items():
-            coded = self._coded(parts, dtype) if len(shapes[k]) == 2 and k not in resident else None
+            coded = self._coded(parts, dtype, formats[k]) if formats.get(k) else None
             out[k] = coded or self._dense(parts, dtype).reshape(shapes[k])
         return out
 
     def quantized_formats(self) -> dict | None:
-        """Per layer matrix (canonical name): the format its codes have in every layer that has it,
-        or None where some layer's parts have none or differ (Q4_K_M's mixed layers). None when no
-        matrix is held as codes. For an engine that stores each tensor in its own format (a
-        pre-quantized checkpoint's: its codes kept as they are)."""
-        seen: dict[str, set] = {}
-        resident = self.model.resident_weights()
-        for i in range(self.config.num_layers):
-            names = self.model.hf_layer_names(i)
-            for name, shape in self.model.layer_shapes(i).items():
-                if len(shape) == 2 and name not in resident:
-                    seen.setdefault(name, set()).add(self._format(names[name]))
-        formats = {name: found.pop() if len(found) == 1 else None for name, found in seen.items()}
-        return formats if any(formats.values()) else None
+        """Per layer matrix (canonical name): the one format its codes take in every layer that has
+        it (`common_format`: Q4_K_M's Q4_K and Q6_K parts and layers widened to 8-bit groups of 16),
+        or None where some part has no codes. None when no matrix is held as codes. Routers and
+        shared-expert gates (kept resident, uncompressed) come as floats."""
+        if self._formats is None or self._formats[0] != self.convert_k_quants:
+            seen: dict[str, set] = {}
+            resident = self.model.resident_weights()
+            for i in range(self.config.num_layers):
+                names = self.model.hf_layer_names(i)
+                for name, shape in self.model.layer_shapes(i).items():
+                    if len(shape) == 2 and name not in resident:
+                        seen.setdefault(name, set()).add(self._format(names[name]))
+            formats = {name: common_format(found) for name, found in seen.items()}
+            self._formats = (self.convert_k_quants, formats if any(formats.values()) else None)
+        return self._formats[1]
 
     def _format(self, hf_names: list[str]):
-        """The format the fused parts' codes share (as `_coded` fuses them), else None."""
+        """The format the fused parts' codes take together (as `_coded` fuses them), else None."""
         types = [t.type_name for t, _ in self._parts(hf_names)]
-        found = {None if t in CONVERTED_TYPES and not self.convert_k_quants else CODE_FORMATS.get(t) for t in types}
-        return found.pop() if len(found) == 1 else None
+        return common_format(None if t in CONVERTED_TYPES and not self.convert_k_quants else CODE_FORMATS.get(t)
+                             for t in types)
 
     def _layout(self, hf_names: list[str]) -> tuple[list[GGUFTensor], torch.Tensor | None]:
         """The distinct GGUF tensors of a fused weight (each read once, a 3-D stack as its
@@ -156,16 +159,17 @@ class GGUFCheckpoint(WeightSource):
         values = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return values if order is None else values[order]
 
-    def _coded(self, hf_names: list[str], dtype: torch.dtype) -> QTensor | None:
-        """The fused weight as one QTensor, or None where a part has no codes or the parts' formats
-        differ. Each row's groups are self-contained, so fusing and reordering rows move codes only."""
+    def _coded(self, hf_names: list[str], dtype: torch.dtype, config) -> QTensor | None:
+        """The fused weight as one QTensor of `config` (each part widened to it, exactly), or None
+        where a part has no codes. Each row's groups are self-contained, so fusing and reordering
+        rows move codes only."""
         tensors, order = self._layout(hf_names)
         parts = []
         for t in tensors:
             q = self._qtensor(t, dtype)
-            if q is None or (parts and q.config != parts[0].config):
+            if q is None:
                 return None
-            parts.append(q)
+            parts.append(widen(q, config))
         q = concat_rows(parts)
         return q if order is None else permute_rows(q, order)
 

@@ -23,7 +23,9 @@ measures what that costs against the exact values. Other types gguf can dequanti
 IQ4_NL, IQ4_XS) become float tensors through `gguf.quants.dequantize`.
 
 Every format is min-max (`symmetric=False`): the minimum is stored either way, and one config per
-(bits, group) lets a file that mixes Q4_0, Q4_1 and Q4_K tensors (as Q4_K_M files do) stay one format.
+(bits, group) lets a file that mixes Q4_0, Q4_1 and Q4_K tensors stay one format; where a fused
+weight or its layers mix bit widths or groups (Q4_K_M: Q4_K beside Q6_K), `common_format` and
+`widen` give them the widest bits and smallest group, exactly.
 """
 from __future__ import annotations
 
@@ -173,6 +175,35 @@ def to_qtensor(codes: Codes, dtype: torch.dtype) -> QTensor | None:
     return QTensor(data=torch.from_numpy(codes.data).reshape(-1), scale=torch.from_numpy(scale).reshape(-1),
                    minimum=torch.from_numpy(minimum).reshape(-1), shape=(rows, cols), dtype=dtype,
                    config=codes.config)
+
+
+def common_format(configs) -> QuantConfig | None:
+    """The one format every config in `configs` converts to exactly: the most bits and the smallest
+    group (a 4-bit code is the same 8-bit code; a group split in two keeps its scale and minimum in
+    both halves), as where Q4_K_M mixes Q4_K (4-bit, 32) and Q6_K (8-bit, 16) tensors in one fused
+    weight or across layers. None where one has no codes or the groups do not nest."""
+    configs = set(configs)
+    if not configs or None in configs:
+        return None
+    if len(configs) == 1:
+        return next(iter(configs))
+    group = min(c.group_size for c in configs)
+    if any(c.group_size % group or c.symmetric or c.minimum_fp32 or c.adjacent_pairs for c in configs):
+        return None
+    return QuantConfig(bits=max(c.bits for c in configs), group_size=group)
+
+
+def widen(q: QTensor, config: QuantConfig) -> QTensor:
+    """`q` in `config` (its `common_format` with others), holding exactly the same values."""
+    if q.config == config:
+        return q
+    rows, cols = q.shape
+    data = q.data
+    if q.config.bits != config.bits:  # 4 -> 8 bits: the split-half bytes unpacked to one code each
+        data = unpack_4bit(q.data.view(rows, -1), cols).reshape(-1)
+    split = q.config.group_size // config.group_size
+    scale, minimum = (t.view(rows, -1).repeat_interleave(split, dim=1).reshape(-1) for t in (q.scale, q.minimum))
+    return QTensor(data=data, scale=scale, minimum=minimum, shape=q.shape, dtype=q.dtype, config=config)
 
 
 def exact_values(codes: Codes) -> np.ndarray:

@@ -153,17 +153,18 @@ def test_planner_sees_the_gguf_model(llama_file):
 
 
 def test_quantized_formats_name_each_matrix_held_as_codes(tmp_path):
-    """What an engine storing each tensor in its own format keeps: a matrix whose codes have one
-    format in every layer; fused parts of differing formats, or K-quants left as values, are None."""
+    """What an engine storing each tensor in its own format keeps: a matrix whose codes take one
+    format in every layer (fused Q4_K and Q6_K parts: 8-bit groups of 16, which holds both exactly);
+    a part in floats, or K-quants left as values, make it None."""
     from quant import QuantConfig
 
     path = tmp_path / "mixed.gguf"
     mixed = {"attn_v": "Q6_K", "ffn_down": "Q8_0", "attn_output": "F16"}
     write_gguf(build_model("llama"), path, weight_type="Q4_K",
                type_of=lambda name: next((t for part, t in mixed.items() if part in name), None))
-    q4, q8 = QuantConfig(bits=4, group_size=32), QuantConfig(bits=8, group_size=32)
+    q4, q8, q8_16 = QuantConfig(bits=4, group_size=32), QuantConfig(bits=8, group_size=32), QuantConfig(8, 16)
     source = GGUFCheckpoint(str(path))
-    assert source.quantized_formats() == {"qkv_proj.weight": None, "o_proj.weight": None,
+    assert source.quantized_formats() == {"qkv_proj.weight": q8_16, "o_proj.weight": None,
                                           "gate_up_proj.weight": q4, "down_proj.weight": q8}
     source.convert_k_quants = False
     assert source.quantized_formats() == {"qkv_proj.weight": None, "o_proj.weight": None,

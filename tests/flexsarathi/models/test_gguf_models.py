@@ -4,6 +4,8 @@ all-on-device run; qwen3 and the mixture-of-experts architectures against the mo
 written from, its weights gguf's dequantization of the file's."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -22,6 +24,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def _type_of(weight_type: str):
+    if weight_type == "Q4_K_M_layers":  # as real Q4_K_M files: ffn_down Q6_K in some layers only
+        return lambda name: "Q6_K" if "attn_v" in name or name.startswith("blk.0.ffn_down") else "Q4_K"
     if weight_type != "Q4_K_M":
         return None
     return lambda name: "Q6_K" if any(p in name for p in ("attn_v", "ffn_down")) else "Q4_K"
@@ -89,6 +93,58 @@ def test_k_quants_stored_as_converted_codes(gguf_model, weight_type, quant, tmp_
                for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)))
     print(f"{weight_type}: weight error {error:.3g} (max |w| {largest:.3g}), logits within {diff:.3g} of transformers")
     assert diff < 1e-2
+
+
+def test_mixed_k_quants_take_one_format_per_weight_exactly(gguf_model, tmp_path):
+    """Q4_K_M mixes Q4_K and Q6_K within a fused weight (q, k Q4_K beside v Q6_K) and across layers
+    (ffn_down): each such weight takes 8-bit groups of 16 in every layer, and its values are
+    exactly those of each tensor's own conversion (a 4-bit code is the same 8-bit code, a group of
+    32 two groups of 16 with its scale and minimum): nothing is requantized or left in floats."""
+    from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint
+    from flexsarathi.models.gguf_file import gguf_name, qk_heads, unpermute_rows
+    from flexsarathi.models.gguf_quants import to_codes, to_qtensor
+    from quant import dequantize
+
+    path, ref = gguf_model("llama", "Q4_K_M_layers")
+    ref = copy.deepcopy(ref)  # its weights become the conversion's below
+    source = GGUFCheckpoint(path, report=lambda line: None)
+    wide, narrow = QuantConfig(bits=8, group_size=16), QuantConfig(bits=4, group_size=32)
+    assert source.quantized_formats() == {"qkv_proj.weight": wide, "o_proj.weight": narrow,
+                                          "gate_up_proj.weight": narrow, "down_proj.weight": wide}
+    for layer in range(source.config.num_layers):
+        weights = source.layer_weights(layer, torch.float32)
+        for canonical, hf_names in source.model.hf_layer_names(layer).items():
+            if canonical not in source.quantized_formats():
+                continue
+            pieces = []
+            for hf in hf_names:  # each tensor converted on its own, in its own format
+                t = source.gguf.tensor(gguf_name(hf))
+                values = dequantize(to_qtensor(to_codes(t.read(), t.type_name, t.shape), torch.float32), torch.float32)
+                heads = qk_heads(t.name, source.config)
+                pieces.append(values if heads is None else values[unpermute_rows(t.shape[0], heads)])
+            assert weights[canonical].config == source.quantized_formats()[canonical]
+            assert torch.equal(dequantize(weights[canonical], torch.float32), torch.cat(pieces)), (layer, canonical)
+        _set_fused(ref.model.layers[layer], {k: dequantize(weights[k], torch.float32)
+                                             for k in source.quantized_formats()}, source.config)
+    # the engine, weights half on disk: transformers' logits on the weights it holds (the conversion's)
+    llm = LLM(path, dtype="float32", device="cpu", policy=Policy(compress_weight=True, w_gpu=0.5, w_disk=0.5),
+              offload_dir=str(tmp_path))
+    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
+        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
+
+
+def _set_fused(layer, fused: dict[str, torch.Tensor], config) -> None:
+    """A transformers llama layer's projections from the engine's fused weights (q/k/v, gate/up rows)."""
+    q, kv = config.q_size, config.kv_size
+    attn, mlp = layer.self_attn, layer.mlp
+    splits = {"qkv_proj.weight": ((attn.q_proj, attn.k_proj, attn.v_proj), (q, kv, kv)),
+              "o_proj.weight": ((attn.o_proj,), (fused["o_proj.weight"].shape[0],)),
+              "gate_up_proj.weight": ((mlp.gate_proj, mlp.up_proj), (config.intermediate_size,) * 2),
+              "down_proj.weight": ((mlp.down_proj,), (fused["down_proj.weight"].shape[0],))}
+    with torch.no_grad():
+        for name, (modules, sizes) in splits.items():
+            for module, rows in zip(modules, fused[name].split(sizes)):
+                module.weight.copy_(rows)
 
 
 @pytest.mark.parametrize("weight_type,quant", [("Q4_0", QuantConfig(bits=4, group_size=32)),
