@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
+from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from policy_search import Policy  # noqa: E402
 
@@ -50,7 +51,7 @@ def build_checkpoint(folder: str, args) -> str:
 def run(folder: str, batch: int, routed: bool, offload: str, args) -> dict:
     policy = Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0, compress_weight=True, gpu_batch_size=batch,
                     num_gpu_batches=1, prefill_budget=batch * args.prompt_len)
-    llm = LLM(folder, dtype="bfloat16", policy=policy, offload_dir=offload, routed_expert_reads=routed)
+    llm = LLM(folder, dtype=args.dtype, policy=policy, offload_dir=offload, routed_expert_reads=routed)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, args.vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=args.gen_len, temperature=0, ignore_eos=True)
@@ -82,8 +83,10 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=8)
     parser.add_argument("--batches", default="1,2,4,16")
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "flexsarathi-bench-moe"))
+    parser.add_argument("--dtype", default="auto", help="compute dtype (auto: this CPU's measured choice)")
     args = parser.parse_args()
-    print(cpu_line(torch.bfloat16))
+    args.dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))
+    print(cpu_line(args.dtype))
     folder = build_checkpoint(os.path.join(args.folder, "model"), args)
     offload = os.path.join(args.folder, "offload")
     e, k = args.experts, args.top_k
