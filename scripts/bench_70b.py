@@ -1,13 +1,22 @@
 #!/usr/bin/env python
-"""A 70B-class model from disk on a CPU-only machine: llama-2-70b's shape (GQA 64/8 heads, 80
-layers, hidden 8192, ffn 28672) with dummy 4-bit group-wise weights streamed from a disk store with
-O_DIRECT, the policy (batch, placement, schedule) chosen by the planner on a measured profile of
-this machine; prints tok/s against this machine's bound and against what llama.cpp's mmap offload
-would read per token at batch 1 (prints; asserts nothing).
+"""A model far larger than memory from disk on a CPU-only machine: llama-2-70b's shape (GQA 64/8
+heads, 80 layers, hidden 8192, ffn 28672) by default, or any registered shape with `--model`
+(mixture-of-experts ones included: mixtral-8x7b, qwen3-30b-a3b), with dummy 4-bit group-wise
+weights streamed from a disk store with O_DIRECT, the policy (batch, placement, schedule) chosen by
+the planner on a measured profile of this machine; prints tok/s against this machine's bound and,
+for dense models, against what llama.cpp's mmap offload would read per token at batch 1 (prints;
+asserts nothing).
 
     .venv/bin/python scripts/bench_70b.py --profile prof70b.json   # the headline: 80 layers, 32 x 32 -> 16
     .venv/bin/python scripts/bench_70b.py --layers 4               # the same layer shapes, 4 layers (~1.9 GB store)
+    .venv/bin/python scripts/bench_70b.py --model mixtral-8x7b --profile profmix.json   # every expert from disk
     .venv/bin/python scripts/bench_70b.py --quick                  # smoke test: a tiny llama shape, ~1 minute
+
+Mixture of experts: every expert's bytes are read each pass (the planner is held to whole-layer
+reads and to computing experts where the pass runs, which is what the bound prices), a token's
+FLOPs are its top-k experts' (and the router's); the matmul rates are measured on attention's
+matrices and one expert's at the pass's token count, a rate no lower than the experts' fewer rows
+each get, so the bound is if anything optimistic.
 
 Set-up
 * Model: `dummy:llama-2-70b` (or, with --layers N, the same config truncated to N layers, registered
@@ -25,15 +34,15 @@ Set-up
   the cpu tier another budget (--cpu-mem-gib); the engine refuses a policy that does not fit them
   (KV cache of the chosen batch included) and the planner only proposes policies that fit.
 * Policy: `policy_search.search` on a profile of this machine (`flexsarathi profile`'s code on the
-  model's layer shapes in bf16; --profile loads it or measures and saves it) for the closed workload
+  model's layer shapes in the run's dtype; --profile loads it or measures and saves it) for the closed workload
   (--num-requests prompts of --prompt-len tokens, --gen-len generated each), with 4-bit weights and
   at most --num-requests running, every layer's weights on disk (--cpu-weights lets it keep a part
   in memory); it picks the batch, the KV and activation placement, schedule and prefill budget.
 * Measured: generate() end to end after a one-pass warm-up; the bytes this process read from the
   disk (/proc/self/io read_bytes; the store's page cache is dropped first and it is read with
   O_DIRECT, so the page cache never serves it); per pass the tokens, attended keys and logit rows.
-* Bound per pass = max(disk bytes of the pass / disk rate, FLOPs / bf16 matmul rate at the pass's
-  rows), summed over the passes (as scripts/bench_offload.py: rates measured in this process just
+* Bound per pass = max(disk bytes of the pass / disk rate, FLOPs / matmul rate (the run's dtype,
+  `--dtype`, default this CPU's measured choice) at the pass's rows), summed over the passes (as scripts/bench_offload.py: rates measured in this process just
   before the run, best of a few rounds; the disk the fastest of three ways of reading the store).
   Dequantization and every overhead are outside the bound. Target: tok/s >= 0.8 of the bound's.
   Also printed: the bound at the 4-bit matmul rate, i.e. the compute term priced at the rate of
@@ -64,6 +73,7 @@ import torch  # noqa: E402
 from bench_offload import (Pass, Rates, best_rates, cpu_per_gb, cpu_seconds, disk_read_bytes,  # noqa: E402
                            drop_cache_of, instrument, machine_busy_seconds, measure_disk_buffered,
                            measure_matmul, release_free_memory)
+from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
@@ -85,22 +95,24 @@ LLAMA_CPP_BITS = {"Q4_0": 4.5, "Q4_K_M": 4.8}  # bits per weight of llama.cpp's 
 # --quick: llama-2-70b's proportions (GQA 8:1, ffn 3.5 x hidden) at a tiny size
 TINY = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=1, intermediate_size=1792,
             num_hidden_layers=2)
+TINY_MOE = dict(TINY, moe_intermediate_size=256, head_dim=64)  # --quick of an MoE model: its experts, small
 
 
 def say(*args) -> None:
     print(*args, flush=True)
 
 
-def register_model(layers: int | None, quick: bool) -> str:
-    """The registered model name to run: llama-2-70b, or its config truncated to `layers`."""
+def register_model(base: str, layers: int | None, quick: bool) -> str:
+    """The registered model name to run: `base` (a registry name), or its config truncated to `layers`."""
     if quick:
-        name = "llama-2-70b-tiny"
-        KNOWN_MODELS[name] = {**known_config("llama-2-70b"), **TINY}
+        name = f"{base}-tiny"
+        tiny = TINY_MOE if known_config(base).get("num_local_experts") or known_config(base).get("num_experts") else TINY
+        KNOWN_MODELS[name] = {**known_config(base), **tiny}
         return name
-    if layers is None or layers == known_config("llama-2-70b")["num_hidden_layers"]:
-        return "llama-2-70b"
-    name = f"llama-2-70b-{layers}l"
-    KNOWN_MODELS[name] = {**known_config("llama-2-70b"), "num_hidden_layers": layers}
+    if layers is None or layers == known_config(base)["num_hidden_layers"]:
+        return base
+    name = f"{base}-{layers}l"
+    KNOWN_MODELS[name] = {**known_config(base), "num_hidden_layers": layers}
     return name
 
 
@@ -110,20 +122,36 @@ class Shapes:
     layers: int
     hidden: int
     vocab: int
-    matrices: tuple[tuple[int, int], ...]  # (out, in) of one layer's matmuls, as the engine fuses them
+    # (out, in) of the matmuls a token runs through in one layer, as the engine fuses them (with
+    # experts: attention and one expert): what the matmul rates are measured on
+    matrices: tuple[tuple[int, int], ...]
+    active_params: float = 0.0  # matrix parameters one token multiplies per layer (0: the matrices')
+    stored_params: float = 0.0  # every matrix parameter of a layer, all experts (0: the matrices')
+    q_dim: int = 0  # query heads x head_dim (0: hidden)
 
     @classmethod
     def of(cls, spec) -> "Shapes":
         h, q, kv, f = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.ffn_size
-        return cls(spec.num_layers, h, spec.vocab_size, ((q + 2 * kv, h), (h, q), (2 * f, h), (h, f)))
+        if not spec.num_experts:
+            return cls(spec.num_layers, h, spec.vocab_size, ((q + 2 * kv, h), (h, q), (2 * f, h), (h, f)), q_dim=q)
+        e = spec.expert_ffn_size
+        return cls(spec.num_layers, h, spec.vocab_size, ((q + 2 * kv, h), (h, q), (2 * e, h), (h, e)),
+                   active_params=spec.layer_active_matrix_params, stored_params=spec.layer_matrix_params, q_dim=q)
 
     @property
-    def layer_matrix_params(self) -> int:
+    def measured_params(self) -> int:
         return sum(o * i for o, i in self.matrices)
 
+    @property
+    def layer_matrix_params(self) -> float:
+        """Every matrix parameter of one layer (all experts): what a pass streams."""
+        return self.stored_params or self.measured_params
+
     def pass_flops(self, tokens: int, attended_keys: int, logit_rows: int) -> float:
-        # attention: q.k and p.v over every attended key, 64 query heads x 128 = hidden
-        return (self.layers * (2.0 * self.layer_matrix_params * tokens + 4.0 * self.hidden * attended_keys)
+        # matmuls: each token's active parameters (its top-k experts only); attention: q.k and p.v
+        # over every attended key, 2 FLOPs each per query head dim
+        active = self.active_params or self.measured_params
+        return (self.layers * (2.0 * active * tokens + 4.0 * (self.q_dim or self.hidden) * attended_keys)
                 + 2.0 * self.hidden * self.vocab * logit_rows)
 
 
@@ -144,7 +172,7 @@ def load_profile(args, spec) -> HardwareSpec:
     from flexsarathi.machine.profiler import profile_machine
 
     say("profile: measuring this machine" + (f" (saved to {args.profile})" if args.profile else ""))
-    profile = profile_machine(args.offload_dir, dtype=torch.bfloat16, model=spec, prompt_len=args.prompt_len,
+    profile = profile_machine(args.offload_dir, dtype=args.dtype, model=spec, prompt_len=args.prompt_len,
                               decode_context=args.prompt_len + args.gen_len, decode_seqs=args.num_requests,
                               log=lambda line: say("  " + line))
     if args.profile:
@@ -155,9 +183,11 @@ def load_profile(args, spec) -> HardwareSpec:
 def choose_policy(args, model: str, profile: HardwareSpec):
     """(hardware with this run's budgets, policy, the planner's estimate for this closed workload)."""
     hardware = profile.with_memory(gpu=args.gpu_mem_gib * GiB, cpu=args.cpu_mem_gib * GiB)
-    spec = planner_model_spec(f"dummy:{model}", "bfloat16")
+    spec = planner_model_spec(f"dummy:{model}", args.dtype)
     workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len, num_requests=args.num_requests)
     placement = {} if args.cpu_weights else dict(w_gpu=0.0, w_cpu=0.0, w_disk=1.0)
+    if spec.num_experts:  # every expert read each pass, computed where the pass runs: what the bound prices
+        placement.update(routed_expert_reads=False, cpu_experts=False)
     policy, est = search(spec, hardware, workload, compress_weight=True, max_running=args.num_requests, **placement)
     say(f"planner: {describe_policy(policy)}, weight prefetch {policy.weight_prefetch}")
     say(f"  predicted {est.throughput:.3f} tok/s ({est.generated_tokens:.0f} tokens in {est.total_seconds:.0f} s, "
@@ -180,11 +210,11 @@ def vm_hwm() -> float:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
-def time_one_layer(model: str, codes: bool) -> str:
+def time_one_layer(model: str, codes: bool, dtype: torch.dtype) -> str:
     """How long making one layer takes, as placing the store does it for every layer."""
     source = DummyWeights(model, codes=WEIGHT_QUANT if codes else None)
     start = time.perf_counter()
-    weights = source.layer_weights(0, torch.bfloat16)
+    weights = source.layer_weights(0, dtype)
     made = time.perf_counter() - start
     if codes:
         return f"one layer alone: codes drawn in {made:.1f} s"
@@ -201,7 +231,7 @@ def build_engine(args, model: str, policy, hardware):
     vm_hwm_reset()
     start = time.perf_counter()
     cpu0 = cpu_seconds()
-    llm = LLM(f"dummy:{model}", dtype="bfloat16", policy=policy, hardware=hardware,
+    llm = LLM(f"dummy:{model}", dtype=args.dtype, policy=policy, hardware=hardware,
               offload_dir=args.offload_dir, direct_io=True, dummy_weight_codes=not args.quantize_normal)
     seconds, peak, cpu = time.perf_counter() - start, vm_hwm(), cpu_seconds() - cpu0
     store = llm.engine.weights.store
@@ -211,7 +241,7 @@ def build_engine(args, model: str, policy, hardware):
         + (f"written now: {size / GB / seconds:.3f} GB/s" if written else "reused") + ")"
         + f"; peak RSS while building {peak / GiB:.2f} GiB")
     if written:
-        say(f"  writing took {cpu:.0f} CPU seconds of this process; {time_one_layer(model, not args.quantize_normal)} "
+        say(f"  writing took {cpu:.0f} CPU seconds of this process; {time_one_layer(model, not args.quantize_normal, args.dtype)} "
             f"(x {llm.engine.config.num_layers} layers; the rest: writing, checksums, embeddings)")
     if not store.direct_io_active:
         say("  WARNING: the store fell back to buffered I/O: the page cache is NOT bypassed")
@@ -222,19 +252,19 @@ def build_engine(args, model: str, policy, hardware):
 
 
 @torch.inference_mode()
-def measure_rates(store: DiskStore, shapes: Shapes) -> Rates:
-    """Disk rate (the fastest of three ways of reading the store's files) and bf16 matmul rates."""
+def measure_rates(store: DiskStore, shapes: Shapes, dtype: torch.dtype) -> Rates:
+    """Disk rate (the fastest of three ways of reading the store's files) and matmul rates in the run's dtype."""
     files = store.data_files()
     drop_cache_of(files)
     read_store_rate(store, range_reads=False)  # the first read of a run is slower: warm-up
     direct, _ = cpu_per_gb(read_store_rate, store, False)
     engine_path, _ = cpu_per_gb(read_store_rate, store, True)
     buffered, _ = cpu_per_gb(measure_disk_buffered, files)
-    matmul = measure_matmul(shapes.matrices, torch.bfloat16, rounds=3, row_counts=RATE_TOKENS)
+    matmul = measure_matmul(shapes.matrices, dtype, rounds=3, row_counts=RATE_TOKENS)
     rates = Rates(direct, buffered, matmul, engine_path)
     say(f"  disk read {direct / GB:.2f} GB/s O_DIRECT, {engine_path / GB:.2f} as the engine reads, "
         f"{buffered / GB:.2f} buffered cold: the bound uses {rates.disk / GB:.2f} GB/s")
-    say("  bf16 matmul (one layer): " + ", ".join(f"T={t}: {r / 1e12:.3f}" for t, r in rates.matmul.items())
+    say(f"  {str(dtype).removeprefix('torch.')} matmul (one layer): " + ", ".join(f"T={t}: {r / 1e12:.3f}" for t, r in rates.matmul.items())
         + " TFLOP/s")
     return rates
 
@@ -256,7 +286,7 @@ def measure_matmul_4bit(shapes: Shapes, group_size: int, rounds: int = 3, second
         for w, x in zip(ws, xs[t]):
             int4pack_linear(x, w, None, scratch[:w.shape[0] * w.shape[1]].view(w.shape))
 
-    return best_rates(layer, 2.0 * shapes.layer_matrix_params, RATE_TOKENS, rounds, seconds_per_round)
+    return best_rates(layer, 2.0 * shapes.measured_params, RATE_TOKENS, rounds, seconds_per_round)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -316,18 +346,20 @@ def bound_4bit(result: Run, shapes: Shapes, rates_4bit: Rates) -> float:
 def report(args, shapes: Shapes, rates: Rates, rates_4bit: Rates, result: Run, est, store_bytes: int) -> None:
     r = result
     tok_s, bound_tok_s = r.generated / r.seconds, r.generated / r.bound
-    say(f"\n=== llama-2-70b shape, {shapes.layers} layers, 4-bit g64 weights ({store_bytes / GB:.2f} GB store), "
+    say(f"\n=== {args.model} shape, {shapes.layers} layers, 4-bit g64 weights ({store_bytes / GB:.2f} GB store), "
         f"{args.num_requests} x {args.prompt_len} -> {args.gen_len} ===")
     say(f"  measured: {tok_s:.3f} tok/s ({r.generated} tokens in {r.seconds:.1f} s, {len(r.passes)} passes); "
         f"disk read {r.disk_read / GB:.2f} GB ({r.disk_read / max(len(r.passes), 1) / GB:.2f} GB per pass); "
         f"peak RSS {r.peak_rss / GiB:.2f} GiB; cores used {r.cores:.2f}, others {r.others:.2f}")
     say(f"  bound: {r.bound:.1f} s = sum over passes of max(disk bytes / {rates.disk / GB:.2f} GB/s, FLOPs / "
-        f"bf16 matmul rate) -> {bound_tok_s:.3f} tok/s; measured / bound time {r.seconds / r.bound:.2f}, "
+        f"{str(args.dtype).removeprefix('torch.')} matmul rate) -> {bound_tok_s:.3f} tok/s; measured / bound time "
+        f"{r.seconds / r.bound:.2f}, "
         f"tok/s / bound tok/s {tok_s / bound_tok_s:.2f} (target >= 0.8)")
-    b4 = bound_4bit(r, shapes, rates_4bit)
-    say(f"  bound at the 4-bit matmul rate (FLOPs / the int4 kernel's or dequantize + GEMM's rate, the "
-        f"faster, at the pass's rows): {b4:.1f} s -> {r.generated / b4:.3f} tok/s; tok/s / that "
-        f"{tok_s * b4 / r.generated:.2f}")
+    if rates_4bit is not None:
+        b4 = bound_4bit(r, shapes, rates_4bit)
+        say(f"  bound at the 4-bit matmul rate (FLOPs / the int4 kernel's or dequantize + GEMM's rate, the "
+            f"faster, at the pass's rows): {b4:.1f} s -> {r.generated / b4:.3f} tok/s; tok/s / that "
+            f"{tok_s * b4 / r.generated:.2f}")
     say(f"  planner predicted {est.throughput:.3f} tok/s: measured / predicted {tok_s / est.throughput:.2f}")
     for kind, ps in (("prefill-carrying", [p for p in r.passes if p.tokens > p.rows]),
                      ("decode-only", [p for p in r.passes if p.tokens <= p.rows])):
@@ -336,6 +368,8 @@ def report(args, shapes: Shapes, rates: Rates, rates_4bit: Rates, result: Run, e
             say(f"  {kind:<17} {n:>3} passes: mean {sum(p.tokens for p in ps) / n:6.0f} tokens, measured "
                 f"{sum(p.seconds for p in ps) / n:7.2f} s, bound I/O {sum(p.io_s for p in ps) / n:6.2f} s / compute "
                 f"{sum(p.compute_s for p in ps) / n:6.2f} s; waited for weights {sum(p.stall_s for p in ps) / n:6.2f} s")
+    if shapes.stored_params:  # experts: llama.cpp reads only the routed ones; no arithmetic stands in for a run
+        return
     say("  llama.cpp mmap offload at batch 1 (arithmetic: every weight read once per token once the model "
         "exceeds the RAM it may cache):")
     for fmt, per_token in llama_cpp_bytes_per_token(shapes).items():
@@ -346,7 +380,10 @@ def report(args, shapes: Shapes, rates: Rates, rates_4bit: Rates, result: Run, e
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=None, help="truncate the 80-layer model to N layers")
+    p.add_argument("--model", default="llama-2-70b",
+                   help="a registered shape (policy_search/model_registry.py), e.g. mixtral-8x7b, qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=None, help="truncate the model to N layers")
+    p.add_argument("--dtype", default="auto", help="compute dtype (auto: this CPU's measured choice)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=32,
@@ -372,9 +409,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     t0 = time.perf_counter()
-    say(f"bench_70b: {cpu_line(torch.bfloat16)}")
-    model = register_model(args.layers, args.quick)
-    spec = planner_model_spec(f"dummy:{model}", "bfloat16")
+    args.dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))
+    say(f"bench_70b: {cpu_line(args.dtype)}")
+    model = register_model(args.model, args.layers, args.quick)
+    spec = planner_model_spec(f"dummy:{model}", args.dtype)
     shapes = Shapes.of(spec)
     say(f"model: {model} ({shapes.layers} layers, {shapes.layers * shapes.layer_matrix_params / 1e9:.2f} B "
         f"layer parameters, {spec.num_layers * spec.layer_weight_bytes(True) / GB:.2f} GB of them at 4-bit g64); workload {args.num_requests} x "
@@ -384,11 +422,13 @@ def main() -> int:
     llm, store_bytes = build_engine(args, model, policy, hardware)
     try:
         say("measuring the bound's rates (disk: the store itself)")
-        rates = measure_rates(llm.engine.weights.store, shapes)
-        matmul_4bit = measure_matmul_4bit(shapes, WEIGHT_QUANT.group_size)
-        say("  4-bit matmul (one layer, the engine's call): "
-            + ", ".join(f"T={t}: {f / 1e12:.3f}" for t, f in matmul_4bit.items()) + " TFLOP/s")
-        rates_4bit = Rates(rates.disk_direct, rates.disk_buffered, matmul_4bit, rates.disk_engine_path)
+        rates = measure_rates(llm.engine.weights.store, shapes, args.dtype)
+        rates_4bit = None  # torch's int4 kernel is bf16-only: in another dtype 4-bit weights are dequantized
+        if args.dtype == torch.bfloat16:
+            matmul_4bit = measure_matmul_4bit(shapes, WEIGHT_QUANT.group_size)
+            say("  4-bit matmul (one layer, the engine's call): "
+                + ", ".join(f"T={t}: {f / 1e12:.3f}" for t, f in matmul_4bit.items()) + " TFLOP/s")
+            rates_4bit = Rates(rates.disk_direct, rates.disk_buffered, matmul_4bit, rates.disk_engine_path)
         result = run(args, llm, shapes, rates, spec.vocab_size)
     finally:
         llm.close()
