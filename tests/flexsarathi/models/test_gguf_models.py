@@ -63,6 +63,14 @@ def _hf_greedy(ref, prompt, n=8):
     return ids[len(prompt):]
 
 
+def _assert_logits_and_greedy_match(llm, ref) -> None:
+    """The engine's logits within fp32 rounding (1e-4) of the reference's, and its greedy tokens."""
+    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
+        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [_hf_greedy(ref, p) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("weight_type", EXACT + CONVERTED)
 def test_logits_and_tokens_match_transformers(gguf_model, kind, weight_type):
@@ -70,10 +78,7 @@ def test_logits_and_tokens_match_transformers(gguf_model, kind, weight_type):
     logits to fp32 rounding and its greedy tokens."""
     path, ref = gguf_model(kind, weight_type)
     llm = LLM(path, dtype="float32", device="cpu")
-    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
-        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == [_hf_greedy(ref, p) for p in PROMPTS]
+    _assert_logits_and_greedy_match(llm, ref)
     assert llm.engine.source.conversion_errors == {}
 
 
@@ -155,10 +160,7 @@ def test_file_codes_stored_as_they_are(gguf_model, weight_type, quant, tmp_path)
     path, ref = gguf_model("llama", weight_type)
     policy = Policy(compress_weight=True, w_gpu=0.3, w_cpu=0.3, w_disk=0.4)
     llm = LLM(path, dtype="float32", device="cpu", policy=policy, weight_quant=quant, offload_dir=str(tmp_path))
-    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
-        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == [_hf_greedy(ref, p) for p in PROMPTS]
+    _assert_logits_and_greedy_match(llm, ref)
 
 
 PLACEMENTS = {
@@ -199,11 +201,7 @@ def test_qwen3_and_moe_match_the_model_written(written_model, kind, weight_type)
     """qwen3 (head_dim not hidden / heads, q/k norms), qwen3moe, qwen2moe (shared expert, layer 0
     dense), Mixtral (arch llama with experts, q/k permuted): logits to fp32 rounding, greedy tokens."""
     path, ref = written_model(kind, weight_type)
-    llm = LLM(path, dtype="float32", device="cpu")
-    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
-        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == [_hf_greedy(ref, p) for p in PROMPTS]
+    _assert_logits_and_greedy_match(LLM(path, dtype="float32", device="cpu"), ref)
 
 
 def test_expert_codes_stored_as_they_are(written_model, tmp_path):
