@@ -98,12 +98,8 @@ def _stored_layer_bytes(model, num_layers: int, dtype: torch.dtype, quant) -> tu
     layer's matrix bytes) as placement stores them; layers may differ (dense among sparse)."""
     from offload.placement import WeightPlan
 
-    total = values = small = largest = 0
-    for layer in range(num_layers):
-        plan = WeightPlan.make(num_layers=1, layer_shapes=model.layer_shapes(layer), dtype=dtype, quant=quant,
-                               fractions=(1.0, 0.0, 0.0), overlap=False, prefetch=1)
-        matrices = sum(p.shape[0] * p.row_bytes for p in plan.tensors)
-        total, largest = total + matrices, max(largest, matrices)
-        values += sum(p.shape[0] * p.shape[1] for p in plan.tensors)
-        small += plan.small_bytes
-    return total, values, small, largest
+    plan = WeightPlan.make(num_layers=num_layers, layer_shapes=[model.layer_shapes(j) for j in range(num_layers)],
+                           dtype=dtype, quant=quant, fractions=(1.0, 0.0, 0.0), overlap=False, prefetch=1)
+    values = sum(p.shape[0] * p.shape[1] for layer in plan.layers for p in layer.tensors)
+    return (sum(layer.large_bytes for layer in plan.layers), values, plan.small_bytes,
+            max(layer.large_bytes for layer in plan.layers))
