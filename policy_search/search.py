@@ -28,19 +28,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from policy_search import lp
 from policy_search.bounds import fraction_box, placement_bound, time_lower_bound
 from policy_search.errors import InfeasibleError, SpecError
+from policy_search.cost_model import working_bytes
 from policy_search.estimate import Estimate, estimate, pass_costs
 from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTIONS, evaluate
 from policy_search.model_spec import ModelSpec
 from policy_search.passes import steady_prefill_budget
-from policy_search.policy import SCHEDULERS, Policy
+from policy_search.policy import SCHEDULERS, TIERS, Policy
 from policy_search.units import fmt_bytes
 from policy_search.workload import Workload
+from policy_search.working_set import worst_pass_bytes
 
 _BOOL_KNOBS = ("compress_weight", "compress_kv", "cpu_attention", "routed_expert_reads", "cpu_experts")
 _MOE_KNOBS = ("routed_expert_reads", "cpu_experts")  # tried only where the model has experts
@@ -56,6 +58,7 @@ TOLERANCE = 0.02
 TIE_BREAK = 1e-6
 ROUND = 48  # points probed per branch-and-bound round (one stacked LP)
 NARROW = 2.0  # intervals with hi <= NARROW x lo get an LP bound before being split
+LARGEST_PASS_ROUNDS = 4  # re-solves of one LP on a lower gpu budget until its largest pass fits
 MAX_LPS = 4000  # safety net: past this many LPs the search returns its incumbent (SearchResult.complete)
 
 
@@ -355,7 +358,9 @@ class _Searcher:
                     for _, _, policy, run, costs, bound in to_solve]
         solutions = lp.solve(problems)
         self.solved += len(problems)
-        for (chain, nb, policy, *_), solution in zip(to_solve, solutions):
+        for (chain, nb, policy, run, costs, _), problem, solution in zip(to_solve, problems, solutions):
+            if solution.fits:
+                solution = self.fit_largest_pass(problem, solution, policy, run)
             if not solution.fits:
                 chain.points[nb] = _Point("infeasible", 0.0)
                 continue
@@ -365,6 +370,40 @@ class _Searcher:
             scheduler = chain.combo.scheduler
             if value > self.incumbents[scheduler][0]:
                 self.incumbents[scheduler] = (value, placed)
+
+    def largest_pass_overshoot(self, policy: Policy, run, costs) -> float:
+        """Bytes by which the engine's fail-early check (working_set.worst_pass_bytes: the largest
+        pass of each kind the scheduler forms, beside the weights, buffers and KV pools) would
+        exceed the gpu budget with this placement. The LP prices the run's modelled passes, which
+        are averages (a steady pass holds a share of a prompt chunk); the engine refuses a batch
+        whose largest possible pass does not fit, so the answer must fit that pass too."""
+        wl, fractions = self.workload, {n: getattr(policy, n) for n in FRACTIONS}
+        cost = costs[0]
+        homes = evaluate(cost.memory["gpu"], fractions) - evaluate(
+            working_bytes(cost.shape, run, policy, self.model), fractions)
+        running = max(1, round(run.running))
+        pools = {tier: getattr(policy, f"kv_{tier}") * run.kv_tokens for tier in TIERS}
+        largest = worst_pass_bytes(self.model, policy, running, [wl.max_prompt_len] * running,
+                                   [wl.max_total_len] * running, pools)
+        return homes + largest - self.budgets["gpu"]
+
+    def fit_largest_pass(self, problem: lp.PlacementLP, solution: lp.PlacementSolution, policy: Policy,
+                         run) -> lp.PlacementSolution:
+        """The LP's answer, re-solved on a gpu budget lowered by the overshoot until the largest
+        pass fits too (largest_pass_overshoot); a solution that does not fit when it cannot."""
+        budgets = dict(problem.budgets)
+        for _ in range(LARGEST_PASS_ROUNDS):
+            over = self.largest_pass_overshoot(policy.replace(**solution.fractions), run, problem.costs)
+            if over <= 0:
+                return solution
+            budgets["gpu"] -= over + lp.MARGIN_BYTES
+            if budgets["gpu"] <= 0:
+                break
+            solution = lp.solve([replace(problem, budgets=dict(budgets))])[0]
+            self.solved += 1
+            if not solution.fits:
+                return solution
+        return lp.PlacementSolution(overflow_bytes=max(over, 1.0), fractions=None, seconds_per_token=float("inf"))
 
     # ---- failure ---------------------------------------------------------------------------
     def infeasible_message(self) -> str:

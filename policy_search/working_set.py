@@ -82,29 +82,66 @@ def decode_context(policy: Policy, max_len: int, pool_slots: Mapping[str, int]) 
     return sum(min(max_len, pool_slots.get(t, 0)) for t in gathered_tiers(policy, decode=True))
 
 
-def worst_pass(policy: Policy, running: int, prompt_lens: Sequence[int], max_lens: Sequence[int],
-               pool_slots: Mapping[str, int], all_logits: bool = False) -> PassTokens:
-    """The largest pass a batch of requests can form (prompt_lens / max_lens: each request's prompt
-    and prompt + max_tokens; pool_slots: KV slots per tier). Decode-maximal chunks are capped by the
-    budget, and so are recomputes after a preemption (prompt + outputs so far); all_logits: every
-    row's logits are kept."""
-    longest_prompt, max_len = max(prompt_lens), max(max_lens)
-    if policy.scheduler == "block":  # whole prompts: their keys are all new, nothing is gathered
-        prompt_tokens, chunk_context = running * longest_prompt, 0
-    else:  # any prompt may be cut where a pass's budget runs out: later chunks gather their prefix
-        recompute = policy.kv_admission == "on-demand"  # a recompute prefills up to max_len - 1
-        lengths = max_lens if recompute else prompt_lens
-        longest_prompt = min(policy.prefill_budget, max(lengths))
-        prompt_tokens = min(policy.prefill_budget, sum(lengths))
-        chunk_context = max_len  # a chunk attends alone: its parts add up to its context
-    total = running + prompt_tokens
-    k = policy.num_gpu_batches
-    widest = min(total if k == 1 else math.ceil(total / k) + longest_prompt, total)
+def worst_passes(policy: Policy, running: int, prompt_lens: Sequence[int], max_lens: Sequence[int],
+                 pool_slots: Mapping[str, int], all_logits: bool = False) -> list[PassTokens]:
+    """The largest pass of each kind the scheduler forms for a batch of requests (prompt_lens /
+    max_lens: each request's prompt and prompt + max_tokens; pool_slots: KV slots per tier);
+    all_logits: every row's logits are kept. Recomputes after a preemption (on-demand admission)
+    prefill up to max_len - 1 tokens.
+
+    * block (FlexGen's lockstep): a pass of whole prompts (their keys are all new: nothing is
+      gathered), and a pass of one decode token per running sequence; never the two together.
+    * decode-maximal: every running sequence decoding beside a prompt chunk of the whole budget
+      (any prompt may be cut where a pass's budget runs out: a later chunk gathers its prefix).
+    Micro-batches are balanced by tokens (the scheduler's _split, largest items first, each to the
+    lightest: a micro-batch holds at most its share plus one item), and the executor holds two
+    micro-batches' gathered context at a time."""
+    max_len, k = max(max_lens), policy.num_gpu_batches
+    lengths = max_lens if policy.kv_admission == "on-demand" else prompt_lens
     decode = decode_context(policy, max_len, pool_slots)
-    # Each sequence is in one micro-batch; two micro-batches hold at most 2 * widest of them.
-    held = running if k == 1 else min(running, 2 * widest)
-    decoders = min(running, widest)
-    return PassTokens(total=total, widest=widest, context_slots=held * max(decode, chunk_context),
-                      attention_slots=decoders * min(decode, max_len) + max_len,
-                      attention_cells=decoders * min(decode, max_len) + min(longest_prompt, QUERY_BLOCK) * max_len,
-                      logit_rows=total if all_logits else running)
+
+    def pass_tokens(decodes: int, prompt_tokens: int, longest_prompt: int, chunk_context: int,
+                    prompt_keys: int, prompt_items: int) -> PassTokens:
+        total = decodes + prompt_tokens
+        # one decode token per item: balanced to the token; a prompt item may overhang its share
+        widest = total if k == 1 else min(total, math.ceil(total / k) + (longest_prompt if prompt_tokens else 0))
+        seqs = total if k == 1 else _sequences_per_micro_batch(decodes, prompt_tokens, prompt_items, k)
+        held = min(decodes, 2 * seqs) if k > 1 else decodes  # the executor holds two micro-batches
+        decoders = min(decodes, seqs)
+        # a chunk's sequence is one of the running ones: each holds a decode's or a chunk's context
+        per_seq = max(decode if decodes else 0, chunk_context)
+        return PassTokens(total=total, widest=widest, context_slots=held * per_seq,
+                          attention_slots=decoders * min(decode, max_len) + prompt_keys,
+                          attention_cells=decoders * min(decode, max_len) + min(longest_prompt, QUERY_BLOCK) * prompt_keys,
+                          logit_rows=total if all_logits else running)
+
+    if policy.scheduler == "block":
+        longest = max(lengths)
+        return [pass_tokens(0, running * longest, longest, 0, longest, running),
+                pass_tokens(running, 0, 0, 0, 0, 0)]
+    longest = min(policy.prefill_budget, max(lengths))
+    prompt_tokens = min(policy.prefill_budget, sum(lengths))
+    # the budget's pieces: whole prompts, the rest of one cut in the previous pass, one cut in this
+    items = min(prompt_tokens, prompt_tokens // min(prompt_lens) + 2)
+    return [pass_tokens(running, prompt_tokens, longest, max_len, max_len, items)]
+
+
+def _sequences_per_micro_batch(decodes: int, prompt_tokens: int, prompt_items: int, k: int) -> int:
+    """At most how many sequences one of k micro-batches holds when the scheduler's _split places
+    `prompt_items` prompt chunks (prompt_tokens in all), then `decodes` one-token items, each on the
+    lightest. A decode lands on a micro-batch only while it is the lightest; with fewer chunks than
+    micro-batches, the chunk-free ones are never heavier than the decodes shared among them, so a
+    micro-batch holds at most decodes / (k - chunks) + 1 decodes, and one chunk (its own or none).
+    Otherwise every item was added at a load <= the mean: ceil(total / k) + 1 items."""
+    total = decodes + prompt_tokens
+    if prompt_items < k:
+        return min(total, math.ceil(decodes / (k - prompt_items)) + 1 + (1 if prompt_items else 0))
+    return min(total, math.ceil(total / k) + 1)
+
+
+def worst_pass_bytes(model: ModelSpec, policy: Policy, running: int, prompt_lens: Sequence[int],
+                     max_lens: Sequence[int], pool_slots: Mapping[str, int], all_logits: bool = False) -> int:
+    """The working set of the largest pass a batch can form (worst_passes), as the engine's
+    fail-early check reserves it and the planner prices it."""
+    return max(working_set(model, tokens, policy.compress_kv).nbytes(policy.act_gpu)
+               for tokens in worst_passes(policy, running, prompt_lens, max_lens, pool_slots, all_logits))

@@ -34,7 +34,7 @@ from offload.tiered_weights import TieredWeights
 from policy_search.policy import TIERS, Policy
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT
-from policy_search.working_set import QUERY_BLOCK, PassTokens, gathered_tiers, working_set, worst_pass
+from policy_search.working_set import QUERY_BLOCK, PassTokens, gathered_tiers, working_set, worst_passes
 from quant import QuantConfig
 from quant.config import WEIGHT_QUANT
 
@@ -487,9 +487,10 @@ class LLMEngine:
         fit the gpu tier next to the weights and KV pools."""
         all_logits = any(s.params.prompt_logprobs for s in seqs)
         pool_slots = {tier: n * self.block_size for tier, n in blocks.items()}  # what the blocks can hold
-        worst = worst_pass(self.policy, running, [s.num_prompt_tokens for s in seqs],
-                           [s.max_len for s in seqs], pool_slots, all_logits)
-        with self.memory.reservation("gpu", self._working_bytes(worst), "largest pass (activations)"):
+        kinds = worst_passes(self.policy, running, [s.num_prompt_tokens for s in seqs],
+                             [s.max_len for s in seqs], pool_slots, all_logits)
+        worst = max(self._working_bytes(tokens) for tokens in kinds)
+        with self.memory.reservation("gpu", worst, "largest pass (activations)"):
             pass
 
     def sample(self, outputs: list[tuple[WorkItem, torch.Tensor]]) -> tuple[list[Sequence], list[int | None]]:

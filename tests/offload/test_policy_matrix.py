@@ -186,3 +186,28 @@ def test_offload_folder_faults_are_clear_and_the_next_run_recovers(tiny_checkpoi
     assert llm.generate(prompts, PARAMS, use_tqdm=False)[0].token_ids == \
         LLM(folder, dtype="float32", policy=Policy(**BASE)).generate(prompts, PARAMS, use_tqdm=False)[0].token_ids
     assert len(list(offload.rglob("manifest.json"))) == 1
+
+
+@pytest.mark.parametrize("scheduler", ["block", "decode-maximal"])
+@pytest.mark.parametrize("gpu_share", [8, 16, 64])
+def test_searched_policy_passes_the_engines_largest_pass_check(references, tmp_path, scheduler, gpu_share):
+    """policy="auto" under GPU budgets of 8 to 64 times the weights (splits, then many sequences): the searched
+    placement fits the engine's fail-early check for the largest pass the batch can form (the
+    planner prices that pass, not only the run's average passes: issue 27 saw a searched opt-6.7b
+    policy refused by 71.7 MiB on t4 caps), runs the workload's full batch within the budget and,
+    uncompressed, gives the all-on-device tokens."""
+    from policy_search import Workload
+
+    folder, _, _, _, ref_weight_bytes = references("llama_deep", False)
+    hardware = HardwareSpec.preset("t4").with_memory(gpu=ref_weight_bytes * gpu_share / 0.8, cpu=1 << 30)
+    workload = Workload(prompt_len=24, gen_len=8)
+    policy = LLM.search_policy(folder, hardware, workload, "float32", scheduler=scheduler)  # policy="auto"'s
+    llm = LLM(folder, dtype="float32", policy=policy, hardware=hardware, offload_dir=str(tmp_path))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (24,), generator=gen).tolist() for _ in range(policy.max_running)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outputs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.memory.peak("gpu") <= hardware.budgets()["gpu"]
+    if not (policy.compress_weight or policy.compress_kv):
+        reference = LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=policy.max_running), offload_dir=str(tmp_path / "ref"))
+        assert outputs == [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]

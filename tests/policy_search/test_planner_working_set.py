@@ -2,6 +2,8 @@
 planner's gpu working set of a pass equals the engine's reservation for the same pass, and the
 K/V context the executor really gathers onto the compute device stays within what is charged."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine
 from flexsarathi.engine.planner_spec import planner_model_spec
@@ -128,3 +130,61 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
     assert seen_any  # passes did gather context onto the compute device
     if not compress_kv:
         assert exact == len(charged)
+
+
+@pytest.mark.parametrize("policy", [
+    Policy(gpu_batch_size=2, num_gpu_batches=3, scheduler="block", kv_gpu=0.5, kv_cpu=0.5, kv_disk=0.0),
+    Policy(gpu_batch_size=3, num_gpu_batches=2, scheduler="block", act_gpu=0.5, act_cpu=0.5),
+    Policy(gpu_batch_size=2, num_gpu_batches=3, prefill_budget=8, kv_gpu=0.5, kv_cpu=0.5, kv_disk=0.0),
+    Policy(gpu_batch_size=2, num_gpu_batches=2, prefill_budget=16, kv_admission="reserve", compress_kv=True),
+    Policy(gpu_batch_size=4, prefill_budget=8, kv_gpu=0.3, kv_cpu=0.7, kv_disk=0.0),
+    Policy(gpu_batch_size=1, num_gpu_batches=6, prefill_budget=10, kv_gpu=0.5, kv_cpu=0.5, kv_disk=0.0),
+])
+def test_every_pass_is_within_the_largest_pass_of_its_kind(tiny_checkpoint, tmp_path, monkeypatch, policy):
+    """The fail-early check (working_set.worst_passes: the largest pass of each kind the scheduler
+    forms) bounds every pass the engine then runs: each pass's shape is within one kind's in every
+    field the working set adds up, so no pass reserves more activations than was checked."""
+    from dataclasses import astuple
+
+    from flexsarathi.engine import llm_engine
+
+    folder, _ = tiny_checkpoint(KIND)
+    engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path),
+                                    kv_block_size=4))
+    seen, kinds, pass_tokens, worst_passes = [], [], engine._pass_tokens, llm_engine.worst_passes
+
+    def observed_tokens(batches):
+        seen.append(pass_tokens(batches))
+        return seen[-1]
+
+    def checked_kinds(*args, **kwargs):  # what the fail-early check reserved for
+        kinds.extend(worst_passes(*args, **kwargs))
+        return kinds
+
+    monkeypatch.setattr(engine, "_pass_tokens", observed_tokens)
+    monkeypatch.setattr(llm_engine, "worst_passes", checked_kinds)
+    try:
+        _generate(engine, [[1 + i] * n for i, n in enumerate((5, 9, 3, 12, 7, 10, 4))], max_tokens=6)
+    finally:
+        engine.close()
+    assert len(seen) > 6 and len(kinds) == (2 if policy.scheduler == "block" else 1)
+    for tokens in seen:
+        assert any(all(a <= b for a, b in zip(astuple(tokens), astuple(kind))) for kind in kinds), (tokens, kinds)
+
+
+@given(decodes=st.integers(0, 60), chunks=st.lists(st.integers(1, 40), max_size=12), k=st.integers(2, 12))
+@settings(max_examples=300, deadline=None)
+def test_sequences_per_micro_batch_bounds_the_schedulers_split(decodes, chunks, k):
+    """working_set's bound on the sequences of one micro-batch holds for the scheduler's own split
+    (largest items first, each to the lightest micro-batch) of any prompt chunks beside decodes."""
+    from types import SimpleNamespace
+
+    from flexsarathi.engine.scheduler import Scheduler
+    from policy_search.working_set import _sequences_per_micro_batch
+
+    items = [SimpleNamespace(num_tokens=n) for n in chunks] + [SimpleNamespace(num_tokens=1)] * decodes
+    if not items:
+        return
+    batches = Scheduler._split(SimpleNamespace(config=SimpleNamespace(num_micro_batches=k)), items)
+    bound = _sequences_per_micro_batch(decodes, sum(chunks), len(chunks), k)
+    assert max(len(b) for b in batches) <= bound

@@ -35,7 +35,7 @@ def test_planner_prices_the_kv_pool_the_engine_allocates(tiny_checkpoint, tmp_pa
 def test_engine_reserves_the_planners_worst_pass_working_set(tiny_checkpoint, tmp_path, policy):
     """The engine's fail-early check reserves policy_search.working_set's bytes for the largest pass."""
     from flexsarathi.engine.sampling import SamplingParams
-    from policy_search.working_set import working_set, worst_pass
+    from policy_search.working_set import worst_pass_bytes
 
     folder, _ = tiny_checkpoint("llama_gqa_untied")
     engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
@@ -48,9 +48,8 @@ def test_engine_reserves_the_planners_worst_pass_working_set(tiny_checkpoint, tm
         assert engine.memory.peak("gpu") > before
         spec = planner_model_spec(folder)
         pool_slots = {tier: pool.num_slots for tier, pool in engine.kv_pools.items()}  # a fresh engine's
-        tokens = worst_pass(policy, min(policy.max_running, len(seqs)), [len(p) for p in prompts],
-                            [len(p) + max_tokens for p in prompts], pool_slots)
-        assert reserved == working_set(spec, tokens, policy.compress_kv).nbytes(policy.act_gpu)
+        assert reserved == worst_pass_bytes(spec, policy, min(policy.max_running, len(seqs)), [len(p) for p in prompts],
+                                            [len(p) + max_tokens for p in prompts], pool_slots)
     finally:
         engine.close()
 
