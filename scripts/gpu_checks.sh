@@ -6,12 +6,15 @@
 #   STEPS="suite" scripts/gpu_checks.sh         # some steps only
 #   PYTEST_ARGS="tests/offload -k cuda" STEPS=suite scripts/gpu_checks.sh
 #   FLEXGEN_CASES="opt-6.7b" STEPS=flexgen scripts/gpu_checks.sh
+#   STEPS=profile scripts/gpu_checks.sh         # where an all-on-GPU pass's time goes
 #
 # suite:   the whole test suite on this machine: the engine's default device is CUDA here, so every
 #          test that builds an engine without naming a device computes on the GPU; the `gpu`-marked
 #          tests run too. pytest-xdist spreads it over the cores when installed.
 # triton:  scripts/bench_triton_gpu.py (the kernel against dequantize + matmul, 70B / 30B shapes).
 # flexgen: scripts/bench_flexgen_gpu.py (ours against FlexGen itself under T4 caps).
+# profile: scripts/profile_passes.py (host time per layer-step of an all-on-GPU batch, cProfile and
+#          torch.profiler tables), block then decode-maximal.
 # WHEELS=dir installs the wheels in dir first (a machine without a package index); SHARED=dir is
 # copied to ../shared when that is absent (the stories260K checkpoint the suite reads).
 set -u
@@ -50,6 +53,11 @@ for step in $STEPS; do
         # shellcheck disable=SC2086
         timeout "${FLEXGEN_TIMEOUT:-600}" $PY scripts/bench_flexgen_gpu.py ${FLEXGEN_CASES:+--cases $FLEXGEN_CASES} \
             --timeout "${FLEXGEN_RUN_TIMEOUT:-300}" --json "$OUT/flexgen.json" > "$OUT/flexgen.log" 2>&1 ;;
+    profile)
+        for scheduler in block decode-maximal; do
+            timeout "${PROFILE_TIMEOUT:-120}" $PY scripts/profile_passes.py --model "${PROFILE_MODEL:-dummy:opt-1.3b}" \
+                --scheduler $scheduler
+        done > "$OUT/profile.log" 2>&1 ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
     echo "step $step: exit $? in $(( $(date +%s) - start )) s"

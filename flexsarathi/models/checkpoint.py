@@ -12,6 +12,7 @@ import math
 import os
 import zlib
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -209,5 +210,26 @@ class DummyWeights(WeightSource):
     def layer_weights(self, layer, dtype):
         codes = self.codes is not None
         resident = self.model.resident_weights()  # routers: never drawn as codes (placed uncompressed)
-        return {k: self._draw_codes(f"{layer}.{k}", s, dtype) if codes and len(s) == 2 and k not in resident
-                else self._make(f"{layer}.{k}", s, dtype) for k, s in self.model.layer_shapes(layer).items()}
+
+        def draw(name: str, shape: tuple[int, ...]):
+            key = f"{layer}.{name}"
+            if codes and len(shape) == 2 and name not in resident:
+                return self._draw_codes(key, shape, dtype)
+            return self._make(key, shape, dtype)
+
+        # One generator per tensor, so the tensors are drawn side by side (each draw is serial and
+        # releases the GIL: a 7B layer's six matrices took ~2 s on one core) with the same values.
+        shapes = self.model.layer_shapes(layer)
+        drawn = _draw_pool().map(lambda item: draw(*item), shapes.items())
+        return dict(zip(shapes, drawn))
+
+
+_DRAW_POOL: ThreadPoolExecutor | None = None
+
+
+def _draw_pool() -> ThreadPoolExecutor:
+    """Threads that draw one dummy layer's tensors at once (as many as the cores, up to 8)."""
+    global _DRAW_POOL
+    if _DRAW_POOL is None:
+        _DRAW_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="dummy-draw")
+    return _DRAW_POOL
