@@ -80,6 +80,8 @@ class PassExecutor:
     def close(self) -> None:
         if self._io is not None:
             self._io.shutdown(wait=True)
+        if self._io_stream.stream is not None:  # its copies land before the pools and buffers are freed
+            self._io_stream.stream.synchronize()
 
     @torch.inference_mode()
     def run(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ working buffers, exactly as on a GPU.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -184,8 +185,24 @@ class TieredWeights:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._drain_stream()
         if self.store is not None:
             self.store.close()
+
+    def _drain_stream(self) -> None:
+        """Wait for the copies still queued on the prefetch stream. The last layer of a pass starts
+        loading the next pass's first ones, so after a run copies may be in flight into the working
+        buffers (from pinned host memory): they must land before that memory goes back to the
+        allocators, or they write into whatever is handed out next (another engine's tensors)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def __del__(self) -> None:
+        # Dropped without close(): the same wait, before the buffers are freed (CPython finalizes
+        # an object before releasing its attributes). Nothing to wait for while the interpreter
+        # shuts down: the CUDA context goes with it.
+        if getattr(self, "_stream", None) is not None and not sys.is_finalizing():
+            self._drain_stream()
 
     # ---- loading --------------------------------------------------------------------------
     def _load(self, layer: int, slot: int):

@@ -184,3 +184,29 @@ def test_an_engine_on_cuda1_leaves_cuda0_untouched(tiny_checkpoint, tmp_path):
 def test_auto_dtype_on_this_gpu_has_tensor_cores_for_it():
     bf16_ok = torch.cuda.get_device_capability() >= (8, 0)
     assert resolve_dtype(None, torch.bfloat16, torch.device("cuda")) == (torch.bfloat16 if bf16_ok else torch.float16)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_an_engine_closed_or_dropped_leaves_no_copy_in_flight(tiny_checkpoint, tmp_path, drop):
+    """The last layer of a pass prefetches the next pass's first layers on the weights' side
+    stream, so copies can still be queued when a run returns. An engine closed, or dropped without
+    close(), waits for them before its working buffers and pinned memory go back to the allocators:
+    a copy landing in memory handed to the next engine changed one of its tokens (seen once in the
+    suite on an H100, 16 workers sharing it: test_the_layer_loop_makes_no_host_sync)."""
+    import gc
+
+    folder = tiny_checkpoint("llama_deep")[0]
+    policy = Policy(**{**BASE, **SYNC_FREE["streamed_weights_kv_and_activations_on_the_host"]})
+    llm = _llm(folder, policy, tmp_path)
+    _tokens(llm, _prompts(128))
+    stream = llm.engine.weights._stream
+    assert stream is not None
+    for _, load in llm.engine.weights._pending.values():  # queued on the host: copies in flight, if any
+        if load is not None:
+            load.result()
+    if drop:
+        del llm
+        gc.collect()
+    else:
+        llm.close()
+    assert stream.query()  # nothing of that engine is still running on its stream
