@@ -86,4 +86,17 @@ class ActivationStore:
     def take(self, key: int) -> torch.Tensor:
         parked = self._parked.pop(key)
         parts = [t if tier == "gpu" else t.to(self.device, non_blocking=True) for tier, t, _ in parked]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) == 1:
+            return parts[0]
+        if self.device.type == "cuda":
+            # The kept rows may come from another stream than this one (a pass's embeddings are
+            # parked on the compute stream, then taken on the I/O stream while the compute stream
+            # runs the previous micro-batch): they are freed as soon as the concatenation is
+            # queued, so the allocator must not hand their memory out before this stream has read
+            # it (it did, to the other stream's next tensor: one token in three changed on an H100
+            # with the activations split and two micro-batches).
+            stream = torch.cuda.current_stream(self.device)
+            for tier, t, _ in parked:
+                if tier == "gpu":
+                    t.record_stream(stream)
+        return torch.cat(parts)

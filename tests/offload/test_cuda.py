@@ -210,3 +210,33 @@ def test_an_engine_closed_or_dropped_leaves_no_copy_in_flight(tiny_checkpoint, t
     else:
         llm.close()
     assert stream.query()  # nothing of that engine is still running on its stream
+
+
+def test_a_held_back_io_stream_does_not_change_tokens(tiny_checkpoint, tmp_path, monkeypatch):
+    """The I/O stream held back (a GPU-side sleep before every activation load) while the compute
+    stream runs ahead, with the activations split across gpu and cpu and two micro-batches: the
+    tokens are the all-on-device ones. A load reads rows parked from the compute stream (the
+    pass's embeddings) and frees them once its copies are queued; before ActivationStore.take told
+    the allocator (record_stream), their memory went to the compute stream's next tensor while the
+    load had not read it yet (one token in three runs changed under 12 processes on an H100)."""
+    import time
+
+    from offload.activations import ActivationStore
+
+    folder = tiny_checkpoint("llama_deep")[0]
+    policy = Policy(**{**BASE, **SYNC_FREE["streamed_weights_kv_and_activations_on_the_host"]})
+    prompts = _prompts(128)
+    expected = _tokens(_llm(folder, Policy(**BASE), tmp_path / "reference"), prompts)
+    take, compute = ActivationStore.take, PassExecutor._compute
+
+    def held_back_take(self, key):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time on the loading stream before its copies
+        return take(self, key)
+
+    def late_compute(self, *args):
+        time.sleep(0.002)  # the I/O thread's take of the next micro-batch is queued meanwhile
+        return compute(self, *args)
+
+    monkeypatch.setattr(ActivationStore, "take", held_back_take)
+    monkeypatch.setattr(PassExecutor, "_compute", late_compute)
+    assert _tokens(_llm(folder, policy, tmp_path / "held_back"), prompts) == expected
