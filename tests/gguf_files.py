@@ -115,9 +115,11 @@ def encode_tensor(values: np.ndarray, type_name: str, rng: np.random.Generator):
 
 
 def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F32", tokenizer: dict | None = None,
-               split_max_tensors: int = 0, seed: int = 0, type_of=None, extra: dict | None = None) -> list[Path]:
+               split_max_tensors: int = 0, seed: int = 0, type_of=None, extra: dict | None = None,
+               per_expert: bool = False) -> list[Path]:
     """Write an HF llama/qwen2/qwen3/MoE model; returns the file(s) written. type_of(gguf name)
-    overrides weight_type per tensor (mixed files like Q4_K_M); extra: more F32 tensors by name."""
+    overrides weight_type per tensor (mixed files like Q4_K_M); extra: more F32 tensors by name;
+    per_expert: experts as one 2-D tensor each (llama.cpp's files before April 2024)."""
     import gguf
 
     cfg = model.config
@@ -127,7 +129,7 @@ def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F
     for key, value in (tokenizer or {}).items():
         _add_value(writer, key, value)
     rng = np.random.default_rng(seed)
-    for name, values in _tensors(model):
+    for name, values in _tensors(model, per_expert=per_expert):
         kind = embed_type if name in ("token_embd.weight", "output.weight") else weight_type
         kind = type_of(name) if type_of and values.ndim >= 2 and type_of(name) else kind
         matrix = values.ndim >= 2 and name.split(".")[-2] not in ALWAYS_F32
@@ -220,7 +222,7 @@ def dequantized_model(model, path: Path):
     return model
 
 
-def _tensors(model, state: dict | None = None):
+def _tensors(model, state: dict | None = None, per_expert: bool = False):
     """(GGUF name, fp32 numpy array) in llama.cpp's order and layout (of `state`'s arrays if given)."""
     cfg = model.config
     state = state or {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
@@ -241,19 +243,24 @@ def _tensors(model, state: dict | None = None):
                 if short == "ffn_gate_inp_shexp":  # HF's [1, hidden]; llama.cpp's {n_embd}
                     values = values.reshape(-1)
                 yield f"blk.{i}.{short}.{kind}", values
-        yield from _expert_tensors(state, i)
+        yield from _expert_tensors(state, i, per_expert)
 
 
-def _expert_tensors(state: dict, layer: int):
-    """A sparse layer's experts as llama.cpp's three 3-D stacks (none for a dense layer)."""
+def _expert_tensors(state: dict, layer: int, per_expert: bool = False):
+    """A sparse layer's experts as llama.cpp's three 3-D stacks (none for a dense layer); per_expert:
+    as its files before April 2024 hold them, one 2-D tensor per expert (blk.N.ffn_gate.E.weight)."""
     p = f"model.layers.{layer}.mlp.experts."
     if p + "gate_up_proj" not in state:
         return
     gate_up, down = state[p + "gate_up_proj"], state[p + "down_proj"]  # [E, 2F, H], [E, H, F]
     width = gate_up.shape[1] // 2
-    yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :width])
-    yield f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, width:])
-    yield f"blk.{layer}.ffn_down_exps.weight", down
+    stacks = {"ffn_gate": gate_up[:, :width], "ffn_up": gate_up[:, width:], "ffn_down": down}
+    for name, stack in stacks.items():
+        if per_expert:
+            for e in range(stack.shape[0]):
+                yield f"blk.{layer}.{name}.{e}.weight", np.ascontiguousarray(stack[e])
+        else:
+            yield f"blk.{layer}.{name}_exps.weight", np.ascontiguousarray(stack)
 
 
 def spm_tokenizer_metadata(tokenizer_json: Path) -> dict:

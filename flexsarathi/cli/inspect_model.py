@@ -2,8 +2,8 @@
 quantization of each layer tensor kind, its bytes, and what the engine will store.
 
 Any weight source works (opened_model.open_model): a source that describes itself (`describe()` ->
-flexsarathi/models/prequantized.SourceDescription: pre-quantized HF folders, and GGUF files once
-their reader implements it) is printed as it says; other sources (full-precision safetensors,
+flexsarathi/models/prequantized.SourceDescription: pre-quantized HF folders and GGUF files) is
+printed as it says; other sources (full-precision safetensors,
 dummy:<name>) get a description from their shapes and dtype. Reads headers only (and GPTQ's small
 g_idx tensors), never the weights.
 """

@@ -7,7 +7,8 @@ Layer matrices of a code-mapped type come as `QTensor`s with their own `QuantCon
 conversion rounds their scales), q/k rows put back in HF order and q/k/v, gate/up fused by rows (each
 row's groups are a self-contained byte range, so fusing and reordering rows move codes only). A
 mixture-of-experts layer's 3-D expert stacks (llama.cpp's ffn_{gate,up,down}_exps) are read as
-[experts * rows, cols] matrices and reordered into models/moe.py's stacked experts the same way.
+[experts * rows, cols] matrices and reordered into models/moe.py's stacked experts the same way;
+older files' one 2-D tensor per expert (ffn_gate.E) are fused like any other parts.
 Where the engine stores another format it dequantizes them at placement, exactly (offload/
 placement.py `flat_components`). A fused weight whose parts differ in format, norms, biases,
 embeddings and the output head come as floats: gguf's own dequantization, cast to the dtype.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections import Counter
 
 import numpy as np
 import torch
@@ -24,10 +26,11 @@ import torch
 from flexsarathi.models.checkpoint import WeightSource
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
-from flexsarathi.models.prequantized import concat_rows
+from flexsarathi.models.prequantized import SourceDescription, TensorKind, concat_rows
 from flexsarathi.models import build_model_math
-from flexsarathi.models.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, unpermute_rows
-from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, check_type, common_format, conversion_error, \
+from flexsarathi.models.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, resolve_part, \
+    unpermute_rows
+from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, FLOAT_TYPES, check_type, common_format, conversion_error, \
     to_codes, to_float, to_qtensor, widen
 from quant import QTensor
 
@@ -67,8 +70,9 @@ class GGUFCheckpoint(WeightSource):
         return t.read(), t.type_name, t.shape
 
     def _parts(self, hf_names: list[str]) -> list[tuple[GGUFTensor, int | None]]:
-        """Each HF tensor's GGUF tensor, and its expert where that is a 3-D stack of experts."""
-        return [(self.gguf.tensor(p.name), p.expert) for p in map(gguf_part, hf_names)]
+        """Each HF tensor's GGUF tensor, and its expert where that is a 3-D stack of experts (a
+        file with one 2-D tensor per expert: that tensor, as a dense part)."""
+        return [resolve_part(self.gguf, p) for p in map(gguf_part, hf_names)]
 
     def _validate(self) -> None:
         """Every tensor the model needs, in each layer as that layer has it (dense or with experts):
@@ -106,6 +110,35 @@ class GGUFCheckpoint(WeightSource):
             coded = self._coded(parts, dtype, formats[k]) if formats.get(k) else None
             out[k] = coded or self._dense(parts, dtype).reshape(shapes[k])
         return out
+
+    def describe(self) -> SourceDescription:
+        """For `flexsarathi inspect`, from the headers alone: each layer weight's GGUF type(s) over
+        its parts and layers, the format the engine stores it in, and how it gets there."""
+        formats = self.quantized_formats() or {}
+        resident = self.model.resident_weights()
+        types: dict[str, set[str]] = {}
+        for i in range(self.config.num_layers):
+            names = self.model.hf_layer_names(i)
+            for name, shape in self.model.layer_shapes(i).items():
+                if len(shape) == 2:
+                    types.setdefault(name, set()).update(t.type_name for t, _ in self._parts(names[name]))
+        kinds = []
+        for name, found in types.items():
+            stored = formats.get(name)
+            if stored is None:
+                how = ("kept in floats: a router" if name in resident else
+                       "as is" if found <= set(FLOAT_TYPES) else "dequantized to floats at placement (exact values)")
+            elif found & set(CONVERTED_TYPES):
+                how = ("K-quant codes converted once at placement: super-block scales rounded to fp16, the "
+                       "largest error against gguf's dequantization printed")
+            else:
+                how = "codes kept exactly" + (", parts widened to one format" if len(found) > 1 else "")
+            kinds.append(TensorKind(name, " + ".join(sorted(found)), stored, how))
+        counts = Counter(t.type_name for t in self.gguf.tensors.values())
+        parts = len(self.gguf.paths)
+        detail = (f"llama.cpp {self.gguf.architecture}, {parts} file{'s' if parts > 1 else ''}, tensors: "
+                  + ", ".join(f"{n} {name}" for name, n in counts.most_common()))
+        return SourceDescription("gguf", detail, tuple(kinds), sum(os.path.getsize(p) for p in self.gguf.paths))
 
     def quantized_formats(self) -> dict | None:
         """Per layer matrix (canonical name): the one format its codes take in every layer that has

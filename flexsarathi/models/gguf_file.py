@@ -208,7 +208,10 @@ def _moe_fields(gguf: GGUFFile, arch: str, get) -> dict:
         raise CheckpointError(f"{gguf.path}: metadata {arch}.expert_gating_func={gating} is not supported "
                               f"(only {SOFTMAX_GATING}: softmax over the experts, then top-k)")
     first = sparse[0]
-    width = int(get("expert_feed_forward_length", gguf.tensor(f"blk.{first}.ffn_gate_exps.weight").shape[1]))
+    width = gguf.metadata.get(f"{arch}.expert_feed_forward_length")
+    if width is None:  # a 3-D stack [experts, width, hidden], or expert 0's own [width, hidden] (older files)
+        width = resolve_part(gguf, GGUFPart(f"blk.{first}.ffn_gate_exps.weight", 0))[0].shape[-2]
+    width = int(width)
     fields = {"num_experts_per_tok": int(get("expert_used_count"))}
     if arch == "llama":  # Mixtral: every layer sparse, the experts as wide as intermediate_size
         if len(sparse) != layers:
@@ -285,6 +288,17 @@ def gguf_part(hf_name: str) -> GGUFPart:
     if not match or match[2] not in _LAYER_NAMES:
         raise CheckpointError(f"no GGUF tensor corresponds to {hf_name}")
     return GGUFPart(f"blk.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}")
+
+
+def resolve_part(gguf: GGUFFile, part: GGUFPart) -> tuple[GGUFTensor, int | None]:
+    """The file's tensor for `part` and the expert to take from it. Files that llama.cpp wrote
+    before it stacked experts (April 2024, e.g. the first Mixtral GGUFs) hold one 2-D tensor per
+    expert, `blk.N.ffn_gate.E.weight`: that tensor whole, where the 3-D stack is absent."""
+    if part.expert is not None and part.name not in gguf.tensors:
+        per_expert = part.name.replace("_exps.", f".{part.expert}.")
+        if per_expert in gguf.tensors:
+            return gguf.tensor(per_expert), None
+    return gguf.tensor(part.name), part.expert
 
 
 def gguf_name(hf_name: str) -> str:

@@ -204,6 +204,21 @@ def test_qwen3_and_moe_match_the_model_written(written_model, kind, weight_type)
     _assert_logits_and_greedy_match(LLM(path, dtype="float32", device="cpu"), ref)
 
 
+@pytest.mark.parametrize("weight_type", ["F32", "Q4_0"])
+def test_a_mixtral_gguf_with_one_tensor_per_expert_loads(written_model, tmp_path, weight_type):
+    """llama.cpp's Mixtral files from before it stacked the experts (April 2024: the first Mixtral
+    GGUFs people still have) hold one 2-D tensor per expert, blk.N.ffn_gate.E.weight: the same model
+    as the stacked file of the same values, width from the tensors (no expert_feed_forward_length)."""
+    from gguf import GGUFReader
+
+    _, ref = written_model("mixtral", weight_type)
+    path = tmp_path / "per-expert.gguf"
+    write_gguf(build_model("mixtral"), path, weight_type=weight_type, per_expert=True)
+    names = {t.name for t in GGUFReader(str(path)).tensors}
+    assert "blk.0.ffn_gate.3.weight" in names and not any(n.endswith("_exps.weight") for n in names)
+    _assert_logits_and_greedy_match(LLM(str(path), dtype="float32", device="cpu"), ref)
+
+
 def test_expert_codes_stored_as_they_are(written_model, tmp_path):
     """A Q4_0 MoE file with the engine's format the file's: the experts' (and every matrix's) codes
     kept, no requantization, so the reference's logits to fp32 rounding."""
@@ -289,3 +304,30 @@ def test_llama3_rope_from_rope_freqs_tensor(tmp_path):
     long_prompt = list(range(3, 43))  # past original_max_position_embeddings: the scaling matters
     for prompt, ours in zip(PROMPTS + [long_prompt], prompt_logits(llm, PROMPTS + [long_prompt])):
         assert (ours - _hf_logits(model, prompt)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_K_M"])
+def test_inspect_tells_each_weights_gguf_types_and_what_is_stored(gguf_model, weight_type, capsys):
+    """`flexsarathi inspect` on a GGUF: the format line with its tensor types (from the headers),
+    each layer weight's types over its fused parts (q/k/v; Q4_K_M's Q4_K beside Q6_K), the stored
+    format and how it gets there."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    from flexsarathi.cli.main import main
+
+    path, _ = gguf_model("llama_deep", weight_type)
+    assert main(["inspect", "--model", path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    counts = Counter(t.tensor_type.name for t in GGUFReader(path).tensors)
+    assert out[1].startswith("format: gguf: llama.cpp llama, 1 file, tensors: "
+                             + ", ".join(f"{n} {name}" for name, n in counts.most_common()))
+    kinds = {line.split(" [")[0].strip(): line for line in out if line.startswith("  ")}
+    if weight_type == "Q4_0":
+        assert kinds["qkv_proj.weight"].endswith(": Q4_0 -> 4-bit codes, groups of 32, fp16 scale + fp16 minimum "
+                                                 "(codes kept exactly)")
+    else:
+        assert ": Q4_K + Q6_K -> 8-bit codes, groups of 16" in kinds["qkv_proj.weight"]  # v is Q6_K
+        assert "K-quant codes converted once at placement" in kinds["qkv_proj.weight"]
+        assert ": Q6_K -> " in kinds["down_proj.weight"]
