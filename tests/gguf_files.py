@@ -61,6 +61,10 @@ GGUF_CONFIGS.update({
                       mlp_only_layers=[0], tie_word_embeddings=False),
     "mixtral": dict(_SMALL, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=False),
+    # every matrix, experts included, a whole number of 256-value super-blocks per row (K-quants)
+    "qwen3_moe_k": dict(_SMALL, model_type="qwen3_moe", hidden_size=256, intermediate_size=512, head_dim=64,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+                        tie_word_embeddings=False),
 })
 
 

@@ -196,7 +196,8 @@ def written_model(tmp_path_factory):
 
 @pytest.mark.parametrize("kind,weight_type", [("qwen3", "F32"), ("qwen3", "Q8_0"), ("qwen3_moe", "F32"),
                                               ("qwen3_moe", "Q4_0"), ("qwen2_moe", "F32"), ("qwen2_moe", "Q8_0"),
-                                              ("mixtral", "F32"), ("mixtral", "Q4_0")])
+                                              ("mixtral", "F32"), ("mixtral", "Q4_0"), ("qwen3_moe_k", "Q4_K"),
+                                              ("qwen3_moe_k", "Q6_K")])
 def test_qwen3_and_moe_match_the_model_written(written_model, kind, weight_type):
     """qwen3 (head_dim not hidden / heads, q/k norms), qwen3moe, qwen2moe (shared expert, layer 0
     dense), Mixtral (arch llama with experts, q/k permuted): logits to fp32 rounding, greedy tokens."""
@@ -217,6 +218,51 @@ def test_a_mixtral_gguf_with_one_tensor_per_expert_loads(written_model, tmp_path
     names = {t.name for t in GGUFReader(str(path)).tensors}
     assert "blk.0.ffn_gate.3.weight" in names and not any(n.endswith("_exps.weight") for n in names)
     _assert_logits_and_greedy_match(LLM(str(path), dtype="float32", device="cpu"), ref)
+
+
+@pytest.mark.parametrize("weight_type,quant", [("Q4_K", QuantConfig(bits=4, group_size=32)),
+                                               ("Q6_K", QuantConfig(bits=8, group_size=16))])
+def test_k_quant_experts_stored_as_converted_codes(written_model, weight_type, quant, tmp_path, capfd):
+    """A K-quant MoE file, compressed: every expert (and matrix) stored as the conversion's codes,
+    each value within its group's fp16 rounding of the K-quant's scale and minimum of gguf's
+    dequantization, and the engine's logits those of transformers on the weights it stores.
+    (Logits against the file's own values would not do: a router near a tie picks other experts.)"""
+    from flexsarathi.models.moe import DOWN, GATE_UP
+    from quant import dequantize
+
+    path, ref = written_model("qwen3_moe_k", weight_type)
+    ref = copy.deepcopy(ref)  # its weights become the stored ones below
+    llm = LLM(path, dtype="float32", device="cpu", policy=Policy(compress_weight=True), weight_quant=quant,
+              offload_dir=str(tmp_path))
+    source = llm.engine.source
+    assert f"{weight_type} weights convert to {quant.bits}-bit groups of {quant.group_size}" in capfd.readouterr().err
+    assert source.quantized_formats()[GATE_UP] == source.quantized_formats()[DOWN] == quant
+    for index, layer in enumerate(ref.model.layers):
+        stored = source.layer_weights(index, torch.float32)
+        attn, experts = layer.self_attn, layer.mlp.experts
+        fused = {"qkv_proj.weight": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                 "o_proj.weight": attn.o_proj.weight, GATE_UP: experts.gate_up_proj.flatten(0, 1),
+                 DOWN: experts.down_proj.flatten(0, 1)}
+        for name, values in fused.items():
+            q = stored[name]
+            assert q.config == quant
+            # fp16 keeps the K-quant's scale and minimum to half an ulp: 2^-11 of each, times the code
+            levels = 2**quant.bits - 1
+            bound = (2.0**-11 * (q.scale.float().abs() * levels + q.minimum.float().abs()) + 1e-7)
+            bound = bound.repeat_interleave(quant.group_size).view(values.shape)
+            got = dequantize(q, torch.float32)
+            assert ((got - values.detach()).abs() <= bound).all(), (index, name)
+            assert not torch.equal(got, values.detach())  # the conversion did round: the bound is doing work
+        with torch.no_grad():  # transformers on the weights the engine stores
+            q, kv = llm.engine.config.q_size, llm.engine.config.kv_size
+            for module, rows in zip((attn.q_proj, attn.k_proj, attn.v_proj),
+                                    dequantize(stored["qkv_proj.weight"], torch.float32).split((q, kv, kv))):
+                module.weight.copy_(rows)
+            attn.o_proj.weight.copy_(dequantize(stored["o_proj.weight"], torch.float32))
+            experts.gate_up_proj.copy_(dequantize(stored[GATE_UP], torch.float32).view_as(experts.gate_up_proj))
+            experts.down_proj.copy_(dequantize(stored[DOWN], torch.float32).view_as(experts.down_proj))
+    for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
+        assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
 
 
 def test_expert_codes_stored_as_they_are(written_model, tmp_path):
