@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -49,13 +49,22 @@ class PlacedLayers:
         store = self.store
         write = store is not None and (rewrite or not store.is_complete())
         writer = store.begin_write(total_bytes=self.plan.store_bytes) if write else None
+        from_source = store is None or writer is not None
+        # From the source, layer j + 1 is read (and decoded: a GGUF's codes, a dummy's draws) on a
+        # thread while layer j is cut, compressed and written: the two overlap (file reads, numpy
+        # and torch release the GIL) and at most two layers are held at once.
+        reader = ThreadPoolExecutor(1, thread_name_prefix="source-read") if from_source else None
+        ahead: Future | None = None
         self.small, self.pieces = [], []
         try:
             for layer in range(self.plan.num_layers):
-                if store is not None and writer is None:
+                if not from_source:
                     small, pieces = self._read_from_store(layer)
                 else:
-                    weights = self._source_layer(layer, damage)
+                    weights = ahead.result() if ahead is not None else self._source_layer(layer, damage)
+                    ahead = None
+                    if layer + 1 < self.plan.num_layers:
+                        ahead = reader.submit(self._source_layer, layer + 1, damage)
                     small = {k: weights[k].to(self.device) for k in self.plan.layer(layer).small_shapes}
                     pieces = self._place_layer(weights, layer, writer)
                     del weights
@@ -67,6 +76,9 @@ class PlacedLayers:
             if writer is not None:
                 writer.abort()
             raise
+        finally:
+            if reader is not None:  # a read ahead still running ends before the caller goes on
+                reader.shutdown(wait=True, cancel_futures=True)
 
     def _source_layer(self, layer: int, damage: StoreCorruptError | None) -> dict:
         """The layer's weights from the source; when they are wanted to rebuild a damaged store and

@@ -2,13 +2,15 @@
 
     .venv/bin/python scripts/bench_load_quantized.py                          # GPTQ, 4-bit, groups of 128
     .venv/bin/python scripts/bench_load_quantized.py --format compressed-tensors
+    .venv/bin/python scripts/bench_load_quantized.py --format gguf            # Q4_0 (llama.cpp's), groups of 32
     .venv/bin/python scripts/bench_load_quantized.py --layers 4               # the same shapes, 4 layers
     .venv/bin/python scripts/bench_load_quantized.py --quick                  # smoke test: 2 layers
 
 1. Writes (once, untimed: the "download") an HF folder of the llama-2-7b config whose Linear weights
    are random codes drawn directly in the format's packed layout (GPTQ: qweight/qzeros/scales/g_idx,
    symmetric; compressed-tensors pack-quantized: weight_packed/weight_scale/weight_shape), 4 bits in
-   groups of 128, fp16 embeddings and norms, sharded like a real release.
+   groups of 128, fp16 embeddings and norms, sharded like a real release. GGUF: one Q4_0 file of the
+   same shape (scripts/bench_gguf.py's writer: random codes, llama.cpp's tensor names).
 2. The baseline: the folder's files read once from a cold page cache (posix_fadvise DONTNEED).
 3. Ours, in a child process (for its peak RSS): `LLM(folder, policy=everything on disk)` from a cold
    cache and without a store: reads the checkpoint layer by layer, keeps its codes, writes the
@@ -104,8 +106,25 @@ def write_checkpoint(folder: str, cfg: dict, fmt: str) -> None:
         json.dump(dict(cfg, torch_dtype="float16", quantization_config=quantization_config(fmt)), f)
 
 
+GGUF_FILE = "model.gguf"
+
+
+def write_gguf(folder: str, layers: int) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_gguf import write_model
+
+    os.makedirs(folder, exist_ok=True)
+    write_model(os.path.join(folder, GGUF_FILE), "Q4_0", layers)
+
+
+def model_path(folder: str) -> str:
+    """What LLM() is given: the folder, or its GGUF file."""
+    gguf = os.path.join(folder, GGUF_FILE)
+    return gguf if os.path.isfile(gguf) else folder
+
+
 def shard_files(folder: str) -> list[str]:
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".safetensors", ".gguf")))
 
 
 def read_once(folder: str) -> float:
@@ -126,6 +145,11 @@ def layer_file_bytes(folder: str) -> int:
     """Bytes the files hold for the layers' quantized tensors (headers only)."""
     from safetensors import safe_open
 
+    if model_path(folder) != folder:
+        from gguf import GGUFReader
+
+        return sum(int(t.n_bytes) for t in GGUFReader(model_path(folder)).tensors
+                   if t.name.startswith("blk.") and not t.name.endswith("norm.weight"))
     total = 0
     for path in shard_files(folder):
         with safe_open(path, framework="pt") as f:
@@ -146,7 +170,7 @@ def child(folder: str, offload_dir: str) -> None:
             return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
     t0 = time.perf_counter()
-    llm = LLM(folder, dtype="bfloat16", device="cpu", offload_dir=offload_dir,
+    llm = LLM(model_path(folder), dtype="bfloat16", device="cpu", offload_dir=offload_dir,
               policy=Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0, gpu_batch_size=1, overlap=False))
     write_s = time.perf_counter() - t0
     plan = llm.engine.weights.plan
@@ -161,7 +185,7 @@ def child(folder: str, offload_dir: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--format", choices=("gptq", "compressed-tensors"), default="gptq")
+    p.add_argument("--format", choices=("gptq", "compressed-tensors", "gguf"), default="gptq")
     p.add_argument("--layers", type=int, default=None, help="truncate llama-2-7b to this many layers")
     p.add_argument("--quick", action="store_true", help="2 layers")
     p.add_argument("--folder", default=None, help="where the checkpoint is written (kept for reruns)")
@@ -175,10 +199,13 @@ def main() -> int:
     cfg["num_hidden_layers"] = 2 if args.quick else (args.layers or cfg["num_hidden_layers"])
     folder = args.folder or f"/tmp/fs_bench_{args.format}_7b_{cfg['num_hidden_layers']}l"
     say(f"bench_load_quantized: {cpu_line(torch.bfloat16)}")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
+    if not os.path.isfile(os.path.join(folder, GGUF_FILE if args.format == "gguf" else "config.json")):
         say(f"writing a 4-bit {args.format} checkpoint of llama-2-7b's shape ({cfg['num_hidden_layers']} layers) "
             f"to {folder} (untimed)")
-        write_checkpoint(folder, cfg, args.format)
+        if args.format == "gguf":
+            write_gguf(folder, cfg["num_hidden_layers"])
+        else:
+            write_checkpoint(folder, cfg, args.format)
     file_bytes = sum(os.path.getsize(f) for f in shard_files(folder))
     read_s = read_once(folder)
     say(f"baseline: reading the {file_bytes / 2**30:.2f} GiB of files once (cold cache): {read_s:.1f} s")

@@ -29,6 +29,8 @@ weight or its layers mix bit widths or groups (Q4_K_M: Q4_K beside Q6_K), `commo
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,10 +72,11 @@ def check_type(type_name: str, tensor: str, where: str) -> None:
 def to_float(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The tensor's values as gguf's own dequantization gives them: F16 and BF16 as they are, every
     quantized type in fp32 (`gguf.quants.dequantize`, the reference)."""
-    if type_name == "F32":
-        return torch.from_numpy(np.array(raw, dtype=np.float32)).reshape(shape)  # a copy: raw is a read-only map
-    if type_name == "F16":
-        return torch.from_numpy(np.array(raw, dtype=np.float16)).reshape(shape)
+    if type_name in ("F32", "F16"):
+        dtype = np.float32 if type_name == "F32" else np.float16
+        # GGUFTensor.read's array is the caller's own: used as it is; a read-only one (a map) copied
+        values = raw if raw.flags.writeable and raw.dtype == dtype else np.array(raw, dtype=dtype)
+        return torch.from_numpy(values).reshape(shape)
     if type_name == "BF16":
         return torch.from_numpy(np.array(raw, dtype=np.uint8).view(np.int16)).view(torch.bfloat16).reshape(shape)
     from gguf import GGMLQuantizationType, quants
@@ -98,11 +101,25 @@ def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes |
         return first
     out = Codes(*(np.empty((rows, *getattr(first, f).shape[1:]), dtype=getattr(first, f).dtype)
                   for f in ("data", "scale", "minimum")), first.config)
-    for start in range(0, rows, step):
+
+    def decode(start: int) -> None:  # numpy's array operations release the GIL: chunks run side by side
         part = first if start == 0 else _decode_rows(raw[start:start + step], type_name, cols)
         for f in ("data", "scale", "minimum"):
             getattr(out, f)[start:start + step] = getattr(part, f)
+
+    list(_decode_pool().map(decode, range(0, rows, step)))
     return out
+
+
+_DECODE_POOL: ThreadPoolExecutor | None = None
+
+
+def _decode_pool() -> ThreadPoolExecutor:
+    """Threads that decode one tensor's chunks of rows at once (as many as the cores, up to 8)."""
+    global _DECODE_POOL
+    if _DECODE_POOL is None:
+        _DECODE_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="gguf-decode")
+    return _DECODE_POOL
 
 
 def _decode_rows(raw: np.ndarray, type_name: str, cols: int) -> Codes:

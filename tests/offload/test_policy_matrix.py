@@ -188,8 +188,7 @@ def test_offload_folder_faults_are_clear_and_the_next_run_recovers(tiny_checkpoi
     assert len(list(offload.rglob("manifest.json"))) == 1
 
 
-@pytest.mark.parametrize("scheduler", ["block", "decode-maximal"])
-@pytest.mark.parametrize("gpu_share", [8, 16, 64])
+@pytest.mark.parametrize("scheduler,gpu_share", [("decode-maximal", 8), ("block", 16), ("decode-maximal", 64)])
 def test_searched_policy_passes_the_engines_largest_pass_check(references, tmp_path, scheduler, gpu_share):
     """policy="auto" under GPU budgets of 8 to 64 times the weights (splits, then many sequences): the searched
     placement fits the engine's fail-early check for the largest pass the batch can form (the
