@@ -7,12 +7,16 @@
 #   PYTEST_ARGS="tests/offload -k cuda" STEPS=suite scripts/gpu_checks.sh
 #   FLEXGEN_CASES="opt-6.7b" STEPS=flexgen scripts/gpu_checks.sh
 #   STEPS=profile scripts/gpu_checks.sh         # where an all-on-GPU pass's time goes
+#   STEPS=stress scripts/gpu_checks.sh          # the stream-ordering tests under load
 #
 # suite:   the whole test suite on this machine: the engine's default device is CUDA here, so every
 #          test that builds an engine without naming a device computes on the GPU; the `gpu`-marked
 #          tests run too. pytest-xdist spreads it over the cores when installed.
 # triton:  scripts/bench_triton_gpu.py (the kernel against dequantize + matmul, 70B / 30B shapes).
 # flexgen: scripts/bench_flexgen_gpu.py (ours against FlexGen itself under T4 caps).
+# stress:  the CUDA tests that a stream-ordering race fails (test_cuda.py: no_host_sync, held_back,
+#          closed_or_dropped) in STRESS_PROCS (12) processes at once, twice: one GPU and the cores
+#          shared, as a suite under xdist shares them (a race seen there once failed 9 of 25 such runs).
 # profile: scripts/profile_passes.py (host time per layer-step of an all-on-GPU batch, cProfile and
 #          torch.profiler tables), block then decode-maximal.
 # WHEELS=dir installs the wheels in dir first (a machine without a package index); SHARED=dir is
@@ -53,6 +57,17 @@ for step in $STEPS; do
         # shellcheck disable=SC2086
         timeout "${FLEXGEN_TIMEOUT:-600}" $PY scripts/bench_flexgen_gpu.py ${FLEXGEN_CASES:+--cases $FLEXGEN_CASES} \
             --timeout "${FLEXGEN_RUN_TIMEOUT:-300}" --json "$OUT/flexgen.json" > "$OUT/flexgen.log" 2>&1 ;;
+    stress)
+        : > "$OUT/stress.log"
+        for round in 1 2; do
+            for _ in $(seq "${STRESS_PROCS:-12}"); do
+                (OMP_NUM_THREADS=2 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/offload/test_cuda.py \
+                    -k "no_host_sync or held_back or closed_or_dropped" -rf 2>&1 | grep -E "passed|failed|FAILED" \
+                    >> "$OUT/stress.log") &
+            done
+            wait
+        done
+        sort "$OUT/stress.log" | uniq -c > "$OUT/stress.summary"; mv "$OUT/stress.summary" "$OUT/stress.log" ;;
     profile)
         for scheduler in block decode-maximal; do
             timeout "${PROFILE_TIMEOUT:-120}" $PY scripts/profile_passes.py --model "${PROFILE_MODEL:-dummy:opt-1.3b}" \
