@@ -257,7 +257,7 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
 def _layer_streamed_bytes(s: PassShape, policy: Policy, model: ModelSpec) -> float:
     """One layer's weight bytes a pass reads from the cpu or disk tier, per unit fraction: all of
     them, less the experts no row routes to under routed_expert_reads."""
-    weight_bytes = model.layer_weight_bytes(policy.compress_weight)
+    weight_bytes = model.layer_placed_bytes(policy.compress_weight)
     if not model.num_experts:
         return weight_bytes
     return weight_bytes - model.layer_expert_bytes(policy.compress_weight) + _streamed_expert_bytes(s, policy, model)
@@ -276,7 +276,7 @@ def _disk_read_cpu(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareS
 
 def _layer_bytes_moved(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec):
     """Bytes one layer of the pass moves: (host->device, device->host, disk->host, host->disk)."""
-    weight_bytes = model.layer_weight_bytes(policy.compress_weight)
+    weight_bytes = model.layer_placed_bytes(policy.compress_weight)  # routers stay where they are
     kv_bytes = model.kv_bytes_per_token(policy.compress_kv)  # per token per layer, as stored
     hidden_bytes = model.hidden_bytes_per_token
     query_bytes = model.q_dim * model.bytes_per_value  # a query row or an attention-output row
@@ -348,8 +348,8 @@ def working_bytes(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec)
 
 def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> dict[str, np.ndarray]:
     layers = model.num_layers
-    layer_weight_bytes = model.layer_weight_bytes(policy.compress_weight)
-    all_weight_bytes = layers * layer_weight_bytes  # the decoder layers; embeddings stay on the gpu tier
+    layer_weight_bytes = model.layer_placed_bytes(policy.compress_weight)
+    all_weight_bytes = layers * layer_weight_bytes  # placed by the fractions; embeddings and routers stay on the gpu tier
     kv_bytes = model.kv_bytes_per_token(policy.compress_kv)
     kv_home = run.kv_tokens * layers * kv_bytes  # the reserved cache, all layers
     hidden_bytes = model.hidden_bytes_per_token
@@ -363,7 +363,7 @@ def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> di
     # Streamed weights: the layer computing and the weight_prefetch ones loading (one without overlap).
     stream_buffer = policy.weight_buffers * model.largest_layer_weight_bytes(policy.compress_weight)
 
-    gpu = (f.w_gpu * all_weight_bytes + const(model.embedding_bytes) + f.kv_gpu * kv_home
+    gpu = (f.w_gpu * all_weight_bytes + const(model.embedding_bytes + layers * model.layer_resident_bytes) + f.kv_gpu * kv_home
            + f.w_off_gpu * stream_buffer + working_bytes(s, run, policy, model))
     if policy.compress_weight:  # one matrix dequantized at a time
         gpu = gpu + const(model.largest_matrix_params * model.bytes_per_value)

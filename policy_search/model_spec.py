@@ -213,21 +213,43 @@ class ModelSpec:
     def matrix_bytes_per_value(self, compressed: bool) -> float:
         return self.weight_format.bytes_per_value if compressed else self.bytes_per_value
 
+    @property
+    def resident_params(self) -> int:
+        """Per sparse layer, the router (hidden x experts) and the shared expert's gate (hidden x 1):
+        the engine keeps them uncompressed on the compute device whatever the placement
+        (ModelMath.resident_weights), as every token needs them before any expert."""
+        if not self.num_experts:
+            return 0
+        return self.hidden_size * self.num_experts + (self.hidden_size if self.shared_expert_ffn_size else 0)
+
+    @property
+    def layer_resident_bytes(self) -> float:
+        """What the engine keeps on the compute device whatever the placement, in the compute dtype
+        (mean over layers): the norms and biases (a layer's small tensors) and resident_params."""
+        return (self.layer_vector_params + self._per_layer(self.resident_params, 0)) * self.bytes_per_value
+
+    def layer_placed_bytes(self, compressed: bool) -> float:
+        """One layer's bytes the weight fractions place and a streamed layer reads (mean over layers):
+        the matrices but the resident ones, group-wise (weight_format) when compressed."""
+        placed = self.layer_matrix_params - self._per_layer(self.resident_params, 0)
+        return placed * self.matrix_bytes_per_value(compressed)
+
     def layer_weight_bytes(self, compressed: bool) -> float:
-        """Stored bytes of one layer's weights: matrices group-wise (weight_format) when compressed."""
-        return (self.layer_matrix_params * self.matrix_bytes_per_value(compressed)
-                + self.layer_vector_params * self.bytes_per_value)
+        """Stored bytes of one layer's weights: matrices group-wise (weight_format) when compressed,
+        the resident ones (routers) in the compute dtype."""
+        return self.layer_placed_bytes(compressed) + self.layer_resident_bytes
 
     def layer_expert_bytes(self, compressed: bool) -> float:
         """The routed experts' share of layer_weight_bytes (mean over layers)."""
         return self.layer_expert_params * self.matrix_bytes_per_value(compressed)
 
     def largest_layer_weight_bytes(self, compressed: bool) -> float:
-        """The largest layer's bytes (a streamed layer's working buffer holds any layer)."""
+        """The largest layer's placed bytes (a streamed layer's working buffer holds any layer's
+        streamed matrices: not its router, norms and biases, which stay on the compute device)."""
+        sparse = self.num_experts * self.expert_params + self.moe_shared_params - self.resident_params
         ffn = max(self.dense_ffn_params if self.sparse_layers < self.num_layers else 0,
-                  self.num_experts * self.expert_params + self.moe_shared_params if self.num_experts else 0)
-        return ((self.attention_params + ffn) * self.matrix_bytes_per_value(compressed)
-                + self.layer_vector_params * self.bytes_per_value)
+                  sparse if self.num_experts else 0)
+        return (self.attention_params + ffn) * self.matrix_bytes_per_value(compressed)
 
     def kv_bytes_per_token(self, compressed: bool) -> float:
         """Bytes one token's K and V take in one layer's cache (kv_format when compressed)."""

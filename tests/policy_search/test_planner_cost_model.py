@@ -42,7 +42,7 @@ def test_each_prefetched_layer_costs_one_layer_buffer(opt13b, t4):
     wl = Workload(prompt_len=128, gen_len=8)
     policy = Policy(gpu_batch_size=4, **(ALL_GPU | dict(w_gpu=0.0, w_disk=1.0)))
     one, two = (estimate(policy.replace(weight_prefetch=d), opt13b, t4, wl) for d in (1, 2))
-    layer = opt13b.layer_weight_bytes(False)
+    layer = opt13b.layer_placed_bytes(False)  # norms and biases stay on the compute device
     assert two.peak_memory["gpu"] - one.peak_memory["gpu"] == pytest.approx(layer)
     assert two.peak_memory["cpu"] - one.peak_memory["cpu"] == pytest.approx(layer)
     off = estimate(policy.replace(weight_prefetch=2, overlap=False), opt13b, t4, wl)
@@ -55,7 +55,7 @@ def test_weight_stream_time_is_bytes_over_bandwidth(opt13b, t4):
     for compressed in (False, True):
         est = estimate(policy.replace(compress_weight=compressed), opt13b, t4, wl)
         # the decoder layers stream; embeddings and the LM head stay on the compute device (as the engine keeps them)
-        streamed = opt13b.num_layers * opt13b.layer_weight_bytes(compressed)
+        streamed = opt13b.num_layers * opt13b.layer_placed_bytes(compressed)
         decode = est.passes[-1]
         assert decode.resources["host->device"] == pytest.approx(0.75 * streamed / t4.host_to_device)
         assert decode.resources["disk->host"] == pytest.approx(0.25 * streamed / t4.disk_to_host)

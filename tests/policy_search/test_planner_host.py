@@ -26,7 +26,7 @@ def test_disk_weights_cost_a_read_and_no_copy(opt13, host):
     (offload/placement.py); only the cpu tier's half is copied, by the cores."""
     wl = Workload(prompt_len=64, gen_len=8)
     policy = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_cpu=0.5, w_disk=0.5)))
-    layers = opt13.num_layers * opt13.layer_weight_bytes(False)
+    layers = opt13.num_layers * opt13.layer_placed_bytes(False)
     decode = _decode(estimate(policy, opt13, host, wl))[0]
     r = decode.resources
     assert r["host->device"] == pytest.approx(0.5 * layers / host.host_to_device)
@@ -40,7 +40,7 @@ def test_disk_reads_take_cpu_from_the_computing_cores(opt13, host):
     filling the working buffers), so it adds to the compute chain; on a GPU machine it does not."""
     wl = Workload(prompt_len=64, gen_len=8)
     policy = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_cpu=0.25, w_disk=0.75)))
-    layers = opt13.num_layers * opt13.layer_weight_bytes(False)
+    layers = opt13.num_layers * opt13.layer_placed_bytes(False)
     cpu_per_byte = 0.04 / GB  # 0.04 CPU s/GB
     reads = host.replace(disk_read_cpu=cpu_per_byte)
     plain, charged = (_decode(estimate(policy, opt13, h, wl))[0] for h in (host, reads))
@@ -106,7 +106,7 @@ def test_embeddings_and_head_stay_on_the_compute_device(opt13, host):
     wl = Workload(prompt_len=64, gen_len=8)
     streamed = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.0, w_cpu=1.0)))
     est = estimate(streamed, opt13, host, wl)
-    layers = opt13.num_layers * opt13.layer_weight_bytes(False)
+    layers = opt13.num_layers * opt13.layer_placed_bytes(False)
     # only the decoder layers move, however the weights are placed
     assert est.passes[0].resources["host->device"] == pytest.approx(layers / host.host_to_device)
     # the gpu tier holds the embeddings and head; the cpu tier the layers

@@ -54,8 +54,11 @@ def test_mixtral_bytes_are_the_sum_over_its_tensors():
     assert spec.bytes_per_value == 2  # bfloat16
     assert spec.num_params == sum(numel(s) for s in shapes.values())
     assert spec.weight_bytes(False) == 2 * sum(numel(s) for s in shapes.values())
-    # 4-bit: the layers' matrices (experts and router included) group-wise, the rest 2 bytes a value
-    layer_matrices = sum(numel(s) for k, s in shapes.items() if k.startswith("model.layers.") and len(s) == 2)
+    # 4-bit: the layers' matrices (experts included) group-wise; the routers, which the engine keeps
+    # uncompressed on the compute device (resident), and the rest 2 bytes a value
+    routers = sum(numel(s) for k, s in shapes.items() if k.endswith("block_sparse_moe.gate.weight"))
+    assert routers == spec.num_layers * spec.resident_params
+    layer_matrices = sum(numel(s) for k, s in shapes.items() if k.startswith("model.layers.") and len(s) == 2) - routers
     rest = sum(numel(s) for s in shapes.values()) - layer_matrices
     assert spec.weight_bytes(True) == pytest.approx(layer_matrices * WEIGHT_FORMAT.bytes_per_value + 2 * rest,
                                                     rel=1e-12)
@@ -130,8 +133,9 @@ def test_qwen2_moe_layers_mix_sparse_and_dense():
     routed = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
     assert layers * spec.layer_routed_params == pytest.approx(routed, rel=1e-12)
     assert spec.bytes_per_value == 4  # float32
-    assert spec.largest_layer_weight_bytes(False) == 4 * (spec.attention_params + max(dense_ffn, sparse_ffn)
-                                                           + spec.layer_vector_params)
+    # a working buffer holds the streamed matrices: the sparse layer's without its router and shared gate
+    assert spec.resident_params == h * cfg["num_experts"] + h
+    assert spec.largest_layer_weight_bytes(False) == 4 * (spec.attention_params + max(dense_ffn, sparse_ffn - spec.resident_params))
 
 
 def test_qwen3_head_dim_is_its_own_and_q_k_are_normed():
@@ -199,7 +203,8 @@ def test_routed_reads_cut_the_disk_term_by_the_touched_fraction():
     base = Policy(gpu_batch_size=4, num_gpu_batches=1, scheduler="block", compress_weight=True, **ALL_DISK)
     off = estimate(base, spec, hw, workload)
     on = estimate(base.replace(routed_expert_reads=True), spec, hw, workload)
-    layers, layer_bytes, expert_bytes = spec.num_layers, spec.layer_weight_bytes(True), spec.layer_expert_bytes(True)
+    # the disk holds the placed bytes: not the routers, which stay on the compute device
+    layers, layer_bytes, expert_bytes = spec.num_layers, spec.layer_placed_bytes(True), spec.layer_expert_bytes(True)
     for p_off, p_on in zip(off.passes, on.passes):
         rows = p_off.decode_tokens + p_off.prompt_tokens
         touched = 1 - (1 - 2 / 8) ** rows  # top-2 of 8, every row of the pass

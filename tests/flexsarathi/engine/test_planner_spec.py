@@ -81,3 +81,25 @@ def test_weight_working_buffers_are_what_the_planner_prices(tiny_checkpoint, tmp
         assert reserved <= planned + rounding
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe_dense_layer", "mixtral", "llama_blocks64", "opt"])
+@pytest.mark.parametrize("w_gpu", [0.0, 1.0])
+def test_gpu_tier_weights_are_what_the_planner_prices(tiny_checkpoint, tmp_path, kind, w_gpu):
+    """Norms, biases and (MoE) the routers and shared-expert gates stay on the compute device,
+    uncompressed, whatever the placement; the other matrices go where the weight fractions say.
+    The planner's gpu tier (ModelSpec.layer_resident_bytes + w_gpu x layer_placed_bytes per layer)
+    is the engine's reservation for them to the byte. (A Qwen3-30B-A3B policy searched for 4 GiB
+    was refused by 7.5 MiB: the planner had priced its 48 fp32 routers as 4-bit matrices placed
+    by the fractions.)"""
+    folder, _ = tiny_checkpoint(kind)
+    policy = Policy(w_gpu=w_gpu, w_cpu=1.0 - w_gpu, w_disk=0.0)
+    engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
+    try:
+        spec = planner_model_spec(folder)
+        reserved = engine.memory.in_use_by_what("gpu").get("weights (gpu tier)", 0)
+        planned = spec.num_layers * (spec.layer_resident_bytes + w_gpu * spec.layer_placed_bytes(False))
+        assert reserved == pytest.approx(planned, abs=0.5)
+        assert (spec.resident_params > 0) == (spec.num_experts > 0)
+    finally:
+        engine.close()
