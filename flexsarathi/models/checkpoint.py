@@ -12,13 +12,13 @@ import math
 import os
 import zlib
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
+from flexsarathi.models.worker_pools import worker_pool
 from flexsarathi.models import ModelMath, Weights, build_model_math
 from policy_search.model_registry import known_config
 from quant import QTensor, QuantConfig
@@ -220,16 +220,5 @@ class DummyWeights(WeightSource):
         # One generator per tensor, so the tensors are drawn side by side (each draw is serial and
         # releases the GIL: a 7B layer's six matrices took ~2 s on one core) with the same values.
         shapes = self.model.layer_shapes(layer)
-        drawn = _draw_pool().map(lambda item: draw(*item), shapes.items())
+        drawn = worker_pool("dummy-draw").map(lambda item: draw(*item), shapes.items())
         return dict(zip(shapes, drawn))
-
-
-_DRAW_POOL: ThreadPoolExecutor | None = None
-
-
-def _draw_pool() -> ThreadPoolExecutor:
-    """Threads that draw one dummy layer's tensors at once (as many as the cores, up to 8)."""
-    global _DRAW_POOL
-    if _DRAW_POOL is None:
-        _DRAW_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="dummy-draw")
-    return _DRAW_POOL

@@ -29,14 +29,13 @@ weight or its layers mix bit widths or groups (Q4_K_M: Q4_K beside Q6_K), `commo
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from flexsarathi.errors import CheckpointError
+from flexsarathi.models.worker_pools import worker_pool
 from quant import QTensor, QuantConfig, pack_4bit, unpack_4bit
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -107,19 +106,8 @@ def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes |
         for f in ("data", "scale", "minimum"):
             getattr(out, f)[start:start + step] = getattr(part, f)
 
-    list(_decode_pool().map(decode, range(0, rows, step)))
+    list(worker_pool("gguf-decode").map(decode, range(0, rows, step)))
     return out
-
-
-_DECODE_POOL: ThreadPoolExecutor | None = None
-
-
-def _decode_pool() -> ThreadPoolExecutor:
-    """Threads that decode one tensor's chunks of rows at once (as many as the cores, up to 8)."""
-    global _DECODE_POOL
-    if _DECODE_POOL is None:
-        _DECODE_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="gguf-decode")
-    return _DECODE_POOL
 
 
 def _decode_rows(raw: np.ndarray, type_name: str, cols: int) -> Codes:
