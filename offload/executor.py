@@ -31,6 +31,7 @@ from offload.kv_cache import KVPool
 from offload.streams import (IOStream, bind_thread, device_guard, indexed, record_event, to_device, to_host,
                              used_on, wait_for)
 from offload.weights import LayerWeightStore
+from quant.cpu_int8_matmul import cpu_matmul_mode
 
 CPU = torch.device("cpu")
 
@@ -38,10 +39,11 @@ CPU = torch.device("cpu")
 class PassExecutor:
     def __init__(self, model, weights: LayerWeightStore, kv_pools: dict[str, KVPool],
                  activations: ActivationStore, device: torch.device, dtype: torch.dtype, *,
-                 overlap: bool = True, cpu_attention: bool = False):
+                 overlap: bool = True, cpu_attention: bool = False, cpu_matmul: str = "dequantize"):
         self.model, self.weights, self.kv_pools, self.acts = model, weights, kv_pools, activations
         self.device, self.dtype = torch.device(device), dtype
         self.cpu_attention = cpu_attention
+        self.cpu_matmul = cpu_matmul  # "int8x2", "int8" or "dequantize": 4-bit weights on the CPU (quant/fused.py)
         self._io = (ThreadPoolExecutor(1, thread_name_prefix="kv-act-io", initializer=bind_thread,
                                        initargs=(indexed(self.device),)) if overlap else None)
         # CUDA: the I/O thread's copies run on their own stream, ordered by events (offload/streams.py).
@@ -88,7 +90,7 @@ class PassExecutor:
         """Runs one pass; returns, per micro-batch, fp32 logits of its `logit_rows` [R, vocab]."""
         if self.device.type == "cpu":
             keep_freed_host_memory()  # once per process; see offload/host_malloc.py
-        with device_guard(self.device):
+        with device_guard(self.device), cpu_matmul_mode(self.cpu_matmul):
             batches = [mb.to(self.device) for mb in micro_batches]
             g = self.weights.global_weights()
             for k, mb in enumerate(batches):

@@ -1,7 +1,9 @@
 """`quantized_linear(x, qweight, bias)`: `F.linear(x, dequantize(qweight), bias)`, fused on CUDA where it pays.
 
-CPU (and any non-CUDA device): dequantize into a reused buffer, then `F.linear` - this is what the
-engine runs there for a weight in our own layout (a fresh allocation per call would cost more than
+CPU (and any non-CUDA device): inside `cpu_matmul_mode("int8x2" or "int8")` (the engine's passes
+with its `cpu_matmul` setting; int8x2 is the default where the kernel builds), x rounded to int8
+times the 4-bit codes on the integer units (quant/cpu_int8_matmul.py). Otherwise, and for what that kernel does not cover,
+dequantize into a reused buffer, then `F.linear` - this is what the engine runs there for a weight in our own layout (a fresh allocation per call would cost more than
 the dequantization itself: page-faulting new memory runs at a fraction of copy speed). A weight
 in the CPU int4 kernel's layout (`Int4Packed`) goes to quant/int4pack.py: the kernel at few rows,
 the same reused buffer and `F.linear` at many.
@@ -24,6 +26,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from quant import cpu_int8_matmul
 from quant.cpu_matmul import Int4Packed
 from quant.groupwise import dequantize
 from quant.int4pack import int4pack_linear
@@ -53,6 +56,9 @@ def quantized_linear(x: torch.Tensor, qweight: QTensor | Int4Packed, bias: torch
                 return triton_kernels.dequant_linear(x, qweight, bias)
         out = _cuda_scratch(qweight.shape[0] * qweight.shape[1], x.dtype, x.device).view(qweight.shape)
         return F.linear(x, dequantize(qweight, x.dtype, out=out), bias)
+    planes = cpu_int8_matmul.planes_for(x)
+    if planes and cpu_int8_matmul.covers(x, qweight) and cpu_int8_matmul.available():
+        return cpu_int8_matmul.int8_linear(x, qweight, bias, planes)
     return F.linear(x, dequantize(qweight, x.dtype, out=_scratch(qweight.shape, x.dtype, x.device)), bias)
 
 

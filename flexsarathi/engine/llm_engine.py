@@ -35,7 +35,7 @@ from policy_search.policy import TIERS, Policy
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT
 from policy_search.working_set import QUERY_BLOCK, PassTokens, gathered_tiers, working_set, worst_passes
-from quant import QuantConfig
+from quant import QuantConfig, cpu_int8_matmul
 from quant.config import WEIGHT_QUANT
 
 PLAIN_KV_BLOCK = 16  # tokens per block of an uncompressed KV pool
@@ -124,6 +124,19 @@ def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) ->
     return cpu_compute_dtype()
 
 
+def resolve_cpu_matmul(choice: str) -> str:
+    """EngineConfig.cpu_matmul -> "int8x2", "int8" or "dequantize" (what the passes run); an int8
+    mode where its kernel cannot be had here is one error saying why."""
+    if choice not in cpu_int8_matmul.MODES:
+        raise FlexSarathiError(f"cpu_matmul={choice!r}: use one of {', '.join(cpu_int8_matmul.MODES)}")
+    if choice == "dequantize" or (choice == "auto" and not cpu_int8_matmul.available()):
+        return "dequantize"
+    if not cpu_int8_matmul.available():
+        raise FlexSarathiError(f"cpu_matmul={choice!r}: the int8 kernel is not available on this machine: "
+                               f"{cpu_int8_matmul.unavailable_reason()}; use cpu_matmul='dequantize'")
+    return "int8x2" if choice == "auto" else choice
+
+
 def gpu_auto_dtype(checkpoint_dtype: torch.dtype, capability: tuple[int, int] | None) -> torch.dtype:
     """The checkpoint's half dtype (fp16 for fp32 ones), except bf16 below sm_80: a T4 (sm_75) has
     no bf16 tensor cores (torch emulates it slowly) and Triton's bf16 `tl.dot` does not compile
@@ -167,6 +180,12 @@ class EngineConfig:
     # tier there (offload/tiered_weights.py RowBlockAccess)
     routed_expert_reads: bool | None = None
     cpu_experts: bool | None = None
+    # 4-bit weights computed on the CPU (quant/cpu_int8_matmul.py): "int8x2" rounds x to two int8
+    # planes per block (~16 bits) and multiplies the codes on the integer units at decode row
+    # counts (<= 64 rows; more: dequantize); "int8": one plane at every row count (llama.cpp's
+    # arithmetic: fastest, x rounded to 8 bits); "dequantize": F.linear on the dequantized weight
+    # (exact to the codes); "auto": int8x2 where its kernel builds on this machine, else dequantize.
+    cpu_matmul: str = "auto"
 
 
 def _formats_key(quant, dtype: torch.dtype, device: torch.device) -> str:
@@ -218,9 +237,10 @@ class LLMEngine:
         cuda = self.device.type == "cuda"
         self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,
                                            folder=self._offload_folder() if p.act_disk > 0 else None)
+        self.cpu_matmul = resolve_cpu_matmul(e.cpu_matmul)
         self.executor = PassExecutor(self.model, self.weights, self.kv_pools, self.activations,
                                      self.device, self.dtype, overlap=p.overlap,
-                                     cpu_attention=p.cpu_attention)
+                                     cpu_attention=p.cpu_attention, cpu_matmul=self.cpu_matmul)
         self.blocks = BlockManager(self.block_size, {}, num_residual=0)  # laid out per batch
         self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
         self._rng = random.Random(e.seed)

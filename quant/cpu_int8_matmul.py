@@ -1,0 +1,246 @@
+"""`int8_linear(x, qweight, bias)`: a 4-bit weight times x rounded to int8, on the CPU's integer units.
+
+Why: on a CPU without AVX-512 the engine's other path for a 4-bit weight dequantizes the whole
+weight to fp32 on every call, then multiplies (quant/fused.py): at decode rows the dequantization
+costs several times the matmul (llama-2-7b's 11008 x 4096 at 32 rows, 2 threads: 150 ms against
+90 ms for F.linear on fp32 weights). llama.cpp instead rounds x to int8 and multiplies the codes
+by it with AVX2's 32-lane integer multiply-add (vpmaddubsw). quant/csrc/q4_int8_gemm.c does that on
+our own layouts (split halves and adjacent pairs, fp16 or fp32 minimums), reading half a byte per
+weight: 45 ms at 32 rows, 3.5 ms at 1 row (docs/BENCHMARKS.md, "int8 x 4-bit CPU kernel").
+
+Arithmetic (what the tests hold it to): per row of x and per block of XB consecutive values (32,
+64 or 128, inside one weight group), `step = max|x| / 127` and `xq = round(x / step)`; with the
+codes centred on 8 and `zero = minimum + 8 * scale` (the value of code 8),
+
+    y[m, n] = sum_g scale[n, g] * sum_{k in g} (code[n, k] - 8) * xq[m, k] * step[m, block(k)]
+              + zero[n, g] * sum_{k in g} x[m, k]                         (x's exact fp32 sum)
+
+with exact integer block sums and fp32 accumulation. So the result differs from
+`F.linear(x, dequantize(qweight))` only by `sum_k scale * (code - 8)[n, k] * (x - xq * step)[m, k]`,
+at most `sum_k |w - zero| * step / 2` (`error_bound`), plus fp32 rounding. (Centring matters: the
+uncentred sum weighs x's rounding by |w - minimum|, about 3x more for a weight's usual groups.) A NaN or an
+infinity in x makes its outputs NaN, never finite.
+
+The kernel is C, compiled once per machine with the system's C compiler (`cc`, or $CC) into
+~/.cache/flexsarathi/kernels (or $FLEXSARATHI_KERNEL_CACHE), keyed by the source, the flags and the
+compiler, and loaded with ctypes (calls release the GIL: the output rows are split over threads).
+Where there is no compiler, no AVX2, or the build fails, `unavailable_reason()` says why and the
+engine keeps the dequantizing path ("auto") or refuses ("int8"): flexsarathi/engine/llm_engine.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from quant.qtensor import QTensor
+
+SOURCE = Path(__file__).parent / "csrc" / "q4_int8_gemm.c"
+# -ffp-contract=off: x's rounding is the stated fp32 arithmetic, with no fused multiply-adds the
+# tests' torch reference would not have.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+MODES = ("auto", "int8x2", "int8", "dequantize")  # the engine's `cpu_matmul` choice
+# Rows of x up to which "int8x2" runs the kernel; above, dequantize + F.linear (exact, and as fast
+# there: two planes double the integer work, while one dequantization serves every row).
+# Measured on an AVX2 EPYC (docs/BENCHMARKS.md, "int8 x 4-bit CPU kernel").
+INT8X2_MAX_ROWS = 64
+ROW_ALIGN = 8  # output rows per thread's share are a multiple of it (cache lines of y)
+
+_state = threading.local()  # .mode: this thread's choice for quantized_linear (see cpu_matmul_mode)
+_pool_lock = threading.Lock()
+_pools: dict[int, object] = {}
+
+
+@contextlib.contextmanager
+def cpu_matmul_mode(mode: str):
+    """`quantized_linear` on the CPU uses this kernel inside the block: "int8" (x rounded to one int8
+    plane per block, llama.cpp's arithmetic) or "int8x2" (two planes, ~16 bits, up to
+    INT8X2_MAX_ROWS rows); "dequantize" or outside any block: the exact dequantizing path. The
+    engine's passes run inside one (its `cpu_matmul` setting). Thread-local."""
+    if mode not in ("int8x2", "int8", "dequantize"):
+        raise ValueError(f"cpu_matmul_mode: {mode!r} is not 'int8x2', 'int8' or 'dequantize'")
+    before = getattr(_state, "mode", "dequantize")
+    _state.mode = mode
+    try:
+        yield
+    finally:
+        _state.mode = before
+
+
+def planes_for(x: torch.Tensor) -> int:
+    """How many int8 planes this thread's mode computes `x` with: 0 (dequantize instead), 1 or 2."""
+    mode = getattr(_state, "mode", "dequantize")
+    if mode == "int8":
+        return 1
+    if mode == "int8x2" and x.numel() <= INT8X2_MAX_ROWS * max(1, x.shape[-1]):
+        return 2
+    return 0
+
+
+def covers(x: torch.Tensor, qweight: QTensor) -> bool:
+    """The kernel computes `x @ qweightᵀ`: CPU fp32/bf16 x, a 4-bit weight [N, K] grouped along K in
+    groups of a multiple of 32 that tile K exactly, K a multiple of 64, contiguous buffers."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or qweight.device.type != "cpu":
+        return False
+    c, shape = qweight.config, qweight.shape
+    if c.bits != 4 or len(shape) != 2 or c.group_dim not in (-1, 1):
+        return False
+    k = shape[1]
+    return (c.group_size % 32 == 0 and k % c.group_size == 0 and k % 64 == 0
+            and all(t.is_contiguous() for t in (qweight.data, qweight.scale, qweight.minimum)))
+
+
+def x_block(qweight: QTensor) -> int:
+    """Values of x per int8 step: the largest of 128, 64, 32 inside one weight group (and, for the
+    split-halves layout, tiling each half row)."""
+    group, k = qweight.config.group_size, qweight.shape[1]
+    for block in (128, 64, 32):
+        if group % block == 0 and (qweight.config.adjacent_pairs or (k // 2) % block == 0):
+            return block
+    raise ValueError(f"x_block: group size {group} is not a multiple of 32")  # covers() rules this out
+
+
+def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, planes: int = 1) -> torch.Tensor:
+    """`x` `[..., K]` (fp32 or bf16) @ qweightᵀ (+ bias) -> `[..., N]` in x's dtype (see the module).
+    planes=2: x as two int8 planes (its rounding's residual, 254x finer, as M more rows), ~16 bits."""
+    lib, reason = _loaded()
+    if lib is None:
+        raise RuntimeError(f"int8_linear: the kernel is not available here: {reason}")
+    n, k = qweight.shape
+    if not covers(x, qweight) or x.shape[-1] != k or planes not in (1, 2):
+        raise ValueError(f"int8_linear: x {tuple(x.shape)} {x.dtype} on {x.device} and a weight {qweight.shape} "
+                         f"with {qweight.config}, planes={planes}, are not a case this kernel covers")
+    flat = x.reshape(-1, k).to(torch.float32).contiguous()  # [M, K]
+    m = flat.shape[0]
+    y = torch.empty(planes * m, n, dtype=torch.float32)  # plane p's product in rows [p * M, (p + 1) * M)
+    if m:
+        group, block, pairs = qweight.config.group_size, x_block(qweight), int(qweight.config.adjacent_pairs)
+        xq = torch.empty(planes * m, k, dtype=torch.int8)
+        steps = torch.empty(planes * m, k // block, dtype=torch.float32)
+        sums = torch.empty(planes * m, k // group, dtype=torch.float32)
+        rounded_sums = torch.empty(planes * m, k // group, dtype=torch.float32)
+
+        def quantize_rows(r0: int, r1: int) -> None:
+            fine = [t[m + r0].data_ptr() for t in (xq, steps, sums, rounded_sums)] if planes == 2 else [None] * 4
+            lib.fs_quantize_x(flat[r0].data_ptr(), r1 - r0, k, k, group, block, pairs, xq[r0].data_ptr(),
+                              steps[r0].data_ptr(), sums[r0].data_ptr(), rounded_sums[r0].data_ptr(), *fine)
+
+        def gemm(c0: int, c1: int) -> None:
+            lib.fs_q4_gemm(xq.data_ptr(), steps.data_ptr(), sums.data_ptr(), rounded_sums.data_ptr(), planes * m, k,
+                           group, block, qweight.data.data_ptr(), qweight.scale.data_ptr(),
+                           qweight.minimum.data_ptr(), int(qweight.config.minimum_fp32), pairs, c0, c1, y.data_ptr(), n)
+
+        threads = max(1, torch.get_num_threads())
+        _split(quantize_rows, m, min(threads, m), 1)
+        _split(gemm, n, threads, ROW_ALIGN)
+    out = y[:m] + y[m:] if planes == 2 else y
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def error_bound(x: torch.Tensor, qweight: QTensor, planes: int = 1) -> torch.Tensor:
+    """fp64 `[..., N]`: how far `int8_linear(x, qweight, planes=planes)` may lie from
+    `F.linear(x, dequantize(qweight))` in exact arithmetic: sum_k |scale * (code - 8)| * step / 2
+    (each x moves by at most half its step; with two planes, half the residual's 254x finer step)."""
+    from quant.groupwise import dequantize  # noqa: PLC0415 - only the tests and benchmarks need it
+
+    n, k = qweight.shape
+    flat = x.reshape(-1, k).double()
+    block = x_block(qweight)
+    steps = flat.view(-1, k // block, block).abs().amax(-1) / (127 if planes == 1 else 127 * 254)  # [M, K / block]
+    group = qweight.config.group_size
+    zero = qweight.minimum.double().view(n, -1) + 8 * qweight.scale.double().view(n, -1)
+    scaled_codes = (dequantize(qweight, torch.float64) - zero.repeat_interleave(group, 1)).abs()  # [N, K]
+    return (steps.repeat_interleave(block, 1) / 2) @ scaled_codes.T
+
+
+def _split(fn, total: int, parts: int, align: int) -> None:
+    """fn(start, stop) over `parts` ranges of [0, total) (multiples of `align`), one on this thread."""
+    step = -(-total // parts)
+    step = -(-step // align) * align
+    ranges = [(s, min(total, s + step)) for s in range(0, total, step)]
+    if len(ranges) == 1:
+        fn(*ranges[0])
+        return
+    pool = _pool(len(ranges) - 1)
+    futures = [pool.submit(fn, *r) for r in ranges[1:]]
+    fn(*ranges[0])
+    for f in futures:
+        f.result()
+
+
+def _pool(workers: int):
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    with _pool_lock:
+        if workers not in _pools:
+            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="int8-matmul")
+        return _pools[workers]
+
+
+def available() -> bool:
+    return _loaded()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    """None where the kernel is built and loaded; else why not (no AVX2, no compiler, the build's error)."""
+    return _loaded()[1]
+
+
+@functools.cache
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the loaded kernel, None), or (None, why not): built and loaded once per process."""
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+    p, i, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.fs_quantize_x.argtypes = [p, i, i, i, i, i, flag, p, p, p, p, p, p, p, p]
+    lib.fs_quantize_x.restype = None
+    lib.fs_q4_gemm.argtypes = [p, p, p, p, i, i, i, i, p, p, p, flag, flag, i, i, p, i]
+    lib.fs_q4_gemm.restype = None
+    return lib, None
+
+
+def _build() -> Path:
+    """The compiled kernel's path, built on first use (atomically: concurrent builders each write a
+    temporary file and rename it). RuntimeError says why it cannot be had here."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"the int8 kernel is AVX2 code; this machine is {platform.machine()}")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        raise RuntimeError(f"the int8 kernel needs AVX2 (torch reports CPU capability {capability})")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc, gcc or $CC) to build the int8 kernel with")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("FLEXSARATHI_KERNEL_CACHE")
+                  or Path.home() / ".cache" / "flexsarathi" / "kernels")
+    target = folder / f"q4_int8_gemm-{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        built = subprocess.run([compiler, *FLAGS, "-o", temporary, str(SOURCE)], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} with {compiler} failed: {built.stderr.strip()[-2000:]}")
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return target

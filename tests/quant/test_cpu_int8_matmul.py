@@ -1,0 +1,184 @@
+"""The int8 x 4-bit CPU kernel (quant/cpu_int8_matmul.py) against two references.
+
+- The kernel's own arithmetic, recomputed in float64 from the same rounded x (x's blocks rounded
+  in fp32 as the module says: step = max|x| / 127, round half to even): equal up to fp32
+  accumulation, which checks every layout's indexing (split halves, adjacent pairs, fp32 minimums,
+  each x block size).
+- `F.linear(x, dequantize(w))`: within `error_bound` (each x moves by at most half its step, times
+  |w - zero|) plus the same fp32 slack.
+A NaN or an infinity in x gives NaN outputs; a kernel that cannot be built is refused or skipped
+by the engine, never half-used.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quant import QuantConfig, dequantize, quantize, quantized_linear
+from quant import cpu_int8_matmul as k8
+
+needs_kernel = pytest.mark.skipif(not k8.available(), reason=f"int8 kernel not available: {k8.unavailable_reason()}")
+U_FP32 = 2.0**-24
+
+
+def _weight(n: int, k: int, group: int, seed: int, pairs: bool = False, minimum_fp32: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05 + 0.01
+    return quantize(w, QuantConfig(bits=4, group_size=group, adjacent_pairs=pairs, minimum_fp32=minimum_fp32))
+
+
+def _zero(q) -> torch.Tensor:
+    """float64 [N, K]: each value's group's zero (the value of code 8)."""
+    n = q.shape[0]
+    zero = q.minimum.double().view(n, -1) + 8 * q.scale.double().view(n, -1)
+    return zero.repeat_interleave(q.config.group_size, 1)
+
+
+def _rounded_x(x: torch.Tensor, block: int, planes: int) -> torch.Tensor:
+    """float64 x as the kernel rounds it, in fp32 as quant/csrc/q4_int8_gemm.c does: per block,
+    step = max|x| / 127, codes round(x * (127 / max|x|)); with two planes also the residual
+    x - codes * step, rounded with step / 254 (codes round(residual * (127 / max|x| * 254)))."""
+    xf = x.float().reshape(-1, x.shape[-1])
+    blocks = xf.view(xf.shape[0], -1, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    step = amax / 127
+    codes = torch.round(blocks * inverse).clamp(-127, 127)  # torch.round: half to even
+    rounded = codes.double() * step.double()
+    if planes == 2:
+        residual = blocks - codes * step
+        fine = torch.round(residual * (inverse * 254)).clamp(-127, 127)
+        rounded = rounded + fine.double() * (step / 254).double()
+    return rounded.view_as(xf)
+
+
+def _fp32_slack(x: torch.Tensor, q) -> torch.Tensor:
+    """A bound on fp32 accumulation: (K + 3 * groups + 16) * u * sum_k |x| (|w - zero| + |zero|)."""
+    xf = x.reshape(-1, x.shape[-1]).double().abs()
+    w = dequantize(q, torch.float64)
+    zero = _zero(q)
+    terms = xf @ ((w - zero).abs() + zero.abs()).T
+    k = q.shape[1]
+    return (k + 3 * k // q.config.group_size + 16) * U_FP32 * terms + 1e-30
+
+
+CASES = [(96, 64, 64, False, False), (64, 128, 32, False, False), (40, 256, 128, True, False),
+         (72, 320, 64, True, True), (16, 1024, 256, False, True), (8, 192, 64, False, False)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,group,pairs,m32", CASES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_kernel_is_its_stated_arithmetic(n, k, group, pairs, m32, rows, planes):
+    q = _weight(n, k, group, seed=n + k + rows, pairs=pairs, minimum_fp32=m32)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
+    got = k8.int8_linear(x, q, planes=planes).double()
+    zero = _zero(q)
+    centred = dequantize(q, torch.float64) - zero  # scale * (code - 8)
+    expected = _rounded_x(x, k8.x_block(q), planes) @ centred.T + x.double() @ zero.T
+    assert (got - expected).abs().le(_fp32_slack(x, q)).all()
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 40), k_units=st.integers(1, 6), group=st.sampled_from([32, 64, 128]),
+       rows=st.integers(0, 7), pairs=st.booleans(), m32=st.booleans(), seed=st.integers(0, 2**16),
+       spread=st.sampled_from([1e-3, 1.0, 50.0]), planes=st.sampled_from([1, 2]))
+def test_within_the_rounding_bound_of_dequantize_and_matmul(n, k_units, group, rows, pairs, m32, seed, spread,
+                                                            planes):
+    k = 64 * k_units * (2 if group == 128 else 1)
+    q = _weight(n, k, group, seed, pairs, m32)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(rows, k, generator=g) * spread * torch.rand(rows, 1, generator=g)
+    x[:, ::7] *= 20  # outlier channels, as in real activations
+    got = k8.int8_linear(x, q, planes=planes).double()
+    exact = x.double() @ dequantize(q, torch.float64).T
+    assert got.shape == (rows, n)
+    assert (got - exact).abs().le(k8.error_bound(x, q, planes) + _fp32_slack(x, q)).all()
+
+
+@needs_kernel
+def test_bias_dtype_and_leading_dimensions():
+    q = _weight(64, 128, 64, seed=3)
+    x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(5))
+    plain = k8.int8_linear(x, q)
+    assert plain.shape == (2, 3, 64) and plain.dtype == torch.float32
+    torch.testing.assert_close(k8.int8_linear(x, q, bias), plain + bias, rtol=0, atol=1e-6)
+    half = k8.int8_linear(x.bfloat16(), q)
+    assert half.dtype == torch.bfloat16
+    # bf16 x is widened exactly, computed as fp32 and rounded once
+    assert torch.equal(half, k8.int8_linear(x.bfloat16().float(), q).bfloat16())
+    assert k8.int8_linear(torch.empty(0, 128), q).shape == (0, 64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_a_non_finite_x_gives_nan_never_a_finite_number(bad, planes):
+    q = _weight(32, 128, 64, seed=6)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7))
+    x[1, 70] = bad
+    y = k8.int8_linear(x, q, planes=planes)
+    assert y[1].isnan().all()
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
+
+
+@needs_kernel
+def test_quantized_linear_uses_the_kernel_only_inside_int8_mode():
+    q = _weight(64, 256, 64, seed=8)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(9))
+    exact = F.linear(x, dequantize(q, torch.float32))
+    assert torch.equal(quantized_linear(x, q), exact)  # the default: dequantize + matmul
+    with k8.cpu_matmul_mode("int8"):
+        assert torch.equal(quantized_linear(x, q), k8.int8_linear(x, q))
+        with k8.cpu_matmul_mode("dequantize"):
+            assert torch.equal(quantized_linear(x, q), exact)
+    with k8.cpu_matmul_mode("int8x2"):  # two planes at decode row counts, exact above
+        assert torch.equal(quantized_linear(x, q), k8.int8_linear(x, q, planes=2))
+        many = torch.randn(k8.INT8X2_MAX_ROWS + 1, 256)
+        assert torch.equal(quantized_linear(many, q), F.linear(many, dequantize(q, torch.float32)))
+        # a shape the kernel does not cover (K not a multiple of 64) keeps the exact path
+        odd = _weight(8, 96, 32, seed=10)
+        xo = torch.randn(2, 96)
+        assert not k8.covers(xo, odd)
+        assert torch.equal(quantized_linear(xo, odd), F.linear(xo, dequantize(odd, torch.float32)))
+    assert torch.equal(quantized_linear(x, q), exact)  # the mode does not leak out of the block
+    with pytest.raises(ValueError, match="cpu_matmul_mode"):
+        with k8.cpu_matmul_mode("fast"):
+            pass
+
+
+def test_a_kernel_that_cannot_be_built_says_why(monkeypatch, tmp_path):
+    """Fault injected: a compiler that fails. The kernel is unavailable with the compiler's words;
+    the engine's "auto" then computes by dequantizing and "int8" is one clear error."""
+    from flexsarathi.engine.llm_engine import resolve_cpu_matmul
+    from flexsarathi.errors import FlexSarathiError
+
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: error: no such compiler today' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    monkeypatch.setenv("FLEXSARATHI_KERNEL_CACHE", str(tmp_path / "kernels"))
+    k8._loaded.cache_clear()
+    try:
+        assert not k8.available()
+        reason = k8.unavailable_reason()
+        assert "failed" in reason or "AVX2" in reason or "machine" in reason
+        if "failed" in reason:
+            assert "no such compiler today" in reason
+        assert resolve_cpu_matmul("auto") == "dequantize"
+        for mode in ("int8", "int8x2"):
+            with pytest.raises(FlexSarathiError, match=f"cpu_matmul='{mode}'.*not available"):
+                resolve_cpu_matmul(mode)
+        with pytest.raises(FlexSarathiError, match="cpu_matmul='fastest'"):
+            resolve_cpu_matmul("fastest")
+        assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built is left to load
+    finally:
+        monkeypatch.undo()
+        k8._loaded.cache_clear()
+    assert resolve_cpu_matmul("dequantize") == "dequantize"
