@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_quant_cpu.py --quick           # one shape, few rows, 1 thread
     .venv/bin/python scripts/bench_quant_cpu.py --threads 1 2     # opt-1.3b shapes, 1-512 rows
     .venv/bin/python scripts/bench_quant_cpu.py --layer --threads 2 --rows 30 480   # one opt-1.3b layer
+    .venv/bin/python scripts/bench_quant_cpu.py --layer --shapes llama-2-7b --dtype float32 --threads 2
 
 Per (shape, rows, dtype, threads), after a warm-up, the paths taking turns call by call in one
 process; the fastest of --repeats calls per path (the least disturbed on a shared machine):
@@ -13,6 +14,8 @@ process; the fastest of --repeats calls per path (the least disturbed on a share
           path since it is stored so): the kernel up to CPU_INT4_KERNEL_MAX_ROWS rows, else
           dequantize_int4pack + F.linear (quant/int4pack.py)
   kernel  torch's int4 kernel at any row count;  pk-deq  dequantize_int4pack + F.linear at any
+  int8    our int8 x 4-bit kernel on the row-major weight, x as one int8 plane (quant/cpu_int8_matmul.py)
+  int8x2  the same with two planes (~16 bits): the engine's default up to INT8X2_MAX_ROWS rows
 and the pass-time model for a weight streamed from disk at --disk-gbps: pass = max(io, compute),
 io = stored bytes / rate; "4bit/plain" > 1 means 4-bit is faster for that linear.
 --layer: the four linears of one opt-1.3b layer (qkv fused, o, fc1, fc2) summed, x 24 layers: the
@@ -33,10 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from quant import QuantConfig, quantize, quantized_linear  # noqa: E402
 from quant.cpu_matmul import layout_matches_torch, linear_4bit, pack_for_cpu_kernel  # noqa: E402
+from quant import cpu_int8_matmul  # noqa: E402
 from quant.int4pack import dequantize_int4pack  # noqa: E402
 from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS  # noqa: E402
 
 OPT_1_3B_SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))  # [out, in]: attention, fc1, fc2
+# One layer's linears, [out, in], and the model's layer count (--layer)
+LAYERS = {"opt-1.3b": (((6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)), 24),
+          "llama-2-7b": (((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)), 32)}
 ROWS = (1, 8, 32, 128, 512)
 
 
@@ -58,6 +65,9 @@ def timed_paths(x, weight, q, packed, repeats) -> dict[str, float]:
     if packed is not None:
         paths |= {"packed": lambda: quantized_linear(x, packed), "kernel": lambda: linear_4bit(x, packed),
                   "pk-deq": lambda: F.linear(x, dequantize_int4pack(packed, out=scratch))}
+    if cpu_int8_matmul.available() and cpu_int8_matmul.covers(x, q):
+        paths |= {"int8": lambda: cpu_int8_matmul.int8_linear(x, q),
+                  "int8x2": lambda: cpu_int8_matmul.int8_linear(x, q, planes=2)}
     for f in paths.values():  # warm-up: buffers allocated, caches and the thread pool started
         f()
     times: dict[str, list[float]] = {k: [] for k in paths}
@@ -69,9 +79,11 @@ def timed_paths(x, weight, q, packed, repeats) -> dict[str, float]:
     return {k: min(v) for k, v in times.items()}
 
 
-def summary(label, t, io_plain, io_4bit) -> str:
+def summary(label, t, io_plain, io_4bit, rows) -> str:
     """One line: times, ratios to plain, and the streamed pass-time model."""
-    best_4bit = t.get("packed", t["rowmaj"])  # what the engine runs on a weight streamed in its format
+    # what the engine runs on a weight streamed in its format (cpu_matmul="auto")
+    best_4bit = t.get("packed", t["int8x2"] if "int8x2" in t and rows <= cpu_int8_matmul.INT8X2_MAX_ROWS
+                      else t["rowmaj"])
     gain = max(io_plain, t["plain"]) / max(io_4bit, best_4bit)
     times = " ".join(f"{k}={v * 1e3:7.2f}" for k, v in t.items())
     ratios = " ".join(f"{k}/plain={v / t['plain']:5.2f}" for k, v in t.items() if k != "plain")
@@ -86,13 +98,14 @@ def bench_shape(shape, rows, dtype, repeats, disk_bps) -> list[str]:
     lines = []
     for m in rows:
         t = timed_paths(torch.randn(m, in_features).to(dtype), weight, q, packed, repeats)
-        lines.append(summary(f"{out_features}x{in_features} {str(dtype)[6:]:8} rows={m:4d}", t, io_plain, io_4bit))
+        lines.append(summary(f"{out_features}x{in_features} {str(dtype)[6:]:8} rows={m:4d}", t, io_plain, io_4bit, m))
     return lines
 
 
-def bench_layer(rows, dtype, repeats, disk_bps, layers=24) -> list[str]:
-    """One opt-1.3b layer's linears (qkv fused, o, fc1, fc2) summed and scaled to `layers` layers."""
-    shapes = ((6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192))
+def bench_layer(rows, dtype, repeats, disk_bps, model="opt-1.3b") -> list[str]:
+    """One layer's linears (opt: qkv fused, o, fc1, fc2; llama: qkv, o, gate/up fused, down) summed
+    and scaled to the model's layers."""
+    shapes, layers = LAYERS[model]
     weights = [linears(s, dtype) for s in shapes]
     io_plain = layers * sum(w.numel() * w.element_size() for w, _, _ in weights) / disk_bps
     io_4bit = layers * sum(q.nbytes for _, q, _ in weights) / disk_bps
@@ -102,7 +115,7 @@ def bench_layer(rows, dtype, repeats, disk_bps, layers=24) -> list[str]:
         for (w, q, packed), shape in zip(weights, shapes):
             for k, v in timed_paths(torch.randn(m, shape[1]).to(dtype), w, q, packed, repeats).items():
                 total[k] = total.get(k, 0.0) + layers * v
-        lines.append(summary(f"opt-1.3b pass ({layers} layers) {str(dtype)[6:]} rows={m:4d}", total, io_plain, io_4bit))
+        lines.append(summary(f"{model} pass ({layers} layers) {str(dtype)[6:]} rows={m:4d}", total, io_plain, io_4bit, m))
     return lines
 
 
@@ -114,7 +127,8 @@ def main(argv=None) -> None:
     p.add_argument("--disk-gbps", type=float, default=1.75, help="disk read rate for the pass-time model")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    p.add_argument("--layer", action="store_true", help="a whole opt-1.3b layer's linears, x 24 layers")
+    p.add_argument("--layer", action="store_true", help="a whole layer's linears, x the model's layers")
+    p.add_argument("--shapes", choices=sorted(LAYERS), default="opt-1.3b", help="the model of --layer")
     p.add_argument("--cpu-time", action="store_true",
                    help="time by this thread's CPU time (1 thread only: torch then computes on the calling "
                         "thread): on a loaded machine it leaves out the time other processes hold the core")
@@ -129,13 +143,14 @@ def main(argv=None) -> None:
         shapes, rows, threads = ((2048, 2048),), (1, 32, 512), [1]
     print(cpu_line(' and '.join(args.dtype)))
     print(f"int4 layout ours == torch's converter here: {layout_matches_torch()}; kernel up to "
-          f"{CPU_INT4_KERNEL_MAX_ROWS} rows; disk {args.disk_gbps} GB/s")
+          f"{CPU_INT4_KERNEL_MAX_ROWS} rows; int8 kernel: {cpu_int8_matmul.unavailable_reason() or 'built'} "
+          f"(int8x2 up to {cpu_int8_matmul.INT8X2_MAX_ROWS} rows); disk {args.disk_gbps} GB/s")
     for n in threads:
         torch.set_num_threads(n)
         print(f"-- {n} thread(s)")
         for dtype in (getattr(torch, d) for d in args.dtype):
             if args.layer:
-                for line in bench_layer(rows, dtype, args.repeats, args.disk_gbps * 1e9):
+                for line in bench_layer(rows, dtype, args.repeats, args.disk_gbps * 1e9, args.shapes):
                     print(line, flush=True)
                 continue
             for shape in shapes:

@@ -33,6 +33,10 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
     """--dtype and --device (every command that builds an engine)."""
     add_dtype_arg(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--cpu-matmul", choices=("auto", "int8x2", "int8", "dequantize"), default="auto",
+                   help="4-bit weights multiplied on the CPU: int8x2 (x as two int8 planes, ~16 bits, at "
+                   "decode row counts), int8 (one plane at every row count: llama.cpp's arithmetic, "
+                   "fastest), dequantize (exact to the codes); auto: int8x2 where its AVX2 kernel builds")
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -76,7 +80,7 @@ def build_llm(args, workload, seed: int = 0, opened=None):
     hardware = hardware_of(args)
     policy = resolve_policy(args, hardware, workload)
     llm = LLM(opened or args.model, dtype=args.dtype, device=args.device, policy=policy, hardware=hardware,
-              offload_dir=args.offload_dir, seed=seed)
+              offload_dir=args.offload_dir, seed=seed, cpu_matmul=getattr(args, "cpu_matmul", "auto"))
     return llm, policy
 
 

@@ -42,8 +42,11 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _run(folder: str, policy: Policy, prompts, tmp_path, **kwargs):
-    # Small KV blocks: sequences straddle tiers often (and K compression groups 8 tokens).
-    llm = LLM(folder, dtype="float32", policy=policy, offload_dir=str(tmp_path / "offload"), kv_block_size=8, **kwargs)
+    # Small KV blocks: sequences straddle tiers often (and K compression groups 8 tokens). The exact
+    # 4-bit product: the int8 kernel's choice follows a call's row count, so other micro-batch
+    # shapes would mix in its rounding (its placements: tests/flexsarathi/engine/test_engine_cpu_matmul.py).
+    llm = LLM(folder, dtype="float32", policy=policy, offload_dir=str(tmp_path / "offload"), kv_block_size=8,
+              cpu_matmul="dequantize", **kwargs)
     outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     logits = prompt_logits(llm, prompts[:3])
     return outputs, logits, llm

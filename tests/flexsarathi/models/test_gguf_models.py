@@ -16,6 +16,11 @@ from policy_search import Policy  # noqa: E402
 from quant import QuantConfig  # noqa: E402
 from tests.gguf_files import build_model, dequantized_model, write_gguf  # noqa: E402
 from tests.prompt_logits import prompt_logits  # noqa: E402
+from quant import cpu_int8_matmul  # noqa: E402
+
+# The conversion is checked against transformers at 1e-4: the exact product (dequantize + matmul),
+# not the int8 kernel, whose own rounding is bounded in tests/quant/test_cpu_int8_matmul.py.
+EXACT_PRODUCT = "dequantize"
 
 EXACT = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
 CONVERTED = ["Q4_K", "Q5_K", "Q6_K", "Q4_K_M"]  # Q4_K_M: as llama.cpp's mix (attn_v, ffn_down in Q6_K)
@@ -77,7 +82,7 @@ def test_logits_and_tokens_match_transformers(gguf_model, kind, weight_type):
     """Uncompressed weights: every type's exact values (codes dequantized exactly), so transformers'
     logits to fp32 rounding and its greedy tokens."""
     path, ref = gguf_model(kind, weight_type)
-    llm = LLM(path, dtype="float32", device="cpu")
+    llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT)
     _assert_logits_and_greedy_match(llm, ref)
     assert llm.engine.source.conversion_errors == {}
 
@@ -88,7 +93,8 @@ def test_k_quants_stored_as_converted_codes(gguf_model, weight_type, quant, tmp_
     """Compressed weights in the conversion's format: the codes as the file has them, the sub-block
     scales rounded to fp16 (the measured error, printed), logits near transformers'."""
     path, ref = gguf_model("llama", weight_type)
-    llm = LLM(path, dtype="float32", device="cpu", policy=Policy(compress_weight=True), weight_quant=quant,
+    llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT,
+              policy=Policy(compress_weight=True), weight_quant=quant,
               offload_dir=str(tmp_path))
     error = llm.engine.source.conversion_errors[weight_type]
     assert f"{weight_type} weights convert to {quant.bits}-bit groups of {quant.group_size}" in capfd.readouterr().err
@@ -132,7 +138,8 @@ def test_mixed_k_quants_take_one_format_per_weight_exactly(gguf_model, tmp_path)
         _set_fused(ref.model.layers[layer], {k: dequantize(weights[k], torch.float32)
                                              for k in source.quantized_formats()}, source.config)
     # the engine, weights half on disk: transformers' logits on the weights it holds (the conversion's)
-    llm = LLM(path, dtype="float32", device="cpu", policy=Policy(compress_weight=True, w_gpu=0.5, w_disk=0.5),
+    llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT,
+              policy=Policy(compress_weight=True, w_gpu=0.5, w_disk=0.5),
               offload_dir=str(tmp_path))
     for prompt, ours in zip(PROMPTS, prompt_logits(llm, PROMPTS)):
         assert (ours - _hf_logits(ref, prompt)).abs().max().item() < 1e-4
@@ -159,7 +166,8 @@ def test_file_codes_stored_as_they_are(gguf_model, weight_type, quant, tmp_path)
     the same logits as transformers to fp32 rounding and the same tokens, with weights on disk."""
     path, ref = gguf_model("llama", weight_type)
     policy = Policy(compress_weight=True, w_gpu=0.3, w_cpu=0.3, w_disk=0.4)
-    llm = LLM(path, dtype="float32", device="cpu", policy=policy, weight_quant=quant, offload_dir=str(tmp_path))
+    llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT,
+              policy=policy, weight_quant=quant, offload_dir=str(tmp_path))
     _assert_logits_and_greedy_match(llm, ref)
 
 
@@ -202,7 +210,7 @@ def test_qwen3_and_moe_match_the_model_written(written_model, kind, weight_type)
     """qwen3 (head_dim not hidden / heads, q/k norms), qwen3moe, qwen2moe (shared expert, layer 0
     dense), Mixtral (arch llama with experts, q/k permuted): logits to fp32 rounding, greedy tokens."""
     path, ref = written_model(kind, weight_type)
-    _assert_logits_and_greedy_match(LLM(path, dtype="float32", device="cpu"), ref)
+    _assert_logits_and_greedy_match(LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT), ref)
 
 
 @pytest.mark.parametrize("weight_type", ["F32", "Q4_0"])
@@ -217,7 +225,7 @@ def test_a_mixtral_gguf_with_one_tensor_per_expert_loads(written_model, tmp_path
     write_gguf(build_model("mixtral"), path, weight_type=weight_type, per_expert=True)
     names = {t.name for t in GGUFReader(str(path)).tensors}
     assert "blk.0.ffn_gate.3.weight" in names and not any(n.endswith("_exps.weight") for n in names)
-    _assert_logits_and_greedy_match(LLM(str(path), dtype="float32", device="cpu"), ref)
+    _assert_logits_and_greedy_match(LLM(str(path), dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT), ref)
 
 
 @pytest.mark.parametrize("weight_type,quant", [("Q4_K", QuantConfig(bits=4, group_size=32)),
@@ -232,7 +240,8 @@ def test_k_quant_experts_stored_as_converted_codes(written_model, weight_type, q
 
     path, ref = written_model("qwen3_moe_k", weight_type)
     ref = copy.deepcopy(ref)  # its weights become the stored ones below
-    llm = LLM(path, dtype="float32", device="cpu", policy=Policy(compress_weight=True), weight_quant=quant,
+    llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT,
+              policy=Policy(compress_weight=True), weight_quant=quant,
               offload_dir=str(tmp_path))
     source = llm.engine.source
     assert f"{weight_type} weights convert to {quant.bits}-bit groups of {quant.group_size}" in capfd.readouterr().err
@@ -273,7 +282,8 @@ def test_expert_codes_stored_as_they_are(written_model, tmp_path):
 
     path, ref = written_model("qwen2_moe", "Q4_0")
     quant = QuantConfig(bits=4, group_size=32)
-    llm = LLM(path, dtype="float32", device="cpu", policy=Policy(compress_weight=True), weight_quant=quant,
+    llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT,
+              policy=Policy(compress_weight=True), weight_quant=quant,
               offload_dir=str(tmp_path))
     formats = llm.engine.source.quantized_formats()
     assert formats[GATE_UP] == formats[DOWN] == formats["shared_expert.gate_up_proj.weight"] == quant
@@ -295,7 +305,7 @@ def placed_run(gguf_model, written_model, tmp_path_factory):
             path, _ = (gguf_model if kind == "llama_deep" else written_model)(kind, weight_type)
             quant = dict(weight_quant=QuantConfig(bits=4, group_size=32)) if compressed else {}
             policy = Policy(gpu_batch_size=2, prefill_budget=6, compress_weight=compressed, **changes)
-            llm = LLM(path, dtype="float32", device="cpu", policy=policy,
+            llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT, policy=policy,
                       offload_dir=str(tmp_path_factory.mktemp("offload")), **quant)
             cache[key] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         return cache[key]
@@ -346,7 +356,7 @@ def test_llama3_rope_from_rope_freqs_tensor(tmp_path):
             factors.append(1 / ((1 - smooth) / 8.0 + smooth))
     path = tmp_path / "llama3.gguf"
     write_gguf(model, path, extra={"rope_freqs.weight": np.array(factors, dtype=np.float32)})
-    llm = LLM(str(path), dtype="float32", device="cpu")
+    llm = LLM(str(path), dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT)
     long_prompt = list(range(3, 43))  # past original_max_position_embeddings: the scaling matters
     for prompt, ours in zip(PROMPTS + [long_prompt], prompt_logits(llm, PROMPTS + [long_prompt])):
         assert (ours - _hf_logits(model, prompt)).abs().max().item() < 1e-4
@@ -377,3 +387,24 @@ def test_inspect_tells_each_weights_gguf_types_and_what_is_stored(gguf_model, we
         assert ": Q4_K + Q6_K -> 8-bit codes, groups of 16" in kinds["qkv_proj.weight"]  # v is Q6_K
         assert "K-quant codes converted once at placement" in kinds["qkv_proj.weight"]
         assert ": Q6_K -> " in kinds["down_proj.weight"]
+
+
+@pytest.mark.skipif(not cpu_int8_matmul.available(), reason="the int8 kernel is not available here")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_1"])
+def test_the_int8_kernel_gives_the_exact_products_greedy_tokens(gguf_model, kind, weight_type, tmp_path,
+                                                                monkeypatch):
+    """Q4_0 / Q4_1 codes (groups of 32: the kernel's per-block path) computed by the engine's default
+    CPU path (int8x2) give the greedy tokens of dequantize + matmul."""
+    path, _ = gguf_model(kind, weight_type)
+    calls = []
+    kernel = cpu_int8_matmul.int8_linear
+    monkeypatch.setattr(cpu_int8_matmul, "int8_linear", lambda *a, **k: calls.append(a[1].shape) or kernel(*a, **k))
+    tokens = {}
+    for mode in ("dequantize", "auto"):
+        llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=mode, policy=Policy(compress_weight=True),
+                  offload_dir=str(tmp_path))
+        tokens[mode] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert llm.engine.cpu_matmul == ("dequantize" if mode == "dequantize" else "int8x2")
+    assert tokens["auto"] == tokens["dequantize"]
+    assert calls  # the kernel ran (decode passes)

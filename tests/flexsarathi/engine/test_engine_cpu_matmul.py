@@ -29,10 +29,15 @@ def _run(model: str, mode: str, prompts, tmp_path, **policy):
 
 
 @needs_kernel
-def test_int8x2_passes_give_the_dequantizing_tokens_on_stories260k(stories_dir, tinystories_text, tmp_path):
+def test_int8x2_passes_give_the_dequantizing_tokens_on_stories260k(stories_dir, tinystories_text, tmp_path,
+                                                                   monkeypatch):
     prompts = _stories_prompts(tinystories_text)
     exact, exact_llm = _run(stories_dir, "dequantize", prompts, tmp_path)
+    planes = []
+    kernel = cpu_int8_matmul.int8_linear
+    monkeypatch.setattr(cpu_int8_matmul, "int8_linear", lambda *a, **k: planes.append(a[3]) or kernel(*a, **k))
     fast, fast_llm = _run(stories_dir, "auto", prompts, tmp_path)
+    assert planes and set(planes) == {2}  # the kernel ran, with two planes
     assert fast_llm.engine.cpu_matmul == "int8x2" and exact_llm.engine.cpu_matmul == "dequantize"
     assert fast == exact
     # decode-sized passes (a few rows) ran the kernel: their logits are close, not identical
