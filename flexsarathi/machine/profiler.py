@@ -34,7 +34,7 @@ from offload.disk_store import DiskStore
 from offload.host_buffer import aligned_empty
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
-from quant import QuantConfig, dequantize, quantize
+from quant import QTensor, QuantConfig, dequantize, quantize
 
 
 def _copy_bandwidth(src_device, dst_device, nbytes: int, pin: bool) -> float:
@@ -149,30 +149,50 @@ INT4_KERNEL_ROWS = 16  # the decode row count the int4 kernel's rate is measured
 
 
 def _int4_kernel_rate(device, dtype, shapes: LayerShapes, rows: int = INT4_KERNEL_ROWS) -> float | None:
-    """FLOP/s of torch's CPU int4 kernel (quant/cpu_matmul.py `linear_4bit`) over the layer's
-    matrices at `rows` rows, on weights packed in its layout in the engine's 4-bit format; None
-    where the kernel does not cover this machine or dtype (bf16 on the CPU only). The kernel's
-    speed does not depend on the codes, so the packed weights are random bytes (quantizing and
-    re-laying out a 70B layer would take longer than the measurement)."""
+    """FLOP/s of the CPU kernel that multiplies the engine's 4-bit weights without dequantizing them,
+    over the layer's matrices at `rows` rows: torch's int4 kernel (quant/cpu_matmul.py `linear_4bit`,
+    bf16 where its layout is ours) or else the int8 kernel with two planes (quant/cpu_int8_matmul.py,
+    what `cpu_matmul="auto"` runs at decode row counts); None where neither covers this machine,
+    dtype and shapes. Neither's speed depends on the codes, so the weights are random bytes
+    (quantizing and re-laying out a 70B layer would take longer than the measurement)."""
+    from quant import cpu_int8_matmul
     from quant.config import WEIGHT_QUANT
     from quant.cpu_matmul import Int4Packed, linear_4bit, pack_for_cpu_kernel
 
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    if device.type != "cpu":
         return None
     group = WEIGHT_QUANT.group_size
-    probe = quantize(torch.randn(64, 2 * group, dtype=dtype), WEIGHT_QUANT)
-    if pack_for_cpu_kernel(probe) is None or any(o % 64 or i % group for o, i in shapes.matrices):
-        return None
-    weights = [Int4Packed(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8),
-                          (torch.rand(o, i // group, 2) * 0.01).to(torch.bfloat16), (o, i), group)
-               for o, i in shapes.matrices]
     inputs = [torch.randn(rows, i, dtype=dtype) for _, i in shapes.matrices]
+    probe = quantize(torch.randn(64, 2 * group, dtype=dtype), WEIGHT_QUANT)
+    if dtype == torch.bfloat16 and pack_for_cpu_kernel(probe) is not None \
+            and not any(o % 64 or i % group for o, i in shapes.matrices):
+        weights = [Int4Packed(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8),
+                              (torch.rand(o, i // group, 2) * 0.01).to(torch.bfloat16), (o, i), group)
+                   for o, i in shapes.matrices]
+        multiply = linear_4bit
+    elif cpu_int8_matmul.available() and not any(i % 64 or i % group for _, i in shapes.matrices):
+        weights = [_random_codes(o, i, dtype) for o, i in shapes.matrices]
+
+        def multiply(x, w):
+            return cpu_int8_matmul.int8_linear(x, w, planes=2)
+    else:
+        return None
 
     def run():
         for x, w in zip(inputs, weights):
-            linear_4bit(x, w)
+            multiply(x, w)
 
     return 2 * shapes.params * rows / median_seconds(run, repeats=5)
+
+
+def _random_codes(out_features: int, in_features: int, dtype) -> QTensor:
+    """A weight in the engine's 4-bit format with random codes, scales and minimums."""
+    from quant.config import WEIGHT_QUANT
+
+    groups = out_features * in_features // WEIGHT_QUANT.group_size
+    return QTensor(data=torch.randint(0, 256, (out_features * in_features // 2,), dtype=torch.uint8),
+                   scale=(torch.rand(groups) * 0.01).half(), minimum=(-torch.rand(groups) * 0.08).half(),
+                   shape=(out_features, in_features), dtype=dtype, config=WEIGHT_QUANT)
 
 
 def read_store_rate(store: DiskStore, range_reads: bool = True) -> float:

@@ -32,17 +32,20 @@ def test_profile_writes_a_loadable_hardware_json(tmp_path):
                        f"{tmp_path / 'off'} ...") < next(i for i, line in enumerate(lines) if "disk: read" in line)
 
 
-def test_int4_kernel_rate_where_the_kernel_covers_the_machine():
-    """The profile's int4 figure: FLOP/s of linear_4bit on the layer's shapes in bf16 on the CPU
-    (None where the kernel's layout is not this machine's), never for other dtypes."""
+def test_int4_kernel_rate_where_a_kernel_covers_the_machine():
+    """The profile's 4-bit figure: FLOP/s of torch's int4 kernel (bf16 where its layout is this
+    machine's) or else of the int8 kernel (any dtype where it builds); None where neither covers the
+    shapes (the int8 kernel needs an input dimension in whole 64s)."""
     import torch
 
     from flexsarathi.machine.profiler import LayerShapes, _int4_kernel_rate
+    from quant import cpu_int8_matmul
     from quant.cpu_matmul import layout_matches_torch
 
     shapes = LayerShapes(((128, 256), (64, 128)), heads=2, kv_heads=2, head_dim=64)
-    rate = _int4_kernel_rate(torch.device("cpu"), torch.bfloat16, shapes, rows=4)
-    assert (rate is not None and rate > 0) if layout_matches_torch() else rate is None
-    assert _int4_kernel_rate(torch.device("cpu"), torch.float32, shapes) is None
-    odd = LayerShapes(((100, 256),), heads=2, kv_heads=2, head_dim=64)  # not whole 64-row blocks
-    assert _int4_kernel_rate(torch.device("cpu"), torch.bfloat16, odd) is None
+    for dtype in (torch.bfloat16, torch.float32):
+        rate = _int4_kernel_rate(torch.device("cpu"), dtype, shapes, rows=4)
+        covered = cpu_int8_matmul.available() or (dtype == torch.bfloat16 and layout_matches_torch())
+        assert (rate is not None and rate > 0) if covered else rate is None
+    odd = LayerShapes(((128, 96),), heads=2, kv_heads=2, head_dim=64)  # K = 96: neither kernel covers it
+    assert _int4_kernel_rate(torch.device("cpu"), torch.float32, odd) is None
