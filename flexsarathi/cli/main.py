@@ -30,7 +30,7 @@ def _cmd_demo(args) -> int:
     from flexsarathi import LLM, SamplingParams
 
     print(f"loading {args.model} ...", flush=True)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy, cpu_matmul=args.cpu_matmul)
     vocab = llm.engine.config.vocab_size
     rng = random.Random(0)
     if llm.tokenizer is not None:
@@ -53,7 +53,7 @@ def _cmd_perplexity(args) -> int:
     from flexsarathi.cli.perplexity import perplexity, split_documents
 
     text = read_text_file(args.text, "--text")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy, cpu_matmul=args.cpu_matmul)
     result = perplexity(llm, split_documents(text, args.separator), stride=args.stride,
                         use_tqdm=not args.quiet)
     print(json.dumps({"model": args.model, "text": args.text, **result}))
