@@ -6,7 +6,10 @@ costs several times the matmul (llama-2-7b's 11008 x 4096 at 32 rows, 2 threads:
 90 ms for F.linear on fp32 weights). llama.cpp instead rounds x to int8 and multiplies the codes
 by it with AVX2's 32-lane integer multiply-add (vpmaddubsw). quant/csrc/q4_int8_gemm.c does that on
 our own layouts (split halves and adjacent pairs, fp16 or fp32 minimums), reading half a byte per
-weight: 45 ms at 32 rows, 3.5 ms at 1 row (docs/BENCHMARKS.md, "int8 x 4-bit CPU kernel").
+weight: 38 ms at 32 rows (one plane; two: 75 ms), 3.4 ms at 1 row (docs/BENCHMARKS.md, "int8 x
+4-bit CPU kernel"). From 4 rows of x on, 8 weight rows at a time are interleaved into a small
+buffer so that the integer lanes hold 8 outputs (the kernel's "panel"; llama.cpp repacks its
+weights at load for the same reason, the engine's stored layout stays row-major).
 
 Arithmetic (what the tests hold it to): per row of x and per block of XB consecutive values (32,
 64 or 128, inside one weight group), `step = max|x| / 127` and `xq = round(x / step)`; with the

@@ -70,7 +70,7 @@ from bench_70b import Shapes  # noqa: E402
 from bench_offload import (MemoryGroup, Rates, cpu_seconds, drop_cache_of, machine_busy_seconds,  # noqa: E402
                            measure_disk_buffered, measure_matmul, release_free_memory)
 from flexsarathi import LLM, SamplingParams  # noqa: E402
-from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
+from flexsarathi.engine.llm_engine import resolve_cpu_matmul, resolve_dtype  # noqa: E402
 from flexsarathi.engine.planner_spec import planner_model_spec  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
@@ -291,10 +291,12 @@ def our_policy(w: Workload, on_disk: bool) -> Policy:
     return Policy(w_gpu=1.0, w_cpu=0.0, w_disk=0.0, kv_gpu=1.0, kv_cpu=0.0, kv_disk=0.0, **common)
 
 
-def build_ours(model: str, dtype: torch.dtype, w: Workload, on_disk: bool, work_dir: str, budget_gib: float):
+def build_ours(model: str, dtype: torch.dtype, w: Workload, on_disk: bool, work_dir: str, budget_gib: float,
+               cpu_matmul: str = "auto"):
     hardware = HardwareSpec.preset("t4").with_memory(gpu=budget_gib * GiB / 0.8, cpu=budget_gib * GiB / 0.8)
     return LLM(f"dummy:{model}", dtype=dtype, policy=our_policy(w, on_disk), hardware=hardware,
-               offload_dir=os.path.join(work_dir, "offload"), direct_io=True, dummy_weight_codes=True)
+               offload_dir=os.path.join(work_dir, "offload"), direct_io=True, dummy_weight_codes=True,
+               cpu_matmul=cpu_matmul)
 
 
 def timed_passes(llm, w: Workload) -> dict[str, float]:
@@ -377,6 +379,7 @@ class Bench:
     gguf_path: str
     work_dir: str
     threads: int
+    cpu_matmul: str = "auto"  # ours: how 4-bit weights are multiplied on the CPU (EngineConfig.cpu_matmul)
 
 
 def run_regime(b: Bench, on_disk: bool, mem_limit_gib: float) -> tuple[list[EngineRun], tuple[float, float]]:
@@ -416,7 +419,8 @@ def run_ours_in_regime(b: Bench, on_disk: bool, group: MemoryGroup | None) -> tu
     if group is not None:
         group.reset_peak()
     say("  FlexSarathi: building the engine" + (" (the disk store is written the first time)" if on_disk else ""))
-    llm = build_ours(b.model, b.dtype, b.workload, on_disk, b.work_dir, budget_gib=64.0 if not on_disk else 4.0)
+    llm = build_ours(b.model, b.dtype, b.workload, on_disk, b.work_dir, budget_gib=64.0 if not on_disk else 4.0,
+                     cpu_matmul=b.cpu_matmul)
     try:
         store = llm.engine.weights.store
         files = [b.gguf_path] + (store.data_files() if store is not None else [])
@@ -477,6 +481,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--regime", choices=("ram", "disk", "both"), default="both")
     p.add_argument("--mem-limit-gib", type=float, default=5.0, help="the disk regime's memory group (both engines)")
     p.add_argument("--dtype", default="auto", help="ours: auto, float32 or bfloat16")
+    p.add_argument("--cpu-matmul", default="auto", choices=("auto", "int8x2", "int8", "dequantize"),
+                   help="ours: 4-bit weights on the CPU (int8: x rounded to int8 per block, as llama.cpp's Q8_0)")
     p.add_argument("--threads", type=int, default=None, help="both engines (default: torch's thread count)")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/flexsarathi/llamacpp"))
     p.add_argument("--work-dir", default="/tmp/fs_bench_llamacpp", help="the GGUF and our disk store")
@@ -506,7 +512,9 @@ def main() -> int:
     say(f"model: {model} ({shapes.layers} layers, hidden {shapes.hidden}); workload {w.prompts} x {w.prompt_len} "
         f"-> {w.gen_len}; {threads} threads both engines")
     binary = build_llama_cpp(args.cache_dir)
-    b = Bench(model, cfg, shapes, w, dtype, binary, gguf_file(args.work_dir, model, cfg), args.work_dir, threads)
+    b = Bench(model, cfg, shapes, w, dtype, binary, gguf_file(args.work_dir, model, cfg), args.work_dir, threads,
+              args.cpu_matmul)
+    say(f"ours: cpu_matmul={args.cpu_matmul} (what the engine runs: {resolve_cpu_matmul(args.cpu_matmul)})")
     for regime in (("ram", "disk") if args.regime == "both" else (args.regime,)):
         say(f"\n--- regime {regime} ---")
         runs, bound = run_regime(b, regime == "disk", args.mem_limit_gib)

@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 
 /* x fp32 [M, K] (row stride ldx) -> xq int8 [M, K], xd fp32 [M, K / XB] (each block's step),
@@ -197,10 +199,141 @@ static inline __attribute__((always_inline)) void tile_wide(const int MB, const 
         y[(m + i) * ldy] = hsum(acc[i]) + dot(zw, xg + (m + i) * ng, ng) - 8.f * dot(sw, xh + (m + i) * ng, ng);
 }
 
+/* ---- 8 weight rows at a time (M >= PANEL_MIN_ROWS) ------------------------------------------
+ * The rows' code bytes are interleaved by 4 (a "panel", BLIS-style packing into an L1/L2-sized
+ * buffer): panel[32 t + 4 j + i] = row j's byte 4 t + i. One 32-byte load then holds 8 codes of
+ * each of the 8 rows, multiplied by the same 4 values of x broadcast to every lane, so the int32
+ * lanes after vpmaddwd are the 8 rows' sums: converting and scaling a block costs one
+ * cvt + fma for 8 outputs instead of one per output (llama.cpp repacks its weights for the same
+ * reason; here the panel is made per call and the stored layout stays row-major). */
+#define PANEL 8
+#define PANEL_MIN_ROWS 4
+
+static inline void transpose8(__m256 *r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+static void pack_panel(const uint8_t *rows, int64_t row_bytes, uint8_t *panel) {
+    for (int64_t t0 = 0; t0 < row_bytes / 4; t0 += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; j++) r[j] = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(rows + j * row_bytes + 4 * t0)));
+        transpose8(r);
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(panel + (t0 + i) * 32), r[i]);
+    }
+}
+
+static inline __m256i x4(const int8_t *p) { /* 4 bytes of x in every 32-bit lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* MB (1 or 2) rows of x against a panel; swp / zwp: [groups][8] scales and zeros of its rows. */
+static inline __attribute__((always_inline)) void panel_tile(const int MB, const int pairs, const uint8_t *panel,
+                                                            const float *swp, const float *zwp, const int8_t *xq,
+                                                            const float *xd, const float *xg, const float *xh,
+                                                            int64_t m, int64_t K, int64_t G, int64_t XB, float *y,
+                                                            int64_t ldy) {
+    const int64_t nb = K / XB, ng = K / G;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (!pairs) { /* 4-byte group t: low nibbles codes 4t.. (block b), high ones K/2 + 4t.. (block b + nb/2) */
+        const int64_t half = nb / 2;
+        for (int64_t b = 0; b < half; b++) {
+            __m256i alo[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            __m256i ahi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int64_t t0 = b * XB / 4; t0 < (b + 1) * XB / 4; t0 += 8) { /* int16: 8 sums at most */
+                __m256i slo[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                __m256i shi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int64_t t = t0; t < t0 + 8; t++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(panel + 32 * t));
+                    const __m256i lo = _mm256_and_si256(v, low4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    for (int i = 0; i < MB; i++) {
+                        const int8_t *xr = xq + (m + i) * K + 4 * t;
+                        slo[i] = _mm256_add_epi16(slo[i], _mm256_maddubs_epi16(lo, x4(xr)));
+                        shi[i] = _mm256_add_epi16(shi[i], _mm256_maddubs_epi16(hi, x4(xr + K / 2)));
+                    }
+                }
+                for (int i = 0; i < MB; i++) {
+                    alo[i] = _mm256_add_epi32(alo[i], _mm256_madd_epi16(slo[i], ones));
+                    ahi[i] = _mm256_add_epi32(ahi[i], _mm256_madd_epi16(shi[i], ones));
+                }
+            }
+            const __m256 sl = _mm256_loadu_ps(swp + PANEL * ((b * XB) / G));
+            const __m256 sh = _mm256_loadu_ps(swp + PANEL * (((b + half) * XB) / G));
+            for (int i = 0; i < MB; i++) {
+                const float *dr = xd + (m + i) * nb;
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(alo[i]), _mm256_mul_ps(sl, _mm256_set1_ps(dr[b])), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ahi[i]), _mm256_mul_ps(sh, _mm256_set1_ps(dr[b + half])),
+                                         acc[i]);
+            }
+        }
+    } else { /* group t: low nibbles the even codes of 8t.., high the odd ones: x's pairs order */
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i a32[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int64_t t0 = b * XB / 8; t0 < (b + 1) * XB / 8; t0 += 4) { /* 8 sums per flush */
+                __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int64_t t = t0; t < t0 + 4; t++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(panel + 32 * t));
+                    const __m256i lo = _mm256_and_si256(v, low4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    const int64_t off = (4 * t / 32) * 64 + (4 * t) % 32;
+                    for (int i = 0; i < MB; i++) {
+                        const int8_t *xr = xq + (m + i) * K + off;
+                        s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(xr)),
+                                                                           _mm256_maddubs_epi16(hi, x4(xr + 32))));
+                    }
+                }
+                for (int i = 0; i < MB; i++) a32[i] = _mm256_add_epi32(a32[i], _mm256_madd_epi16(s16[i], ones));
+            }
+            const __m256 s = _mm256_loadu_ps(swp + PANEL * ((b * XB) / G));
+            for (int i = 0; i < MB; i++)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a32[i]), _mm256_mul_ps(s, _mm256_set1_ps(xd[(m + i) * nb + b])),
+                                         acc[i]);
+        }
+    }
+    for (int i = 0; i < MB; i++) {
+        __m256 z = _mm256_setzero_ps(), c = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            z = _mm256_fmadd_ps(_mm256_loadu_ps(zwp + PANEL * g), _mm256_set1_ps(xg[(m + i) * ng + g]), z);
+            c = _mm256_fmadd_ps(_mm256_loadu_ps(swp + PANEL * g), _mm256_set1_ps(xh[(m + i) * ng + g]), c);
+        }
+        _mm256_storeu_ps(y + (m + i) * ldy, _mm256_add_ps(acc[i], _mm256_fnmadd_ps(_mm256_set1_ps(8.f), c, z)));
+    }
+}
+
 static inline void to_floats(const uint16_t *half, float *out, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(half + i))));
     for (; i < n; i++) out[i] = _cvtsh_ss(half[i]);
+}
+
+/* Row n's groups' scales and zeros (minimum + 8 * scale: the value of code 8), as fp32. */
+static void row_scales(const uint16_t *scale, const void *minimum, int min_fp32, int64_t n, int64_t ng, float *sw,
+                       float *zw) {
+    to_floats(scale + n * ng, sw, ng);
+    if (min_fp32) {
+        for (int64_t g = 0; g < ng; g++) zw[g] = ((const float *)minimum)[n * ng + g];
+    } else {
+        to_floats((const uint16_t *)minimum + n * ng, zw, ng);
+    }
+    for (int64_t g = 0; g < ng; g++) zw[g] += 8.f * sw[g];
 }
 
 /* Output columns [n0, n1) of y fp32 [M, N] (row stride ldy), from xq / xd / xg / xh as fs_quantize_x
@@ -215,16 +348,44 @@ void fs_q4_gemm(const int8_t *xq, const float *xd, const float *xg, const float 
     /* Rows of x per sweep over the weight rows: their int8 copy (m_block * K bytes) stays in L2. */
     int64_t m_block = (128 * 1024) / K;
     m_block = m_block < 4 ? 4 : m_block - m_block % 4;
+    /* Whole panels of 8 rows first where x has rows enough to repay the packing; the rest row by row. */
+    int64_t n_rows = n0;
+    if (M >= PANEL_MIN_ROWS && n1 - n0 >= PANEL) {
+        const int64_t n_panels = (n1 - n0) / PANEL;
+        uint8_t *panel = aligned_alloc(64, (size_t)(K / 2) * PANEL);
+        float *swp = malloc(sizeof(float) * ng * PANEL), *zwp = malloc(sizeof(float) * ng * PANEL);
+        float sw_row[ng], zw_row[ng];
+        for (int64_t m0 = 0; m0 < M; m0 += m_block) {
+            const int64_t m1 = m0 + m_block < M ? m0 + m_block : M;
+            for (int64_t p = 0; p < n_panels; p++) {
+                const int64_t n = n0 + p * PANEL;
+                pack_panel(codes + n * (K / 2), K / 2, panel);
+                for (int j = 0; j < PANEL; j++) {
+                    row_scales(scale, minimum, min_fp32, n + j, ng, sw_row, zw_row);
+                    for (int64_t g = 0; g < ng; g++) {
+                        swp[g * PANEL + j] = sw_row[g];
+                        zwp[g * PANEL + j] = zw_row[g];
+                    }
+                }
+                int64_t m = m0;
+                if (pairs) {
+                    for (; m + 2 <= m1; m += 2) panel_tile(2, 1, panel, swp, zwp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
+                    for (; m < m1; m++) panel_tile(1, 1, panel, swp, zwp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
+                } else {
+                    for (; m + 2 <= m1; m += 2) panel_tile(2, 0, panel, swp, zwp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
+                    for (; m < m1; m++) panel_tile(1, 0, panel, swp, zwp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
+                }
+            }
+        }
+        free(panel);
+        free(swp);
+        free(zwp);
+        n_rows = n0 + n_panels * PANEL;
+    }
     for (int64_t m0 = 0; m0 < M; m0 += m_block) {
         const int64_t m1 = m0 + m_block < M ? m0 + m_block : M;
-        for (int64_t n = n0; n < n1; n++) {
-            to_floats(scale + n * ng, sw, ng);
-            if (min_fp32) {
-                for (int64_t g = 0; g < ng; g++) zw[g] = ((const float *)minimum)[n * ng + g];
-            } else {
-                to_floats((const uint16_t *)minimum + n * ng, zw, ng);
-            }
-            for (int64_t g = 0; g < ng; g++) zw[g] += 8.f * sw[g];
+        for (int64_t n = n_rows; n < n1; n++) {
+            row_scales(scale, minimum, min_fp32, n, ng, sw, zw);
             const uint8_t *row = codes + n * (K / 2);
             float *yn = y + n;
             int64_t m = m0;

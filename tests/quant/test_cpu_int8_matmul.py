@@ -65,8 +65,10 @@ def _fp32_slack(x: torch.Tensor, q) -> torch.Tensor:
     return (k + 3 * k // q.config.group_size + 16) * U_FP32 * terms + 1e-30
 
 
+# (N, K, group, adjacent pairs, fp32 minimums): 8-row panels and rows left over (13, 21), each x block size
 CASES = [(96, 64, 64, False, False), (64, 128, 32, False, False), (40, 256, 128, True, False),
-         (72, 320, 64, True, True), (16, 1024, 256, False, True), (8, 192, 64, False, False)]
+         (72, 320, 64, True, True), (16, 1024, 256, False, True), (8, 192, 64, False, False),
+         (13, 128, 32, True, False), (21, 256, 64, False, True)]
 
 
 @needs_kernel
