@@ -128,7 +128,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     p.add_argument("--layer", action="store_true", help="a whole layer's linears, x the model's layers")
-    p.add_argument("--shapes", choices=sorted(LAYERS), default="opt-1.3b", help="the model of --layer")
+    p.add_argument("--shapes", choices=sorted(LAYERS), default="opt-1.3b",
+                   help="the model whose matrices (or, with --layer, whose layer) are measured")
     p.add_argument("--cpu-time", action="store_true",
                    help="time by this thread's CPU time (1 thread only: torch then computes on the calling "
                         "thread): on a loaded machine it leaves out the time other processes hold the core")
@@ -139,6 +140,8 @@ def main(argv=None) -> None:
         global CLOCK
         CLOCK = time.thread_time
     shapes, rows, threads = OPT_1_3B_SHAPES, args.rows, args.threads
+    if args.shapes != "opt-1.3b":
+        shapes = LAYERS[args.shapes][0]
     if args.quick:
         shapes, rows, threads = ((2048, 2048),), (1, 32, 512), [1]
     print(cpu_line(' and '.join(args.dtype)))
