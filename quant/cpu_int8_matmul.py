@@ -53,6 +53,7 @@ SOURCE = Path(__file__).parent / "csrc" / "q4_int8_gemm.c"
 # tests' torch reference would not have.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 MODES = ("auto", "int8x2", "int8", "dequantize")  # the engine's `cpu_matmul` choice
+RUN_MODES = MODES[1:]  # what a pass runs: "auto" resolved (flexsarathi/engine/llm_engine.py)
 # Rows of x up to which "int8x2" runs the kernel; above, dequantize + F.linear (exact, and as fast
 # there: two planes double the integer work, while one dequantization serves every row).
 # Measured on an AVX2 EPYC: llama-2-7b's 11008 x 4096, 2 threads, 64 rows: 149 ms against 197 ms for
@@ -71,8 +72,8 @@ def cpu_matmul_mode(mode: str):
     plane per block, llama.cpp's arithmetic) or "int8x2" (two planes, ~16 bits, up to
     INT8X2_MAX_ROWS rows); "dequantize" or outside any block: the exact dequantizing path. The
     engine's passes run inside one (its `cpu_matmul` setting). Thread-local."""
-    if mode not in ("int8x2", "int8", "dequantize"):
-        raise ValueError(f"cpu_matmul_mode: {mode!r} is not 'int8x2', 'int8' or 'dequantize'")
+    if mode not in RUN_MODES:
+        raise ValueError(f"cpu_matmul_mode: {mode!r} is not one of {', '.join(map(repr, RUN_MODES))}")
     before = getattr(_state, "mode", "dequantize")
     _state.mode = mode
     try:
