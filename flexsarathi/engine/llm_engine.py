@@ -124,12 +124,17 @@ def resolve_dtype(dtype, checkpoint_dtype: torch.dtype, device: torch.device) ->
     return cpu_compute_dtype()
 
 
-def resolve_cpu_matmul(choice: str) -> str:
+def resolve_cpu_matmul(choice: str, device_type: str = "cpu") -> str:
     """EngineConfig.cpu_matmul -> "int8x2", "int8" or "dequantize" (what the passes run); an int8
-    mode where its kernel cannot be had here is one error saying why."""
+    mode where its kernel cannot be had here is one error saying why. On a GPU compute device the
+    weights' matmuls run there (quant/fused.py), so "auto" is "dequantize" and an int8 mode, which
+    would never run, is refused rather than reported as in use."""
     if choice not in cpu_int8_matmul.MODES:
         raise FlexSarathiError(f"cpu_matmul={choice!r}: use one of {', '.join(cpu_int8_matmul.MODES)}")
-    if choice == "dequantize" or (choice == "auto" and not cpu_int8_matmul.available()):
+    if device_type != "cpu" and choice not in ("auto", "dequantize"):
+        raise FlexSarathiError(f"cpu_matmul={choice!r} is for a CPU compute device; this engine computes on "
+                               f"{device_type}, where 4-bit weights are multiplied on the GPU: leave cpu_matmul='auto'")
+    if choice == "dequantize" or device_type != "cpu" or (choice == "auto" and not cpu_int8_matmul.available()):
         return "dequantize"
     if not cpu_int8_matmul.available():
         raise FlexSarathiError(f"cpu_matmul={choice!r}: the int8 kernel is not available on this machine: "
@@ -237,7 +242,7 @@ class LLMEngine:
         cuda = self.device.type == "cuda"
         self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,
                                            folder=self._offload_folder() if p.act_disk > 0 else None)
-        self.cpu_matmul = resolve_cpu_matmul(e.cpu_matmul)
+        self.cpu_matmul = resolve_cpu_matmul(e.cpu_matmul, self.device.type)
         self.executor = PassExecutor(self.model, self.weights, self.kv_pools, self.activations,
                                      self.device, self.dtype, overlap=p.overlap,
                                      cpu_attention=p.cpu_attention, cpu_matmul=self.cpu_matmul)

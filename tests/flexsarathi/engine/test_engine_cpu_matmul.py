@@ -5,6 +5,7 @@ each choice (the kernel's arithmetic does not depend on where a weight's rows ca
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flexsarathi import LLM, SamplingParams
 from flexsarathi.errors import FlexSarathiError
@@ -22,7 +23,7 @@ def _stories_prompts(text: str) -> list[str]:
 
 
 def _run(model: str, mode: str, prompts, tmp_path, **policy):
-    llm = LLM(model, dtype="float32", policy=Policy(compress_weight=True, **policy),
+    llm = LLM(model, dtype="float32", device="cpu", policy=Policy(compress_weight=True, **policy),
               offload_dir=str(tmp_path / "offload"), cpu_matmul=mode)
     tokens = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     return tokens, llm
@@ -62,3 +63,30 @@ def test_every_placement_gives_the_all_on_device_tokens_under_the_kernel(stories
 def test_an_unknown_choice_is_one_clear_error(stories_dir, tmp_path):
     with pytest.raises(FlexSarathiError, match="cpu_matmul='fast'.*auto, int8x2, int8, dequantize"):
         LLM(stories_dir, dtype="float32", offload_dir=str(tmp_path), cpu_matmul="fast")
+
+
+def test_on_a_gpu_compute_device_auto_is_dequantize_and_int8_is_refused():
+    """The weights' matmuls run on the GPU there (found on an H200: an engine on CUDA reported
+    cpu_matmul='int8x2' though the kernel never ran)."""
+    from flexsarathi.engine.llm_engine import resolve_cpu_matmul
+
+    assert resolve_cpu_matmul("auto", "cuda") == "dequantize"
+    assert resolve_cpu_matmul("dequantize", "cuda") == "dequantize"
+    for mode in ("int8", "int8x2"):
+        with pytest.raises(FlexSarathiError, match=f"cpu_matmul='{mode}' is for a CPU compute device"):
+            resolve_cpu_matmul(mode, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_engine_on_cuda_runs_no_cpu_kernel(stories_dir, tinystories_text, tmp_path, monkeypatch):
+    prompts = _stories_prompts(tinystories_text)[:2]
+    calls = []
+    monkeypatch.setattr(cpu_int8_matmul, "int8_linear", lambda *a, **k: calls.append(1))
+    llm = LLM(stories_dir, dtype="float32", device="cuda", policy=Policy(compress_weight=True),
+              offload_dir=str(tmp_path / "offload"))
+    assert llm.engine.cpu_matmul == "dequantize"
+    llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert not calls
+    with pytest.raises(FlexSarathiError, match="is for a CPU compute device"):
+        LLM(stories_dir, dtype="float32", device="cuda", cpu_matmul="int8", offload_dir=str(tmp_path / "o2"))
