@@ -81,7 +81,10 @@ def _cuda_scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch
 # Rows up to which the fused kernel runs (decode passes and small prompt chunks). Above it a GEMM
 # is compute-bound and one dequantization (a few passes over the fp16 weight at HBM speed) costs
 # less than the kernel's per-64-row-block re-dequantization and its non-tensor-core-tuned tiles.
-TRITON_MAX_ROWS = 64
+# Measured (scripts/bench_triton_gpu.py, LLaMA-2-70B layer shapes; docs/BENCHMARKS.md): the kernel
+# is 2.4-3.2x faster than dequantize + cuBLAS at 256 rows (H100 and H200), 0.92-0.99x at 1024 and
+# 0.40-0.44x at 4096 (H200); 256 is the largest row count measured where it wins.
+TRITON_MAX_ROWS = 256
 TRITON_MIN_CAPABILITY = (8, 0)  # sm_80+: bf16 and fp16 tensor cores in Triton's tl.dot
 
 

@@ -15,6 +15,7 @@ from offload.executor import PassExecutor
 from offload.host_buffer import align_up
 from policy_search import Policy
 from quant import QuantConfig, dequantize, quantize, quantized_linear
+from quant.fused import TRITON_MAX_ROWS
 from tests.offload.test_policy_matrix import BASE, CASES, COMPRESSED_CASES, _prompts
 from tests.prompt_logits import prompt_logits
 
@@ -110,7 +111,7 @@ LAYER_SHAPES = {  # [out_features, in_features] as the engine fuses them
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.parametrize("model", list(LAYER_SHAPES))
-@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("rows", [1, 16, 64, TRITON_MAX_ROWS])
 def test_triton_kernel_at_large_layer_shapes_matches_dequantize_then_matmul(model, rows):
     """fp16, 4-bit group 64 (the weight format): the kernel (and quantized_linear, which picks it
     at these rows on sm_80+) against dequantize + fp32 matmul."""
