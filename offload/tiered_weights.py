@@ -342,27 +342,57 @@ class RowBlockAccess:
         w.stats["experts_on_cpu"] += 1
         return out
 
-    def load(self, blocks) -> None:
-        """Make `blocks` valid in the slot's buffers (a no-op without routed_reads: loaded whole)."""
+    def load(self, blocks) -> ExpertReads:
+        """Queue the reads of `blocks` not in the slot yet (routed_reads; none without: the layer
+        was loaded whole), expert by expert in order, and return the context that hands them out:
+        `ready(e)` waits for expert e's reads only, so the first experts compute while the later
+        ones are still read; leaving it waits for every read (even after an error)."""
         w = self.weights
         missing = sorted(set(blocks) - w._blocks_in[self.slot]) if w.routed_reads else []
-        if not missing:
-            return
-        reads = []
-        with AllReads() as pending:
-            for plan in self.stacked:
-                for i, piece in enumerate(plan.pieces):
-                    if piece.tier == "gpu":
-                        continue
-                    for e in missing:
-                        rows = _clip(plan, e, piece)
+        reads: dict[int, list] = {}
+        pending = AllReads()
+        try:
+            for e in missing:  # expert-major: expert e's rows of every stacked weight, then e + 1
+                reads[e] = []
+                for plan in self.stacked:
+                    for i, piece in enumerate(plan.pieces):
+                        rows = _clip(plan, e, piece) if piece.tier != "gpu" else None
                         if rows is not None:
-                            w._copy_rows(self.layer, self.slot, plan, i, *rows, pending, reads)
-            w._finish_reads(reads)
-        if w.cuda and reads:  # copies out of the staging buffers (compute stream) end before its next fill
-            torch.cuda.current_stream(w.device).synchronize()
-        w._blocks_in[self.slot].update(missing)
+                            w._copy_rows(self.layer, self.slot, plan, i, *rows, pending, reads[e])
+        except BaseException:
+            pending.__exit__(*sys.exc_info())  # nothing left writing into the slot
+            raise
         w.stats["experts_read"] += len(missing)
+        return ExpertReads(self, reads, pending)
+
+
+class ExpertReads:
+    """The routed experts' reads of one layer in flight (RowBlockAccess.load). An expert counts as
+    in the slot only once `ready` has finished its reads, so a pass interrupted between experts
+    leaves none half-read marked valid."""
+
+    def __init__(self, access: RowBlockAccess, reads: dict[int, list], pending: AllReads):
+        self.access, self.reads, self.pending = access, reads, pending
+        self.staged = any(reads.values())
+
+    def ready(self, block: int) -> None:
+        """Block until `block`'s rows are in the slot's buffers (a no-op for one already there)."""
+        reads = self.reads.pop(block, None)
+        if reads is None:
+            return
+        TieredWeights._finish_reads(reads)
+        self.access.weights._blocks_in[self.access.slot].add(block)
+
+    def __enter__(self) -> ExpertReads:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        w = self.access.weights
+        try:
+            self.pending.__exit__(exc_type, exc, tb)
+        finally:
+            if w.cuda and self.staged:  # copies out of the staging buffers (compute stream) end before its next fill
+                torch.cuda.current_stream(w.device).synchronize()
 
 
 def _off_gpu_rows(plan: TensorPlan) -> tuple[int, int]:

@@ -5,9 +5,16 @@ k of Mixtral, fewer layers and a narrower hidden size by default) is saved with 
 (random weights), placed with its 4-bit weights all on the disk tier, and decoded at several batch
 sizes with `routed_expert_reads` off and on. Per run: decode tok/s, experts read per layer and
 pass against the layer's experts (and uniform routing's 1 - (1 - k/E)^rows), and the bytes read
-per decode pass (whole layers vs the routed experts' rows plus the rest of each layer).
+per pass, as the kernel counted them (/proc/self/io read_bytes: O_DIRECT reads included, the page
+cache cannot serve them).
 
     python scripts/bench_moe.py --batches 1,2,4,16
+    python scripts/bench_moe.py --dummy mixtral-8x7b --layers 8 --batches 1,2,4   # real shapes, codes drawn
+
+--dummy NAME runs a registered shape (policy_search/model_registry.py) at its real sizes, truncated
+to --layers, with 4-bit codes drawn directly into the store (no checkpoint: a real Mixtral layer is
+2.8 GB in bf16), so that a pass's fixed costs (embeddings, the head) weigh what they do in a deep
+model.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from policy_search import Policy  # noqa: E402
+from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402
 
 
 def build_checkpoint(folder: str, args) -> str:
@@ -48,26 +56,49 @@ def build_checkpoint(folder: str, args) -> str:
     return folder
 
 
+def disk_bytes_read() -> int:
+    """Bytes this process (all its threads) had read from block devices (Linux); 0 elsewhere."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def dummy_model(args) -> str:
+    """`dummy:` name of the registered shape truncated to --layers; args take its sizes."""
+    config = {**known_config(args.dummy), "num_hidden_layers": args.layers}
+    name = f"{args.dummy}-{args.layers}l"
+    KNOWN_MODELS[name] = config
+    args.hidden, args.vocab = config["hidden_size"], config["vocab_size"]
+    args.ffn = config.get("moe_intermediate_size") or config["intermediate_size"]
+    args.experts = config.get("num_local_experts") or config["num_experts"]
+    args.top_k = config["num_experts_per_tok"]
+    return f"dummy:{name}"
+
+
 def run(folder: str, batch: int, routed: bool, offload: str, args) -> dict:
     policy = Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0, compress_weight=True, gpu_batch_size=batch,
                     num_gpu_batches=1, prefill_budget=batch * args.prompt_len)
-    llm = LLM(folder, dtype=args.dtype, policy=policy, offload_dir=offload, routed_expert_reads=routed)
+    llm = LLM(folder, dtype=args.dtype, policy=policy, offload_dir=offload, routed_expert_reads=routed,
+              **({"dummy_weight_codes": True} if folder.startswith("dummy:") else {}))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, args.vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=args.gen_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)  # warm
     weights = llm.engine.weights
-    before = dict(weights.stats)
+    before, read_before = dict(weights.stats), disk_bytes_read()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    read = disk_bytes_read() - read_before
     stats = {k: weights.stats[k] - before[k] for k in weights.stats}
     passes = llm.last_stats["passes"]
     config = llm.engine.config
     sparse_layers = config.moe.sparse_layers(config.num_layers)
     llm.close()
     return {"tokens": [o.token_ids for o in outputs], "seconds": seconds, "passes": passes,
-            "tok_s": batch * args.gen_len / seconds, "experts_read": stats["experts_read"],
+            "tok_s": batch * args.gen_len / seconds, "experts_read": stats["experts_read"], "bytes_read": read,
             "layer_loads": stats["expert_loads"] or passes * sparse_layers}
 
 
@@ -84,24 +115,28 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,16")
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "flexsarathi-bench-moe"))
     parser.add_argument("--dtype", default="auto", help="compute dtype (auto: this CPU's measured choice)")
+    parser.add_argument("--dummy", default=None, help="a registered MoE shape at its real sizes (e.g. mixtral-8x7b)")
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))
     print(cpu_line(args.dtype))
-    folder = build_checkpoint(os.path.join(args.folder, "model"), args)
+    folder = dummy_model(args) if args.dummy else build_checkpoint(os.path.join(args.folder, "model"), args)
     offload = os.path.join(args.folder, "offload")
     e, k = args.experts, args.top_k
     expert_bytes = 3 * args.hidden * args.ffn // 2 * 1.0625  # 4-bit codes + fp16 scale/min per 64
-    print(f"model: mixtral-shaped, {args.layers} layers, hidden {args.hidden}, {e} experts of ffn {args.ffn}, "
+    print(f"model: {args.dummy or 'mixtral-shaped'}, {args.layers} layers, hidden {args.hidden}, {e} experts of ffn {args.ffn}, "
           f"top-{k}; 4-bit weights on disk; an expert {expert_bytes / 2**20:.1f} MiB")
-    print("batch  routed  tok/s   s/pass  experts read/layer/pass  uniform 1-(1-k/E)^B  tokens equal")
+    print("batch  routed  tok/s   s/pass  MB read/pass  experts read/layer/pass  uniform 1-(1-k/E)^B  tokens equal")
     for batch in (int(b) for b in args.batches.split(",")):
         results = {routed: run(folder, batch, routed, offload, args) for routed in (False, True)}
         for routed, r in results.items():
             per_layer = r["experts_read"] / r["layer_loads"] if routed else e
             print(f"{batch:5d}  {str(routed):6s}  {r['tok_s']:6.2f}  {r['seconds'] / r['passes']:6.3f}  "
+                  f"{r['bytes_read'] / r['passes'] / 1e6:12.1f}  "
                   f"{per_layer:6.2f} of {e} ({per_layer / e:4.0%})        {1 - (1 - k / e) ** batch:4.0%}"
                   f"                 {results[True]['tokens'] == results[False]['tokens']}")
-        print(f"       routed / whole: {results[True]['tok_s'] / results[False]['tok_s']:.2f}x tok/s")
+        whole, routed_only = results[False], results[True]
+        print(f"       routed / whole: {routed_only['tok_s'] / whole['tok_s']:.2f}x tok/s, "
+              f"{routed_only['bytes_read'] / max(1, whole['bytes_read']):.2f}x bytes read")
 
 
 if __name__ == "__main__":

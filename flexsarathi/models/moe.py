@@ -29,6 +29,22 @@ ROUTER, SHARED_GATE = "router.weight", "shared_expert_gate.weight"
 CPU = torch.device("cpu")
 
 
+class _AllLoaded:
+    """The expert reads of weights that came without ROW_BLOCKS: every expert is there already."""
+
+    def ready(self, block: int) -> None:
+        pass
+
+    def __enter__(self) -> _AllLoaded:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+
+_ALL_LOADED = _AllLoaded()
+
+
 def weight_rows(weight, start: int, stop: int):
     """Rows [start, stop) of a 2-D weight as the model uses it: a tensor, a QTensor or an
     Int4Packed (both compressed forms keep a row range contiguous)."""
@@ -139,16 +155,19 @@ class MoeMath(LlamaMath):
         f2, h = 2 * self.moe.expert_ffn_size, self.config.hidden_size
         blocks, on_cpu = w.get(ROW_BLOCKS), {}
         routed = [e for e, _, _ in routing.experts()]
+        reads = _ALL_LOADED
         if blocks is not None:
             on_cpu = {e: held for e in routed if (held := blocks.on_cpu(e)) is not None}
-            blocks.load([e for e in routed if e not in on_cpu])
+            reads = blocks.load([e for e in routed if e not in on_cpu])  # expert e computes once its rows are in
         out = torch.zeros_like(x)
-        for e, first, last in routing.experts():
-            tokens = routing.tokens[first:last]
-            if e in on_cpu:
-                y = swiglu(x[tokens].to(CPU), on_cpu[e][GATE_UP], on_cpu[e][DOWN]).to(x.device)
-            else:
-                y = swiglu(x[tokens], weight_rows(w[GATE_UP], e * f2, (e + 1) * f2),
-                           weight_rows(w[DOWN], e * h, (e + 1) * h))
-            out.index_add_(0, tokens, (y * routing.weights[first:last, None]).to(out.dtype))
+        with reads:
+            for e, first, last in routing.experts():
+                tokens = routing.tokens[first:last]
+                if e in on_cpu:
+                    y = swiglu(x[tokens].to(CPU), on_cpu[e][GATE_UP], on_cpu[e][DOWN]).to(x.device)
+                else:
+                    reads.ready(e)
+                    y = swiglu(x[tokens], weight_rows(w[GATE_UP], e * f2, (e + 1) * f2),
+                               weight_rows(w[DOWN], e * h, (e + 1) * h))
+                out.index_add_(0, tokens, (y * routing.weights[first:last, None]).to(out.dtype))
         return out

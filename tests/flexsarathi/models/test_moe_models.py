@@ -237,3 +237,33 @@ def test_routed_reads_and_cpu_experts_give_reference_tokens(references, model, p
     if routed and not (cpu and placement == "cpu"):
         # decode passes of 1-2 rows per micro-batch route to fewer than all experts of a layer
         assert 0 < stats["experts_read"] < stats["expert_loads"] * experts
+
+
+@pytest.mark.parametrize("at_call", [2, 5])
+def test_an_interrupt_between_routed_experts_leaves_no_expert_marked_read(references, tmp_path, monkeypatch,  # noqa: F811
+                                                                          at_call):
+    """Fault injected: KeyboardInterrupt from an expert's computation while the layer's later
+    routed experts are still being read from disk (their reads are in flight when compute starts).
+    The next run on the same engine gives the all-on-device tokens: no expert whose reads were
+    not waited for counts as in the working buffer, and no read is left writing into it."""
+    from flexsarathi.models import moe
+
+    folder, prompts, ref_outputs, _, _ = references("mixtral_deep", False)
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=2, prefill_budget=6, w_gpu=0.0, w_disk=1.0)
+    llm = LLM(folder, dtype="float32", policy=policy, offload_dir=str(tmp_path), kv_block_size=8,
+              routed_expert_reads=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    calls, swiglu = [], moe.swiglu
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise KeyboardInterrupt
+        return swiglu(*args)
+
+    monkeypatch.setattr(moe, "swiglu", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(moe, "swiglu", swiglu)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref_outputs
+    assert llm.engine.weights.stats["experts_read"] > 0
