@@ -282,8 +282,16 @@ def children_cpu_seconds() -> float:
     return t.children_user + t.children_system
 
 
-def our_policy(w: Workload, on_disk: bool) -> Policy:
-    common = dict(gpu_batch_size=w.prompts, num_gpu_batches=1, compress_weight=True, compress_kv=False,
+def kv_cache_bytes(cfg: dict, w: Workload, dtype: torch.dtype) -> int:
+    """The whole workload's K and V at `dtype` (every sequence at its full length)."""
+    kv_width = cfg["hidden_size"] // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    return cfg["num_hidden_layers"] * w.context * 2 * kv_width * dtype.itemsize
+
+
+def our_policy(w: Workload, on_disk: bool, compress_kv: bool = False) -> Policy:
+    """compress_kv: 4-bit KV (the disk regime where the run's dtype's KV would not fit the group: fp32
+    on a CPU without fast bf16 is 5.4 GB for llama-2-7b at 32 x 160 tokens; llama.cpp's is fp16)."""
+    common = dict(gpu_batch_size=w.prompts, num_gpu_batches=1, compress_weight=True, compress_kv=compress_kv,
                   prefill_budget=PREFILL_BUDGET, act_gpu=1.0, act_cpu=0.0, act_disk=0.0)
     if on_disk:  # every layer 4-bit on disk (O_DIRECT), KV on the cpu tier, CPU decode attention
         return Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0, kv_gpu=0.0, kv_cpu=1.0, kv_disk=0.0, cpu_attention=True,
@@ -294,7 +302,11 @@ def our_policy(w: Workload, on_disk: bool) -> Policy:
 def build_ours(model: str, dtype: torch.dtype, w: Workload, on_disk: bool, work_dir: str, budget_gib: float,
                cpu_matmul: str = "auto"):
     hardware = HardwareSpec.preset("t4").with_memory(gpu=budget_gib * GiB / 0.8, cpu=budget_gib * GiB / 0.8)
-    return LLM(f"dummy:{model}", dtype=dtype, policy=our_policy(w, on_disk), hardware=hardware,
+    compress_kv = on_disk and kv_cache_bytes(known_config(model), w, dtype) > budget_gib * GiB / 2
+    if compress_kv:
+        say(f"  FlexSarathi: 4-bit KV cache ({kv_cache_bytes(known_config(model), w, dtype) / GiB:.2f} GiB at "
+            f"{dtype} would not fit the {budget_gib:g} GiB budget beside the rest)")
+    return LLM(f"dummy:{model}", dtype=dtype, policy=our_policy(w, on_disk, compress_kv), hardware=hardware,
                offload_dir=os.path.join(work_dir, "offload"), direct_io=True, dummy_weight_codes=True,
                cpu_matmul=cpu_matmul)
 
