@@ -302,9 +302,10 @@ def our_policy(w: Workload, on_disk: bool, compress_kv: bool = False) -> Policy:
 def build_ours(model: str, dtype: torch.dtype, w: Workload, on_disk: bool, work_dir: str, budget_gib: float,
                cpu_matmul: str = "auto"):
     hardware = HardwareSpec.preset("t4").with_memory(gpu=budget_gib * GiB / 0.8, cpu=budget_gib * GiB / 0.8)
-    compress_kv = on_disk and kv_cache_bytes(known_config(model), w, dtype) > budget_gib * GiB / 2
+    kv_bytes = kv_cache_bytes(known_config(model), w, dtype)
+    compress_kv = on_disk and kv_bytes > budget_gib * GiB / 2
     if compress_kv:
-        say(f"  FlexSarathi: 4-bit KV cache ({kv_cache_bytes(known_config(model), w, dtype) / GiB:.2f} GiB at "
+        say(f"  FlexSarathi: 4-bit KV cache ({kv_bytes / GiB:.2f} GiB at "
             f"{dtype} would not fit the {budget_gib:g} GiB budget beside the rest)")
     return LLM(f"dummy:{model}", dtype=dtype, policy=our_policy(w, on_disk, compress_kv), hardware=hardware,
                offload_dir=os.path.join(work_dir, "offload"), direct_io=True, dummy_weight_codes=True,

@@ -25,9 +25,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from bench_offload import disk_read_bytes  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
@@ -56,15 +58,6 @@ def build_checkpoint(folder: str, args) -> str:
     return folder
 
 
-def disk_bytes_read() -> int:
-    """Bytes this process (all its threads) had read from block devices (Linux); 0 elsewhere."""
-    try:
-        with open("/proc/self/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-    except (OSError, StopIteration):
-        return 0
-
-
 def dummy_model(args) -> str:
     """`dummy:` name of the registered shape truncated to --layers; args take its sizes."""
     config = {**known_config(args.dummy), "num_hidden_layers": args.layers}
@@ -87,11 +80,11 @@ def run(folder: str, batch: int, routed: bool, offload: str, args) -> dict:
     params = SamplingParams(max_tokens=args.gen_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)  # warm
     weights = llm.engine.weights
-    before, read_before = dict(weights.stats), disk_bytes_read()
+    before, read_before = dict(weights.stats), disk_read_bytes()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    read = disk_bytes_read() - read_before
+    read = disk_read_bytes() - read_before
     stats = {k: weights.stats[k] - before[k] for k in weights.stats}
     passes = llm.last_stats["passes"]
     config = llm.engine.config
