@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -82,3 +83,49 @@ def tier_zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device, *
             return pinned_empty(shape, dtype).zero_()
         return torch.zeros(tuple(shape), dtype=dtype, device=device)
     return mapped_zeros(shape, dtype, folder)
+
+
+# How many holders (tensors, storage objects) share a storage; absent from a torch build, nothing is
+# recycled (RecycledBuffers then allocates every time, as torch.empty would).
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class RecycledBuffers:
+    """Grow-only host buffers, each handed out again once nothing uses it.
+
+    Why: a gathered KV context is tens of MB, above glibc's largest mmap threshold
+    (offload/host_malloc.py), so a fresh one is a new mapping whose pages fault in on first touch:
+    34 of the 56 ms of gathering a 4-bit llama-2-7b context (32 sequences x 144 tokens, 2 cores).
+    A buffer is free when no tensor shares its storage (torch's storage use count is 1: only this
+    object holds it), so a context that a later micro-batch or a caller still holds is never
+    overwritten, whatever the order of use. How many exist is the most ever alive at once: the
+    peak the pass's working set already counts; they are freed with their owner (the KV pool)."""
+
+    def __init__(self):
+        self._storages: list[torch.UntypedStorage] = []
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self._storages)
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor of `shape` and `dtype`."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if _STORAGE_USE_COUNT is None:
+            return torch.empty(tuple(shape), dtype=dtype)
+        with self._lock:
+            free = [s for s in self._storages if _STORAGE_USE_COUNT(s._cdata) == 1]
+            fits = [s for s in free if s.nbytes() >= nbytes]
+            if fits:
+                storage = min(fits, key=lambda s: s.nbytes())
+            else:
+                if free:  # replace the largest free one that is too small: the count stays bounded
+                    self._storages.remove(max(free, key=lambda s: s.nbytes()))
+                storage = torch.UntypedStorage(max(nbytes, 1))
+                self._storages.append(storage)
+            return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._storages.clear()

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from offload.micro_batch import AttentionGroup, KVPart, host_of
-from offload.host_buffer import tier_zeros
+from offload.host_buffer import RecycledBuffers, tier_zeros
 from offload.streams import to_device, to_host
 from policy_search.quant_format import KV_FORMAT
-from quant import QTensor, QuantConfig, dequantize, quantize
+from quant import QTensor, QuantConfig, cpu_kv_dequant, dequantize, quantize
 
 
 # (block_size, "before" | "same"): attend only keys in blocks before each query's own block, or in
@@ -68,6 +68,7 @@ class KVPool:
         self.device = torch.device(device)
         self.kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.compression = compression
+        self._contexts = RecycledBuffers()  # what gathers onto the CPU return (see _context_buffer)
         # CUDA: "a value quantized here was not finite", one flag per (device, thread), set without a
         # host sync and checked by check_finite() after the pass (quantize's `nonfinite`).
         self._nonfinite: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -224,7 +225,15 @@ class KVPool:
         if table.device.type == "cpu" and device.type == "cuda":
             staged = torch.empty((flat.numel(), *table.shape[1:]), dtype=table.dtype, pin_memory=True)
             return torch.index_select(table, 0, flat, out=staged).to(device, non_blocking=True)
+        if table.device.type == "cpu" and device.type == "cpu":
+            out = self._context_buffer((flat.numel(), *table.shape[1:]), table.dtype)
+            return torch.index_select(table, 0, flat, out=out)
         return table.index_select(0, flat).to(device, non_blocking=True)
+
+    def _context_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A gathered context's memory on the CPU: recycled once nothing uses it, so a decode step
+        does not fault in tens of fresh MB per layer (offload/host_buffer.py, RecycledBuffers)."""
+        return self._contexts.take(shape, dtype)
 
     def _gather_compressed(self, layer: int, slots: torch.Tensor, device: torch.device,
                            residual_ids: torch.Tensor, complete_len: torch.Tensor):
@@ -235,6 +244,15 @@ class KVPool:
         kvh, d, bs = self.kv_heads, self.head_dim, self.block_size
         num_blocks, full = -(-length // bs), length // bs
         blocks = slots[:, ::bs] // bs  # [B, nb]
+        if self.device.type == "cpu" and cpu_kv_dequant.covers(self.k_config, self.dtype, device):
+            # One C pass per tensor (quant/cpu_kv_dequant.py): the same values as below, 5-10x sooner.
+            shape = (batch, length, kvh, d)
+            k = cpu_kv_dequant.keys({n: t[layer] for n, t in self.k_codes.items()}, blocks, length, kvh, d, bs,
+                                    out=self._context_buffer(shape, torch.float32))
+            self._fill_open_blocks(k, layer, residual_ids, complete_len)
+            v = cpu_kv_dequant.values({n: t[layer] for n, t in self.v_codes.items()}, slots, kvh, d, self.v_config,
+                                      out=self._context_buffer(shape, torch.float32))
+            return k, v
         parts = {n: to_device(t[layer][blocks].reshape(-1), device) for n, t in self.k_codes.items()}
         by_block = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                       shape=(batch * num_blocks, kvh, d, bs), dtype=self.dtype, config=self.k_config))
@@ -260,9 +278,10 @@ class KVPool:
         # batch builder's host tensor): on CUDA, nonzero() would be a sync.
         seq, pos = (torch.arange(length)[None, :] >= complete_len.cpu()[:, None]).nonzero(as_tuple=True)
         if seq.numel():
-            residual = to_device(self.k_residual[layer][to_device(residual_ids, self.device)], device)
-            seq, pos = to_device(seq, device), to_device(pos, device)
-            k[seq, pos] = residual[seq, pos % self.block_size]
+            # Only the positions read, not whole residual rows (those are block_size x larger).
+            rows, offsets = residual_ids.cpu()[seq], pos % self.block_size
+            open_keys = self.k_residual[layer][to_device(rows, self.device), to_device(offsets, self.device)]
+            k[to_device(seq, device), to_device(pos, device)] = to_device(open_keys, device)
 
     # ---- what a group's queries attend ---------------------------------------------------------
     def gather_part(self, layer: int, part: KVPart, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,9 +24,8 @@ at most `sum_k |w - zero| * step / 2` (`error_bound`), plus fp32 rounding. (Cent
 uncentred sum weighs x's rounding by |w - minimum|, about 3x more for a weight's usual groups.) A NaN or an
 infinity in x makes its outputs NaN, never finite.
 
-The kernel is C, compiled once per machine with the system's C compiler (`cc`, or $CC) into
-~/.cache/flexsarathi/kernels (or $FLEXSARATHI_KERNEL_CACHE), keyed by the source, the flags and the
-compiler, and loaded with ctypes (calls release the GIL: the output rows are split over threads).
+The kernel is C, compiled once per machine and loaded with ctypes by quant/cpu_kernels.py (calls
+release the GIL: the output rows are split over threads).
 Where there is no compiler, no AVX2, or the build fails, `unavailable_reason()` says why and the
 engine keeps the dequantizing path ("auto") or refuses ("int8"): flexsarathi/engine/llm_engine.py.
 """
@@ -35,23 +34,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
+from quant.cpu_kernels import CSRC, build, split
 from quant.qtensor import QTensor
 
-SOURCE = Path(__file__).parent / "csrc" / "q4_int8_gemm.c"
-# -ffp-contract=off: x's rounding is the stated fp32 arithmetic, with no fused multiply-adds the
-# tests' torch reference would not have.
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+SOURCE = CSRC / "q4_int8_gemm.c"
 MODES = ("auto", "int8x2", "int8", "dequantize")  # the engine's `cpu_matmul` choice
 RUN_MODES = MODES[1:]  # what a pass runs: "auto" resolved (flexsarathi/engine/llm_engine.py)
 # Rows of x up to which "int8x2" runs the kernel; above, dequantize + F.linear (exact, and as fast
@@ -62,8 +52,6 @@ INT8X2_MAX_ROWS = 64
 ROW_ALIGN = 8  # output rows per thread's share are a multiple of it (cache lines of y)
 
 _state = threading.local()  # .mode: this thread's choice for quantized_linear (see cpu_matmul_mode)
-_pool_lock = threading.Lock()
-_pools: dict[int, object] = {}
 
 
 @contextlib.contextmanager
@@ -146,8 +134,8 @@ def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = N
                            qweight.minimum.data_ptr(), int(qweight.config.minimum_fp32), pairs, c0, c1, y.data_ptr(), n)
 
         threads = max(1, torch.get_num_threads())
-        _split(quantize_rows, m, min(threads, m), 1)
-        _split(gemm, n, threads, ROW_ALIGN)
+        split(quantize_rows, m, min(threads, m), 1)
+        split(gemm, n, threads, ROW_ALIGN)
     out = y[:m] + y[m:] if planes == 2 else y
     if bias is not None:
         out += bias
@@ -170,30 +158,6 @@ def error_bound(x: torch.Tensor, qweight: QTensor, planes: int = 1) -> torch.Ten
     return (steps.repeat_interleave(block, 1) / 2) @ scaled_codes.T
 
 
-def _split(fn, total: int, parts: int, align: int) -> None:
-    """fn(start, stop) over `parts` ranges of [0, total) (multiples of `align`), one on this thread."""
-    step = -(-total // parts)
-    step = -(-step // align) * align
-    ranges = [(s, min(total, s + step)) for s in range(0, total, step)]
-    if len(ranges) == 1:
-        fn(*ranges[0])
-        return
-    pool = _pool(len(ranges) - 1)
-    futures = [pool.submit(fn, *r) for r in ranges[1:]]
-    fn(*ranges[0])
-    for f in futures:
-        f.result()
-
-
-def _pool(workers: int):
-    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
-
-    with _pool_lock:
-        if workers not in _pools:
-            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="int8-matmul")
-        return _pools[workers]
-
-
 def available() -> bool:
     return _loaded()[0] is not None
 
@@ -207,7 +171,7 @@ def unavailable_reason() -> str | None:
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the loaded kernel, None), or (None, why not): built and loaded once per process."""
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(build(SOURCE)))
     except (OSError, RuntimeError) as e:
         return None, str(e)
     p, i, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -216,36 +180,3 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     lib.fs_q4_gemm.argtypes = [p, p, p, p, i, i, i, i, p, p, p, flag, flag, i, i, p, i]
     lib.fs_q4_gemm.restype = None
     return lib, None
-
-
-def _build() -> Path:
-    """The compiled kernel's path, built on first use (atomically: concurrent builders each write a
-    temporary file and rename it). RuntimeError says why it cannot be had here."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise RuntimeError(f"the int8 kernel is AVX2 code; this machine is {platform.machine()}")
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        raise RuntimeError(f"the int8 kernel needs AVX2 (torch reports CPU capability {capability})")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler (cc, gcc or $CC) to build the int8 kernel with")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("FLEXSARATHI_KERNEL_CACHE")
-                  or Path.home() / ".cache" / "flexsarathi" / "kernels")
-    target = folder / f"q4_int8_gemm-{key}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        built = subprocess.run([compiler, *FLAGS, "-o", temporary, str(SOURCE)], capture_output=True, text=True)
-        if built.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} with {compiler} failed: {built.stderr.strip()[-2000:]}")
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-    return target

@@ -59,6 +59,9 @@ def test_plain_pool_is_exact():
     pool.store(0, slots, k, v)
     got_k, got_v = pool.gather(0, slots[None], torch.device("cpu"))
     assert torch.equal(got_k[0], k) and torch.equal(got_v[0], v)
+    # Contexts go into recycled buffers: one still held is not written by the next gather.
+    pool.gather(1, slots[None], torch.device("cpu"))
+    assert torch.equal(got_k[0], k) and torch.equal(got_v[0], v)
 
 
 def test_pool_size_accounting_matches_allocation():
@@ -112,3 +115,34 @@ def test_compressed_gather_holds_no_more_than_the_working_set_charges():
         k, v = pool.gather(0, slots, torch.device("cpu"), torch.arange(batch), complete_len)
     assert k.shape == v.shape == (batch, length, spec.num_kv_heads, spec.head_dim)
     assert live.peak <= charged
+
+
+@pytest.mark.parametrize("lengths", [[11, 4, 7], [1, 12, 9]])
+def test_compressed_gather_on_the_cpu_equals_torchs_route_and_never_overwrites_a_held_context(lengths, monkeypatch):
+    """The C kernel (quant/cpu_kv_dequant.py) against the torch route it replaces, on a pool filled
+    through store (real quantization, open blocks in the residual rows, shuffled block tables);
+    a context gathered earlier and still held keeps its values through later gathers."""
+    from quant import cpu_kv_dequant  # noqa: PLC0415
+
+    comp = KVCompression(bits=4, block_size=BS, value_group=8)
+    pool = _pool(comp)
+    gen = torch.Generator().manual_seed(sum(lengths))
+    table = torch.randperm(12, generator=gen).view(3, 4)  # 3 sequences x 4 blocks
+    slots = (table[:, :, None] * BS + torch.arange(BS)).flatten(1)  # [3, 16]
+    for layer in range(2):
+        for row, length in enumerate(lengths):
+            for p in range(length):  # one token at a time: blocks complete through the residual row
+                kv = torch.randn(2, 1, HEADS, DIM, generator=gen) * 4
+                pool.store(layer, slots[row, p:p + 1], kv[0], kv[1], torch.tensor([row]))
+    length = max(lengths)
+    complete = torch.tensor([n // BS * BS for n in lengths])
+    cpu = torch.device("cpu")
+    held = pool.gather(0, slots[:, :length], cpu, torch.arange(3), complete)
+    snapshot = [t.clone() for t in held]
+    fast = [pool.gather(layer, slots[:, :length], cpu, torch.arange(3), complete) for layer in (1, 0)]
+    monkeypatch.setattr(cpu_kv_dequant, "covers", lambda *args: False)
+    slow = [pool.gather(layer, slots[:, :length], cpu, torch.arange(3), complete) for layer in (1, 0)]
+    for got, expected in zip(fast, slow):
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert all(torch.equal(a, b) for a, b in zip(held, snapshot))
+    assert torch.equal(held[0], slow[1][0])
