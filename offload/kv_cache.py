@@ -253,7 +253,8 @@ class KVPool:
             v = cpu_kv_dequant.values({n: t[layer] for n, t in self.v_codes.items()}, slots, kvh, d, self.v_config,
                                       out=self._context_buffer(shape, torch.float32))
             return k, v
-        parts = {n: to_device(t[layer][blocks].reshape(-1), device) for n, t in self.k_codes.items()}
+        parts = {n: to_device(t[layer].index_select(0, blocks.reshape(-1)).reshape(-1), device)
+                 for n, t in self.k_codes.items()}
         by_block = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                       shape=(batch * num_blocks, kvh, d, bs), dtype=self.dtype, config=self.k_config))
         by_block = by_block.view(batch, num_blocks, kvh, d, bs).permute(0, 1, 4, 2, 3)  # [B, nb, bs, kvh, d]
@@ -264,7 +265,8 @@ class KVPool:
             k[:, full * bs:].copy_(by_block[:, full, :length - full * bs])
         del by_block
         self._fill_open_blocks(k, layer, residual_ids, complete_len)
-        parts = {n: to_device(t[layer][slots].reshape(-1), device) for n, t in self.v_codes.items()}
+        parts = {n: to_device(t[layer].index_select(0, slots.reshape(-1)).reshape(-1), device)
+                 for n, t in self.v_codes.items()}
         v = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                shape=(batch * length, kvh, d), dtype=self.dtype, config=self.v_config))
         return k, v.view(batch, length, kvh, d)
@@ -279,8 +281,8 @@ class KVPool:
         seq, pos = (torch.arange(length)[None, :] >= complete_len.cpu()[:, None]).nonzero(as_tuple=True)
         if seq.numel():
             # Only the positions read, not whole residual rows (those are block_size x larger).
-            rows, offsets = residual_ids.cpu()[seq], pos % self.block_size
-            open_keys = self.k_residual[layer][to_device(rows, self.device), to_device(offsets, self.device)]
+            rows = to_device(residual_ids, self.device)[to_device(seq, self.device)]
+            open_keys = self.k_residual[layer][rows, to_device(pos % self.block_size, self.device)]
             k[to_device(seq, device), to_device(pos, device)] = to_device(open_keys, device)
 
     # ---- what a group's queries attend ---------------------------------------------------------

@@ -77,6 +77,7 @@ from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from policy_search.hardware import HardwareSpec  # noqa: E402
 from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402
+from quant import cpu_kv_dequant  # noqa: E402
 
 GiB = 1 << 30
 GB = 1e9
@@ -527,7 +528,8 @@ def main() -> int:
     binary = build_llama_cpp(args.cache_dir)
     b = Bench(model, cfg, shapes, w, dtype, binary, gguf_file(args.work_dir, model, cfg), args.work_dir, threads,
               args.cpu_matmul)
-    say(f"ours: cpu_matmul={args.cpu_matmul} (what the engine runs: {resolve_cpu_matmul(args.cpu_matmul)})")
+    say(f"ours: cpu_matmul={args.cpu_matmul} (what the engine runs: {resolve_cpu_matmul(args.cpu_matmul)}); "
+        f"4-bit KV gather kernel: {cpu_kv_dequant.unavailable_reason() or 'built'}")
     for regime in (("ram", "disk") if args.regime == "both" else (args.regime,)):
         say(f"\n--- regime {regime} ---")
         runs, bound = run_regime(b, regime == "disk", args.mem_limit_gib)
