@@ -407,14 +407,16 @@ def run_regime(b: Bench, on_disk: bool, mem_limit_gib: float) -> tuple[list[Engi
     try:
         theirs = run_theirs(b, on_disk, group)
         ours, store_rate = run_ours_in_regime(b, on_disk, group)
-        rates = measure_rates(b.shapes, b.dtype, [b.gguf_path] if on_disk else [], store_rate)
-        # a pass reads every layer's 4-bit weights (4.5 bits each, both formats); embeddings and head stay in RAM
-        disk_bytes = b.shapes.layers * b.shapes.layer_matrix_params * 4.5 / 8 if on_disk else 0
-        return [theirs, ours], workload_bound(b.shapes, rates, b.workload, disk_bytes)
     finally:
         if group is not None:
             group.leave()
         release_free_memory()
+    # The machine's rates are measured outside the group: one fp32 layer of the 70B shape is 3.4 GB
+    # (inside a 5 GiB group that measurement was killed, losing the table of a 40-minute run).
+    rates = measure_rates(b.shapes, b.dtype, [b.gguf_path] if on_disk else [], store_rate)
+    # a pass reads every layer's 4-bit weights (4.5 bits each, both formats); embeddings and head stay in RAM
+    disk_bytes = b.shapes.layers * b.shapes.layer_matrix_params * 4.5 / 8 if on_disk else 0
+    return [theirs, ours], workload_bound(b.shapes, rates, b.workload, disk_bytes)
 
 
 def run_theirs(b: Bench, on_disk: bool, group: MemoryGroup | None) -> EngineRun:
@@ -424,7 +426,7 @@ def run_theirs(b: Bench, on_disk: bool, group: MemoryGroup | None) -> EngineRun:
     cmd = llama_cpp_command(b.binary, b.gguf_path, b.workload, b.threads, file_backed=on_disk)
     say("  llama.cpp: " + " ".join(os.path.basename(c) if c == b.binary else c for c in cmd))
     r = run_llama_cpp(cmd, os.path.join(b.work_dir, f"llama_cpp_{'disk' if on_disk else 'ram'}.log"))
-    say(f"  llama.cpp done in {r.total_s:.1f} s")
+    say(f"  llama.cpp done in {r.total_s:.1f} s (prompt {r.prompt_s:.1f} s, generation {r.gen_s:.1f} s)")
     return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group))
 
 
@@ -441,7 +443,7 @@ def run_ours_in_regime(b: Bench, on_disk: bool, group: MemoryGroup | None) -> tu
         drop_cache_of(files)
         store_rate = read_store_rate(store, range_reads=False) if on_disk else 0.0
         r = run_ours(llm, b.workload, b.cfg["vocab_size"], files)
-        say(f"  FlexSarathi done in {r.total_s:.1f} s")
+        say(f"  FlexSarathi done in {r.total_s:.1f} s (prompt {r.prompt_s:.1f} s, generation {r.gen_s:.1f} s)")
         return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group)), store_rate
     finally:
         llm.close()
