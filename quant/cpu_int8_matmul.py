@@ -38,7 +38,7 @@ import threading
 
 import torch
 
-from quant.cpu_kernels import CSRC, build, split
+from quant.cpu_kernels import CSRC, load, split
 from quant.qtensor import QTensor
 
 SOURCE = CSRC / "q4_int8_gemm.c"
@@ -170,13 +170,6 @@ def unavailable_reason() -> str | None:
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the loaded kernel, None), or (None, why not): built and loaded once per process."""
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE)))
-    except (OSError, RuntimeError) as e:
-        return None, str(e)
     p, i, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.fs_quantize_x.argtypes = [p, i, i, i, i, i, flag, p, p, p, p, p, p, p, p]
-    lib.fs_quantize_x.restype = None
-    lib.fs_q4_gemm.argtypes = [p, p, p, p, i, i, i, i, p, p, p, flag, flag, i, i, p, i]
-    lib.fs_q4_gemm.restype = None
-    return lib, None
+    return load(SOURCE, {"fs_quantize_x": [p, i, i, i, i, i, flag, p, p, p, p, p, p, p, p],
+                         "fs_q4_gemm": [p, p, p, p, i, i, i, i, p, p, p, flag, flag, i, i, p, i]})

@@ -7,6 +7,7 @@ release the GIL, so `split` runs one share of a call per thread.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -56,6 +57,19 @@ def build(source: Path) -> Path:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return target
+
+
+def load(source: Path, signatures: dict[str, list]) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the built and loaded kernel, None), or (None, why not); `signatures`: each function's ctypes
+    argument types (all return nothing)."""
+    try:
+        lib = ctypes.CDLL(str(build(source)))
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+    for name, argtypes in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib, None
 
 
 def split(fn, total: int, parts: int, align: int = 1) -> None:

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from quant.config import QuantConfig
-from quant.cpu_kernels import CSRC, build, split
+from quant.cpu_kernels import CSRC, load, split
 
 SOURCE = CSRC / "kv_dequant.c"
 
@@ -107,13 +107,6 @@ def unavailable_reason() -> str | None:
 
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE)))
-    except (OSError, RuntimeError) as e:
-        return None, str(e)
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.fs_kv_keys.argtypes = [p, p, p, p, i, i, i, i, i, i, p, p, p]
-    lib.fs_kv_keys.restype = None
-    lib.fs_kv_values.argtypes = [p, p, p, p, i, i, i, i, i, i, i, p]
-    lib.fs_kv_values.restype = None
-    return lib, None
+    return load(SOURCE, {"fs_kv_keys": [p, p, p, p, i, i, i, i, i, i, p, p, p],
+                         "fs_kv_values": [p, p, p, p, i, i, i, i, i, i, i, p]})
