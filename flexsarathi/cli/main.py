@@ -70,7 +70,14 @@ def _cmd_profile(args) -> int:
     offload_dir = args.offload_dir or DEFAULT_OFFLOAD_DIR
     check_folder(offload_dir, "--offload-dir")
     dtype = None if is_auto(args.dtype) else parse_dtype(args.dtype, "--dtype")  # None: the engine's
-    spec = profile_machine(offload_dir, dtype=dtype, disk_bytes=args.disk_mib << 20,
+    # The layer whose matmuls and attention are timed: the model's own where the user names it (rates
+    # depend on the shapes: a small layer's matmuls run further from the machine's peak).
+    model = None
+    if args.model is not None:
+        from flexsarathi.engine.planner_spec import planner_model_spec
+
+        model = planner_model_spec(args.model, dtype)
+    spec = profile_machine(offload_dir, dtype=dtype, disk_bytes=args.disk_mib << 20, model=model,
                            log=lambda line: print(line, file=sys.stderr, flush=True))
     spec.save(args.output)
     print(f"wrote {args.output}: {spec.describe()}")
@@ -113,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--output", "-o", default="hardware_profile.json")
     prof.add_argument("--offload-dir", default=None, help="folder whose disk is measured")
     prof.add_argument("--disk-mib", type=positive_int, default=512, help="size of the disk test file")
+    prof.add_argument("--model", default=None, help="whose layer shapes the matmuls and attention are measured "
+                      "on: a registered name (llama-2-7b), a checkpoint folder or a .gguf file (default: opt-1.3b's)")
     add_dtype_arg(prof)  # measured in the dtype the engine computes in
     prof.set_defaults(func=_cmd_profile)
 

@@ -1,11 +1,14 @@
-"""Bad input on the command line: every case, run as a real subprocess, ends with exit code 2 and
-exactly one `error: ...` line on stderr naming what is wrong, never a traceback. The API says the
-same through FlexSarathiError."""
+"""Bad input on the command line: every case ends with exit code 2 and exactly one `error: ...` line
+on stderr naming what is wrong, never a traceback. The cases run through `main()` in this process
+(19 subprocesses would each pay torch's import: half a minute); two of them also as real
+subprocesses, which must say exactly the same. The API says the same through FlexSarathiError."""
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -47,35 +50,58 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
         "profile offload dir under a file": (["profile", "--offload-dir", "/etc/passwd/off"],
                                              "--offload-dir /etc/passwd/off cannot be created"),
         "profile bad dtype": (["profile", "--dtype", "int3", "-o", f"{tmp}/hw.json"], "unsupported dtype 'int3'"),
+        "profile unknown model": (["profile", "--model", "opt-7", "-o", f"{tmp}/hw.json"], "unknown model 'opt-7'"),
     }
+
+
+@dataclass(frozen=True)
+class Done:
+    returncode: int
+    stderr: str
+
+
+def run_in_process(argv: list[str]) -> Done:
+    """`flexsarathi ARGV` through main(), its stderr captured; a usage error's SystemExit is its exit."""
+    from flexsarathi.cli.main import main  # noqa: PLC0415
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+    return Done(code, err.getvalue())
 
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    """Every case run once, four subprocesses at a time (each pays torch's import)."""
+    """Every case run once, in this process; (the folder of its files, name -> (run, message))."""
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "not_utf8.txt").write_bytes(NOT_UTF8)
-    cases = _cases(str(tmp))
-
-    def run(argv):
-        return subprocess.run([sys.executable, "-m", "flexsarathi", *argv], capture_output=True,
-                              text=True, cwd=REPO, timeout=300)
-
-    with ThreadPoolExecutor(4) as pool:
-        runs = dict(zip(cases, pool.map(run, [argv for argv, _ in cases.values()])))
-    return {name: (runs[name], message) for name, (_, message) in cases.items()}
+    return tmp, {name: (run_in_process(argv), message) for name, (argv, message) in _cases(str(tmp)).items()}
 
 
 @pytest.mark.parametrize("name", list(_cases("/tmp")))
 def test_bad_input_is_one_error_line_and_exit_2(name, cli_runs):
     if "cuda" in name and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    done, message = cli_runs[name]
+    done, message = cli_runs[1][name]
     lines = done.stderr.splitlines()
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     assert message in lines[0]
+
+
+@pytest.mark.parametrize("name", ["demo unknown command", "perplexity not utf-8"])
+def test_a_real_subprocess_says_exactly_the_same(name, cli_runs):
+    """`python -m flexsarathi` (its import, its entry point, its real stderr: a warning printed on
+    import would be a second line) ends the same: a usage error and one found by the checks."""
+    tmp, runs = cli_runs
+    argv, _ = _cases(str(tmp))[name]
+    proc = subprocess.run([sys.executable, "-m", "flexsarathi", *argv], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+    assert (proc.returncode, proc.stderr) == (runs[name][0].returncode, runs[name][0].stderr)
 
 
 # ids avoid the bare word "gpu": conftest skips tests with that keyword on machines without CUDA

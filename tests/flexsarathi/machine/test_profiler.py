@@ -9,9 +9,12 @@ from tests.conftest import REPO
 
 
 def test_profile_writes_a_loadable_hardware_json(tmp_path):
+    """`flexsarathi profile --model opt-125m`: the layer timed is that model's (the smallest registered
+    one keeps the test short; the default, opt-1.3b's, takes 2-3x longer)."""
     out = tmp_path / "hw.json"
     result = subprocess.run([sys.executable, "-m", "flexsarathi", "profile", "-o", str(out), "--offload-dir",
-                             str(tmp_path / "off"), "--disk-mib", "16"], capture_output=True, text=True, cwd=REPO)
+                             str(tmp_path / "off"), "--disk-mib", "16", "--model", "opt-125m"], capture_output=True,
+                            text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     spec = HardwareSpec.load(out)
     assert spec.disk_to_host > 0 and spec.gpu_matmul_prefill_flops > 0 and spec.cpu_attention_flops > 0
@@ -26,7 +29,8 @@ def test_profile_writes_a_loadable_hardware_json(tmp_path):
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
 
     engine_dtype = resolve_dtype(None, torch.float16, resolve_device(None))
-    assert f"with {engine_dtype}" in spec.notes
+    assert f"with {engine_dtype}" in spec.notes and "layer of opt-125m" in spec.notes
+    assert "layer of opt-125m (" in result.stderr.splitlines()[0]
     lines = result.stderr.splitlines()
     assert lines.index("  measuring the disk: writing and reading 16 MiB in "
                        f"{tmp_path / 'off'} ...") < next(i for i, line in enumerate(lines) if "disk: read" in line)
