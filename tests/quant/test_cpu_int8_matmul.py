@@ -86,6 +86,23 @@ def test_kernel_is_its_stated_arithmetic(n, k, group, pairs, m32, rows, planes):
 
 
 @needs_kernel
+@pytest.mark.parametrize("pairs", [False, True])
+def test_rows_beyond_one_sweep_equal_the_rows_alone(pairs):
+    """More rows of x than one sweep over the weight holds (256 KiB of int8 x: 128 rows at K = 2048),
+    so every panel is packed once and reused across sweeps: the stated arithmetic, and each row bit
+    for bit what it is 4 rows at a time (one sweep; a row's sums run in the same order however many
+    rows share a panel)."""
+    k = 2048
+    q = _weight(27, k, 64, seed=11, pairs=pairs)  # 3 panels of 8 rows and 3 rows left over
+    x = torch.randn(2 * (256 * 1024 // k) + 8, k, generator=torch.Generator().manual_seed(12))  # 3 sweeps
+    got = k8.int8_linear(x, q)
+    zero = _zero(q)
+    expected = _rounded_x(x, k8.x_block(q), 1) @ (dequantize(q, torch.float64) - zero).T + x.double() @ zero.T
+    assert (got.double() - expected).abs().le(_fp32_slack(x, q)).all()
+    assert torch.equal(got, torch.cat([k8.int8_linear(x[i:i + 4], q) for i in range(0, len(x), 4)]))
+
+
+@needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 40), k_units=st.integers(1, 6), group=st.sampled_from([32, 64, 128]),
        rows=st.integers(0, 7), pairs=st.booleans(), m32=st.booleans(), seed=st.integers(0, 2**16),
