@@ -34,9 +34,17 @@
  * steps (|residual| <= step / 2, so its codes fit in +-127) into rq / rd / rh, with rg = 0 (the
  * exact sum is counted once): as M more rows of x, the kernel's product over both is x rounded
  * to ~16 bits per block instead of 8. */
+static inline float hsum(__m256 v);
+static void quantize_rows_avx2(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t G, int64_t XB, int8_t *xq,
+                               float *xd, float *xg, float *xh);
+
 void fs_quantize_x(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t G, int64_t XB, int pairs,
                    int8_t *xq, float *xd, float *xg, float *xh, int8_t *rq, float *rd, float *rg, float *rh) {
     const int64_t nb = K / XB, ng = K / G;
+    if (!pairs && !rq) { /* the common case (our layout, one plane), 8 values per instruction */
+        quantize_rows_avx2(x, M, K, ldx, G, XB, xq, xd, xg, xh);
+        return;
+    }
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * ldx;
         for (int64_t g = 0; g < ng; g++) {
@@ -87,6 +95,59 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* fs_quantize_x for the split-halves layout and one plane: the same codes, steps and rounded sums
+ * (x * inv rounded half to even, as nearbyintf; integer sums exact), the exact group sums added 8
+ * lanes at a time (another order of fp32 additions than the scalar loop's: within the kernel's
+ * stated fp32 slack). The scalar loop took ~1.5% of a llama-2-7b pass. */
+static void quantize_rows_avx2(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t G, int64_t XB, int8_t *xq,
+                               float *xd, float *xg, float *xh) {
+    const int64_t nb = K / XB, ng = K / G;
+    const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(3.402823466e38f);
+    const __m256 top = _mm256_set1_ps(127.f), bottom = _mm256_set1_ps(-127.f);
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        for (int64_t g = 0; g < ng; g++) {
+            __m256 s = _mm256_setzero_ps();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(xr + k));
+            xg[m * ng + g] = hsum(s);
+            xh[m * ng + g] = 0.f;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = xr + b * XB;
+            __m256 amax = _mm256_setzero_ps();
+            int finite = 1;
+            for (int64_t i = 0; i < XB; i += 8) {
+                const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i));
+                finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_LE_OQ)) == 0xFF; /* NaN, inf: false */
+                amax = _mm256_max_ps(amax, a);
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float am = _mm_cvtss_f32(h);
+            const float inv = (finite && am > 0.f) ? 127.f / am : 0.f;
+            const float step = finite ? am / 127.f : NAN;
+            xd[m * nb + b] = step;
+            const __m256 vinv = _mm256_set1_ps(inv);
+            __m256i isum = _mm256_setzero_si256();
+            for (int64_t i = 0; i < XB; i += 8) {
+                __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vinv),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                r = _mm256_min_ps(_mm256_max_ps(r, bottom), top); /* not finite: inv = 0, so 0 * x: NaN */
+                if (!finite) r = _mm256_setzero_ps();
+                const __m256i q = _mm256_cvtps_epi32(r);
+                isum = _mm256_add_epi32(isum, q);
+                const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+                _mm_storel_epi64((__m128i *)(xq + m * K + b * XB + i), _mm_packs_epi16(q16, q16));
+            }
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+            xh[m * ng + (b * XB) / G] += step * (float)_mm_cvtsi128_si32(t);
+        }
+    }
 }
 
 /* int16 pair sums of unsigned codes x signed int8 (|each| <= 2 * 15 * 127: two may be added). */
