@@ -50,6 +50,9 @@ RUN_MODES = MODES[1:]  # what a pass runs: "auto" resolved (flexsarathi/engine/l
 # dequantize + F.linear; 128 rows: 297 against 282.
 INT8X2_MAX_ROWS = 64
 ROW_ALIGN = 8  # output rows per thread's share are a multiple of it (cache lines of y)
+# Output-row ranges per thread, taken in turn (quant/cpu_kernels.split): a core that other work
+# slows (the engine's disk reads, a shared machine's neighbours) takes fewer.
+GEMM_CHUNKS_PER_THREAD = 4
 
 _state = threading.local()  # .mode: this thread's choice for quantized_linear (see cpu_matmul_mode)
 
@@ -135,7 +138,7 @@ def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = N
 
         threads = max(1, torch.get_num_threads())
         split(quantize_rows, m, min(threads, m), 1)
-        split(gemm, n, threads, ROW_ALIGN)
+        split(gemm, n, threads, ROW_ALIGN, GEMM_CHUNKS_PER_THREAD)
     out = y[:m] + y[m:] if planes == 2 else y
     if bias is not None:
         out += bias

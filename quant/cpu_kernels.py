@@ -72,21 +72,39 @@ def load(source: Path, signatures: dict[str, list]) -> tuple[ctypes.CDLL | None,
     return lib, None
 
 
-def split(fn, total: int, parts: int, align: int = 1) -> None:
-    """fn(start, stop) over `parts` ranges of [0, total) (multiples of `align`), one on this thread."""
+def split(fn, total: int, parts: int, align: int = 1, chunks_per_part: int = 1) -> None:
+    """fn(start, stop) over [0, total) on `parts` threads (this one among them), in ranges that are
+    multiples of `align`. chunks_per_part > 1: that many ranges per thread, taken in turn as each
+    thread finishes its last, so a core slowed by other work (the engine's disk reads, the
+    neighbours of a shared machine) takes fewer of them instead of holding the whole call back."""
     if total <= 0:
         return
-    step = -(-total // max(1, parts))
+    pieces = max(1, parts) * max(1, chunks_per_part)
+    step = -(-total // pieces)
     step = -(-step // align) * align
     ranges = [(s, min(total, s + step)) for s in range(0, total, step)]
-    if len(ranges) == 1:
-        fn(*ranges[0])
+    workers = min(max(1, parts), len(ranges))
+    if workers == 1:
+        for r in ranges:
+            fn(*r)
         return
-    pool = _pool(len(ranges) - 1)
-    futures = [pool.submit(fn, *r) for r in ranges[1:]]
-    fn(*ranges[0])
-    for f in futures:
-        f.result()
+    queue, lock = iter(ranges), threading.Lock()
+
+    def take_in_turn() -> None:
+        while True:
+            with lock:
+                r = next(queue, None)
+            if r is None:
+                return
+            fn(*r)
+
+    pool = _pool(workers - 1)
+    futures = [pool.submit(take_in_turn) for _ in range(workers - 1)]
+    try:
+        take_in_turn()
+    finally:
+        for f in futures:
+            f.result()
 
 
 def _pool(workers: int):

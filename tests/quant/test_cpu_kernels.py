@@ -1,0 +1,38 @@
+"""quant/cpu_kernels.py's `split`: every index of [0, total) covered exactly once, in ranges that
+start on multiples of `align`, on at most `parts` threads, whatever the chunking; a worker's error
+reaches the caller."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quant.cpu_kernels import split
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(0, 300), parts=st.integers(1, 4), align=st.sampled_from([1, 8]),
+       chunks=st.integers(1, 5))
+def test_split_covers_each_index_once_on_at_most_parts_threads(total, parts, align, chunks):
+    seen, threads, lock = [], set(), threading.Lock()
+
+    def record(start: int, stop: int) -> None:
+        assert start % align == 0 and start < stop <= total
+        with lock:
+            seen.extend(range(start, stop))
+            threads.add(threading.get_ident())
+
+    split(record, total, parts, align, chunks_per_part=chunks)
+    assert sorted(seen) == list(range(total))
+    assert len(threads) <= parts
+
+
+def test_a_workers_error_reaches_the_caller():
+    def fail_on_last(start: int, stop: int) -> None:
+        if stop == 64:
+            raise ValueError("injected: the last range fails")
+
+    with pytest.raises(ValueError, match="injected"):
+        split(fail_on_last, 64, 2, 8, chunks_per_part=4)
