@@ -210,22 +210,30 @@ def test_plain_pool_parts_are_the_stored_k_v_bitwise(tmp_path):
 def test_compressed_pool_parts_are_quants_dequantize_of_what_was_stored(tmp_path):
     passes = Passes(COMPRESSION, str(tmp_path))
     checked = {"stored before the pass": 0, "completed in the pass": 0, "own block": 0}
+    decodes = {"one part": 0}
     for items in passes.schedule():
         for group, members, _, parts in passes.run(items):
             for part, triples in parts:
-                assert [rule for _, _, rule in triples] == [(BS, "before"), (BS, "same")]
-                for (keys, values, (_, rule)), b in ((t, b) for t in triples for b in range(len(members))):
+                # Prompt rows: the two key rules; decode rows: one part, no rule (their one query's
+                # keys already read as it sees them).
+                rules = [rule for _, _, rule in triples]
+                assert rules == ([None] if group.is_decode else [(BS, "before"), (BS, "same")])
+                decodes["one part"] += group.is_decode
+                for (keys, values, key_rule), b in ((t, b) for t in triples for b in range(len(members))):
                     seq, start = members[b].seq_id, int(part.kv_start[b])
-                    # Earlier blocks as quant stores them; the query's own block exact; V always stored.
-                    ref_k = stored_k(passes.k[seq]) if rule == "before" else passes.k[seq]
+                    rule = key_rule[1] if key_rule else None
+                    own_block = int(group.q_pos[b, -1]) // BS * BS  # the (last) query's block
                     ref_v = stored_v(passes.v[seq])
                     for j in visible_keys(group, part, b, rule):
+                        # Earlier blocks as quant stores them; the query's own block exact; V always stored.
+                        exact = rule == "same" or (rule is None and start + j >= own_block)
+                        ref_k = passes.k[seq] if exact else stored_k(passes.k[seq])
                         assert torch.equal(keys[b, j], ref_k[start + j]), (seq, start + j, rule)
                         assert torch.equal(values[b, j], ref_v[start + j]), (seq, start + j, rule)
-                        kind = ("own block" if rule == "same" else "stored before the pass"
+                        kind = ("own block" if exact else "stored before the pass"
                                 if j < int(part.complete_len[b]) else "completed in the pass")
                         checked[kind] += 1
-    assert all(checked.values()), checked
+    assert all(checked.values()) and decodes["one part"], (checked, decodes)
 
 
 def reference_attention(q: torch.Tensor, q_pos: list[int], k: torch.Tensor, v: torch.Tensor,
