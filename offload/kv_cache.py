@@ -327,9 +327,7 @@ class KVPool:
     def _keys_as_stored(self, group: AttentionGroup, part: KVPart, k: torch.Tensor) -> torch.Tensor:
         """Keys as queries of later blocks see them: blocks completed inside this pass are
         round-tripped through the block quantization they are stored with (earlier blocks already
-        come dequantized from the pool; decodes have no later query in the pass)."""
-        if group.is_decode:
-            return k
+        come dequantized from the pool). Prompt rows only: decodes attend one part."""
         bs, k_prior = self.block_size, k
         lengths = host_of(part)  # host tensors: int() of a device tensor would be a sync per sequence
         for b in range(group.num_seqs):
