@@ -95,9 +95,10 @@ class ChunkReader:
                 f"offset {offset + count}; the store is truncated and must be rewritten")
 
     def _pread_direct(self, fd: int, dest: np.ndarray, offset: int) -> int:
-        # The file offset is aligned by construction; the memory address and the length may not be
-        # (arbitrary CPU tensors, the tail of a tensor), and then the bytes go through an aligned
-        # bounce buffer with the length rounded up (the data file is padded, so that stays inside).
+        # A shard's tensors start on aligned offsets (a range or a linked file's may not); the memory
+        # address and the length may not be aligned either (arbitrary CPU tensors, the tail of a
+        # tensor), and then the bytes go through an aligned bounce buffer with the range widened to
+        # aligned ends (a shard is padded; past a linked file's end the read just comes back short).
         delta = offset % ALIGNMENT  # non-zero only for range reads
         if delta == 0 and dest.ctypes.data % ALIGNMENT == 0 and dest.nbytes % ALIGNMENT == 0:
             return pread_all(fd, dest, offset)

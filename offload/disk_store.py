@@ -25,6 +25,11 @@ rebuilding the store from its source. Data shards are written under temporary na
 into place, fsynced, only at commit, just before the manifest (offload/store_writer.py): a process
 killed while writing leaves no file under a name a reader trusts.
 
+Linked tensors: a tensor whose exact bytes a file outside the store already holds (a pre-quantized
+checkpoint's codes) is recorded as byte ranges of that file instead of being copied
+(`DiskStoreWriter.link`): loading such a checkpoint writes little more than the manifest, and the
+store reads those ranges (aligned or not) like its own shards, crc32 included.
+
 KV cache and activations that spill to disk do not use this store: they live in memory-mapped
 files of the offload folder (offload/host_buffer.py, `tier_zeros`).
 """
@@ -215,15 +220,37 @@ class DiskStore:
 
     def _read_whole(self, name: str, entry: TensorEntry, out: torch.Tensor) -> Future:
         dest = byte_view(out)
-        pieces = [dest[start:start + self.chunk_bytes] for start in range(0, entry.nbytes, self.chunk_bytes)]
+        chunks = self._chunks(entry, 0, entry.nbytes)
+        pieces = [dest[start:start + length] for _, _, start, length in chunks]
         crc = InOrderCrc(pieces) if self._needs_check(name) else None
         chunk_futures = []
-        for i, piece in enumerate(pieces):
-            chunk_futures.append(self._reader.submit(entry.file, entry.offset + i * self.chunk_bytes, piece))
+        for i, ((file, offset, _, _), piece) in enumerate(zip(chunks, pieces)):
+            chunk_futures.append(self._reader.submit(file, offset, piece))
             if crc is not None:
                 chunk_futures[-1].add_done_callback(lambda future, i=i: crc.chunk_read(i, future))
         check = (lambda: self._check_crc(name, crc.value())) if crc is not None else None
         return when_all_done(chunk_futures, out, check)
+
+    def _chunks(self, entry: TensorEntry, byte_start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
+        """(file, file offset, start in the destination, length) of each read that brings bytes
+        [byte_start, byte_start + nbytes) of `entry`, over its extents in order.
+
+        Chunk boundaries sit on aligned file offsets: a piece's first chunk runs from its (possibly
+        unaligned) start to the first boundary that keeps it within the reader's bounce buffer, the
+        others are whole chunk_bytes from aligned offsets. When the destination is as aligned as the
+        file offset (a row range of an aligned working buffer, a whole tensor of a shard), every
+        chunk but the first and last is then read straight into it by O_DIRECT, without the bounce."""
+        chunks, at = [], 0  # at: the entry's byte where the extent starts
+        for e in entry.extents:
+            lo, hi = max(byte_start, at), min(byte_start + nbytes, at + e.nbytes)
+            if lo < hi:
+                file_start, n = e.offset + lo - at, hi - lo
+                first = min(n, self.chunk_bytes - file_start % ALIGNMENT)
+                for start in [0, *range(first, n, self.chunk_bytes)]:
+                    end = first if start == 0 else min(n, start + self.chunk_bytes)
+                    chunks.append((e.file, file_start + start, lo - byte_start + start, end - start))
+            at += e.nbytes
+        return chunks
 
     def read_range_async(self, name: str, byte_start: int, out: torch.Tensor) -> Future:
         """Start filling `out` with `out.nbytes` stored bytes of `name` from `byte_start` on (e.g.
@@ -241,19 +268,8 @@ class DiskStore:
         if self._needs_check(name):
             self._check_whole(name)  # a part of a tensor cannot be checked alone: read it all once
         dest = byte_view(out)
-        # Chunk boundaries sit on aligned file offsets: the first chunk runs from the (possibly
-        # unaligned) start to the first boundary that keeps it within the bounce buffer, the others
-        # are whole chunk_bytes from aligned offsets. When `out` is as aligned as the file offset
-        # (a row range of an aligned working buffer), every chunk but the first and last is then
-        # read straight into `out` by O_DIRECT, without the bounce copy.
-        file_start = entry.offset + byte_start
-        first = min(nbytes, self.chunk_bytes - file_start % ALIGNMENT)
-        starts = [0] + list(range(first, nbytes, self.chunk_bytes)) if nbytes else []
-        chunk_futures = [
-            self._reader.submit(entry.file, file_start + start,
-                                dest[start:(first if start == 0 else start + self.chunk_bytes)])
-            for start in starts
-        ]
+        chunk_futures = [self._reader.submit(file, offset, dest[start:start + length])
+                         for file, offset, start, length in self._chunks(entry, byte_start, nbytes)]
         return when_all_done(chunk_futures, out)
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
@@ -288,10 +304,12 @@ class DiskStore:
         """Runs once the whole of `name` was read, with the crc32 of what was read."""
         entry = self.entry(name)
         if crc != entry.crc32:
+            where = entry.where() if entry.linked else f"{self.path / entry.file} (bytes {entry.offset}..{entry.offset + entry.nbytes})"
+            damage = ("the linked file changed or is damaged since the store was written" if entry.linked
+                      else "the file is damaged or torn")
             raise StoreCorruptError(
-                f"offload store {self.path}: tensor {name!r} in {self.path / entry.file} (bytes "
-                f"{entry.offset}..{entry.offset + entry.nbytes}) reads back with crc32 {crc:#010x}, "
-                f"the manifest records {entry.crc32:#010x}: the file is damaged or torn")
+                f"offload store {self.path}: tensor {name!r} in {where} reads back with crc32 {crc:#010x}, "
+                f"the manifest records {entry.crc32:#010x}: {damage}")
         self._verified.add(name)
 
     def _check_whole(self, name: str) -> None:
@@ -299,12 +317,12 @@ class DiskStore:
         self._read_whole(name, entry, torch.from_numpy(aligned_bytes(entry.nbytes))).result()
 
     def _checksum_matches(self, entry: TensorEntry) -> bool:
-        buffer = aligned_bytes(min(self.chunk_bytes, align_up(max(entry.nbytes, 1))))
+        buffer = aligned_bytes(self.chunk_bytes)
         crc = 0
-        for start in range(0, entry.nbytes, len(buffer)):
-            piece = buffer[:min(len(buffer), entry.nbytes - start)]
+        for file, offset, _, length in self._chunks(entry, 0, entry.nbytes):
+            piece = buffer[:length]
             try:
-                self._reader.read_chunk(entry.file, entry.offset + start, piece)
+                self._reader.read_chunk(file, offset, piece)
             except (OffloadError, OSError):
                 return False
             crc = zlib.crc32(piece, crc)

@@ -13,6 +13,7 @@ from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
 from offload.store_writer import DiskStoreWriter
 from offload.host_buffer import aligned_empty, pinned_empty
 from offload.placement import Component, TensorPlan, WeightPlan, flat_components
+from quant import QTensor
 
 Pieces = dict[tuple[str, int], list[torch.Tensor]]  # (tensor name, piece index) -> its components
 
@@ -30,9 +31,12 @@ class PlacedLayers:
     `pieces[layer]`); disk pieces stay in `store`, read by the streamer as it needs them."""
 
     def __init__(self, plan: WeightPlan, read_layer: Callable[[int], dict], store: DiskStore | None,
-                 device: torch.device, pin: bool):
+                 device: torch.device, pin: bool, linked_extents: Callable[[int], dict] | None = None):
+        """linked_extents(layer): the source's components that lie as they are in its files
+        (flexsarathi/models/checkpoint.py `WeightSource.linked_extents`), linked by the store, not copied."""
         self.plan, self.store, self.device, self.pin = plan, store, device, pin
         self._read_layer = read_layer
+        self._linked_extents = linked_extents or (lambda layer: {})
         self.small: list[dict[str, torch.Tensor]] = []
         self.pieces: list[Pieces] = []
         try:
@@ -106,6 +110,7 @@ class PlacedLayers:
         the small tensors)."""
         pieces = {}
         layer_plan = self.plan.layer(layer)
+        links = self._linked_extents(layer) if writer is not None else {}
         for plan in layer_plan.tensors:
             comps = flat_components(weights[plan.name], plan)
             for i, piece in enumerate(plan.pieces):
@@ -118,7 +123,7 @@ class PlacedLayers:
                     sliced = [pinned_empty(t.shape, t.dtype).copy_(t) for t in sliced]
                 pieces[(plan.name, i)] = sliced
             if writer is not None:
-                _add_tensor(writer, layer, plan, comps)
+                _add_tensor(writer, layer, plan, comps, _links_of(weights[plan.name], plan, links))
         if writer is not None:
             for k in layer_plan.small_shapes:
                 writer.add(small_key(layer, k), weights[k])
@@ -126,8 +131,10 @@ class PlacedLayers:
 
     def _write_layer(self, weights: dict, layer: int, writer: DiskStoreWriter) -> None:
         """The layer to the disk store, as _place_layer writes it (same names, same order)."""
+        links = self._linked_extents(layer)
         for plan in self.plan.layer(layer).tensors:
-            _add_tensor(writer, layer, plan, flat_components(weights[plan.name], plan))
+            _add_tensor(writer, layer, plan, flat_components(weights[plan.name], plan),
+                        _links_of(weights[plan.name], plan, links))
         for k in self.plan.layer(layer).small_shapes:
             writer.add(small_key(layer, k), weights[k])
 
@@ -152,9 +159,21 @@ class PlacedLayers:
                        for key, (tier, sliced) in pieces.items()}
 
 
-def _add_tensor(writer: DiskStoreWriter, layer: int, plan: TensorPlan, comps: list[torch.Tensor]) -> None:
+def _add_tensor(writer: DiskStoreWriter, layer: int, plan: TensorPlan, comps: list[torch.Tensor],
+                links: dict[str, list]) -> None:
     for comp, cm in zip(comps, plan.components):
-        writer.add(store_key(layer, plan.name, cm), comp)
+        if cm.suffix in links:
+            writer.link(store_key(layer, plan.name, cm), comp, links[cm.suffix])
+        else:
+            writer.add(store_key(layer, plan.name, cm), comp)
+
+
+def _links_of(weight, plan: TensorPlan, links: dict) -> dict[str, list]:
+    """The source's linked components of `weight`, where the plan stores them as the source gives
+    them (its QTensor's own buffers: same format, not repacked for a kernel)."""
+    if not isinstance(weight, QTensor) or weight.config != plan.quant or plan.kernel_layout:
+        return {}
+    return links.get(plan.name, {})
 
 
 class AllReads:

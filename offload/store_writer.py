@@ -1,7 +1,8 @@
 """Writing a disk store: aligned shards under temporary names, made durable and named at commit.
 
 Tensors are appended to ~1 GiB shards at 4096-aligned offsets; commit fsyncs and renames the
-shards, then writes the manifest; an abort (or a writer that dies) leaves nothing a reader trusts."""
+shards, then writes the manifest; an abort (or a writer that dies) leaves nothing a reader trusts.
+A tensor whose bytes a file outside the store already holds is linked to it instead of written."""
 from __future__ import annotations
 
 import errno
@@ -19,7 +20,7 @@ import torch
 from offload.errors import OffloadError
 from offload.host_buffer import align_up
 from offload.memory import human_bytes
-from offload.store_manifest import MANIFEST_NAME, Manifest, TensorEntry, write_manifest
+from offload.store_manifest import MANIFEST_NAME, Extent, Manifest, TensorEntry, write_manifest
 
 DEFAULT_SHARD_BYTES = 1 << 30
 WRITE_PIECE_BYTES = 16 << 20        # bytes per pwrite call
@@ -42,7 +43,8 @@ class DiskStoreWriter:
         self._total_bytes = total_bytes
         self._shard_bytes = shard_bytes
         self._entries: dict[str, TensorEntry] = {}
-        self._file_sizes: dict[str, int] = {}
+        self._file_sizes: dict[str, int] = {}  # the shards written (an abort removes them)
+        self._linked_sizes: dict[str, int] = {}  # linked files outside the store (never removed)
         self._shard_fd: int | None = None
         self._shard_name: str | None = None
         self._temp_names: dict[str, str] = {}  # shard name -> the temporary name it is written under
@@ -65,18 +67,41 @@ class DiskStoreWriter:
             crc = self._write_and_checksum(data, offset)
         except OSError as exc:
             raise self._failure(exc, needed=self._bytes_written + data.nbytes) from exc
-        self._entries[name] = TensorEntry(file=self._shard_name, offset=offset,
+        self._entries[name] = TensorEntry(extents=(Extent(self._shard_name, offset, data.nbytes),),
                                           nbytes=data.nbytes, dtype=host.dtype,
                                           shape=tuple(host.shape), crc32=crc)
         self._shard_end = align_up(offset + data.nbytes)
         self._bytes_written += data.nbytes
+
+    def link(self, name: str, tensor: torch.Tensor, extents: list[tuple[str, int, int]]) -> None:
+        """Record `tensor` as the bytes of `extents` (path, offset, nbytes), one after the other, of
+        files outside the store that hold exactly its bytes (a checkpoint's codes, just read from
+        them): nothing is written. Its crc32, of `tensor`, is checked against those files when the
+        store first reads them, like any tensor's; the files are never modified or removed."""
+        self._check_active()
+        if name in self._entries:
+            raise ValueError(f"tensor {name!r} was already added to offload store {self._folder}")
+        host = tensor.detach().to("cpu").contiguous()
+        data = byte_view(host)
+        linked = tuple(Extent(os.path.abspath(path), int(offset), int(nbytes)) for path, offset, nbytes in extents)
+        try:
+            sizes = {e.file: os.stat(e.file).st_size for e in linked}
+        except OSError as exc:
+            raise ValueError(f"cannot link {name!r}: {exc}") from exc
+        bad = [e for e in linked if e.offset < 0 or e.nbytes < 0 or e.offset + e.nbytes > sizes[e.file]]
+        if not linked or bad or sum(e.nbytes for e in linked) != data.nbytes:
+            raise ValueError(f"cannot link {name!r} ({data.nbytes} bytes) to {', '.join(map(str, extents)) or 'nothing'}: "
+                             f"the ranges must lie inside their files and hold exactly its bytes")
+        self._linked_sizes.update(sizes)
+        self._entries[name] = TensorEntry(extents=linked, nbytes=data.nbytes, dtype=host.dtype,
+                                          shape=tuple(host.shape), crc32=self._pool.submit(zlib.crc32, data).result())
 
     def commit(self) -> None:
         """Make the data durable, then write the manifest atomically; after this readers trust it."""
         self._check_active()
         try:
             self._finish_shard()
-            manifest = Manifest(self._key, dict(self._file_sizes), dict(self._entries))
+            manifest = Manifest(self._key, dict(self._file_sizes), dict(self._entries), dict(self._linked_sizes))
             for name, temp in self._temp_names.items():  # durable data under the final names first
                 os.replace(self._folder / temp, self._folder / name)
             fsync_dir(self._folder)

@@ -34,12 +34,13 @@ class TieredWeights:
                  quant: QuantFormats, tracker: MemoryTracker, overlap: bool, prefetch: int = 1,
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False,
                  row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
-                 routed_reads: bool = False, cpu_blocks: bool = False):
+                 routed_reads: bool = False, cpu_blocks: bool = False,
+                 linked_extents: Callable[[int], dict] | None = None):
         """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
         offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
         reads the blocks off the gpu tier only when the model asks for them (after routing);
         cpu_blocks leaves a block held whole on the cpu tier there, for the model to compute on
-        the CPU (RowBlockAccess)."""
+        the CPU (RowBlockAccess). linked_extents: see offload.placed_layers.PlacedLayers."""
         self.routed_reads, self.cpu_blocks = routed_reads, cpu_blocks
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
         # experts_read: experts read after routing; experts_on_cpu: computed on the cpu tier (per
@@ -55,7 +56,8 @@ class TieredWeights:
         self._globals = {k: v.to(self.device) for k, v in read_globals().items()}
         tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
         self.store = disk_store() if self.plan.needs_disk else None
-        self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda)
+        self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
+                                   linked_extents)
         self._kinds = self.plan.kinds
         layouts = self._slot_layouts(_off_gpu_rows)
         self._buffers = [_slot_views(layouts, self._working_buffer) for _ in range(self.plan.num_slots)]

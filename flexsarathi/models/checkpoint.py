@@ -55,6 +55,13 @@ class WeightSource(ABC):
         None: full-precision weights, quantized by the engine with its own format when asked to."""
         return None
 
+    def linked_extents(self, layer: int) -> dict[str, dict[str, list[tuple[str, int, int]]]]:
+        """Components of the layer's pre-quantized weights whose stored bytes (QTensor `data`,
+        `scale`) are exactly byte ranges of the source's files: {canonical name: {component:
+        [(path, offset, nbytes), ...] in order}}. The disk store links them instead of copying
+        (offload/store_writer.py `link`). Empty: every byte is copied."""
+        return {}
+
 
 class SafetensorsCheckpoint(WeightSource):
     def __init__(self, folder: str):

@@ -211,6 +211,39 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         m = self._codes(hf_name, self._scheme(hf_name))
         return reference_values(m.unpacked(), m.scale, m.zero, m.g_idx).to(dtype)
 
+    def linked_extents(self, layer):
+        """compressed-tensors: a weight's codes are its `weight_packed` words as they lie in the file
+        (rows of whole words, no padding), and its scales `weight_scale` where the file holds them in
+        fp16: those ranges, part after part, are what the engine stores (q/k/v fused by rows). GPTQ's
+        and AWQ's words are transposed or shuffled on the way: copied."""
+        if self.method.name != "compressed-tensors":
+            return {}
+        out = {}
+        for canonical, parts in self.model.hf_layer_names(layer).items():
+            config = self.formats.get(canonical)
+            if config is None or canonical in self.act_order:
+                continue
+            links = {"data": [], "scale": []}
+            for hf_name in parts:
+                module = hf_name.removesuffix(".weight")
+                out_features, in_features = self._part_shape(hf_name)
+                packed = self._extent(f"{module}.weight_packed")
+                if links["data"] is not None and packed[2] == out_features * in_features * config.bits // 8:
+                    links["data"].append(packed[:3])
+                else:
+                    links["data"] = None
+                scale = self._extent(f"{module}.weight_scale")
+                if links["scale"] is not None and scale[3] == "F16":
+                    links["scale"].append(scale[:3])
+                else:
+                    links["scale"] = None
+            out[canonical] = {k: v for k, v in links.items() if v}
+        return out
+
+    def _extent(self, hf_name: str) -> tuple[str, int, int, str, list[int]]:
+        name = self._resolve(hf_name)
+        return self._reader.extent(self._file_of[name], name)
+
     def layer_weights(self, layer, dtype):
         weights = super().layer_weights(layer, dtype)
         self.log.layer_done(layer)

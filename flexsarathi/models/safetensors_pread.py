@@ -38,6 +38,15 @@ class PreadReader:
             self._files[path] = (fd, 8 + length, header)
         return self._files[path]
 
+    def extent(self, path: str, name: str) -> tuple[str, int, int, str, list[int]]:
+        """(path, offset, nbytes, safetensors dtype, shape) of a tensor's bytes in its file, from the header."""
+        _, start, header = self._file(path)
+        entry = header.get(name)
+        if not isinstance(entry, dict) or "data_offsets" not in entry:
+            raise CheckpointError(f"{path}: tensor {name} is missing")
+        begin, end = entry["data_offsets"]
+        return path, start + begin, end - begin, entry.get("dtype"), list(entry.get("shape", []))
+
     def get(self, path: str, name: str) -> torch.Tensor:
         fd, start, header = self._file(path)
         entry = header.get(name)

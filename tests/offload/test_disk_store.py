@@ -356,3 +356,96 @@ def test_read_range_returns_the_exact_bytes_of_any_row_range(tmp_path, direct_io
             assert torch.equal(buffer[start:stop], weight[start:stop])
         with pytest.raises(ValueError, match="outside the stored"):
             store.read_range_async("w", row_bytes, torch.empty(257, 129)).result()
+
+
+# ---- linked tensors: bytes that a file outside the store already holds -------------------------
+def _outside_file(tmp_path, nbytes: int, seed: int = 1):
+    """A file of random bytes outside the store folder (a checkpoint's), and its bytes."""
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    path = tmp_path / "checkpoint" / f"model-{seed}.bin"
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(data.numpy().tobytes())
+    return str(path), data
+
+
+def _linked_store(tmp_path, direct_io: bool):
+    """A store with one tensor written and one linked to three unaligned ranges of two outside
+    files (the middle one spans several chunks); -> (store folder, {name: tensor}, the files)."""
+    (a, a_bytes), (b, b_bytes) = _outside_file(tmp_path, 300_001, 1), _outside_file(tmp_path, 200_003, 2)
+    extents = [(a, 13, 1_000), (b, 4_097, 150_000), (a, 250_001, 50_000)]
+    linked = torch.cat([a_bytes[13:1_013], b_bytes[4_097:154_097], a_bytes[250_001:300_001]]).view(torch.float16)
+    tensors = {"written": torch.randn(33, 17), "linked": linked.view(1_000 + 150_000 + 50_000 >> 1)}
+    with DiskStore(tmp_path / "store", KEY, direct_io=direct_io, chunk_bytes=SMALL_CHUNK) as store:
+        writer = store.begin_write()
+        writer.add("written", tensors["written"])
+        writer.link("linked", tensors["linked"], extents)
+        writer.commit()
+    return tmp_path / "store", tensors, (a, b)
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_a_linked_tensor_reads_back_its_ranges_whole_and_by_any_range(tmp_path, direct_io):
+    folder, tensors, files = _linked_store(tmp_path, direct_io)
+    assert sum(p.stat().st_size for p in (folder / store_dir_name(KEY)).glob("data-*.bin")) < 8192  # not copied
+    with DiskStore(folder, KEY, direct_io=direct_io, chunk_bytes=SMALL_CHUNK) as store:
+        assert store.is_complete() and store.entry("linked").linked and not store.entry("written").linked
+        for name, tensor in tensors.items():
+            assert same_bytes(store.read_tensor(name), tensor)
+        linked = tensors["linked"]
+        for start, stop in [(0, linked.numel()), (1, 7), (499, 501), (400, 80_000), (75_499, 100_000)]:
+            buffer = aligned_empty((linked.numel(),), torch.float16)  # the engine's case, and an unaligned one
+            for out in (buffer[start:stop], unaligned_empty((stop - start,), torch.float16)):
+                store.read_range_async("linked", start * 2, out).result()
+                assert same_bytes(out, linked[start:stop]), (start, stop)
+        assert store.verify()
+    for path in files:  # the outside files stay as they were
+        assert os.path.getsize(path) in (300_001, 200_003)
+
+
+def test_a_changed_linked_file_fails_the_check_and_a_resized_one_makes_the_store_incomplete(tmp_path):
+    folder, tensors, (a, b) = _linked_store(tmp_path, direct_io=False)
+    with open(b, "r+b") as f:  # same size, one byte of the linked range changed
+        f.seek(4_097 + 70_000)
+        byte = f.read(1)
+        f.seek(4_097 + 70_000)
+        f.write(bytes([byte[0] ^ 0x20]))
+    with DiskStore(folder, KEY, chunk_bytes=SMALL_CHUNK) as store:
+        assert store.is_complete()  # the sizes still match: the bytes are checked when read
+        with pytest.raises(disk_store.StoreCorruptError, match="linked file changed"):
+            store.read_tensor("linked")
+        with pytest.raises(disk_store.StoreCorruptError, match=os.path.basename(b)):
+            store.read_range_async("linked", 2, torch.empty(3, dtype=torch.float16)).result()
+        assert same_bytes(store.read_tensor("written"), tensors["written"])
+        assert not store.verify()
+    with open(a, "ab") as f:
+        f.write(b"\0")
+    with DiskStore(folder, KEY) as store:
+        assert not store.is_complete()
+    os.remove(a)
+    with DiskStore(folder, KEY) as store:
+        assert not store.is_complete()
+
+
+def test_an_aborted_or_rewritten_store_never_touches_linked_files(tmp_path):
+    path, data = _outside_file(tmp_path, 10_000)
+    with DiskStore(tmp_path / "store", KEY) as store:
+        with store.begin_write() as writer:
+            writer.link("x", data[100:4_196].clone(), [(path, 100, 4_096)])
+            writer.add("y", torch.ones(3))
+            # no commit: the block's exit aborts
+        assert not store.is_complete()
+        with store.begin_write() as writer:
+            writer.link("x", data[100:4_196].clone(), [(path, 100, 4_096)])
+            writer.commit()
+        with store.begin_write() as writer:  # a rewrite discards the committed store first
+            writer.add("y", torch.ones(3))
+            writer.commit()
+    assert open(path, "rb").read() == data.numpy().tobytes()
+
+
+def test_a_link_to_ranges_that_do_not_hold_the_tensor_is_refused(tmp_path):
+    path, data = _outside_file(tmp_path, 1_000)
+    with DiskStore(tmp_path / "store", KEY) as store, store.begin_write() as writer:
+        for extents in ([(path, 0, 99)], [(path, 950, 100)], [(path, -1, 100)], [], [(str(tmp_path / "no"), 0, 100)]):
+            with pytest.raises(ValueError, match="cannot link 'x'"):
+                writer.link("x", data[:100], extents)

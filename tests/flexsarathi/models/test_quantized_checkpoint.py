@@ -359,3 +359,44 @@ def test_truncated_quantized_checkpoint_is_one_clear_error(tmp_path):
     os.truncate(path, os.path.getsize(path) - 1000)
     with pytest.raises(CheckpointError, match="model.safetensors"):
         LLM(folder, dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("bits,group,sym", [(4, 32, True), (4, 64, False)])
+def test_compressed_tensors_codes_on_disk_are_linked_not_copied(tmp_path, bits, group, sym):
+    """Everything on disk: the store links each layer weight's codes and fp16 scales to their
+    bytes in the checkpoint (writing only the minimums and small tensors) and gives the all-on-device
+    tokens; a checkpoint changed in place under the same size and mtime (so the same store key) fails
+    the linked bytes' crc32 at the first read and the store is rebuilt from what the file holds now."""
+    from flexsarathi.models.safetensors_pread import PreadReader
+    from offload.disk_store import DiskStore
+
+    folder, _ = ct_checkpoint(tmp_path / "ckpt", "llama", bits, group, sym)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def tokens(offload_dir, **fractions):
+        policy = Policy(gpu_batch_size=2, **fractions)
+        with LLM(folder, dtype="float32", device="cpu", policy=policy, offload_dir=str(offload_dir)) as llm:
+            return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)], llm
+    reference, _ = tokens(tmp_path / "off0")
+    on_disk, llm = tokens(tmp_path / "off", w_gpu=0.0, w_cpu=0.0, w_disk=1.0)
+    assert on_disk == reference
+    store = DiskStore(llm.engine.weights.store.folder, llm.engine.weights.store.key)
+    checkpoint = os.path.join(folder, "model.safetensors")
+    linked = {name: store.entry(name) for name in store.names() if store.entry(name).linked}
+    assert set(linked) == {f"{i}.{w}.{c}" for i in range(2) for w in FUSED for c in ("data", "scale")}
+    assert all(e.file == checkpoint for entry in linked.values() for e in entry.extents)
+    written = sum(store.entry(name).nbytes for name in store.names() if name not in linked)
+    assert written < sum(entry.nbytes for entry in linked.values()) / 4  # the minimums, norms: small
+    store.close()
+
+    path, offset, nbytes, _, _ = PreadReader().extent(checkpoint, "model.layers.1.mlp.down_proj.weight_packed")
+    stat = os.stat(checkpoint)
+    with open(checkpoint, "r+b") as f:  # every code of one row of down_proj moved by one step
+        f.seek(offset)
+        row = bytearray(f.read(256 * bits // 8))
+        f.seek(offset)
+        f.write(bytes(b ^ 0x11 for b in row))
+    os.utime(checkpoint, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.warns(RuntimeWarning, match="linked file changed.*rebuilding the store"):
+        changed, _ = tokens(tmp_path / "off", w_gpu=0.0, w_cpu=0.0, w_disk=1.0)
+    assert changed == tokens(tmp_path / "off1")[0]  # a fresh engine on the file as it is now
