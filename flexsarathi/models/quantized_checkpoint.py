@@ -127,7 +127,8 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         module = hf_name.removesuffix(".weight")
         out_features, in_features = packed_shape(self.method.name, self._module_tensors(module, True), scheme.bits)
         if self.method.name == "compressed-tensors":  # the packed width is rounded up to whole words
-            out_features, in_features = (int(v) for v in self._module_tensors(module)["weight_shape"].tolist())
+            name = self._resolve(f"{module}.weight_shape")  # read alone: its module's codes are not needed here
+            out_features, in_features = (int(v) for v in self._reader.get(self._file_of[name], name).tolist())
         return out_features, in_features
 
     # ---- formats per tensor kind --------------------------------------------------------------
