@@ -23,6 +23,10 @@ class QuantConfig:
     # halves of quant/packing.py: GPTQ's and compressed-tensors' int32 words read as bytes, so their
     # codes are stored without repacking (a layer of llama-2-7b repacked costs seconds on 2 cores).
     adjacent_pairs: bool = False
+    # 4 bits: split halves within each group instead of each line: byte j of a group holds codes j
+    # (low nibble) and j + group_size / 2 (high), the `qs` bytes of GGUF's Q4_0 and Q4_1 blocks, so
+    # their codes are stored (or read from the file) as they are.
+    group_halves: bool = False
 
     def __post_init__(self) -> None:
         if _not_int(self.bits) or self.bits not in ALLOWED_BITS:
@@ -41,6 +45,9 @@ class QuantConfig:
         if self.adjacent_pairs is not False and (self.adjacent_pairs is not True or self.bits != 4):
             raise ValueError(f"QuantConfig.adjacent_pairs is a bool for bits=4 only, got {self.adjacent_pairs!r} "
                              f"with bits={self.bits}")
+        if self.group_halves is not False and (self.group_halves is not True or self.bits != 4 or self.adjacent_pairs):
+            raise ValueError(f"QuantConfig.group_halves is a bool for bits=4 without adjacent_pairs, got "
+                             f"{self.group_halves!r} with bits={self.bits}, adjacent_pairs={self.adjacent_pairs}")
 
     @property
     def max_code(self) -> int:
@@ -56,6 +63,11 @@ class QuantConfig:
     def minimum_bytes(self) -> int:
         """Bytes of one group's stored minimum: 4 (fp32) or 2 (fp16)."""
         return 4 if self.minimum_fp32 else 2
+
+    @property
+    def line_halves(self) -> bool:
+        """4 bits in the default layout: split halves of each line (quant/packing.py)."""
+        return self.bits == 4 and not self.adjacent_pairs and not self.group_halves
 
     @property
     def bytes_per_group(self) -> int:

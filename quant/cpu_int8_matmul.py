@@ -5,7 +5,7 @@ weight to fp32 on every call, then multiplies (quant/fused.py): at decode rows t
 costs several times the matmul (llama-2-7b's 11008 x 4096 at 32 rows, 2 threads: 150 ms against
 90 ms for F.linear on fp32 weights). llama.cpp instead rounds x to int8 and multiplies the codes
 by it with AVX2's 32-lane integer multiply-add (vpmaddubsw). quant/csrc/q4_int8_gemm.c does that on
-our own layouts (split halves and adjacent pairs, fp16 or fp32 minimums), reading half a byte per
+our own layouts (split halves of a line or of a group, adjacent pairs; fp16 or fp32 minimums), reading half a byte per
 weight: 38 ms at 32 rows (one plane; two: 75 ms), 3.4 ms at 1 row (2 threads; end to end:
 docs/BENCHMARKS.md, "llama.cpp side by side"). From 4 rows of x on, 8 weight rows at a time are interleaved into a small
 buffer so that the integer lanes hold 8 outputs (the kernel's "panel"; llama.cpp repacks its
@@ -85,13 +85,16 @@ def planes_for(x: torch.Tensor) -> int:
 
 def covers(x: torch.Tensor, qweight: QTensor) -> bool:
     """The kernel computes `x @ qweightᵀ`: CPU fp32/bf16 x, a 4-bit weight [N, K] grouped along K in
-    groups of a multiple of 32 that tile K exactly, K a multiple of 64, contiguous buffers."""
+    groups of a multiple of 32 that tile K exactly (group halves: 32, 64 or 128), K a multiple of 64,
+    contiguous buffers."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or qweight.device.type != "cpu":
         return False
     c, shape = qweight.config, qweight.shape
     if c.bits != 4 or len(shape) != 2 or c.group_dim not in (-1, 1):
         return False
     k = shape[1]
+    if c.group_halves and c.group_size > 128:  # a 64-code chunk's halves would lie in two x blocks
+        return False
     return (c.group_size % 32 == 0 and k % c.group_size == 0 and k % 64 == 0
             and all(t.is_contiguous() for t in (qweight.data, qweight.scale, qweight.minimum)))
 
@@ -101,9 +104,15 @@ def x_block(qweight: QTensor) -> int:
     split-halves layout, tiling each half row)."""
     group, k = qweight.config.group_size, qweight.shape[1]
     for block in (128, 64, 32):
-        if group % block == 0 and (qweight.config.adjacent_pairs or (k // 2) % block == 0):
+        if group % block == 0 and (layout_code(qweight) or (k // 2) % block == 0):
             return block
     raise ValueError(f"x_block: group size {group} is not a multiple of 32")  # covers() rules this out
+
+
+def layout_code(qweight: QTensor) -> int:
+    """The kernel's code layout: 0 split halves of each line, 1 adjacent pairs, 2 split halves of
+    each group (GGUF Q4_0's)."""
+    return 1 if qweight.config.adjacent_pairs else 2 if qweight.config.group_halves else 0
 
 
 def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, planes: int = 1) -> torch.Tensor:
@@ -120,7 +129,7 @@ def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = N
     m = flat.shape[0]
     y = torch.empty(planes * m, n, dtype=torch.float32)  # plane p's product in rows [p * M, (p + 1) * M)
     if m:
-        group, block, pairs = qweight.config.group_size, x_block(qweight), int(qweight.config.adjacent_pairs)
+        group, block, pairs = qweight.config.group_size, x_block(qweight), layout_code(qweight)
         xq = torch.empty(planes * m, k, dtype=torch.int8)
         steps = torch.empty(planes * m, k // block, dtype=torch.float32)
         sums = torch.empty(planes * m, k // group, dtype=torch.float32)

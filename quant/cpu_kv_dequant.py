@@ -28,7 +28,7 @@ SOURCE = CSRC / "kv_dequant.c"
 def covers(config: QuantConfig, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this kernel produces this pool's values (else: quant.groupwise.dequantize)."""
     return (device.type == "cpu" and dtype == torch.float32 and config.bits == 4 and not config.symmetric
-            and not config.minimum_fp32 and not config.adjacent_pairs and available())
+            and not config.minimum_fp32 and config.line_halves and available())
 
 
 def keys(codes: dict[str, torch.Tensor], blocks: torch.Tensor, length: int, kv_heads: int, head_dim: int,

@@ -129,7 +129,7 @@ def kernel_covers_shape(shape: tuple[int, ...], config: QuantConfig) -> bool:
 def kernel_covers_format(config: QuantConfig) -> bool:
     """4-bit min-max grouped along the input dimension, a group size the kernel takes, our layout
     this machine's."""
-    return (config.bits == 4 and not config.symmetric and not config.adjacent_pairs and config.group_dim in (-1, 1)
+    return (config.line_halves and not config.symmetric and config.group_dim in (-1, 1)
             and config.group_size in (32, 64, 128, 256) and layout_matches_torch())
 
 

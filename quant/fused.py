@@ -117,7 +117,7 @@ def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 
 
 def dequant_linear_reference(x, data, scale, minimum, bias, layout: GroupLayout, bits: int,
-                             adjacent_pairs: bool = False) -> torch.Tensor:
+                             adjacent_pairs: bool = False, group_halves: bool = False) -> torch.Tensor:
     """Plain-op dequantize + linear that `torch.compile` fuses into one dequant kernel and a matmul.
 
     The same arithmetic as `dequantize` (fp32, one rounding to `x.dtype`) written without in-place or
@@ -126,6 +126,9 @@ def dequant_linear_reference(x, data, scale, minimum, bias, layout: GroupLayout,
     packed = data.view(layout.num_rows, layout.padded_len * bits // 8)  # one line of groups per row
     if bits == 4 and adjacent_pairs:
         codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(layout.num_rows, -1)
+    elif bits == 4 and group_halves:
+        groups = packed.reshape(layout.num_groups, layout.group_size // 2)
+        codes = torch.cat([groups & 0x0F, groups >> 4], dim=1)  # split halves of each group
     elif bits == 4:
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=1)  # split halves of each line
     else:

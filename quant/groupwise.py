@@ -48,6 +48,8 @@ def quantize(x: torch.Tensor, config: QuantConfig, *, nonfinite: torch.Tensor | 
     # or blocks of a paged KV cache) is a self-contained byte range, and unpacking still streams
     # over runs as long as the line.
     lines = codes.view(layout.num_rows, layout.padded_len)
+    if config.group_halves:
+        lines = codes  # [num_groups, group_size]: each group packed on its own
     pack = pack_4bit_pairs if config.adjacent_pairs else pack_4bit
     data = (pack(lines) if config.bits == 4 else lines).reshape(-1)
     return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(x.shape), dtype=x.dtype, config=config)
@@ -121,6 +123,8 @@ def _dequantize_lines_fp32(q: QTensor, values: torch.Tensor) -> None:
         work = target if in_place else scratch[:stop - start]
         if q.config.adjacent_pairs:
             unpack_4bit_pairs_into(codes, work)  # value c
+        elif q.config.group_halves:
+            work.view(-1, q.config.group_size).copy_(unpack_4bit(codes.reshape(-1, q.config.group_size // 2)))
         else:
             work.copy_(unpack_4bit(codes) if q.config.bits == 4 else codes)  # value c
         groups = slice(start * groups_per_line, stop * groups_per_line)
@@ -145,6 +149,10 @@ def _codes_as_fp16_subnormals(q: QTensor, values: torch.Tensor) -> None:
     if q.config.adjacent_pairs:
         pairs = bits.view(layout.num_rows, half, 2)
         low, high = pairs[..., 0], pairs[..., 1]
+    elif q.config.group_halves:  # split halves of each group
+        groups = bits.view(layout.num_groups, q.config.group_size)
+        packed = packed.reshape(layout.num_groups, q.config.group_size // 2)
+        low, high = groups[:, :q.config.group_size // 2], groups[:, q.config.group_size // 2:]
     else:
         low, high = bits[:, :half], bits[:, half:]  # see pack_4bit: split halves of each line
     low.copy_(packed)  # uint8 -> int16: the whole byte

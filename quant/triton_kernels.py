@@ -26,7 +26,7 @@ def supports(x: torch.Tensor, qweight: QTensor) -> bool:
         x.dtype in (torch.float16, torch.bfloat16)
         and x.device == qweight.device
         and len(qweight.shape) == 2
-        and not qweight.config.adjacent_pairs  # the kernel reads split halves
+        and not (qweight.config.adjacent_pairs or qweight.config.group_halves)  # it reads split halves of each line
         and layout.groups_are_contiguous
         and _block_k(qweight) is not None
         and x.numel() > 0

@@ -198,7 +198,7 @@ def _formats_key(quant, dtype: torch.dtype, device: torch.device) -> str:
     def one(q: QuantConfig | None) -> str:
         if q is None:
             return "plain"
-        wide = ("m32" if q.minimum_fp32 else "") + ("p" if q.adjacent_pairs else "")
+        wide = ("m32" if q.minimum_fp32 else "") + ("p" if q.adjacent_pairs else "") + ("h" if q.group_halves else "")
         return f"q{q.bits}g{q.group_size}d{q.group_dim}{wide}|{weight_layout_tag(dtype, device, q)}"
 
     if quant is None or isinstance(quant, QuantConfig):

@@ -18,6 +18,9 @@
  *   adjacent pairs (GPTQ / compressed-tensors words): byte j holds codes 2j (low) and 2j + 1 (high);
  *     32 bytes give blocks 2c and 2c+1, the low nibbles being their even codes and the high their odd
  *     ones: x is stored in that order (fs_quantize_x, pairs = 1), so no byte is shuffled here.
+ *   group halves (GGUF Q4_0 / Q4_1 blocks' bytes): byte j of a group of G holds codes j (low) and
+ *     j + G/2 (high); like pairs, 32 bytes give blocks 2c and 2c+1 (G = 32) or one block's codes,
+ *     and x is stored in the order the nibbles take (pairs = 2), so the pairs path runs as it is.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -35,6 +38,19 @@
  * exact sum is counted once): as M more rows of x, the kernel's product over both is x rounded
  * to ~16 bits per block instead of 8. */
 static inline float hsum(__m256 v);
+
+/* Where x's value k goes in xq so that the pairs path multiplies it by its code: 64 values per 32
+ * code bytes, the low nibbles taking positions 0-31 and the high ones 32-63. */
+static inline int64_t x_position(int layout, int64_t k, int64_t G) {
+    if (layout == 1) /* adjacent pairs: each 64 values as even of 1st 32, even of 2nd, odd, odd */
+        return (k / 64) * 64 + (k % 2) * 32 + ((k / 32) % 2) * 16 + (k % 32) / 2;
+    if (layout == 2) { /* group halves: value q of group g in byte g * G/2 + q % (G/2), nibble q / (G/2) */
+        const int64_t h = G / 2, q = k % G, byte = (k / G) * h + q % h;
+        return (byte / 32) * 64 + (q / h) * 32 + byte % 32;
+    }
+    return k;
+}
+
 static void quantize_rows_avx2(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t G, int64_t XB, int8_t *xq,
                                float *xd, float *xg, float *xh);
 
@@ -72,8 +88,7 @@ void fs_quantize_x(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t G,
             for (int64_t i = 0; i < XB; i++) {
                 float r = finite ? nearbyintf(xb[i] * inv) : 0.f; /* round half to even; |r| <= 127 */
                 r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-                const int64_t k = b * XB + i; /* pairs: each 64 values as even of 1st 32, even of 2nd, odd, odd */
-                const int64_t pos = pairs ? (k / 64) * 64 + (k % 2) * 32 + ((k / 32) % 2) * 16 + (k % 32) / 2 : k;
+                const int64_t pos = x_position(pairs, b * XB + i, G);
                 xq[m * K + pos] = (int8_t)r;
                 isum += (int32_t)r;
                 if (rq) {

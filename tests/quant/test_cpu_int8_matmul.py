@@ -24,10 +24,14 @@ needs_kernel = pytest.mark.skipif(not k8.available(), reason=f"int8 kernel not a
 U_FP32 = 2.0**-24
 
 
-def _weight(n: int, k: int, group: int, seed: int, pairs: bool = False, minimum_fp32: bool = False):
+LAYOUTS = ("line", "pairs", "group")  # split halves of each line, adjacent pairs, split halves of each group
+
+
+def _weight(n: int, k: int, group: int, seed: int, layout: str = "line", minimum_fp32: bool = False):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05 + 0.01
-    return quantize(w, QuantConfig(bits=4, group_size=group, adjacent_pairs=pairs, minimum_fp32=minimum_fp32))
+    return quantize(w, QuantConfig(bits=4, group_size=group, adjacent_pairs=layout == "pairs",
+                                   group_halves=layout == "group", minimum_fp32=minimum_fp32))
 
 
 def _zero(q) -> torch.Tensor:
@@ -65,18 +69,19 @@ def _fp32_slack(x: torch.Tensor, q) -> torch.Tensor:
     return (k + 3 * k // q.config.group_size + 16) * U_FP32 * terms + 1e-30
 
 
-# (N, K, group, adjacent pairs, fp32 minimums): 8-row panels and rows left over (13, 21), each x block size
-CASES = [(96, 64, 64, False, False), (64, 128, 32, False, False), (40, 256, 128, True, False),
-         (72, 320, 64, True, True), (16, 1024, 256, False, True), (8, 192, 64, False, False),
-         (13, 128, 32, True, False), (21, 256, 64, False, True)]
+# (N, K, group, code layout, fp32 minimums): 8-row panels and rows left over (13, 21), each x block size
+CASES = [(96, 64, 64, "line", False), (64, 128, 32, "line", False), (40, 256, 128, "pairs", False),
+         (72, 320, 64, "pairs", True), (16, 1024, 256, "line", True), (8, 192, 64, "line", False),
+         (13, 128, 32, "pairs", False), (21, 256, 64, "line", True), (48, 192, 32, "group", False),
+         (13, 256, 64, "group", True), (24, 512, 128, "group", False), (9, 256, 128, "group", True)]
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,k,group,pairs,m32", CASES)
+@pytest.mark.parametrize("n,k,group,layout,m32", CASES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 @pytest.mark.parametrize("planes", [1, 2])
-def test_kernel_is_its_stated_arithmetic(n, k, group, pairs, m32, rows, planes):
-    q = _weight(n, k, group, seed=n + k + rows, pairs=pairs, minimum_fp32=m32)
+def test_kernel_is_its_stated_arithmetic(n, k, group, layout, m32, rows, planes):
+    q = _weight(n, k, group, seed=n + k + rows, layout=layout, minimum_fp32=m32)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
     got = k8.int8_linear(x, q, planes=planes).double()
     zero = _zero(q)
@@ -86,14 +91,14 @@ def test_kernel_is_its_stated_arithmetic(n, k, group, pairs, m32, rows, planes):
 
 
 @needs_kernel
-@pytest.mark.parametrize("pairs", [False, True])
-def test_rows_beyond_one_sweep_equal_the_rows_alone(pairs):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_beyond_one_sweep_equal_the_rows_alone(layout):
     """More rows of x than one sweep over the weight holds (256 KiB of int8 x: 128 rows at K = 2048),
     so every panel is packed once and reused across sweeps: the stated arithmetic, and each row bit
     for bit what it is 4 rows at a time (one sweep; a row's sums run in the same order however many
     rows share a panel)."""
     k = 2048
-    q = _weight(27, k, 64, seed=11, pairs=pairs)  # 3 panels of 8 rows and 3 rows left over
+    q = _weight(27, k, 64, seed=11, layout=layout)  # 3 panels of 8 rows and 3 rows left over
     x = torch.randn(2 * (256 * 1024 // k) + 8, k, generator=torch.Generator().manual_seed(12))  # 3 sweeps
     got = k8.int8_linear(x, q)
     zero = _zero(q)
@@ -105,12 +110,12 @@ def test_rows_beyond_one_sweep_equal_the_rows_alone(pairs):
 @needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 40), k_units=st.integers(1, 6), group=st.sampled_from([32, 64, 128]),
-       rows=st.integers(0, 7), pairs=st.booleans(), m32=st.booleans(), seed=st.integers(0, 2**16),
+       rows=st.integers(0, 7), layout=st.sampled_from(LAYOUTS), m32=st.booleans(), seed=st.integers(0, 2**16),
        spread=st.sampled_from([1e-3, 1.0, 50.0]), planes=st.sampled_from([1, 2]))
-def test_within_the_rounding_bound_of_dequantize_and_matmul(n, k_units, group, rows, pairs, m32, seed, spread,
+def test_within_the_rounding_bound_of_dequantize_and_matmul(n, k_units, group, rows, layout, m32, seed, spread,
                                                             planes):
     k = 64 * k_units * (2 if group == 128 else 1)
-    q = _weight(n, k, group, seed, pairs, m32)
+    q = _weight(n, k, group, seed, layout, m32)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(rows, k, generator=g) * spread * torch.rand(rows, 1, generator=g)
     x[:, ::7] *= 20  # outlier channels, as in real activations
@@ -201,3 +206,13 @@ def test_a_kernel_that_cannot_be_built_says_why(monkeypatch, tmp_path):
         monkeypatch.undo()
         k8._loaded.cache_clear()
     assert resolve_cpu_matmul("dequantize") == "dequantize"
+
+
+def test_group_halves_beyond_128_are_left_to_the_dequantizing_path():
+    """Group halves of 256: a 64-code chunk holds codes q and q + 128, two x blocks: not covered,
+    so quantized_linear dequantizes instead (exact)."""
+    q = _weight(8, 512, 256, seed=5, layout="group")
+    x = torch.randn(3, 512)
+    assert not k8.covers(x, q) and k8.covers(x, _weight(8, 512, 128, seed=5, layout="group"))
+    with k8.cpu_matmul_mode("int8"):
+        assert torch.equal(quantized_linear(x, q), torch.nn.functional.linear(x, dequantize(q)))
