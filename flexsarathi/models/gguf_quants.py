@@ -6,14 +6,18 @@ round trip through floats:
 
 | GGUF | its value | engine format | exact? |
 |---|---|---|---|
-| Q4_0 | d * (q - 8), q 4-bit | 4-bit, group 32: scale d, minimum -8d | yes |
-| Q4_1 | d * q + m | 4-bit, group 32: scale d, minimum m | yes |
+| Q4_0 | d * (q - 8), q 4-bit | 4-bit, group 32, group halves: scale d, minimum -8d | yes |
+| Q4_1 | d * q + m | 4-bit, group 32, group halves: scale d, minimum m | yes |
 | Q5_0 | d * (q - 16), q 5-bit | 8-bit, group 32: scale d, minimum -16d | yes |
 | Q5_1 | d * q + m, q 5-bit | 8-bit, group 32 | yes |
 | Q8_0 | d * q, q int8 | 8-bit, group 32: code q + 128, minimum -128d | yes |
 | Q4_K | d*sc * q - dmin*m per 32 | 4-bit, group 32: scale fp16(d*sc), minimum fp16(-dmin*m) | no |
 | Q5_K | as Q4_K, q 5-bit | 8-bit, group 32 | no |
 | Q6_K | d*sc * (q - 32) per 16, q 6-bit | 8-bit, group 16: scale fp16(d*sc), minimum -32 * that | no |
+
+Q4_0's and Q4_1's code bytes are kept as they are (`QuantConfig.group_halves`: byte j of a block
+holds codes j and j + 16, the engine's layout for them), so decoding them only separates each
+block's scale from its codes; the other 4-bit types are repacked to split halves of each row.
 
 "exact": the products d*q are exact in fp32 and so is -8d in fp16 (a power of two), so the
 engine's dequantization gives gguf's own `quants.dequantize` bit for bit (a block whose -8d or
@@ -59,7 +63,7 @@ class Codes:
     @property
     def codes(self) -> np.ndarray:
         """uint8 [rows, cols], one code per value."""
-        return unpack_4bit(torch.from_numpy(self.data)).numpy() if self.config.bits == 4 else self.data
+        return codes_of(torch.from_numpy(self.data), self.config).numpy()
 
 
 def check_type(type_name: str, tensor: str, where: str) -> None:
@@ -115,7 +119,9 @@ def _decode_rows(raw: np.ndarray, type_name: str, cols: int) -> Codes:
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, _BLOCK_BYTES[type_name])
     # per block: 4-bit: nibble runs [n, runs, width], 8-bit: codes [n, values]; [n, groups per block] x 2
     codes, scale, minimum, config = _DECODERS[type_name](blocks)
-    if config.bits == 4:
+    if config.group_halves:  # the blocks' code bytes as they are
+        data = codes.reshape(rows, -1)
+    elif config.bits == 4:
         runs = codes.reshape(rows, -1, codes.shape[-1])
         data = _pack_runs(runs)
         if data is None:
@@ -198,14 +204,26 @@ def common_format(configs) -> QuantConfig | None:
     return QuantConfig(bits=max(c.bits for c in configs), group_size=group)
 
 
+def codes_of(data: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """A matrix's stored code bytes `[rows, bytes per row]` -> uint8 codes `[rows, cols]` (GGUF's
+    formats: 8 bits, 4-bit split halves of each row or of each group)."""
+    if config.bits == 8:
+        return data
+    if config.group_halves:
+        half = config.group_size // 2
+        return unpack_4bit(data.reshape(-1, half)).reshape(data.shape[0], -1)
+    return unpack_4bit(data)
+
+
 def widen(q: QTensor, config: QuantConfig) -> QTensor:
     """`q` in `config` (its `common_format` with others), holding exactly the same values."""
     if q.config == config:
         return q
     rows, cols = q.shape
     data = q.data
-    if q.config.bits != config.bits:  # 4 -> 8 bits: the split-half bytes unpacked to one code each
-        data = unpack_4bit(q.data.view(rows, -1), cols).reshape(-1)
+    if q.config.bits != config.bits or q.config.group_halves != config.group_halves:  # recoded, code by code
+        codes = codes_of(q.data.view(rows, -1), q.config)
+        data = (codes if config.bits == 8 else pack_4bit(codes)).reshape(-1)
     split = q.config.group_size // config.group_size
     scale, minimum = (t.view(rows, -1).repeat_interleave(split, dim=1).reshape(-1) for t in (q.scale, q.minimum))
     return QTensor(data=data, scale=scale, minimum=minimum, shape=q.shape, dtype=q.dtype, config=config)
@@ -257,11 +275,11 @@ def _high_bits(qh: np.ndarray, values: int) -> np.ndarray:
 
 def _q4_0(b):
     d = _f16(b, 0)
-    return b[:, 2:].reshape(-1, 1, 16), d, -8 * d, QuantConfig(bits=4, group_size=32)
+    return b[:, 2:], d, -8 * d, CODE_FORMATS["Q4_0"]
 
 
 def _q4_1(b):
-    return b[:, 4:].reshape(-1, 1, 16), _f16(b, 0), _f16(b, 2), QuantConfig(bits=4, group_size=32)
+    return b[:, 4:], _f16(b, 0), _f16(b, 2), CODE_FORMATS["Q4_1"]
 
 
 def _q5_0(b):
@@ -317,7 +335,8 @@ def _q6_k(b):
 
 
 # The engine format each code-mapped type becomes (what its decoder returns).
-CODE_FORMATS = {**{t: QuantConfig(bits=4, group_size=32) for t in ("Q4_0", "Q4_1", "Q4_K")},
+CODE_FORMATS = {**{t: QuantConfig(bits=4, group_size=32, group_halves=True) for t in ("Q4_0", "Q4_1")},
+                "Q4_K": QuantConfig(bits=4, group_size=32),
                 **{t: QuantConfig(bits=8, group_size=32) for t in ("Q5_0", "Q5_1", "Q8_0", "Q5_K")},
                 "Q6_K": QuantConfig(bits=8, group_size=16)}
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,

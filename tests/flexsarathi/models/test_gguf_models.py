@@ -281,7 +281,7 @@ def test_expert_codes_stored_as_they_are(written_model, tmp_path):
     from flexsarathi.models.moe import DOWN, GATE_UP
 
     path, ref = written_model("qwen2_moe", "Q4_0")
-    quant = QuantConfig(bits=4, group_size=32)
+    quant = QuantConfig(bits=4, group_size=32, group_halves=True)  # Q4_0's bytes
     llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT,
               policy=Policy(compress_weight=True), weight_quant=quant,
               offload_dir=str(tmp_path))
