@@ -142,6 +142,9 @@ class DiskStore:
     def names(self) -> list[str]:
         return list(self._require_entries())
 
+    def has(self, name: str) -> bool:
+        return name in self._require_entries()
+
     def entry(self, name: str) -> TensorEntry:
         entries = self._require_entries()
         if name not in entries:

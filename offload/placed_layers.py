@@ -12,6 +12,7 @@ import torch
 from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
 from offload.store_writer import DiskStoreWriter
 from offload.host_buffer import aligned_empty, pinned_empty
+from offload.linked_blocks import LinkedWeight, linked_key, read_rows
 from offload.placement import Component, TensorPlan, WeightPlan, flat_components
 from quant import QTensor
 
@@ -31,12 +32,17 @@ class PlacedLayers:
     `pieces[layer]`); disk pieces stay in `store`, read by the streamer as it needs them."""
 
     def __init__(self, plan: WeightPlan, read_layer: Callable[[int], dict], store: DiskStore | None,
-                 device: torch.device, pin: bool, linked_extents: Callable[[int], dict] | None = None):
-        """linked_extents(layer): the source's components that lie as they are in its files
-        (flexsarathi/models/checkpoint.py `WeightSource.linked_extents`), linked by the store, not copied."""
+                 device: torch.device, pin: bool, linked_extents: Callable[[int], dict] | None = None,
+                 linked_blocks: Callable[[int], dict] | None = None):
+        """linked_extents(layer): the source's components that lie as they are in its files;
+        linked_blocks(layer): its weights whose rows lie in its files as blocks (offload/
+        linked_blocks.py); both linked by the store, not copied (flexsarathi/models/checkpoint.py
+        `WeightSource`)."""
         self.plan, self.store, self.device, self.pin = plan, store, device, pin
         self._read_layer = read_layer
         self._linked_extents = linked_extents or (lambda layer: {})
+        self._linked_blocks = linked_blocks or (lambda layer: {})
+        self.linked: list[dict[str, LinkedWeight]] = []  # per layer: the weights the store links as blocks
         self.small: list[dict[str, torch.Tensor]] = []
         self.pieces: list[Pieces] = []
         try:
@@ -59,10 +65,11 @@ class PlacedLayers:
         # and torch release the GIL) and at most two layers are held at once.
         reader = ThreadPoolExecutor(1, thread_name_prefix="source-read") if from_source else None
         ahead: Future | None = None
-        self.small, self.pieces = [], []
+        self.small, self.pieces, self.linked = [], [], []
         try:
             for layer in range(self.plan.num_layers):
                 if not from_source:
+                    self.linked.append(self._linked_in_store(layer, self._linked_blocks(layer)))
                     small, pieces = self._read_from_store(layer)
                 else:
                     weights = ahead.result() if ahead is not None else self._source_layer(layer, damage)
@@ -70,7 +77,9 @@ class PlacedLayers:
                     if layer + 1 < self.plan.num_layers:
                         ahead = reader.submit(self._source_layer, layer + 1, damage)
                     small = {k: weights[k].to(self.device) for k in self.plan.layer(layer).small_shapes}
-                    pieces = self._place_layer(weights, layer, writer)
+                    blocks = self._blocks_to_link(weights, layer) if writer is not None else {}
+                    pieces = self._place_layer(weights, layer, writer, blocks)
+                    self.linked.append(blocks)
                     del weights
                 self.small.append(small)
                 self.pieces.append(pieces)
@@ -104,7 +113,8 @@ class PlacedLayers:
                 self._write_layer(self._source_layer(layer, damage), layer, writer)
             writer.commit()
 
-    def _place_layer(self, weights: dict, layer: int, writer: DiskStoreWriter | None) -> Pieces:
+    def _place_layer(self, weights: dict, layer: int, writer: DiskStoreWriter | None,
+                     blocks: dict[str, LinkedWeight]) -> Pieces:
         """The layer's gpu- and cpu-tier pieces, cut from its weights (compressed per the plan);
         with a writer, the layer also goes to the disk store whole (every tensor's components and
         the small tensors)."""
@@ -112,6 +122,9 @@ class PlacedLayers:
         layer_plan = self.plan.layer(layer)
         links = self._linked_extents(layer) if writer is not None else {}
         for plan in layer_plan.tensors:
+            if plan.name in blocks and all(p.tier == "disk" for p in plan.pieces):
+                _link_blocks(writer, layer, plan.name, blocks[plan.name])  # nothing else to cut or convert
+                continue
             comps = flat_components(weights[plan.name], plan)
             for i, piece in enumerate(plan.pieces):
                 if piece.tier == "disk":
@@ -122,7 +135,9 @@ class PlacedLayers:
                 if piece.tier == "cpu" and self.pin:  # exactly its bytes (offload/host_buffer.py)
                     sliced = [pinned_empty(t.shape, t.dtype).copy_(t) for t in sliced]
                 pieces[(plan.name, i)] = sliced
-            if writer is not None:
+            if plan.name in blocks:
+                _link_blocks(writer, layer, plan.name, blocks[plan.name])
+            elif writer is not None:
                 _add_tensor(writer, layer, plan, comps, _links_of(weights[plan.name], plan, links))
         if writer is not None:
             for k in layer_plan.small_shapes:
@@ -131,30 +146,53 @@ class PlacedLayers:
 
     def _write_layer(self, weights: dict, layer: int, writer: DiskStoreWriter) -> None:
         """The layer to the disk store, as _place_layer writes it (same names, same order)."""
-        links = self._linked_extents(layer)
+        links, blocks = self._linked_extents(layer), self._blocks_to_link(weights, layer)
+        self.linked[layer] = blocks  # what the streamer reads as blocks from now on
         for plan in self.plan.layer(layer).tensors:
+            if plan.name in blocks:
+                _link_blocks(writer, layer, plan.name, blocks[plan.name])
+                continue
             _add_tensor(writer, layer, plan, flat_components(weights[plan.name], plan),
                         _links_of(weights[plan.name], plan, links))
         for k in self.plan.layer(layer).small_shapes:
             writer.add(small_key(layer, k), weights[k])
 
+    def _blocks_to_link(self, weights: dict, layer: int) -> dict[str, LinkedWeight]:
+        """The source's block-linked weights of `layer` that the plan stores as the source gives them."""
+        plans = {p.name: p for p in self.plan.layer(layer).tensors}
+        return {name: w for name, w in self._linked_blocks(layer).items()
+                if name in plans and plans[name].blocks == 1 and not plans[name].resident
+                and _links_of(weights[name], plans[name], {name: w}) and all(p.crc32 is not None for p in w.parts)}
+
+    def _linked_in_store(self, layer: int, blocks: dict[str, LinkedWeight]) -> dict[str, LinkedWeight]:
+        return {name: w for name, w in blocks.items() if self.store.has(linked_key(layer, name, 0))}
+
     def _read_from_store(self, layer: int) -> tuple[dict, Pieces]:
         """(small tensors, gpu- and cpu-tier pieces) of `layer`, read from the complete store."""
         store = self.store
         small = {k: store.read_tensor(small_key(layer, k)).to(self.device) for k in self.plan.layer(layer).small_shapes}
-        pieces = {}
+        pieces, finishes = {}, []
         with AllReads() as reads:
             for plan in self.plan.layer(layer).tensors:
                 for i, piece in enumerate(plan.pieces):
                     if piece.tier == "disk":
                         continue
-                    sliced = []
-                    for cm in plan.components:
-                        lo, hi = cm.numel(piece.row_start), cm.numel(piece.row_end)
-                        host = aligned_empty((hi - lo,), cm.dtype, pin_memory=self.pin and piece.tier == "cpu")
-                        reads.add(store.read_range_async(store_key(layer, plan.name, cm), lo * cm.dtype.itemsize, host))
-                        sliced.append(host)
+                    sliced = [aligned_empty((cm.numel(piece.rows),), cm.dtype, pin_memory=self.pin and piece.tier == "cpu")
+                              for cm in plan.components]
+                    linked = self.linked[layer].get(plan.name)
+                    if linked is not None:  # the rows' blocks, split once read
+                        staging = aligned_empty((linked.staging_bytes(piece.row_start, piece.row_end),), torch.uint8)
+                        for future, finish in read_rows(store, layer, plan.name, linked, piece.row_start,
+                                                        piece.row_end, staging, sliced):
+                            reads.add(future)
+                            finishes.append(finish)
+                    else:
+                        for cm, host in zip(plan.components, sliced):
+                            key = store_key(layer, plan.name, cm)
+                            reads.add(store.read_range_async(key, cm.numel(piece.row_start) * cm.dtype.itemsize, host))
                     pieces[(plan.name, i)] = (piece.tier, sliced)
+        for finish in finishes:
+            finish()
         return small, {key: [t.to(self.device) if tier == "gpu" else t for t in sliced]
                        for key, (tier, sliced) in pieces.items()}
 
@@ -166,6 +204,11 @@ def _add_tensor(writer: DiskStoreWriter, layer: int, plan: TensorPlan, comps: li
             writer.link(store_key(layer, plan.name, cm), comp, links[cm.suffix])
         else:
             writer.add(store_key(layer, plan.name, cm), comp)
+
+
+def _link_blocks(writer: DiskStoreWriter, layer: int, name: str, weight: LinkedWeight) -> None:
+    for i, part in enumerate(weight.parts):
+        writer.link_bytes(linked_key(layer, name, i), [(part.path, part.offset, part.nbytes)], part.crc32)
 
 
 def _links_of(weight, plan: TensorPlan, links: dict) -> dict[str, list]:

@@ -78,23 +78,30 @@ class DiskStoreWriter:
         files outside the store that hold exactly its bytes (a checkpoint's codes, just read from
         them): nothing is written. Its crc32, of `tensor`, is checked against those files when the
         store first reads them, like any tensor's; the files are never modified or removed."""
+        host = tensor.detach().to("cpu").contiguous()
+        data = byte_view(host)
+        self._link(name, extents, data.nbytes, host.dtype, tuple(host.shape), lambda: self._pool.submit(zlib.crc32, data).result())
+
+    def link_bytes(self, name: str, extents: list[tuple[str, int, int]], crc32: int) -> None:
+        """`link` for bytes the caller has checksummed as it read them (a uint8 tensor of their length)."""
+        nbytes = sum(int(n) for _, _, n in extents)
+        self._link(name, extents, nbytes, torch.uint8, (nbytes,), lambda: crc32)
+
+    def _link(self, name: str, extents, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], crc) -> None:
         self._check_active()
         if name in self._entries:
             raise ValueError(f"tensor {name!r} was already added to offload store {self._folder}")
-        host = tensor.detach().to("cpu").contiguous()
-        data = byte_view(host)
         linked = tuple(Extent(os.path.abspath(path), int(offset), int(nbytes)) for path, offset, nbytes in extents)
         try:
             sizes = {e.file: os.stat(e.file).st_size for e in linked}
         except OSError as exc:
             raise ValueError(f"cannot link {name!r}: {exc}") from exc
         bad = [e for e in linked if e.offset < 0 or e.nbytes < 0 or e.offset + e.nbytes > sizes[e.file]]
-        if not linked or bad or sum(e.nbytes for e in linked) != data.nbytes:
-            raise ValueError(f"cannot link {name!r} ({data.nbytes} bytes) to {', '.join(map(str, extents)) or 'nothing'}: "
+        if not linked or bad or sum(e.nbytes for e in linked) != nbytes:
+            raise ValueError(f"cannot link {name!r} ({nbytes} bytes) to {', '.join(map(str, extents)) or 'nothing'}: "
                              f"the ranges must lie inside their files and hold exactly its bytes")
         self._linked_sizes.update(sizes)
-        self._entries[name] = TensorEntry(extents=linked, nbytes=data.nbytes, dtype=host.dtype,
-                                          shape=tuple(host.shape), crc32=self._pool.submit(zlib.crc32, data).result())
+        self._entries[name] = TensorEntry(extents=linked, nbytes=nbytes, dtype=dtype, shape=shape, crc32=crc())
 
     def commit(self) -> None:
         """Make the data durable, then write the manifest atomically; after this readers trust it."""

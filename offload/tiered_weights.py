@@ -18,6 +18,7 @@ import torch
 
 from offload.disk_store import DiskStore, StoreCorruptError
 from offload.host_buffer import align_up, aligned_empty, pinned_empty
+from offload.linked_blocks import read_rows
 from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, store_key
 from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble
@@ -35,12 +36,13 @@ class TieredWeights:
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False,
                  row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
                  routed_reads: bool = False, cpu_blocks: bool = False,
-                 linked_extents: Callable[[int], dict] | None = None):
+                 linked_extents: Callable[[int], dict] | None = None,
+                 linked_blocks: Callable[[int], dict] | None = None):
         """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
         offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
         reads the blocks off the gpu tier only when the model asks for them (after routing);
         cpu_blocks leaves a block held whole on the cpu tier there, for the model to compute on
-        the CPU (RowBlockAccess). linked_extents: see offload.placed_layers.PlacedLayers."""
+        the CPU (RowBlockAccess). linked_extents, linked_blocks: see offload.placed_layers.PlacedLayers."""
         self.routed_reads, self.cpu_blocks = routed_reads, cpu_blocks
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
         # experts_read: experts read after routing; experts_on_cpu: computed on the cpu tier (per
@@ -57,7 +59,9 @@ class TieredWeights:
         tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
         self.store = disk_store() if self.plan.needs_disk else None
         self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
-                                   linked_extents)
+                                   linked_extents, linked_blocks)
+        self._block_staging = self._linked_staging(tracker)  # disk blocks of linked weights, before the split
+        self._staging_at = 0
         self._kinds = self.plan.kinds
         layouts = self._slot_layouts(_off_gpu_rows)
         self._buffers = [_slot_views(layouts, self._working_buffer) for _ in range(self.plan.num_slots)]
@@ -83,6 +87,17 @@ class TieredWeights:
         layouts = self._slot_layouts(_disk_rows)
         tracker.reserve("cpu", self.plan.num_slots * _arena_bytes(layouts), "weight staging (pinned)")
         return [_slot_views(layouts, _pinned) for _ in range(self.plan.num_slots)]
+
+    def _linked_staging(self, tracker: MemoryTracker) -> torch.Tensor | None:
+        """One layer load's disk rows of its block-linked weights (offload/linked_blocks.py), as read."""
+        need = 0
+        for layer, linked in enumerate(self.placed.linked):
+            need = max(need, sum(linked[p.name].staging_bytes(*_disk_rows(p)) for p in self.plan.layer(layer).streamed
+                                 if p.name in linked))
+        if not need:
+            return None
+        tracker.reserve("cpu", need, "linked weight blocks staging")
+        return aligned_empty((need,), torch.uint8)
 
     def _slot_layouts(self, rows_of: Callable[[TensorPlan], tuple[int, int]]) -> list[tuple[int, dict]]:
         """One working slot's layout per distinct layer plan (index: its place in plan.kinds): the
@@ -222,6 +237,7 @@ class TieredWeights:
         if self._staging_free[slot] is not None:
             self._staging_free[slot].synchronize()  # copies out of this slot's staging buffers are done
         self._blocks_in[slot] = set()  # experts read after routing (RowBlockAccess) start over
+        self._staging_at = 0  # the block staging is free: the previous load's splits are done
         reads = []
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), AllReads() as pending:
             if self._stream is not None and self._slot_free[slot] is not None:
@@ -263,6 +279,8 @@ class TieredWeights:
         `reads`, finished by _finish_reads)."""
         piece, kind = plan.pieces[i], self._kind(layer)
         buffers = self._buffers[slot][kind][plan.name]
+        linked = self.placed.linked[layer].get(plan.name) if piece.tier == "disk" else None
+        split = []  # a linked weight's (dest, target) per component: its blocks are split into the targets
         for c, (cm, buf) in enumerate(zip(plan.components, buffers)):
             lo, hi = cm.numel(row_lo), cm.numel(row_hi)
             dest = buf[lo - cm.numel(plan.gpu_rows):hi - cm.numel(plan.gpu_rows)]  # buffers start at gpu_rows
@@ -272,6 +290,9 @@ class TieredWeights:
                     target = self._staging[slot][kind][plan.name][c][lo - first:hi - first]
                 else:
                     target = dest
+                if linked is not None:
+                    split.append((dest, target))
+                    continue
                 future = pending.add(self.store.read_range_async(
                     store_key(layer, plan.name, cm), lo * cm.dtype.itemsize, target))
                 reads.append((future, dest, target))
@@ -280,11 +301,31 @@ class TieredWeights:
                 base = cm.numel(piece.row_start)
                 dest.copy_(held[lo - base:hi - base], non_blocking=True)
 
+        if split:
+            self._read_linked_rows(layer, plan.name, linked, row_lo, row_hi, split, pending, reads)
+
+    def _read_linked_rows(self, layer: int, name: str, linked, row_lo: int, row_hi: int, split: list,
+                          pending: AllReads, reads: list) -> None:
+        """Rows [row_lo, row_hi) of a block-linked weight: their blocks read into the block staging,
+        split into the components' targets once read, then copied to the device where staged."""
+        need = linked.staging_bytes(row_lo, row_hi)
+        staging = self._block_staging[self._staging_at:self._staging_at + need]
+        self._staging_at += need
+        for future, finish in read_rows(self.store, layer, name, linked, row_lo, row_hi, staging,
+                                        [target for _, target in split]):
+            reads.append((pending.add(future), finish, None))
+        reads.extend((None, dest, target) for dest, target in split if target is not dest)
+
     @staticmethod
     def _finish_reads(reads: list) -> None:
+        """Each entry: (future or None, dest, staged): wait, then copy staged into dest; or
+        (future, finish, None): wait, then finish() (a linked weight's split)."""
         for future, dest, staged in reads:
-            future.result()
-            if staged is not dest:
+            if future is not None:
+                future.result()
+            if callable(dest):
+                dest()
+            elif staged is not dest:
                 dest.copy_(staged, non_blocking=True)
 
     # ---- experts: stacked row blocks read after routing, or computed on the cpu tier ------------

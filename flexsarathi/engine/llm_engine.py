@@ -272,6 +272,7 @@ class LLMEngine:
             routed_reads=self._moe_flag("routed_expert_reads"), cpu_blocks=self._moe_flag("cpu_experts"),
             read_globals=lambda: self.source.global_weights(self.dtype),
             read_layer=lambda i: self.source.layer_weights(i, self.dtype), linked_extents=self.source.linked_extents,
+            linked_blocks=self.source.linked_blocks,
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
             tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch,
             pin_memory=p.pin_weight and self.device.type == "cuda",

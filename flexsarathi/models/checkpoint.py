@@ -62,6 +62,12 @@ class WeightSource(ABC):
         (offload/store_writer.py `link`). Empty: every byte is copied."""
         return {}
 
+    def linked_blocks(self, layer: int) -> dict:
+        """Layer weights whose rows lie in the source's files as blocks the engine reads and splits
+        (GGUF Q4_0 / Q4_1: {canonical name: offload.linked_blocks.LinkedWeight}), each part's crc32
+        set once `layer_weights(layer)` has read it. Empty: none."""
+        return {}
+
 
 class SafetensorsCheckpoint(WeightSource):
     def __init__(self, folder: str):

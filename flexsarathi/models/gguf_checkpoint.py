@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import zlib
 from collections import Counter
 
 import numpy as np
@@ -32,6 +33,8 @@ from flexsarathi.models.gguf_file import GGUFTensor, gguf_part, hf_config, open_
     unpermute_rows
 from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, FLOAT_TYPES, check_type, common_format, conversion_error, \
     to_codes, to_float, to_qtensor, widen
+from flexsarathi.models.worker_pools import worker_pool
+from offload.linked_blocks import BLOCK_FORMATS, LinkedPart, LinkedWeight
 from quant import QTensor
 
 ERROR_ROWS = 256  # rows of each first-layer K-quant tensor whose conversion error is measured
@@ -49,6 +52,7 @@ class GGUFCheckpoint(WeightSource):
         self._report = report or (lambda line: print(line, file=sys.stderr, flush=True))
         self.conversion_errors: dict[str, float] = {}  # K-quant type -> largest |error| measured
         self._formats = None  # (convert_k_quants, quantized_formats()) once computed
+        self._crcs: dict[str, int] = {}  # GGUF tensor name -> crc32 of its bytes as last read
         self._validate()
         if "rope_freqs.weight" in self.gguf.tensors:  # llama3-style scaling as llama.cpp stores it
             factors = to_float(*self._raw("rope_freqs.weight")).float()
@@ -206,10 +210,35 @@ class GGUFCheckpoint(WeightSource):
         q = concat_rows(parts)
         return q if order is None else permute_rows(q, order)
 
+    def linked_blocks(self, layer: int) -> dict[str, LinkedWeight]:
+        """Layer weights whose every part is one 2-D Q4_0 (or every part Q4_1) tensor, fused in
+        order: their rows are read from this file as blocks and split (offload/linked_blocks.py), the
+        store links them. A part's crc32 is that of the bytes `layer_weights` last read."""
+        formats, out = self.quantized_formats() or {}, {}
+        for k, hf_names in self.model.hf_layer_names(layer).items():
+            tensors, order = self._layout(hf_names)
+            types = {t.type_name for t in tensors}
+            if (formats.get(k) != CODE_FORMATS.get(next(iter(types))) or len(types) != 1 or order is not None
+                    or not types <= set(BLOCK_FORMATS) or any(len(t.shape) != 2 for t in tensors)):
+                continue
+            parts = []
+            for t in tensors:
+                heads = qk_heads(t.name, self.config)
+                parts.append(LinkedPart(t.path, t.offset, t.shape[0], t.raw_shape[-1],
+                                        None if heads is None else unpermute_rows(t.shape[0], heads), heads or 1,
+                                        self._crcs.get(t.name)))
+            out[k] = LinkedWeight(BLOCK_FORMATS[tensors[0].type_name], tuple(parts), tensors[0].shape[1] // 32)
+        return out
+
     def _qtensor(self, t: GGUFTensor, dtype: torch.dtype) -> QTensor | None:
         if t.type_name in CONVERTED_TYPES and not self.convert_k_quants:
             return None
-        codes = to_codes(t.read(), t.type_name, (_rows(t), t.shape[-1]))
+        raw = t.read()
+        # the bytes a store links to (linked_blocks): their crc32, computed beside the decoding
+        crc = worker_pool("gguf-crc").submit(zlib.crc32, raw) if t.type_name in BLOCK_FORMATS else None
+        codes = to_codes(raw, t.type_name, (_rows(t), t.shape[-1]))
+        if crc is not None:
+            self._crcs[t.name] = crc.result()
         q = to_qtensor(codes, dtype) if codes is not None else None
         if q is None:
             return None
