@@ -5,6 +5,7 @@ written from, its weights gguf's dequantization of the file's."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -408,3 +409,50 @@ def test_the_int8_kernel_gives_the_exact_products_greedy_tokens(gguf_model, kind
         assert llm.engine.cpu_matmul == ("dequantize" if mode == "dequantize" else "int8x2")
     assert tokens["auto"] == tokens["dequantize"]
     assert calls  # the kernel ran (decode passes)
+
+
+def test_q4_0_weights_on_disk_are_read_from_the_file_itself(tmp_path):
+    """Everything on disk: the store links each layer weight's parts to their Q4_0 blocks in the file
+    (q/k permuted by llama.cpp included) and writes only the norms; the all-on-device tokens, also
+    from the reused store and a split placement's; a file changed in place under the same size and
+    mtime (the same store key) fails the linked bytes' crc32 at the first read and the store is
+    rebuilt from what the file holds now."""
+    from offload.disk_store import DiskStore
+
+    path = tmp_path / "model.gguf"
+    write_gguf(build_model("llama"), path, weight_type="Q4_0")
+
+    def run(offload, **placement):
+        policy = Policy(gpu_batch_size=2, **placement)
+        with LLM(str(path), dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT, policy=policy,
+                 offload_dir=str(tmp_path / offload)) as llm:
+            store = llm.engine.weights.store
+            key = None if store is None else (store.folder, store.key)
+            return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)], key
+
+    reference, _ = run("all")
+    on_disk, (folder, key) = run("disk", w_gpu=0.0, w_disk=1.0)
+    assert on_disk == reference
+    with DiskStore(folder, key) as store:
+        linked = [n for n in store.names() if store.entry(n).linked]
+        assert all(".blocks" in n and store.entry(n).file == str(path) for n in linked)
+        assert len(linked) == 2 * 7  # per layer: q, k, v, o, gate, up, down
+        assert all(".small." in n for n in store.names() if n not in linked)
+    assert run("disk", w_gpu=0.0, w_disk=1.0)[0] == reference  # the store reused
+    split = dict(w_gpu=0.3, w_cpu=0.4, w_disk=0.3)
+    assert run("split", **split)[0] == reference and run("split", **split)[0] == reference
+
+    from flexsarathi.models.gguf_file import open_gguf
+    q = open_gguf(str(path)).tensor("blk.1.attn_q.weight")
+    stat = os.stat(path)
+    with open(path, "r+b") as f:  # the codes of q's first rows, each moved
+        f.seek(q.offset)
+        blocks = bytearray(f.read(4 * q.raw_shape[-1]))
+        for start in range(0, len(blocks), 18):
+            blocks[start + 2:start + 18] = bytes(b ^ 0x33 for b in blocks[start + 2:start + 18])
+        f.seek(q.offset)
+        f.write(bytes(blocks))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.warns(RuntimeWarning, match="linked file changed.*rebuilding the store"):
+        changed, _ = run("disk", w_gpu=0.0, w_disk=1.0)
+    assert changed == run("fresh")[0]
