@@ -72,10 +72,11 @@ class PlacedLayers:
                     self.linked.append(self._linked_in_store(layer, self._linked_blocks(layer)))
                     small, pieces = self._read_from_store(layer)
                 else:
-                    weights = ahead.result() if ahead is not None else self._source_layer(layer, damage)
+                    link_only = writer is not None  # weights the store only links need no decoding
+                    weights = ahead.result() if ahead is not None else self._source_layer(layer, damage, link_only)
                     ahead = None
                     if layer + 1 < self.plan.num_layers:
-                        ahead = reader.submit(self._source_layer, layer + 1, damage)
+                        ahead = reader.submit(self._source_layer, layer + 1, damage, link_only)
                     small = {k: weights[k].to(self.device) for k in self.plan.layer(layer).small_shapes}
                     blocks = self._blocks_to_link(weights, layer) if writer is not None else {}
                     pieces = self._place_layer(weights, layer, writer, blocks)
@@ -93,11 +94,14 @@ class PlacedLayers:
             if reader is not None:  # a read ahead still running ends before the caller goes on
                 reader.shutdown(wait=True, cancel_futures=True)
 
-    def _source_layer(self, layer: int, damage: StoreCorruptError | None) -> dict:
+    def _source_layer(self, layer: int, damage: StoreCorruptError | None, link_only: bool = False) -> dict:
         """The layer's weights from the source; when they are wanted to rebuild a damaged store and
-        the source cannot give them, the error names the damaged file and the source's failure."""
+        the source cannot give them, the error names the damaged file and the source's failure.
+        link_only: the weights the store will only link (whole on the disk tier) are asked for
+        as `skip`, which a source may leave out after checksumming their bytes."""
+        skip = self._link_only(layer) if link_only else frozenset()
         try:
-            return self._read_layer(layer)
+            return self._read_layer(layer, skip) if skip else self._read_layer(layer)
         except Exception as exc:
             if damage is None:
                 raise
@@ -110,7 +114,7 @@ class PlacedLayers:
         warnings.warn(f"{damage}; rebuilding the store from the source", RuntimeWarning, stacklevel=4)
         with self.store.begin_write(total_bytes=self.plan.store_bytes) as writer:
             for layer in range(self.plan.num_layers):
-                self._write_layer(self._source_layer(layer, damage), layer, writer)
+                self._write_layer(self._source_layer(layer, damage, link_only=True), layer, writer)
             writer.commit()
 
     def _place_layer(self, weights: dict, layer: int, writer: DiskStoreWriter | None,
@@ -162,7 +166,15 @@ class PlacedLayers:
         plans = {p.name: p for p in self.plan.layer(layer).tensors}
         return {name: w for name, w in self._linked_blocks(layer).items()
                 if name in plans and plans[name].blocks == 1 and not plans[name].resident
-                and _links_of(weights[name], plans[name], {name: w}) and all(p.crc32 is not None for p in w.parts)}
+                and (name not in weights or _links_of(weights[name], plans[name], {name: w}))  # absent: skipped
+                and all(p.crc32 is not None for p in w.parts)}
+
+    def _link_only(self, layer: int) -> frozenset[str]:
+        """The layer's block-linked weights wholly on the disk tier: nothing but their links is stored."""
+        plans = {p.name: p for p in self.plan.layer(layer).tensors}
+        return frozenset(name for name in self._linked_blocks(layer) if name in plans and plans[name].blocks == 1
+                         and not plans[name].resident and not plans[name].kernel_layout
+                         and all(piece.tier == "disk" for piece in plans[name].pieces))
 
     def _linked_in_store(self, layer: int, blocks: dict[str, LinkedWeight]) -> dict[str, LinkedWeight]:
         return {name: w for name, w in blocks.items() if self.store.has(linked_key(layer, name, 0))}

@@ -271,7 +271,10 @@ class LLMEngine:
             row_blocks=self.model.expert_stacks(), resident=self.model.resident_weights(),
             routed_reads=self._moe_flag("routed_expert_reads"), cpu_blocks=self._moe_flag("cpu_experts"),
             read_globals=lambda: self.source.global_weights(self.dtype),
-            read_layer=lambda i: self.source.layer_weights(i, self.dtype), linked_extents=self.source.linked_extents,
+            # skip: weights the store only links (offload/placed_layers.py); only a source with
+            # linked_blocks (GGUF) is ever asked to skip any
+            read_layer=lambda i, skip=frozenset(): self.source.layer_weights(i, self.dtype, **({"skip": skip} if skip else {})),
+            linked_extents=self.source.linked_extents,
             linked_blocks=self.source.linked_blocks,
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
             tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch,

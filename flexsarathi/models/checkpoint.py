@@ -65,7 +65,8 @@ class WeightSource(ABC):
     def linked_blocks(self, layer: int) -> dict:
         """Layer weights whose rows lie in the source's files as blocks the engine reads and splits
         (GGUF Q4_0 / Q4_1: {canonical name: offload.linked_blocks.LinkedWeight}), each part's crc32
-        set once `layer_weights(layer)` has read it. Empty: none."""
+        set once `layer_weights(layer)` has read it. Empty: none. A source that has any also takes
+        `layer_weights(layer, dtype, skip=names)`: those only checksummed, left out."""
         return {}
 
 

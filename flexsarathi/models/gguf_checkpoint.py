@@ -34,10 +34,12 @@ from flexsarathi.models.gguf_file import GGUFTensor, gguf_part, hf_config, open_
 from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, FLOAT_TYPES, check_type, common_format, conversion_error, \
     to_codes, to_float, to_qtensor, widen
 from flexsarathi.models.worker_pools import worker_pool
-from offload.linked_blocks import BLOCK_FORMATS, LinkedPart, LinkedWeight
+from offload.linked_blocks import BLOCK_FORMATS, LinkedPart, LinkedWeight, split_blocks
 from quant import QTensor
 
-ERROR_ROWS = 256  # rows of each first-layer K-quant tensor whose conversion error is measured
+ERROR_ROWS = 256
+_INF_BITS = 0x7C00  # fp16 magnitudes at or above: inf, NaN
+_MAX_EIGHTH_BITS = int(np.array(65504 / 8, dtype=np.float16).view(np.int16))  # |d| whose -8d fits fp16  # rows of each first-layer K-quant tensor whose conversion error is measured
 
 
 class GGUFCheckpoint(WeightSource):
@@ -53,6 +55,7 @@ class GGUFCheckpoint(WeightSource):
         self.conversion_errors: dict[str, float] = {}  # K-quant type -> largest |error| measured
         self._formats = None  # (convert_k_quants, quantized_formats()) once computed
         self._crcs: dict[str, int] = {}  # GGUF tensor name -> crc32 of its bytes as last read
+        self._at = {(t.path, t.offset): t for t in self.gguf.tensors.values()}  # a linked part's tensor
         self._validate()
         if "rope_freqs.weight" in self.gguf.tensors:  # llama3-style scaling as llama.cpp stores it
             factors = to_float(*self._raw("rope_freqs.weight")).float()
@@ -105,12 +108,17 @@ class GGUFCheckpoint(WeightSource):
     def global_weights(self, dtype):
         return {k: self._dense(parts, dtype) for k, parts in self.model.hf_global_names().items()}
 
-    def layer_weights(self, layer, dtype):
+    def layer_weights(self, layer, dtype, skip=frozenset()):
         """Matrices as codes where the file has them (routers and shared-expert gates, kept resident
-        uncompressed, as floats); each weight in its canonical shape."""
+        uncompressed, as floats); each weight in its canonical shape. skip: weights of
+        `linked_blocks(layer)` the caller only links: their bytes are read for their crc32 (and
+        their scales checked) and left out."""
         shapes, formats = self.model.layer_shapes(layer), self.quantized_formats() or {}
-        out = {}
+        out, linkable = {}, self.linked_blocks(layer) if skip else {}
         for k, parts in self.model.hf_layer_names(layer).items():
+            if k in skip and k in linkable:
+                self._checksum(linkable[k])
+                continue
             coded = self._coded(parts, dtype, formats[k]) if formats.get(k) else None
             out[k] = coded or self._dense(parts, dtype).reshape(shapes[k])
         return out
@@ -201,6 +209,10 @@ class GGUFCheckpoint(WeightSource):
         where a part has no codes. Each row's groups are self-contained, so fusing and reordering
         rows move codes only."""
         tensors, order = self._layout(hf_names)
+        types = {t.type_name for t in tensors}
+        if (order is None and len(types) == 1 and config == CODE_FORMATS.get(t0 := tensors[0].type_name)
+                and t0 in BLOCK_FORMATS and all(len(t.shape) == 2 for t in tensors)):
+            return self._split_blocks(tensors, BLOCK_FORMATS[t0], dtype, config)
         parts = []
         for t in tensors:
             q = self._qtensor(t, dtype)
@@ -230,6 +242,44 @@ class GGUFCheckpoint(WeightSource):
             out[k] = LinkedWeight(BLOCK_FORMATS[tensors[0].type_name], tuple(parts), tensors[0].shape[1] // 32)
         return out
 
+    def _checksum(self, weight: LinkedWeight) -> None:
+        """Read the parts' bytes for their crc32 (recorded for linked_blocks), checking their scales
+        as decoding does."""
+        for part in weight.parts:
+            t = self._at[part.path, part.offset]
+            raw = t.read()
+            crc = worker_pool("gguf-crc").submit(zlib.crc32, raw)
+            self._check_blocks(t, torch.from_numpy(raw), weight.format)
+            self._crcs[t.name] = crc.result()
+
+    def _check_blocks(self, t: GGUFTensor, blocks: torch.Tensor, fmt) -> None:
+        if not _blocks_fit(blocks, fmt):
+            raise CheckpointError(
+                f"{self.path}: tensor {t.name} ({t.type_name}) has a block scale or minimum that is not finite or "
+                f"beyond what the engine's fp16 group parameters hold (|d| <= {65504 / 8:g} for Q4_0): its "
+                f"values exceed fp16; such a file is not supported")
+
+    def _split_blocks(self, tensors: list[GGUFTensor], fmt, dtype: torch.dtype, config) -> QTensor | None:
+        """Q4_0 / Q4_1 parts fused by rows, each part's blocks split straight into its rows of the
+        fused codes, scales and minimums (q/k rows put back in HF order on the way): the one pass
+        over the bytes that linked_blocks' reads make at run time, and their crc32 beside it."""
+        rows, cols = sum(t.shape[0] for t in tensors), tensors[0].shape[1]
+        groups = cols // config.group_size
+        data = torch.empty(rows * cols // 2, dtype=torch.uint8)
+        scale, minimum = torch.empty(rows * groups, dtype=torch.float16), torch.empty(rows * groups, dtype=torch.float16)
+        at = 0
+        for t in tensors:
+            raw = t.read()
+            crc = worker_pool("gguf-crc").submit(zlib.crc32, raw)
+            blocks, heads, n = torch.from_numpy(raw), qk_heads(t.name, self.config), t.shape[0]
+            self._check_blocks(t, blocks, fmt)
+            split_blocks(blocks if heads is None else blocks[unpermute_rows(n, heads)], fmt, groups,
+                         data[at * cols // 2:(at + n) * cols // 2], scale[at * groups:(at + n) * groups],
+                         minimum[at * groups:(at + n) * groups])
+            self._crcs[t.name] = crc.result()
+            at += n
+        return QTensor(data=data, scale=scale, minimum=minimum, shape=(rows, cols), dtype=dtype, config=config)
+
     def _qtensor(self, t: GGUFTensor, dtype: torch.dtype) -> QTensor | None:
         if t.type_name in CONVERTED_TYPES and not self.convert_k_quants:
             return None
@@ -254,6 +304,16 @@ class GGUFCheckpoint(WeightSource):
             self._report(f"flexsarathi: {self.path}: {type_name} weights convert to {config.bits}-bit groups of "
                          f"{config.group_size} with fp16 scales: largest |error| against gguf's dequantization "
                          f"{error:.3g} (first {ERROR_ROWS} rows of the first layer's first {type_name} tensor)")
+
+
+def _blocks_fit(blocks: torch.Tensor, fmt) -> bool:
+    """Whether Q4_0 / Q4_1 blocks (uint8, rows of whole blocks) hold finite fp16 scales and minimums
+    and Q4_0's minimum -8d fits fp16: checked on the fp16 bits (an fp16 isfinite is not vectorised)."""
+    fields = blocks.view(torch.int16).view(-1, fmt.block_bytes // 2)
+    magnitudes = fields[:, 0] & 0x7FFF
+    if fmt.minimum_at is None:
+        return bool((magnitudes <= _MAX_EIGHTH_BITS).all())
+    return bool((magnitudes < _INF_BITS).all() and ((fields[:, fmt.minimum_at // 2] & 0x7FFF) < _INF_BITS).all())
 
 
 def _rows(t: GGUFTensor) -> int:

@@ -456,3 +456,22 @@ def test_q4_0_weights_on_disk_are_read_from_the_file_itself(tmp_path):
     with pytest.warns(RuntimeWarning, match="linked file changed.*rebuilding the store"):
         changed, _ = run("disk", w_gpu=0.0, w_disk=1.0)
     assert changed == run("fresh")[0]
+
+
+def test_a_q4_0_scale_beyond_fp16_is_one_clear_error(tmp_path):
+    """One block of ffn_down with d = 10000: its values (down to -8d) exceed fp16, which the engine's
+    group parameters are: one error naming the tensor, whether the weight would be linked or decoded."""
+    import numpy as np
+
+    from flexsarathi.errors import CheckpointError
+    from flexsarathi.models.gguf_file import open_gguf
+
+    path = tmp_path / "model.gguf"
+    write_gguf(build_model("llama"), path, weight_type="Q4_0")
+    down = open_gguf(str(path)).tensor("blk.1.ffn_down.weight")
+    with open(path, "r+b") as f:
+        f.seek(down.offset + 18 * 5)  # block 5's scale d
+        f.write(np.array([10000.0], dtype=np.float16).tobytes())
+    for placement in ({}, dict(w_gpu=0.0, w_disk=1.0)):
+        with pytest.raises(CheckpointError, match="blk.1.ffn_down.weight .Q4_0. has a block scale"):
+            LLM(str(path), dtype="float32", device="cpu", policy=Policy(**placement), offload_dir=str(tmp_path / "o"))
