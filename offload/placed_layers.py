@@ -33,16 +33,18 @@ class PlacedLayers:
 
     def __init__(self, plan: WeightPlan, read_layer: Callable[[int], dict], store: DiskStore | None,
                  device: torch.device, pin: bool, linked_extents: Callable[[int], dict] | None = None,
-                 linked_blocks: Callable[[int], dict] | None = None):
+                 linked_blocks: Callable[[int], dict] | None = None, store_bytes: int | None = None):
         """linked_extents(layer): the source's components that lie as they are in its files;
         linked_blocks(layer): its weights whose rows lie in its files as blocks (offload/
         linked_blocks.py); both linked by the store, not copied (flexsarathi/models/checkpoint.py
-        `WeightSource`)."""
+        `WeightSource`). store_bytes: what the store writes (its free-space check; default the
+        plan's whole store)."""
         self.plan, self.store, self.device, self.pin = plan, store, device, pin
         self._read_layer = read_layer
         self._linked_extents = linked_extents or (lambda layer: {})
         self._linked_blocks = linked_blocks or (lambda layer: {})
         self.linked: list[dict[str, LinkedWeight]] = []  # per layer: the weights the store links as blocks
+        self.store_bytes = plan.store_bytes if store_bytes is None else store_bytes
         self.small: list[dict[str, torch.Tensor]] = []
         self.pieces: list[Pieces] = []
         try:
@@ -58,7 +60,7 @@ class PlacedLayers:
         the layer from the source."""
         store = self.store
         write = store is not None and (rewrite or not store.is_complete())
-        writer = store.begin_write(total_bytes=self.plan.store_bytes) if write else None
+        writer = store.begin_write(total_bytes=self.store_bytes) if write else None
         from_source = store is None or writer is not None
         # From the source, layer j + 1 is read (and decoded: a GGUF's codes, a dummy's draws) on a
         # thread while layer j is cut, compressed and written: the two overlap (file reads, numpy
@@ -112,7 +114,7 @@ class PlacedLayers:
         """Rewrite the whole store from the source (found damaged while running). Only the disk
         pieces are read from it after loading, so the gpu/cpu pieces in memory stay as they are."""
         warnings.warn(f"{damage}; rebuilding the store from the source", RuntimeWarning, stacklevel=4)
-        with self.store.begin_write(total_bytes=self.plan.store_bytes) as writer:
+        with self.store.begin_write(total_bytes=self.store_bytes) as writer:
             for layer in range(self.plan.num_layers):
                 self._write_layer(self._source_layer(layer, damage, link_only=True), layer, writer)
             writer.commit()
@@ -216,6 +218,19 @@ def _add_tensor(writer: DiskStoreWriter, layer: int, plan: TensorPlan, comps: li
             writer.link(store_key(layer, plan.name, cm), comp, links[cm.suffix])
         else:
             writer.add(store_key(layer, plan.name, cm), comp)
+
+
+def linked_bytes(plan: WeightPlan, linked_extents: Callable[[int], dict], linked_blocks: Callable[[int], dict]) -> int:
+    """Bytes of the store that the source's links replace (from its headers: nothing is read)."""
+    total = 0
+    for layer in range(plan.num_layers):
+        blocks, extents = linked_blocks(layer), linked_extents(layer)
+        for p in plan.layer(layer).tensors:
+            if p.kernel_layout or p.resident:
+                continue
+            linked = [cm for cm in p.components if (p.name in blocks and p.blocks == 1) or cm.suffix in extents.get(p.name, {})]
+            total += sum(cm.nbytes(p.shape[0]) for cm in linked)
+    return total
 
 
 def _link_blocks(writer: DiskStoreWriter, layer: int, name: str, weight: LinkedWeight) -> None:

@@ -299,13 +299,14 @@ class WeightPlan:
         """A working slot holds any layer's streamed tensors: the largest."""
         return max(k.streamed_bytes for k in self.kinds)
 
-    def reserve(self, tracker: MemoryTracker) -> None:
+    def reserve(self, tracker: MemoryTracker, store_bytes: int | None = None) -> None:
         """Reserve every tier's bytes before any weight is read: a policy that does not fit fails
-        here, with the arithmetic, rather than halfway through loading."""
+        here, with the arithmetic, rather than halfway through loading. store_bytes: what the disk
+        store writes when the source's links replace some of it (default: everything)."""
         resident = sum(p.bytes_on("gpu") for plan in self.layers for p in plan.tensors if p.resident)
         split_gpu_rows = sum(p.bytes_on("gpu") for plan in self.layers for p in plan.streamed)
         tracker.reserve("gpu", resident + split_gpu_rows + self.small_bytes, "weights (gpu tier)")
         tracker.reserve("gpu", self.num_slots * self.slot_bytes, "weight working buffers")
         tracker.reserve("cpu", sum(plan.bytes_on("cpu") for plan in self.layers), "weights (cpu tier)")
         if self.needs_disk:
-            tracker.reserve("disk", self.store_bytes, "weights (disk tier)")
+            tracker.reserve("disk", self.store_bytes if store_bytes is None else store_bytes, "weights (disk tier)")

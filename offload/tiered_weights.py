@@ -20,7 +20,7 @@ from offload.disk_store import DiskStore, StoreCorruptError
 from offload.host_buffer import align_up, aligned_empty, pinned_empty
 from offload.linked_blocks import read_rows
 from offload.memory import MemoryTracker
-from offload.placed_layers import AllReads, PlacedLayers, store_key
+from offload.placed_layers import AllReads, PlacedLayers, linked_bytes, store_key
 from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble
 from offload.streams import bind_thread, indexed
 from offload.weights import ROW_BLOCKS, RowSplit
@@ -54,12 +54,13 @@ class TieredWeights:
                                     device=self.device, row_blocks=row_blocks, resident=resident)
         self.prefetch_depth = self.plan.prefetch_depth
         self.cuda = self.device.type == "cuda"
-        self.plan.reserve(tracker)
+        store_bytes = plan_store_bytes(self.plan, linked_extents, linked_blocks) if self.plan.needs_disk else 0
+        self.plan.reserve(tracker, store_bytes)
         self._globals = {k: v.to(self.device) for k, v in read_globals().items()}
         tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
         self.store = disk_store() if self.plan.needs_disk else None
         self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
-                                   linked_extents, linked_blocks)
+                                   linked_extents, linked_blocks, store_bytes)
         self._block_staging = self._linked_staging(tracker)  # disk blocks of linked weights, before the split
         self._staging_at = 0
         self._kinds = self.plan.kinds
@@ -436,6 +437,11 @@ class ExpertReads:
         finally:
             if w.cuda and self.staged:  # copies out of the staging buffers (compute stream) end before its next fill
                 torch.cuda.current_stream(w.device).synchronize()
+
+
+def plan_store_bytes(plan: WeightPlan, linked_extents, linked_blocks) -> int:
+    """What the disk store writes: the plan's store less what the source's links replace."""
+    return plan.store_bytes - linked_bytes(plan, linked_extents or (lambda layer: {}), linked_blocks or (lambda layer: {}))
 
 
 def _off_gpu_rows(plan: TensorPlan) -> tuple[int, int]:

@@ -428,6 +428,9 @@ def test_q4_0_weights_on_disk_are_read_from_the_file_itself(tmp_path):
                  offload_dir=str(tmp_path / offload)) as llm:
             store = llm.engine.weights.store
             key = None if store is None else (store.folder, store.key)
+            if store is not None:  # what the free-space check asks for: exactly what is written
+                written = sum(store.entry(n).nbytes for n in store.names() if not store.entry(n).linked)
+                assert llm.engine.weights.placed.store_bytes == written
             return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)], key
 
     reference, _ = run("all")

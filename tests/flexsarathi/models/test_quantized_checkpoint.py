@@ -387,6 +387,7 @@ def test_compressed_tensors_codes_on_disk_are_linked_not_copied(tmp_path, bits, 
     assert all(e.file == checkpoint for entry in linked.values() for e in entry.extents)
     written = sum(store.entry(name).nbytes for name in store.names() if name not in linked)
     assert written < sum(entry.nbytes for entry in linked.values()) / 4  # the minimums, norms: small
+    assert llm.engine.weights.placed.store_bytes == written  # what the free-space check asked for
     store.close()
 
     path, offset, nbytes, _, _ = PreadReader().extent(checkpoint, "model.layers.1.mlp.down_proj.weight_packed")
