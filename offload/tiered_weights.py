@@ -54,15 +54,15 @@ class TieredWeights:
                                     device=self.device, row_blocks=row_blocks, resident=resident)
         self.prefetch_depth = self.plan.prefetch_depth
         self.cuda = self.device.type == "cuda"
-        store_bytes = plan_store_bytes(self.plan, linked_extents, linked_blocks) if self.plan.needs_disk else 0
-        self.plan.reserve(tracker, store_bytes)
+        self.plan.reserve(tracker, store_bytes := (plan_store_bytes(self.plan, linked_extents, linked_blocks)
+                                                   if self.plan.needs_disk else 0))
         self._globals = {k: v.to(self.device) for k, v in read_globals().items()}
         tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
         self.store = disk_store() if self.plan.needs_disk else None
         self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
                                    linked_extents, linked_blocks, store_bytes)
-        self._block_staging = self._linked_staging(tracker)  # disk blocks of linked weights, before the split
-        self._staging_at = 0
+        # disk blocks of linked weights as read, before the split; the next free byte of it in a load
+        self._block_staging, self._staging_at = self._linked_staging(tracker), 0
         self._kinds = self.plan.kinds
         layouts = self._slot_layouts(_off_gpu_rows)
         self._buffers = [_slot_views(layouts, self._working_buffer) for _ in range(self.plan.num_slots)]
