@@ -36,8 +36,7 @@ class TieredWeights:
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False,
                  row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
                  routed_reads: bool = False, cpu_blocks: bool = False,
-                 linked_extents: Callable[[int], dict] | None = None,
-                 linked_blocks: Callable[[int], dict] | None = None):
+                 linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None):
         """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
         offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
         reads the blocks off the gpu tier only when the model asks for them (after routing);
@@ -61,8 +60,7 @@ class TieredWeights:
         self.store = disk_store() if self.plan.needs_disk else None
         self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
                                    linked_extents, linked_blocks, store_bytes)
-        # disk blocks of linked weights as read, before the split; the next free byte of it in a load
-        self._block_staging, self._staging_at = self._linked_staging(tracker), 0
+        self._block_staging, self._staging_at = self._linked_staging(tracker), 0  # and its next free byte
         self._kinds = self.plan.kinds
         layouts = self._slot_layouts(_off_gpu_rows)
         self._buffers = [_slot_views(layouts, self._working_buffer) for _ in range(self.plan.num_slots)]
