@@ -144,7 +144,8 @@ class GGUFCheckpoint(WeightSource):
                 how = ("K-quant codes converted once at placement: super-block scales rounded to fp16, the "
                        "largest error against gguf's dequantization printed")
             else:
-                how = "codes kept exactly" + (", parts widened to one format" if len(found) > 1 else "")
+                how = "codes kept exactly" + (", parts widened to one format" if len(found) > 1 else
+                                              "; on the disk tier read from this file" if found <= set(BLOCK_FORMATS) else "")
             kinds.append(TensorKind(name, " + ".join(sorted(found)), stored, how))
         counts = Counter(t.type_name for t in self.gguf.tensors.values())
         parts = len(self.gguf.paths)

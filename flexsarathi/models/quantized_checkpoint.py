@@ -58,7 +58,8 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             scheme = self._scheme(self._parts_of(name)[0][0])
             source = f"{scheme.describe()} ({self.method.name})" if scheme else str(self.config.checkpoint_dtype)
             how = ("requantized once at placement (act-order g_idx), error measured" if name in self.act_order
-                   else "codes kept exactly" if config else "as is")
+                   else "codes kept exactly" + ("; on the disk tier read from the files" if self.method.name ==
+                                                "compressed-tensors" else "") if config else "as is")
             kinds.append(TensorKind(name, source, config, how))
         files = {path for path in self._file_of.values()}
         return SourceDescription(self.method.name, self.method.detail, tuple(kinds),

@@ -383,7 +383,7 @@ def test_inspect_tells_each_weights_gguf_types_and_what_is_stored(gguf_model, we
     kinds = {line.split(" [")[0].strip(): line for line in out if line.startswith("  ")}
     if weight_type == "Q4_0":
         assert kinds["qkv_proj.weight"].endswith(": Q4_0 -> 4-bit codes, groups of 32, fp16 scale + fp16 minimum "
-                                                 "(codes kept exactly)")
+                                                 "(codes kept exactly; on the disk tier read from this file)")
     else:
         assert ": Q4_K + Q6_K -> 8-bit codes, groups of 16" in kinds["qkv_proj.weight"]  # v is Q6_K
         assert "K-quant codes converted once at placement" in kinds["qkv_proj.weight"]
