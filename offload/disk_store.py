@@ -155,8 +155,10 @@ class DiskStore:
         return sorted(self.path.glob("data-*.bin"))
 
     def drop_page_cache(self) -> None:
-        """Evict this store's data files from the page cache (for honest cold-read figures)."""
-        for path in self.data_files():
+        """Evict this store's data files, and the files it links, from the page cache (for honest
+        cold-read figures)."""
+        linked = {e.file for entry in (self._entries or {}).values() if entry.linked for e in entry.extents}
+        for path in [*self.data_files(), *sorted(linked)]:
             drop_page_cache(path)
 
     @property
