@@ -155,10 +155,24 @@ def concat_rows(parts: list[QTensor]) -> QTensor:
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
-    return QTensor(data=torch.cat([p.data for p in parts]), scale=torch.cat([p.scale for p in parts]),
-                   minimum=torch.cat([p.minimum for p in parts]),
+    return QTensor(data=_joined([p.data for p in parts]), scale=_joined([p.scale for p in parts]),
+                   minimum=_joined([p.minimum for p in parts]),
                    shape=(sum(p.shape[0] for p in parts), first.shape[1]), dtype=first.dtype,
                    config=first.config)
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Flat tensors one after another: a view where they already lie end to end in one buffer (parts
+    read into their rows of a fused weight), else a concatenation."""
+    first = tensors[0]
+    storage = first.untyped_storage()
+    end_to_end = all(t.is_contiguous() and t.dim() == 1 and t.dtype == first.dtype and
+                     t.untyped_storage().data_ptr() == storage.data_ptr() for t in tensors) and all(
+        b.data_ptr() == a.data_ptr() + a.nbytes for a, b in zip(tensors, tensors[1:]))
+    if not end_to_end:
+        return torch.cat(tensors)
+    total = sum(t.numel() for t in tensors)
+    return torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (total,))
 
 
 @dataclass

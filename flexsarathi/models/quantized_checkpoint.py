@@ -81,7 +81,8 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
                                   f"quantization_config applies to it")
         return scheme
 
-    def _module_tensors(self, module: str, shapes_only: bool = False) -> dict:
+    def _module_tensors(self, module: str, shapes_only: bool = False, into: dict | None = None) -> dict:
+        """into: suffix -> uint8 tensor to read that tensor into (its rows of a fused weight)."""
         required, optional, _ = TENSORS[self.method.name]
         out = {}
         for suffix in required + optional:
@@ -92,14 +93,14 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             handle = self._open(self._file_of[name])
             try:
                 out[suffix] = (tuple(handle.get_slice(name).get_shape()) if shapes_only
-                               else self._reader.get(self._file_of[name], name))
+                               else self._reader.get(self._file_of[name], name, (into or {}).get(suffix)))
             except (SafetensorError, RuntimeError, OSError) as exc:
                 raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: {exc}") from None
         return out
 
-    def _codes(self, hf_name: str, scheme: Scheme) -> ModuleCodes:
+    def _codes(self, hf_name: str, scheme: Scheme, into: dict | None = None) -> ModuleCodes:
         module = hf_name.removesuffix(".weight")
-        return TENSORS[self.method.name][2](self._module_tensors(module), scheme)
+        return TENSORS[self.method.name][2](self._module_tensors(module, into=into), scheme)
 
     def _validate_shapes(self) -> None:
         """Every weight's [out, in] from the headers (packed or not) against config.json."""
@@ -196,9 +197,9 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         return out
 
     def _read_quantized(self, canonical: str, parts: list[str], config: QuantConfig, dtype: torch.dtype):
-        pieces = []
-        for hf_name in parts:
-            m = self._codes(hf_name, self._scheme(hf_name))
+        pieces, into = [], self._fused_buffers(parts) if canonical not in self.act_order else [None] * len(parts)
+        for hf_name, buffers in zip(parts, into):
+            m = self._codes(hf_name, self._scheme(hf_name), buffers)
             if canonical in self.act_order:
                 q, error = requantize(reference_values(m.unpacked(), m.scale, m.zero, m.g_idx), config, dtype)
                 how = f"requantized from act-order groups to {config.bits}-bit groups of {config.group_size}"
@@ -208,6 +209,19 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             self.log.record(canonical, error, how)
             pieces.append(q)
         return concat_rows(pieces)
+
+    def _fused_buffers(self, parts: list[str]) -> list[dict | None]:
+        """compressed-tensors: each part's codes (and fp16 scales) read straight into its rows of
+        one buffer per kind, so the fused weight's codes are that buffer, not a concatenation."""
+        if self.method.name != "compressed-tensors" or len(parts) == 1:
+            return [None] * len(parts)
+        into = [{} for _ in parts]
+        for suffix in ("weight_packed", "weight_scale"):
+            sizes = [self._extent(f"{hf.removesuffix('.weight')}.{suffix}")[2] for hf in parts]
+            whole = torch.empty(sum(sizes), dtype=torch.uint8)
+            for buffers, piece in zip(into, whole.split(sizes)):
+                buffers[suffix] = piece
+        return into
 
     def _dequantized(self, hf_name: str, dtype: torch.dtype) -> torch.Tensor:
         m = self._codes(hf_name, self._scheme(hf_name))

@@ -47,14 +47,18 @@ class PreadReader:
         begin, end = entry["data_offsets"]
         return path, start + begin, end - begin, entry.get("dtype"), list(entry.get("shape", []))
 
-    def get(self, path: str, name: str) -> torch.Tensor:
+    def get(self, path: str, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: a contiguous uint8 tensor of the tensor's byte size to read into (e.g. its rows of a
+        fused weight), instead of fresh memory."""
         fd, start, header = self._file(path)
         entry = header.get(name)
         if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
             raise CheckpointError(f"{path}: tensor {name} is missing or of an unknown dtype")
         begin, end = entry["data_offsets"]
         dtype = _DTYPES[entry["dtype"]]
-        buffer = torch.empty(end - begin, dtype=torch.uint8)
+        if out is not None and (out.dtype != torch.uint8 or out.numel() != end - begin or not out.is_contiguous()):
+            raise ValueError(f"PreadReader.get({name}): out must be {end - begin} contiguous bytes")
+        buffer = torch.empty(end - begin, dtype=torch.uint8) if out is None else out
         view = memoryview(buffer.numpy())
         done = 0
         while done < len(view):  # pread may return fewer bytes than asked
