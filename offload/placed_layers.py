@@ -163,20 +163,23 @@ class PlacedLayers:
         for k in self.plan.layer(layer).small_shapes:
             writer.add(small_key(layer, k), weights[k])
 
-    def _blocks_to_link(self, weights: dict, layer: int) -> dict[str, LinkedWeight]:
-        """The source's block-linked weights of `layer` that the plan stores as the source gives them."""
+    def _block_plans(self, layer: int) -> dict[str, tuple[LinkedWeight, TensorPlan]]:
+        """The source's block-linked weights of `layer` the plan can link: streamed, one row block,
+        not in a kernel's layout."""
         plans = {p.name: p for p in self.plan.layer(layer).tensors}
-        return {name: w for name, w in self._linked_blocks(layer).items()
-                if name in plans and plans[name].blocks == 1 and not plans[name].resident
-                and (name not in weights or _links_of(weights[name], plans[name], {name: w}))  # absent: skipped
+        return {name: (w, plans[name]) for name, w in self._linked_blocks(layer).items() if name in plans
+                and plans[name].blocks == 1 and not plans[name].resident and not plans[name].kernel_layout}
+
+    def _blocks_to_link(self, weights: dict, layer: int) -> dict[str, LinkedWeight]:
+        """Those the plan stores as the source gives them, their parts checksummed as read."""
+        return {name: w for name, (w, plan) in self._block_plans(layer).items()
+                if (name not in weights or _links_of(weights[name], plan, {name: w}))  # absent: skipped
                 and all(p.crc32 is not None for p in w.parts)}
 
     def _link_only(self, layer: int) -> frozenset[str]:
-        """The layer's block-linked weights wholly on the disk tier: nothing but their links is stored."""
-        plans = {p.name: p for p in self.plan.layer(layer).tensors}
-        return frozenset(name for name in self._linked_blocks(layer) if name in plans and plans[name].blocks == 1
-                         and not plans[name].resident and not plans[name].kernel_layout
-                         and all(piece.tier == "disk" for piece in plans[name].pieces))
+        """Those wholly on the disk tier: nothing but their links is stored."""
+        return frozenset(name for name, (_, plan) in self._block_plans(layer).items()
+                         if all(piece.tier == "disk" for piece in plan.pieces))
 
     def _linked_in_store(self, layer: int, blocks: dict[str, LinkedWeight]) -> dict[str, LinkedWeight]:
         return {name: w for name, w in blocks.items() if self.store.has(linked_key(layer, name, 0))}
@@ -220,11 +223,13 @@ def _add_tensor(writer: DiskStoreWriter, layer: int, plan: TensorPlan, comps: li
             writer.add(store_key(layer, plan.name, cm), comp)
 
 
-def linked_bytes(plan: WeightPlan, linked_extents: Callable[[int], dict], linked_blocks: Callable[[int], dict]) -> int:
+def linked_bytes(plan: WeightPlan, linked_extents: Callable[[int], dict] | None,
+                 linked_blocks: Callable[[int], dict] | None) -> int:
     """Bytes of the store that the source's links replace (from its headers: nothing is read)."""
     total = 0
     for layer in range(plan.num_layers):
-        blocks, extents = linked_blocks(layer), linked_extents(layer)
+        blocks = linked_blocks(layer) if linked_blocks else {}
+        extents = linked_extents(layer) if linked_extents else {}
         for p in plan.layer(layer).tensors:
             if p.kernel_layout or p.resident:
                 continue

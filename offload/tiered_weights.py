@@ -53,7 +53,7 @@ class TieredWeights:
                                     device=self.device, row_blocks=row_blocks, resident=resident)
         self.prefetch_depth = self.plan.prefetch_depth
         self.cuda = self.device.type == "cuda"
-        self.plan.reserve(tracker, store_bytes := (plan_store_bytes(self.plan, linked_extents, linked_blocks)
+        self.plan.reserve(tracker, store_bytes := (self.plan.store_bytes - linked_bytes(self.plan, linked_extents, linked_blocks)
                                                    if self.plan.needs_disk else 0))
         self._globals = {k: v.to(self.device) for k, v in read_globals().items()}
         tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
@@ -435,11 +435,6 @@ class ExpertReads:
         finally:
             if w.cuda and self.staged:  # copies out of the staging buffers (compute stream) end before its next fill
                 torch.cuda.current_stream(w.device).synchronize()
-
-
-def plan_store_bytes(plan: WeightPlan, linked_extents, linked_blocks) -> int:
-    """What the disk store writes: the plan's store less what the source's links replace."""
-    return plan.store_bytes - linked_bytes(plan, linked_extents or (lambda layer: {}), linked_blocks or (lambda layer: {}))
 
 
 def _off_gpu_rows(plan: TensorPlan) -> tuple[int, int]:

@@ -210,10 +210,9 @@ class GGUFCheckpoint(WeightSource):
         where a part has no codes. Each row's groups are self-contained, so fusing and reordering
         rows move codes only."""
         tensors, order = self._layout(hf_names)
-        types = {t.type_name for t in tensors}
-        if (order is None and len(types) == 1 and config == CODE_FORMATS.get(t0 := tensors[0].type_name)
-                and t0 in BLOCK_FORMATS and all(len(t.shape) == 2 for t in tensors)):
-            return self._split_blocks(tensors, BLOCK_FORMATS[t0], dtype, config)
+        fmt = _block_format(tensors, order, config)
+        if fmt is not None:
+            return self._split_blocks(tensors, fmt, dtype, config)
         parts = []
         for t in tensors:
             q = self._qtensor(t, dtype)
@@ -230,9 +229,8 @@ class GGUFCheckpoint(WeightSource):
         formats, out = self.quantized_formats() or {}, {}
         for k, hf_names in self.model.hf_layer_names(layer).items():
             tensors, order = self._layout(hf_names)
-            types = {t.type_name for t in tensors}
-            if (formats.get(k) != CODE_FORMATS.get(next(iter(types))) or len(types) != 1 or order is not None
-                    or not types <= set(BLOCK_FORMATS) or any(len(t.shape) != 2 for t in tensors)):
+            fmt = _block_format(tensors, order, formats.get(k))
+            if fmt is None:
                 continue
             parts = []
             for t in tensors:
@@ -240,7 +238,7 @@ class GGUFCheckpoint(WeightSource):
                 parts.append(LinkedPart(t.path, t.offset, t.shape[0], t.raw_shape[-1],
                                         None if heads is None else unpermute_rows(t.shape[0], heads), heads or 1,
                                         self._crcs.get(t.name)))
-            out[k] = LinkedWeight(BLOCK_FORMATS[tensors[0].type_name], tuple(parts), tensors[0].shape[1] // 32)
+            out[k] = LinkedWeight(fmt, tuple(parts), tensors[0].shape[1] // 32)
         return out
 
     def _checksum(self, weight: LinkedWeight) -> None:
@@ -248,19 +246,24 @@ class GGUFCheckpoint(WeightSource):
         as decoding does."""
         for part in weight.parts:
             t = self._at[part.path, part.offset]
-            raw = t.read()
-            crc = worker_pool("gguf-crc").submit(zlib.crc32, raw)
-            self._check_blocks(t, torch.from_numpy(raw), weight.format)
+            _, crc = self._read_blocks(t, weight.format)
             self._crcs[t.name] = crc.result()
 
-    def _check_blocks(self, t: GGUFTensor, blocks: torch.Tensor, fmt) -> None:
+    def _read_blocks(self, t: GGUFTensor, fmt):
+        """(the tensor's blocks, uint8 [rows, bytes per row]; the future of their crc32, computed on
+        a pool thread beside what the caller does with them), its scales checked."""
+        raw = t.read()
+        crc = worker_pool("gguf-crc").submit(zlib.crc32, raw)
+        blocks = torch.from_numpy(raw)
         if not _blocks_fit(blocks, fmt):
+            crc.result()
             raise CheckpointError(
                 f"{self.path}: tensor {t.name} ({t.type_name}) has a block scale or minimum that is not finite or "
                 f"beyond what the engine's fp16 group parameters hold (|d| <= {65504 / 8:g} for Q4_0): its "
                 f"values exceed fp16; such a file is not supported")
+        return blocks, crc
 
-    def _split_blocks(self, tensors: list[GGUFTensor], fmt, dtype: torch.dtype, config) -> QTensor | None:
+    def _split_blocks(self, tensors: list[GGUFTensor], fmt, dtype: torch.dtype, config) -> QTensor:
         """Q4_0 / Q4_1 parts fused by rows, each part's blocks split straight into its rows of the
         fused codes, scales and minimums (q/k rows put back in HF order on the way): the one pass
         over the bytes that linked_blocks' reads make at run time, and their crc32 beside it."""
@@ -270,10 +273,7 @@ class GGUFCheckpoint(WeightSource):
         scale, minimum = torch.empty(rows * groups, dtype=torch.float16), torch.empty(rows * groups, dtype=torch.float16)
         at = 0
         for t in tensors:
-            raw = t.read()
-            crc = worker_pool("gguf-crc").submit(zlib.crc32, raw)
-            blocks, heads, n = torch.from_numpy(raw), qk_heads(t.name, self.config), t.shape[0]
-            self._check_blocks(t, blocks, fmt)
+            (blocks, crc), heads, n = self._read_blocks(t, fmt), qk_heads(t.name, self.config), t.shape[0]
             split_blocks(blocks if heads is None else blocks[unpermute_rows(n, heads)], fmt, groups,
                          data[at * cols // 2:(at + n) * cols // 2], scale[at * groups:(at + n) * groups],
                          minimum[at * groups:(at + n) * groups])
@@ -305,6 +305,16 @@ class GGUFCheckpoint(WeightSource):
             self._report(f"flexsarathi: {self.path}: {type_name} weights convert to {config.bits}-bit groups of "
                          f"{config.group_size} with fp16 scales: largest |error| against gguf's dequantization "
                          f"{error:.3g} (first {ERROR_ROWS} rows of the first layer's first {type_name} tensor)")
+
+
+def _block_format(tensors: list[GGUFTensor], order, config):
+    """The BlockFormat of a fused weight read as blocks (split into codes, or linked): every part one
+    2-D tensor of the same Q4_0 / Q4_1 type, in order, the weight stored in that type's format; else None."""
+    types = {t.type_name for t in tensors}
+    if order is not None or len(types) != 1 or any(len(t.shape) != 2 for t in tensors):
+        return None
+    (type_name,) = types
+    return BLOCK_FORMATS.get(type_name) if config is not None and config == CODE_FORMATS.get(type_name) else None
 
 
 def _blocks_fit(blocks: torch.Tensor, fmt) -> bool:
