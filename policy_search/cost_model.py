@@ -271,7 +271,8 @@ def _disk_read_cpu(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareS
     into the working buffers (host->device). Mapped KV/activation reads are not measured: not charged."""
     if not hw.compute_on_host:
         return const(0.0)  # a GPU machine's reader threads run beside the GPU, not on it
-    return f.w_disk * (_layer_streamed_bytes(s, policy, model) * hw.disk_read_cpu)
+    return f.w_disk * (_layer_streamed_bytes(s, policy, model) * model.disk_read_ratio(policy.compress_weight)
+                       * hw.disk_read_cpu)
 
 
 def _layer_bytes_moved(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec):
@@ -303,7 +304,7 @@ def _layer_bytes_moved(s: PassShape, policy: Policy, model: ModelSpec, hw: Hardw
                + f.act_off_gpu * s.tokens * hidden_bytes)  # each micro-batch's layer output
     if cpu_attention:
         to_host = to_host + f.kv_off_gpu * s.decode_tokens * query_bytes  # queries to the CPU
-    disk_read = (f.w_disk * weight_bytes + f.kv_disk * (decode_kv_tokens + s.prior_kv_tokens) * kv_bytes
+    disk_read = (f.w_disk * weight_bytes * model.disk_read_ratio(policy.compress_weight) + f.kv_disk * (decode_kv_tokens + s.prior_kv_tokens) * kv_bytes
                  + f.act_disk * s.tokens * hidden_bytes)
     disk_write = f.kv_disk * s.tokens * kv_bytes + f.act_disk * s.tokens * hidden_bytes
     return to_device, to_host, disk_read, disk_write

@@ -213,6 +213,12 @@ class ModelSpec:
     def matrix_bytes_per_value(self, compressed: bool) -> float:
         return self.weight_format.bytes_per_value if compressed else self.bytes_per_value
 
+    def disk_read_ratio(self, compressed: bool) -> float:
+        """Bytes the disk tier reads per byte of weights held (below 1 where it streams a checkpoint's
+        own blocks, which lack the minimums its memory tiers hold)."""
+        wf = self.weight_format
+        return wf.streamed_bytes_per_value / wf.bytes_per_value if compressed else 1.0
+
     @property
     def resident_params(self) -> int:
         """Per sparse layer, the router (hidden x experts) and the shared expert's gate (hidden x 1):

@@ -24,10 +24,18 @@ class WeightFormat:
     bits: int = 4
     group_size: int = 64  # along the input dimension of a Linear weight [out, in]
     minimum_bytes: int = 2  # 4: the minimum kept in fp32 (a pre-quantized checkpoint's zero points)
+    # False: the disk tier streams a checkpoint's own blocks, which hold no minimum (GGUF Q4_0's is
+    # -8 * scale, derived as the rows are read: offload/linked_blocks.py); memory tiers hold one
+    minimum_streamed: bool = True
 
     @property
     def bytes_per_value(self) -> float:
         return group_bytes(self.bits, self.group_size, self.minimum_bytes) / self.group_size
+
+    @property
+    def streamed_bytes_per_value(self) -> float:
+        """What the disk tier reads per value."""
+        return self.bytes_per_value - (0 if self.minimum_streamed else self.minimum_bytes / self.group_size)
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,7 @@ def peak_rss() -> int:
 def child(folder: str, offload_dir: str) -> None:
     """Place the model on disk (writes the store), run one prefill pass; print one JSON line."""
     from flexsarathi import LLM, SamplingParams
+    from flexsarathi.engine.planner_spec import planner_model_spec
     from policy_search.policy import Policy
 
     def io_read() -> int:
@@ -181,7 +182,9 @@ def child(folder: str, offload_dir: str) -> None:
               policy=Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0, gpu_batch_size=1, overlap=False))
     write_s = time.perf_counter() - t0
     plan = llm.engine.weights.plan
-    streamed = sum(p.bytes_on("disk") for p in plan.tensors) * plan.num_layers
+    # what the planner prices the disk tier's reads at (a linked GGUF's blocks hold no minimum)
+    streamed = (sum(p.bytes_on("disk") for p in plan.tensors) * plan.num_layers
+                * planner_model_spec(model_path(folder), dtype="bfloat16").disk_read_ratio(True))
     before = io_read()
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
     pass_read = io_read() - before

@@ -57,11 +57,19 @@ def stored_weight_format(source: WeightSource) -> WeightFormat | None:
     """A pre-quantized source's format as the planner prices it: that of its largest quantized
     tensor kind (channel-wise: one group per row of that kind); None for full-precision sources."""
     formats, shapes = source.quantized_formats() or {}, source.model.weight_kinds()
-    quantized = [(shapes[n][0] * shapes[n][1], c) for n, c in formats.items() if c is not None]
+    quantized = [(shapes[n][0] * shapes[n][1], n, c) for n, c in formats.items() if c is not None]
     if not quantized:
         return None
-    config = max(quantized, key=lambda pair: pair[0])[1]
-    return WeightFormat(config.bits, config.group_size, config.minimum_bytes)
+    name, config = max(quantized, key=lambda item: item[0])[1:]
+    return WeightFormat(config.bits, config.group_size, config.minimum_bytes,
+                        minimum_streamed=not _streamed_without_minimum(source, name))
+
+
+def _streamed_without_minimum(source: WeightSource, name: str) -> bool:
+    """Whether the disk tier streams `name` from the source's own blocks, which hold no minimum."""
+    layer = next((i for i in range(source.config.num_layers) if name in source.model.hf_layer_names(i)), None)
+    linked = source.linked_blocks(layer).get(name) if layer is not None else None
+    return linked is not None and linked.format.minimum_at is None
 
 
 def _short_name(model: str) -> str:

@@ -64,6 +64,24 @@ def test_weight_stream_time_is_bytes_over_bandwidth(opt13b, t4):
         assert decode.seconds >= (decode.resources["host->device"] + decode.resources["disk->host"]) * (1 - 1e-12)
 
 
+def test_disk_streams_a_checkpoints_blocks_without_the_minimums(opt13b, t4):
+    """A GGUF Q4_0 store streams the file's blocks (2-byte scale + 16 code bytes per 32 values) while
+    the memory tiers hold our minimum too: the disk term is priced at 18 of every 20 bytes held."""
+    import dataclasses
+
+    from policy_search.quant_format import WeightFormat
+
+    wl = Workload(prompt_len=128, gen_len=8)
+    policy = Policy(gpu_batch_size=4, scheduler="block", compress_weight=True,
+                    **(ALL_GPU | dict(w_gpu=0.25, w_cpu=0.5, w_disk=0.25)))
+    held, streamed = (dataclasses.replace(opt13b, weight_format=WeightFormat(4, 32, 2, minimum_streamed=m))
+                      for m in (True, False))
+    full, blocks = (estimate(policy, spec, t4, wl).passes[-1] for spec in (held, streamed))
+    assert blocks.resources["disk->host"] == pytest.approx(full.resources["disk->host"] * 18 / 20)
+    assert blocks.resources["host->device"] == pytest.approx(full.resources["host->device"])
+    assert streamed.weight_bytes(True) == held.weight_bytes(True)
+
+
 def test_cpu_attention_runs_where_the_cache_lives(opt13b, t4):
     wl = Workload(prompt_len=256, gen_len=16)
     placement = ALL_GPU | dict(kv_gpu=0.5, kv_cpu=0.25, kv_disk=0.25)

@@ -436,6 +436,14 @@ def test_q4_0_weights_on_disk_are_read_from_the_file_itself(tmp_path):
     reference, _ = run("all")
     on_disk, (folder, key) = run("disk", w_gpu=0.0, w_disk=1.0)
     assert on_disk == reference
+    # the planner prices what the disk tier streams: the file's blocks, 18 bytes per 32 values
+    from flexsarathi.engine.planner_spec import planner_model_spec
+    from flexsarathi.models.gguf_file import open_gguf
+    spec = planner_model_spec(str(path), dtype="float32")
+    layer_file_bytes = sum(t.raw_shape[0] * t.raw_shape[1] for t in open_gguf(str(path)).tensors.values()
+                           if t.name.startswith("blk.0.") and t.type_name == "Q4_0")  # uint8 [rows, bytes per row]
+    assert spec.layer_matrix_params * spec.weight_format.streamed_bytes_per_value == layer_file_bytes
+    assert spec.disk_read_ratio(True) == 18 / 20
     with DiskStore(folder, key) as store:
         linked = [n for n in store.names() if store.entry(n).linked]
         assert all(".blocks" in n and store.entry(n).file == str(path) for n in linked)
