@@ -54,11 +54,26 @@ static inline int64_t x_position(int layout, int64_t k, int64_t G) {
 static void quantize_rows_avx2(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t G, int64_t XB, int8_t *xq,
                                float *xd, float *xg, float *xh);
 
+/* xq rows in x's order -> the group-halves order (x_position, layout 2), in place: the values move
+ * in runs that stay together (16 for G = 32, 32 otherwise; G = 64 leaves every value where it is). */
+static void to_group_halves_order(int8_t *xq, int64_t M, int64_t K, int64_t G) {
+    if (G == 64) return;
+    const int64_t run = G == 32 ? 16 : 32;
+    int8_t *row = malloc((size_t)K);
+    if (!row) abort();
+    for (int64_t m = 0; m < M; m++) {
+        memcpy(row, xq + m * K, (size_t)K);
+        for (int64_t k = 0; k < K; k += run) memcpy(xq + m * K + x_position(2, k, G), row + k, (size_t)run);
+    }
+    free(row);
+}
+
 void fs_quantize_x(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t G, int64_t XB, int pairs,
                    int8_t *xq, float *xd, float *xg, float *xh, int8_t *rq, float *rd, float *rg, float *rh) {
     const int64_t nb = K / XB, ng = K / G;
-    if (!pairs && !rq) { /* the common case (our layout, one plane), 8 values per instruction */
+    if ((pairs == 0 || pairs == 2) && !rq) { /* one plane, 8 values per instruction */
         quantize_rows_avx2(x, M, K, ldx, G, XB, xq, xd, xg, xh);
+        if (pairs == 2) to_group_halves_order(xq, M, K, G);
         return;
     }
     for (int64_t m = 0; m < M; m++) {
