@@ -221,7 +221,7 @@ class LLMEngine:
             raise FlexSarathiError(f"the opened model ({opened.name}, codes {opened.codes}) is not the one "
                                    f"this engine is configured for ({e.model}, codes {drawn})")
         self.source, self.tokenizer = opened.source, opened.tokenizer
-        self.source.use_for(compress_weight=e.policy.compress_weight)
+        self.source.use_for(compress_weight=e.policy.compress_weight, weights_on_disk=e.policy.w_disk > 0)
         self.config, self.model = self.source.config, self.source.model
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self.policy = p = e.policy

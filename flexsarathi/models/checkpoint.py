@@ -44,10 +44,11 @@ class WeightSource(ABC):
     @abstractmethod
     def layer_weights(self, layer: int, dtype: torch.dtype) -> Weights: ...
 
-    def use_for(self, compress_weight: bool) -> None:
+    def use_for(self, compress_weight: bool, weights_on_disk: bool = True) -> None:
         """Told by the engine whether its policy stores weights compressed. A source whose codes only
         approximate its values (GGUF's K-quants: their scales rounded) gives them as codes only
-        then, else their exact values; every other source gives the same either way."""
+        then, else their exact values; every other source gives the same either way. And whether
+        any weight is on the disk tier (GGUF: Q4_0/Q4_1 kept as their blocks' bytes, to be linked)."""
 
     def quantized_formats(self) -> dict[str, QuantConfig | None] | None:
         """A pre-quantized source: canonical 2-D layer weight -> the QuantConfig its QTensors come in

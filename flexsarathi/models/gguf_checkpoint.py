@@ -31,7 +31,8 @@ from flexsarathi.models.prequantized import SourceDescription, TensorKind, conca
 from flexsarathi.models import build_model_math
 from flexsarathi.models.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, resolve_part, \
     unpermute_rows
-from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, FLOAT_TYPES, check_type, common_format, conversion_error, \
+from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, FLOAT_TYPES, check_type, code_format, \
+    common_format, conversion_error, \
     to_codes, to_float, to_qtensor, widen
 from flexsarathi.models.worker_pools import worker_pool
 from offload.linked_blocks import BLOCK_FORMATS, LinkedPart, LinkedWeight, split_blocks
@@ -53,7 +54,8 @@ class GGUFCheckpoint(WeightSource):
         self.model = build_model_math(self.config)
         self._report = report or (lambda line: print(line, file=sys.stderr, flush=True))
         self.conversion_errors: dict[str, float] = {}  # K-quant type -> largest |error| measured
-        self._formats = None  # (convert_k_quants, quantized_formats()) once computed
+        self._formats = None  # ((convert_k_quants, keep_blocks), quantized_formats()) once computed
+        self.keep_blocks = True  # Q4_0/Q4_1 codes as their blocks' bytes (use_for)
         self._crcs: dict[str, int] = {}  # GGUF tensor name -> crc32 of its bytes as last read
         self._at = {(t.path, t.offset): t for t in self.gguf.tensors.values()}  # a linked part's tensor
         self._validate()
@@ -61,8 +63,10 @@ class GGUFCheckpoint(WeightSource):
             factors = to_float(*self._raw("rope_freqs.weight")).float()
             self.model.divide_rope_frequencies(factors)
 
-    def use_for(self, compress_weight: bool) -> None:
-        self.convert_k_quants = compress_weight
+    def use_for(self, compress_weight: bool, weights_on_disk: bool = True) -> None:
+        """weights_on_disk: Q4_0/Q4_1 keep their blocks' bytes (the disk tier streams them from this
+        file); without a disk tier they are repacked once into the int8 kernel's faster layout."""
+        self.convert_k_quants, self.keep_blocks = compress_weight, weights_on_disk
 
     @property
     def fingerprint(self) -> str:
@@ -158,7 +162,7 @@ class GGUFCheckpoint(WeightSource):
         it (`common_format`: Q4_K_M's Q4_K and Q6_K parts and layers widened to 8-bit groups of 16),
         or None where some part has no codes. None when no matrix is held as codes. Routers and
         shared-expert gates (kept resident, uncompressed) come as floats."""
-        if self._formats is None or self._formats[0] != self.convert_k_quants:
+        if self._formats is None or self._formats[0] != (self.convert_k_quants, self.keep_blocks):
             seen: dict[str, set] = {}
             resident = self.model.resident_weights()
             for i in range(self.config.num_layers):
@@ -167,13 +171,13 @@ class GGUFCheckpoint(WeightSource):
                     if len(shape) == 2 and name not in resident:
                         seen.setdefault(name, set()).add(self._format(names[name]))
             formats = {name: common_format(found) for name, found in seen.items()}
-            self._formats = (self.convert_k_quants, formats if any(formats.values()) else None)
+            self._formats = ((self.convert_k_quants, self.keep_blocks), formats if any(formats.values()) else None)
         return self._formats[1]
 
     def _format(self, hf_names: list[str]):
         """The format the fused parts' codes take together (as `_coded` fuses them), else None."""
         types = [t.type_name for t, _ in self._parts(hf_names)]
-        return common_format(None if t in CONVERTED_TYPES and not self.convert_k_quants else CODE_FORMATS.get(t)
+        return common_format(None if t in CONVERTED_TYPES and not self.convert_k_quants else code_format(t, self.keep_blocks)
                              for t in types)
 
     def _layout(self, hf_names: list[str]) -> tuple[list[GGUFTensor], torch.Tensor | None]:
@@ -257,11 +261,14 @@ class GGUFCheckpoint(WeightSource):
         blocks = torch.from_numpy(raw)
         if not _blocks_fit(blocks, fmt):
             crc.result()
-            raise CheckpointError(
-                f"{self.path}: tensor {t.name} ({t.type_name}) has a block scale or minimum that is not finite or "
-                f"beyond what the engine's fp16 group parameters hold (|d| <= {65504 / 8:g} for Q4_0): its "
-                f"values exceed fp16; such a file is not supported")
+            raise self._beyond_fp16(t)
         return blocks, crc
+
+    def _beyond_fp16(self, t: GGUFTensor) -> CheckpointError:
+        return CheckpointError(
+            f"{self.path}: tensor {t.name} ({t.type_name}) has a block scale or minimum that is not finite or "
+            f"beyond what the engine's fp16 group parameters hold (|d| <= {65504 / 8:g} for Q4_0): its "
+            f"values exceed fp16; such a file is not supported")
 
     def _split_blocks(self, tensors: list[GGUFTensor], fmt, dtype: torch.dtype, config) -> QTensor:
         """Q4_0 / Q4_1 parts fused by rows, each part's blocks split straight into its rows of the
@@ -284,15 +291,12 @@ class GGUFCheckpoint(WeightSource):
     def _qtensor(self, t: GGUFTensor, dtype: torch.dtype) -> QTensor | None:
         if t.type_name in CONVERTED_TYPES and not self.convert_k_quants:
             return None
-        raw = t.read()
-        # the bytes a store links to (linked_blocks): their crc32, computed beside the decoding
-        crc = worker_pool("gguf-crc").submit(zlib.crc32, raw) if t.type_name in BLOCK_FORMATS else None
-        codes = to_codes(raw, t.type_name, (_rows(t), t.shape[-1]))
-        if crc is not None:
-            self._crcs[t.name] = crc.result()
-        q = to_qtensor(codes, dtype) if codes is not None else None
-        if q is None:
+        codes = to_codes(t.read(), t.type_name, (_rows(t), t.shape[-1]), self.keep_blocks)
+        if codes is None:
             return None
+        q = to_qtensor(codes, dtype)
+        if q is None:  # its values exceed fp16, which the engine's group parameters (and floats) are
+            raise self._beyond_fp16(t)
         if t.type_name in CONVERTED_TYPES and t.name.startswith("blk.0."):  # measured on the first layer
             self._tell_error(t.type_name, conversion_error(codes, q, rows=ERROR_ROWS), q.config)
         heads = qk_heads(t.name, self.config)

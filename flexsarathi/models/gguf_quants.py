@@ -16,12 +16,14 @@ round trip through floats:
 | Q6_K | d*sc * (q - 32) per 16, q 6-bit | 8-bit, group 16: scale fp16(d*sc), minimum -32 * that | no |
 
 Q4_0's and Q4_1's code bytes are kept as they are (`QuantConfig.group_halves`: byte j of a block
-holds codes j and j + 16, the engine's layout for them), so decoding them only separates each
-block's scale from its codes; the other 4-bit types are repacked to split halves of each row.
+holds codes j and j + 16) where the engine streams them from the file (a disk tier), so decoding
+only separates each block's scale from its codes; otherwise (`keep_blocks=False`) and for the other
+4-bit types they are repacked to split halves of each row, the int8 CPU kernel's faster layout.
 
 "exact": the products d*q are exact in fp32 and so is -8d in fp16 (a power of two), so the
 engine's dequantization gives gguf's own `quants.dequantize` bit for bit (a block whose -8d or
--128d would overflow fp16 makes the tensor fall back to floats). The K-quants' sub-block scale d*sc
+-128d would overflow fp16 has values beyond fp16: `to_qtensor` says None, the source one clear
+error). The K-quants' sub-block scale d*sc
 has up to 17 significant bits, fp16 keeps 11: the conversion rounds it, and `conversion_error`
 measures what that costs against the exact values. Other types gguf can dequantize (Q2_K, Q3_K,
 IQ4_NL, IQ4_XS) become float tensors through `gguf.quants.dequantize`.
@@ -33,7 +35,7 @@ weight or its layers mix bit widths or groups (Q4_K_M: Q4_K beside Q6_K), `commo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -88,7 +90,15 @@ def to_float(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.T
     return torch.from_numpy(np.ascontiguousarray(values)).reshape(shape)
 
 
-def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes | None:
+def code_format(type_name: str, keep_blocks: bool = True) -> QuantConfig | None:
+    """The engine format a code-mapped type becomes: Q4_0/Q4_1 as their blocks' bytes (group halves)
+    or, keep_blocks=False, repacked into split halves of each row (the int8 CPU kernel's faster
+    layout: ~10% at groups of 32, docs/BENCHMARKS.md)."""
+    config = CODE_FORMATS.get(type_name)
+    return replace(config, group_halves=False) if config is not None and not keep_blocks else config
+
+
+def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...], keep_blocks: bool = True) -> Codes | None:
     """The codes of a matrix of a code-mapped type (EXACT_TYPES, CONVERTED_TYPES), else None; a
     3-D stack [experts, rows, cols] as its [experts * rows, cols] matrix (each row's blocks are its own).
 
@@ -99,14 +109,14 @@ def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes |
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
     raw = raw.reshape(rows, -1)
     step = max(1, _CHUNK_VALUES // max(cols, 1))
-    first = _decode_rows(raw[:step], type_name, cols)
+    first = _decode_rows(raw[:step], type_name, cols, keep_blocks)
     if step >= rows:
         return first
     out = Codes(*(np.empty((rows, *getattr(first, f).shape[1:]), dtype=getattr(first, f).dtype)
                   for f in ("data", "scale", "minimum")), first.config)
 
     def decode(start: int) -> None:  # numpy's array operations release the GIL: chunks run side by side
-        part = first if start == 0 else _decode_rows(raw[start:start + step], type_name, cols)
+        part = first if start == 0 else _decode_rows(raw[start:start + step], type_name, cols, keep_blocks)
         for f in ("data", "scale", "minimum"):
             getattr(out, f)[start:start + step] = getattr(part, f)
 
@@ -114,14 +124,16 @@ def to_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Codes |
     return out
 
 
-def _decode_rows(raw: np.ndarray, type_name: str, cols: int) -> Codes:
+def _decode_rows(raw: np.ndarray, type_name: str, cols: int, keep_blocks: bool = True) -> Codes:
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, _BLOCK_BYTES[type_name])
     # per block: 4-bit: nibble runs [n, runs, width], 8-bit: codes [n, values]; [n, groups per block] x 2
     codes, scale, minimum, config = _DECODERS[type_name](blocks)
-    if config.group_halves:  # the blocks' code bytes as they are
+    if config.group_halves and keep_blocks:  # the blocks' code bytes as they are
         data = codes.reshape(rows, -1)
     elif config.bits == 4:
+        if config.group_halves:  # Q4_0/Q4_1 repacked: each block's 16 bytes are one nibble run
+            codes, config = codes.reshape(-1, 1, 16), replace(config, group_halves=False)
         runs = codes.reshape(rows, -1, codes.shape[-1])
         data = _pack_runs(runs)
         if data is None:

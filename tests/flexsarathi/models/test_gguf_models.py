@@ -282,7 +282,7 @@ def test_expert_codes_stored_as_they_are(written_model, tmp_path):
     from flexsarathi.models.moe import DOWN, GATE_UP
 
     path, ref = written_model("qwen2_moe", "Q4_0")
-    quant = QuantConfig(bits=4, group_size=32, group_halves=True)  # Q4_0's bytes
+    quant = QuantConfig(bits=4, group_size=32)  # no disk tier: Q4_0 repacked into split halves of each row
     llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT,
               policy=Policy(compress_weight=True), weight_quant=quant,
               offload_dir=str(tmp_path))
@@ -428,6 +428,8 @@ def test_q4_0_weights_on_disk_are_read_from_the_file_itself(tmp_path):
                  offload_dir=str(tmp_path / offload)) as llm:
             store = llm.engine.weights.store
             key = None if store is None else (store.folder, store.key)
+            # Q4_0 kept as the blocks' bytes where a disk tier links them, else repacked (faster kernel layout)
+            assert llm.engine.source.quantized_formats()["qkv_proj.weight"].group_halves == (store is not None)
             if store is not None:  # what the free-space check asks for: exactly what is written
                 written = sum(store.entry(n).nbytes for n in store.names() if not store.entry(n).linked)
                 assert llm.engine.weights.placed.store_bytes == written
