@@ -322,7 +322,7 @@ class DiskStore:
         self._read_whole(name, entry, torch.from_numpy(aligned_bytes(entry.nbytes))).result()
 
     def _checksum_matches(self, entry: TensorEntry) -> bool:
-        buffer = aligned_bytes(self.chunk_bytes)
+        buffer = aligned_bytes(min(self.chunk_bytes, align_up(max(entry.nbytes, 1))))  # no chunk is longer
         crc = 0
         for file, offset, _, length in self._chunks(entry, 0, entry.nbytes):
             piece = buffer[:length]

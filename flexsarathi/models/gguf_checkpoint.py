@@ -38,9 +38,9 @@ from flexsarathi.models.worker_pools import worker_pool
 from offload.linked_blocks import BLOCK_FORMATS, LinkedPart, LinkedWeight, split_blocks
 from quant import QTensor
 
-ERROR_ROWS = 256
+ERROR_ROWS = 256  # rows of each first-layer K-quant tensor whose conversion error is measured
 _INF_BITS = 0x7C00  # fp16 magnitudes at or above: inf, NaN
-_MAX_EIGHTH_BITS = int(np.array(65504 / 8, dtype=np.float16).view(np.int16))  # |d| whose -8d fits fp16  # rows of each first-layer K-quant tensor whose conversion error is measured
+_MAX_EIGHTH_BITS = int(np.array(65504 / 8, dtype=np.float16).view(np.int16))  # |d| whose -8d fits fp16
 
 
 class GGUFCheckpoint(WeightSource):
