@@ -13,10 +13,13 @@
 Each layer's weights reach the compute device once per pass and serve every micro-batch. With
 `overlap=False` the same loop runs every load and store inline. The KV context is gathered before
 the micro-batch's new K/V exist; the pool turns context + new rows into the parts to attend
-(KVPool.parts_to_attend: compressed KV is its business), whose attentions merge exactly.
+(KVPool.parts_to_attend: compressed KV is its business), whose attentions merge exactly. Decode
+rows beside a compressed host pool gather nothing: the pool attends them from its codes
+(KVPool.attend_decode).
 
 The model is injected (offload/ never imports flexsarathi/): any object with `embed`, `qkv`,
-`attend`, `merge_attention`, `post_attention` and `logits` as in flexsarathi.models.base.
+`attend`, `merge_attention`, `post_attention` and `logits` as in flexsarathi.models.base (and its
+`scale` and `config.sliding_window`, which attention read from the pool's codes takes).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from offload.weights import LayerWeightStore
 from quant.cpu_int8_matmul import cpu_matmul_mode
 
 CPU = torch.device("cpu")
+IN_POOL = "in pool"  # a part's context, not gathered: the pool attends it (KVPool.attend_decode)
 
 
 class PassExecutor:
@@ -118,7 +122,7 @@ class PassExecutor:
             used_on([hidden, *(t for parts in contexts for kv in parts if kv is not None for t in kv)], compute)
             if k + 1 < len(batches):
                 loading = self._submit(self._load, start, layer, batches[k + 1], k + 1, threaded=threaded[k + 1])
-            hidden, new_k, new_v = self._compute(w, mb, hidden, contexts)
+            hidden, new_k, new_v = self._compute(layer, w, mb, hidden, contexts)
             if threaded[k]:
                 used_on([hidden, new_k, new_v], self._io_stream.stream)
             storing.append(self._submit(self._store, record_event(self.device), layer, mb, k, hidden, new_k, new_v,
@@ -141,17 +145,21 @@ class PassExecutor:
     @torch.inference_mode()
     def _load(self, layer: int, mb: MicroBatch, k: int):
         hidden = self.acts.take(k)
-        contexts = [[None if self._reads_new_rows(part) else
-                     self.kv_pools[part.tier].gather_part(layer, part, self.attention_device(part.tier, group))
-                     for part in group.parts] for group in mb.groups]
+        contexts = [[self._context(layer, group, part) for part in group.parts] for group in mb.groups]
         return hidden, contexts
+
+    def _context(self, layer: int, group: AttentionGroup, part):
+        device, pool = self.attention_device(part.tier, group), self.kv_pools[part.tier]
+        if self._reads_new_rows(part):
+            return None
+        return IN_POOL if pool.attends_in_pool(group, part, device) else pool.gather_part(layer, part, device)
 
     def _reads_new_rows(self, part) -> bool:
         """The part's whole context is this pass's own new K/V: the pool attends those rows
         directly, no gather from the pool, no patching."""
         return part.new_rows is not None
 
-    def _compute(self, w, mb: MicroBatch, hidden: torch.Tensor, contexts):
+    def _compute(self, layer: int, w, mb: MicroBatch, hidden: torch.Tensor, contexts):
         q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
         attn = torch.empty_like(q)
         for group, group_contexts in zip(mb.groups, contexts):
@@ -160,24 +168,39 @@ class PassExecutor:
             q_group = q[rows].unflatten(0, (group.num_seqs, group.num_queries))
             q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
             k_rows, v_rows = k[rows], v[rows]
-            outs = [self._attend(q_on, group, part, keys, values, key_rule)
-                    for part, context in zip(group.parts, group_contexts)
-                    for keys, values, key_rule in
-                    self.kv_pools[part.tier].parts_to_attend(group, part, context, k_rows, v_rows)]
+            outs = [out for part, context in zip(group.parts, group_contexts)
+                    for out in self._attend_part(layer, q_on, group, part, context, k_rows, v_rows)]
             merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
             attn[rows] = merged.flatten(0, 1)
         return self.model.post_attention(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
+
+    def _attend_part(self, layer: int, q_on: dict, group: AttentionGroup, part, context, k_rows, v_rows):
+        """(out, lse) pairs of the group's queries against one part's keys, on the compute device."""
+        pool = self.kv_pools[part.tier]
+        if context is IN_POOL:
+            q = self._q_on(q_on, CPU)
+            out, lse = pool.attend_decode(layer, group, part, q, k_rows, v_rows, self.model.scale,
+                                          self.model.config.sliding_window)
+            return [(to_device(out, self.device), to_device(lse, self.device))]
+        return [self._attend(q_on, group, part, keys, values, key_rule)
+                for keys, values, key_rule in pool.parts_to_attend(group, part, context, k_rows, v_rows)]
+
+    @staticmethod
+    def _q_on(q_on: dict, dev: torch.device) -> torch.Tensor:
+        """The group's q on `dev`, copied there once per group (q_on caches it)."""
+        if dev not in q_on:
+            q = next(iter(q_on.values()))  # the compute device's q
+            q_on[dev] = to_host(q) if dev.type == "cpu" else q.to(dev, non_blocking=True)  # no stream sync
+        return q_on[dev]
 
     def _attend(self, q_on: dict, group: AttentionGroup, part, keys, values, key_rule):
         """Attention where the keys are (the CPU for delegated decodes); out [B, n, heads, d] and
         lse [B, n, heads] come back to the compute device for merging. On the CPU the positions
         and lengths are the batch builder's host tensors: only q crosses, once per group."""
         dev = keys.device
-        if dev not in q_on:
-            q = next(iter(q_on.values()))  # the compute device's q
-            q_on[dev] = to_host(q) if dev.type == "cpu" else q.to(dev, non_blocking=True)  # no stream sync
+        q = self._q_on(q_on, dev)
         meta_group, meta_part = (host_of(group), host_of(part)) if dev.type == "cpu" else (group, part)
-        out, lse = self.model.attend(q_on[dev], keys, values, meta_group.q_pos, meta_part.kv_len,
+        out, lse = self.model.attend(q, keys, values, meta_group.q_pos, meta_part.kv_len,
                                     meta_part.kv_start, key_rule)
         return to_device(out, self.device), to_device(lse, self.device)
 

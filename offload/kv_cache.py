@@ -31,7 +31,7 @@ from offload.micro_batch import AttentionGroup, KVPart, host_of
 from offload.host_buffer import RecycledBuffers, tier_zeros
 from offload.streams import to_device, to_host
 from policy_search.quant_format import KV_FORMAT
-from quant import QTensor, QuantConfig, cpu_kv_dequant, dequantize, quantize
+from quant import QTensor, QuantConfig, cpu_kv_attention, cpu_kv_dequant, dequantize, quantize
 
 
 # (block_size, "before" | "same"): attend only keys in blocks before each query's own block, or in
@@ -284,6 +284,40 @@ class KVPool:
             rows = to_device(residual_ids, self.device)[to_device(seq, self.device)]
             open_keys = self.k_residual[layer][rows, to_device(pos % self.block_size, self.device)]
             k[to_device(seq, device), to_device(pos, device)] = to_device(open_keys, device)
+
+    # ---- decode attention read from the codes -------------------------------------------------
+    def attends_in_pool(self, group: AttentionGroup, part: KVPart, device: torch.device) -> bool:
+        """Whether the group's decode rows attend this part straight from the pool's 4-bit codes
+        (attend_decode: no gathered fp32 context, quant/cpu_kv_attention.py)."""
+        return (self.compression is not None and group.is_decode and device.type == "cpu"
+                and self.device.type == "cpu" and part.new_rows is None
+                and cpu_kv_attention.covers(self.k_config, self.v_config, self.head_dim, self.dtype))
+
+    def attend_decode(self, layer: int, group: AttentionGroup, part: KVPart, q: torch.Tensor, new_k: torch.Tensor,
+                      new_v: torch.Tensor, scale: float, sliding_window: int | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention.attend gives over the context gather_part + parts_to_attend build (earlier
+        blocks as quantized, the open block in full precision, the pass's new row with V as it will
+        read back), computed from the codes. q [B, 1, heads, d] on the CPU; new_k, new_v: the
+        group's new rows [B, kv_heads, d] on any device. out [B, 1, heads, d] in q's dtype, lse
+        [B, 1, heads] fp32."""
+        at, bs = host_of(part), self.block_size  # host tensors: the batch builder's, no sync
+        q_pos = host_of(group).q_pos[:, 0]
+        hi = torch.minimum(at.kv_len, q_pos - at.kv_start + 1)
+        lo = (q_pos - at.kv_start - sliding_window + 1).clamp_min(0) if sliding_window else torch.zeros_like(hi)
+        batch = q.shape[0]
+        k_new = torch.zeros(batch, self.kv_heads, self.head_dim, dtype=torch.float32)
+        v_new, new_pos = torch.zeros_like(k_new), torch.full((batch,), -1, dtype=torch.long)
+        if part.patch_src.numel():  # one new row per decoding sequence, patched over its slot
+            src = part.patch_src
+            k_new[at.patch_seq] = to_host(new_k[src]).float()
+            v_new[at.patch_seq] = to_host(self.round_trip_v(new_v[src])).float()
+            new_pos[at.patch_seq] = at.patch_pos
+        out, lse = cpu_kv_attention.decode_attention(
+            {n: t[layer] for n, t in self.k_codes.items()}, at.kv_slots[:, ::bs] // bs, at.complete_len,
+            self.k_residual[layer], at.residual_ids, {n: t[layer] for n, t in self.v_codes.items()}, at.kv_slots,
+            self.v_config.group_size, q[:, 0], (lo, hi), (k_new, v_new, new_pos), scale)
+        return out.to(q.dtype).unsqueeze(1), lse.unsqueeze(1)
 
     # ---- what a group's queries attend ---------------------------------------------------------
     def gather_part(self, layer: int, part: KVPart, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

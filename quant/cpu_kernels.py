@@ -23,6 +23,7 @@ CSRC = Path(__file__).parent / "csrc"
 # AVX2 code; -ffp-contract=off: the stated fp32 arithmetic, with no fused multiply-adds the tests'
 # torch references would not have.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+LIBS = ("-lm",)  # after the source: expf / logf of the attention kernel
 
 _pool_lock = threading.Lock()
 _pools: dict[int, object] = {}
@@ -39,7 +40,7 @@ def build(source: Path) -> Path:
     if not compiler:
         raise RuntimeError(f"no C compiler (cc, gcc or $CC) to build {source.name} with")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
     folder = Path(os.environ.get("FLEXSARATHI_KERNEL_CACHE")
                   or Path.home() / ".cache" / "flexsarathi" / "kernels")
     target = folder / f"{source.stem}-{key}.so"
@@ -49,7 +50,7 @@ def build(source: Path) -> Path:
     fd, temporary = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        built = subprocess.run([compiler, *FLAGS, "-o", temporary, str(source)], capture_output=True, text=True)
+        built = subprocess.run([compiler, *FLAGS, "-o", temporary, str(source), *LIBS], capture_output=True, text=True)
         if built.returncode != 0:
             raise RuntimeError(f"building {source.name} with {compiler} failed: {built.stderr.strip()[-2000:]}")
         os.replace(temporary, target)

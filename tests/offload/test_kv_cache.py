@@ -146,3 +146,37 @@ def test_compressed_gather_on_the_cpu_equals_torchs_route_and_never_overwrites_a
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert all(torch.equal(a, b) for a, b in zip(held, snapshot))
     assert torch.equal(held[0], slow[1][0])
+
+
+@pytest.mark.parametrize("lengths,window", [([11, 4, 7], None), ([1, 12, 8], None), ([11, 4, 7], 5)])
+def test_decode_attention_from_the_codes_equals_gather_then_attend(lengths, window):
+    """KVPool.attend_decode (quant/cpu_kv_attention.py) against the route it replaces: gather_part,
+    parts_to_attend (the new row patched in, V as it will read back) and attention.attend, on a pool
+    filled through store; a sliding window hides the oldest keys."""
+    from flexsarathi.models import attention  # noqa: PLC0415
+    from offload.micro_batch import AttentionGroup, KVPart  # noqa: PLC0415
+
+    pool = _pool(KVCompression(bits=4, block_size=BS, value_group=8))
+    gen = torch.Generator().manual_seed(sum(lengths) + (window or 0))
+    table = torch.randperm(12, generator=gen).view(3, 4)
+    slots = (table[:, :, None] * BS + torch.arange(BS)).flatten(1)  # [3, 16]
+    for row, length in enumerate(lengths):
+        for p in range(length):
+            kv = torch.randn(2, 1, HEADS, DIM, generator=gen) * 4
+            pool.store(1, slots[row, p:p + 1], kv[0], kv[1], torch.tensor([row]))
+    kv_len = torch.tensor(lengths) + 1  # the decode's new row at position lengths[b]
+    width = int(kv_len.max())
+    part = KVPart("cpu", slots[:, :width], torch.zeros(3, dtype=torch.long), kv_len, torch.arange(3), torch.arange(3),
+                  torch.tensor(lengths), torch.arange(3), torch.tensor([n // BS * BS for n in lengths]))
+    group = AttentionGroup(torch.arange(3), 1, torch.tensor(lengths)[:, None], [part])
+    assert pool.attends_in_pool(group, part, torch.device("cpu"))
+    q = torch.randn(3, 1, 2 * HEADS, DIM, generator=gen)  # GQA: two query heads per KV head
+    new_k, new_v = torch.randn(3, HEADS, DIM, generator=gen), torch.randn(3, HEADS, DIM, generator=gen)
+    scale = DIM ** -0.5
+    out, lse = pool.attend_decode(1, group, part, q, new_k, new_v, scale, window)
+    context = pool.gather_part(1, part, torch.device("cpu"))
+    [(k, v, rule)] = pool.parts_to_attend(group, part, context, new_k, new_v)
+    want_out, want_lse = attention.attend(q, k, v, group.q_pos, kv_len, scale, window, 0, rule)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)

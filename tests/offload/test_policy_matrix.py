@@ -213,3 +213,23 @@ def test_searched_policy_passes_the_engines_largest_pass_check(references, tmp_p
     if not (policy.compress_weight or policy.compress_kv):
         reference = LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=policy.max_running), offload_dir=str(tmp_path / "ref"))
         assert outputs == [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("model", ["llama_deep", "stories260K"])
+def test_decode_attention_from_the_codes_gives_the_gather_routes_tokens(references, model, tmp_path, monkeypatch):
+    """4-bit KV beside CPU attention: decode rows attended from the pool's codes
+    (KVPool.attend_decode) give the greedy tokens of gathering the context, then attending it."""
+    from offload.kv_cache import KVPool  # noqa: PLC0415
+
+    folder, prompts, _, _, _ = references(model, True)
+    policy = Policy(**{**BASE, **CASES["kv_cpu_cpu_attention"], "compress_kv": True})
+    calls = []
+    attend_decode = KVPool.attend_decode
+    monkeypatch.setattr(KVPool, "attend_decode", lambda self, *a: calls.append(1) or attend_decode(self, *a))
+    from_codes, logits, _ = _run(folder, policy, prompts, tmp_path / "codes")
+    assert calls, "no decode row was attended from the codes"
+    monkeypatch.setattr(KVPool, "attends_in_pool", lambda self, *a: False)
+    gathered, gathered_logits, _ = _run(folder, policy, prompts, tmp_path / "gathered")
+    assert from_codes == gathered
+    for got, ref in zip(logits, gathered_logits):  # prompt logits: no decode row in them
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

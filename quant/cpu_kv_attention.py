@@ -1,0 +1,110 @@
+"""Decode attention read straight from a compressed paged KV cache on the CPU (quant/csrc/kv_attention.c).
+
+Why: CPU attention at decode reads every cached key and value of every layer on every step. With a
+4-bit cache the gather route (quant/cpu_kv_dequant.py) first writes the whole context out as fp32
+(70 MB per layer for llama-2-7b's 32 sequences x 144 tokens), then the attention kernel streams it
+again: ~50 ms per layer and decode step on 2 cores, a fifth of the generation phase beyond RAM
+(docs/BENCHMARKS.md, "llama.cpp side by side"). This kernel scores the keys from their codes
+(q . k = sum_c (q_c * scale_c) * code_c + sum_c q_c * minimum_c per K line) and adds the values
+from theirs, reading each code once and writing nothing but the output.
+
+What it computes is `flexsarathi.models.attention.attend` over the context the gather route builds
+(quantized blocks, the open block's full-precision keys, the pass's new row patched in), for one
+query row per sequence: the same softmax in another order of fp32 operations, so equal to it
+within fp32 rounding (tests/quant/test_cpu_kv_attention.py holds it to 1e-5 relative to the
+output's scale) and with the same greedy tokens end to end (tests/offload/test_kv_cache.py).
+
+Covered: the layouts KVCompression stores (4 bits, asymmetric, fp16 scale and minimum, split halves
+per line; V groups that tile the head exactly) with fp32 queries and residual keys, on a CPU with
+AVX2 and a C compiler. Elsewhere `covers` is False and the pool keeps the gather route.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from quant.config import QuantConfig
+from quant.cpu_kernels import CSRC, load, split
+
+SOURCE = CSRC / "kv_attention.c"
+CHUNKS_PER_THREAD = 4  # sequences are taken in turn: a core slowed by other work takes fewer
+
+
+def covers(k_config: QuantConfig, v_config: QuantConfig, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether this kernel attends a pool stored with these configs (else: gather, then attend)."""
+    def four_bit(c: QuantConfig) -> bool:
+        return c.bits == 4 and not c.symmetric and not c.minimum_fp32 and c.line_halves
+
+    return (dtype == torch.float32 and four_bit(k_config) and four_bit(v_config) and k_config.group_size % 2 == 0
+            and head_dim % 2 == 0 and head_dim % v_config.group_size == 0 and available())
+
+
+def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, complete_len: torch.Tensor,
+                     k_open: torch.Tensor, residual_ids: torch.Tensor, v_codes: dict[str, torch.Tensor],
+                     slots: torch.Tensor, value_group: int, q: torch.Tensor, visible: tuple[torch.Tensor, torch.Tensor],
+                     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer, B sequences with one query row each (H KV heads of d channels, block size bs).
+
+    k_codes: K tables (data [num_blocks, H * d * bs / 2] uint8, scale and minimum [num_blocks, H * d]
+    fp16); blocks [B, nb] the sequences' block ids (position j in block j // bs); complete_len [B]:
+    positions before it read quantized blocks, later ones k_open [R, bs, H, d] fp32 at row
+    residual_ids[b], token j % bs. v_codes: V tables (data [num_slots, H * d / 2], scale and minimum
+    [num_slots, H * d / value_group]); slots [B, L]. q [B, heads, d] fp32. visible: (lo, hi) [B],
+    the keys [lo, hi) each query sees. new: (k [B, H, d], v [B, H, d], position [B], -1 for none),
+    the pass's own row, read instead of the pool there.
+    Returns out [B, heads, d] fp32 and lse [B, heads] (natural log; -inf, out 0 where nothing is visible)."""
+    lib = _lib()
+    kd, ks, km = (_contiguous(k_codes[n]) for n in ("data", "scale", "minimum"))
+    vd, vs, vm = (_contiguous(v_codes[n]) for n in ("data", "scale", "minimum"))
+    batch, heads, dim = q.shape
+    kv_heads, bs = k_open.shape[2], k_open.shape[1]
+    q, k_open = q.float().contiguous(), _contiguous(k_open)
+    k_new, v_new, new_pos = (_contiguous(t) for t in new)
+    ints = [t.to(torch.int64).contiguous() for t in (blocks, complete_len, residual_ids, slots, *visible, new_pos)]
+    blocks, complete_len, residual_ids, slots, lo, hi, new_pos = ints
+    out = torch.empty(batch, heads, dim, dtype=torch.float32)
+    lse = torch.empty(batch, heads, dtype=torch.float32)
+
+    def run(b0: int, b1: int) -> None:
+        scratch = torch.empty(dim + bs + heads * (slots.shape[1] + dim), dtype=torch.float32)
+        lib.fs_kv_decode_attention(kd.data_ptr(), ks.data_ptr(), km.data_ptr(), blocks.data_ptr(), blocks.shape[1],
+                                   k_open.data_ptr(), residual_ids.data_ptr(), vd.data_ptr(), vs.data_ptr(),
+                                   vm.data_ptr(), slots.data_ptr(), slots.shape[1], lo.data_ptr(), hi.data_ptr(),
+                                   complete_len.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), new_pos.data_ptr(),
+                                   q.data_ptr(), heads, kv_heads, dim, bs, value_group, scale, b0, b1,
+                                   out.data_ptr(), lse.data_ptr(), scratch.data_ptr())
+
+    split(run, batch, torch.get_num_threads(), 1, CHUNKS_PER_THREAD)
+    return out, lse
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("cpu_kv_attention: every table and input must be a contiguous CPU tensor")
+    return t
+
+
+def _lib() -> ctypes.CDLL:
+    lib, reason = _loaded()
+    if lib is None:
+        raise RuntimeError(f"cpu_kv_attention: the kernel is not available here: {reason}")
+    return lib
+
+
+def available() -> bool:
+    return _loaded()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    """None where the kernel is built and loaded; else why not (no AVX2, no compiler, the build's error)."""
+    return _loaded()[1]
+
+
+@functools.cache
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    return load(SOURCE, {"fs_kv_decode_attention": [p, p, p, p, i, p, p, p, p, p, p, i, p, p, p, p, p, p, p,
+                                                    i, i, i, i, i, f, i, i, p, p, p]})

@@ -1,0 +1,146 @@
+/* Decode attention straight from a compressed paged KV cache (offload/kv_cache.py), for CPU
+ * attention at decode: one query row per sequence against its cached keys and values, read as
+ * 4-bit codes and never written out as fp32. The gather-then-attend route dequantizes every
+ * layer's whole context into fp32 buffers (70 MB per layer for llama-2-7b's 32 sequences x 144
+ * tokens) and streams them again through the attention kernel: ~50 ms per layer and step on 2
+ * cores; this reads each code once. Built and loaded by quant/cpu_kv_attention.py, which states the
+ * layouts it covers and the arithmetic it is held to.
+ *
+ * Layouts (what KVPool stores; quant/packing.py's split halves per line):
+ *   K: block `blk` holds W = H * d lines (channel w = h * d + c) of bs codes, bs / 2 bytes each:
+ *      byte t holds token t (low nibble) and token t + bs / 2 (high); fp16 scale and minimum per
+ *      line. The block being filled lives in full precision in `kres` [R, bs, H, d].
+ *   V: slot s holds H lines of d codes (d / 2 bytes: byte i holds value i low, i + d / 2 high),
+ *      groups of G values along the line, fp16 scale and minimum per group.
+ *
+ * Arithmetic: a key's value is code * scale + minimum, so q . k = sum_c (q_c * scale_c) * code_c +
+ * sum_c q_c * minimum_c, summed in fp32 in that order; p_j = exp(s_j - max) with s_j = scale * q . k_j;
+ * out = sum_j p_j * v_j / sum_j p_j, and V's affine is applied the same way (the minimums' term
+ * once per group). Another order of fp32 operations than dequantize-then-attend: the Python side
+ * states the tolerance the tests hold it to.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+static inline float half_to_float(uint16_t h) {
+    /* F16C's scalar conversion (the kernels are built with -mf16c) */
+    return _cvtsh_ss(h);
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Scores of tokens [t0, t1) of one K block for the query q (one head h): s[t - t0] = q . k_t.
+ * qs: scratch of d floats, acc: scratch of bs floats. */
+static void block_scores(const uint8_t *kd, const uint16_t *ks, const uint16_t *km, int64_t blk, int64_t h,
+                         int64_t H, int64_t d, int64_t bs, const float *q, int64_t t0, int64_t t1, float *qs,
+                         float *acc, float *s) {
+    const int64_t W = H * d, line = bs / 2;
+    const uint8_t *codes = kd + (blk * W + h * d) * line;
+    const uint16_t *scale = ks + blk * W + h * d, *minimum = km + blk * W + h * d;
+    float offset = 0.f;
+    for (int64_t c = 0; c < d; c++) {
+        qs[c] = q[c] * half_to_float(scale[c]);
+        offset += q[c] * half_to_float(minimum[c]);
+    }
+    for (int64_t t = 0; t < bs; t++) acc[t] = 0.f;
+    float *lo = acc, *hi = acc + line;
+    for (int64_t c = 0; c < d; c++) { /* contiguous in t: the compiler vectorizes these two */
+        const uint8_t *row = codes + c * line;
+        const float w = qs[c];
+        for (int64_t t = 0; t < line; t++) lo[t] += w * (float)(row[t] & 15);
+        for (int64_t t = 0; t < line; t++) hi[t] += w * (float)(row[t] >> 4);
+    }
+    for (int64_t t = t0; t < t1; t++) s[t - t0] = acc[t] + offset;
+}
+
+/* acc[0, d) += p * v, v the value of head h at `slot`. */
+static void add_value(const uint8_t *vd, const uint16_t *vs, const uint16_t *vm, int64_t slot, int64_t h, int64_t H,
+                      int64_t d, int64_t G, float p, float *acc) {
+    const int64_t half = d / 2, groups = d / G;
+    const uint8_t *codes = vd + (slot * H + h) * half;
+    const uint16_t *scale = vs + (slot * H + h) * groups, *minimum = vm + (slot * H + h) * groups;
+    for (int64_t g = 0; g < groups; g++) {
+        const float s = p * half_to_float(scale[g]), m = p * half_to_float(minimum[g]);
+        const int64_t start = g * G, stop = start + G;
+        const int64_t mid = stop < half ? stop : (start > half ? start : half);
+        for (int64_t i = start; i < mid; i++) acc[i] += s * (float)(codes[i] & 15) + m;
+        for (int64_t i = mid; i < stop; i++) acc[i] += s * (float)(codes[i - half] >> 4) + m;
+    }
+}
+
+/* Scores of query head qh (KV head h) over keys [j0, j1) of sequence b, scaled, into s[0, j1 - j0);
+ * returns their maximum. qs: d floats, kacc: bs floats of scratch. */
+static float head_scores(const uint8_t *kd, const uint16_t *ks, const uint16_t *km, const int64_t *blocks,
+                         const float *open, int64_t j0, int64_t j1, int64_t done, const float *knew,
+                         int64_t newpos, const float *qv, int64_t h, int64_t H, int64_t d, int64_t bs,
+                         float scale, float *qs, float *kacc, float *s) {
+    for (int64_t j = j0; j < done;) { /* quantized blocks, a block's tokens at a time */
+        const int64_t t0 = j % bs, t1 = (done - j + t0) < bs ? done - j + t0 : bs;
+        block_scores(kd, ks, km, blocks[j / bs], h, H, d, bs, qv, t0, t1, qs, kacc, s + (j - j0));
+        j += t1 - t0;
+    }
+    for (int64_t j = done > j0 ? done : j0; j < j1; j++) s[j - j0] = dot(qv, open + (j % bs) * H * d + h * d, d);
+    if (newpos >= j0 && newpos < j1) s[newpos - j0] = dot(qv, knew + h * d, d);
+    float top = -INFINITY;
+    for (int64_t j = 0; j < j1 - j0; j++) {
+        s[j] *= scale;
+        top = s[j] > top ? s[j] : top;
+    }
+    return top;
+}
+
+/* Sequences b in [b0, b1), every query head. Per sequence: blocks[b, :nb] its K blocks, slots[b, :L]
+ * its V slots, keys [lo[b], hi[b]) visible, the first complete[b] from K blocks and the rest from
+ * residual row res_ids[b], except newpos[b] (-1: none), which reads knew / vnew [B, H, d].
+ * q, out [B, heads, d], lse [B, heads] (natural log; -inf and out 0 where no key is visible).
+ * scratch: d + bs + heads * (L + d) floats. All heads' probabilities come first, so that V is read
+ * slot by slot, each slot's heads in one contiguous run (head by head, the strided reads missed
+ * the cache: 57% of the kernel's time). */
+void fs_kv_decode_attention(const uint8_t *kd, const uint16_t *ks, const uint16_t *km, const int64_t *blocks,
+                            int64_t nb, const float *kres, const int64_t *res_ids, const uint8_t *vd,
+                            const uint16_t *vs, const uint16_t *vm, const int64_t *slots, int64_t L,
+                            const int64_t *lo, const int64_t *hi, const int64_t *complete, const float *knew,
+                            const float *vnew, const int64_t *newpos, const float *q, int64_t heads, int64_t H,
+                            int64_t d, int64_t bs, int64_t G, float scale, int64_t b0, int64_t b1, float *out,
+                            float *lse, float *scratch) {
+    float *qs = scratch, *kacc = scratch + d, *probs = scratch + d + bs, *acc = probs + heads * L;
+    const int64_t group = heads / H;
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t j0 = lo[b], j1 = hi[b], n = j1 - j0, done = complete[b] < j1 ? complete[b] : j1;
+        if (n <= 0) {
+            for (int64_t c = 0; c < heads * d; c++) out[b * heads * d + c] = 0.f;
+            for (int64_t qh = 0; qh < heads; qh++) lse[b * heads + qh] = -INFINITY;
+            continue;
+        }
+        const float *open = kres + res_ids[b] * bs * H * d;
+        for (int64_t qh = 0; qh < heads; qh++) {
+            float *s = probs + qh * L;
+            const float top = head_scores(kd, ks, km, blocks + b * nb, open, j0, j1, done, knew + b * H * d,
+                                          newpos[b], q + (b * heads + qh) * d, qh / group, H, d, bs, scale, qs,
+                                          kacc, s);
+            float total = 0.f;
+            for (int64_t j = 0; j < n; j++) total += (s[j] = expf(s[j] - top));
+            const float inv = 1.f / total;
+            for (int64_t j = 0; j < n; j++) s[j] *= inv;
+            lse[b * heads + qh] = top + logf(total);
+        }
+        for (int64_t c = 0; c < heads * d; c++) acc[c] = 0.f;
+        for (int64_t j = j0; j < j1; j++) {
+            for (int64_t qh = 0; qh < heads; qh++) {
+                const float p = probs[qh * L + j - j0];
+                if (j == newpos[b]) {
+                    const float *v = vnew + (b * H + qh / group) * d;
+                    for (int64_t c = 0; c < d; c++) acc[qh * d + c] += p * v[c];
+                } else {
+                    add_value(vd, vs, vm, slots[b * L + j], qh / group, H, d, G, p, acc + qh * d);
+                }
+            }
+        }
+        for (int64_t c = 0; c < heads * d; c++) out[b * heads * d + c] = acc[c];
+    }
+}
