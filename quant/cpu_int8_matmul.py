@@ -24,8 +24,8 @@ at most `sum_k |w - zero| * step / 2` (`error_bound`), plus fp32 rounding. (Cent
 uncentred sum weighs x's rounding by |w - minimum|, about 3x more for a weight's usual groups.) A NaN or an
 infinity in x makes its outputs NaN, never finite.
 
-The kernel is C, compiled once per machine and loaded with ctypes by quant/cpu_kernels.py (calls
-release the GIL: the output rows are split over threads).
+The kernel is C, compiled once per machine and loaded with ctypes by quant/cpu_kernels.py; a call
+releases the GIL and splits the output rows over torch's own OpenMP threads.
 Where there is no compiler, no AVX2, or the build fails, `unavailable_reason()` says why and the
 engine keeps the dequantizing path ("auto") or refuses ("int8"): flexsarathi/engine/llm_engine.py.
 """
@@ -38,7 +38,7 @@ import threading
 
 import torch
 
-from quant.cpu_kernels import CSRC, load, split
+from quant.cpu_kernels import CSRC, load
 from quant.qtensor import QTensor
 
 SOURCE = CSRC / "q4_int8_gemm.c"
@@ -50,7 +50,7 @@ RUN_MODES = MODES[1:]  # what a pass runs: "auto" resolved (flexsarathi/engine/l
 # dequantize + F.linear; 128 rows: 297 against 282.
 INT8X2_MAX_ROWS = 64
 ROW_ALIGN = 8  # output rows per thread's share are a multiple of it (cache lines of y)
-# Output-row ranges per thread, taken in turn (quant/cpu_kernels.split): a core that other work
+# Output-row ranges per thread, taken in turn (OpenMP's dynamic schedule): a core that other work
 # slows (the engine's disk reads, a shared machine's neighbours) takes fewer.
 GEMM_CHUNKS_PER_THREAD = 4
 
@@ -135,23 +135,24 @@ def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = N
         sums = torch.empty(planes * m, k // group, dtype=torch.float32)
         rounded_sums = torch.empty(planes * m, k // group, dtype=torch.float32)
 
-        def quantize_rows(r0: int, r1: int) -> None:
-            fine = [t[m + r0].data_ptr() for t in (xq, steps, sums, rounded_sums)] if planes == 2 else [None] * 4
-            lib.fs_quantize_x(flat[r0].data_ptr(), r1 - r0, k, k, group, block, pairs, xq[r0].data_ptr(),
-                              steps[r0].data_ptr(), sums[r0].data_ptr(), rounded_sums[r0].data_ptr(), *fine)
-
-        def gemm(c0: int, c1: int) -> None:
-            lib.fs_q4_gemm(xq.data_ptr(), steps.data_ptr(), sums.data_ptr(), rounded_sums.data_ptr(), planes * m, k,
-                           group, block, qweight.data.data_ptr(), qweight.scale.data_ptr(),
-                           qweight.minimum.data_ptr(), int(qweight.config.minimum_fp32), pairs, c0, c1, y.data_ptr(), n)
-
         threads = max(1, torch.get_num_threads())
-        split(quantize_rows, m, min(threads, m), 1)
-        split(gemm, n, threads, ROW_ALIGN, GEMM_CHUNKS_PER_THREAD)
+        fine = [t[m].data_ptr() for t in (xq, steps, sums, rounded_sums)] if planes == 2 else [None] * 4
+        lib.fs_quantize_x_all(flat.data_ptr(), m, k, k, group, block, pairs, xq.data_ptr(), steps.data_ptr(),
+                              sums.data_ptr(), rounded_sums.data_ptr(), *fine, threads)
+        lib.fs_q4_gemm_all(xq.data_ptr(), steps.data_ptr(), sums.data_ptr(), rounded_sums.data_ptr(), planes * m, k,
+                           group, block, qweight.data.data_ptr(), qweight.scale.data_ptr(), qweight.minimum.data_ptr(),
+                           int(qweight.config.minimum_fp32), pairs, n, gemm_step(n, threads), y.data_ptr(), n, threads)
     out = y[:m] + y[m:] if planes == 2 else y
     if bias is not None:
         out += bias
     return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def gemm_step(n: int, threads: int) -> int:
+    """Output rows per range the kernel's threads take in turn: GEMM_CHUNKS_PER_THREAD ranges per
+    thread, each a multiple of ROW_ALIGN."""
+    step = -(-n // (threads * GEMM_CHUNKS_PER_THREAD))
+    return -(-step // ROW_ALIGN) * ROW_ALIGN
 
 
 def error_bound(x: torch.Tensor, qweight: QTensor, planes: int = 1) -> torch.Tensor:
@@ -183,5 +184,5 @@ def unavailable_reason() -> str | None:
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the loaded kernel, None), or (None, why not): built and loaded once per process."""
     p, i, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return load(SOURCE, {"fs_quantize_x": [p, i, i, i, i, i, flag, p, p, p, p, p, p, p, p],
-                         "fs_q4_gemm": [p, p, p, p, i, i, i, i, p, p, p, flag, flag, i, i, p, i]})
+    return load(SOURCE, {"fs_quantize_x_all": [p, i, i, i, i, i, flag, p, p, p, p, p, p, p, p, flag],
+                         "fs_q4_gemm_all": [p, p, p, p, i, i, i, i, p, p, p, flag, flag, i, i, p, i, flag]})

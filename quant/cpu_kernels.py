@@ -22,7 +22,9 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 # AVX2 code; -ffp-contract=off: the stated fp32 arithmetic, with no fused multiply-adds the tests'
 # torch references would not have.
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+# -fopenmp: a kernel's threads are torch's own OpenMP workers (libgomp.so.1 resolves to the copy torch
+# loaded; quant/csrc/q4_int8_gemm.c says why that matters).
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 LIBS = ("-lm",)  # after the source: expf / logf of the attention kernel
 
 _pool_lock = threading.Lock()

@@ -26,10 +26,9 @@ import functools
 import torch
 
 from quant.config import QuantConfig
-from quant.cpu_kernels import CSRC, load, split
+from quant.cpu_kernels import CSRC, load
 
 SOURCE = CSRC / "kv_attention.c"
-CHUNKS_PER_THREAD = 4  # sequences are taken in turn: a core slowed by other work takes fewer
 
 
 def covers(k_config: QuantConfig, v_config: QuantConfig, head_dim: int, dtype: torch.dtype) -> bool:
@@ -68,16 +67,15 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
     lse = torch.empty(batch, heads, dtype=torch.float32)
 
-    def run(b0: int, b1: int) -> None:
-        scratch = torch.empty(dim + bs + heads * (slots.shape[1] + dim), dtype=torch.float32)
-        lib.fs_kv_decode_attention(kd.data_ptr(), ks.data_ptr(), km.data_ptr(), blocks.data_ptr(), blocks.shape[1],
+    threads = max(1, min(torch.get_num_threads(), batch))
+    per_thread = dim + bs + heads * (slots.shape[1] + dim)
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+    lib.fs_kv_decode_attention_all(kd.data_ptr(), ks.data_ptr(), km.data_ptr(), blocks.data_ptr(), blocks.shape[1],
                                    k_open.data_ptr(), residual_ids.data_ptr(), vd.data_ptr(), vs.data_ptr(),
                                    vm.data_ptr(), slots.data_ptr(), slots.shape[1], lo.data_ptr(), hi.data_ptr(),
                                    complete_len.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), new_pos.data_ptr(),
-                                   q.data_ptr(), heads, kv_heads, dim, bs, value_group, scale, b0, b1,
-                                   out.data_ptr(), lse.data_ptr(), scratch.data_ptr())
-
-    split(run, batch, torch.get_num_threads(), 1, CHUNKS_PER_THREAD)
+                                   q.data_ptr(), heads, kv_heads, dim, bs, value_group, scale, batch, out.data_ptr(),
+                                   lse.data_ptr(), scratch.data_ptr(), per_thread, threads)
     return out, lse
 
 
@@ -106,5 +104,5 @@ def unavailable_reason() -> str | None:
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    return load(SOURCE, {"fs_kv_decode_attention": [p, p, p, p, i, p, p, p, p, p, p, i, p, p, p, p, p, p, p,
-                                                    i, i, i, i, i, f, i, i, p, p, p]})
+    return load(SOURCE, {"fs_kv_decode_attention_all": [p, p, p, p, i, p, p, p, p, p, p, i, p, p, p, p, p, p, p,
+                                                        i, i, i, i, i, f, i, p, p, p, i, ctypes.c_int]})

@@ -21,6 +21,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 static inline float half_to_float(uint16_t h) {
@@ -142,5 +143,24 @@ void fs_kv_decode_attention(const uint8_t *kd, const uint16_t *ks, const uint16_
             }
         }
         for (int64_t c = 0; c < heads * d; c++) out[b * heads * d + c] = acc[c];
+    }
+}
+
+/* Every sequence [0, B), taken one at a time by `threads` threads of the caller's OpenMP team (torch's
+ * own workers: quant/csrc/q4_int8_gemm.c says why); scratch: `threads` blocks of `scratch_floats`. */
+void fs_kv_decode_attention_all(const uint8_t *kd, const uint16_t *ks, const uint16_t *km, const int64_t *blocks,
+                                int64_t nb, const float *kres, const int64_t *res_ids, const uint8_t *vd,
+                                const uint16_t *vs, const uint16_t *vm, const int64_t *slots, int64_t L,
+                                const int64_t *lo, const int64_t *hi, const int64_t *complete, const float *knew,
+                                const float *vnew, const int64_t *newpos, const float *q, int64_t heads, int64_t H,
+                                int64_t d, int64_t bs, int64_t G, float scale, int64_t B, float *out, float *lse,
+                                float *scratch, int64_t scratch_floats, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = scratch + (int64_t)omp_get_thread_num() * scratch_floats;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++)
+            fs_kv_decode_attention(kd, ks, km, blocks, nb, kres, res_ids, vd, vs, vm, slots, L, lo, hi, complete, knew,
+                                   vnew, newpos, q, heads, H, d, bs, G, scale, b, b + 1, out, lse, mine);
     }
 }

@@ -506,3 +506,40 @@ void fs_q4_gemm(const int8_t *xq, const float *xd, const float *xg, const float 
         }
     }
 }
+
+/* ---- the whole call on one OpenMP team ---------------------------------------------------------
+ * Built with -fopenmp, this file needs libgomp.so.1; in a process that imported torch the loader
+ * resolves that soname to the copy torch already loaded, so these loops run on torch's own worker
+ * threads. Splitting over Python threads instead (one ctypes call per range) cost the decode
+ * passes 30-45% of the kernel's isolated rate: torch's workers, spinning after every small torch
+ * op, took a core from the kernel's second thread, and each range's hand-off waited on the GIL
+ * behind the engine's other Python threads. */
+
+/* fs_quantize_x over M rows on `threads` threads (rows in contiguous shares). */
+void fs_quantize_x_all(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t G, int64_t XB, int pairs,
+                       int8_t *xq, float *xd, float *xg, float *xh, int8_t *rq, float *rd, float *rg, float *rh,
+                       int threads) {
+    const int64_t nb = K / XB, ng = K / G;
+    const int parts = (int64_t)threads < M ? threads : (int)M;
+#pragma omp parallel for schedule(static, 1) num_threads(parts)
+    for (int p = 0; p < parts; p++) {
+        const int64_t r0 = M * p / parts, r1 = M * (p + 1) / parts;
+        if (r1 > r0)
+            fs_quantize_x(x + r0 * ldx, r1 - r0, K, ldx, G, XB, pairs, xq + r0 * K, xd + r0 * nb, xg + r0 * ng,
+                          xh + r0 * ng, rq ? rq + r0 * K : NULL, rq ? rd + r0 * nb : NULL, rq ? rg + r0 * ng : NULL,
+                          rq ? rh + r0 * ng : NULL);
+    }
+}
+
+/* fs_q4_gemm over output columns [0, N) in ranges of `step` (a multiple of 8), taken in turn by
+ * `threads` threads: a core that other work slows takes fewer of them. */
+void fs_q4_gemm_all(const int8_t *xq, const float *xd, const float *xg, const float *xh, int64_t M, int64_t K, int64_t G,
+                    int64_t XB, const uint8_t *codes, const uint16_t *scale, const void *minimum, int min_fp32,
+                    int pairs, int64_t N, int64_t step, float *y, int64_t ldy, int threads) {
+    const int64_t pieces = (N + step - 1) / step;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t p = 0; p < pieces; p++) {
+        const int64_t n0 = p * step, n1 = n0 + step < N ? n0 + step : N;
+        fs_q4_gemm(xq, xd, xg, xh, M, K, G, XB, codes, scale, minimum, min_fp32, pairs, n0, n1, y, ldy);
+    }
+}
