@@ -21,8 +21,12 @@
  */
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else /* built without OpenMP (quant/cpu_kernels.py's fallback): one thread */
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 
 static inline float half_to_float(uint16_t h) {
     /* F16C's scalar conversion (the kernels are built with -mf16c) */

@@ -36,3 +36,25 @@ def test_a_workers_error_reaches_the_caller():
 
     with pytest.raises(ValueError, match="injected"):
         split(fail_on_last, 64, 2, 8, chunks_per_part=4)
+
+
+def test_a_compiler_without_openmp_still_builds_every_kernel(tmp_path, monkeypatch):
+    """The kernels' threads are OpenMP's; where the compiler refuses -fopenmp (injected: a wrapper
+    that fails on it) each kernel is built without it and runs on the calling thread."""
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    from quant.cpu_kernels import CSRC, build  # noqa: PLC0415
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None:
+        pytest.skip("no C compiler here")
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("FLEXSARATHI_KERNEL_CACHE", str(tmp_path / "kernels"))
+    for source in sorted(CSRC.glob("*.c")):
+        built = build(source)
+        needed = subprocess.run(["readelf", "-d", str(built)], capture_output=True, text=True).stdout
+        assert built.is_file() and "libgomp" not in needed
