@@ -10,10 +10,26 @@ from flexsarathi.models.model_config import RopeConfig
 from offload.weights import RowSplit
 
 
+# fp32 on the CPU, a large weight and few rows of x: `weight @ xᵀ`, transposed back, takes another
+# of MKL's packings than F.linear and ran 1.2-2.6x faster on a 2-core AVX2 EPYC for 2-128 rows of
+# llama-2-7b's weights (its fp32 LM head at 32 rows: 296 -> 171 ms); from 256 rows on the two are
+# even, and for small weights F.linear is faster (docs/BENCHMARKS.md, "Smaller measurements").
+# A fixed rule, not a per-call timing: the orientation changes the last bits of some outputs, and a
+# run's tokens must not depend on how busy the machine was.
+TRANSPOSED_ROWS = range(2, 129)
+TRANSPOSED_MIN_WEIGHT = 1 << 22  # elements
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias; `weight` may be a compressed QTensor (dequantized right before use) or a
     RowSplit (one matmul per part of its rows, outputs side by side)."""
     if isinstance(weight, torch.Tensor):
+        if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and weight.dim() == 2
+                and weight.numel() >= TRANSPOSED_MIN_WEIGHT and x.numel() // max(1, x.shape[-1]) in TRANSPOSED_ROWS):
+            out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()  # [rows, out]
+            if bias is not None:
+                out += bias
+            return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if isinstance(weight, RowSplit):
         outs, start = [], 0

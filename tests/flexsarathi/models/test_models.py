@@ -141,3 +141,21 @@ def test_compressed_kv_results_do_not_depend_on_chunking(tiny_checkpoint, budget
     ref_out = whole.generate(prompts, GREEDY, use_tqdm=False)
     got_out = chunked.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in got_out] == [o.token_ids for o in ref_out]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 128, 129])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear_in_either_orientation(rows, bias):
+    """layers.linear computes a large fp32 weight's few rows as weight @ xᵀ (a faster MKL path on
+    the CPU): the same product as F.linear up to fp32 rounding, in x's leading shape."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from flexsarathi.models import layers  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(layers.TRANSPOSED_MIN_WEIGHT // 512, 512, generator=gen)
+    b = torch.randn(weight.shape[0], generator=gen) if bias else None
+    x = torch.randn(1, rows, 512, generator=gen)
+    got = layers.linear(x, weight, b)
+    assert got.shape == (1, rows, weight.shape[0]) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
