@@ -95,7 +95,9 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
     def observed_load(self, layer, mb, k):
         hidden, contexts = load(self, layer, mb, k)
         nbytes = sum(t.nbytes for group, group_contexts in zip(mb.groups, contexts)
-                     for part, context in zip(group.parts, group_contexts) if context is not None
+                     for part, context in zip(group.parts, group_contexts)
+                     # None: the part's keys are the pass's new rows; IN_POOL: attended from the codes
+                     if context is not None and context is not executor_module.IN_POOL
                      # the executor's own choice: executor.CPU is returned only for CPU attention
                      if self.attention_device(part.tier, group) is not executor_module.CPU
                      for t in context)
