@@ -215,7 +215,7 @@ def test_searched_policy_passes_the_engines_largest_pass_check(references, tmp_p
         assert outputs == [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("model", ["llama_deep", "stories260K"])
+@pytest.mark.parametrize("model", ["stories260K"])
 def test_decode_attention_from_the_codes_gives_the_gather_routes_tokens(references, model, tmp_path, monkeypatch):
     """4-bit KV beside CPU attention: decode rows attended from the pool's codes
     (KVPool.attend_decode) give the greedy tokens of gathering the context, then attending it."""

@@ -38,9 +38,9 @@ def test_a_workers_error_reaches_the_caller():
         split(fail_on_last, 64, 2, 8, chunks_per_part=4)
 
 
-def test_a_compiler_without_openmp_still_builds_every_kernel(tmp_path, monkeypatch):
+def test_a_compiler_without_openmp_still_builds_the_threaded_kernels(tmp_path, monkeypatch):
     """The kernels' threads are OpenMP's; where the compiler refuses -fopenmp (injected: a wrapper
-    that fails on it) each kernel is built without it and runs on the calling thread."""
+    that fails on it) the kernels with OpenMP loops are built without it and run on the calling thread."""
     import shutil  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
@@ -54,7 +54,7 @@ def test_a_compiler_without_openmp_still_builds_every_kernel(tmp_path, monkeypat
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("FLEXSARATHI_KERNEL_CACHE", str(tmp_path / "kernels"))
-    for source in sorted(CSRC.glob("*.c")):
+    for source in (CSRC / "q4_int8_gemm.c", CSRC / "kv_attention.c"):  # the two with OpenMP loops
         built = build(source)
         needed = subprocess.run(["readelf", "-d", str(built)], capture_output=True, text=True).stdout
         assert built.is_file() and "libgomp" not in needed
