@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import threading
 
 import torch
 
-from quant.cpu_kernels import CSRC, load
+from quant.cpu_kernels import CSRC, Kernel
 from quant.qtensor import QTensor
 
 SOURCE = CSRC / "q4_int8_gemm.c"
@@ -118,9 +117,7 @@ def layout_code(qweight: QTensor) -> int:
 def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, planes: int = 1) -> torch.Tensor:
     """`x` `[..., K]` (fp32 or bf16) @ qweightᵀ (+ bias) -> `[..., N]` in x's dtype (see the module).
     planes=2: x as two int8 planes (its rounding's residual, 254x finer, as M more rows), ~16 bits."""
-    lib, reason = _loaded()
-    if lib is None:
-        raise RuntimeError(f"int8_linear: the kernel is not available here: {reason}")
+    lib = KERNEL.lib()
     n, k = qweight.shape
     if not covers(x, qweight) or x.shape[-1] != k or planes not in (1, 2):
         raise ValueError(f"int8_linear: x {tuple(x.shape)} {x.dtype} on {x.device} and a weight {qweight.shape} "
@@ -171,18 +168,8 @@ def error_bound(x: torch.Tensor, qweight: QTensor, planes: int = 1) -> torch.Ten
     return (steps.repeat_interleave(block, 1) / 2) @ scaled_codes.T
 
 
-def available() -> bool:
-    return _loaded()[0] is not None
-
-
-def unavailable_reason() -> str | None:
-    """None where the kernel is built and loaded; else why not (no AVX2, no compiler, the build's error)."""
-    return _loaded()[1]
-
-
-@functools.cache
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the loaded kernel, None), or (None, why not): built and loaded once per process."""
-    p, i, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return load(SOURCE, {"fs_quantize_x_all": [p, i, i, i, i, i, flag, p, p, p, p, p, p, p, p, flag],
-                         "fs_q4_gemm_all": [p, p, p, p, i, i, i, i, p, p, p, flag, flag, i, i, p, i, flag]})
+_p, _i, _flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+KERNEL = Kernel("int8_linear", SOURCE, {
+    "fs_quantize_x_all": [_p, _i, _i, _i, _i, _i, _flag, _p, _p, _p, _p, _p, _p, _p, _p, _flag],
+    "fs_q4_gemm_all": [_p, _p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _flag, _flag, _i, _i, _p, _i, _flag]})
+available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason

@@ -79,6 +79,37 @@ def load(source: Path, signatures: dict[str, list]) -> tuple[ctypes.CDLL | None,
     return lib, None
 
 
+class Kernel:
+    """One C file's functions, built and loaded on first use, once per process: `lib()` (a
+    RuntimeError that says why where it cannot be had), `available()`, `unavailable_reason()`
+    (None where it is loaded; else no AVX2, no compiler, or the build's error); `reset()` forgets
+    the outcome (tests that change the compiler)."""
+
+    def __init__(self, who: str, source: Path, signatures: dict[str, list]):
+        self.who, self.source, self.signatures = who, source, signatures
+        self._loaded: tuple[ctypes.CDLL | None, str | None] | None = None
+
+    def loaded(self) -> tuple[ctypes.CDLL | None, str | None]:
+        if self._loaded is None:
+            self._loaded = load(self.source, self.signatures)
+        return self._loaded
+
+    def lib(self) -> ctypes.CDLL:
+        lib, reason = self.loaded()
+        if lib is None:
+            raise RuntimeError(f"{self.who}: the kernel is not available here: {reason}")
+        return lib
+
+    def available(self) -> bool:
+        return self.loaded()[0] is not None
+
+    def unavailable_reason(self) -> str | None:
+        return self.loaded()[1]
+
+    def reset(self) -> None:
+        self._loaded = None
+
+
 def split(fn, total: int, parts: int, align: int = 1, chunks_per_part: int = 1) -> None:
     """fn(start, stop) over [0, total) on `parts` threads (this one among them), in ranges that are
     multiples of `align`. chunks_per_part > 1: that many ranges per thread, taken in turn as each

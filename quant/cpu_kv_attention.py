@@ -21,12 +21,11 @@ AVX2 and a C compiler. Elsewhere `covers` is False and the pool keeps the gather
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from quant.config import QuantConfig
-from quant.cpu_kernels import CSRC, load
+from quant.cpu_kernels import CSRC, Kernel
 
 SOURCE = CSRC / "kv_attention.c"
 
@@ -55,7 +54,7 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
     the keys [lo, hi) each query sees. new: (k [B, H, d], v [B, H, d], position [B], -1 for none),
     the pass's own row, read instead of the pool there.
     Returns out [B, heads, d] fp32 and lse [B, heads] (natural log; -inf, out 0 where nothing is visible)."""
-    lib = _lib()
+    lib = KERNEL.lib()
     kd, ks, km = (_contiguous(k_codes[n]) for n in ("data", "scale", "minimum"))
     vd, vs, vm = (_contiguous(v_codes[n]) for n in ("data", "scale", "minimum"))
     batch, heads, dim = q.shape
@@ -85,24 +84,8 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _lib() -> ctypes.CDLL:
-    lib, reason = _loaded()
-    if lib is None:
-        raise RuntimeError(f"cpu_kv_attention: the kernel is not available here: {reason}")
-    return lib
-
-
-def available() -> bool:
-    return _loaded()[0] is not None
-
-
-def unavailable_reason() -> str | None:
-    """None where the kernel is built and loaded; else why not (no AVX2, no compiler, the build's error)."""
-    return _loaded()[1]
-
-
-@functools.cache
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    return load(SOURCE, {"fs_kv_decode_attention_all": [p, p, p, p, i, p, p, p, p, p, p, i, p, p, p, p, p, p, p,
-                                                        i, i, i, i, i, f, i, p, p, p, i, ctypes.c_int]})
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+KERNEL = Kernel("cpu_kv_attention", SOURCE, {"fs_kv_decode_attention_all": [
+    _p, _p, _p, _p, _i, _p, _p, _p, _p, _p, _p, _i, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _i, _f, _i, _p, _p, _p,
+    _i, ctypes.c_int]})
+available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason

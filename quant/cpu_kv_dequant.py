@@ -15,12 +15,11 @@ minimum, split halves per line) into fp32 on a CPU with AVX2 and a C compiler. E
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from quant.config import QuantConfig
-from quant.cpu_kernels import CSRC, load, split
+from quant.cpu_kernels import CSRC, Kernel, split
 
 SOURCE = CSRC / "kv_dequant.c"
 
@@ -37,7 +36,7 @@ def keys(codes: dict[str, torch.Tensor], blocks: torch.Tensor, length: int, kv_h
     [num_blocks, W] fp16, W = kv_heads * head_dim, groups of one channel over a block's tokens);
     blocks [B, nb] int64, nb = ceil(length / bs) -> fp32 [B, length, kv_heads, head_dim] (into `out`,
     contiguous, where given)."""
-    lib = _lib()
+    lib = KERNEL.lib()
     data, scale, minimum = (_contiguous(codes[n]) for n in ("data", "scale", "minimum"))
     blocks = blocks.to(torch.int64).contiguous()
     batch, nb = blocks.shape
@@ -58,7 +57,7 @@ def values(codes: dict[str, torch.Tensor], slots: torch.Tensor, kv_heads: int, h
     """codes: one layer's V tables (data [num_slots, kv_heads * P / 2] uint8, scale and minimum
     [num_slots, kv_heads * P / G] fp16, P = head_dim padded to the group size G, groups along each
     head's dimension); slots [B, L] int64 -> fp32 [B, L, kv_heads, head_dim] (into `out` where given)."""
-    lib = _lib()
+    lib = KERNEL.lib()
     data, scale, minimum = (_contiguous(codes[n]) for n in ("data", "scale", "minimum"))
     slots = slots.to(torch.int64).contiguous()
     batch, length = slots.shape
@@ -89,24 +88,7 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _lib() -> ctypes.CDLL:
-    lib, reason = _loaded()
-    if lib is None:
-        raise RuntimeError(f"cpu_kv_dequant: the kernel is not available here: {reason}")
-    return lib
-
-
-def available() -> bool:
-    return _loaded()[0] is not None
-
-
-def unavailable_reason() -> str | None:
-    """None where the kernel is built and loaded; else why not (no AVX2, no compiler, the build's error)."""
-    return _loaded()[1]
-
-
-@functools.cache
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    return load(SOURCE, {"fs_kv_keys": [p, p, p, p, i, i, i, i, i, i, p, p, p],
-                         "fs_kv_values": [p, p, p, p, i, i, i, i, i, i, i, p]})
+_p, _i = ctypes.c_void_p, ctypes.c_int64
+KERNEL = Kernel("cpu_kv_dequant", SOURCE, {"fs_kv_keys": [_p, _p, _p, _p, _i, _i, _i, _i, _i, _i, _p, _p, _p],
+                                           "fs_kv_values": [_p, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i, _p]})
+available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason

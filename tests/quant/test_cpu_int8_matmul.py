@@ -188,7 +188,7 @@ def test_a_kernel_that_cannot_be_built_says_why(monkeypatch, tmp_path):
     failing.chmod(0o755)
     monkeypatch.setenv("CC", str(failing))
     monkeypatch.setenv("FLEXSARATHI_KERNEL_CACHE", str(tmp_path / "kernels"))
-    k8._loaded.cache_clear()
+    k8.KERNEL.reset()
     try:
         assert not k8.available()
         reason = k8.unavailable_reason()
@@ -204,7 +204,7 @@ def test_a_kernel_that_cannot_be_built_says_why(monkeypatch, tmp_path):
         assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built is left to load
     finally:
         monkeypatch.undo()
-        k8._loaded.cache_clear()
+        k8.KERNEL.reset()
     assert resolve_cpu_matmul("dequantize") == "dequantize"
 
 
