@@ -72,6 +72,11 @@ def _fp32_heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
 # time in four runs of scripts/bench_attention_lse.py, docs/GPU.md).
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_MIN_ROWS = 16  # half-precision query rows per sequence from which the flash kernel is used
+# Query rows per flash call in longer chunks (_attend_flash). Measured on 2 cores, 32 heads of 128:
+# a 512-row causal chunk 49 ms whole, 40.5 in tiles of 128 or 256, 46 in tiles of 64 (small calls
+# run the kernel less efficiently); under a compressed cache's block rule tiles of one block.
+_FLASH_TILE = 128
+_FLASH_MIN_TILE = 32
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -111,14 +116,38 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         use_flash = (_FLASH is not None and q.device.type == "cpu"
                      and (q.dtype == torch.float32 or (n >= _FLASH_MIN_ROWS and q.dtype in (torch.bfloat16, torch.float16))))
         kernel = "flash" if use_flash else "matmul"
-    if kernel == "flash":
-        return _attend_flash(q, k, v, visible(0, n), scale)
+    if kernel == "flash":  # under a block rule, tiles of one block: the "same" part is then block-diagonal
+        tile_rows = max(_FLASH_MIN_TILE, key_blocks[0]) if key_blocks is not None else _FLASH_TILE
+        return _attend_flash(q, k, v, visible(0, n), scale, tile_rows)
     if kernel != "matmul":
         raise ValueError(f"attend: kernel must be 'auto', 'flash' or 'matmul', got {kernel!r}")
     return _attend_matmul(q, k, v, visible, scale)
 
 
-def _attend_flash(q, k, v, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_flash(q, k, v, visible: torch.Tensor, scale: float, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows in tiles of `tile_rows`, each trimmed to its rows that see some key and to the
+    keys those rows see: the kernel computes every masked score, so a long chunk's causal mask and
+    a compressed cache's block rules (its "before" part: a prompt's first block sees nothing; its
+    "same" part: each block only itself) would otherwise cost the whole rows x keys product
+    (docs/BENCHMARKS.md, "Smaller measurements")."""
+    batch, n = q.shape[:2]
+    seen = visible.any(dim=0)  # [n, L]: keys any sequence's row sees
+    if n <= tile_rows and bool(seen.all()):
+        return _flash_call(q, k, v, visible, scale)
+    out = q.new_zeros(q.shape)  # rows that see no key: out 0, lse -inf
+    lse = torch.full((batch, n, q.shape[2]), float("-inf"), device=q.device)
+    for start in range(0, n, tile_rows):
+        tile = seen[start:start + tile_rows]
+        rows, cols = tile.any(dim=1).nonzero(), tile.any(dim=0).nonzero()
+        if rows.numel() == 0:
+            continue
+        r0, r1, c0, c1 = start + int(rows[0]), start + int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+        out[:, r0:r1], lse[:, r0:r1] = _flash_call(q[:, r0:r1], k[:, c0:c1], v[:, c0:c1], visible[:, r0:r1, c0:c1],
+                                                   scale)
+    return out, lse
+
+
+def _flash_call(q, k, v, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
     out, lse = _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
                       attn_mask=bias[:, None], scale=scale)  # out [B, heads, n, d], lse [B, heads, n]

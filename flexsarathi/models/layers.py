@@ -46,7 +46,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 def swiglu(x: torch.Tensor, gate_up, down, gate_up_bias=None, down_bias=None) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)), gate and up fused in one weight [2 * ffn, hidden]."""
     gate, up = linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down, down_bias)
+    return linear(F.silu(gate).mul_(up), down, down_bias)  # in place: one [T, ffn] buffer fewer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,11 +78,19 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq.float()
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in HF's rotate-half layout. x: [T, heads, head_dim], positions: [T]."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]  # [T, d/2]
-    cos = torch.cat((freqs, freqs), dim=-1).cos()[:, None, :].to(x.dtype)  # [T, 1, d]
-    sin = torch.cat((freqs, freqs), dim=-1).sin()[:, None, :].to(x.dtype)
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, head_dim] in `dtype` for positions [T] (inv_freq on positions' device)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in HF's rotate-half layout: x * cos + rotate_half(x) * sin, without
+    building rotate_half(x) (the same products and sums, so the same bits). x: [T, heads, head_dim];
+    cos, sin: rope_tables'."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    out = x * cos
+    out[..., :half].sub_(x[..., half:] * sin[..., :half])
+    out[..., half:].add_(x[..., :half] * sin[..., half:])
+    return out

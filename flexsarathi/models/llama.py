@@ -6,7 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from flexsarathi.models.base import ModelMath, Weights
-from flexsarathi.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu
+from flexsarathi.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables, swiglu
+
+
+ROPE_REMEMBERED = 4  # micro-batches of one pass whose rope tables are kept (FlexGen policies use 1-4)
 
 
 class LlamaMath(ModelMath):
@@ -16,11 +19,13 @@ class LlamaMath(ModelMath):
         # One copy per device, made once: `inv_freq.to(cuda)` in every layer would be two blocking
         # host-to-device copies per layer and micro-batch (each waits for all queued compute).
         self._inv_freq_on = {self.inv_freq.device: self.inv_freq}
+        self._rope_seen: list[tuple] = []  # rope_on's (positions, dtype, cos, sin), newest first
 
     def divide_rope_frequencies(self, factors: torch.Tensor) -> None:
         """Per-frequency scaling given as a tensor (llama.cpp's `rope_freqs.weight`) [head_dim / 2]."""
         self.inv_freq = self.inv_freq / factors
         self._inv_freq_on = {self.inv_freq.device: self.inv_freq}  # copies of the old values dropped
+        self._rope_seen = []
 
     def inv_freq_on(self, device):
         if device not in self._inv_freq_on:
@@ -99,14 +104,25 @@ class LlamaMath(ModelMath):
         if "q_norm.weight" in w:  # qwen3: per head, over head_dim
             eps = self.config.norm_eps
             q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
-        inv_freq = self.inv_freq_on(q.device)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        cos, sin = self.rope_on(positions, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def rope_on(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_tables for these positions, computed once per pass: every layer of a pass gets the
+        same positions tensor (built fresh per micro-batch, never written), so the last few are
+        remembered by identity (a strong reference: no other tensor can take its id meanwhile)."""
+        for seen, seen_dtype, cos, sin in self._rope_seen:
+            if seen is positions and seen_dtype == dtype:
+                return cos, sin
+        cos, sin = rope_tables(positions, self.inv_freq_on(positions.device), dtype)
+        self._rope_seen = [(positions, dtype, cos, sin), *self._rope_seen[:ROPE_REMEMBERED - 1]]
+        return cos, sin
 
     def post_attention(self, w: Weights, hidden, attn):
         hidden = hidden + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
         x = rms_norm(hidden, w["mlp_norm.weight"], self.config.norm_eps)
-        return hidden + swiglu(x, w["gate_up_proj.weight"], w["down_proj.weight"],
-                               w.get("gate_up_proj.bias"), w.get("down_proj.bias"))
+        return hidden.add_(swiglu(x, w["gate_up_proj.weight"], w["down_proj.weight"],  # this call's own sum
+                                  w.get("gate_up_proj.bias"), w.get("down_proj.bias")))
 
     def logits(self, g: Weights, hidden):
         x = rms_norm(hidden, g["final_norm.weight"], self.config.norm_eps)

@@ -9,15 +9,20 @@ import torch
 from flexsarathi.models.attention import attend, merge_partial_attention
 
 
-def naive(q, k, v, q_pos, kv_len, scale, offset=0):
-    """Per sequence, row and head: softmax over the visible keys, in fp64."""
+def naive(q, k, v, q_pos, kv_len, scale, offset=0, key_blocks=None):
+    """Per sequence, row and head: softmax over the visible keys, in fp64. key_blocks: (size, rule)
+    as attend's: only keys in blocks before the query's ("before") or in its own ("same")."""
     batch, n, heads, dim = q.shape
     group = heads // k.shape[2]
     out = torch.zeros(batch, n, heads, dim, dtype=torch.float64)
     lse = torch.full((batch, n, heads), -math.inf, dtype=torch.float64)
     for b in range(batch):
         for i in range(n):
-            keys = [j for j in range(int(kv_len[b])) if offset + j <= int(q_pos[b, i])]
+            p = int(q_pos[b, i])
+            keys = [j for j in range(int(kv_len[b])) if offset + j <= p]
+            if key_blocks is not None:
+                size, rule = key_blocks
+                keys = [j for j in keys if ((offset + j) // size == p // size) == (rule == "same")]
             if not keys:
                 continue
             for h in range(heads):
@@ -48,6 +53,30 @@ def test_attend_matches_a_naive_softmax(kernel, batch, n, heads, kv_heads, lengt
     want_out, want_lse = naive(q, k, v, q_pos, kv_len, dim ** -0.5, offset)
     if offset:
         assert torch.isinf(want_lse).any()  # the case really has blind rows
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["matmul", "flash"])
+@pytest.mark.parametrize("rule", ["before", "same"])
+@pytest.mark.parametrize("offset,earlier", [(0, 30), (40, 30), (0, 0)])  # (0, 0): a first tile sees nothing "before"
+def test_a_long_chunk_under_a_block_rule_matches_a_naive_softmax(kernel, rule, offset, earlier):
+    """A chunk of more rows than one flash tile, under a compressed cache's block rules: each tile
+    of query rows is attended against only the keys it sees (rows of a tile that see none, and a
+    tile whose rows see none: out 0, lse -inf), as the naive softmax over the rule's keys."""
+    g = torch.Generator().manual_seed(7)
+    batch, n, heads, kv_heads, dim, size = 2, 150, 4, 2, 8, 64
+    length = n + earlier  # earlier tokens of the sequence, then the chunk's own
+    q = torch.randn(batch, n, heads, dim, generator=g)
+    k = torch.randn(batch, length, kv_heads, dim, generator=g)
+    v = torch.randn(batch, length, kv_heads, dim, generator=g)
+    kv_len = torch.tensor([length, length - min(5, earlier)])
+    q_pos = offset + kv_len[:, None] - n + torch.arange(n)[None, :]
+    out, lse = attend(q, k, v, q_pos, kv_len, dim ** -0.5, kv_pos_offset=offset, key_blocks=(size, rule),
+                      kernel=kernel)
+    want_out, want_lse = naive(q, k, v, q_pos, kv_len, dim ** -0.5, offset, key_blocks=(size, rule))
+    if rule == "before" and offset == 0:
+        assert torch.isinf(want_lse).any()  # rows of a sequence's first block see no key under it
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
 
