@@ -164,6 +164,16 @@ def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: Qu
     return out
 
 
+def compress_resident(name: str, weight: torch.Tensor | QTensor, dtype: torch.dtype, quant: QuantConfig,
+                      device: torch.device) -> tuple[torch.Tensor | QTensor | Int4Packed, int]:
+    """A 2-D weight kept whole on the compute device in `quant`'s format, in the form the model
+    multiplies layer weights of that format (a QTensor, or the CPU int4 kernel's layout where the
+    layers use it): (the weight, its bytes)."""
+    plan = plan_layer({name: tuple(weight.shape)}, dtype, quant, (1.0, 0.0, 0.0), device)[0]
+    components = [c.to(device) for c in flat_components(weight, plan)]
+    return assemble(plan, components), sum(c.nbytes for c in components)
+
+
 def flat_components(tensor: torch.Tensor | QTensor, plan: TensorPlan) -> list[torch.Tensor]:
     """The tensor as it is stored: flat components (compressed when the plan says so). A source may
     give a weight already quantized (dummy codes): kept as it is in the plan's format, else

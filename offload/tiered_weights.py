@@ -21,7 +21,8 @@ from offload.host_buffer import align_up, aligned_empty, pinned_empty
 from offload.linked_blocks import read_rows
 from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, linked_bytes, store_key
-from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble
+from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble, compress_resident
+from quant import QuantConfig
 from offload.streams import bind_thread, indexed
 from offload.weights import ROW_BLOCKS, RowSplit
 
@@ -35,13 +36,14 @@ class TieredWeights:
                  quant: QuantFormats, tracker: MemoryTracker, overlap: bool, prefetch: int = 1,
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False,
                  row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
-                 routed_reads: bool = False, cpu_blocks: bool = False,
+                 routed_reads: bool = False, cpu_blocks: bool = False, compressed_globals: dict[str, QuantConfig] | None = None,
                  linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None):
         """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
         offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
         reads the blocks off the gpu tier only when the model asks for them (after routing);
         cpu_blocks leaves a block held whole on the cpu tier there, for the model to compute on
-        the CPU (RowBlockAccess). linked_extents, linked_blocks: see offload.placed_layers.PlacedLayers."""
+        the CPU (RowBlockAccess). linked_extents, linked_blocks: see offload.placed_layers.PlacedLayers;
+        compressed_globals: global weights (the LM head) kept in that format (_place_globals)."""
         self.routed_reads, self.cpu_blocks = routed_reads, cpu_blocks
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
         # experts_read: experts read after routing; experts_on_cpu: computed on the cpu tier (per
@@ -55,8 +57,7 @@ class TieredWeights:
         self.cuda = self.device.type == "cuda"
         self.plan.reserve(tracker, store_bytes := (self.plan.store_bytes - linked_bytes(self.plan, linked_extents, linked_blocks)
                                                    if self.plan.needs_disk else 0))
-        self._globals = {k: v.to(self.device) for k, v in read_globals().items()}
-        tracker.reserve("gpu", sum(t.nbytes for t in self._globals.values()), "embeddings and head")
+        self._globals = self._place_globals(read_globals(), compressed_globals or {}, tracker)
         self.store = disk_store() if self.plan.needs_disk else None
         self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
                                    linked_extents, linked_blocks, store_bytes)
@@ -79,6 +80,18 @@ class TieredWeights:
         # buffers; the next disk read into them waits for that event only, so this layer's reads
         # overlap the previous layer's host -> device copies (a stream sync made them add up).
         self._staging_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
+
+    def _place_globals(self, tensors: dict, compressed: dict[str, QuantConfig], tracker: MemoryTracker) -> dict:
+        """The embeddings and head on the compute device (those named in `compressed` in that format)."""
+        placed, nbytes = {}, 0
+        for name, tensor in tensors.items():
+            if name in compressed:
+                placed[name], size = compress_resident(name, tensor, self.dtype, compressed[name], self.device)
+            else:
+                placed[name], size = tensor.to(self.device), tensor.nbytes
+            nbytes += size
+        tracker.reserve("gpu", nbytes, "embeddings and head")
+        return placed
 
     def _pinned_staging(self, tracker: MemoryTracker) -> list[list[dict[str, list[torch.Tensor]]]]:
         """Disk -> pinned host staging -> device: per slot, only each streamed tensor's disk rows

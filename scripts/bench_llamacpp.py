@@ -24,7 +24,8 @@ llama.cpp
   the same tokens as ours generating G per prompt (the first comes from the prompt pass). Its
   result row gives the prompt and generation times.
 
-Ours: `LLM("dummy:<model>", dummy_weight_codes=True)` (the same kind of random 4-bit codes), dtype
+Ours: `LLM("dummy:<model>", dummy_weight_codes=True, compress_head=True)` (the same kind of random
+4-bit codes; the LM head 4-bit too, as the GGUF's Q4_0 output tensor), dtype
 --dtype (auto: what this CPU computes fastest), decode-maximal with all N running, prefill budget
 512 prompt tokens per pass, greedy with ignore_eos; timed generate() end to end after a one-pass
 warm-up. Prompt and generation rates are split by pass: passes carrying prompt tokens vs decode-only.
@@ -316,7 +317,7 @@ def build_ours(model: str, dtype: torch.dtype, w: Workload, on_disk: bool, work_
         say(f"  FlexSarathi: 4-bit KV cache ({kv_bytes / GiB:.2f} GiB at "
             f"{dtype} would not fit the {budget_gib:g} GiB budget beside the rest)")
     return LLM(f"dummy:{model}", dtype=dtype, policy=our_policy(w, on_disk, compress_kv, resident), hardware=hardware,
-               offload_dir=os.path.join(work_dir, "offload"), direct_io=True, dummy_weight_codes=True,
+               offload_dir=os.path.join(work_dir, "offload"), direct_io=True, dummy_weight_codes=True, compress_head=True,
                cpu_matmul=cpu_matmul)
 
 

@@ -37,6 +37,9 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
                    help="4-bit weights multiplied on the CPU: int8x2 (x as two int8 planes, ~16 bits, at "
                    "decode row counts), int8 (one plane at every row count: llama.cpp's arithmetic, "
                    "fastest), dequantize (exact to the codes); auto: int8x2 where its AVX2 kernel builds")
+    p.add_argument("--compress-head", action="store_true",
+                   help="keep the LM head 4-bit (the weight format) and multiply it as the 4-bit layers: "
+                   "1/7 of its fp32 memory; models whose head is their tied input embeddings have none")
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -80,7 +83,8 @@ def build_llm(args, workload, seed: int = 0, opened=None):
     hardware = hardware_of(args)
     policy = resolve_policy(args, hardware, workload)
     llm = LLM(opened or args.model, dtype=args.dtype, device=args.device, policy=policy, hardware=hardware,
-              offload_dir=args.offload_dir, seed=seed, cpu_matmul=getattr(args, "cpu_matmul", "auto"))
+              offload_dir=args.offload_dir, seed=seed, cpu_matmul=getattr(args, "cpu_matmul", "auto"),
+              compress_head=getattr(args, "compress_head", False))
     return llm, policy
 
 

@@ -209,7 +209,7 @@ def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say, o
     policy = resolve_policy(args, hardware, _workload(args, runnable, params))
     say(f"policy: {describe_policy(policy)}")
     spec = EngineSpec.of(args.model, policy, hardware=hardware, dtype=args.dtype, device=args.device,
-                         offload_dir=args.offload_dir)
+                         offload_dir=args.offload_dir, cpu_matmul=args.cpu_matmul, compress_head=args.compress_head)
     options = RayOptions(address=args.ray_address, actors=args.ray_actors or 1,
                          gpus_per_actor=args.ray_gpus_per_actor or 0, cpus_per_actor=args.ray_cpus_per_actor or 1,
                          batch_size=args.ray_batch_size)

@@ -191,6 +191,14 @@ class EngineConfig:
     # arithmetic: fastest, x rounded to 8 bits); "dequantize": F.linear on the dequantized weight
     # (exact to the codes); "auto": int8x2 where its kernel builds on this machine, else dequantize.
     cpu_matmul: str = "auto"
+    # The LM head (where it is its own tensor, not the tied input embeddings) kept 4-bit in
+    # `weight_quant` on the compute device and multiplied as the layers' 4-bit weights are: 1/7 of
+    # its fp32 bytes (llama-2-7b: 0.5 GB -> 74 MB; a 150K-word vocabulary's head is 2.4 GB in fp32),
+    # and on the CPU the int8 kernel instead of an fp32 GEMM. Logits then come from 4-bit weights.
+    compress_head: bool = False
+
+
+HEAD = "lm_head.weight"
 
 
 def _formats_key(quant, dtype: torch.dtype, device: torch.device) -> str:
@@ -234,9 +242,10 @@ class LLMEngine:
         self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
                                              value_group=e.kv_value_group) if p.compress_kv else None)
         self.weights = self._place_weights()
-        if self.device.type == "cuda" and p.compress_weight:  # quant/fused.py's one dequantized weight
-            self.memory.reserve("gpu", dequant_scratch_bytes(self.model.weight_kinds(), self.dtype.itemsize,
-                                                      self.model.expert_stacks()),
+        if self.device.type == "cuda" and (p.compress_weight or e.compress_head):  # quant/fused.py's one dequantized weight
+            shapes = {**(self.model.weight_kinds() if p.compress_weight else {}),
+                      **({HEAD: self.model.global_shapes()[HEAD]} if e.compress_head else {})}
+            self.memory.reserve("gpu", dequant_scratch_bytes(shapes, self.dtype.itemsize, self.model.expert_stacks()),
                                 "dequantize scratch")
         self.kv_pools: dict[str, KVPool] = {}
         cuda = self.device.type == "cuda"
@@ -258,6 +267,9 @@ class LLMEngine:
         if e.weight_quant.group_dim not in (-1, 1):
             raise FlexSarathiError(f"weight_quant must group along the input dimension (group_dim=-1): "
                                    f"placement streams row ranges; got {e.weight_quant}")
+        if e.compress_head and HEAD not in self.model.global_shapes():
+            raise FlexSarathiError(f"compress_head: {e.model} has no LM head of its own (tie_word_embeddings: "
+                                   f"its head is the input embeddings), so there is nothing to compress")
         quant = e.weight_quant if p.compress_weight else None
         # A pre-quantized checkpoint's codes are stored in its own formats, whatever the policy says.
         quant = self.source.quantized_formats() or quant
@@ -276,6 +288,7 @@ class LLMEngine:
             read_layer=lambda i, skip=frozenset(): self.source.layer_weights(i, self.dtype, **({"skip": skip} if skip else {})),
             linked_extents=self.source.linked_extents,
             linked_blocks=self.source.linked_blocks,
+            compressed_globals={HEAD: e.weight_quant} if e.compress_head else None,
             fractions=p.weight_fractions, device=self.device, dtype=self.dtype, quant=quant,
             tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch,
             pin_memory=p.pin_weight and self.device.type == "cuda",

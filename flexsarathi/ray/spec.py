@@ -9,7 +9,7 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,14 +25,15 @@ class EngineSpec:
     device: str | None = None  # None: cuda where the actor was given a GPU, else cpu
     offload_dir: str | None = None  # a folder on each node; every actor claims its own sub-folder
     seed: int = 0
+    options: dict = field(default_factory=dict)  # EngineConfig fields by name (cpu_matmul, compress_head)
 
     @classmethod
     def of(cls, model: str, policy: Policy | None, hardware=None, dtype=None, device=None,
-           offload_dir: str | None = None, seed: int = 0) -> "EngineSpec":
+           offload_dir: str | None = None, seed: int = 0, **options) -> "EngineSpec":
         return cls(model=model, policy=(policy or Policy()).to_dict(),
                    hardware=hardware.to_dict() if hardware is not None else None,
                    dtype=None if dtype is None else str(dtype).removeprefix("torch."), device=device,
-                   offload_dir=offload_dir, seed=seed)
+                   offload_dir=offload_dir, seed=seed, options=options)
 
     def build(self, offload_dir: str):
         """The LLM of one actor; offload_dir: the folder this actor claimed."""
@@ -41,7 +42,7 @@ class EngineSpec:
 
         hardware = HardwareSpec.from_dict(self.hardware) if self.hardware is not None else None
         return LLM(self.model, dtype=self.dtype, device=self.device, policy=Policy.from_dict(self.policy),
-                   hardware=hardware, offload_dir=offload_dir, seed=self.seed)
+                   hardware=hardware, offload_dir=offload_dir, seed=self.seed, **self.options)
 
 
 def job_dtype(dtype, checkpoint_dtype: torch.dtype, device, num_gpus: float) -> str:

@@ -339,3 +339,22 @@ def test_job_dtype_is_resolved_once_for_the_actors_device():
     assert job_dtype("float32", bf16, None, num_gpus=1) == "float32"
     with pytest.raises(FlexSarathiError, match="'gpu' is not one FlexSarathi computes on"):
         job_dtype(None, f32, "gpu", num_gpus=1)
+
+
+@needs_ray  # flexsarathi.ray (the spec module's package) imports Ray Data
+def test_engine_spec_carries_the_engine_options_to_each_actor(stories_dir, tmp_path):
+    """`generate --ray --cpu-matmul dequantize`: each actor's engine multiplies as asked (the spec
+    once dropped the option and every actor ran `auto`, int8x2 where its kernel builds). Built
+    locally from the pickled spec, as an actor builds it; starts no Ray instance."""
+    import pickle
+
+    from flexsarathi.ray.spec import EngineSpec
+
+    spec = pickle.loads(pickle.dumps(EngineSpec.of(stories_dir, Policy(compress_weight=True), dtype="float32",
+                                                   device="cpu", cpu_matmul="dequantize", compress_head=False)))
+    assert spec.options == {"cpu_matmul": "dequantize", "compress_head": False}
+    llm = spec.build(str(tmp_path))
+    try:
+        assert llm.engine.cpu_matmul == "dequantize"
+    finally:
+        llm.close()

@@ -1,0 +1,93 @@
+"""`compress_head`: the LM head kept 4-bit on the compute device. Its logits are those of the
+dequantized head (transformers with the head replaced by dequantize(quantize(head)) gives the same
+greedy tokens); the int8 kernel's passes give the dequantizing route's tokens; the tracker counts
+the head's 4-bit bytes; a model whose head is its tied embeddings is one clear error."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from flexsarathi import LLM, SamplingParams
+from flexsarathi.errors import FlexSarathiError
+from policy_search import Policy
+from quant import cpu_int8_matmul, dequantize, quantize
+from quant.config import WEIGHT_QUANT
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 99, 3, 42, 7], [120, 8, 8, 64], [33] * 9]
+
+
+def _engine(folder: str, tmp_path, **options) -> LLM:
+    return LLM(folder, dtype="float32", device="cpu", policy=Policy(), offload_dir=str(tmp_path / "offload"),
+               **options)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=PARAMS.max_tokens, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_the_compressed_head_gives_transformers_tokens_with_the_dequantized_head(tiny_checkpoint, tmp_path):
+    folder, model = tiny_checkpoint("llama_gqa_untied")
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        head = reference.lm_head.weight
+        head.copy_(dequantize(quantize(head.detach().clone(), WEIGHT_QUANT), torch.float32))
+    llm = _engine(folder, tmp_path, compress_head=True, cpu_matmul="dequantize")
+    try:
+        assert _tokens(llm) == [_hf_greedy(reference, p) for p in PROMPTS]
+        assert _tokens(llm) != [_hf_greedy(model, p) for p in PROMPTS]  # the head really is the 4-bit one
+    finally:
+        llm.close()
+
+
+def test_the_tracker_counts_the_heads_4bit_bytes(tiny_checkpoint, tmp_path):
+    folder, model = tiny_checkpoint("llama_gqa_untied")
+    plain, small = _engine(folder, tmp_path), _engine(folder, tmp_path, compress_head=True)
+    try:
+        head = model.lm_head.weight.detach()
+        saved = head.nbytes - quantize(head.clone(), WEIGHT_QUANT).nbytes
+        before = plain.engine.memory.in_use_by_what("gpu")["embeddings and head"]
+        assert small.engine.memory.in_use_by_what("gpu")["embeddings and head"] == before - saved > 0
+    finally:
+        plain.close()
+        small.close()
+
+
+@pytest.mark.skipif(not cpu_int8_matmul.available(),
+                    reason=f"int8 kernel not available: {cpu_int8_matmul.unavailable_reason()}")
+def test_the_int8_kernels_head_gives_the_dequantizing_tokens(tmp_path, monkeypatch):
+    """A head the kernel covers (128 inputs): `auto` multiplies it with the int8 kernel (two planes
+    at these row counts), with the tokens of dequantize + matmul."""
+    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=128, intermediate_size=192,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    folder = tmp_path / "untied128"
+    model.save_pretrained(folder, safe_serialization=True)
+    exact = _engine(str(folder), tmp_path, compress_head=True, cpu_matmul="dequantize")
+    shapes = []
+    kernel = cpu_int8_matmul.int8_linear
+    monkeypatch.setattr(cpu_int8_matmul, "int8_linear", lambda x, w, *a, **k: shapes.append(w.shape) or kernel(x, w, *a, **k))
+    fast = _engine(str(folder), tmp_path, compress_head=True, cpu_matmul="auto")
+    try:
+        assert _tokens(fast) == _tokens(exact)
+        assert (256, 128) in shapes  # the head went through the kernel
+    finally:
+        exact.close()
+        fast.close()
+
+
+def test_a_tied_head_is_one_clear_error(tiny_checkpoint, tmp_path):
+    folder, _ = tiny_checkpoint("llama_tied_headdim")
+    with pytest.raises(FlexSarathiError, match="no LM head of its own"):
+        _engine(folder, tmp_path, compress_head=True)
