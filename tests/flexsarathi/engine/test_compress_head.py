@@ -91,3 +91,27 @@ def test_a_tied_head_is_one_clear_error(tiny_checkpoint, tmp_path):
     folder, _ = tiny_checkpoint("llama_tied_headdim")
     with pytest.raises(FlexSarathiError, match="no LM head of its own"):
         _engine(folder, tmp_path, compress_head=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_on_cuda_the_compressed_head_gives_the_dequantized_heads_tokens(tiny_checkpoint, tmp_path, dtype):
+    """On a GPU the 4-bit head goes through quant/fused.py (Triton at these rows where it runs, else
+    dequantize into the scratch the engine now reserves for it): the tokens of the same engine on a
+    checkpoint whose head holds dequantize(quantize(head))."""
+    folder, model = tiny_checkpoint("llama_gqa_untied")
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        head = reference.lm_head.weight
+        head.copy_(dequantize(quantize(head.detach().clone(), WEIGHT_QUANT), torch.float32))
+    reference.save_pretrained(tmp_path / "dequantized_head", safe_serialization=True)
+    options = dict(dtype=dtype, device="cuda", policy=Policy())
+    small = LLM(folder, offload_dir=str(tmp_path / "o1"), compress_head=True, **options)
+    exact = LLM(str(tmp_path / "dequantized_head"), offload_dir=str(tmp_path / "o2"), **options)
+    try:
+        assert "dequantize scratch" in small.engine.memory.in_use_by_what("gpu")
+        assert _tokens(small) == _tokens(exact)
+    finally:
+        small.close()
+        exact.close()
