@@ -15,6 +15,7 @@ from flexsarathi.errors import FlexSarathiError
 from policy_search import Policy
 from quant import cpu_int8_matmul, dequantize, quantize
 from quant.config import WEIGHT_QUANT
+from tests.flexsarathi.models.test_models import hf_greedy
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3, 42, 7], [120, 8, 8, 64], [33] * 9]
@@ -29,12 +30,6 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=PARAMS.max_tokens, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 def test_the_compressed_head_gives_transformers_tokens_with_the_dequantized_head(tiny_checkpoint, tmp_path):
     folder, model = tiny_checkpoint("llama_gqa_untied")
     reference = copy.deepcopy(model)
@@ -43,8 +38,8 @@ def test_the_compressed_head_gives_transformers_tokens_with_the_dequantized_head
         head.copy_(dequantize(quantize(head.detach().clone(), WEIGHT_QUANT), torch.float32))
     llm = _engine(folder, tmp_path, compress_head=True, cpu_matmul="dequantize")
     try:
-        assert _tokens(llm) == [_hf_greedy(reference, p) for p in PROMPTS]
-        assert _tokens(llm) != [_hf_greedy(model, p) for p in PROMPTS]  # the head really is the 4-bit one
+        assert _tokens(llm) == [hf_greedy(reference, p, PARAMS.max_tokens) for p in PROMPTS]
+        assert _tokens(llm) != [hf_greedy(model, p, PARAMS.max_tokens) for p in PROMPTS]  # the head really is the 4-bit one
     finally:
         llm.close()
 
