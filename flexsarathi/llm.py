@@ -44,7 +44,8 @@ class LLM:
         if policy == "auto":
             if opened is None and os.path.exists(model):
                 opened = open_model(model)  # once: the search reads its config, the engine its weights
-            formats = {k: v for k, v in engine_options.items() if k in ("weight_quant", "kv_bits", "kv_value_group")}
+            formats = {k: v for k, v in engine_options.items()
+                       if k in ("weight_quant", "kv_bits", "kv_value_group", "compress_head")}
             formats["kv_block_size"] = kv_block_size
             policy = self.search_policy(opened or model, spec, workload, dtype, device=device, formats=formats)
         elif isinstance(policy, str):

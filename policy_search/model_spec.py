@@ -47,6 +47,7 @@ class ModelSpec:
     layer_norm_bias: bool = False  # LayerNorm (OPT) has a bias, RMSNorm (LLaMA) does not
     weight_format: WeightFormat = WEIGHT_FORMAT  # compressed weights (the engine's weight_quant)
     kv_format: KVFormat = KV_FORMAT  # compressed KV cache (the engine's kv_bits, block, kv_value_group)
+    compressed_head: bool = False  # the engine's compress_head: an untied LM head held in weight_format
     qk_norm: bool = False  # qwen3: an RMSNorm weight over head_dim for q and for k in every layer
     # Mixture of experts (0 experts: a dense model, the fields below stay 0)
     num_experts: int = 0  # routed experts of each sparse layer
@@ -267,7 +268,7 @@ class ModelSpec:
     def hidden_bytes_per_token(self) -> int:
         return self.hidden_size * self.bytes_per_value
 
-    # ---- embeddings and LM head (kept in fp16; placed with the same fractions as the layers) ---
+    # ---- embeddings and LM head (kept in fp16, the head in weight_format with compressed_head) ---
     @property
     def embedding_params(self) -> int:
         h, e = self.hidden_size, self.token_embed_dim
@@ -289,7 +290,10 @@ class ModelSpec:
         return 2 * self.lm_head_params
 
     @property
-    def embedding_bytes(self) -> int:
+    def embedding_bytes(self) -> float:
+        if self.compressed_head and not self.tie_embeddings:
+            head = self.lm_head_params
+            return (self.embedding_params - head) * self.bytes_per_value + head * self.matrix_bytes_per_value(True)
         return self.embedding_params * self.bytes_per_value
 
     @property
@@ -297,7 +301,8 @@ class ModelSpec:
         return self.num_layers * self.layer_params + self.embedding_params
 
     def weight_bytes(self, compressed: bool) -> float:
-        """All weights as stored: layers (maybe compressed) plus fp16 embeddings and head."""
+        """All weights as stored: layers (maybe compressed) plus fp16 embeddings and head (the head
+        compressed with compressed_head)."""
         return self.num_layers * self.layer_weight_bytes(compressed) + self.embedding_bytes
 
     @property

@@ -70,7 +70,8 @@ def resolve_policy(args, hardware, workload) -> Policy:
         if hardware is None:
             raise FlexSarathiError("--policy auto needs --hardware (a preset such as t4, or a profile "
                                    "written by `flexsarathi profile`)")
-        return LLM.search_policy(args.model, hardware, workload, args.dtype, **constraints)
+        return LLM.search_policy(args.model, hardware, workload, args.dtype,
+                                 formats={"compress_head": getattr(args, "compress_head", False)}, **constraints)
     policy = Policy.load(args.policy) if args.policy else Policy()
     return policy.replace(**constraints)
 

@@ -31,7 +31,7 @@ class PlannedModel:
 
 def planned_model(model: str | OpenedModel, dtype=None, device=None, kv_block_size: int | None = None,
                   weight_quant=WEIGHT_QUANT, kv_bits: int = KV_FORMAT.bits,
-                  kv_value_group: int = KV_FORMAT.value_group) -> PlannedModel:
+                  kv_value_group: int = KV_FORMAT.value_group, compress_head: bool = False) -> PlannedModel:
     """model: a registered name (`opt-30b`, `dummy:opt-30b`), a checkpoint folder, a `.gguf` file, or
     an OpenedModel. device: where the engine will compute (default: this machine's default device)."""
     device = resolve_device(device, check_available=False) if device is not None else resolve_device(None)
@@ -44,7 +44,8 @@ def planned_model(model: str | OpenedModel, dtype=None, device=None, kv_block_si
         stored = stored_weight_format(opened.source)
     spec = dataclasses.replace(
         spec, weight_format=stored or WeightFormat(weight_quant.bits, weight_quant.group_size),
-        kv_format=KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group))
+        kv_format=KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group),
+        compressed_head=compress_head and not spec.tie_embeddings)
     return PlannedModel(spec, stored is not None)
 
 

@@ -1,7 +1,8 @@
 """`compress_head`: the LM head kept 4-bit on the compute device. Its logits are those of the
 dequantized head (transformers with the head replaced by dequantize(quantize(head)) gives the same
 greedy tokens); the int8 kernel's passes give the dequantizing route's tokens; the tracker counts
-the head's 4-bit bytes; a model whose head is its tied embeddings is one clear error."""
+the head's 4-bit bytes and the planner prices them; a model whose head is its tied embeddings is
+one clear error."""
 from __future__ import annotations
 
 import copy
@@ -57,18 +58,39 @@ def test_the_tracker_counts_the_heads_4bit_bytes(tiny_checkpoint, tmp_path):
         small.close()
 
 
-@pytest.mark.skipif(not cpu_int8_matmul.available(),
-                    reason=f"int8 kernel not available: {cpu_int8_matmul.unavailable_reason()}")
-def test_the_int8_kernels_head_gives_the_dequantizing_tokens(tmp_path, monkeypatch):
-    """A head the kernel covers (128 inputs): `auto` multiplies it with the int8 kernel (two planes
-    at these row counts), with the tokens of dequantize + matmul."""
+@pytest.fixture(scope="module")
+def untied128(tmp_path_factory) -> str:
+    """An untied llama whose head has 128 inputs: whole groups of 64 (no padding), and a shape the
+    int8 kernel covers."""
     config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=128, intermediate_size=192,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=64, tie_word_embeddings=False)
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    folder = tmp_path / "untied128"
-    model.save_pretrained(folder, safe_serialization=True)
+    folder = tmp_path_factory.mktemp("untied128")
+    AutoModelForCausalLM.from_config(config).float().eval().save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+@pytest.mark.parametrize("compress_head", [False, True])
+def test_the_planner_prices_the_bytes_the_engine_reserves(untied128, tmp_path, compress_head):
+    """`policy="auto"` with compress_head plans the head's 4-bit bytes: the planner's embeddings and
+    head are exactly what the engine reserves for them (fp32 here), with and without it."""
+    from flexsarathi.engine.planner_spec import planner_model_spec
+
+    llm = _engine(untied128, tmp_path, compress_head=compress_head)
+    try:
+        spec = planner_model_spec(untied128, "float32", compress_head=compress_head)
+        assert spec.embedding_bytes == llm.engine.memory.in_use_by_what("gpu")["embeddings and head"]
+    finally:
+        llm.close()
+
+
+@pytest.mark.skipif(not cpu_int8_matmul.available(),
+                    reason=f"int8 kernel not available: {cpu_int8_matmul.unavailable_reason()}")
+def test_the_int8_kernels_head_gives_the_dequantizing_tokens(untied128, tmp_path, monkeypatch):
+    """A head the kernel covers (128 inputs): `auto` multiplies it with the int8 kernel (two planes
+    at these row counts), with the tokens of dequantize + matmul."""
+    folder = untied128
     exact = _engine(str(folder), tmp_path, compress_head=True, cpu_matmul="dequantize")
     shapes = []
     kernel = cpu_int8_matmul.int8_linear
