@@ -22,9 +22,9 @@ from offload.linked_blocks import read_rows
 from offload.memory import MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, linked_bytes, store_key
 from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble, compress_resident
-from quant import QuantConfig
 from offload.streams import bind_thread, indexed
 from offload.weights import ROW_BLOCKS, RowSplit
+from quant import QuantConfig
 
 
 class TieredWeights:
