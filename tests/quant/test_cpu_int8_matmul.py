@@ -108,6 +108,27 @@ def test_rows_beyond_one_sweep_equal_the_rows_alone(layout):
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_any_thread_count_gives_the_same_bits(layout):
+    """The kernel splits the output columns into ranges its OpenMP threads take in turn, and x's rows
+    into per-thread shares for rounding: neither split changes a value's arithmetic, so 1, 2 and 3
+    threads give the same bits (decode-sized and multi-sweep x, panels and rows left over). `make
+    test` runs with one thread per worker: this test sets the counts itself."""
+    q = _weight(8 * 13 + 5, 1024, 64, seed=5, layout=layout)
+    previous = torch.get_num_threads()
+    try:
+        for rows in (6, 2 * (256 * 1024 // 1024) + 3):
+            x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
+            outputs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outputs.append(k8.int8_linear(x, q, planes=2 if rows == 6 else 1))
+            assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 40), k_units=st.integers(1, 6), group=st.sampled_from([32, 64, 128]),
        rows=st.integers(0, 7), layout=st.sampled_from(LAYOUTS), m32=st.booleans(), seed=st.integers(0, 2**16),
