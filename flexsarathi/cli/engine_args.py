@@ -37,6 +37,11 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
                    help="4-bit weights multiplied on the CPU: int8x2 (x as two int8 planes, ~16 bits, at "
                    "decode row counts), int8 (one plane at every row count: llama.cpp's arithmetic, "
                    "fastest), dequantize (exact to the codes); auto: int8x2 where its AVX2 kernel builds")
+    add_compress_head_arg(p)
+
+
+def add_compress_head_arg(p: argparse.ArgumentParser) -> None:
+    """--compress-head, the one definition (engine commands and `policy`, which prices it)."""
     p.add_argument("--compress-head", action="store_true",
                    help="keep the LM head 4-bit (the weight format) and multiply it as the 4-bit layers: "
                    "1/7 of its fp32 memory; models whose head is their tied input embeddings have none")

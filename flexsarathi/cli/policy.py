@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flexsarathi.cli.engine_args import add_dtype_arg
+from flexsarathi.cli.engine_args import add_compress_head_arg, add_dtype_arg
 from flexsarathi.cli.file_checks import check_output_file
 from policy_search import (HardwareSpec, InfeasibleError, Policy, PolicyError, SpecError,
                            Workload, estimate, format_report, search_detailed, write_policy_file)
@@ -47,6 +47,7 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu-batch-size", type=int, default=None, help="fix the micro-batch size")
     p.add_argument("--num-gpu-batches", type=int, default=None, help="fix the micro-batch count")
     add_dtype_arg(p)  # what the engine computes in: the bytes per weight, KV and activation value
+    add_compress_head_arg(p)  # priced as the engine holds it: an untied head in the weight format
     p.add_argument("--policy", default=None,
                    help="estimate this policy JSON instead of searching")
     p.add_argument("--json", default=None, metavar="OUT",
@@ -67,7 +68,11 @@ def _specs(args):
         dtype_name(args.dtype, "--dtype")  # a bad name is one error naming the flag
     # The engine's dtype on the planned machine (auto: a half dtype on a GPU, this machine's measured
     # choice on a CPU profile), not on this one; a pre-quantized checkpoint priced in its own format.
-    planned = planned_model(args.model, args.dtype, device="cpu" if hardware.compute_on_host else "cuda")
+    planned = planned_model(args.model, args.dtype, device="cpu" if hardware.compute_on_host else "cuda",
+                            compress_head=args.compress_head)
+    if args.compress_head and planned.spec.tie_embeddings:  # the engine refuses it: so does its plan
+        raise SpecError(f"--compress-head: {planned.spec.name} has no LM head of its own (its head is its "
+                        "tied input embeddings)")
     if args.workload:
         workload = Workload.from_file(args.workload, num_requests=args.num_requests)
     else:

@@ -107,3 +107,30 @@ def test_dtype_sets_the_bytes_per_value(tmp_path, capsys):
     fp32 = estimate(Policy.load(fixed), ModelSpec.from_name("opt-125m", bytes_per_value=4), host, workload)
     half = estimate(Policy.load(fixed), ModelSpec.from_name("opt-125m", bytes_per_value=2), host, workload)
     assert fp32.peak_memory["gpu"] > 1.5 * half.peak_memory["gpu"]  # the choice is visible in the plan
+
+
+def test_compress_head_is_priced_as_the_engine_holds_it(tmp_path, capsys):
+    """--compress-head: llama-2-7b's untied head priced in the weight format, as `generate --policy auto
+    --compress-head` plans it (planned_model(compress_head=True)); the head's bytes leave the tier
+    that holds the embeddings and head. A tied head is refused, as the engine refuses it."""
+    from flexsarathi.engine.planner_spec import planned_model
+
+    fixed = tmp_path / "fixed.json"
+    Policy(gpu_batch_size=4, compress_weight=True).save(fixed)
+    workload, hardware = Workload(prompt_len=64, gen_len=8), HardwareSpec.preset("a100-40g")
+    peaks = {}
+    for head in (False, True):
+        out_path = tmp_path / f"est-{head}.json"
+        rc, _, err = run(["--model", "llama-2-7b", "--hardware", "a100-40g", "--prompt-len", "64", "--gen-len", "8",
+                          "--dtype", "float16", "--policy", str(fixed), "--json", str(out_path)]
+                         + (["--compress-head"] if head else []), capsys)
+        assert rc == 0, err
+        spec = planned_model("llama-2-7b", "float16", device="cuda", compress_head=head).spec
+        expected = estimate(Policy.load(fixed), spec, hardware, workload)
+        peaks[head] = json.loads(out_path.read_text())["estimate"]["peak_memory_bytes"]["gpu"]
+        assert peaks[head] == pytest.approx(expected.peak_memory["gpu"])
+    fp16_head = 32000 * 4096 * 2
+    assert 0.7 * fp16_head < peaks[False] - peaks[True] < fp16_head  # 4-bit codes + group parameters stay
+
+    rc, _, err = run(["--model", "opt-125m", "--compress-head"], capsys)
+    assert rc == 2 and "--compress-head: opt-125m has no LM head of its own" in err
