@@ -14,6 +14,12 @@ model name the core generation). Asserts nothing; machines here are noisy, so co
 figures taken in one run.
 
     .venv/bin/python scripts/bench_int8_ceiling.py            # ~1 minute
+
+`--against OLD.c` also times another version of the kernel's source (built the same way), each
+timed pass alternating between the two, so that the noise of a shared machine falls on both alike:
+
+    git show HEAD~1:quant/csrc/q4_int8_gemm.c > /tmp/old.c
+    .venv/bin/python scripts/bench_int8_ceiling.py --against /tmp/old.c
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import torch  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from quant import QuantConfig, quantize  # noqa: E402
 from quant import cpu_int8_matmul  # noqa: E402
+from quant.cpu_kernels import Kernel  # noqa: E402
 
 # llama-2-7b's fused layer matrices (N, K): qkv, o, gate_up, down
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
@@ -88,26 +95,32 @@ def probe() -> tuple[float, float, float] | str:
     return ghz, mad, pair
 
 
-def kernel_rate(rows: int, threads: int, repeats: int, weights, inputs) -> float:
-    """Multiply-adds per second of one pass over the four matrices, best of `repeats`."""
-    previous = torch.get_num_threads()
+def kernel_rates(rows: int, threads: int, repeats: int, weights, inputs, kernels: dict) -> dict[str, float]:
+    """{name: multiply-adds per second of one pass over the four matrices, best of `repeats`}, the
+    kernels (name -> cpu_kernels.Kernel) taking turns pass by pass."""
+    previous, current = torch.get_num_threads(), cpu_int8_matmul.KERNEL
     torch.set_num_threads(threads)
+    best = dict.fromkeys(kernels, float("inf"))
     try:
-        best = float("inf")
         for _ in range(repeats):
-            start = time.perf_counter()
-            for w, x in zip(weights, inputs[rows]):
-                cpu_int8_matmul.int8_linear(x, w)
-            best = min(best, time.perf_counter() - start)
+            for name, kernel in kernels.items():
+                cpu_int8_matmul.KERNEL = kernel  # what int8_linear calls
+                start = time.perf_counter()
+                for w, x in zip(weights, inputs[rows]):
+                    cpu_int8_matmul.int8_linear(x, w)
+                best[name] = min(best[name], time.perf_counter() - start)
     finally:
+        cpu_int8_matmul.KERNEL = current
         torch.set_num_threads(previous)
-    return rows * sum(n * k for n, k in SHAPES) / best
+    return {name: rows * sum(n * k for n, k in SHAPES) / seconds for name, seconds in best.items()}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5, help="timed passes per row count and thread count")
     p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--against", default=None, metavar="OLD.c", help="another version of quant/csrc/q4_int8_gemm.c "
+                   "to time alternately with this one")
     args = p.parse_args()
     print(cpu_line(torch.float32))
     if not cpu_int8_matmul.available():
@@ -125,13 +138,25 @@ def main() -> int:
     weights = [quantize(torch.randn(n, k, generator=gen) * 0.02, QuantConfig(bits=4, group_size=args.group_size))
                for n, k in SHAPES]
     inputs = {rows: [torch.randn(rows, k, generator=gen) for _, k in SHAPES] for rows in (32, 512)}
+    kernels = {"kernel": cpu_int8_matmul.KERNEL}
+    if args.against:
+        old = Kernel("int8_linear (--against)", Path(args.against), cpu_int8_matmul.KERNEL.signatures)
+        if not old.available():
+            print(f"--against {args.against}: {old.unavailable_reason()}")
+            return 1
+        kernels["against"] = old
     cores = os.cpu_count() or 1
-    print(f"\n{'rows':>5} {'threads':>8} {'G mult-adds/s':>14} {'per cycle and core':>19} {'of the ceiling':>15}")
+    print(f"\n{'kernel':>8} {'rows':>5} {'threads':>8} {'G mult-adds/s':>14} {'per cycle and core':>19} "
+          f"{'of the ceiling':>15}")
     for rows in (32, 512):
         for threads in sorted({1, cores}):
-            rate = kernel_rate(rows, threads, args.repeats, weights, inputs)
-            per_cycle = rate / (ghz * 1e9) / threads
-            print(f"{rows:>5} {threads:>8} {rate / 1e9:>14.1f} {per_cycle:>19.1f} {per_cycle / ceiling:>14.0%}")
+            rates = kernel_rates(rows, threads, args.repeats, weights, inputs, kernels)
+            for name, rate in rates.items():
+                per_cycle = rate / (ghz * 1e9) / threads
+                print(f"{name:>8} {rows:>5} {threads:>8} {rate / 1e9:>14.1f} {per_cycle:>19.1f} "
+                      f"{per_cycle / ceiling:>14.0%}")
+            if len(rates) == 2:
+                print(f"{'':>8} {'':>5} {'':>8} kernel / against: {rates['kernel'] / rates['against']:.2f}x")
     return 0
 
 
