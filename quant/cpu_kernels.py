@@ -31,6 +31,11 @@ _pool_lock = threading.Lock()
 _pools: dict[int, object] = {}
 
 
+def c_compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc, else gcc (None: none here)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build(source: Path) -> Path:
     """The compiled kernel's path, built on first use. RuntimeError says why it cannot be had here."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -38,7 +43,7 @@ def build(source: Path) -> Path:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         raise RuntimeError(f"{source.name} needs AVX2 (torch reports CPU capability {capability})")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if not compiler:
         raise RuntimeError(f"no C compiler (cc, gcc or $CC) to build {source.name} with")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]

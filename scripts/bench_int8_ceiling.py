@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import torch  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from quant import QuantConfig, quantize  # noqa: E402
 from quant import cpu_int8_matmul  # noqa: E402
-from quant.cpu_kernels import Kernel  # noqa: E402
+from quant.cpu_kernels import Kernel, c_compiler  # noqa: E402
 
 # llama-2-7b's fused layer matrices (N, K): qkv, o, gate_up, down
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
@@ -80,7 +79,7 @@ int main(void) {
 
 def probe() -> tuple[float, float, float] | str:
     """(GHz, vpmaddubsw per cycle, vpmaddubsw + vpaddw pairs per cycle), or why not."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         return "no C compiler (cc, gcc or $CC)"
     with tempfile.TemporaryDirectory() as folder:

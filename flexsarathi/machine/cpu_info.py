@@ -18,41 +18,38 @@ RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "
 ISA_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
-def _cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
-    """(model name, flags) of the first processor listed; ("", {}) where there is no such file."""
-    model, flags = "", set()
+def _first_processor(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's fields ({} where there is no such file): its block ends at the first
+    blank line."""
+    fields: dict[str, str] = {}
     try:
         with open(path) as f:
             for line in f:
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
                 key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and not model:
-                    model = value.strip()
-                elif key == "flags" and not flags:
-                    flags = set(value.split())
-                if model and flags:
-                    break
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return model, flags
+    return fields
+
+
+def _cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
+    """(model name, flags) of the first processor listed; ("", {}) where there is no such file."""
+    fields = _first_processor(path)
+    return fields.get("model name", ""), set(fields.get("flags", "").split())
 
 
 def cpu_generation(path: str = "/proc/cpuinfo") -> str:
     """"family F model M" of the first processor listed ("" where not listed): a VM's model name is
     often just "AMD EPYC", while the family and model tell the core generation, and with it the
     throughput of the instructions the int8 kernel is made of (family 25 model 1: Zen 3)."""
-    found: dict[str, str] = {}
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("cpu family", "model") and key.strip() not in found:
-                    found[key.strip()] = value.strip()
-                if len(found) == 2:
-                    return f"family {found['cpu family']} model {found['model']}"
-    except OSError:
-        pass
-    return ""
+    fields = _first_processor(path)
+    if "cpu family" not in fields or "model" not in fields:
+        return ""
+    return f"family {fields['cpu family']} model {fields['model']}"
 
 
 def cpu_description() -> dict:
