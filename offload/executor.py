@@ -52,18 +52,34 @@ class PassExecutor:
                                        initargs=(indexed(self.device),)) if overlap else None)
         # CUDA: the I/O thread's copies run on their own stream, ordered by events (offload/streams.py).
         self._io_stream = IOStream(self.device if overlap else CPU)
+        self._biases: dict[int, torch.Tensor] = {}  # per pass: id(part) -> its decode mask (_decode_bias)
 
     def _io_worth_a_thread(self, mb: MicroBatch) -> bool:
         """Whether the micro-batch's loads and stores leave the compute device's memory system.
-        On a GPU they always do (copies over the bus), and the thread overlaps them with compute.
+        On a GPU they do (copies over the bus) unless it is resident (_resident: then nothing
+        crosses, and a thread would only add futures and events to a pass bound by host time).
         On a CPU compute device, gathering KV from host memory and parking hidden states there are
         themselves compute on the same cores: a thread only adds a second OpenMP team competing
         for them (slower passes: docs/BENCHMARKS.md). Only the disk tier (KV or activations) is
         real I/O there."""
         if self.device.type != "cpu":
-            return True
+            return not self._resident(mb)
         return (self.acts.fractions[2] > 0 or any(part.tier == "disk" for g in mb.groups for part in g.parts)
                 or any(write.tier == "disk" for write in mb.kv_writes))
+
+    def _resident(self, mb: MicroBatch) -> bool:
+        """Its hidden states stay on the compute device and every KV part it reads or writes is the
+        gpu tier's (the compute device's memory)."""
+        return (self.acts.all_on_device and all(part.tier == "gpu" for g in mb.groups for part in g.parts)
+                and all(write.tier == "gpu" for write in mb.kv_writes))
+
+    def writes_first(self, mb: MicroBatch) -> bool:
+        """Whether the micro-batch's new K/V are written into the pool before attention, which then
+        reads them from the pool with the rest of the context (no patching of gathered contexts):
+        a resident micro-batch whose gpu-tier pool holds plain K/V. Its contexts are gathered on
+        the compute stream, after the writes, instead of ahead by the I/O step."""
+        pool = self.kv_pools.get("gpu")
+        return self._resident(mb) and (not mb.kv_writes or (pool is not None and pool.compression is None))
 
     def _submit(self, fn, fence, *args, threaded: bool = True) -> Future:
         """fn(*args) on the I/O thread (its stream waiting for `fence`), or inline on the compute
@@ -96,6 +112,7 @@ class PassExecutor:
             keep_freed_host_memory()  # once per process; see offload/host_malloc.py
         with device_guard(self.device), cpu_matmul_mode(self.cpu_matmul):
             batches = [mb.to(self.device) for mb in micro_batches]
+            self._biases = self._decode_biases(batches)
             g = self.weights.global_weights()
             for k, mb in enumerate(batches):
                 self.acts.put(k, self.model.embed(g, mb.token_ids, mb.positions).to(self.dtype))
@@ -119,14 +136,14 @@ class PassExecutor:
         for k, mb in enumerate(batches):
             (hidden, contexts), loaded = loading.result()
             wait_for(loaded, self.device)
-            used_on([hidden, *(t for parts in contexts for kv in parts if kv is not None for t in kv)], compute)
+            used_on([hidden, *(t for parts in contexts or () for kv in parts if kv is not None for t in kv)], compute)
             if k + 1 < len(batches):
                 loading = self._submit(self._load, start, layer, batches[k + 1], k + 1, threaded=threaded[k + 1])
             hidden, new_k, new_v = self._compute(layer, w, mb, hidden, contexts)
             if threaded[k]:
                 used_on([hidden, new_k, new_v], self._io_stream.stream)
-            storing.append(self._submit(self._store, record_event(self.device), layer, mb, k, hidden, new_k, new_v,
-                                        threaded=threaded[k]))
+            storing.append(self._submit(self._store, record_event(self.device) if threaded[k] else None, layer, mb,
+                                        k, hidden, new_k, new_v, threaded=threaded[k]))
         for future in storing:
             wait_for(future.result()[1], self.device)
         self.weights.release(layer)
@@ -144,9 +161,12 @@ class PassExecutor:
     # ---- the three steps of a micro-batch -----------------------------------------------------
     @torch.inference_mode()
     def _load(self, layer: int, mb: MicroBatch, k: int):
+        """(hidden, contexts); contexts None where the micro-batch writes first (gathered in _compute)."""
         hidden = self.acts.take(k)
-        contexts = [[self._context(layer, group, part) for part in group.parts] for group in mb.groups]
-        return hidden, contexts
+        return hidden, None if self.writes_first(mb) else self._contexts(layer, mb)
+
+    def _contexts(self, layer: int, mb: MicroBatch) -> list[list]:
+        return [[self._context(layer, group, part) for part in group.parts] for group in mb.groups]
 
     def _context(self, layer: int, group: AttentionGroup, part):
         device, pool = self.attention_device(part.tier, group), self.kv_pools[part.tier]
@@ -160,30 +180,46 @@ class PassExecutor:
         return part.new_rows is not None
 
     def _compute(self, layer: int, w, mb: MicroBatch, hidden: torch.Tensor, contexts):
+        """Layer `layer` on the micro-batch; contexts None: it writes first (writes_first), so its new
+        K/V go into the pool here and the contexts are gathered from the pool after them."""
         q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
-        attn = torch.empty_like(q)
+        written = contexts is None
+        if written:
+            self._store_kv(layer, mb, k, v)
+            contexts = self._contexts(layer, mb)
+        whole = len(mb.groups) == 1 and mb.groups[0].row_start == 0 and \
+            mb.groups[0].num_seqs * mb.groups[0].num_queries == mb.num_tokens
+        attn = None if whole else torch.empty_like(q)
         for group, group_contexts in zip(mb.groups, contexts):
-            rows = (slice(group.row_start, group.row_start + group.num_seqs * group.num_queries)
-                    if group.row_start is not None else group.token_rows)  # a slice is a view, no copy
+            rows = _rows(group.row_start, group.num_seqs * group.num_queries, group.token_rows)
             q_group = q[rows].unflatten(0, (group.num_seqs, group.num_queries))
             q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
             k_rows, v_rows = k[rows], v[rows]
             outs = [out for part, context in zip(group.parts, group_contexts)
-                    for out in self._attend_part(layer, q_on, group, part, context, k_rows, v_rows)]
+                    for out in self._attend_part(layer, q_on, group, part, context, k_rows, v_rows, written)]
             merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
-            attn[rows] = merged.flatten(0, 1)
+            if whole:  # the one group is every row, in order: its output is the attention output
+                attn = merged.flatten(0, 1)
+            else:
+                attn[rows] = merged.flatten(0, 1)
         return self.model.post_attention(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
 
-    def _attend_part(self, layer: int, q_on: dict, group: AttentionGroup, part, context, k_rows, v_rows):
-        """(out, lse) pairs of the group's queries against one part's keys, on the compute device."""
+    def _attend_part(self, layer: int, q_on: dict, group: AttentionGroup, part, context, k_rows, v_rows,
+                     written: bool):
+        """(out, lse) pairs of the group's queries against one part's keys, on the compute device
+        (lse None where the part is the group's only one: nothing to merge). written: the pass's
+        new K/V are in the pool already, so a gathered context holds them."""
         pool = self.kv_pools[part.tier]
         if context is IN_POOL:
             q = self._q_on(q_on, CPU)
             out, lse = pool.attend_decode(layer, group, part, q, k_rows, v_rows, self.model.scale,
                                           self.model.config.sliding_window)
             return [(to_device(out, self.device), to_device(lse, self.device))]
-        return [self._attend(q_on, group, part, keys, values, key_rule)
-                for keys, values, key_rule in pool.parts_to_attend(group, part, context, k_rows, v_rows)]
+        triples = ([(*context, None)] if written and context is not None
+                   else pool.parts_to_attend(group, part, context, k_rows, v_rows))
+        alone = len(triples) == 1 and len(group.parts) == 1
+        return [self._attend(q_on, group, part, keys, values, key_rule, alone)
+                for keys, values, key_rule in triples]
 
     @staticmethod
     def _q_on(q_on: dict, dev: torch.device) -> torch.Tensor:
@@ -193,20 +229,48 @@ class PassExecutor:
             q_on[dev] = to_host(q) if dev.type == "cpu" else q.to(dev, non_blocking=True)  # no stream sync
         return q_on[dev]
 
-    def _attend(self, q_on: dict, group: AttentionGroup, part, keys, values, key_rule):
+    def _attend(self, q_on: dict, group: AttentionGroup, part, keys, values, key_rule, alone: bool = False):
         """Attention where the keys are (the CPU for delegated decodes); out [B, n, heads, d] and
         lse [B, n, heads] come back to the compute device for merging. On the CPU the positions
-        and lengths are the batch builder's host tensors: only q crosses, once per group."""
+        and lengths are the batch builder's host tensors: only q crosses, once per group. alone:
+        nothing is merged with this (lse not wanted): decode rows on the compute device then take
+        one fused attention call with the pass's mask (no lse: None)."""
         dev = keys.device
         q = self._q_on(q_on, dev)
+        if alone and group.is_decode and key_rule is None and dev == self.device:
+            return self.model.attend_decode(q, keys, values, self._decode_bias(group, part, keys.shape[1], q.dtype)), None
         meta_group, meta_part = (host_of(group), host_of(part)) if dev.type == "cpu" else (group, part)
         out, lse = self.model.attend(q, keys, values, meta_group.q_pos, meta_part.kv_len,
                                     meta_part.kv_start, key_rule)
         return to_device(out, self.device), to_device(lse, self.device)
 
+    def _decode_biases(self, batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """id(part) -> its attention mask, for each decode group of one part attended on the compute
+        device (_attend's fused call): the same for every layer, so built once per pass."""
+        return {id(part): self.model.decode_bias(g.q_pos, part.kv_len, part.kv_slots.shape[1], self.dtype, part.kv_start)
+                for mb in batches for g in mb.groups if g.is_decode and len(g.parts) == 1
+                for part in g.parts if self.attention_device(part.tier, g) == self.device}
+
+    def _decode_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """The part's mask from _decode_biases (built here for a part it did not foresee)."""
+        key = id(part)
+        if key not in self._biases:
+            self._biases[key] = self.model.decode_bias(group.q_pos, part.kv_len, length, dtype, part.kv_start)
+        return self._biases[key]
+
     @torch.inference_mode()
     def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v) -> None:
-        for write in mb.kv_writes:
-            self.kv_pools[write.tier].store(layer, write.slots, new_k[write.rows], new_v[write.rows],
-                                            write.residual_ids)
+        if not self.writes_first(mb):  # else _compute wrote them
+            self._store_kv(layer, mb, new_k, new_v)
         self.acts.put(k, hidden)
+
+    def _store_kv(self, layer: int, mb: MicroBatch, new_k, new_v) -> None:
+        for write in mb.kv_writes:
+            rows = _rows(write.row_start, write.rows.shape[0], write.rows)
+            self.kv_pools[write.tier].store(layer, write.slots, new_k[rows], new_v[rows], write.residual_ids)
+
+
+def _rows(start: int | None, count: int, rows: torch.Tensor):
+    """The micro-batch rows start..start+count-1 as a slice (a view: no gather, and the fused qkv
+    output's K/V stay side by side), or `rows` where they are not consecutive."""
+    return slice(start, start + count) if start is not None else rows

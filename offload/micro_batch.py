@@ -79,6 +79,7 @@ class KVWrite:
     rows: torch.Tensor  # [S]
     slots: torch.Tensor  # [S]
     residual_ids: torch.Tensor  # [S] residual row of each token's sequence
+    row_start: int | None = None  # rows == row_start + arange(S): the executor slices
     host: "KVWrite | None" = field(default=None, repr=False, compare=False)  # see host_of
 
 

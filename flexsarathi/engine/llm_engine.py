@@ -196,6 +196,10 @@ class EngineConfig:
     # its fp32 bytes (llama-2-7b: 0.5 GB -> 74 MB; a 150K-word vocabulary's head is 2.4 GB in fp32),
     # and on the CPU the int8 kernel instead of an fp32 GEMM. Logits then come from 4-bit weights.
     compress_head: bool = False
+    # Decode passes whose weights, KV cache and activations all stay on a CUDA device replay a CUDA
+    # graph captured once per batch and context bucket (offload/decode_graphs.py): the host then
+    # launches one graph instead of every kernel. None: on where the compute device is CUDA.
+    cuda_graphs: bool | None = None
 
 
 HEAD = "lm_head.weight"
@@ -260,6 +264,7 @@ class LLMEngine:
         self._rng = random.Random(e.seed)
         self._next_id = 0
         self.closed = False
+        self.stats = {"graph_passes": 0}  # decode passes replayed from a CUDA graph
         self._closed_because = "LLM.close() was called"
 
     def _place_weights(self) -> TieredWeights:

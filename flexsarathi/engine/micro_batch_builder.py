@@ -82,11 +82,18 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager) -> tuple[Micr
             groups.append(_group([(item, row, view)], n, blocks.block_size))
         row += n
     groups += [_group(members, 1, blocks.block_size) for members in decodes.values()]
-    kv_writes = [KVWrite(t, torch.cat(r), torch.cat(s), torch.cat(ids)) for t, (r, s, ids) in writes.items() if r]
+    kv_writes = [_write(t, torch.cat(r), torch.cat(s), torch.cat(ids)) for t, (r, s, ids) in writes.items() if r]
     batch = MicroBatch(token_ids=torch.tensor(token_ids), positions=torch.tensor(positions),
                        groups=groups, kv_writes=kv_writes,
                        logit_rows=torch.tensor(logit_rows, dtype=torch.long))
     return batch, spans
+
+
+def _write(tier: str, rows: torch.Tensor, slots: torch.Tensor, residual_ids: torch.Tensor) -> KVWrite:
+    """rows ascend (items in order, each item's rows in order), so they are consecutive exactly
+    when they span as many rows as they count."""
+    consecutive = int(rows[-1]) - int(rows[0]) + 1 == rows.numel()
+    return KVWrite(tier, rows, slots, residual_ids, row_start=int(rows[0]) if consecutive else None)
 
 
 def _decode_group_key(item: WorkItem, view: _SeqView) -> tuple:

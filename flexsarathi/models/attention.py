@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.nn.functional as F
 
 _QUERY_BLOCK = 256  # query rows per step: bounds the [heads, rows, context] score buffer
 
@@ -96,21 +97,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     kernel: "auto" (on the CPU flash for fp32 and for half-precision prompt chunks, matmuls
     otherwise), "flash" or "matmul".
     """
-    n, length = q.shape[1], k.shape[1]
-    key_pos = torch.arange(length, device=q.device) + (
-        kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
-    valid_len = torch.arange(length, device=q.device)[None, :] < kv_len[:, None]  # [B, L]
+    n = q.shape[1]
 
     def visible(start: int, stop: int) -> torch.Tensor:  # [B, rows, L]
-        qp = q_pos[:, start:stop, None]  # [B, rows, 1]
-        mask = valid_len[:, None, :] & (key_pos <= qp)
-        if sliding_window is not None:
-            mask &= key_pos > qp - sliding_window
-        if key_blocks is not None:
-            size, rule = key_blocks
-            same = (key_pos // size) == (qp // size)
-            mask &= same if rule == "same" else (key_pos // size) < (qp // size)
-        return mask
+        return visible_keys(q_pos[:, start:stop], kv_len, k.shape[1], kv_pos_offset, sliding_window, key_blocks)
 
     if kernel == "auto":
         use_flash = (_FLASH is not None and q.device.type == "cpu"
@@ -122,6 +112,53 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     if kernel != "matmul":
         raise ValueError(f"attend: kernel must be 'auto', 'flash' or 'matmul', got {kernel!r}")
     return _attend_matmul(q, k, v, visible, scale)
+
+
+def visible_keys(q_pos: torch.Tensor, kv_len: torch.Tensor, length: int, kv_pos_offset: int | torch.Tensor = 0,
+                 sliding_window: int | None = None, key_blocks: tuple[int, str] | None = None) -> torch.Tensor:
+    """[B, rows, L] bool: which of `length` keys each query row sees (attend's rule). q_pos: [B, rows]."""
+    key_pos = torch.arange(length, device=q_pos.device) + (
+        kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
+    qp = q_pos[:, :, None]  # [B, rows, 1]
+    mask = (torch.arange(length, device=q_pos.device) < kv_len[:, None])[:, None, :] & (key_pos <= qp)
+    if sliding_window is not None:
+        mask &= key_pos > qp - sliding_window
+    if key_blocks is not None:
+        size, rule = key_blocks
+        same = (key_pos // size) == (qp // size)
+        mask &= same if rule == "same" else (key_pos // size) < (qp // size)
+    return mask
+
+
+# Keys per bias row are padded to this many elements: the GPU's memory-efficient attention kernel
+# wants its bias rows aligned and otherwise pads a copy on every call.
+_BIAS_ALIGN = 16
+
+
+def decode_bias(q_pos: torch.Tensor, kv_len: torch.Tensor, length: int, dtype: torch.dtype,
+                kv_pos_offset: int | torch.Tensor = 0, sliding_window: int | None = None) -> torch.Tensor:
+    """The additive mask of a decode group (one query row per sequence, q_pos [B, 1]) over `length`
+    keys: [B, 1, 1, L] in `dtype`, 0 where a key is visible and -inf elsewhere (attend's rule).
+    The same for every layer of a pass: the executor builds it once per pass."""
+    visible = visible_keys(q_pos, kv_len, length, kv_pos_offset, sliding_window)  # [B, 1, L]
+    padded = -(-length // _BIAS_ALIGN) * _BIAS_ALIGN
+    bias = torch.full((q_pos.shape[0], 1, 1, padded), float("-inf"), dtype=dtype, device=q_pos.device)
+    return bias[..., :length].masked_fill_(visible[:, None], 0.0)
+
+
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row per sequence against its keys, where no log-sum-exp is wanted (the whole
+    context is one part): one fused attention call (scaled_dot_product_attention: the efficient or
+    flash kernel, fp32 accumulation inside), no fp32 copies of K and V. q: [B, 1, heads, d]; k, v:
+    [B, L, kv_heads, d]; bias: decode_bias's. Returns out [B, 1, heads, d] in q's dtype. Every row
+    must see at least one key (a decode sees itself). Grouped-query heads: the `group` query heads
+    of a kv head are that many rows of one call (they share the sequence's bias), so K and V are
+    never repeated."""
+    batch, _, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, dim), k.transpose(1, 2),
+                                         v.transpose(1, 2), attn_mask=bias, scale=scale)  # [B, kvh, group, d]
+    return out.view(batch, 1, heads, dim)
 
 
 def _attend_flash(q, k, v, visible: torch.Tensor, scale: float, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,6 +92,12 @@ class ModelMath(ABC):
         return attention.attend(q, k, v, q_pos, kv_len, self.scale, self.config.sliding_window,
                                 kv_pos_offset, key_blocks)
 
+    def decode_bias(self, q_pos, kv_len, length, dtype, kv_pos_offset=0):
+        return attention.decode_bias(q_pos, kv_len, length, dtype, kv_pos_offset, self.config.sliding_window)
+
+    def attend_decode(self, q, k, v, bias):
+        return attention.attend_decode(q, k, v, bias, self.scale)
+
     @staticmethod
     def merge_attention(parts):
         return attention.merge_partial_attention(parts)

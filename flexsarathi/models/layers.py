@@ -51,13 +51,13 @@ def swiglu(x: torch.Tensor, gate_up, down, gate_up_bias=None, down_bias=None) ->
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As HF LlamaRMSNorm: normalise in fp32, cast back, then scale.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+    # In the compute dtype, as HF's OPT runs its LayerNorm modules: the kernel accumulates in fp32
+    # for half-precision inputs, and no fp32 copies of x, weight and bias are launched.
+    return F.layer_norm(x, (x.shape[-1],), weight.to(x.dtype), bias.to(x.dtype), eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

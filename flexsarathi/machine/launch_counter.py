@@ -1,0 +1,56 @@
+"""Counting the kernels a piece of PyTorch code launches, on any device (the CPU included).
+
+A decode pass that keeps everything on a GPU is bound by host time per kernel launch, not by bytes
+(docs/DESIGN.md, "Decode passes on a GPU"). Under a dispatch mode every aten operator reaches us
+after autograd and composite decomposition, as a GPU would run it: an operator that computes or
+copies is one launch; a view (`transpose`, `slice`, `view`, ...) and a bare allocation (`empty`)
+are none. The same code path run on the CPU therefore gives the GPU's count, which
+`scripts/count_launches.py` checks against the CUDA profiler where a GPU is at hand.
+
+`LaunchCounter` also records each launch as (operator, input shapes, input dtypes): two steady
+decode steps of a pass that a CUDA graph can replay issue the same sequence, and none of the
+operators in SYNCS, which wait for the device (or, `pin_memory`, allocate page-locked memory).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# No kernel: allocation only, or metadata.
+_NO_KERNEL = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
+    "lift_fresh", "detach", "alias", "_reshape_alias", "is_pinned", "record_stream", "size", "stride",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type",
+})
+# Operators that make the host wait for the device or pin host memory: none may run inside a
+# captured pass (its graph would freeze their results).
+SYNCS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "_pin_memory", "pin_memory",
+                   "equal", "allclose", "masked_select", "unique", "_unique2"})
+
+
+def _op_name(func) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+class LaunchCounter(TorchDispatchMode):
+    """with LaunchCounter() as c: ...; c.launches, c.ops (name, shapes, dtypes) per launch, c.syncs."""
+
+    def __init__(self):
+        super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        self.launches = 0
+        self.ops: list[tuple[str, tuple, tuple]] = []
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _op_name(func)
+        if name in SYNCS:
+            self.syncs.append(name)
+        if not func.is_view and name not in _NO_KERNEL:
+            self.launches += 1
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            self.ops.append((name, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors)))
+        return func(*args, **kwargs)

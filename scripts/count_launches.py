@@ -1,0 +1,235 @@
+#!/usr/bin/env python
+"""Kernel launches and host time per decode layer-step, ours beside a plain-PyTorch layer (prints;
+asserts nothing; `tests/offload/test_launch_count.py` pins the count).
+
+An all-on-device decode pass moves nothing, so its speed on a GPU is host time: about 25 us per
+kernel launch (docs/DESIGN.md, "Decode passes on a GPU"). This counts the aten operators that launch
+a kernel (views and bare allocations do not) inside the layer loop of decode passes, on any device:
+on the CPU the GPU code path runs with a half-precision model (decode attention is the same SDPA
+call there), so the count is measurable without a GPU. Beside it, the same count and host time for
+a plain PyTorch OPT decode layer (fused qkv, one KV write, SDPA: the floor) in the same process.
+
+    python scripts/count_launches.py                         # tiny OPT, fp16, batch 2, on the CPU
+    python scripts/count_launches.py --device cuda           # the same on a GPU (also its profiler's count)
+    python scripts/count_launches.py --graphs                # with CUDA graphs where the pass allows them
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
+from flexsarathi.machine.launch_counter import LaunchCounter  # noqa: E402
+
+
+def tiny_opt(folder: str, hidden: int, heads: int, layers: int, dtype: torch.dtype) -> None:
+    """A random OPT checkpoint of these shapes (transformers writes it: the test extra)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(vocab_size=512, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       ffn_dim=4 * hidden, max_position_embeddings=1024, word_embed_proj_dim=hidden)
+    torch.manual_seed(0)
+    OPTForCausalLM(config).to(dtype).save_pretrained(folder, safe_serialization=True)
+
+
+class PlainLayer:
+    """An OPT decode layer as a plain PyTorch program writes it: the floor for launches and host time."""
+
+    def __init__(self, hidden: int, heads: int, batch: int, context: int, dtype, device):
+        def w(*shape):
+            return torch.randn(*shape, dtype=dtype, device=device) * 0.02
+
+        self.heads, self.dim = heads, hidden // heads
+        self.ln1, self.ln2 = (w(hidden) + 1, w(hidden)), (w(hidden) + 1, w(hidden))
+        self.qkv, self.qkv_b, self.o, self.o_b = w(3 * hidden, hidden), w(3 * hidden), w(hidden, hidden), w(hidden)
+        self.fc1, self.fc1_b, self.fc2, self.fc2_b = w(4 * hidden, hidden), w(4 * hidden), w(hidden, 4 * hidden), w(hidden)
+        self.kv = torch.zeros(batch * context, 2, heads, self.dim, dtype=dtype, device=device)  # [slots, 2, h, d]
+        self.batch, self.context = batch, context
+
+    def step(self, x: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """x: [B, hidden]; slots: [B] this token's KV slot; the first `length` slots of each row are its context."""
+        b, h, d = self.batch, self.heads, self.dim
+        y = F.layer_norm(x, x.shape[-1:], *self.ln1)
+        qkv = F.linear(y, self.qkv, self.qkv_b)  # [B, 3 * hidden]
+        self.kv.index_copy_(0, slots, qkv[:, h * d:].view(b, 2, h, d))  # one KV write
+        kv = self.kv.view(b, self.context, 2, h, d)[:, :length]
+        attn = F.scaled_dot_product_attention(qkv[:, :h * d].view(b, h, 1, d), kv[:, :, 0].transpose(1, 2),
+                                              kv[:, :, 1].transpose(1, 2))  # [B, h, 1, d]
+        x = x + F.linear(attn.view(b, h * d), self.o, self.o_b)
+        y = F.linear(F.relu(F.linear(F.layer_norm(x, x.shape[-1:], *self.ln2), self.fc1, self.fc1_b)), self.fc2, self.fc2_b)
+        return x + y
+
+
+def measure_plain(args, dtype, device, sync) -> tuple[float, float]:
+    """(launches, host microseconds) per layer-step of the plain layer."""
+    layer = PlainLayer(args.hidden, args.heads, args.batch, args.prompt_len + args.steps + 1, dtype, device)
+    x = torch.randn(args.batch, args.hidden, dtype=dtype, device=device)
+    slots = torch.arange(args.batch, device=device) * layer.context + args.prompt_len
+    with torch.inference_mode():
+        for _ in range(3):
+            layer.step(x, slots, args.prompt_len + 1)
+        with LaunchCounter() as counter:
+            layer.step(x, slots, args.prompt_len + 1)
+        sync()
+        reps = args.layers * args.steps * 4
+        start = time.perf_counter()
+        for _ in range(reps):
+            layer.step(x, slots, args.prompt_len + 1)
+        sync()
+    return counter.launches, 1e6 * (time.perf_counter() - start) / reps
+
+
+def measure_ours(args, folder: str, dtype, device, sync) -> dict:
+    """Launches and host time per decode layer-step of the engine (layer loop only), and per decode
+    pass outside the layers (embedding, head, metadata)."""
+    from flexsarathi import LLM, SamplingParams
+    from offload.executor import PassExecutor
+    from policy_search import Policy
+
+    policy = Policy(gpu_batch_size=args.batch, num_gpu_batches=1, overlap=False, scheduler="block")
+    prompts = [[(7 * i + j) % 500 + 2 for j in range(args.prompt_len)] for i in range(args.batch)]
+    params = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)
+    counts = {"layer": 0, "pass": 0, "layer_s": 0.0, "pass_s": 0.0, "layer_steps": 0, "passes": 0,
+              "timed_steps": 0, "timed_passes": 0}
+    layer_counter, pass_counter = LaunchCounter(), LaunchCounter()  # nested: the pass's sees the layers' too
+    run_layer, run_pass = PassExecutor._run_layer, PassExecutor.run
+
+    def is_decode(batches) -> bool:
+        return all(g.is_decode for mb in batches for g in mb.groups)
+
+    def counted_layer(self, layer, batches, start):
+        if not is_decode(batches):
+            return run_layer(self, layer, batches, start)
+        layer_counter.reset()
+        with layer_counter:
+            result = run_layer(self, layer, batches, start)
+        counts["layer"] += layer_counter.launches
+        counts["layer_steps"] += 1
+        return result
+
+    def counted_pass(self, micro_batches):
+        before = counts["layer"]
+        pass_counter.reset()
+        with pass_counter:
+            result = run_pass(self, micro_batches)
+        if is_decode(micro_batches):
+            counts["passes"] += 1
+            counts["pass"] += pass_counter.launches - (counts["layer"] - before)
+        return result
+
+    def timed_layer(self, layer, batches, start):  # no dispatch mode here: its Python costs per operator
+        if not is_decode(batches):
+            return run_layer(self, layer, batches, start)
+        sync()
+        began = time.perf_counter()
+        result = run_layer(self, layer, batches, start)
+        sync()
+        counts["layer_s"] += time.perf_counter() - began
+        counts["timed_steps"] += 1
+        return result
+
+    def timed_pass(self, micro_batches):
+        before = counts["layer_s"]
+        sync()
+        began = time.perf_counter()
+        result = run_pass(self, micro_batches)
+        sync()
+        if is_decode(micro_batches):
+            counts["timed_passes"] += 1
+            counts["pass_s"] += time.perf_counter() - began - (counts["layer_s"] - before)
+        return result
+
+    with LLM(folder, dtype=dtype, device=device, policy=policy, cuda_graphs=args.graphs) as llm:
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up (and graph capture)
+        try:
+            PassExecutor._run_layer, PassExecutor.run = counted_layer, counted_pass
+            llm.generate(prompts, params, use_tqdm=False)
+            PassExecutor._run_layer, PassExecutor.run = timed_layer, timed_pass
+            began = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            total = time.perf_counter() - began
+        finally:
+            PassExecutor._run_layer, PassExecutor.run = run_layer, run_pass
+        graph_steps = llm.engine.stats.get("graph_passes", 0)
+    steps, timed = max(counts["layer_steps"], 1), max(counts["timed_steps"], 1)
+    return {"launches": counts["layer"] / steps, "host_us": 1e6 * counts["layer_s"] / timed,
+            "outside_launches": counts["pass"] / max(counts["passes"], 1),
+            "outside_us": 1e6 * counts["pass_s"] / max(counts["timed_passes"], 1),
+            "eager_layer_steps": counts["layer_steps"], "graph_passes": graph_steps, "generate_s": total}
+
+
+def profiler_kernels(args, folder: str, dtype, device) -> float:
+    """CUDA kernels per decode layer-step as the profiler sees them (launches of every kind)."""
+    from flexsarathi import LLM, SamplingParams
+    from policy_search import Policy
+
+    policy = Policy(gpu_batch_size=args.batch, num_gpu_batches=1, overlap=False, scheduler="block")
+    prompts = [[(7 * i + j) % 500 + 2 for j in range(args.prompt_len)] for i in range(args.batch)]
+    with LLM(folder, dtype=dtype, device=device, policy=policy, cuda_graphs=False) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        many = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)
+
+        def kernels(params) -> int:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                llm.generate(prompts, params, use_tqdm=False)
+                torch.cuda.synchronize()
+            return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+        # the prompt pass alone, then with args.steps decode passes: the difference is theirs
+        return (kernels(many) - kernels(one)) / (args.steps * args.layers)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8, help="decode passes measured")
+    p.add_argument("--graphs", action="store_true", help="CUDA graphs for the passes that allow them")
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {device} ({where}), {args.dtype}, torch {torch.__version__}; {cpu_line()}")
+    print(f"tiny OPT: hidden {args.hidden}, {args.heads} heads, {args.layers} layers; batch {args.batch}, "
+          f"prompt {args.prompt_len}, {args.steps} decode passes")
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_opt(folder, args.hidden, args.heads, args.layers, dtype)
+        ours = measure_ours(args, folder, dtype, device, sync)
+        plain_launches, plain_us = measure_plain(args, dtype, device, sync)
+        kernels = profiler_kernels(args, folder, dtype, device) if device.type == "cuda" else None
+    figures = {"ours": ours, "plain": {"launches": plain_launches, "host_us": plain_us},
+               "profiler_kernels_per_layer_step": kernels}
+    print(f"{'':28}{'launches':>10}{'host us':>10}")
+    print(f"{'ours, per layer-step':28}{ours['launches']:>10.1f}{ours['host_us']:>10.1f}")
+    print(f"{'plain PyTorch, per layer':28}{plain_launches:>10.1f}{plain_us:>10.1f}")
+    print(f"{'ours / plain':28}{ours['launches'] / plain_launches:>10.2f}{ours['host_us'] / plain_us:>10.2f}")
+    print(f"outside the layers, per decode pass: {ours['outside_launches']:.1f} launches, {ours['outside_us']:.1f} us")
+    if args.graphs:
+        print(f"decode passes replayed from a CUDA graph: {ours['graph_passes']}; "
+              f"eager decode layer-steps: {ours['eager_layer_steps']}")
+    if kernels is not None:
+        print(f"CUDA profiler: {kernels:.1f} kernels per decode layer-step")
+    print(f"generate: {ours['generate_s']:.3f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
