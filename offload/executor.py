@@ -116,8 +116,9 @@ class PassExecutor:
             g = self.weights.global_weights()
             for k, mb in enumerate(batches):
                 self.acts.put(k, self.model.embed(g, mb.token_ids, mb.positions).to(self.dtype))
-            # Loads see the parked embeddings and the pools as the steps between passes left them.
-            start = record_event(self.device)
+            # Loads see the parked embeddings and the pools as the steps between passes left them
+            # (only threaded loads wait for it: a resident pass records no event).
+            start = record_event(self.device) if any(map(self._io_worth_a_thread, batches)) else None
             for layer in range(self.weights.num_layers):
                 self._run_layer(layer, batches, start)
             return [self.model.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]

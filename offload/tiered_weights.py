@@ -151,7 +151,7 @@ class TieredWeights:
             return
         slot = self._next_slot
         self._next_slot = (slot + 1) % len(self._buffers)
-        if self._pool is None:
+        if self._pool is None or not self.plan.layer(layer).streamed:
             # Serial: one working buffer, filled in get() once the previous layer is done with it.
             self._pending[layer] = (slot, None)
         else:
@@ -187,7 +187,7 @@ class TieredWeights:
         """The slot may be refilled: at once on the CPU (compute is synchronous), after the
         compute stream passes this point on CUDA."""
         slot = self._in_use.pop(layer, None)
-        if slot is not None and self._stream is not None:
+        if slot is not None and self._stream is not None and self.plan.layer(layer).streamed:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._slot_free[slot] = event
@@ -246,6 +246,10 @@ class TieredWeights:
             return self._load_slot(layer, slot)
 
     def _load_slot(self, layer: int, slot: int):
+        if not self.plan.layer(layer).streamed:
+            # Every weight of the layer is resident: nothing to copy, no event to wait for (a
+            # decode pass of such layers is captured in a CUDA graph: offload/decode_graphs.py).
+            return None
         if self._staging_free[slot] is not None:
             self._staging_free[slot].synchronize()  # copies out of this slot's staging buffers are done
         self._blocks_in[slot] = set()  # experts read after routing (RowBlockAccess) start over

@@ -16,6 +16,7 @@ import torch
 from flexsarathi.models.attention import release_host_buffers
 from flexsarathi.engine.micro_batch_builder import build_micro_batch, wants_prompt_logprobs
 from flexsarathi.engine.block_manager import BlockManager
+from flexsarathi.engine.graph_passes import GraphPasses, graphs_refused
 from flexsarathi.models.opened_model import OpenedModel, open_model
 from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import FlexSarathiError
@@ -263,9 +264,23 @@ class LLMEngine:
         self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
         self._rng = random.Random(e.seed)
         self._next_id = 0
+        self.worst_pass_bytes = 0  # the largest pass of the current batch of requests (_check_worst_pass)
+        self.graph_passes = self._graph_passes()
         self.closed = False
         self.stats = {"graph_passes": 0}  # decode passes replayed from a CUDA graph
         self._closed_because = "LLM.close() was called"
+
+    def _graph_passes(self) -> GraphPasses | None:
+        """CUDA graphs for decode passes (EngineConfig.cuda_graphs; None: on CUDA) where the policy
+        allows them (graph_passes.graphs_refused). On the CPU, cuda_graphs=True runs the same static
+        buffers eagerly (nothing to capture there: what the tests check)."""
+        wanted = self.engine_config.cuda_graphs
+        if not (self.device.type == "cuda" if wanted is None else wanted):
+            return None
+        if graphs_refused(self.policy, bool(self.model.expert_stacks())) is not None:
+            return None
+        return GraphPasses(self.executor, self.blocks, self.memory, self.device, self._working_bytes,
+                           lambda: self.worst_pass_bytes)
 
     def _place_weights(self) -> TieredWeights:
         e, p = self.engine_config, self.policy
@@ -359,7 +374,8 @@ class LLMEngine:
             return
         running = min(self.policy.max_running, len(seqs))
         blocks = self._kv_blocks(seqs, running)
-        self._ensure_pools(blocks, running)
+        # decode graphs: one gpu block more than the block manager hands out, for padding rows
+        self._ensure_pools({**blocks, "gpu": blocks.get("gpu", 0) + 1} if self.graph_passes else blocks, running)
         self.blocks.resize(blocks, num_residual=running)
         self._check_worst_pass(seqs, running, blocks)
         for group in groups:
@@ -410,6 +426,8 @@ class LLMEngine:
                     pool.compression is None or pool.k_residual.shape[1] >= num_residual):
                 continue
             if pool is not None:
+                if tier == "gpu" and self.graph_passes:  # the graphs address the pool being replaced
+                    self.graph_passes.clear()
                 self.memory.release(tier, pool.nbytes, "KV cache")
                 del self.kv_pools[tier], pool
             slots = blocks * self.block_size
@@ -430,6 +448,8 @@ class LLMEngine:
         if self.closed:
             return
         self.closed = True
+        if self.graph_passes:
+            self.graph_passes.clear()
         self.executor.close()
         self.weights.close()
         for tier, pool in list(self.kv_pools.items()):
@@ -478,6 +498,10 @@ class LLMEngine:
     def forward(self, plan: SchedulerOutput) -> list[tuple[WorkItem, torch.Tensor]]:
         """Runs the scheduled pass. Returns each item that has logits with its rows [rows, vocab]
         (fp32, CPU): every prompt row for prompt_logprobs, else the last row where it samples."""
+        replayed = self.graph_passes.forward(plan) if self.graph_passes else None
+        if replayed is not None:
+            self.stats["graph_passes"] += 1
+            return replayed
         built = [build_micro_batch(items, self.blocks) for items in plan.micro_batches]
         batches = [mb for mb, _ in built]
         with self.memory.reservation("gpu", self._pass_working_bytes(batches), "pass activations"):
@@ -536,7 +560,7 @@ class LLMEngine:
         pool_slots = {tier: n * self.block_size for tier, n in blocks.items()}  # what the blocks can hold
         kinds = worst_passes(self.policy, running, [s.num_prompt_tokens for s in seqs],
                              [s.max_len for s in seqs], pool_slots, all_logits)
-        worst = max(self._working_bytes(tokens) for tokens in kinds)
+        self.worst_pass_bytes = worst = max(self._working_bytes(tokens) for tokens in kinds)
         with self.memory.reservation("gpu", worst, "largest pass (activations)"):
             pass
 

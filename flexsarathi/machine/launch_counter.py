@@ -7,9 +7,10 @@ copies is one launch; a view (`transpose`, `slice`, `view`, ...) and a bare allo
 are none. The same code path run on the CPU therefore gives the GPU's count, which
 `scripts/count_launches.py` checks against the CUDA profiler where a GPU is at hand.
 
-`LaunchCounter` also records each launch as (operator, input shapes, input dtypes): two steady
-decode steps of a pass that a CUDA graph can replay issue the same sequence, and none of the
-operators in SYNCS, which wait for the device (or, `pin_memory`, allocate page-locked memory).
+`LaunchCounter` also records each launch as (operator, input shapes, input dtypes, the address of
+each input's storage): two steady decode steps of a pass that a CUDA graph can replay issue the same
+sequence on the same long-lived buffers, and none of the operators in SYNCS, which wait for the
+device (or, `pin_memory`, allocate page-locked memory).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _op_name(func) -> str:
 
 
 class LaunchCounter(TorchDispatchMode):
-    """with LaunchCounter() as c: ...; c.launches, c.ops (name, shapes, dtypes) per launch, c.syncs."""
+    """with LaunchCounter() as c: ...; c.launches, c.ops (name, shapes, dtypes, storage addresses)
+    per launch, c.syncs."""
 
     def __init__(self):
         super().__init__()
@@ -41,7 +43,7 @@ class LaunchCounter(TorchDispatchMode):
 
     def reset(self) -> None:
         self.launches = 0
-        self.ops: list[tuple[str, tuple, tuple]] = []
+        self.ops: list[tuple[str, tuple, tuple, tuple]] = []
         self.syncs: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -52,5 +54,6 @@ class LaunchCounter(TorchDispatchMode):
         if not func.is_view and name not in _NO_KERNEL:
             self.launches += 1
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            self.ops.append((name, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors)))
+            self.ops.append((name, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors),
+                             tuple(t.untyped_storage().data_ptr() for t in tensors)))
         return func(*args, **kwargs)
