@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quant import QTensor, QuantConfig, dequantize, quantize
+from tests import quant_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -226,8 +227,6 @@ def test_round_trip_over_several_chunks_is_the_formats_arithmetic(shape, config)
     each output dtype's path: the step, the minimum and every value read back are exactly those of
     tests/quant_spec.py (fp32, then rounded once to the dtype)."""
     import quant.groupwise as groupwise
-
-    from tests import quant_spec
 
     gen = torch.Generator().manual_seed(sum(shape) + config.group_size + config.bits)
     magnitude = 10.0 ** (torch.rand(shape[0], 1, generator=gen) * 6 - 4)  # one per row
