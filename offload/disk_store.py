@@ -184,7 +184,12 @@ class DiskStore:
             raise OffloadError(
                 f"offload folder {self.folder} is not usable: cannot create {self.path} "
                 f"({exc.strerror or exc}); choose a writable folder") from exc
-        self._discard_committed_content()
+        try:
+            self._discard_committed_content()
+        except OSError as exc:  # e.g. a folder that became read-only since the store was written
+            raise OffloadError(
+                f"offload folder {self.folder} is not usable: cannot clear the old store in {self.path} "
+                f"({exc.strerror or exc}); choose a writable folder") from exc
         if total_bytes is not None:
             free = free_bytes(self.path)
             if free is not None and total_bytes > free:

@@ -1,12 +1,14 @@
 """Round-trip error: every value comes back within half its group's step, plus explicit rounding."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quant import QTensor, QuantConfig, dequantize, quantize
+from tests import quant_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -207,3 +209,37 @@ def test_dequantize_in_chunks_is_the_exact_affine(monkeypatch, dtype, shape, con
         got = dequantize(q, dtype, out=out)
         assert got.dtype == dtype and got.shape == x.shape
         assert torch.equal(got, expected)
+
+
+# ---- tensors of several of dequantize's CPU chunks, against the format's own arithmetic --------
+@pytest.mark.parametrize(("shape", "config"), [
+    ((1100, 2048), QuantConfig(bits=4, group_size=64)),  # the weight format: 3 chunks, the last ragged
+    ((600, 4000), QuantConfig(bits=4, group_size=64)),  # padded lines
+    ((2100, 1000), QuantConfig(bits=4, group_size=64, group_dim=0)),  # groups across rows
+    ((1100, 2048), QuantConfig(bits=4, group_size=64, adjacent_pairs=True)),
+    ((1100, 2048), QuantConfig(bits=4, group_size=32, group_halves=True)),
+    ((1100, 2048), QuantConfig(bits=8, group_size=64)),
+])
+def test_round_trip_over_several_chunks_is_the_formats_arithmetic(shape, config):
+    """quantize and dequantize work through a large CPU tensor in chunks of lines (at the real chunk
+    size: no constant patched); every chunk's groups must get their own step and minimum. Random
+    rows whose magnitudes span six decades (a chunk reading another chunk's steps is far off), for
+    each output dtype's path: the step, the minimum and every value read back are exactly those of
+    tests/quant_spec.py (fp32, then rounded once to the dtype)."""
+    import quant.groupwise as groupwise
+
+    gen = torch.Generator().manual_seed(sum(shape) + config.group_size + config.bits)
+    magnitude = 10.0 ** (torch.rand(shape[0], 1, generator=gen) * 6 - 4)  # one per row
+    x = torch.randn(shape, generator=gen) * magnitude + torch.randn(shape[0], 1, generator=gen) * magnitude
+    q = quantize(x, config)
+    line_len = q.layout.padded_len
+    assert q.layout.num_rows * line_len > 2 * groupwise._CPU_CHUNK_VALUES  # three chunks or more
+    assert q.layout.num_rows % (groupwise._CPU_CHUNK_VALUES // line_len)  # the last one ragged
+
+    codes, step, minimum = quant_spec.quantize_groups(quant_spec.to_groups(x, config.group_size, config.group_dim),
+                                                      config.bits)
+    assert np.array_equal(q.scale.numpy(), step) and np.array_equal(q.minimum.numpy(), minimum)
+    expected = quant_spec.from_groups(quant_spec.read_back(codes, step, minimum), shape, config.group_dim)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
+        got = dequantize(q, dtype)
+        assert got.dtype == dtype and torch.equal(got, expected.to(dtype)), dtype

@@ -280,18 +280,43 @@ def test_block_schedule_reserves_lifetimes_and_keeps_lockstep():
         [(4, 8, 8), (4, 8, 2), (4, 8, 8), (4, 8, 8)])]
 
 
-def test_token_multiple_rounds_the_pass_down_by_shortening_the_chunk():
-    seqs = make_seqs([100, 100], [4, 4])
-    blocks = BlockManager(BLOCK, {"cpu": 60}, num_residual=2)
-    scheduler = Scheduler(SchedulerConfig(max_running=2, num_micro_batches=1, prefill_budget=40,
-                                          token_multiple=16, defer_decodes_with_slack=False), blocks)
+@pytest.mark.parametrize(("prompt_lens", "max_tokens", "max_running", "budget", "multiple", "defer"), [
+    ([100, 100, 100, 100], [30, 30, 30, 30], 4, 40, 16, False),  # 1-3 decode rows beside the chunks
+    ([90, 50, 120, 70, 60], [12, 40, 9, 25, 30], 2, 37, 8, True),  # queued requests: no decode defers
+    ([64, 64, 64, 64, 64, 64], [20] * 6, 6, 130, 128, False),  # the GPU's multiple
+])
+def test_token_multiple_rounds_each_pass_with_its_decode_rows(prompt_lens, max_tokens, max_running, budget,
+                                                              multiple, defer):
+    """The rule (scheduler.py): a pass's prompt budget is cut so that the pass, decode rows and
+    prompt tokens together, is a multiple of token_multiple, where the budget is larger than that
+    cut. So with D decode rows a pass carries at most R - D prompt tokens, R the largest multiple
+    <= D + budget (the whole budget where R <= D), and exactly that many when the budget ended it
+    (its last prompt chunk's sequence is still prefilling after it). Every pass is checked; the
+    workloads have such passes whose decode rows move the cut (D not a multiple)."""
+    seqs = make_seqs(prompt_lens, max_tokens)
+    blocks = BlockManager(BLOCK, {"cpu": sum(math.ceil(s.max_len / BLOCK) for s in seqs) + 2},
+                          num_residual=max_running)
+    scheduler = Scheduler(SchedulerConfig(max_running=max_running, num_micro_batches=1, prefill_budget=budget,
+                                          token_multiple=multiple, defer_decodes_with_slack=defer), blocks)
     for seq in seqs:
         scheduler.add(seq)
-    for _ in range(4):
+    cut_by_decodes = 0
+    while scheduler.has_unfinished():
         plan = scheduler.schedule()
-        assert plan.num_tokens % 16 == 0
+        num_prompt = plan.num_prefill_tokens
+        num_decodes = plan.num_tokens - num_prompt
+        rounded = (num_decodes + budget) // multiple * multiple
+        allowed = rounded - num_decodes if rounded > num_decodes else budget
+        assert num_prompt <= allowed, (num_decodes, num_prompt, allowed)
+        prefilling = [it.seq for it in plan.items if it.seq.is_prefilling]
         sampling = [it.seq for it in plan.items if it.samples]
         scheduler.postprocess(plan, sampling, [TOKEN] * len(sampling))
+        if prefilling and prefilling[-1].is_prefilling:  # the budget, not the prompts, ended the pass
+            assert num_prompt == allowed, (num_decodes, num_prompt, allowed)
+            assert plan.num_tokens % multiple == 0 or allowed == budget
+            cut_by_decodes += num_decodes % multiple != 0
+    assert cut_by_decodes >= 2
+    assert [s.output_token_ids for s in seqs] == [[TOKEN] * m for m in max_tokens]
 
 
 def test_a_request_larger_than_the_cache_is_refused_at_once():
