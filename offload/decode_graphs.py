@@ -19,6 +19,8 @@ micro-batch runs eagerly, so tests check padding and buckets against the eager e
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from offload.micro_batch import AttentionGroup, KVPart, KVWrite, MicroBatch
@@ -94,6 +96,8 @@ class DecodeGraphs:
         self.capture = self.device.type == "cuda" if capture is None else capture
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._stream: torch.cuda.Stream | None = None  # where buckets are warmed up and captured
+        self.capture_seconds = 0.0  # host time spent capturing, all buckets
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._buckets
@@ -124,14 +128,23 @@ class DecodeGraphs:
         return bucket.logits[:len(token_ids)]
 
     def _capture(self, bucket: _Bucket) -> None:
-        """One eager run on a side stream (it writes the same K/V the replay writes), then the capture."""
+        """One eager run on the side stream (library handles and workspaces for it; it writes the same
+        K/V the replay writes), then the capture on the same stream. Not `torch.cuda.graph(...)`: its
+        entry collects Python garbage and empties the allocator's cache, costing each capture more
+        than the pass itself."""
+        started = time.perf_counter()
         compute = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(compute)
-        with torch.cuda.stream(side):
-            self.executor.run([bucket.micro_batch()])
-        compute.wait_stream(side)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(compute)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self.executor.run([bucket.micro_batch()])[0]
+        with torch.cuda.stream(self._stream):
+            self.executor.run([bucket.micro_batch()])
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                logits = self.executor.run([bucket.micro_batch()])[0]
+            finally:
+                graph.capture_end()
+        compute.wait_stream(self._stream)
         bucket.graph, bucket.logits = graph, logits
+        self.capture_seconds += time.perf_counter() - started

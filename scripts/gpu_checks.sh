@@ -8,6 +8,7 @@
 #   FLEXGEN_CASES="opt-6.7b" STEPS=flexgen scripts/gpu_checks.sh
 #   STEPS=profile scripts/gpu_checks.sh         # where an all-on-GPU pass's time goes
 #   STEPS=stress scripts/gpu_checks.sh          # the stream-ordering tests under load
+#   STEPS=launches scripts/gpu_checks.sh        # kernels and host time per decode layer-step
 #
 # suite:   the whole test suite on this machine: the engine's default device is CUDA here, so every
 #          test that builds an engine without naming a device computes on the GPU; the `gpu`-marked
@@ -17,6 +18,9 @@
 # stress:  the CUDA tests that a stream-ordering race fails (test_cuda.py: no_host_sync, held_back,
 #          closed_or_dropped) in STRESS_PROCS (12) processes at once, twice: one GPU and the cores
 #          shared, as a suite under xdist shares them (a race seen there once failed 9 of 25 such runs).
+# launches: scripts/count_launches.py on CUDA: launches (dispatch count and the CUDA profiler's) and host
+#          time per decode layer-step beside a plain PyTorch layer, eager and with CUDA graphs; a tiny
+#          OPT and an OPT-6.7B-shaped one (hidden 4096, 32 heads, prompt 512).
 # profile: scripts/profile_passes.py (host time per layer-step of an all-on-GPU batch, cProfile and
 #          torch.profiler tables), block then decode-maximal.
 # WHEELS=dir installs the wheels in dir first (a machine without a package index); SHARED=dir is
@@ -68,6 +72,14 @@ for step in $STEPS; do
             wait
         done
         sort "$OUT/stress.log" | uniq -c > "$OUT/stress.summary"; mv "$OUT/stress.summary" "$OUT/stress.log" ;;
+    launches)
+        for shape in "--hidden 64 --heads 4 --layers 4 --prompt-len 32" \
+                     "--hidden 4096 --heads 32 --layers 2 --prompt-len 512"; do
+            for graphs in "" "--graphs"; do
+                # shellcheck disable=SC2086
+                timeout "${LAUNCH_TIMEOUT:-120}" $PY scripts/count_launches.py --device cuda $shape $graphs
+            done
+        done > "$OUT/launches.log" 2>&1 ;;
     profile)
         for scheduler in block decode-maximal; do
             timeout "${PROFILE_TIMEOUT:-120}" $PY scripts/profile_passes.py --model "${PROFILE_MODEL:-dummy:opt-1.3b}" \

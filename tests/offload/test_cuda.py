@@ -241,3 +241,27 @@ def test_a_held_back_io_stream_does_not_change_tokens(tiny_checkpoint, tmp_path,
     monkeypatch.setattr(ActivationStore, "take", held_back_take)
     monkeypatch.setattr(PassExecutor, "_compute", late_compute)
     assert _tokens(_llm(folder, policy, tmp_path / "held_back"), prompts) == expected
+
+
+# ---- CUDA graphs for resident decode passes ---------------------------------------------------
+@pytest.mark.parametrize("model", ["opt_deep", "llama_deep"])
+@pytest.mark.parametrize("scheduler", ["block", "decode-maximal"])
+def test_decode_graphs_on_cuda_give_the_eager_tokens(tiny_checkpoint, tmp_path, model, scheduler):
+    """Captured and replayed decode passes (padding rows onto the scratch slot, contexts crossing key
+    buckets, LLaMA's RoPE tables rebuilt inside the graph) give the eager passes' tokens and
+    logprobs; two generates on one engine reuse and then replace the graphs (a larger pool)."""
+    folder = tiny_checkpoint(model)[0]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
+    batches = [_prompts(128)[:3], _prompts(128)]  # 3 sequences pad to 4; then 5 to 8 on a larger pool
+    runs = {}
+    for graphs in (False, True):
+        policy = Policy(gpu_batch_size=8, overlap=False, scheduler=scheduler, prefill_budget=8)
+        with LLM(folder, dtype="float32", device="cuda", policy=policy, cuda_graphs=graphs,
+                 offload_dir=str(tmp_path / "offload")) as llm:
+            outs = [llm.generate(b, params, use_tqdm=False) for b in batches]
+            runs[graphs] = ([[o.token_ids for o in out] for out in outs],
+                            [[lp for o in out for lp in o.outputs[0].logprobs] for out in outs])
+            assert (llm.engine.stats["graph_passes"] > 0) == graphs
+    assert runs[True][0] == runs[False][0]
+    for got, ref in zip(runs[True][1], runs[False][1]):
+        assert [next(iter(g.values())) for g in got] == pytest.approx([next(iter(r.values())) for r in ref], abs=1e-4)
