@@ -238,7 +238,7 @@ class PassExecutor:
         one fused attention call with the pass's mask (no lse: None)."""
         dev = keys.device
         q = self._q_on(q_on, dev)
-        if alone and group.is_decode and key_rule is None and dev == self.device:
+        if alone and group.is_decode and key_rule is None and dev.type == self.device.type:  # "cuda" is "cuda:0"
             return self.model.attend_decode(q, keys, values, self._decode_bias(group, part, keys.shape[1], q.dtype)), None
         meta_group, meta_part = (host_of(group), host_of(part)) if dev.type == "cpu" else (group, part)
         out, lse = self.model.attend(q, keys, values, meta_group.q_pos, meta_part.kv_len,
@@ -250,7 +250,7 @@ class PassExecutor:
         device (_attend's fused call): the same for every layer, so built once per pass."""
         return {id(part): self.model.decode_bias(g.q_pos, part.kv_len, part.kv_slots.shape[1], self.dtype, part.kv_start)
                 for mb in batches for g in mb.groups if g.is_decode and len(g.parts) == 1
-                for part in g.parts if self.attention_device(part.tier, g) == self.device}
+                for part in g.parts if self.attention_device(part.tier, g).type == self.device.type}
 
     def _decode_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype) -> torch.Tensor:
         """The part's mask from _decode_biases (built here for a part it did not foresee)."""

@@ -183,7 +183,7 @@ class KVPool:
             k, v = to_host(k), to_host(v)
         if self.compression is None:
             pair = kv_pair(k, v)
-            if pair is not None and self.device == pair.device and pair.dtype == self.dtype:
+            if pair is not None and self.device.type == pair.device.type and pair.dtype == self.dtype:
                 self.store_pair(layer, slots, pair)
                 return
             slots = to_device(slots, self.device)

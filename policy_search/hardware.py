@@ -16,11 +16,13 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "gpu_attention_prefill_flops": ..., "gpu_attention_decode_flops": ...,
      "cpu_matmul_flops": ..., "cpu_attention_flops": ...,
      "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...,
-     "compute_on_host": false, "layer_overhead_seconds": 0.0, "disk_read_cpu_seconds_per_byte": 0.0,
-     "cpu_int4_matmul_flops": null, "cpu_memory_bandwidth_bytes_per_s": null}
+     "compute_on_host": false, "layer_overhead_seconds": 0.0, "graph_layer_overhead_seconds": null,
+     "disk_read_cpu_seconds_per_byte": 0.0, "cpu_int4_matmul_flops": null,
+     "cpu_memory_bandwidth_bytes_per_s": null}
 
 `memory_usable_fraction` (default 0.8), `compute_on_host` (default false),
-`layer_overhead_seconds`, `disk_read_cpu_seconds_per_byte` (default 0) and
+`layer_overhead_seconds`, `disk_read_cpu_seconds_per_byte` (default 0),
+`graph_layer_overhead_seconds` (default null: decode passes priced as eager ones) and
 `cpu_int4_matmul_flops` (default null: no int4 kernel figure, 4-bit weights priced as
 dequantization + matmul) and `cpu_memory_bandwidth_bytes_per_s` (default null: see
 `cpu_read_bandwidth`) may be left out.
@@ -60,13 +62,14 @@ _JSON_KEYS = {
     "cpu_dequant_values_per_s": "cpu_dequant_rate",
     "compute_on_host": "compute_on_host",
     "layer_overhead_seconds": "layer_overhead",
+    "graph_layer_overhead_seconds": "graph_layer_overhead",
     "disk_read_cpu_seconds_per_byte": "disk_read_cpu",
     "cpu_int4_matmul_flops": "cpu_int4_matmul_flops",
     "cpu_memory_bandwidth_bytes_per_s": "cpu_memory_bandwidth",
 }
-_OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds",
+_OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds", "graph_layer_overhead_seconds",
                   "disk_read_cpu_seconds_per_byte", "cpu_int4_matmul_flops", "cpu_memory_bandwidth_bytes_per_s")
-_NULLABLE = ("cpu_int4_matmul_flops", "cpu_memory_bandwidth")
+_NULLABLE = ("cpu_int4_matmul_flops", "cpu_memory_bandwidth", "graph_layer_overhead")
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,10 @@ class HardwareSpec:
     # bookkeeping and thread hand-offs, per-call costs of small ops (kernel launches on a GPU). The
     # presets leave it at 0 (FlexGen's fitted constants absorb it); profiles measure it.
     layer_overhead: float = 0.0
+    # The same for a decode pass replayed from a CUDA graph (the engine's default where weights, KV
+    # and activations all stay on the GPU: flexsarathi/engine/graph_passes.py); None: not measured,
+    # such passes priced as eager ones. Profiles on CUDA measure it.
+    graph_layer_overhead: float | None = None
     # CPU seconds the host spends per byte read from disk (the store's reader threads: O_DIRECT
     # syscalls, page pinning, completions). Matters where those cores compute (compute_on_host);
     # presets leave it at 0, profiles measure it.
@@ -140,7 +147,8 @@ class HardwareSpec:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SpecError(f"HardwareSpec.{f.name} must be a finite number, got {value!r}")
             # a tier may be empty (no disk) and the overhead nil; rates and the GPU must not be
-            may_be_zero = (f.name.endswith("_memory") and f.name != "gpu_memory") or f.name in ("layer_overhead", "disk_read_cpu")
+            may_be_zero = (f.name.endswith("_memory") and f.name != "gpu_memory") or f.name in (
+                "layer_overhead", "graph_layer_overhead", "disk_read_cpu")
             if value < 0 or (value == 0 and not may_be_zero):
                 raise SpecError(f"HardwareSpec.{f.name} must be {'>= 0' if may_be_zero else '> 0'}, "
                                 f"got {value!r}")

@@ -278,33 +278,35 @@ def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype, busy_c
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 12) -> float:
+def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 12, graphs: bool = False) -> float:
     """Seconds a pass costs per layer and micro-batch beyond its math: the executor's bookkeeping,
     thread hand-offs, per-call costs of small ops (kernel launches on a GPU). Measured by running
     the engine itself on a small model (everything on the compute device, one decode token per
     pass, where the math is a small part) and subtracting the time of its layers' and LM head's
-    matmuls measured alone."""
+    matmuls measured alone. graphs: with decode passes replayed from CUDA graphs (the engine's
+    default on CUDA for such a policy), else eager passes. A pass is timed from the engine's
+    forward call to its logits on the host, which both kinds end with."""
     from flexsarathi.llm import LLM
     from flexsarathi.engine.sampling import SamplingParams
     from policy_search.policy import Policy
 
-    llm = LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=1))
-    executor = llm.engine.executor
-    inner, passes = executor.run, []
+    llm = LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=1), cuda_graphs=graphs)
+    engine = llm.engine
+    inner, passes = engine.forward, []
 
-    def timed(micro_batches):
+    def timed(plan):
         start = time.perf_counter()
-        out = inner(micro_batches)
+        out = inner(plan)
         passes.append(time.perf_counter() - start)
         return out
 
-    executor.run = timed
+    engine.forward = timed
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate([[10] * 8], params, use_tqdm=False)  # warm-up
+    llm.generate([[10] * 8], params, use_tqdm=False)  # warm-up (and, with graphs, the capture)
     passes.clear()
     llm.generate([[10] * 8], params, use_tqdm=False)
     pass_seconds = statistics.median(passes[1:])  # the decode passes
-    config, g = llm.engine.config, llm.engine.weights.global_weights()
+    config, g = engine.config, engine.weights.global_weights()
     llm.close()
     shapes = LayerShapes.of(ModelSpec.from_name(model))
     head = g.get("lm_head.weight", g["embed_tokens.weight"])
@@ -420,6 +422,9 @@ def _measure_dequant_and_overhead(device, dtype, shapes, log) -> dict:
         + (f"{int4 / 1e12:.3f} TFLOP/s ({INT4_KERNEL_ROWS} rows)" if int4 else "not used here (bf16 on the CPU only)"))
     log("  measuring the engine's own cost per layer (dummy:opt-125m, one decode token per pass) ...")
     overhead = _layer_overhead(device, dtype)
-    log(f"  engine overhead: {overhead * 1e3:.2f} ms per layer and micro-batch of a pass (beyond the math)")
+    graph_overhead = _layer_overhead(device, dtype, graphs=True) if device.type == "cuda" else None
+    log(f"  engine overhead: {overhead * 1e3:.3f} ms per layer and micro-batch of a pass (beyond the math)"
+        + (f"; {graph_overhead * 1e3:.3f} ms per layer of a decode pass replayed from a CUDA graph"
+           if graph_overhead is not None else ""))
     return dict(gpu_dequant_rate=dequant, cpu_dequant_rate=cpu_dequant, layer_overhead=overhead,
-                cpu_int4_matmul_flops=int4)
+                graph_layer_overhead=graph_overhead, cpu_int4_matmul_flops=int4)

@@ -16,6 +16,7 @@ from offload.host_buffer import align_up
 from policy_search import Policy
 from quant import QuantConfig, dequantize, quantize, quantized_linear
 from quant.fused import TRITON_MAX_ROWS
+from tests.offload.test_launch_count import MOST, decode_launches
 from tests.offload.test_policy_matrix import BASE, CASES, COMPRESSED_CASES, _prompts
 from tests.prompt_logits import prompt_logits
 
@@ -265,3 +266,13 @@ def test_decode_graphs_on_cuda_give_the_eager_tokens(tiny_checkpoint, tmp_path, 
     assert runs[True][0] == runs[False][0]
     for got, ref in zip(runs[True][1], runs[False][1]):
         assert [next(iter(g.values())) for g in got] == pytest.approx([next(iter(r.values())) for r in ref], abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(MOST))
+def test_eager_decode_layer_steps_on_cuda_launch_what_they_launch_on_the_cpu(tiny_checkpoint, kind):
+    """The launch count the CPU pins (tests/offload/test_launch_count.py) holds on CUDA: the lean
+    path is taken there too ("cuda" and "cuda:0" are one device)."""
+    folder = tiny_checkpoint(kind)[0]
+    launches, steps = decode_launches(folder, device="cuda")
+    assert launches <= MOST[kind], steps[0]
+    assert steps[0] == decode_launches(folder, device="cpu")[1][0]

@@ -18,7 +18,7 @@ from policy_search import Policy
 MOST = {"opt": 12, "llama_gqa_untied": 28}
 
 
-def decode_launches(folder: str, graphs: bool = False) -> tuple[float, list]:
+def decode_launches(folder: str, graphs: bool = False, device: str = "cpu") -> tuple[float, list]:
     """(launches per decode layer-step, each step's operators) of two equal-length prompts."""
     counts, steps = [], []
     run_layer = PassExecutor._run_layer
@@ -33,7 +33,7 @@ def decode_launches(folder: str, graphs: bool = False) -> tuple[float, list]:
         return result
 
     policy = Policy(gpu_batch_size=2, overlap=False, scheduler="block")
-    with LLM(folder, dtype="float16", device="cpu", policy=policy, cuda_graphs=graphs) as llm:
+    with LLM(folder, dtype="float16", device=device, policy=policy, cuda_graphs=graphs) as llm:
         PassExecutor._run_layer = counted
         try:
             llm.generate([[5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),

@@ -88,12 +88,14 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
     policy = Policy(gpu_batch_size=2, num_gpu_batches=3, prefill_budget=8, compress_kv=compress_kv,
                     kv_admission="reserve", **placement)
     engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
-    gathered: list[list[int]] = []  # per _load call: bytes of the contexts kept on the compute device
+    # per micro-batch and layer: bytes of the contexts kept on the compute device (gathered ahead by
+    # the I/O step, or after the new K/V are written where the micro-batch writes first)
+    gathered: list[list[int]] = []
     charged: list = []
-    load, pass_tokens = PassExecutor._load, engine._pass_tokens
+    gather, pass_tokens = PassExecutor._contexts, engine._pass_tokens
 
-    def observed_load(self, layer, mb, k):
-        hidden, contexts = load(self, layer, mb, k)
+    def observed_contexts(self, layer, mb):
+        contexts = gather(self, layer, mb)
         nbytes = sum(t.nbytes for group, group_contexts in zip(mb.groups, contexts)
                      for part, context in zip(group.parts, group_contexts)
                      # None: the part's keys are the pass's new rows; IN_POOL: attended from the codes
@@ -101,15 +103,15 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
                      # the executor's own choice: executor.CPU is returned only for CPU attention
                      if self.attention_device(part.tier, group) is not executor_module.CPU
                      for t in context)
-        gathered.append((layer, k, nbytes))
-        return hidden, contexts
+        gathered.append((layer, id(mb.token_ids), nbytes))  # moved to the compute device (the CPU): the same tensor
+        return contexts
 
     def observed_tokens(batches):
         tokens = pass_tokens(batches)
-        charged.append((len(gathered), len(batches), tokens))
+        charged.append((len(gathered), [id(mb.token_ids) for mb in batches], tokens))
         return tokens
 
-    monkeypatch.setattr(PassExecutor, "_load", observed_load)
+    monkeypatch.setattr(PassExecutor, "_contexts", observed_contexts)
     monkeypatch.setattr(engine, "_pass_tokens", observed_tokens)
     try:
         _generate(engine, [[1 + i] * n for i, n in enumerate((5, 9, 3, 12, 7, 10))], max_tokens=5)
@@ -122,7 +124,7 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
     for (start, k, tokens), end in zip(charged, ends):
         loads = gathered[start:end]
         by_layer: dict[int, list[int]] = {}
-        for layer, _, nbytes in loads:
+        for layer, mb, nbytes in sorted(loads, key=lambda load: (load[0], k.index(load[1]))):  # micro-batch order
             by_layer.setdefault(layer, []).append(nbytes)
         held = max(a + b for per_mb in by_layer.values() for a, b in zip(per_mb, per_mb[1:] + [0]))
         charge = 2 * tokens.context_slots * kv_dim * item  # K and V (the formula adds a K when compressed)
