@@ -158,7 +158,9 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     kv_heads = k.shape[2]
     out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, dim), k.transpose(1, 2),
                                          v.transpose(1, 2), attn_mask=bias, scale=scale)  # [B, kvh, group, d]
-    return out.view(batch, 1, heads, dim)
+    # A view where the kernel's output layout allows it (the CPU's, CUDA's flash kernel); CUDA's
+    # memory-efficient kernel (fp32) lays grouped heads out query-row-major: one copy then.
+    return out.reshape(batch, 1, heads, dim)
 
 
 def _attend_flash(q, k, v, visible: torch.Tensor, scale: float, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
