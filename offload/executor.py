@@ -81,13 +81,11 @@ class PassExecutor:
         pool = self.kv_pools.get("gpu")
         return self._resident(mb) and (not mb.kv_writes or (pool is not None and pool.compression is None))
 
-    def _submit(self, fn, fence, *args, threaded: bool = True) -> Future:
+    def _submit(self, fn, fence, *args, threaded: bool = True) -> "Future | _Done":
         """fn(*args) on the I/O thread (its stream waiting for `fence`), or inline on the compute
         stream; the future gives (result, event to wait for or None)."""
         if self._io is None or not threaded:
-            done: Future = Future()
-            done.set_result((fn(*args), None))
-            return done
+            return _Done((fn(*args), None))
         return self._io.submit(self._io_stream.run, fence, fn, *args)
 
     def reset(self) -> None:
@@ -113,12 +111,15 @@ class PassExecutor:
         with device_guard(self.device), cpu_matmul_mode(self.cpu_matmul):
             batches = [mb.to(self.device) for mb in micro_batches]
             self._biases = self._decode_biases(batches)
+            # per micro-batch, fixed for the pass: its I/O on the thread, its K/V written first
+            self._threaded = {id(mb): self._io_worth_a_thread(mb) for mb in batches}
+            self._first = {id(mb): self.writes_first(mb) for mb in batches}
             g = self.weights.global_weights()
             for k, mb in enumerate(batches):
                 self.acts.put(k, self.model.embed(g, mb.token_ids, mb.positions).to(self.dtype))
             # Loads see the parked embeddings and the pools as the steps between passes left them
             # (only threaded loads wait for it: a resident pass records no event).
-            start = record_event(self.device) if any(map(self._io_worth_a_thread, batches)) else None
+            start = record_event(self.device) if any(self._threaded.values()) else None
             for layer in range(self.weights.num_layers):
                 self._run_layer(layer, batches, start)
             return [self.model.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
@@ -126,7 +127,7 @@ class PassExecutor:
     def _run_layer(self, layer: int, batches: list[MicroBatch], start) -> None:
         """Layer `layer` on every micro-batch: k computes while k + 1 loads and k - 1 stores."""
         num_layers, compute = self.weights.num_layers, self._compute_stream()
-        threaded = [self._io_worth_a_thread(mb) for mb in batches]
+        threaded = [self._threaded[id(mb)] for mb in batches]
         w = self.weights.get(layer)
         # The next layers, wrapping to the next pass's first: their loads overlap this layer
         # (and after the last, the LM head and the scheduling between passes).
@@ -137,7 +138,8 @@ class PassExecutor:
         for k, mb in enumerate(batches):
             (hidden, contexts), loaded = loading.result()
             wait_for(loaded, self.device)
-            used_on([hidden, *(t for parts in contexts or () for kv in parts if kv is not None for t in kv)], compute)
+            if compute is not None:
+                used_on([hidden, *(t for parts in contexts or () for kv in parts if kv is not None for t in kv)], compute)
             if k + 1 < len(batches):
                 loading = self._submit(self._load, start, layer, batches[k + 1], k + 1, threaded=threaded[k + 1])
             hidden, new_k, new_v = self._compute(layer, w, mb, hidden, contexts)
@@ -160,11 +162,10 @@ class PassExecutor:
         return self.device
 
     # ---- the three steps of a micro-batch -----------------------------------------------------
-    @torch.inference_mode()
     def _load(self, layer: int, mb: MicroBatch, k: int):
         """(hidden, contexts); contexts None where the micro-batch writes first (gathered in _compute)."""
         hidden = self.acts.take(k)
-        return hidden, None if self.writes_first(mb) else self._contexts(layer, mb)
+        return hidden, None if self._first[id(mb)] else self._contexts(layer, mb)
 
     def _contexts(self, layer: int, mb: MicroBatch) -> list[list]:
         return [[self._context(layer, group, part) for part in group.parts] for group in mb.groups]
@@ -193,11 +194,10 @@ class PassExecutor:
         attn = None if whole else torch.empty_like(q)
         for group, group_contexts in zip(mb.groups, contexts):
             rows = _rows(group.row_start, group.num_seqs * group.num_queries, group.token_rows)
-            q_group = q[rows].unflatten(0, (group.num_seqs, group.num_queries))
+            q_group = q[rows].view(group.num_seqs, group.num_queries, *q.shape[1:])
             q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
-            k_rows, v_rows = k[rows], v[rows]
             outs = [out for part, context in zip(group.parts, group_contexts)
-                    for out in self._attend_part(layer, q_on, group, part, context, k_rows, v_rows, written)]
+                    for out in self._attend_part(layer, q_on, group, part, context, k, v, rows, written)]
             merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
             if whole:  # the one group is every row, in order: its output is the attention output
                 attn = merged.flatten(0, 1)
@@ -205,19 +205,20 @@ class PassExecutor:
                 attn[rows] = merged.flatten(0, 1)
         return self.model.post_attention(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
 
-    def _attend_part(self, layer: int, q_on: dict, group: AttentionGroup, part, context, k_rows, v_rows,
+    def _attend_part(self, layer: int, q_on: dict, group: AttentionGroup, part, context, k, v, rows,
                      written: bool):
         """(out, lse) pairs of the group's queries against one part's keys, on the compute device
-        (lse None where the part is the group's only one: nothing to merge). written: the pass's
-        new K/V are in the pool already, so a gathered context holds them."""
+        (lse None where the part is the group's only one: nothing to merge). k, v: the micro-batch's
+        new K/V, the group's at `rows`; written: they are in the pool already, so a gathered context
+        holds them."""
         pool = self.kv_pools[part.tier]
         if context is IN_POOL:
             q = self._q_on(q_on, CPU)
-            out, lse = pool.attend_decode(layer, group, part, q, k_rows, v_rows, self.model.scale,
+            out, lse = pool.attend_decode(layer, group, part, q, k[rows], v[rows], self.model.scale,
                                           self.model.config.sliding_window)
             return [(to_device(out, self.device), to_device(lse, self.device))]
         triples = ([(*context, None)] if written and context is not None
-                   else pool.parts_to_attend(group, part, context, k_rows, v_rows))
+                   else pool.parts_to_attend(group, part, context, k[rows], v[rows]))
         alone = len(triples) == 1 and len(group.parts) == 1
         return [self._attend(q_on, group, part, keys, values, key_rule, alone)
                 for keys, values, key_rule in triples]
@@ -259,9 +260,8 @@ class PassExecutor:
             self._biases[key] = self.model.decode_bias(group.q_pos, part.kv_len, length, dtype, part.kv_start)
         return self._biases[key]
 
-    @torch.inference_mode()
     def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v) -> None:
-        if not self.writes_first(mb):  # else _compute wrote them
+        if not self._first[id(mb)]:  # else _compute wrote them
             self._store_kv(layer, mb, new_k, new_v)
         self.acts.put(k, hidden)
 
@@ -269,6 +269,19 @@ class PassExecutor:
         for write in mb.kv_writes:
             rows = _rows(write.row_start, write.rows.shape[0], write.rows)
             self.kv_pools[write.tier].store(layer, write.slots, new_k[rows], new_v[rows], write.residual_ids)
+
+
+class _Done:
+    """A finished step run inline: what a Future's result() gives, without a Future's lock and
+    condition (an all-resident pass makes two per layer and micro-batch)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 def _rows(start: int | None, count: int, rows: torch.Tensor):

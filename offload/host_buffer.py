@@ -101,7 +101,10 @@ class RecycledBuffers:
     overwritten, whatever the order of use. How many exist is the most ever alive at once: the
     peak the pass's working set already counts; they are freed with their owner (the KV pool)."""
 
-    def __init__(self):
+    def __init__(self, min_bytes: int = 0):
+        """min_bytes: smaller takes are fresh tensors (below glibc's mmap threshold malloc's own free
+        lists reuse the memory, and a fresh tensor costs less host time than the search here)."""
+        self.min_bytes = min_bytes
         self._storages: list[torch.UntypedStorage] = []
         self._lock = threading.Lock()
 
@@ -112,7 +115,7 @@ class RecycledBuffers:
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor of `shape` and `dtype`."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if _STORAGE_USE_COUNT is None:
+        if _STORAGE_USE_COUNT is None or nbytes < self.min_bytes:
             return torch.empty(tuple(shape), dtype=dtype)
         with self._lock:
             free = [s for s in self._storages if _STORAGE_USE_COUNT(s._cdata) == 1]

@@ -79,7 +79,7 @@ class KVPool:
         self.device = torch.device(device)
         self.kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.compression = compression
-        self._contexts = RecycledBuffers()  # what gathers onto the CPU return (see _context_buffer)
+        self._contexts = RecycledBuffers(min_bytes=1 << 20)  # what gathers onto the CPU return (see _context_buffer)
         # CUDA: "a value quantized here was not finite", one flag per (device, thread), set without a
         # host sync and checked by check_finite() after the pass (quantize's `nonfinite`).
         self._nonfinite: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -238,8 +238,7 @@ class KVPool:
             # index_select, not advanced indexing: 4x faster on the CPU for this shape. K and V of
             # a slot lie side by side: one select reads both, returned as views of the one result.
             pairs = self._select(self.kv[layer], slots.reshape(-1), device)  # [B * L, 2, kv_heads, head_dim]
-            pairs = pairs.view(*slots.shape, 2, self.kv_heads, self.head_dim)
-            return pairs[..., 0, :, :], pairs[..., 1, :, :]
+            return pairs.view(*slots.shape, 2, self.kv_heads, self.head_dim).unbind(-3)
         return self._gather_compressed(layer, slots, device, residual_ids, complete_len)
 
     def _select(self, table: torch.Tensor, flat: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -94,6 +94,11 @@ class IOStream:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def run(self, fence: torch.cuda.Event | None, fn, *args):
+        """On the I/O thread: inference mode is per thread, so it is entered here for the step."""
+        with torch.inference_mode():
+            return self._run(fence, fn, *args)
+
+    def _run(self, fence: torch.cuda.Event | None, fn, *args):
         if self.stream is None:
             return fn(*args), None
         with torch.cuda.stream(self.stream):

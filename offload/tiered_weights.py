@@ -44,16 +44,16 @@ class TieredWeights:
         cpu_blocks leaves a block held whole on the cpu tier there, for the model to compute on
         the CPU (RowBlockAccess). linked_extents, linked_blocks: see offload.placed_layers.PlacedLayers;
         compressed_globals: global weights (the LM head) kept in that format (_place_globals)."""
-        self.routed_reads, self.cpu_blocks = routed_reads, cpu_blocks
+        self.routed_reads, self.cpu_blocks, self._resident_layers = routed_reads, cpu_blocks, {}
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
-        # experts_read: experts read after routing; experts_on_cpu: computed on the cpu tier (per
-        # micro-batch); expert_loads: layer loads that had experts left for after routing
+        # experts read after routing; computed on the cpu tier (per micro-batch); loads with experts left for after routing
         self.stats = {"experts_read": 0, "experts_on_cpu": 0, "expert_loads": 0}
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.plan = WeightPlan.make(num_layers=num_layers, layer_shapes=layer_shapes, dtype=dtype,
                                     quant=quant, fractions=fractions, overlap=overlap, prefetch=prefetch,
                                     device=self.device, row_blocks=row_blocks, resident=resident)
         self.prefetch_depth = self.plan.prefetch_depth
+        self._streams = [bool(self.plan.layer(j).streamed) for j in range(num_layers)]  # else: _resident_layers
         self.cuda = self.device.type == "cuda"
         self.plan.reserve(tracker, store_bytes := (self.plan.store_bytes - linked_bytes(self.plan, linked_extents, linked_blocks)
                                                    if self.plan.needs_disk else 0))
@@ -151,7 +151,7 @@ class TieredWeights:
             return
         slot = self._next_slot
         self._next_slot = (slot + 1) % len(self._buffers)
-        if self._pool is None or not self.plan.layer(layer).streamed:
+        if self._pool is None or not self._streams[layer]:
             # Serial: one working buffer, filled in get() once the previous layer is done with it.
             self._pending[layer] = (slot, None)
         else:
@@ -165,6 +165,8 @@ class TieredWeights:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         self._in_use[layer] = slot
+        if layer in self._resident_layers:
+            return self._resident_layers[layer]
         weights: Weights = dict(self.placed.small[layer])
         buffers = self._buffers[slot][self._kind(layer)]
         for plan in self.plan.layer(layer).tensors:
@@ -181,13 +183,15 @@ class TieredWeights:
         if access is not None:
             weights[ROW_BLOCKS] = access
             self.stats["expert_loads"] += 1
+        elif not self._streams[layer]:  # the same views every pass: assembled once
+            self._resident_layers[layer] = weights
         return weights
 
     def release(self, layer: int) -> None:
         """The slot may be refilled: at once on the CPU (compute is synchronous), after the
         compute stream passes this point on CUDA."""
         slot = self._in_use.pop(layer, None)
-        if slot is not None and self._stream is not None and self.plan.layer(layer).streamed:
+        if slot is not None and self._stream is not None and self._streams[layer]:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._slot_free[slot] = event
@@ -246,7 +250,7 @@ class TieredWeights:
             return self._load_slot(layer, slot)
 
     def _load_slot(self, layer: int, slot: int):
-        if not self.plan.layer(layer).streamed:
+        if not self._streams[layer]:
             # Every weight of the layer is resident: nothing to copy, no event to wait for (a
             # decode pass of such layers is captured in a CUDA graph: offload/decode_graphs.py).
             return None

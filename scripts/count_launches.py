@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Kernel launches and host time per decode layer-step, ours beside a plain-PyTorch layer (prints;
-asserts nothing; `tests/offload/test_launch_count.py` pins the count).
+asserts nothing; `tests/offload/test_launch_count.py` pins the count). Times are medians of every
+layer-step (ours: each layer of each decode pass; plain: as many repeats), so a busy neighbour's
+burst moves them little.
 
 An all-on-device decode pass moves nothing, so its speed on a GPU is host time: about 25 us per
 kernel launch (docs/DESIGN.md, "Decode passes on a GPU"). This counts the aten operators that launch
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +57,8 @@ class PlainLayer:
         self.fc1, self.fc1_b, self.fc2, self.fc2_b = w(4 * hidden, hidden), w(4 * hidden), w(hidden, 4 * hidden), w(hidden)
         self.kv = torch.zeros(batch * context, 2, heads, self.dim, dtype=dtype, device=device)  # [slots, 2, h, d]
         self.batch, self.context = batch, context
+        # a padded batch of sequences of different lengths needs a mask, as ours: built once, outside
+        self.bias = torch.zeros(batch, 1, 1, context, dtype=dtype, device=device)
 
     def step(self, x: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
         """x: [B, hidden]; slots: [B] this token's KV slot; the first `length` slots of each row are its context."""
@@ -63,7 +68,7 @@ class PlainLayer:
         self.kv.index_copy_(0, slots, qkv[:, h * d:].view(b, 2, h, d))  # one KV write
         kv = self.kv.view(b, self.context, 2, h, d)[:, :length]
         attn = F.scaled_dot_product_attention(qkv[:, :h * d].view(b, h, 1, d), kv[:, :, 0].transpose(1, 2),
-                                              kv[:, :, 1].transpose(1, 2))  # [B, h, 1, d]
+                                              kv[:, :, 1].transpose(1, 2), attn_mask=self.bias[..., :length])  # [B, h, 1, d]
         x = x + F.linear(attn.view(b, h * d), self.o, self.o_b)
         y = F.linear(F.relu(F.linear(F.layer_norm(x, x.shape[-1:], *self.ln2), self.fc1, self.fc1_b)), self.fc2, self.fc2_b)
         return x + y
@@ -79,13 +84,14 @@ def measure_plain(args, dtype, device, sync) -> tuple[float, float]:
             layer.step(x, slots, args.prompt_len + 1)
         with LaunchCounter() as counter:
             layer.step(x, slots, args.prompt_len + 1)
-        sync()
-        reps = args.layers * args.steps * 4
-        start = time.perf_counter()
-        for _ in range(reps):
+        times = []
+        for _ in range(args.layers * args.steps * 4):
+            sync()
+            start = time.perf_counter()
             layer.step(x, slots, args.prompt_len + 1)
-        sync()
-    return counter.launches, 1e6 * (time.perf_counter() - start) / reps
+            sync()
+            times.append(time.perf_counter() - start)
+    return counter.launches, 1e6 * statistics.median(times)
 
 
 def measure_ours(args, folder: str, dtype, device, sync) -> dict:
@@ -101,6 +107,7 @@ def measure_ours(args, folder: str, dtype, device, sync) -> dict:
     counts = {"layer": 0, "pass": 0, "layer_s": 0.0, "pass_s": 0.0, "layer_steps": 0, "passes": 0,
               "timed_steps": 0, "timed_passes": 0}
     layer_counter, pass_counter = LaunchCounter(), LaunchCounter()  # nested: the pass's sees the layers' too
+    layer_times: list[float] = []
     run_layer, run_pass = PassExecutor._run_layer, PassExecutor.run
 
     def is_decode(batches) -> bool:
@@ -135,6 +142,7 @@ def measure_ours(args, folder: str, dtype, device, sync) -> dict:
         sync()
         counts["layer_s"] += time.perf_counter() - began
         counts["timed_steps"] += 1
+        layer_times.append(time.perf_counter() - began)
         return result
 
     def timed_pass(self, micro_batches):
@@ -160,8 +168,8 @@ def measure_ours(args, folder: str, dtype, device, sync) -> dict:
         finally:
             PassExecutor._run_layer, PassExecutor.run = run_layer, run_pass
         graph_steps = llm.engine.stats.get("graph_passes", 0)
-    steps, timed = max(counts["layer_steps"], 1), max(counts["timed_steps"], 1)
-    return {"launches": counts["layer"] / steps, "host_us": 1e6 * counts["layer_s"] / timed,
+    steps = max(counts["layer_steps"], 1)
+    return {"launches": counts["layer"] / steps, "host_us": 1e6 * statistics.median(layer_times) if layer_times else 0.0,
             "outside_launches": counts["pass"] / max(counts["passes"], 1),
             "outside_us": 1e6 * counts["pass_s"] / max(counts["timed_passes"], 1),
             "eager_layer_steps": counts["layer_steps"], "graph_passes": graph_steps, "generate_s": total}

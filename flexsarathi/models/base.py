@@ -104,7 +104,8 @@ class ModelMath(ABC):
 
     def _split_qkv(self, qkv: torch.Tensor):
         c = self.config
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        # slices, not Tensor.split (its Python wrapper costs more than the views)
+        q, k, v = qkv[..., :c.q_size], qkv[..., c.q_size:c.q_size + c.kv_size], qkv[..., c.q_size + c.kv_size:]
         num_tokens = qkv.shape[0]
         return (q.reshape(num_tokens, c.num_heads, c.head_dim),
                 k.reshape(num_tokens, c.num_kv_heads, c.head_dim),

@@ -57,7 +57,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     # In the compute dtype, as HF's OPT runs its LayerNorm modules: the kernel accumulates in fp32
     # for half-precision inputs, and no fp32 copies of x, weight and bias are launched.
-    return F.layer_norm(x, (x.shape[-1],), weight.to(x.dtype), bias.to(x.dtype), eps)
+    if weight.dtype != x.dtype:
+        weight, bias = weight.to(x.dtype), bias.to(x.dtype)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
