@@ -94,8 +94,11 @@ def time_terms(resources: dict[str, np.ndarray], overlap: bool,
 
 
 def pass_cost(shape: PassShape, run: RunShape, policy: Policy, model: ModelSpec,
-              hw: HardwareSpec) -> PassCost:
-    resources = _layer_resources(shape, policy, model, hw)
+              hw: HardwareSpec, graphed: bool = False) -> PassCost:
+    """graphed: the policy's placement is known to let decode passes replay CUDA graphs
+    (estimate of a whole policy: policy_search.graphs); the LP, whose placement is open, prices
+    every pass as eager."""
+    resources = _layer_resources(shape, policy, model, hw, graphed)
     layers = model.num_layers
     resources = {name: expr * layers for name, expr in resources.items()}
     head = _head_resources(shape, model, hw)
@@ -219,7 +222,7 @@ def _moe_resources(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareS
 
 
 def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
-                     hw: HardwareSpec) -> dict[str, np.ndarray]:
+                     hw: HardwareSpec, graphed: bool = False) -> dict[str, np.ndarray]:
     """Seconds per resource for one layer of one pass."""
     decode_kv_tokens = s.decode_tokens * s.context  # KV tokens decode attention reads
     cpu_attention = policy.cpu_attention and s.decode_tokens > 0
@@ -232,7 +235,7 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
     prompt_attention = s.prompt_pairs * pair_flops / hw.gpu_attention_prefill_flops
     decode_attention = max(decode_kv_tokens * pair_flops / hw.gpu_attention_decode_flops,
                            decode_kv_tokens * model.kv_bytes_per_token(False) / hw.gpu_memory_bandwidth)
-    overhead = s.micro_batches * hw.layer_overhead  # the executor's fixed cost (HardwareSpec)
+    overhead = s.micro_batches * _layer_overhead(s, hw, graphed)  # the executor's fixed cost
     gpu = const(matmul + prompt_attention + overhead) + gpu_decode_share * decode_attention
     kv_values = model.kv_values_per_token
     if policy.compress_kv:  # dequantize what GPU attention reads, quantize what the pass stores
@@ -252,6 +255,13 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
         for name, expr in _moe_resources(s, policy, model, hw, gpu).items():
             out[name] = out.get(name, const(0.0)) + expr
     return out
+
+
+def _layer_overhead(s: PassShape, hw: HardwareSpec, graphed: bool) -> float:
+    """Host seconds per layer and micro-batch beyond the math (HardwareSpec): a decode pass of one
+    micro-batch replayed from a CUDA graph pays the graph's, where the hardware has that figure."""
+    replayed = graphed and s.prompt_tokens == 0 and s.micro_batches == 1 and hw.graph_layer_overhead is not None
+    return hw.graph_layer_overhead if replayed else hw.layer_overhead
 
 
 def _layer_streamed_bytes(s: PassShape, policy: Policy, model: ModelSpec) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policy_search.cost_model import RESOURCES, PassCost, pass_cost, time_terms
+from policy_search.graphs import graphs_refused
 from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTIONS, evaluate
 from policy_search.model_spec import ModelSpec
@@ -85,14 +86,18 @@ class Estimate:
 
 
 def pass_costs(policy: Policy, model: ModelSpec, hardware: HardwareSpec,
-               workload: Workload) -> tuple[RunShape, list[PassCost]]:
-    """The run's pass shapes and their cost expressions (what both `estimate` and the LP use)."""
+               workload: Workload, graphed: bool = False) -> tuple[RunShape, list[PassCost]]:
+    """The run's pass shapes and their cost expressions (what both `estimate` and the LP use;
+    graphed: see cost_model.pass_cost)."""
     run = run_shape(policy, workload)
-    return run, [pass_cost(shape, run, policy, model, hardware) for shape in run.passes]
+    return run, [pass_cost(shape, run, policy, model, hardware, graphed) for shape in run.passes]
 
 
 def estimate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Estimate:
-    run, costs = pass_costs(policy, model, hardware, workload)
+    """The policy's throughput and memory; its decode passes priced as the engine runs them (from
+    CUDA graphs where policy_search.graphs allows, at HardwareSpec.graph_layer_overhead)."""
+    graphed = graphs_refused(policy, model.num_experts > 0) is None
+    run, costs = pass_costs(policy, model, hardware, workload, graphed)
     fractions = {name: getattr(policy, name) for name in FRACTIONS}
     passes = []
     for cost in costs:

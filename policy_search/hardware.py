@@ -110,7 +110,9 @@ class HardwareSpec:
     compute_on_host: bool = False
     # Fixed seconds a pass costs per layer and micro-batch beyond its math: the executor's
     # bookkeeping and thread hand-offs, per-call costs of small ops (kernel launches on a GPU). The
-    # presets leave it at 0 (FlexGen's fitted constants absorb it); profiles measure it.
+    # presets leave it at 0: with it nonzero the branch and bound missed the brute-force optimum
+    # (tests/policy_search/test_planner_search.py, opt-1.3b on a 1 GiB t4: 163 against 177 tok/s;
+    # measured on an H200 machine's host, 0.545 ms eager, 0 replayed from a graph); profiles measure it.
     layer_overhead: float = 0.0
     # The same for a decode pass replayed from a CUDA graph (the engine's default where weights, KV
     # and activations all stay on the GPU: flexsarathi/engine/graph_passes.py); None: not measured,
@@ -292,6 +294,7 @@ T4_DISK_READ = 2.65 * GB
 # ratio to their datasheet HBM bandwidth.
 T4_DEQUANT = 1e10
 _DEQUANT_PER_HBM_BYTE = T4_DEQUANT / (320 * GB)
+
 
 _T4 = HardwareSpec(
     name="t4",

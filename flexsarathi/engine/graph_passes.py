@@ -1,9 +1,8 @@
 """Which passes replay a CUDA graph, and their inputs from the block tables: the engine's side of
 offload/decode_graphs.py.
 
-A policy allows graphs when a decode pass moves nothing: every weight, the whole KV cache (plain, not
-4-bit: a compressed pool's block bookkeeping is host-side data) and the hidden states on the compute
-device, and no mixture-of-experts layer (its routing decides on the host which experts run). Then a
+A policy allows graphs where policy_search.graphs.graphs_refused finds no reason against (the
+planner prices such passes by the same rule). Then a
 pass that is one micro-batch of decode tokens, each sampling, none asking for prompt logprobs,
 replays the graph of its (batch, keys) bucket; any other pass (prompt chunks, several micro-batches)
 runs eagerly as before. Each bucket's working set, which its graph keeps, is reserved on the gpu
@@ -20,25 +19,9 @@ from flexsarathi.engine.micro_batch_builder import wants_prompt_logprobs
 from flexsarathi.engine.scheduler import SchedulerOutput, WorkItem
 from offload.decode_graphs import DecodeGraphs, bucket_of
 from offload.memory import MemoryBudgetError, MemoryTracker
-from policy_search.policy import Policy
 from policy_search.working_set import PassTokens
 
 GRAPH_POOL = "decode graphs"
-
-
-def graphs_refused(policy: Policy, has_experts: bool) -> str | None:
-    """Why this policy's decode passes cannot be captured, or None where they can."""
-    if policy.w_gpu < 1:
-        return "weights are streamed"
-    if policy.kv_gpu < 1:
-        return "the KV cache is not all on the GPU"
-    if policy.act_gpu < 1:
-        return "activations are parked off the GPU"
-    if policy.compress_kv:
-        return "the KV cache is 4-bit"
-    if has_experts:
-        return "mixture-of-experts routing is decided on the host"
-    return None
 
 
 class GraphPasses:

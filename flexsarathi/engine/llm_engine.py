@@ -16,7 +16,7 @@ import torch
 from flexsarathi.models.attention import release_host_buffers
 from flexsarathi.engine.micro_batch_builder import build_micro_batch, wants_prompt_logprobs
 from flexsarathi.engine.block_manager import BlockManager
-from flexsarathi.engine.graph_passes import GraphPasses, graphs_refused
+from flexsarathi.engine.graph_passes import GraphPasses
 from flexsarathi.models.opened_model import OpenedModel, open_model
 from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import FlexSarathiError
@@ -32,6 +32,7 @@ from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget, dequant_scratch_bytes
 from offload.placement import weight_layout_tag
 from offload.tiered_weights import TieredWeights
+from policy_search.graphs import graphs_refused
 from policy_search.policy import TIERS, Policy
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT

@@ -144,3 +144,25 @@ def test_layer_overhead_is_paid_per_layer_and_micro_batch(opt13, host):
                                    if k != "layer_overhead_seconds"}).layer_overhead == 0
     with pytest.raises(SpecError, match="layer_overhead"):
         host.replace(layer_overhead=-1.0)
+
+
+@pytest.mark.parametrize("placement, graphed", [
+    (dict(), True),  # everything on the GPU: decode passes replay a graph
+    (dict(kv_gpu=0.5, kv_cpu=0.5), False),  # KV off the GPU: eager (policy_search.graphs)
+    (dict(compress_kv=True), False),  # 4-bit KV: eager
+])
+def test_a_decode_pass_replayed_from_a_graph_pays_the_graphs_overhead(opt13, placement, graphed):
+    """estimate() prices a policy's decode passes at graph_layer_overhead where the engine replays
+    them (one micro-batch, nothing moving, plain KV); prompt passes and other policies keep
+    layer_overhead. Per decode pass the gpu time differs by layers x (eager - graph)."""
+    wl = Workload(prompt_len=64, gen_len=8)
+    gpu = HardwareSpec.preset("a100-80g").replace(layer_overhead=2e-3)
+    policy = Policy(gpu_batch_size=8, num_gpu_batches=1, scheduler="block", **{**ALL_GPU, **placement})
+    eager = estimate(policy, opt13, gpu, wl)
+    replayed = estimate(policy, opt13, gpu.replace(graph_layer_overhead=5e-4), wl)
+    for a, b in zip(eager.passes, replayed.passes):
+        saved = opt13.num_layers * (2e-3 - 5e-4) if graphed and a.prompt_tokens == 0 else 0.0
+        assert a.resources["gpu"] - b.resources["gpu"] == pytest.approx(saved)
+    assert (replayed.throughput > eager.throughput) == graphed
+    assert any(p.prompt_tokens == 0 for p in eager.passes)
+    assert HardwareSpec.from_dict(gpu.to_dict()).graph_layer_overhead is None  # optional, null
