@@ -249,4 +249,8 @@ def test_bench_prints_consistent_json():
     assert result["total_tok_s"] == pytest.approx((6 + 16) / result["seconds"])
     assert result["passes"] >= 3 and result["device"].startswith(("cpu", "cuda"))
     assert set(result["peak_bytes"]) == {"gpu", "cpu", "disk"} and result["peak_bytes"]["gpu"] > 0
-    assert "throughput" in proc.stdout.splitlines()[-2] or "throughput" in proc.stdout
+    table = dict(line.split(None, 1) if " " in line else (line, "") for line in proc.stdout.splitlines()[:-1]
+                 if line.startswith(("throughput ", "passes ")))
+    # the table above the JSON line reports the same run: its figures as the JSON gives them
+    assert table == {"throughput": f"{result['throughput_tok_s']:.3f} generated tok/s",
+                     "passes": str(result["passes"])}
