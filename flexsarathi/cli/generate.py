@@ -291,7 +291,11 @@ def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
 
     def record(req: BatchRequest, output) -> int:
         if output.error is not None:
-            out.append(error_record(fmt, req, re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error)))
+            # "prompt N ...": refused before any work (the request's fault); else it failed in a pass
+            refused = re.match(r"prompt \d+", output.error) is not None
+            message = re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error) if refused \
+                else f"line {req.line}: {output.error}"
+            out.append(error_record(fmt, req, message, "invalid_request" if refused else "generation_failed"))
             return 1
         output.prompt = req.prompt
         out.append(result_record(fmt, req, output, model, decode))
