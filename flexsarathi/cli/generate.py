@@ -22,7 +22,7 @@ from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_i
                                   result_record)
 from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
                                     resolve_policy)
-from flexsarathi.cli.file_checks import check_not_the_input
+from flexsarathi.cli.file_checks import check_not_the_input, say as say_line
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.cli.result_file import ResultFile
 from flexsarathi.engine.sampling import SamplingParams
@@ -165,7 +165,7 @@ def _model_name(model: str) -> str:
 
 
 def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dict, out: ResultFile) -> int:
-    say = (lambda *a: None) if args.quiet else (lambda text: print(text, flush=True))
+    say = (lambda *a: None) if args.quiet else say_line
     pending = [r for r in requests if r.key not in out.done]
     say(f"{len(requests)} requests ({fmt}) in {args.input}: {len(requests) - len(pending)} already in "
         f"{args.output}{' (a torn last line was cut off and is redone)' if out.torn else ''}"

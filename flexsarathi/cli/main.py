@@ -10,7 +10,8 @@ from flexsarathi.cli.bench import add_bench_parser
 from flexsarathi.cli.engine_args import add_compute_args, add_dtype_arg
 from flexsarathi.cli.generate import add_generate_parser
 from flexsarathi.cli.inspect_model import add_inspect_parser
-from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
+from flexsarathi.cli.file_checks import (check_folder, check_output_file, positive_int, read_text_file,
+                                        silence_stdout, stdout_is_closed)
 from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from offload.disk_store import OffloadError
@@ -145,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except USER_ERRORS as exc:
         return _fail(f"error: {_one_line(exc)}", 2)
+    except BrokenPipeError as exc:
+        if not stdout_is_closed():  # another pipe (a subprocess, a socket) broke: an error
+            return _fail(f"error: {exc.strerror or exc}", 2)
+        silence_stdout()  # stdout's reader stopped reading (`| head`): no error, as for Unix tools
+        return 0
     except OSError as exc:  # a file or folder the checks could not foresee (disk full, removed)
         where = f" ({exc.filename})" if exc.filename else ""
         return _fail(f"error: {exc.strerror or exc}{where}", 2)
