@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
-import sys
 from pathlib import Path
 
 from flexsarathi.errors import FlexSarathiError
@@ -73,29 +71,3 @@ def read_text_file(path: str, flag: str) -> str:
         raise FlexSarathiError(f"{flag} {path} is not UTF-8 text: byte {data[exc.start]:#04x} at offset "
                                f"{exc.start} ({exc.reason})") from None
 
-
-def say(text: str) -> None:
-    """Print a line of a command's report to stdout. A reader that closed it (`... | head -1`) is
-    no error, as for Unix tools: the rest of the report goes nowhere and the work goes on."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        silence_stdout()
-
-
-def silence_stdout() -> None:
-    """stdout's reader is gone: point it at /dev/null, so that later prints and the interpreter's
-    flush at exit write nowhere instead of raising BrokenPipeError."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
-def stdout_is_closed() -> bool:
-    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)  # POLLERR is always reported
-        return any(events & select.POLLERR for _, events in poller.poll(0))
-    except (OSError, ValueError):  # no stdout, or not a file
-        return False

@@ -22,7 +22,8 @@ from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_i
                                   result_record)
 from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
                                     resolve_policy)
-from flexsarathi.cli.file_checks import check_not_the_input, say as say_line
+from flexsarathi.cli.console import say as say_line
+from flexsarathi.cli.file_checks import check_not_the_input
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.cli.result_file import ResultFile
 from flexsarathi.engine.sampling import SamplingParams

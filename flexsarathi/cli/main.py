@@ -10,8 +10,8 @@ from flexsarathi.cli.bench import add_bench_parser
 from flexsarathi.cli.engine_args import add_compute_args, add_dtype_arg
 from flexsarathi.cli.generate import add_generate_parser
 from flexsarathi.cli.inspect_model import add_inspect_parser
-from flexsarathi.cli.file_checks import (check_folder, check_output_file, positive_int, read_text_file,
-                                        silence_stdout, stdout_is_closed)
+from flexsarathi.cli.console import show_warnings_as_lines, silence_stdout, stdout_is_closed
+from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
 from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from offload.disk_store import OffloadError
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     or folders that cannot be used, 1 for an unexpected failure (its traceback only with
     FLEXSARATHI_TRACEBACK=1), 130 when interrupted."""
     args = build_parser().parse_args(argv)
+    show_warnings_as_lines()
     try:
         return args.func(args)
     except USER_ERRORS as exc:

@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from flexsarathi.cli.engine_args import add_compress_head_arg, add_dtype_arg
-from flexsarathi.cli.file_checks import check_output_file, say
+from flexsarathi.cli.console import say
+from flexsarathi.cli.file_checks import check_output_file
 from policy_search import (HardwareSpec, InfeasibleError, Policy, PolicyError, SpecError,
                            Workload, estimate, format_report, search_detailed, write_policy_file)
 from policy_search.hardware import PRESETS

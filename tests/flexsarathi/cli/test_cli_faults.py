@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from flexsarathi import LLM, SamplingParams
 from flexsarathi.errors import CheckpointError, FlexSarathiError
+from policy_search import Policy
 from tests.conftest import REPO
 from tests.flexsarathi.cli.test_cli_generate import GREEDY, cli, records, write_lines
 
@@ -124,3 +125,23 @@ def test_non_finite_logits_in_the_api(stories_dir, monkeypatch):
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [
             o.token_ids for o in clean]  # the engine goes on as before
     assert len(clean[1].token_ids) == 4  # the clean run sampled the poisoned prompt
+
+
+def test_a_damaged_offload_store_is_one_warning_line(stories_dir, tmp_path):
+    """The store written by a first job is damaged (a torn write over its first shard); the next job
+    finds it in its first pass, rebuilds it and says so in one line of its own above the progress
+    bar (not a Python RuntimeWarning with a thread's file path), and writes the same records."""
+    policy = tmp_path / "policy.json"
+    Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0).save(str(policy))
+    src = write_lines(tmp_path / "in.txt", ["Once upon a time", "Lily wanted to"])
+    args = ["generate", "--model", stories_dir, "--input", src, "--policy", str(policy), "--offload-dir",
+            str(tmp_path / "offload"), "--temperature", "0", "--max-tokens", "4", "--dtype", "float32"]
+    cli(*args, "--output", str(tmp_path / "first.jsonl"), check_rc=0)
+    (shard,) = (tmp_path / "offload").rglob("data-00000.bin")
+    with open(shard, "r+b") as f:
+        f.write(b"\xff" * 4096)
+    proc = cli(*args, "--output", str(tmp_path / "second.jsonl"), check_rc=0)
+    lines = [ln for ln in proc.stderr.replace("\r", "\n").splitlines() if "store" in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: ") and "rebuilding the store" in lines[0], proc.stderr
+    assert "Warning" not in proc.stderr and ".py:" not in proc.stderr
+    assert records(tmp_path / "second.jsonl") == records(tmp_path / "first.jsonl")
