@@ -52,6 +52,13 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                                              "--offload-dir /etc/passwd/off cannot be created"),
         "profile bad dtype": (["profile", "--dtype", "int3", "-o", f"{tmp}/hw.json"], "unsupported dtype 'int3'"),
         "profile unknown model": (["profile", "--model", "opt-7", "-o", f"{tmp}/hw.json"], "unknown model 'opt-7'"),
+        "inspect a text file": (["inspect", "--model", text], f"model {text} is a file of {len(NOT_UTF8)} bytes, not "
+                                "a checkpoint; a model is a checkpoint folder (config.json + safetensors), a "
+                                ".gguf file or dummy:<name>"),
+        "inspect missing model": (["inspect", "--model", f"{tmp}/none"], f"model {tmp}/none does not exist; a model "
+                                  "is a checkpoint folder"),
+        "generate safetensors file": (["generate", "--model", f"{STORIES}/model.safetensors", "-i", "pkg:dummy_opt.jsonl", "-o",
+                                       f"{tmp}/o.jsonl"], "is one safetensors file: give the folder that holds it"),
     }
 
 

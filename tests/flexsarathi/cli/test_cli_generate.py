@@ -254,3 +254,18 @@ def test_bench_prints_consistent_json():
     # the table above the JSON line reports the same run: its figures as the JSON gives them
     assert table == {"throughput": f"{result['throughput_tok_s']:.3f} generated tok/s",
                      "passes": str(result["passes"])}
+
+
+def test_inspect_names_the_dtype_generate_runs_in(stories_dir, tmp_path, capsys):
+    """The reference is generate's own record of the dtype it ran in on this machine (its meta.json)."""
+    src = write_lines(tmp_path / "in.txt", ["Once upon a time"])
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--model", stories_dir, "--input", src, "--output", str(out), "--max-tokens", "1",
+                 "--quiet"]) == 0
+    ran = json.loads((tmp_path / "o.jsonl.meta.json").read_text())["dtype"]
+    capsys.readouterr()
+    assert main(["inspect", "--model", stories_dir]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    kinds = [line for line in lines if line.startswith("  ") and "[" in line]
+    assert len(kinds) == 4 and all(f": float32 -> {ran} (" in line for line in kinds), lines
+    assert lines[-2].endswith(f"({ran})")  # the engine stores line
