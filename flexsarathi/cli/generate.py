@@ -288,7 +288,7 @@ def _workload(args, requests: list[BatchRequest], params: dict):
 def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
     """record(request, output) -> 1 when it appended an error record, else 0: one output as it
     finishes, wherever it ran (this process or a Ray actor)."""
-    decode = (lambda t: tokenizer.decode([t])) if tokenizer else str
+    decode = tokenizer.decode if tokenizer else None
 
     def record(req: BatchRequest, output) -> int:
         if output.error is not None:
