@@ -25,6 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="policy JSON (from `flexsarathi policy --json`)")
 
 
+DEMO_PROMPT_LEN = 64
+
+
 def _cmd_demo(args) -> int:
     import random
 
@@ -34,10 +37,12 @@ def _cmd_demo(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy, cpu_matmul=args.cpu_matmul)
     vocab = llm.engine.config.vocab_size
     rng = random.Random(0)
-    if llm.tokenizer is not None:
-        prompts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a bird"]
-    else:  # dummy weights have no tokenizer: prompts are token ids
-        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    if llm.tokenizer is not None and args.prompt_len is None:  # text prompts, as many as asked
+        texts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a bird"]
+        prompts = [texts[i % len(texts)] for i in range(args.num_prompts)]
+    else:  # random token ids: dummy weights have no tokenizer, and --prompt-len asks for a length
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len or DEMO_PROMPT_LEN)]
+                   for _ in range(args.num_prompts)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0,
                                                    ignore_eos=True))
     for out in outputs:
@@ -100,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate from a few prompts and print tokens/s")
     demo.add_argument("--model", default="dummy:opt-125m", help="checkpoint folder or dummy:<name>")
     demo.add_argument("--num-prompts", type=positive_int, default=8)
-    demo.add_argument("--prompt-len", type=positive_int, default=64)
+    demo.add_argument("--prompt-len", type=positive_int, default=None,
+                      help=f"random token-id prompts of this length (default: text prompts where the model has a "
+                           f"tokenizer, else {DEMO_PROMPT_LEN} tokens)")
     demo.add_argument("--max-tokens", type=positive_int, default=32)
     _add_engine_args(demo)
     demo.set_defaults(func=_cmd_demo)

@@ -297,3 +297,17 @@ def test_openai_logprobs_read_as_the_text(stories_dir, stories_llm, tmp_path):
         best = sorted(step.items(), key=lambda kv: -kv[1])[:2]
         context = tok.decode(ids[:start + i])
         assert alternatives == pytest.approx({tok.decode(ids[:start + i] + [a])[len(context):]: v for a, v in best})
+
+
+def test_demo_honours_its_prompt_flags(stories_dir, capsys):
+    """On a model with a tokenizer: --num-prompts text prompts; --prompt-len random token prompts
+    of that length (one longer than the context is one error line)."""
+    assert main(["demo", "--model", stories_dir, "--num-prompts", "6", "--max-tokens", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split("]")[0] for ln in lines if ln.startswith("[")] == [f"[{i}" for i in range(6)]
+    assert main(["demo", "--model", stories_dir, "--num-prompts", "2", "--prompt-len", "20", "--max-tokens", "2"]) == 0
+    shown = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[")]
+    assert len(shown) == 2 and all(" prompt 20 tokens -> " in ln for ln in shown)
+    assert main(["demo", "--model", stories_dir, "--num-prompts", "2", "--prompt-len", "600"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: prompt 0 has 600 tokens, more than the model's context of 512"]
