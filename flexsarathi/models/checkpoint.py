@@ -33,12 +33,13 @@ def require_finite(values: torch.Tensor, name: str, where: str, read: torch.Tens
     read: the tensor as the file holds it, when `values` is its cast (only looked at on failure,
     to tell a damaged checkpoint from a value beyond the dtype's range).
 
-    One float32 sum of the tensor just read (NaN and inf propagate through it), not a second
-    read of the file; only a non-finite sum pays for the element-wise check that locates the entry
-    (a sum of finite values large enough to overflow float32 passes it)."""
+    One sum of the tensor just read, in its own dtype (NaN and inf propagate through it; torch's
+    vectorized half sums are ~25x faster than one asking for a float32 result), not a second read
+    of the file; only a non-finite sum pays for the element-wise check that locates the entry (a
+    sum of finite values that overflows, as float16's can, passes it)."""
     if not values.is_floating_point() or values.numel() == 0:
         return values
-    if torch.isfinite(values.sum(dtype=torch.float32 if values.dtype.itemsize <= 4 else values.dtype)):
+    if torch.isfinite(values.sum()):
         return values
     bad = ~torch.isfinite(values)
     if not bad.any():
