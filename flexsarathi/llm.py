@@ -96,8 +96,9 @@ class LLM:
                  use_tqdm: bool = True, on_error: str = "raise") -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts are strings or lists of token ids.
         on_error="record": a request that cannot run (empty, beyond the context, text without a
-        tokenizer, ...) yields an output whose `.error` says why; the others run. "raise": the
-        first such request raises FlexSarathiError before any work."""
+        tokenizer, ...) or fails in a pass (non-finite logits) yields an output whose `.error`
+        says why; the others run. "raise": the first such request raises FlexSarathiError (a
+        refused one before any work)."""
         results = dict(self.generate_iter(prompts, sampling_params, use_tqdm, on_error))
         return [results[i] for i in range(len(results))]
 
@@ -114,7 +115,7 @@ class LLM:
             yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
                                        else None, prompt_token_ids=[], outputs=[], error=error)
         if groups:
-            yield from self._run(groups, len(refused), use_tqdm)
+            yield from self._run(groups, len(refused), use_tqdm, on_error)
 
     def _make_requests(self, prompts: list, params: list[SamplingParams], on_error: str):
         """{prompt index: its n sequences} and [(prompt index, error)] for refused prompts."""
@@ -130,7 +131,8 @@ class LLM:
                 refused.append((i, str(exc)))
         return groups, refused
 
-    def _run(self, groups: dict[int, list], failed: int, use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
+    def _run(self, groups: dict[int, list], failed: int, use_tqdm: bool,
+             on_error: str) -> Iterator[tuple[int, RequestOutput]]:
         engine, scheduler = self.engine, self.engine.scheduler
         seqs = [seq for group in groups.values() for seq in group]
         request_of = {seq.seq_id: i for i, group in groups.items() for seq in group}
@@ -150,7 +152,12 @@ class LLM:
                         done.append(i)
                 progress.update(finished, len(done))
                 for i in done:
-                    yield i, engine.to_output(groups[i])
+                    output = engine.to_output(groups[i])
+                    if output.error is not None:  # failed in a pass (non-finite logits)
+                        failed += 1
+                        if on_error == "raise":
+                            raise FlexSarathiError(f"prompt {i}: {output.error}")
+                    yield i, output
         finally:
             engine.abort_all()  # a caller that stopped iterating leaves nothing queued
             progress.close()

@@ -44,15 +44,30 @@ def check_folder(path: str, flag: str) -> None:
         raise FlexSarathiError(f"{flag} {path} is not writable")
 
 
+def check_not_the_input(input_path: str, output: str) -> None:
+    """The output is not the input file under another name (same path, a hard link or a symbolic
+    link to it): writing results there would destroy the requests. Checked before anything is
+    opened for writing."""
+    try:
+        same = os.path.samefile(input_path, output)
+    except OSError:  # the output does not exist yet (or cannot be stat'ed: its own checks say so)
+        same = False
+    if same:
+        raise FlexSarathiError(f"--output {output} is the --input file {input_path}: results would replace the "
+                               "requests; give another --output")
+
+
 def read_text_file(path: str, flag: str) -> str:
-    """The UTF-8 text of `path`, or an error that says which file and what is wrong with it."""
+    """The UTF-8 text of `path`, or an error that says which file and what is wrong with it. A
+    leading byte-order mark (what Windows tools and Excel write) is no part of the text."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         raise FlexSarathiError(f"cannot read {flag} {path}: {exc.strerror}") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise FlexSarathiError(f"{flag} {path} is not UTF-8 text: byte {data[exc.start]:#04x} at offset "
                                f"{exc.start} ({exc.reason})") from None
+

@@ -22,6 +22,8 @@ from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_i
                                   result_record)
 from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
                                     resolve_policy)
+from flexsarathi.cli.console import say as say_line
+from flexsarathi.cli.file_checks import check_not_the_input
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.cli.result_file import ResultFile
 from flexsarathi.engine.sampling import SamplingParams
@@ -39,7 +41,10 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", required=True, help="JSONL results (appended; resumed on rerun)")
     p.add_argument("--input-format", choices=("auto", *FORMATS), default="auto",
                    help="default: detected from the content")
-    p.add_argument("--overwrite", action="store_true", help="start --output afresh")
+    fix = p.add_mutually_exclusive_group()
+    fix.add_argument("--overwrite", action="store_true", help="start --output afresh")
+    fix.add_argument("--repair", action="store_true", help="move --output's damaged lines to OUTPUT.rejected "
+                     "and redo their requests (the good records are kept)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, policy or summary")
     g = p.add_argument_group("sampling defaults (a request's own fields win)")
     g.add_argument("--max-tokens", type=int, default=16)
@@ -104,7 +109,9 @@ class PartialJobError(FlexSarathiError):
 def run_generate(args) -> int:
     defaults = _sampling_defaults(args)
     _check_ray_args(args)
-    fmt, requests = read_requests(_input_path(args.input), args.input_format)
+    input_path = _input_path(args.input)
+    check_not_the_input(input_path, args.output)
+    fmt, requests = read_requests(input_path, args.input_format)
     check_unique_ids(requests)
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
     from flexsarathi.models.opened_model import open_model
@@ -121,7 +128,7 @@ def run_generate(args) -> int:
         args.dtype = str(dtype).removeprefix("torch.")
     meta = {"job": "flexsarathi generate", "format": fmt, "model": _model_name(args.model),
             "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults}
-    out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite)
+    out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite, repair=args.repair)
     try:
         return _run_job(args, fmt, requests, opened, defaults, out)
     except KeyboardInterrupt:
@@ -159,10 +166,11 @@ def _model_name(model: str) -> str:
 
 
 def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dict, out: ResultFile) -> int:
-    say = (lambda *a: None) if args.quiet else (lambda text: print(text, flush=True))
+    say = (lambda *a: None) if args.quiet else say_line
     pending = [r for r in requests if r.key not in out.done]
     say(f"{len(requests)} requests ({fmt}) in {args.input}: {len(requests) - len(pending)} already in "
-        f"{args.output}{' (a torn last line was cut off and is redone)' if out.torn else ''}, "
+        f"{args.output}{' (a torn last line was cut off and is redone)' if out.torn else ''}"
+        f"{f' ({out.rejected} damaged or duplicate lines moved to {out.rejected_path})' if out.rejected else ''}, "
         f"{len(pending)} to run")
     tokenizer = opened.tokenizer
     params = {r.key: _prepare(r, tokenizer, defaults, args.seed) for r in pending}
@@ -178,7 +186,8 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dic
         run = _run_on_ray if args.ray else _run_here
         stats, policy, failed_here = run(args, runnable, params, record, say, opened)
         failed += failed_here
-    _summary(say, len(pending) - failed, failed, stats, args.output, describe_policy(policy) if stats else None)
+    _summary(say, len(pending) - failed, failed, out.errors, stats, args.output,
+             describe_policy(policy) if stats else None)
     return 1 if failed + out.errors else 0
 
 
@@ -279,11 +288,15 @@ def _workload(args, requests: list[BatchRequest], params: dict):
 def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
     """record(request, output) -> 1 when it appended an error record, else 0: one output as it
     finishes, wherever it ran (this process or a Ray actor)."""
-    decode = (lambda t: tokenizer.decode([t])) if tokenizer else str
+    decode = tokenizer.decode if tokenizer else None
 
     def record(req: BatchRequest, output) -> int:
         if output.error is not None:
-            out.append(error_record(fmt, req, re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error)))
+            # "prompt N ...": refused before any work (the request's fault); else it failed in a pass
+            refused = re.match(r"prompt \d+", output.error) is not None
+            message = re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error) if refused \
+                else f"line {req.line}: {output.error}"
+            out.append(error_record(fmt, req, message, "invalid_request" if refused else "generation_failed"))
             return 1
         output.prompt = req.prompt
         out.append(result_record(fmt, req, output, model, decode))
@@ -292,8 +305,11 @@ def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
     return record
 
 
-def _summary(say, ok: int, failed: int, stats: dict | None, output: str, policy: str | None) -> None:
-    say(f"done: {ok} ok, {failed} failed -> {output}")
+def _summary(say, ok: int, failed: int, earlier_errors: int, stats: dict | None, output: str,
+             policy: str | None) -> None:
+    """earlier_errors: the error records the file held before this run (they count in the exit code)."""
+    earlier = f"; the file also holds {earlier_errors} error records of earlier runs" if earlier_errors else ""
+    say(f"done: {ok} ok, {failed} failed{earlier} -> {output}")
     if not stats:
         return
     seconds = stats["seconds"]

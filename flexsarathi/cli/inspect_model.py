@@ -29,12 +29,12 @@ def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_inspect(args) -> int:
-    from flexsarathi.machine.dtype_choice import is_auto
-    from flexsarathi.models.model_config import parse_dtype
+    from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
     from flexsarathi.models.opened_model import open_model
 
     source = open_model(args.model).source
-    dtype = torch.float16 if is_auto(args.dtype) else parse_dtype(args.dtype, "--dtype")
+    # what `generate` computes in on this machine (auto: a half dtype on a GPU, the measured choice on the CPU)
+    dtype = resolve_dtype(args.dtype, source.config.checkpoint_dtype, resolve_device(None))
     for line in inspect_lines(args.model, source, dtype):
         print(line)
     return 0

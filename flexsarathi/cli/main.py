@@ -10,6 +10,7 @@ from flexsarathi.cli.bench import add_bench_parser
 from flexsarathi.cli.engine_args import add_compute_args, add_dtype_arg
 from flexsarathi.cli.generate import add_generate_parser
 from flexsarathi.cli.inspect_model import add_inspect_parser
+from flexsarathi.cli.console import show_warnings_as_lines, silence_stdout, stdout_is_closed
 from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
 from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
@@ -24,6 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="policy JSON (from `flexsarathi policy --json`)")
 
 
+DEMO_PROMPT_LEN = 64
+
+
 def _cmd_demo(args) -> int:
     import random
 
@@ -33,10 +37,12 @@ def _cmd_demo(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy, cpu_matmul=args.cpu_matmul)
     vocab = llm.engine.config.vocab_size
     rng = random.Random(0)
-    if llm.tokenizer is not None:
-        prompts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a bird"]
-    else:  # dummy weights have no tokenizer: prompts are token ids
-        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    if llm.tokenizer is not None and args.prompt_len is None:  # text prompts, as many as asked
+        texts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a bird"]
+        prompts = [texts[i % len(texts)] for i in range(args.num_prompts)]
+    else:  # random token ids: dummy weights have no tokenizer, and --prompt-len asks for a length
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len or DEMO_PROMPT_LEN)]
+                   for _ in range(args.num_prompts)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0,
                                                    ignore_eos=True))
     for out in outputs:
@@ -99,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate from a few prompts and print tokens/s")
     demo.add_argument("--model", default="dummy:opt-125m", help="checkpoint folder or dummy:<name>")
     demo.add_argument("--num-prompts", type=positive_int, default=8)
-    demo.add_argument("--prompt-len", type=positive_int, default=64)
+    demo.add_argument("--prompt-len", type=positive_int, default=None,
+                      help=f"random token-id prompts of this length (default: text prompts where the model has a "
+                           f"tokenizer, else {DEMO_PROMPT_LEN} tokens)")
     demo.add_argument("--max-tokens", type=positive_int, default=32)
     _add_engine_args(demo)
     demo.set_defaults(func=_cmd_demo)
@@ -141,10 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     or folders that cannot be used, 1 for an unexpected failure (its traceback only with
     FLEXSARATHI_TRACEBACK=1), 130 when interrupted."""
     args = build_parser().parse_args(argv)
+    show_warnings_as_lines()
     try:
         return args.func(args)
     except USER_ERRORS as exc:
         return _fail(f"error: {_one_line(exc)}", 2)
+    except BrokenPipeError as exc:
+        if not stdout_is_closed():  # another pipe (a subprocess, a socket) broke: an error
+            return _fail(f"error: {exc.strerror or exc}", 2)
+        silence_stdout()  # stdout's reader stopped reading (`| head`): no error, as for Unix tools
+        return 0
     except OSError as exc:  # a file or folder the checks could not foresee (disk full, removed)
         where = f" ({exc.filename})" if exc.filename else ""
         return _fail(f"error: {exc.strerror or exc}{where}", 2)

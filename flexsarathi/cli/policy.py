@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from flexsarathi.cli.engine_args import add_compress_head_arg, add_dtype_arg
+from flexsarathi.cli.console import say
 from flexsarathi.cli.file_checks import check_output_file
 from policy_search import (HardwareSpec, InfeasibleError, Policy, PolicyError, SpecError,
                            Workload, estimate, format_report, search_detailed, write_policy_file)
@@ -87,12 +88,13 @@ def run_policy(args) -> int:
     try:
         planned, hardware, workload = _specs(args)
         model = planned.spec
+        report = []  # printed once the JSON is written: a reader that stops early loses no file
         if args.policy:
             policy = Policy.load(args.policy)
             est = estimate(policy, model, hardware, workload)
-            print(format_report(policy, est, model, hardware, workload,
-                                title=f"Estimate of {args.policy} for {model.name} on {hardware.name} "
-                                      f"({workload.describe()})"))
+            report.append(format_report(policy, est, model, hardware, workload,
+                                        title=f"Estimate of {args.policy} for {model.name} on {hardware.name} "
+                                              f"({workload.describe()})"))
         else:
             constraints = {name: value for name, value in (
                 ("scheduler", args.scheduler), ("compress_weight", args.compress_weight),
@@ -102,15 +104,16 @@ def run_policy(args) -> int:
                 if value is not None}
             result = search_detailed(model, hardware, workload, **planned.search_constraints(constraints))
             policy, est = result.policy, result.estimate
-            print(format_report(policy, est, model, hardware, workload))
-            print()
-            for scheduler, (_, best) in sorted(result.best_by_scheduler.items()):
-                print(f"best {scheduler:<15} {best.throughput:10.3f} tokens/s")
-            print(f"searched {result.lps_solved} placement LPs in {result.seconds:.2f} s"
-                  + ("" if result.complete else " (stopped at the LP limit: best found so far)"))
+            report += [format_report(policy, est, model, hardware, workload), ""]
+            report += [f"best {scheduler:<15} {best.throughput:10.3f} tokens/s"
+                       for scheduler, (_, best) in sorted(result.best_by_scheduler.items())]
+            report.append(f"searched {result.lps_solved} placement LPs in {result.seconds:.2f} s"
+                          + ("" if result.complete else " (stopped at the LP limit: best found so far)"))
         if args.json:
             write_policy_file(args.json, policy, est, model, hardware, workload)
-            print(f"wrote {args.json}")
+            report.append(f"wrote {args.json}")
+        for line in report:
+            say(line)
     except (SpecError, InfeasibleError, PolicyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

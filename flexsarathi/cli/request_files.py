@@ -194,10 +194,11 @@ def usage(output) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def result_record(fmt: str, req: BatchRequest, output, model: str, decode_token) -> dict:
-    """The record of a finished request. decode_token(id) -> its text (OpenAI logprobs)."""
+def result_record(fmt: str, req: BatchRequest, output, model: str, decode) -> dict:
+    """The record of a finished request. decode(ids) -> text: the tokenizer's (OpenAI logprobs'
+    token strings), None for a model without one."""
     if fmt == "openai":
-        return _openai_result(req, output, model, decode_token)
+        return _openai_result(req, output, model, decode)
     first = output.outputs[0]
     record = {"id": req.id, "prompt": req.prompt if req.prompt is not None else output.prompt,
               "text": first.text, "token_ids": first.token_ids, "finish_reason": first.finish_reason,
@@ -238,10 +239,10 @@ def _stable_id(prefix: str, key: str) -> str:
     return prefix + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def _openai_result(req: BatchRequest, output, model: str, decode_token) -> dict:
+def _openai_result(req: BatchRequest, output, model: str, decode) -> dict:
     choices = []
     for c in output.outputs:
-        choice = {"index": c.index, "logprobs": _openai_choice_logprobs(req, c, decode_token),
+        choice = {"index": c.index, "logprobs": _openai_choice_logprobs(req, output, c, decode),
                   "finish_reason": c.finish_reason}
         if req.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
@@ -256,15 +257,42 @@ def _openai_result(req: BatchRequest, output, model: str, decode_token) -> dict:
             "error": None}
 
 
-def _openai_choice_logprobs(req: BatchRequest, completion, decode_token) -> dict | None:
+CONTEXT_TOKENS = 8  # tokens before a token that decide how it reads (a leading space, a multi-byte character)
+
+
+def token_text(decode, context: list[int], token: int) -> str:
+    """The text `token` adds after `context` (its leading space kept: "was" reads " was" after
+    "there"), as decoding the whole sequence shows it; without a tokenizer, its id."""
+    if decode is None:
+        return str(token)
+    window = context[-CONTEXT_TOKENS:]
+    before, after = decode(window), decode(window + [token])
+    return after[len(before):] if after.startswith(before) else decode([token])
+
+
+def _openai_choice_logprobs(req: BatchRequest, output, completion, decode) -> dict | None:
+    """OpenAI's logprobs of a completion: every token and top alternative as it reads in its
+    place; completions also give text_offset, each token's character offset from the start of
+    the prompt (the first one at the prompt's length, as OpenAI counts without echo)."""
     if req.logprobs_style is None or completion.logprobs is None:
         return None
     top = req.sampling.get("logprobs") or 0
-    steps = [(t, lp, sorted(lp.items(), key=lambda kv: -kv[1])[:top])
-             for t, lp in zip(completion.token_ids, completion.logprobs)]
+    ids = list(output.prompt_token_ids) + list(completion.token_ids)
+    start = len(output.prompt_token_ids)
+    steps = []  # (its text, its logprob, [(alternative's text, logprob)] best first)
+    for i, (t, lp) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        context = ids[:start + i]
+        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        steps.append((token_text(decode, context, t), lp[t], [(token_text(decode, context, a), v) for a, v in best]))
     if req.logprobs_style == "chat":
-        return {"content": [{"token": decode_token(t), "logprob": lp[t],
-                             "top_logprobs": [{"token": decode_token(a), "logprob": v} for a, v in best]}
-                            for t, lp, best in steps]}
-    return {"tokens": [decode_token(t) for t, _, _ in steps], "token_logprobs": [lp[t] for t, lp, _ in steps],
-            "top_logprobs": [{decode_token(a): v for a, v in best} for _, _, best in steps]}
+        return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
+                             "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode("utf-8"))}
+                                              for a, v in best]}
+                            for text, lp, best in steps]}
+    prompt = req.prompt if req.prompt is not None else (decode(list(output.prompt_token_ids)) if decode else "")
+    offsets, at = [], len(prompt)
+    for text, _, _ in steps:
+        offsets.append(at)
+        at += len(text) if decode else 0
+    return {"tokens": [text for text, _, _ in steps], "token_logprobs": [lp for _, lp, _ in steps],
+            "top_logprobs": [dict(best) for _, _, best in steps], "text_offset": offsets}

@@ -575,7 +575,7 @@ class LLMEngine:
                 _record_prompt_logprobs(item.seq, item.start, item.end, logits)
             if item.samples:
                 rows += [(seq, logits[-1]) for seq in (item.seq, *item.seq.forks)]
-        live = [(seq, row) for seq, row in rows if not seq.context_full]
+        live = self._finite_rows([(seq, row) for seq, row in rows if not seq.context_full])
         tokens: dict[Sequence, int] = {}
         if live:
             masked = torch.stack([mask_stops(row, s.stop_ids, s.may_stop) for s, row in live])  # [R, vocab]
@@ -585,6 +585,21 @@ class LLMEngine:
                     seq.logprobs.append(token_logprobs(row, token, seq.params.logprobs))
                 tokens[seq] = token
         return [seq for seq, _ in rows], [tokens.get(seq) for seq, _ in rows]
+
+    def _finite_rows(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[tuple[Sequence, torch.Tensor]]:
+        """The rows whose logits are all finite. A NaN or inf (a pass that overflowed its dtype)
+        would be sampled as some token, silently: its sequence fails instead (Sequence.error),
+        and only its request: the other rows of the pass were computed apart from it."""
+        if not rows:
+            return rows
+        finite = torch.isfinite(torch.stack([row for _, row in rows])).all(dim=1).tolist()  # [R]
+        for (seq, _), ok in zip(rows, finite):
+            if not ok:
+                dtype = str(self.dtype).removeprefix("torch.")
+                hint = "; --dtype float32 may avoid it" if self.dtype != torch.float32 else ""
+                seq.error = (f"the model's logits for output token {len(seq.output_token_ids) + 1} are not finite "
+                             f"(NaN or inf: the pass overflowed {dtype}){hint}")
+        return [item for item, ok in zip(rows, finite) if ok]
 
     def _copy_prompt_tail(self, parent: Sequence) -> None:
         """Each fork of `parent` gets a copy of the KV of the prompt's last, partial block in its
@@ -600,6 +615,10 @@ class LLMEngine:
         """The request's output from its finished sequence(s): one per completion (`n`)."""
         seqs = [seqs] if isinstance(seqs, Sequence) else seqs
         first = seqs[0]
+        failed = next((seq.error for seq in seqs if seq.error is not None), None)
+        if failed is not None:  # one completion failed: the request did (its others are not what was asked)
+            return RequestOutput(request_id=first.seq_id, prompt=first.prompt,
+                                 prompt_token_ids=first.prompt_token_ids, outputs=[], error=failed)
         return RequestOutput(
             request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=[self._completion(i, seq) for i, seq in enumerate(seqs)],

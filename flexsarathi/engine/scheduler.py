@@ -157,7 +157,9 @@ class Scheduler:
             if seq.forks:
                 self._fork(seq)
         for seq, token in zip(seqs, token_ids):
-            if seq.context_full:  # a prompt as long as the model's context: nothing to sample
+            if seq.error is not None:  # its logits were not finite: no token, the request fails
+                seq.status = SequenceStatus.FINISHED_FAILED
+            elif seq.context_full:  # a prompt as long as the model's context: nothing to sample
                 seq.status = SequenceStatus.FINISHED_LENGTH
             else:
                 seq.append(token)

@@ -14,10 +14,12 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     FINISHED_STOPPED = "stop"  # EOS or a stop token
     FINISHED_LENGTH = "length"  # max_tokens or the model's context
+    FINISHED_FAILED = "failed"  # the pass gave it no token it could sample (Sequence.error says why)
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH)
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_FAILED)
 
 
 @dataclass(eq=False)
@@ -39,6 +41,7 @@ class Sequence:
     stop_text_end: int | None = None  # stop string hit: the generated text ends at this index
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per generated token (params.logprobs)
+    error: str | None = None  # why it failed (FINISHED_FAILED): its request's output is this error
     # Preemption (on-demand KV admission): tokens to recompute as a prefill on re-admission.
     recompute_len: int = 0
     num_preemptions: int = 0

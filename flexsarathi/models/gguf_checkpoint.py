@@ -24,7 +24,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from flexsarathi.models.checkpoint import WeightSource
+from flexsarathi.models.checkpoint import WeightSource, require_finite
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models.prequantized import SourceDescription, TensorKind, concat_rows
@@ -205,7 +205,8 @@ class GGUFCheckpoint(WeightSource):
             values = to_float(t.read(), t.type_name, t.shape)
             values = values.reshape(_rows(t), t.shape[-1]) if len(t.shape) > 2 else values
             heads = qk_heads(t.name, self.config)
-            pieces.append((values if heads is None else values[unpermute_rows(t.shape[0], heads)]).to(dtype))
+            ordered = values if heads is None else values[unpermute_rows(t.shape[0], heads)]
+            pieces.append(require_finite(ordered.to(dtype), t.name, self.path, ordered))
         values = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return values if order is None else values[order]
 

@@ -4,6 +4,7 @@ by whoever needs them (the CLI reads the tokenizer and the weights' fingerprint 
 engine; the planner reads the config)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from flexsarathi.errors import CheckpointError
@@ -21,7 +22,12 @@ class OpenedModel:
     codes: QuantConfig | None = None  # a dummy model's layer matrices drawn in this quantized format
 
 
+MODEL_FORMS = "a checkpoint folder (config.json + safetensors), a .gguf file or dummy:<name>"
+
+
 def open_model(model: str, codes: QuantConfig | None = None) -> OpenedModel:
+    if not model.startswith(DUMMY_PREFIX) and not os.path.isdir(model):
+        _refuse_path(model)
     if model.endswith(".gguf") and codes is None:  # llama.cpp's file: weights and tokenizer in one
         from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint
         from flexsarathi.models.gguf_tokenizer import load_gguf_tokenizer
@@ -40,3 +46,28 @@ def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSo
     if read_quantization_config(model) is not None:  # GPTQ, AWQ, compressed-tensors
         return QuantizedCheckpoint(model)
     return SafetensorsCheckpoint(model)
+
+
+def _refuse_path(model: str) -> None:
+    """A model path that is no folder: fine when it is a .gguf file; else one error saying what
+    it is and what a model can be."""
+    if not os.path.exists(model):
+        raise CheckpointError(f"model {model} does not exist; a model is {MODEL_FORMS}")
+    if not os.path.isfile(model):
+        raise CheckpointError(f"model {model} is neither a folder nor a file; a model is {MODEL_FORMS}")
+    try:
+        with open(model, "rb") as f:
+            head = f.read(9)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read model {model}: {exc.strerror}") from None
+    if head[:4] == b"GGUF":
+        if model.endswith(".gguf"):
+            return
+        what = "a GGUF file not named .gguf (rename it or link it as NAME.gguf)"
+    elif model.endswith(".gguf"):
+        what = f"named .gguf but not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')"
+    elif len(head) == 9 and head[8:9] == b"{" and model.endswith(".safetensors"):
+        what = "one safetensors file: give the folder that holds it with its config.json"
+    else:
+        what = f"a file of {os.path.getsize(model)} bytes, not a checkpoint"
+    raise CheckpointError(f"model {model} is {what}; a model is {MODEL_FORMS}")

@@ -18,7 +18,7 @@ import os
 import torch
 from safetensors import SafetensorError
 
-from flexsarathi.models.checkpoint import SafetensorsCheckpoint
+from flexsarathi.models.checkpoint import SafetensorsCheckpoint, require_finite
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.prequantized import (ConversionLog, SourceDescription, TensorKind, codes_to_qtensor,
                                              concat_rows, reference_values, requantize)
@@ -192,7 +192,10 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
                 plain[canonical] = parts
         for canonical, parts in plain.items():
             names = [self._resolve(hf_name) for hf_name in parts]
-            tensors = [self._reader.get(self._file_of[name], name).to(dtype) for name in names]
+            tensors = []
+            for name in names:
+                read = self._reader.get(self._file_of[name], name)
+                tensors.append(require_finite(read.to(dtype), name, self._file_of[name], read))
             out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -51,6 +52,13 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                                              "--offload-dir /etc/passwd/off cannot be created"),
         "profile bad dtype": (["profile", "--dtype", "int3", "-o", f"{tmp}/hw.json"], "unsupported dtype 'int3'"),
         "profile unknown model": (["profile", "--model", "opt-7", "-o", f"{tmp}/hw.json"], "unknown model 'opt-7'"),
+        "inspect a text file": (["inspect", "--model", text], f"model {text} is a file of {len(NOT_UTF8)} bytes, not "
+                                "a checkpoint; a model is a checkpoint folder (config.json + safetensors), a "
+                                ".gguf file or dummy:<name>"),
+        "inspect missing model": (["inspect", "--model", f"{tmp}/none"], f"model {tmp}/none does not exist; a model "
+                                  "is a checkpoint folder"),
+        "generate safetensors file": (["generate", "--model", f"{STORIES}/model.safetensors", "-i", "pkg:dummy_opt.jsonl", "-o",
+                                       f"{tmp}/o.jsonl"], "is one safetensors file: give the folder that holds it"),
     }
 
 
@@ -124,3 +132,26 @@ def test_outputs_on_a_read_only_filesystem_are_refused_before_any_work(tmp_path)
             assert run.returncode == 2 and run.stderr.splitlines() == [
                 f"error: {argv[-2]} {argv[-1]} is not writable"], run.stderr
             assert "search" not in run.stdout and "profiling" not in run.stderr  # refused first
+
+
+def _with_stdout_closed(argv: list[str]) -> tuple[int, str]:
+    """`flexsarathi ARGV | head -0`: the reader of stdout is gone before the command prints."""
+    proc = subprocess.Popen([sys.executable, "-m", "flexsarathi", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc.stdout.close()
+    return proc.wait(timeout=300), proc.stderr.read()
+
+
+def test_a_closed_stdout_is_not_an_error(tmp_path):
+    """The policy JSON is written before the report is printed; a reader that stops early (`| head
+    -1`) ends nothing early and prints no error, for `policy` and for a `generate` job."""
+    out = tmp_path / "p.json"
+    assert _with_stdout_closed(["policy", "--model", "opt-125m", "--json", str(out)]) == (0, "")
+    assert json.loads(out.read_text())["policy"]["gpu_batch_size"] >= 1
+    prompts = tmp_path / "in.txt"
+    prompts.write_text("Once upon a time\nLily wanted to\n")
+    result = tmp_path / "o.jsonl"
+    code, err = _with_stdout_closed(["generate", "--model", str(STORIES), "--input", str(prompts), "--output",
+                                     str(result), "--max-tokens", "3"])
+    assert code == 0 and "error" not in err, err
+    assert sorted(json.loads(line)["id"] for line in result.read_text().splitlines()) == [1, 2]

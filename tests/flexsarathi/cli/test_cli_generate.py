@@ -133,6 +133,8 @@ def test_openai_batch_with_chat(chat_dir, tmp_path):
     assert body2["usage"] == {"prompt_tokens": len(chat_ids), "completion_tokens": 5, "total_tokens": len(chat_ids) + 5}
     content = body2["choices"][0]["logprobs"]["content"]
     assert len(content) == 5 and all(len(step["top_logprobs"]) == 2 for step in content)
+    assert "".join(step["token"] for step in content) == ref2.text  # each token as it reads in place
+    assert all(bytes(step["bytes"]).decode() == step["token"] for step in content)
     for cid, text in (("c3", "url must be"), ("c4", '"body" must be an object')):
         assert got[cid]["response"] is None and text in got[cid]["error"]["message"]
 
@@ -249,4 +251,63 @@ def test_bench_prints_consistent_json():
     assert result["total_tok_s"] == pytest.approx((6 + 16) / result["seconds"])
     assert result["passes"] >= 3 and result["device"].startswith(("cpu", "cuda"))
     assert set(result["peak_bytes"]) == {"gpu", "cpu", "disk"} and result["peak_bytes"]["gpu"] > 0
-    assert "throughput" in proc.stdout.splitlines()[-2] or "throughput" in proc.stdout
+    table = dict(line.split(None, 1) if " " in line else (line, "") for line in proc.stdout.splitlines()[:-1]
+                 if line.startswith(("throughput ", "passes ")))
+    # the table above the JSON line reports the same run: its figures as the JSON gives them
+    assert table == {"throughput": f"{result['throughput_tok_s']:.3f} generated tok/s",
+                     "passes": str(result["passes"])}
+
+
+def test_inspect_names_the_dtype_generate_runs_in(stories_dir, tmp_path, capsys):
+    """The reference is generate's own record of the dtype it ran in on this machine (its meta.json)."""
+    src = write_lines(tmp_path / "in.txt", ["Once upon a time"])
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--model", stories_dir, "--input", src, "--output", str(out), "--max-tokens", "1",
+                 "--quiet"]) == 0
+    ran = json.loads((tmp_path / "o.jsonl.meta.json").read_text())["dtype"]
+    capsys.readouterr()
+    assert main(["inspect", "--model", stories_dir]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    kinds = [line for line in lines if line.startswith("  ") and "[" in line]
+    assert len(kinds) == 4 and all(f": float32 -> {ran} (" in line for line in kinds), lines
+    assert lines[-2].endswith(f"({ran})")  # the engine stores line
+
+
+def test_openai_logprobs_read_as_the_text(stories_dir, stories_llm, tmp_path):
+    """Each token's string is the text it adds in its place (decoding the whole sequence, prefix
+    by prefix, is the reference), so the tokens join into the choice's text; text_offset counts
+    from the start of the prompt, the first at its length, as OpenAI gives it without echo."""
+    prompt = "Once upon a time"
+    src = write_lines(tmp_path / "in.jsonl", [{"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                                               "body": {"prompt": prompt, "max_tokens": 8, "logprobs": 2}}])
+    cli("generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"), *GREEDY,
+        check_rc=0)
+    choice = records(tmp_path / "o.jsonl")[0]["response"]["body"]["choices"][0]
+    ref, = stories_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, logprobs=2), use_tqdm=False)
+    tok = stories_llm.tokenizer
+    ids = ref.prompt_token_ids + ref.token_ids
+    start = len(ref.prompt_token_ids)
+    added = [tok.decode(ids[:start + i + 1])[len(tok.decode(ids[:start + i])):] for i in range(8)]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == added and "".join(added) == choice["text"] == ref.text
+    assert any(t.startswith(" ") for t in added)  # the words' leading spaces, as in the text
+    assert lp["text_offset"] == [len(prompt) + len("".join(added[:i])) for i in range(8)]
+    assert lp["token_logprobs"] == pytest.approx([step[t] for step, t in zip(ref.outputs[0].logprobs, ref.token_ids)])
+    for i, (step, alternatives) in enumerate(zip(ref.outputs[0].logprobs, lp["top_logprobs"])):
+        best = sorted(step.items(), key=lambda kv: -kv[1])[:2]
+        context = tok.decode(ids[:start + i])
+        assert alternatives == pytest.approx({tok.decode(ids[:start + i] + [a])[len(context):]: v for a, v in best})
+
+
+def test_demo_honours_its_prompt_flags(stories_dir, capsys):
+    """On a model with a tokenizer: --num-prompts text prompts; --prompt-len random token prompts
+    of that length (one longer than the context is one error line)."""
+    assert main(["demo", "--model", stories_dir, "--num-prompts", "6", "--max-tokens", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split("]")[0] for ln in lines if ln.startswith("[")] == [f"[{i}" for i in range(6)]
+    assert main(["demo", "--model", stories_dir, "--num-prompts", "2", "--prompt-len", "20", "--max-tokens", "2"]) == 0
+    shown = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[")]
+    assert len(shown) == 2 and all(" prompt 20 tokens -> " in ln for ln in shown)
+    assert main(["demo", "--model", stories_dir, "--num-prompts", "2", "--prompt-len", "600"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: prompt 0 has 600 tokens, more than the model's context of 512"]
