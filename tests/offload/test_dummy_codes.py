@@ -69,7 +69,7 @@ def test_store_holds_the_drawn_codes_and_placements_agree(tmp_path):
 
 def test_codes_need_a_dummy_model(tiny_checkpoint):
     with pytest.raises(FlexSarathiError, match="dummy models only"):
-        LLM(str(tiny_checkpoint), policy=Policy(compress_weight=True), dummy_weight_codes=True)
+        LLM(tiny_checkpoint("opt")[0], policy=Policy(compress_weight=True), dummy_weight_codes=True)
 
 
 @pytest.mark.skipif(not layout_matches_torch(), reason="this machine's int4 kernel layout is not ours "
