@@ -49,7 +49,7 @@ async def _lifespan(app: FastAPI):
         await run_in_threadpool(app.state.runner.shutdown)
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     """Bearer-token auth, as the openai client sends its api_key (when the server has a key)."""
     key = request.app.state.api_key
     if key is None:
