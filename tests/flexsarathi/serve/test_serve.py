@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -216,27 +217,33 @@ def test_wrong_or_missing_key_gets_401(server, client):
 
 
 def test_two_queued_batches_complete_in_order(server, client, tmp_path):
+    """A running batch (its runner paused), two more queued behind it: they run after it, the
+    older first, each to its end before the next begins."""
     hold, held = server.data_dir / "hold", server.data_dir / "held"
     hold.touch()  # removed by the `server` fixture too, if the test fails while it holds
-    first = submit(client, write_lines(tmp_path / "a.jsonl", [completion(f"a{i}", "Once upon a time") for i in range(4)]))
-    wait_for_file(held)  # the first batch is running, its runner paused after a record
-    second = submit(client, write_lines(tmp_path / "b.jsonl", [completion(f"b{i}", "The little dog") for i in range(4)]))
-    waiting = client.batches.retrieve(second.id)  # answered while the runner is busy
-    assert waiting.status == "in_progress" and waiting.request_counts.completed == 0
-    assert not (server.data_dir / "batches" / second.id).exists()  # not started
+    running = submit(client, write_lines(tmp_path / "r.jsonl", [completion(f"r{i}", "Once upon a time")
+                                                                for i in range(4)]))
+    wait_for_file(held)  # the runner paused after a record of the running batch
+    queued = [submit(client, write_lines(tmp_path / f"{name}.jsonl", [completion(f"{name}{i}", "The little dog")
+                                                                      for i in range(4)]))
+              for name in ("q", "p")]
+    for batch in queued:
+        waiting = client.batches.retrieve(batch.id)  # answered while the runner is busy
+        assert waiting.status == "in_progress" and waiting.request_counts.completed == 0
+        assert not (server.data_dir / "batches" / batch.id).exists()  # not started
     with pytest.raises(openai.ConflictError):  # the running batch's input is not deleted under it
-        client.files.delete(first.input_file_id)
+        client.files.delete(running.input_file_id)
     page = client.batches.list(limit=1)  # newest first, a page of one
-    assert [b.id for b in page.data] == [second.id] and page.has_more
-    assert [b.id for b in client.batches.list(limit=1, after=second.id).data] == [first.id]
+    assert [b.id for b in page.data] == [queued[1].id] and page.has_more
+    assert [b.id for b in client.batches.list(limit=2, after=queued[1].id).data] == [queued[0].id, running.id]
     hold.unlink()
-    first, second = wait_until_ended(client, first.id), wait_until_ended(client, second.id)
-    assert first.status == second.status == "completed"
-    first_done = (server.data_dir / "batches" / first.id / "results.jsonl").stat().st_mtime_ns
-    second_began = (server.data_dir / "batches" / second.id / "results.jsonl.meta.json").stat().st_mtime_ns
-    assert first_done <= second_began
-    assert client.files.delete(first.input_file_id).deleted
-    assert first.input_file_id not in [f.id for f in client.files.list()]
+    order = [running, *queued]
+    assert all(wait_until_ended(client, b.id).status == "completed" for b in order)
+    results = [server.data_dir / "batches" / b.id / "results.jsonl" for b in order]
+    for before, after in zip(results, results[1:]):  # the last record of one before the next's file began
+        assert before.stat().st_mtime_ns <= Path(f"{after}.meta.json").stat().st_mtime_ns
+    assert client.files.delete(running.input_file_id).deleted
+    assert running.input_file_id not in [f.id for f in client.files.list()]
 
 
 def test_cancel_in_the_middle_keeps_finished_records(server, client, stories_dir, tmp_path):
