@@ -7,6 +7,8 @@ import hmac
 import time
 from contextlib import asynccontextmanager
 
+import uvicorn
+
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -83,3 +85,13 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = exc.errors()[0]
     where = ".".join(str(part) for part in first["loc"] if part not in ("body", "query", "path"))
     return _error_body(400, f"{where}: {first['msg']}" if where else first["msg"], where or None)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server that also tells the batch runner to stop the moment Ctrl-C or SIGTERM
+    arrives: the running batch stops at its next pass while uvicorn closes its connections (which
+    waits for downloads in flight), not only once the application's shutdown is reached."""
+
+    def handle_exit(self, sig, frame) -> None:
+        self.config.app.state.runner.request_stop()
+        super().handle_exit(sig, frame)

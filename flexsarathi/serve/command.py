@@ -79,7 +79,7 @@ def run_serve(args) -> int:
     try:
         import uvicorn
 
-        from flexsarathi.serve.app import create_app
+        from flexsarathi.serve.app import Server, create_app
     except ImportError as exc:
         raise FlexSarathiError(f"flexsarathi serve needs FastAPI and uvicorn ({exc}): "
                                "pip install 'flexsarathi[serve]'") from None
@@ -92,7 +92,7 @@ def run_serve(args) -> int:
     print(f"serving {engine.model_name} on http://{args.host}:{args.port}/v1 (data in {store.data_dir}; "
           f"{'bearer key required' if api_key else 'no key'})", file=sys.stderr, flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+        Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
     finally:
         engine.llm.close()
     return 0

@@ -36,11 +36,15 @@ class BatchRunner:
         """A batch was added: look for work."""
         self._wake.set()
 
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Stop at the running batch's next pass boundary; it stays in_progress and resumes on the
-        next start."""
+    def request_stop(self) -> None:
+        """Stop at the running batch's next pass boundary (it stays in_progress and resumes on the
+        next start); returns at once."""
         self._stopping.set()
         self._wake.set()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """request_stop, then wait for the thread."""
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 

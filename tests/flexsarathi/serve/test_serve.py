@@ -318,6 +318,37 @@ def test_kill_9_mid_batch_then_restart_completes_each_request_once(stories_dir, 
     assert by_request(outputs) == reference
 
 
+def test_a_stopped_server_leaves_its_batch_to_resume_and_refuses_another_configuration(stories_dir, tmp_path):
+    """SIGTERM mid-batch: the run stops at a pass boundary and the batch stays in_progress on disk;
+    a restart with another --seed fails it, naming the setting, rather than mix two configurations."""
+    data = tmp_path / "data"
+    srv = Server(data, "--model", stories_dir, "--dtype", "float32").start()
+    (data / "hold").touch()
+    batch = submit(srv.client(), write_lines(tmp_path / "s.jsonl", [completion(f"s{i}", "Once upon a time", max_tokens=8)
+                                                                     for i in range(20)]))
+    wait_for_file(data / "held")
+    srv.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while True:  # handled once the server stops listening (the runner was told to stop first)
+        try:
+            socket.create_connection(("127.0.0.1", srv.port), timeout=1).close()
+        except OSError:
+            break
+        assert time.monotonic() < deadline, srv.output()
+        time.sleep(0.01)
+    (data / "hold").unlink()
+    assert srv.proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once shut down
+    saved = json.loads((data / "batches" / f"{batch.id}.json").read_text())["batch"]
+    assert saved["status"] == "in_progress"
+    assert 1 <= (data / "batches" / batch.id / "results.jsonl").read_bytes().count(b"\n") < 20
+    srv.args = (*srv.args, "--seed", "7")
+    try:
+        failed = wait_until_ended(srv.start().client(), batch.id)
+    finally:
+        srv.stop()
+    assert failed.status == "failed" and "seed: 0 -> 7" in failed.errors.data[0].message
+
+
 def test_only_loopback_binds_without_a_key():
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
         check_bind(host, None, allow_no_key=False)
