@@ -5,6 +5,11 @@ and download a finished output file, against the same batch with no other client
     .venv/bin/python scripts/bench_serve.py [--model ../shared/models/stories260K] [--clients 20]
         [--interval 1.0] [--requests 256] [--max-tokens 64] [--rounds 3] [--timeout 600]
 
+Two ratios: tok/s, and tokens per CPU second of the server process. The engine's thread and the
+HTTP side share one interpreter lock, so what the clients cost the engine is the server's extra CPU
+time; on a machine busy with other work, wall time swings with the neighbours while the CPU ratio
+still says what the HTTP side took (on a quiet machine the two agree).
+
 tok/s is measured as a user sees it: the batch's completion tokens over the wall time from its
 creation to its `completed` status (observed by one more poller, every 20 ms, in both conditions).
 Each load client, on its own connection, retrieves the batch and downloads the output file of an
@@ -152,15 +157,20 @@ def run(args) -> None:
             size = client.files.retrieve(download_id).bytes
             print(f"warm-up batch: {seconds:.2f} s; the clients download its {size} byte output file", flush=True)
             results = {0: [], args.clients: []}
+            per_cpu = {0: [], args.clients: []}  # tokens per CPU second of the server process
             for _ in range(args.rounds):
                 for clients in (0, args.clients):
                     m = measure(client, make_client, args, file_id, download_id, clients, deadline, proc.pid)
                     results[clients].append(m["rate"])
+                    per_cpu[clients].append(m["tokens"] / m["server_cpu"])
                     load = f"; {m['served']:.1f} requests/s answered" if clients else ""
                     print(f"{clients:3d} clients: {m['tokens']} tokens in {m['seconds']:6.2f} s = {m['rate']:8.1f} "
                           f"tok/s; CPU s: server {m['server_cpu']:.2f}, clients {m['client_cpu']:.2f}{load}", flush=True)
             base, loaded = statistics.median(results[0]), statistics.median(results[args.clients])
             print(f"ratio (median tok/s with {args.clients} clients / with none): {loaded / base:.3f}", flush=True)
+            cpu_ratio = statistics.median(per_cpu[args.clients]) / statistics.median(per_cpu[0])
+            print(f"ratio (median tokens per server CPU second, {args.clients} clients / none): {cpu_ratio:.3f}",
+                  flush=True)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
