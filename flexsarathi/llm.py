@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterator, Sequence as Seq
+from typing import Callable, Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
@@ -104,9 +104,12 @@ class LLM:
 
     def generate_iter(self, prompts: Prompt | Seq[Prompt],
                       sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                      use_tqdm: bool = True, on_error: str = "raise") -> Iterator[tuple[int, RequestOutput]]:
+                      use_tqdm: bool = True, on_error: str = "raise",
+                      stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as requests finish (refused ones first): what a caller that
-        writes results as they come (the CLI) iterates. `last_stats` is set when it ends."""
+        writes results as they come (the CLI) iterates. `last_stats` is set when it ends.
+        stop: asked after every pass; True ends the run there (the unfinished requests are
+        dropped, the finished ones were yielded): how a server cancels a batch at a pass boundary."""
         prompts, params = _check_arguments(prompts, sampling_params, on_error)
         self.last_stats = _stats(0, 0, 0, 0, 0, 0.0, self.engine.memory.report())
         groups, refused = self._make_requests(prompts, params, on_error)
@@ -115,7 +118,7 @@ class LLM:
             yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
                                        else None, prompt_token_ids=[], outputs=[], error=error)
         if groups:
-            yield from self._run(groups, len(refused), use_tqdm, on_error)
+            yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
 
     def _make_requests(self, prompts: list, params: list[SamplingParams], on_error: str):
         """{prompt index: its n sequences} and [(prompt index, error)] for refused prompts."""
@@ -132,7 +135,7 @@ class LLM:
         return groups, refused
 
     def _run(self, groups: dict[int, list], failed: int, use_tqdm: bool,
-             on_error: str) -> Iterator[tuple[int, RequestOutput]]:
+             on_error: str, stop: Callable[[], bool] | None) -> Iterator[tuple[int, RequestOutput]]:
         engine, scheduler = self.engine, self.engine.scheduler
         seqs = [seq for group in groups.values() for seq in group]
         request_of = {seq.seq_id: i for i, group in groups.items() for seq in group}
@@ -158,6 +161,8 @@ class LLM:
                         if on_error == "raise":
                             raise FlexSarathiError(f"prompt {i}: {output.error}")
                     yield i, output
+                if stop is not None and stop():
+                    break
         finally:
             engine.abort_all()  # a caller that stopped iterating leaves nothing queued
             progress.close()

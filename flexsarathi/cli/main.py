@@ -14,6 +14,7 @@ from flexsarathi.cli.console import show_warnings_as_lines, silence_stdout, stdo
 from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
 from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
+from flexsarathi.serve.command import add_serve_parser
 from offload.disk_store import OffloadError
 from offload.memory import MemoryBudgetError
 from policy_search.errors import InfeasibleError, SolverMissingError, SpecError
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_inspect_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,145 @@
+"""One batch through the machinery of `flexsarathi generate`: its input file read by the same parser
+(request_files), each request prepared and recorded by generate's own functions, the records
+appended to a ResultFile (flushed one by one, resumed after a crash with no request run twice).
+Only the ends differ: the engine is the server's, built once, and the result file is split into
+OpenAI's output file (successes) and error file when the batch ends."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from flexsarathi.cli.generate import _prepare, _recorder
+from flexsarathi.cli.request_files import (CHAT_URL, COMPLETIONS_URL, BatchRequest, error_record, is_error_record,
+                                           read_requests)
+from flexsarathi.cli.result_file import ResultFile
+from flexsarathi.errors import FlexSarathiError
+from flexsarathi.serve.schemas import Batch, BatchError, BatchErrors, RequestCounts
+from flexsarathi.serve.store import Store
+
+MAX_REQUESTS = 50_000  # per batch, OpenAI's limit
+
+
+@dataclass(frozen=True)
+class ServeEngine:
+    """What every batch of one server runs on."""
+
+    llm: object  # flexsarathi.LLM, built once at startup
+    model_name: str  # as records and /v1/models name it (the checkpoint folder's name, as generate writes)
+    meta: dict  # what produced a result file (model, weights, dtype, seed, sampling): a restart must match
+    sampling: dict  # SamplingParams defaults for fields a request body leaves out
+    seed: int  # a request without its own seed samples with one derived from this and its custom_id
+
+
+class InputFileError(FlexSarathiError):
+    """The input file as a whole cannot make a batch: the Batch object's `errors`."""
+
+    def __init__(self, errors: list[BatchError]):
+        super().__init__("; ".join(e.message for e in errors[:3]))
+        self.errors = errors
+
+
+def read_batch_requests(path: str, file_id: str) -> list[BatchRequest]:
+    """The input file's requests, one per non-blank line, in OpenAI Batch format. A line that cannot
+    run is a request with its error (it becomes an error record); InputFileError when the file
+    cannot be read at all."""
+    try:
+        _, requests = read_requests(path, "openai")
+    except FlexSarathiError as exc:
+        message = str(exc).replace(f"--input {path}", f"input file {file_id}")
+        raise InputFileError([BatchError(code="invalid_file", message=message)]) from None
+    return requests
+
+
+def validate_input(path: str, file_id: str, endpoint: str) -> int:
+    """The number of requests in a batch's input file; InputFileError with every line that makes
+    it unusable (OpenAI's batch `errors`): no request, too many, a custom_id used twice, a line
+    for another endpoint than the batch's."""
+    requests = read_batch_requests(path, file_id)
+    errors = []
+    if not requests:
+        errors.append(BatchError(code="empty_file", message=f"input file {file_id} has no request"))
+    if len(requests) > MAX_REQUESTS:
+        errors.append(BatchError(code="too_many_requests", message=f"input file {file_id} has "
+                                 f"{len(requests)} requests; a batch holds at most {MAX_REQUESTS}"))
+    first_line: dict[str, int] = {}
+    for req in requests:
+        if req.id is not None and first_line.setdefault(req.key, req.line) != req.line:
+            errors.append(BatchError(code="duplicate_custom_id", param="custom_id", line=req.line,
+                                     message=f"custom_id {req.id!r} on line {req.line} was used on line "
+                                             f"{first_line[req.key]}: custom_ids must be unique"))
+        url = CHAT_URL if req.chat else COMPLETIONS_URL
+        if req.error is None and url != endpoint:
+            errors.append(BatchError(code="mismatched_endpoint", param="url", line=req.line,
+                                     message=f"line {req.line} is for {url}, the batch for {endpoint}"))
+    if errors:
+        raise InputFileError(errors)
+    return len(requests)
+
+
+def run_batch(engine: ServeEngine, store: Store, batch: Batch, stop: Callable[[], bool]) -> bool:
+    """Run the batch's requests that its result file lacks; True when every one has a record,
+    False when `stop` ended it at a pass boundary (the finished records are kept)."""
+    requests = read_batch_requests(store.file_path(batch.input_file_id), batch.input_file_id)
+    out = open_results(engine, store, batch.id)
+    try:
+        store.update_batch(batch.id, request_counts=RequestCounts(
+            total=len(requests), completed=len(out.done) - out.errors, failed=out.errors))
+        pending = [r for r in requests if r.key not in out.done]
+        tokenizer = engine.llm.tokenizer
+        params = {r.key: _prepare(r, tokenizer, engine.sampling, engine.seed) for r in pending}
+        for req in pending:
+            if req.error:  # a line that cannot run: its error record, as generate writes it
+                out.append(error_record("openai", req, req.error))
+                store.count_requests(batch.id, failed=1)
+        runnable = [r for r in pending if not r.error]
+        record = _recorder("openai", out, tokenizer, engine.model_name)
+        finished = 0
+        for index, output in engine.llm.generate_iter([r.prompt_token_ids for r in runnable],
+                                                      [params[r.key] for r in runnable], use_tqdm=False,
+                                                      on_error="record", stop=stop):
+            failed = record(runnable[index], output)
+            store.count_requests(batch.id, completed=1 - failed, failed=failed)
+            finished += 1
+        return finished == len(runnable)
+    finally:
+        out.close()
+
+
+def open_results(engine: ServeEngine, store: Store, batch_id: str) -> ResultFile:
+    """The batch's result file, resumed where it ends (a torn last line cut off and redone)."""
+    path = store.results_path(batch_id)
+    meta = {**engine.meta, "batch": batch_id}
+    try:
+        with open(path + ".meta.json", encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = meta  # a new batch (ResultFile refuses a result file whose meta was lost)
+    changed = sorted(k for k in set(meta) | set(old) if meta.get(k) != old.get(k))
+    if changed:
+        diffs = "; ".join(f"{k}: {old.get(k)!r} -> {meta.get(k)!r}" for k in changed)
+        raise FlexSarathiError(f"its finished records were written by a server with another configuration "
+                               f"({diffs}); restart the server with that configuration to finish it")
+    return ResultFile(path, "openai", meta)
+
+
+def finalize(engine: ServeEngine, store: Store, batch_id: str, status: str,
+             errors: list[BatchError] | None = None) -> Batch:
+    """End a batch in `status`: its result file split into the output file (successes) and the
+    error file, each made only when it has a record; the counts recounted from the file."""
+    lines = {False: [], True: []}
+    if os.path.exists(store.results_path(batch_id)):
+        open_results(engine, store, batch_id).close()  # cuts a torn last line (a kill -9 mid-append)
+        with open(store.results_path(batch_id), "rb") as f:
+            for raw in f:
+                lines[is_error_record(json.loads(raw))].append(raw)
+    files = {kind: store.add_output(batch_id, kind, b"".join(lines[failed])).id if lines[failed] else None
+             for kind, failed in (("output", False), ("error", True))}
+    counts = store.get_batch(batch_id).request_counts
+    fields = {"status": status, "output_file_id": files["output"], "error_file_id": files["error"],
+              "request_counts": RequestCounts(total=max(counts.total, len(lines[False]) + len(lines[True])),
+                                              completed=len(lines[False]), failed=len(lines[True]))}
+    if errors:
+        fields["errors"] = BatchErrors(data=errors)
+    return store.update_batch(batch_id, **fields)

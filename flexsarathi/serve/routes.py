@@ -1,0 +1,158 @@
+"""The endpoints: OpenAI's Files API (purpose `batch`), Batches API and model list. Each reads or
+changes records in the store (app.state.store) and returns at once; the runner does the work.
+
+Endpoints that only read records in memory are `async` (run on the event loop: no thread hop, the
+least time taken from the engine's thread while clients poll); those that read or write files
+(upload, create, cancel, delete) are plain functions, run in FastAPI's thread pool."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from fastapi import File, Form, Query, Request, UploadFile
+from fastapi.responses import FileResponse, Response
+
+from flexsarathi.serve.batch_job import InputFileError, validate_input
+from flexsarathi.serve.schemas import (FINAL_STATUSES, Batch, BatchCreate, BatchErrors, BatchList, FileDeleted,
+                                       FileList, FileObject, ModelCard, ModelList, RequestCounts)
+from flexsarathi.serve.store import FileTooLarge
+
+
+SMALL_FILE_BYTES = 1 << 20  # downloads up to this size are answered from one read
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+# ---- files --------------------------------------------------------------------------------------
+def upload_file(request: Request, file: UploadFile = File(...), purpose: str = Form(...)) -> FileObject:
+    if purpose != "batch":
+        raise ApiError(400, f"purpose must be 'batch' (this server runs batches), got {purpose!r}", "purpose")
+    limit = request.app.state.max_file_bytes
+    try:
+        return request.app.state.store.add_upload(file.file, file.filename or "upload.jsonl", purpose, limit)
+    except FileTooLarge:
+        raise ApiError(413, f"the file is over this server's limit of {limit} bytes (--max-file-mib)",
+                       "file", "file_too_large") from None
+
+
+async def list_files(request: Request, purpose: str | None = None, order: Literal["asc", "desc"] = "desc",
+               after: str | None = None, limit: int = Query(10_000, ge=1, le=10_000)) -> FileList:
+    page, has_more = _page(request.app.state.store.list_files(purpose, order), after, limit)
+    return FileList(data=page, has_more=has_more, first_id=page[0].id if page else None,
+                    last_id=page[-1].id if page else None)
+
+
+async def retrieve_file(request: Request, file_id: str) -> FileObject:
+    return _file(request, file_id)
+
+
+async def file_content(request: Request, file_id: str) -> Response:
+    found = _file(request, file_id)
+    path = request.app.state.store.file_path(found.id)
+    if found.bytes > SMALL_FILE_BYTES:  # streamed from disk in chunks, off the event loop
+        return FileResponse(path, media_type="application/jsonl", filename=found.filename)
+    with open(path, "rb") as f:  # one read from the page cache: cheaper than FileResponse's thread hops
+        data = f.read()
+    return Response(data, media_type="application/jsonl",
+                    headers={"content-disposition": f'attachment; filename="{found.filename}"'})
+
+
+def delete_file(request: Request, file_id: str) -> FileDeleted:
+    store = request.app.state.store
+    with store.lock:
+        _file(request, file_id)
+        user = store.batch_using(file_id)
+        if user is not None:
+            raise ApiError(409, f"file {file_id} is the input of batch {user.id} ({user.status}): cancel it "
+                           "or let it end first", "file_id")
+        store.delete_file(file_id)
+    return FileDeleted(id=file_id)
+
+
+def _file(request: Request, file_id: str) -> FileObject:
+    found = request.app.state.store.get_file(file_id)
+    if found is None:
+        raise ApiError(404, f"No such File object: {file_id}", "id")
+    return found
+
+
+# ---- batches ------------------------------------------------------------------------------------
+def create_batch(request: Request, body: BatchCreate) -> Batch:
+    """Validated here (the input file read whole): a file that cannot make a batch gives a failed
+    batch with its `errors`; a good one is queued in_progress and its requests run in turn."""
+    state = request.app.state
+    source = state.store.get_file(body.input_file_id)
+    if source is None or source.purpose != "batch":
+        what = "No such File object" if source is None else f"File with purpose {source.purpose!r}, not 'batch':"
+        raise ApiError(400, f"{what} {body.input_file_id}", "input_file_id")
+    batch = Batch(id="batch_" + uuid.uuid4().hex[:24], endpoint=body.endpoint, model=state.engine.model_name,
+                  input_file_id=body.input_file_id, completion_window=body.completion_window,
+                  status="validating", created_at=int(time.time()), metadata=body.metadata)
+    try:
+        total = validate_input(state.store.file_path(source.id), source.id, body.endpoint)
+        now = int(time.time())
+        batch = batch.model_copy(update={"status": "in_progress", "in_progress_at": now,
+                                         "request_counts": RequestCounts(total=total)})
+    except InputFileError as exc:
+        batch = batch.model_copy(update={"status": "failed", "failed_at": int(time.time()),
+                                         "errors": BatchErrors(data=exc.errors)})
+    batch = state.store.add_batch(batch)
+    state.runner.wake()
+    return batch
+
+
+async def retrieve_batch(request: Request, batch_id: str) -> Batch:
+    # What clients poll: serialized once by pydantic, without FastAPI validating it again on the way out.
+    return Response(_batch(request, batch_id).model_dump_json(), media_type="application/json")
+
+
+async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> BatchList:
+    page, has_more = _page(request.app.state.store.list_batches(), after, limit)
+    return BatchList(data=page, has_more=has_more, first_id=page[0].id if page else None,
+                     last_id=page[-1].id if page else None)
+
+
+def cancel_batch(request: Request, batch_id: str) -> Batch:
+    batch = _batch(request, batch_id)
+    if batch.status in FINAL_STATUSES:
+        raise ApiError(409, f"batch {batch_id} is {batch.status}: only a batch that has not ended can be "
+                       "cancelled", "batch_id")
+    return request.app.state.runner.cancel(batch_id)
+
+
+def _batch(request: Request, batch_id: str) -> Batch:
+    found = request.app.state.store.get_batch(batch_id)
+    if found is None:
+        raise ApiError(404, f"No such Batch object: {batch_id}", "batch_id")
+    return found
+
+
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[ModelCard(id=request.app.state.engine.model_name, created=request.app.state.started)])
+
+
+def _page(items: list, after: str | None, limit: int) -> tuple[list, bool]:
+    """OpenAI's cursor pagination: the `limit` items after the one whose id is `after`."""
+    start = 0
+    if after is not None:
+        ids = [item.id for item in items]
+        if after not in ids:
+            raise ApiError(400, f"after={after!r} names no object of this list", "after")
+        start = ids.index(after) + 1
+    return items[start:start + limit], start + limit < len(items)
+
+
+# (method, path, endpoint): app.py registers them, the upload with its own body limit.
+ROUTES = (("POST", "/v1/files", upload_file), ("GET", "/v1/files", list_files),
+          ("GET", "/v1/files/{file_id}", retrieve_file), ("GET", "/v1/files/{file_id}/content", file_content),
+          ("DELETE", "/v1/files/{file_id}", delete_file),
+          ("POST", "/v1/batches", create_batch), ("GET", "/v1/batches", list_batches),
+          ("GET", "/v1/batches/{batch_id}", retrieve_batch), ("POST", "/v1/batches/{batch_id}/cancel", cancel_batch),
+          ("GET", "/v1/models", list_models))
