@@ -198,6 +198,13 @@ class ModelSpec:
         return max(dense_ffn, routed if self.num_experts else 0)
 
     @property
+    def ffn_buffers(self) -> int:
+        """FFN intermediates of ffn_activation_width a token holds at once: an MLP applies its
+        activation in place on the up projection's output (1); a gated MLP's fused gate + up output
+        is two widths (2)."""
+        return 1 if self.ffn_kind == "mlp" and not self.num_experts else 2
+
+    @property
     def matmul_flops_per_token(self) -> float:
         """FLOPs of one layer's matmuls for one token (2 per multiply-add): routed experts only."""
         return 2 * self.layer_active_matrix_params

@@ -6,7 +6,8 @@ a batch of requests can form, checked before any work) and the planner's memory 
 affine expressions in the placement fractions (policy_search/linear.py). What it charges is what
 offload/executor.py holds on the compute device at once (docs/DESIGN.md, "Working set"):
   * the parked hidden states kept on the gpu tier (act_gpu of the pass's rows);
-  * one micro-batch's layer intermediates, and the next micro-batch's input being loaded;
+  * one micro-batch's layer intermediates (an MLP's activation in place: ModelSpec.ffn_buffers), and
+    the next micro-batch's input being loaded;
   * the K/V context gathered onto the compute device for the micro-batch computing and the next
     one (the executor loads k+1 before computing k). Not gathered: decode context attended on the
     CPU (cpu_attention, KV off the gpu tier) and a prompt chunk whose keys are all its own new rows;
@@ -58,7 +59,7 @@ def working_set(model: ModelSpec, tokens: PassTokens, compress_kv: bool) -> Work
     h, item = model.hidden_size, model.bytes_per_value
     # input, output, q, k, v, the two FFN activations of one micro-batch (a MoE layer's: every
     # routed expert's rows, and the router's logits), the next one's input
-    ffn = 2 * model.ffn_activation_width + model.num_experts
+    ffn = model.ffn_buffers * model.ffn_activation_width + model.num_experts
     layer = tokens.widest * (3 * h + model.q_dim + 2 * model.kv_dim + ffn) * item
     # K and V gathered, and a second K for compressed pools (earlier blocks dequantized)
     context = (3 if compress_kv else 2) * tokens.context_slots * model.kv_dim * item

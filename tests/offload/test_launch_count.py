@@ -56,4 +56,4 @@ def test_opt_decode_layer_step_is_the_lean_sequence(tiny_checkpoint):
     folder, _ = tiny_checkpoint("opt")
     _, steps = decode_launches(folder)
     assert steps[0] == ["layer_norm", "linear", "index_copy_", "index_select", "scaled_dot_product_attention",
-                        "linear", "add", "layer_norm", "linear", "relu", "linear", "add"]
+                        "linear", "add", "layer_norm", "linear", "relu_", "linear", "add"]
