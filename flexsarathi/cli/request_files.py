@@ -20,12 +20,13 @@ from flexsarathi.errors import FlexSarathiError
 
 FORMATS = ("text", "jsonl", "openai")
 # Request fields passed to SamplingParams as they are (JSONL records and OpenAI bodies).
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                   "min_tokens", "n", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                   "min_tokens", "n", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "logit_bias", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
+                   "prompt_logprobs", "structured_outputs")
 COMPLETIONS_URL, CHAT_URL = "/v1/completions", "/v1/chat/completions"
 # OpenAI body fields we cannot honour: refused when set to anything but their neutral value.
-_UNSUPPORTED_OPENAI = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1,
-                       "echo": False, "suffix": None, "stream": False, "tools": None, "response_format": None}
+_UNSUPPORTED_OPENAI = {"best_of": 1, "echo": False, "suffix": None, "stream": False, "tools": None}
 
 
 @dataclass
@@ -171,8 +172,28 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
     req.sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     if req.chat and "max_completion_tokens" in body:
         req.sampling["max_tokens"] = body["max_completion_tokens"]
-    error = _openai_logprobs(req, body)
+    error = _openai_logprobs(req, body) or _openai_response_format(req, body)
     return error or _set_prompt(req, body, ("messages",) if req.chat else ("prompt",))
+
+
+def _openai_response_format(req: BatchRequest, body: dict) -> str | None:
+    """response_format -> structured_outputs: {"type": "json_schema", "json_schema": {"schema":
+    ...}} (OpenAI's), {"type": "json_object"}, or {"type": "text"} (no constraint)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        req.sampling["structured_outputs"] = {"json_object": True}
+        return None
+    schema = fmt.get("json_schema") if kind == "json_schema" else None
+    if isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
+        req.sampling["structured_outputs"] = {"json": schema["schema"]}
+        return None
+    return (f"line {req.line}: body.response_format must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} "
+            f"or {{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}, got {fmt!r}")
 
 
 def _openai_logprobs(req: BatchRequest, body: dict) -> str | None:
@@ -205,7 +226,10 @@ def result_record(fmt: str, req: BatchRequest, output, model: str, decode_token)
     if req.prompt is None:
         record["prompt_token_ids"] = output.prompt_token_ids
     if first.logprobs is not None:
-        record["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in first.logprobs]
+        record["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in first.logprobs]
+    if output.prompt_logprobs is not None:
+        record["prompt_logprobs"] = [step and {str(t): lp.logprob for t, lp in step.items()}
+                                     for step in output.prompt_logprobs]
     if len(output.outputs) > 1:
         record["outputs"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                               "finish_reason": c.finish_reason} for c in output.outputs]
@@ -260,11 +284,11 @@ def _openai_choice_logprobs(req: BatchRequest, completion, decode_token) -> dict
     if req.logprobs_style is None or completion.logprobs is None:
         return None
     top = req.sampling.get("logprobs") or 0
-    steps = [(t, lp, sorted(lp.items(), key=lambda kv: -kv[1])[:top])
+    steps = [(t, lp, sorted(((a, v.logprob) for a, v in lp.items()), key=lambda kv: -kv[1])[:top])
              for t, lp in zip(completion.token_ids, completion.logprobs)]
     if req.logprobs_style == "chat":
-        return {"content": [{"token": decode_token(t), "logprob": lp[t],
+        return {"content": [{"token": decode_token(t), "logprob": lp[t].logprob,
                              "top_logprobs": [{"token": decode_token(a), "logprob": v} for a, v in best]}
                             for t, lp, best in steps]}
-    return {"tokens": [decode_token(t) for t, _, _ in steps], "token_logprobs": [lp[t] for t, lp, _ in steps],
+    return {"tokens": [decode_token(t) for t, _, _ in steps], "token_logprobs": [lp[t].logprob for t, lp, _ in steps],
             "top_logprobs": [{decode_token(a): v for a, v in best} for _, _, best in steps]}
