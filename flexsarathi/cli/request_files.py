@@ -178,7 +178,9 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
 
 def _openai_response_format(req: BatchRequest, body: dict) -> str | None:
     """response_format -> structured_outputs: {"type": "json_schema", "json_schema": {"schema":
-    ...}} (OpenAI's), {"type": "json_object"}, or {"type": "text"} (no constraint)."""
+    ...}} (OpenAI's), {"type": "json_object"}, or {"type": "text"} (no constraint). The JSON is
+    compact (no whitespace between tokens), as OpenAI's API returns it: a model free to put blanks
+    anywhere can spend its max_tokens on them (small ones do) and leave the JSON unclosed."""
     fmt = body.get("response_format")
     if fmt is None:
         return None
@@ -186,11 +188,11 @@ def _openai_response_format(req: BatchRequest, body: dict) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        req.sampling["structured_outputs"] = {"json_object": True}
+        req.sampling["structured_outputs"] = {"json_object": True, "disable_any_whitespace": True}
         return None
     schema = fmt.get("json_schema") if kind == "json_schema" else None
     if isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
-        req.sampling["structured_outputs"] = {"json": schema["schema"]}
+        req.sampling["structured_outputs"] = {"json": schema["schema"], "disable_any_whitespace": True}
         return None
     return (f"line {req.line}: body.response_format must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} "
             f"or {{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}, got {fmt!r}")

@@ -6,6 +6,7 @@ grammar is complete. The scheduler and executor know nothing of it: it is part o
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
@@ -81,7 +82,8 @@ def _compile(compiler, kind: str, text: str, compact: bool):
 
 
 def _first_line(exc: Exception) -> str:
-    text = str(exc).strip() or type(exc).__name__
+    """xgrammar's message without its C++ log prefix (`[hh:mm:ss] file.cc:line: `)."""
+    text = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", str(exc).strip()) or type(exc).__name__
     return text.splitlines()[0] if len(text) < 400 else text[:400] + "..."
 
 
