@@ -11,6 +11,7 @@ from flexsarathi.cli.engine_args import add_compute_args, add_dtype_arg
 from flexsarathi.cli.generate import add_generate_parser
 from flexsarathi.cli.inspect_model import add_inspect_parser
 from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
+from flexsarathi.models.hub import resolve_model
 from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from offload.disk_store import OffloadError
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     FLEXSARATHI_TRACEBACK=1), 130 when interrupted."""
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "gguf_file"):  # engine commands: a Hugging Face repo -> its local folder or GGUF file
+            args.model = resolve_model(args.model, args.gguf_file)
         return args.func(args)
     except USER_ERRORS as exc:
         return _fail(f"error: {_one_line(exc)}", 2)
