@@ -65,10 +65,11 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str, bool]:
         """(kind, text, compact): what identifies the compiled grammar (a schema compiles once per job)."""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            # as given, not sorted: the grammar writes properties in the schema's order
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return "json", text, self.disable_any_whitespace
         if self.json_object:
-            return "json", json.dumps({"type": "object"}), self.disable_any_whitespace
+            return "json", '{"type": "object"}', self.disable_any_whitespace
         if self.choice is not None:
             return "choice", json.dumps(list(self.choice)), False
         return ("regex", self.regex, False) if self.regex is not None else ("grammar", self.grammar, False)

@@ -52,7 +52,9 @@ def stories(stories_dir, request):
 def check_json(out) -> None:
     for completion in out.outputs:
         assert completion.finish_reason == "stop", completion.text
-        jsonschema.validate(json.loads(completion.text), SCHEMA)
+        obj = json.loads(completion.text)
+        jsonschema.validate(obj, SCHEMA)
+        assert list(obj) == [k for k in SCHEMA["properties"] if k in obj]  # the schema's order
 
 
 def test_json_schema_outputs_validate_with_n_and_mixed_neighbours(stories):
