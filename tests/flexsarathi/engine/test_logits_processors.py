@@ -150,3 +150,16 @@ def test_top_logprobs_are_vllms_shape_with_float64_ranks():
 def test_bad_values_are_one_error_naming_the_field(field, value):
     with pytest.raises(FlexSarathiError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
+
+
+def test_every_control_runs_on_the_logits_device():
+    """On the 'meta' device (not the CPU, no data) a host tensor mixed into an elementwise op
+    raises, so the per-row columns and masks must be made on the logits' device, as the GPU path
+    needs. (Meta does not check indexing ops' index devices: those run on CUDA in the GPU suite.)"""
+    logits = torch.zeros(3, VOCAB, device="meta")
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2,
+                             presence_penalty=0.5, frequency_penalty=0.3, logit_bias={3: 1.0}, min_tokens=2),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1.3, top_p=0.5)]
+    seqs = [make_seq(p, [1, 2, 3], [4, 5], bad_words=((7,), (4, 9))) for p in params]
+    out = filtered_logits(process_logits(logits, seqs), params)
+    assert out.device.type == "meta" and out.shape == (3, VOCAB)
