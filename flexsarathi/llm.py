@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from flexsarathi.errors import FlexSarathiError
+from flexsarathi.models.hub import resolve_model
 from flexsarathi.models.opened_model import OpenedModel, open_model
 from flexsarathi.engine.planner_spec import planned_model
 from flexsarathi.engine.sampling import SamplingParams
@@ -27,7 +28,9 @@ class LLM:
                  seed: int = 0, kv_block_size: int | None = None, hardware=None, offload_dir: str | None = None,
                  compress_weight: bool | None = None, compress_kv: bool | None = None,
                  direct_io: bool = True, workload=None, **engine_options):
-        """model: a checkpoint folder, a `.gguf` file (single or any part of a split one) or `dummy:<name>`, or one already opened (`open_model`). policy: a Policy, a policy JSON file,
+        """model: a checkpoint folder, a `.gguf` file (single or any part of a split one), a Hugging Face
+        repo (`org/name`, `org/name@revision`, `org/name:Q4_K_M` for a GGUF in it: flexsarathi/models/hub.py)
+        or `dummy:<name>`, or one already opened (`open_model`). policy: a Policy, a policy JSON file,
         "auto" (searched by policy_search for `hardware` and `workload`, a policy_search.Workload,
         default prompt 512 / output 32), or None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,
         `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
@@ -35,7 +38,7 @@ class LLM:
         ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options
         go to EngineConfig (weight_quant, kv_bits, kv_value_group: the compression formats)."""
         opened = model if isinstance(model, OpenedModel) else None
-        model = opened.name if opened else model
+        model = opened.name if opened else resolve_model(model)  # "org/name" -> its folder in the HF cache
         spec = None
         if hardware is not None:
             from policy_search import HardwareSpec

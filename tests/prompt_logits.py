@@ -9,7 +9,7 @@ from flexsarathi.engine.micro_batch_builder import wants_prompt_logprobs
 from flexsarathi.engine.sampling import SamplingParams
 
 # prompt_logprobs makes every prompt row a logit row; one greedy token ends each request.
-SCORE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=True)
+SCORE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
 
 
 def prompt_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -23,6 +23,6 @@ def prompt_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
         outputs = engine.forward(plan)
         for item, rows in outputs:
             if wants_prompt_logprobs(item):  # a recomputed chunk (after a preemption) replaces its first run
-                chunks[item.seq.seq_id][item.start] = rows[:item.num_tokens]
+                chunks[item.seq.seq_id][item.start] = rows[:item.num_tokens].cpu()
         engine.scheduler.postprocess(plan, *engine.sample(outputs))
     return [torch.cat([rows for _, rows in sorted(chunks[seq.seq_id].items())]) for seq in seqs]

@@ -14,7 +14,10 @@ from policy_search.units import GiB
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint folder (config.json + safetensors), a .gguf "
-                   "file (llama.cpp's; its tokenizer included) or dummy:<name> (random weights: measure throughput, not text quality)")
+                   "file (llama.cpp's; its tokenizer included), a Hugging Face repo (org/name[@revision], "
+                   "org/name:Q4_K_M for a GGUF in it; HF_HOME's cache, HF_HUB_OFFLINE=1 honoured) or dummy:<name> "
+                   "(random weights: measure throughput, not text quality)")
+    p.add_argument("--gguf-file", default=None, metavar="FILE", help="with a repo --model: this GGUF file in it")
     p.add_argument("--policy", default=None, help="'auto' (searched for --hardware and this job's "
                    "lengths) or a policy JSON (`flexsarathi policy --json`); default: all on the device")
     p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(PRESETS)}) or a profile JSON "

@@ -12,6 +12,7 @@ from flexsarathi.cli.generate import add_generate_parser
 from flexsarathi.cli.inspect_model import add_inspect_parser
 from flexsarathi.cli.console import show_warnings_as_lines, silence_stdout, stdout_is_closed
 from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
+from flexsarathi.models.hub import resolve_model
 from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.serve.command import add_serve_parser
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     show_warnings_as_lines()
     try:
+        if hasattr(args, "gguf_file"):  # engine commands: a Hugging Face repo -> its local folder or GGUF file
+            args.model = resolve_model(args.model, args.gguf_file)
         return args.func(args)
     except USER_ERRORS as exc:
         return _fail(f"error: {_one_line(exc)}", 2)

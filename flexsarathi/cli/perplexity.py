@@ -48,10 +48,11 @@ def perplexity(llm: LLM, documents: list[str], stride: int | None = None, use_tq
         for begin, end, count in sliding_windows(len(ids), context, stride):
             prompts.append(ids[begin:end])
             scored.append(count)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=True),
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
                            use_tqdm=use_tqdm)
-    # prompt_logprobs[i] is the log-probability of window token i + 1: keep the last `count`.
-    logprobs = [lp for out, count in zip(outputs, scored) if count for lp in out.prompt_logprobs[-count:]]
+    # prompt_logprobs[i] holds the log-probability of window token i: keep the last `count`.
+    logprobs = [step[token].logprob for out, count in zip(outputs, scored) if count
+                for step, token in zip(out.prompt_logprobs[-count:], out.prompt_token_ids[-count:])]
     if not logprobs:
         raise FlexSarathiError("no token to score: every document is a single token")
     nll = -math.fsum(logprobs) / len(logprobs)

@@ -20,12 +20,13 @@ from flexsarathi.errors import FlexSarathiError
 
 FORMATS = ("text", "jsonl", "openai")
 # Request fields passed to SamplingParams as they are (JSONL records and OpenAI bodies).
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                   "min_tokens", "n", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                   "min_tokens", "n", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "logit_bias", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
+                   "prompt_logprobs", "structured_outputs")
 COMPLETIONS_URL, CHAT_URL = "/v1/completions", "/v1/chat/completions"
 # OpenAI body fields we cannot honour: refused when set to anything but their neutral value.
-_UNSUPPORTED_OPENAI = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1,
-                       "echo": False, "suffix": None, "stream": False, "tools": None, "response_format": None}
+_UNSUPPORTED_OPENAI = {"best_of": 1, "echo": False, "suffix": None, "stream": False, "tools": None}
 
 
 @dataclass
@@ -171,8 +172,30 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
     req.sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     if req.chat and "max_completion_tokens" in body:
         req.sampling["max_tokens"] = body["max_completion_tokens"]
-    error = _openai_logprobs(req, body)
+    error = _openai_logprobs(req, body) or _openai_response_format(req, body)
     return error or _set_prompt(req, body, ("messages",) if req.chat else ("prompt",))
+
+
+def _openai_response_format(req: BatchRequest, body: dict) -> str | None:
+    """response_format -> structured_outputs: {"type": "json_schema", "json_schema": {"schema":
+    ...}} (OpenAI's), {"type": "json_object"}, or {"type": "text"} (no constraint). The JSON is
+    compact (no whitespace between tokens), as OpenAI's API returns it: a model free to put blanks
+    anywhere can spend its max_tokens on them (small ones do) and leave the JSON unclosed."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        req.sampling["structured_outputs"] = {"json_object": True, "disable_any_whitespace": True}
+        return None
+    schema = fmt.get("json_schema") if kind == "json_schema" else None
+    if isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
+        req.sampling["structured_outputs"] = {"json": schema["schema"], "disable_any_whitespace": True}
+        return None
+    return (f"line {req.line}: body.response_format must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} "
+            f"or {{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}, got {fmt!r}")
 
 
 def _openai_logprobs(req: BatchRequest, body: dict) -> str | None:
@@ -206,7 +229,10 @@ def result_record(fmt: str, req: BatchRequest, output, model: str, decode) -> di
     if req.prompt is None:
         record["prompt_token_ids"] = output.prompt_token_ids
     if first.logprobs is not None:
-        record["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in first.logprobs]
+        record["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in first.logprobs]
+    if output.prompt_logprobs is not None:
+        record["prompt_logprobs"] = [step and {str(t): lp.logprob for t, lp in step.items()}
+                                     for step in output.prompt_logprobs]
     if len(output.outputs) > 1:
         record["outputs"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                               "finish_reason": c.finish_reason} for c in output.outputs]
@@ -282,8 +308,9 @@ def _openai_choice_logprobs(req: BatchRequest, output, completion, decode) -> di
     steps = []  # (its text, its logprob, [(alternative's text, logprob)] best first)
     for i, (t, lp) in enumerate(zip(completion.token_ids, completion.logprobs)):
         context = ids[:start + i]
-        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
-        steps.append((token_text(decode, context, t), lp[t], [(token_text(decode, context, a), v) for a, v in best]))
+        best = sorted(((a, v.logprob) for a, v in lp.items()), key=lambda kv: -kv[1])[:top]
+        steps.append((token_text(decode, context, t), lp[t].logprob,
+                      [(token_text(decode, context, a), v) for a, v in best]))
     if req.logprobs_style == "chat":
         return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
                              "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode("utf-8"))}

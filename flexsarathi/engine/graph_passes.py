@@ -48,7 +48,8 @@ class GraphPasses:
         return self.blocks.blocks_per_tier.get("gpu", 0) * self.blocks.block_size
 
     def forward(self, plan: SchedulerOutput) -> list[tuple[WorkItem, torch.Tensor]] | None:
-        """Each item with its logits [1, vocab] (fp32, CPU), or None where the pass runs eagerly."""
+        """Each item with its logits [1, vocab] (fp32, compute device: a copy, since the graph's output
+        is overwritten by the next replay), or None where the pass runs eagerly."""
         if len(plan.micro_batches) != 1:
             return None
         items = plan.micro_batches[0]
@@ -59,7 +60,7 @@ class GraphPasses:
         if not self._admit(key):
             return None
         logits = self.graphs.run([it.seq.token_ids(it.start, it.end)[0] for it in items], [it.start for it in items],
-                                 self._context_slots(items, key[1]), self.scratch_slot()).cpu()
+                                 self._context_slots(items, key[1]), self.scratch_slot()).clone()
         return [(item, logits[i:i + 1]) for i, item in enumerate(items)]
 
     def _admit(self, key: tuple[int, int]) -> bool:

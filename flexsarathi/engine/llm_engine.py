@@ -21,7 +21,9 @@ from flexsarathi.models.opened_model import OpenedModel, open_model
 from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.models.model_config import parse_dtype
-from flexsarathi.engine.sampling import SamplingParams, mask_stops, sample, sample_seed, token_logprobs
+from flexsarathi.engine.logprobs import Logprob, decode_logprobs, prompt_logprobs, top_logprobs
+from flexsarathi.engine.sampling import SamplingParams, process_logits, sample, sample_seed
+from flexsarathi.engine.structured_output import GrammarCompiler, GrammarState, advance_matchers
 from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
 from flexsarathi.engine.sequence import Sequence
 from flexsarathi.models.tokenizer import IncrementalDetokenizer
@@ -57,7 +59,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, stop token or stop string) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string, None for EOS/length
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per token: sampled + top `logprobs`
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: sampled + top `logprobs`
 
 
 @dataclass
@@ -69,7 +71,9 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    prompt_logprobs: list[float] | None = None  # one per prompt token after the first
+    # vLLM's shape: None for the first prompt token, then {token: Logprob} of the prompt token and
+    # the top `prompt_logprobs` candidates
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
 
     @property
@@ -244,6 +248,7 @@ class LLMEngine:
         self.offload_dir = e.offload_dir or DEFAULT_OFFLOAD_DIR
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, list(self.eos_token_ids))
         self.memory = MemoryTracker(e.budget, self.device)
         self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
                                              value_group=e.kv_value_group) if p.compress_kv else None)
@@ -337,17 +342,39 @@ class LLMEngine:
         if any(t >= self.config.vocab_size for t in params.stop_token_ids):
             raise FlexSarathiError(f"SamplingParams.stop_token_ids {list(params.stop_token_ids)} has ids "
                                    f"outside the vocabulary [0, {self.config.vocab_size})")
-        if params.stop and self.tokenizer is None:
-            raise FlexSarathiError("stop strings need a model folder with tokenizer.json "
-                                   "(use stop_token_ids with token-id prompts)")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            raise FlexSarathiError(f"{'stop strings' if params.stop else 'bad_words'} need a model folder with "
+                                   "tokenizer.json (use stop_token_ids / logit_bias with token-id prompts)")
+        self._check_token_ids(params)
         seq = Sequence(
             seq_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
             max_len=min(len(prompt_token_ids) + params.max_tokens, self.config.max_position_embeddings),
             stop_ids=frozenset(stop), generator=torch.Generator().manual_seed(seed), prompt=prompt,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if params.stop else None,
-            logprobs=[] if params.logprobs is not None else None)
+            detokenizer=(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                         if params.stop else None),
+            logprobs=[] if params.logprobs is not None else None, bad_word_ids=self._bad_word_ids(params),
+            grammar=(GrammarState(self.grammars.compile(params.structured_outputs))
+                     if params.structured_outputs is not None else None))
         self._next_id += 1
         return seq
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.config.vocab_size
+        outside = sorted(t for t in (params.logit_bias or {}) if t >= vocab)
+        if outside:
+            raise FlexSarathiError(f"SamplingParams.logit_bias names token ids {outside[:5]} outside the "
+                                   f"vocabulary [0, {vocab})")
+
+    def _bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids as it would appear at the start of a text and after a space
+        (vLLM's two spellings); the ids outside the model's vocabulary dropped."""
+        words = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in words and max(ids) < self.config.vocab_size:
+                    words.append(ids)
+        return tuple(words)
 
     def validate_prompt(self, ids: list[int], index: int) -> None:
         if len(ids) == 0:
@@ -498,7 +525,7 @@ class LLMEngine:
 
     def forward(self, plan: SchedulerOutput) -> list[tuple[WorkItem, torch.Tensor]]:
         """Runs the scheduled pass. Returns each item that has logits with its rows [rows, vocab]
-        (fp32, CPU): every prompt row for prompt_logprobs, else the last row where it samples."""
+        (fp32, compute device): every prompt row for prompt_logprobs, else the last row where it samples."""
         replayed = self.graph_passes.forward(plan) if self.graph_passes else None
         if replayed is not None:
             self.stats["graph_passes"] += 1
@@ -510,11 +537,10 @@ class LLMEngine:
         for item in plan.items:
             if item.samples and item.seq.forks:  # the parent's prompt is prefilled: forks join
                 self._copy_prompt_tail(item.seq)
-        outputs = []
+        outputs = []  # logits stay on the compute device: the sampler works there
         for (_, spans), mb_logits in zip(built, logits):
-            mb_logits = mb_logits.cpu()
             outputs += [(span.item, mb_logits[span.offset:span.offset + span.count]) for span in spans]
-        for pool in self.kv_pools.values():  # CUDA's deferred inf/NaN check, after the sync above
+        for pool in self.kv_pools.values():  # CUDA's deferred inf/NaN check (one host sync)
             pool.check_finite()
         return outputs
 
@@ -557,7 +583,7 @@ class LLMEngine:
     def _check_worst_pass(self, seqs: list[Sequence], running: int, blocks: dict[str, int]) -> None:
         """Fail before any work when the largest pass this batch of requests can form would not
         fit the gpu tier next to the weights and KV pools."""
-        all_logits = any(s.params.prompt_logprobs for s in seqs)
+        all_logits = any(s.params.prompt_logprobs is not None for s in seqs)
         pool_slots = {tier: n * self.block_size for tier, n in blocks.items()}  # what the blocks can hold
         kinds = worst_passes(self.policy, running, [s.num_prompt_tokens for s in seqs],
                              [s.max_len for s in seqs], pool_slots, all_logits)
@@ -568,7 +594,8 @@ class LLMEngine:
     def sample(self, outputs: list[tuple[WorkItem, torch.Tensor]]) -> tuple[list[Sequence], list[int | None]]:
         """The sequences that sample after this pass with their tokens (None where the context is
         full): each item ending at its last token, and a parent's forks from the parent's row,
-        each with its own generator. Records prompt and token logprobs on the way."""
+        each with its own generator, all rows processed as one batch on the compute device
+        (engine/sampling.py). Records prompt and token logprobs on the way."""
         rows: list[tuple[Sequence, torch.Tensor]] = []
         for item, logits in outputs:
             if wants_prompt_logprobs(item):
@@ -578,12 +605,17 @@ class LLMEngine:
         live = self._finite_rows([(seq, row) for seq, row in rows if not seq.context_full])
         tokens: dict[Sequence, int] = {}
         if live:
-            masked = torch.stack([mask_stops(row, s.stop_ids, s.may_stop) for s, row in live])  # [R, vocab]
-            sampled = sample(masked, [s.params for s, _ in live], [s.generator for s, _ in live])
-            for (seq, row), token in zip(live, sampled):
-                if seq.logprobs is not None:  # of the model's distribution, as vLLM's raw logprobs
-                    seq.logprobs.append(token_logprobs(row, token, seq.params.logprobs))
-                tokens[seq] = token
+            seqs = [s for s, _ in live]
+            logits = torch.stack([row for _, row in live])  # [R, vocab]
+            sampled = sample(process_logits(logits, seqs), [s.params for s in seqs], [s.generator for s in seqs])
+            advance_matchers(seqs, sampled)
+            wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+            if wanted:  # of the model's distribution, as vLLM's raw logprobs
+                steps = top_logprobs(logits[wanted], torch.tensor([sampled[i] for i in wanted]),
+                                     [seqs[i].params.logprobs for i in wanted])
+                for i, step in zip(wanted, steps):
+                    seqs[i].logprobs.append(step)
+            tokens = dict(zip(seqs, sampled))
         return [seq for seq, _ in rows], [tokens.get(seq) for seq, _ in rows]
 
     def _finite_rows(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[tuple[Sequence, torch.Tensor]]:
@@ -622,15 +654,29 @@ class LLMEngine:
         return RequestOutput(
             request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=[self._completion(i, seq) for i, seq in enumerate(seqs)],
-            prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs else None)
+            prompt_logprobs=self._prompt_logprobs(first))
+
+    def _prompt_logprobs(self, seq: Sequence) -> list[dict[int, Logprob] | None] | None:
+        if seq.params.prompt_logprobs is None:
+            return None
+        steps = [None] + list(seq.prompt_logprobs)
+        if self.tokenizer is not None:
+            decode_logprobs(steps, self._decode_token)
+        return steps
+
+    def _decode_token(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
-        text = self.tokenizer.completion_text(seq.prompt_token_ids, seq.output_token_ids) if self.tokenizer else ""
+        text = (self.tokenizer.completion_text(seq.prompt_token_ids, seq.output_token_ids, seq.params.skip_special_tokens)
+                if self.tokenizer else "")
         if seq.stop_text_end is not None:
             text = text[:seq.stop_text_end]
         logprobs = seq.logprobs
-        cumulative = (sum(lp[t] for lp, t in zip(logprobs, seq.output_token_ids))
+        cumulative = (sum(lp[t].logprob for lp, t in zip(logprobs, seq.output_token_ids))
                       if logprobs is not None else None)
+        if logprobs is not None and self.tokenizer is not None:
+            decode_logprobs(logprobs, self._decode_token)
         stop_reason = seq.stop_reason  # None for EOS, as vLLM
         if isinstance(stop_reason, int) and stop_reason not in seq.params.stop_token_ids:
             stop_reason = None
@@ -651,8 +697,7 @@ def _split_by_fractions(total: int, fractions: tuple[float, float, float]) -> di
 def _record_prompt_logprobs(seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:
     """rows[i] predicts position start + i + 1; keep those that land inside the prompt."""
     stop = min(end, seq.num_prompt_tokens - 1)
-    if not seq.params.prompt_logprobs or stop <= start:
+    if seq.params.prompt_logprobs is None or stop <= start:
         return
-    targets = torch.tensor(seq.prompt_token_ids[start + 1:stop + 1])
-    logprobs = torch.log_softmax(rows[:stop - start].float(), dim=-1)
-    seq.prompt_logprobs += logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+    seq.prompt_logprobs += prompt_logprobs(rows[:stop - start], seq.prompt_token_ids[start + 1:stop + 1],
+                                           seq.params.prompt_logprobs)

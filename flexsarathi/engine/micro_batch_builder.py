@@ -22,7 +22,7 @@ class LogitSpan:
 
 def wants_prompt_logprobs(item: WorkItem) -> bool:
     seq = item.seq
-    return seq.params.prompt_logprobs and item.start < seq.num_prompt_tokens
+    return seq.params.prompt_logprobs is not None and item.start < seq.num_prompt_tokens
 
 
 @dataclass

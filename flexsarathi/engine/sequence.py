@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexsarathi.engine.sampling import SamplingParams
+from flexsarathi.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -36,12 +36,15 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # global KV block ids (BlockManager)
     residual_id: int = -1  # row of the pools' full-precision buffer for the block being filled
-    prompt_logprobs: list[float] = field(default_factory=list)
+    # per prompt position after the first: {token: Logprob} (params.prompt_logprobs)
+    prompt_logprobs: list[dict] = field(default_factory=list)
     detokenizer: object | None = None  # tokenizer.IncrementalDetokenizer, for stop strings
     stop_text_end: int | None = None  # stop string hit: the generated text ends at this index
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
-    logprobs: list[dict[int, float]] | None = None  # per generated token (params.logprobs)
+    logprobs: list[dict] | None = None  # per generated token: {token: Logprob} (params.logprobs)
     error: str | None = None  # why it failed (FINISHED_FAILED): its request's output is this error
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids (both spacings)
+    grammar: object | None = None  # structured_output.GrammarState (params.structured_outputs)
     # Preemption (on-demand KV admission): tokens to recompute as a prefill on re-admission.
     recompute_len: int = 0
     num_preemptions: int = 0
@@ -104,7 +107,8 @@ class Sequence:
             self._check_stop_strings()
 
     def _check_stop_strings(self) -> None:
-        """vLLM's rule: the text ends before the first stop string; finish_reason "stop"."""
+        """vLLM's rule: the text ends before the first stop string (after it with
+        include_stop_str_in_output); finish_reason "stop"."""
         new = self.detokenizer.add(self.output_token_ids[-1])
         if not new or not self.may_stop or self.stop_text_end is not None:
             return
@@ -113,7 +117,8 @@ class Sequence:
         start = max(len(text) - window, 0)
         hits = [(i, s) for s in self.params.stop if (i := text.find(s, start)) != -1]
         if hits:
-            self.stop_text_end, self.stop_reason = min(hits)
+            index, self.stop_reason = min(hits)
+            self.stop_text_end = index + (len(self.stop_reason) if self.params.include_stop_str_in_output else 0)
             self.status = SequenceStatus.FINISHED_STOPPED
 
     @property

@@ -57,16 +57,21 @@ class Tokenizer:
             ids = ids + [self.eos_token_id]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers.Tokenizer` itself (for libraries that read a vocabulary: xgrammar)."""
+        return self._tok
 
-    def completion_text(self, prompt_ids: list[int], output_ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def completion_text(self, prompt_ids: list[int], output_ids: list[int], skip_special_tokens: bool = True) -> str:
         """What decoding prompt + output gives after the prompt's own text (leading space kept)."""
-        prompt_text = self.decode(prompt_ids)
-        full = self.decode(list(prompt_ids) + list(output_ids))
+        prompt_text = self.decode(prompt_ids, skip_special_tokens)
+        full = self.decode(list(prompt_ids) + list(output_ids), skip_special_tokens)
         if full.startswith(prompt_text):
             return full[len(prompt_text):]
-        return self.decode(output_ids)  # the prompt's last bytes merged with the output's: rare
+        return self.decode(output_ids, skip_special_tokens)  # the prompt's last bytes merged with the output's: rare
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of `messages` rendered with the checkpoint's chat template (as transformers'
@@ -92,8 +97,8 @@ class IncrementalDetokenizer:
     the new ones and keep what the new ones add, so a word's leading space (which a decoder strips
     at the start of a text) is kept, and hold back a partial UTF-8 character until it completes."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
@@ -102,9 +107,8 @@ class IncrementalDetokenizer:
     def add(self, token: int) -> str:
         """Append a token; returns the text it completes (possibly empty)."""
         self.ids.append(token)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
-        current = decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        current = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         if len(current) <= len(prefix) or current.endswith("\ufffd"):
             return ""
         new = current[len(prefix):]

@@ -105,8 +105,9 @@ def test_logprobs_match_transformers(tiny):
     for step, (token, lp) in enumerate(zip(out.token_ids, completion.logprobs)):
         top2 = set(torch.topk(ref[step], 2).indices.tolist())
         assert set(lp) == top2 | {token}
-        for t, value in lp.items():
-            assert value == pytest.approx(ref[step, t].item(), abs=1e-4)
+        for t, value in lp.items():  # vLLM's Logprob: the value, its rank and its text
+            assert value.logprob == pytest.approx(ref[step, t].item(), abs=1e-4)
+            assert value.rank == int((ref[step] > ref[step, t]).sum()) + 1
     assert completion.cumulative_logprob == pytest.approx(sum(ref[i, t].item() for i, t in enumerate(out.token_ids)),
                                                           abs=1e-3)
 

@@ -24,7 +24,7 @@ BS, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 SCALE = DIM ** -0.5
 
 
-def make_seq(seq_id: int, prompt: int, outputs: int = 0, prompt_logprobs: bool = False) -> Sequence:
+def make_seq(seq_id: int, prompt: int, outputs: int = 0, prompt_logprobs: int | None = None) -> Sequence:
     params = SamplingParams(max_tokens=32, prompt_logprobs=prompt_logprobs)
     return Sequence(seq_id, list(range(3, 3 + prompt)), params, max_len=prompt + 32, stop_ids=frozenset(),
                     generator=torch.Generator(), output_token_ids=[7] * outputs)
@@ -74,7 +74,7 @@ def test_writes_and_context_slots_are_block_table_arithmetic():
 def test_logit_rows_follow_the_items_that_sample_or_want_prompt_logprobs():
     blocks = BlockManager(BS, {"gpu": 16}, num_residual=4)
     a = admitted(blocks, make_seq(0, 6), 8)  # whole prompt: samples its last row
-    b = admitted(blocks, make_seq(1, 9, prompt_logprobs=True), 12)  # a later chunk: every row
+    b = admitted(blocks, make_seq(1, 9, prompt_logprobs=0), 12)  # a later chunk: every row
     c = admitted(blocks, make_seq(2, 8), 8)  # a first chunk, no logprobs: no row
     d = admitted(blocks, make_seq(3, 5, outputs=2), 8)  # a decode
     items = [WorkItem(a, 0, 6), WorkItem(b, 4, 9), WorkItem(c, 0, 3), WorkItem(d, 6, 7)]

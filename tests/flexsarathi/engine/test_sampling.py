@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from flexsarathi.engine.sampling import SamplingParams, filtered_logits, mask_stops, sample, sample_seed
+from flexsarathi.engine.logits_processors import bar_stops
+from flexsarathi.engine.sampling import SamplingParams, filtered_logits, sample, sample_seed
 from flexsarathi.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 64
@@ -43,8 +44,8 @@ def test_greedy_is_argmax_whatever_the_generator():
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_top_k_top_p_keep_the_float64_reference_set(top_k, top_p, temperature):
     p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    for row in rows(20, seed=top_k + int(top_p * 10)):
-        kept = filtered_logits(row, p)
+    batch = rows(20, seed=top_k + int(top_p * 10))
+    for row, kept in zip(batch, filtered_logits(batch, [p] * len(batch))):
         assert {int(t) for t in torch.isfinite(kept).nonzero().flatten()} == reference_kept(
             row, temperature, top_k, top_p)
         finite = torch.isfinite(kept)
@@ -91,9 +92,20 @@ def test_min_tokens_bars_stop_tokens_until_the_sequence_may_stop():
     params = SamplingParams(max_tokens=10, temperature=0, min_tokens=3)
     seq = Sequence(0, [1, 2], params, max_len=12, stop_ids=frozenset({stop}), generator=torch.Generator())
     while not seq.status.finished:
-        masked = mask_stops(row, seq.stop_ids, seq.may_stop)
+        masked = bar_stops(row[None], [seq.stop_ids], [seq.may_stop])[0]
         assert math.isinf(masked[stop]) == (len(seq.output_token_ids) < 3)
         seq.append(sample(masked[None], [params], [seq.generator])[0])
     assert seq.output_token_ids == [runner_up] * 3 + [stop]
     assert seq.status is SequenceStatus.FINISHED_STOPPED and seq.stop_reason == stop
-    assert mask_stops(row, frozenset(), False) is row  # nothing to bar: the row itself
+    assert bar_stops(row[None], [frozenset()], [False]).equal(row[None])  # nothing to bar
+
+
+def test_rows_with_different_filters_in_one_batch_each_keep_their_own_set():
+    """One filtered_logits call over rows whose temperature, top_k and top_p all differ gives each
+    row the float64 reference set of its own parameters."""
+    batch = rows(6, seed=11)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=q)
+              for t, k, q in [(0.5, 3, 1.0), (1.0, -1, 0.6), (2.0, 10, 0.8), (1.0, -1, 1.0), (0.7, 1, 1.0), (1.3, 20, 0.3)]]
+    for row, p, kept in zip(batch, params, filtered_logits(batch, params)):
+        assert {int(t) for t in torch.isfinite(kept).nonzero().flatten()} == reference_kept(
+            row, p.temperature, p.top_k, p.top_p)

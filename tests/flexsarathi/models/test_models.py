@@ -109,14 +109,22 @@ def test_schedulers_give_the_same_tokens(tiny_checkpoint, scheduler):
 
 
 def test_prompt_logprobs_match_transformers(tiny_checkpoint):
+    """vLLM's shape: None for the first prompt token, then per position the prompt token's
+    log-probability with its rank and the top-k candidates, all from transformers' logits."""
     folder, model = tiny_checkpoint("opt")
     llm = LLM(folder, dtype="float32", policy=Policy(prefill_budget=4))
     ids = _prompts(model.config.vocab_size, lengths=(10,))[0]
-    out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=True),
+    out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3),
                        use_tqdm=False)[0]
-    ref = torch.log_softmax(hf_logits(model, ids), -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])
-    assert len(out.prompt_logprobs) == len(ids) - 1
-    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), ref.squeeze(1), atol=1e-4, rtol=0)
+    ref = torch.log_softmax(hf_logits(model, ids), -1)[:-1]  # [len - 1, vocab]
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    for step, token, row in zip(out.prompt_logprobs[1:], ids[1:], ref):
+        top = torch.topk(row, 3)
+        assert set(step) == set(top.indices.tolist()) | {token}
+        assert step[token].rank == int((row > row[token]).sum()) + 1
+        for rank, (t, value) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+            assert step[t].rank == rank and abs(step[t].logprob - value) < 1e-4
+        assert abs(step[token].logprob - float(row[token])) < 1e-4
 
 
 def test_bf16_compute_stays_close_to_fp32(tiny_checkpoint):

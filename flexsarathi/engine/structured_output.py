@@ -1,0 +1,136 @@
+"""Structured outputs with xgrammar (the grammar engine vLLM and SGLang ship): a request's
+StructuredOutputsParams compiled once per distinct grammar per engine (cached), one matcher per
+sequence, each step a token bitmask per constrained row applied to the logits on the compute
+device, and the matcher advanced with the sampled token. EOS is in the mask only where the
+grammar is complete. The scheduler and executor know nothing of it: it is part of sampling."""
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from flexsarathi.engine.sampling_params import StructuredOutputsParams
+from flexsarathi.errors import FlexSarathiError
+
+# Whitespace characters in a row that JSON output may hold where its grammar allows whitespace:
+# enough for pretty-printed JSON a few levels deep, and a bound on a model that would otherwise
+# spend its whole max_tokens on blanks inside an object (a small model at temperature 0 does).
+MAX_WHITESPACE_RUN = 16
+INSTALL_HINT = "structured outputs need xgrammar: pip install 'flexsarathi[structured]' (or pip install xgrammar)"
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise FlexSarathiError(INSTALL_HINT) from None
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams for one tokenizer and vocabulary (the model's: its LM head
+    may be wider than the tokenizer); each distinct grammar once (`compiled` counts them)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self._compiler = None
+        self._cache: dict[tuple, object] = {}
+        self.compiled = 0
+
+    def _xgr_compiler(self):
+        if self._compiler is None:
+            xgr = _xgrammar()
+            from transformers import PreTrainedTokenizerFast  # xgrammar depends on transformers
+
+            hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
+            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar; FlexSarathiError saying why when it cannot compile."""
+        key = params.key
+        if key not in self._cache:
+            if self.tokenizer is None:
+                raise FlexSarathiError("structured_outputs needs the model's tokenizer (a folder with "
+                                       "tokenizer.json, or a GGUF file)")
+            if not self.stop_token_ids:
+                raise FlexSarathiError("structured_outputs needs an EOS token to end the output, and this "
+                                       "model names none (config.json / generation_config.json eos_token_id)")
+            compiler = self._xgr_compiler()
+            try:
+                self._cache[key] = _compile(compiler, *key)
+            except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse and schema errors
+                raise FlexSarathiError(f"structured_outputs.{key[0]} cannot be compiled: {_first_line(exc)}") from None
+            self.compiled += 1
+        return self._cache[key]
+
+
+def _compile(compiler, kind: str, text: str, compact: bool):
+    if kind == "json":
+        json.loads(text)  # a schema that is not JSON: the json module's message is the clearer one
+        return compiler.compile_json_schema(text, any_whitespace=not compact,
+                                            max_whitespace_cnt=None if compact else MAX_WHITESPACE_RUN)
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "choice":  # one GBNF alternative per literal (json.dumps escapes as GBNF reads it)
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                 for c in json.loads(text)))
+    return compiler.compile_grammar(text)
+
+
+def _first_line(exc: Exception) -> str:
+    """xgrammar's message without its C++ log prefix (`[hh:mm:ss] file.cc:line: `)."""
+    text = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", str(exc).strip()) or type(exc).__name__
+    return text.splitlines()[0] if len(text) < 400 else text[:400] + "..."
+
+
+class GrammarState:
+    """One sequence's matcher, made on first use and fed the outputs the sequence already has,
+    so a sequence that keeps a prefix (a recompute after preemption, a resumed request) matches
+    from where its text is, not from the start."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self._matcher = None
+
+    def matcher(self, kept_outputs: list[int]):
+        if self._matcher is None:
+            self._matcher = _xgrammar().GrammarMatcher(self.compiled)
+            for token in kept_outputs:
+                self._accept(token)
+        return self._matcher
+
+    def advance(self, token: int, kept_outputs: list[int]) -> None:
+        """The matcher (made and fed `kept_outputs` if new) takes `token`."""
+        self.matcher(kept_outputs)
+        self._accept(token)
+
+    def _accept(self, token: int) -> None:
+        if not self._matcher.accept_token(token):
+            raise RuntimeError(f"token {token} is outside the grammar the mask allowed: a sampler bug")
+
+
+def apply_grammar_masks(logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    """logits [R, vocab] with -inf where row i's grammar forbids the token (rows whose sequence
+    has no grammar untouched). The bitmask is filled on the host, one row per constrained
+    sequence, and applied on the logits' device by xgrammar's kernel."""
+    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    if not rows:
+        return logits
+    xgr = _xgrammar()
+    bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[1])  # [R, ceil(vocab / 32)] int32
+    for i in rows:
+        seqs[i].grammar.matcher(seqs[i].output_token_ids).fill_next_token_bitmask(bitmask, i)
+    logits = logits.clone()
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    return logits
+
+
+def advance_matchers(seqs: list, tokens: list[int]) -> None:
+    """Each constrained sequence's matcher takes its sampled token (before it is appended)."""
+    for seq, token in zip(seqs, tokens):
+        if seq.grammar is not None:
+            seq.grammar.advance(token, seq.output_token_ids)
