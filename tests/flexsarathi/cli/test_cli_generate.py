@@ -292,9 +292,10 @@ def test_openai_logprobs_read_as_the_text(stories_dir, stories_llm, tmp_path):
     assert lp["tokens"] == added and "".join(added) == choice["text"] == ref.text
     assert any(t.startswith(" ") for t in added)  # the words' leading spaces, as in the text
     assert lp["text_offset"] == [len(prompt) + len("".join(added[:i])) for i in range(8)]
-    assert lp["token_logprobs"] == pytest.approx([step[t] for step, t in zip(ref.outputs[0].logprobs, ref.token_ids)])
+    assert lp["token_logprobs"] == pytest.approx([step[t].logprob for step, t in zip(ref.outputs[0].logprobs,
+                                                                                   ref.token_ids)])
     for i, (step, alternatives) in enumerate(zip(ref.outputs[0].logprobs, lp["top_logprobs"])):
-        best = sorted(step.items(), key=lambda kv: -kv[1])[:2]
+        best = sorted(((a, v.logprob) for a, v in step.items()), key=lambda kv: -kv[1])[:2]
         context = tok.decode(ids[:start + i])
         assert alternatives == pytest.approx({tok.decode(ids[:start + i] + [a])[len(context):]: v for a, v in best})
 
