@@ -182,7 +182,7 @@ def test_batch_records_equal_generate_with_error_records(server, client, stories
                                                            "One day, a bird"])]
     good.append(completion("stop", "Lily wanted to", max_tokens=12, stop=[" a"]))
     bad = ["{not json", {"custom_id": "nobody", "method": "POST", "url": "/v1/completions"},
-           completion("penalty", "Hi", frequency_penalty=0.5), completion("long", [5] * 600),
+           completion("penalty", "Hi", frequency_penalty=3.0), completion("long", [5] * 600),
            completion("hot", "Hi", temperature=-1)]
     src = write_lines(tmp_path / "batch.jsonl", good[:2] + bad[:2] + good[2:] + bad[2:])
     batch = submit(client, src)
