@@ -110,9 +110,7 @@ class HardwareSpec:
     compute_on_host: bool = False
     # Fixed seconds a pass costs per layer and micro-batch beyond its math: the executor's
     # bookkeeping and thread hand-offs, per-call costs of small ops (kernel launches on a GPU). The
-    # presets leave it at 0: with it nonzero the branch and bound missed the brute-force optimum
-    # (tests/policy_search/test_planner_search.py, opt-1.3b on a 1 GiB t4: 163 against 177 tok/s;
-    # measured on an H200 machine's host, 0.545 ms eager, 0 replayed from a graph); profiles measure it.
+    # presets carry one measured on a GPU machine's host (GPU_LAYER_OVERHEAD); profiles measure their own.
     layer_overhead: float = 0.0
     # The same for a decode pass replayed from a CUDA graph (the engine's default where weights, KV
     # and activations all stay on the GPU: flexsarathi/engine/graph_passes.py); None: not measured,
@@ -295,6 +293,14 @@ T4_DISK_READ = 2.65 * GB
 T4_DEQUANT = 1e10
 _DEQUANT_PER_HBM_BYTE = T4_DEQUANT / (320 * GB)
 
+# The engine's host time per layer and micro-batch beyond the math, eager and for a decode pass
+# replayed from a CUDA graph: `flexsarathi profile` on an H200 machine (16 cores of an Intel Xeon,
+# family 6 model 207; dummy:opt-125m, fp16, one decode token per pass), 2026-11-28, commit f4ba45f.
+# Host-bound, so it follows the host's CPU more than the GPU; a profile of the machine at hand
+# replaces it.
+GPU_LAYER_OVERHEAD = 0.545e-3
+GPU_GRAPH_LAYER_OVERHEAD = 0.0
+
 
 _T4 = HardwareSpec(
     name="t4",
@@ -316,6 +322,7 @@ _T4 = HardwareSpec(
     cpu_dequant_rate=2e9,  # estimate: a few cores of vectorised unpack + fma
     # estimate: one Skylake socket's 6 DDR4-2666 channels (128 GB/s peak), a third achieved by a VM's matmuls
     cpu_memory_bandwidth=40 * GB,
+    layer_overhead=GPU_LAYER_OVERHEAD, graph_layer_overhead=GPU_GRAPH_LAYER_OVERHEAD,
     notes="FlexGen's T4 machine and fitted constants; disk read from GCP local-SSD docs (see source)",
 )
 
@@ -339,6 +346,7 @@ def _datacenter(name: str, *, gpu_gib: float, hbm_gbps: float, dense_tflops: flo
         cpu_attention_flops=cpu_attention_tflops * TFLOPS,
         gpu_dequant_rate=hbm_gbps * GB * _DEQUANT_PER_HBM_BYTE, cpu_dequant_rate=8e9,
         cpu_memory_bandwidth=cpu_memory_gbps * GB * 0.3,  # a third of the sockets' peak: rough
+        layer_overhead=GPU_LAYER_OVERHEAD, graph_layer_overhead=GPU_GRAPH_LAYER_OVERHEAD,
         notes=notes,
     )
 
