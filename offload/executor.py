@@ -52,7 +52,11 @@ class PassExecutor:
                                        initargs=(indexed(self.device),)) if overlap else None)
         # CUDA: the I/O thread's copies run on their own stream, ordered by events (offload/streams.py).
         self._io_stream = IOStream(self.device if overlap else CPU)
-        self._biases: dict[int, torch.Tensor] = {}  # per pass: id(part) -> its decode mask (_decode_bias)
+        # per pass (run): id(part) -> its decode mask (_decode_biases); id(micro-batch) -> whether its
+        # I/O runs on the thread (_io_worth_a_thread) and whether it writes its K/V first (writes_first)
+        self._biases: dict[int, torch.Tensor] = {}
+        self._threaded: dict[int, bool] = {}
+        self._first: dict[int, bool] = {}
 
     def _io_worth_a_thread(self, mb: MicroBatch) -> bool:
         """Whether the micro-batch's loads and stores leave the compute device's memory system.
