@@ -24,7 +24,7 @@ from offload.placed_layers import AllReads, PlacedLayers, linked_bytes, store_ke
 from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble, compress_resident
 from offload.streams import bind_thread, indexed
 from offload.weights import ROW_BLOCKS, RowSplit
-from quant import QuantConfig
+from quant import QTensor, QuantConfig
 
 
 class TieredWeights:
@@ -82,10 +82,13 @@ class TieredWeights:
         self._staging_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
 
     def _place_globals(self, tensors: dict, compressed: dict[str, QuantConfig], tracker: MemoryTracker) -> dict:
-        """The embeddings and head on the compute device (those named in `compressed` in that format)."""
+        """The embeddings and head on the compute device (those named in `compressed` in that format;
+        those the source gives as codes, in theirs)."""
         placed, nbytes = {}, 0
         for name, tensor in tensors.items():
-            if name in compressed:
+            if isinstance(tensor, QTensor):  # a source's own codes (a GGUF's Q4_0 head): kept as they are
+                placed[name], size = tensor.to(self.device), tensor.nbytes
+            elif name in compressed:
                 placed[name], size = compress_resident(name, tensor, self.dtype, compressed[name], self.device)
             else:
                 placed[name], size = tensor.to(self.device), tensor.nbytes
