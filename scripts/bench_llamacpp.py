@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -250,6 +251,7 @@ class EngineRun:
     total_s: float
     others: float  # cores the rest of the machine used meanwhile
     peak_gib: float | None = None  # the memory group's peak (disk regime)
+    rss_gb: float | None = None  # the engine's process's peak resident set (VmHWM / the child's ru_maxrss)
 
     def rates(self, w: Workload) -> tuple[float, float]:
         """(prompt tok/s, generation tok/s: the decode steps' tokens / their seconds)."""
@@ -280,7 +282,8 @@ def run_llama_cpp(cmd: list[str], log_path: str, tries: int = 3) -> EngineRun:
             raise SystemExit(f"bench_llamacpp: llama-batched-bench failed (exit {proc.returncode}); see {log_path}")
         if rows:
             t_pp, t_tg, t = (float(rows[-1][i]) for i in (4, 6, 8))
-            return EngineRun("llama.cpp", t_pp, t_tg, t, max(0.0, others))
+            rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GB  # the largest child's (KiB)
+            return EngineRun("llama.cpp", t_pp, t_tg, t, max(0.0, others), rss_gb=rss)
         say(f"  llama.cpp: its result row was lost at exit (try {attempt} of {tries})")
     raise SystemExit(f"bench_llamacpp: llama-batched-bench printed no result in {tries} runs; see {log_path}")
 
@@ -473,7 +476,7 @@ def run_theirs(b: Bench, on_disk: bool, group: MemoryGroup | None) -> EngineRun:
     say("  llama.cpp: " + " ".join(os.path.basename(c) if c == b.binary else c for c in cmd))
     r = run_llama_cpp(cmd, os.path.join(b.work_dir, f"llama_cpp_{'disk' if on_disk else 'ram'}.log"))
     say(f"  llama.cpp done in {r.total_s:.1f} s (prompt {r.prompt_s:.1f} s, generation {r.gen_s:.1f} s)")
-    return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group))
+    return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group), r.rss_gb)
 
 
 def run_ours_in_regime(b: Bench, on_disk: bool, group: MemoryGroup | None) -> tuple[EngineRun, float]:
@@ -494,7 +497,7 @@ def run_ours_in_regime(b: Bench, on_disk: bool, group: MemoryGroup | None) -> tu
         store_rate = read_store_rate(store, range_reads=False) if on_disk else 0.0
         r = run_ours(llm, b.workload, b.cfg["vocab_size"], files)
         say(f"  FlexSarathi done in {r.total_s:.1f} s (prompt {r.prompt_s:.1f} s, generation {r.gen_s:.1f} s)")
-        return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group)), store_rate
+        return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group), peak_rss_gb()), store_rate
     finally:
         llm.close()
 
@@ -504,9 +507,13 @@ def held_summary(llm) -> str:
     report = llm.engine.memory.report()
     held = ", ".join(f"{what} {n / GB:.2f}" for tier in report.values() for what, n in
                      sorted(tier["by_what"].items(), key=lambda item: -item[1]) if n >= 0.01 * GB)
+    return f"{held}; process peak RSS {peak_rss_gb():.2f} GB"
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set (VmHWM: anonymous and file-backed pages, as ru_maxrss)."""
     with open("/proc/self/status") as f:
-        hwm = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM")), 0)
-    return f"{held}; process peak RSS {hwm / GB:.2f} GB"
+        return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM")), 0) / GB
 
 
 def peak_gib(group: MemoryGroup | None) -> float | None:
@@ -518,12 +525,13 @@ def print_regime(name: str, runs: list[EngineRun], bound: tuple[float, float], w
     bound_s = sum(bound)
     say(f"\n=== {name}: {w.prompts} prompts x {w.prompt_len} -> {w.gen_len} ===")
     say(f"{'engine':12} {'prompt tok/s':>12} {'gen tok/s':>10} {'prompt s':>9} {'gen s':>8} {'total s':>8} "
-        f"{'/ bound':>8} {'others':>7} {'peak GiB':>9}")
+        f"{'/ bound':>8} {'others':>7} {'peak GiB':>9} {'peak RSS GB':>12}")
     for r in runs:
         p, g = r.rates(w)
         peak = f"{r.peak_gib:.2f}" if r.peak_gib else "-"
+        rss = f"{r.rss_gb:.2f}" if r.rss_gb else "-"
         say(f"{r.engine:12} {p:12.2f} {g:10.2f} {r.prompt_s:9.1f} {r.gen_s:8.1f} {r.total_s:8.1f} "
-            f"{r.total_s / bound_s:8.2f} {r.others:7.2f} {peak:>9}")
+            f"{r.total_s / bound_s:8.2f} {r.others:7.2f} {peak:>9} {rss:>12}")
     say(f"{'bound':12} {w.prompts * w.prompt_len / bound[0]:12.2f} {w.prompts * (w.gen_len - 1) / max(bound[1], 1e-9):10.2f} "
         f"{bound[0]:9.1f} {bound[1]:8.1f} {bound_s:8.1f}")
     theirs, ours = runs
