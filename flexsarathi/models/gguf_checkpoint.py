@@ -123,6 +123,9 @@ class GGUFCheckpoint(WeightSource):
             out[k] = (self._coded(parts, dtype, fmt) if fmt else None) or self._dense(parts, dtype)
         return out
 
+    def coded_globals(self) -> frozenset[str]:
+        return frozenset(k for k, parts in self.model.hf_global_names().items() if self._global_format(k, parts))
+
     def _global_format(self, name: str, hf_names: list[str]):
         """The 4-bit format a global matrix's codes keep (no conversion: Q4_0 / Q4_1), else None."""
         if not self.keep_global_codes or name not in GLOBAL_MATRICES:
