@@ -37,8 +37,7 @@ class TieredWeights:
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False,
                  row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
                  routed_reads: bool = False, cpu_blocks: bool = False, compressed_globals: dict[str, QuantConfig] | None = None,
-                 linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None,
-                 int4_layout: bool = True):
+                 linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None, int4_layout: bool = True):
         """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
         offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
         reads the blocks off the gpu tier only when the model asks for them (after routing);
@@ -46,17 +45,14 @@ class TieredWeights:
         the CPU (RowBlockAccess). linked_extents, linked_blocks: see offload.placed_layers.PlacedLayers;
         compressed_globals: global weights (the LM head) kept in that format (_place_globals);
         int4_layout: see offload.placement.uses_kernel_layout."""
-        self.int4_layout = int4_layout
-        self.routed_reads, self.cpu_blocks = routed_reads, cpu_blocks
+        self.routed_reads, self.cpu_blocks, self.int4_layout = routed_reads, cpu_blocks, int4_layout
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
-        # experts_read: experts read after routing; experts_on_cpu: computed on the cpu tier (per
-        # micro-batch); expert_loads: layer loads that had experts left for after routing
+        # experts read after routing; experts computed on the cpu tier (per micro-batch); layer loads with experts left
         self.stats = {"experts_read": 0, "experts_on_cpu": 0, "expert_loads": 0}
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.plan = WeightPlan.make(num_layers=num_layers, layer_shapes=layer_shapes, dtype=dtype,
                                     quant=quant, fractions=fractions, overlap=overlap, prefetch=prefetch,
-                                    device=self.device, row_blocks=row_blocks, resident=resident,
-                                    int4_layout=int4_layout)
+                                    device=self.device, row_blocks=row_blocks, resident=resident, int4_layout=int4_layout)
         self.prefetch_depth = self.plan.prefetch_depth
         self.cuda = self.device.type == "cuda"
         self.plan.reserve(tracker, store_bytes := (self.plan.store_bytes - linked_bytes(self.plan, linked_extents, linked_blocks)
