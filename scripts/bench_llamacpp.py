@@ -24,11 +24,16 @@ llama.cpp
   the same tokens as ours generating G per prompt (the first comes from the prompt pass). Its
   result row gives the prompt and generation times.
 
-Ours: `LLM("dummy:<model>", dummy_weight_codes=True, compress_head=True)` (the same kind of random
-4-bit codes; the LM head 4-bit too, as the GGUF's Q4_0 output tensor), dtype
+`--gguf FILE`: both engines run a user's own llama GGUF instead (its config read from the file).
+
+Ours: `LLM(<the GGUF>, compress_head=True)`, the same file loaded as it is (its Q4_0 layers, token
+embedding and output matrix kept as their codes); `--ours-weights dummy`: `LLM("dummy:<model>",
+dummy_weight_codes=True, compress_head=True)` (the same kind of random 4-bit codes), dtype
 --dtype (auto: what this CPU computes fastest), decode-maximal with all N running, prefill budget
 512 prompt tokens per pass, greedy with ignore_eos; timed generate() end to end after a one-pass
-warm-up. Prompt and generation rates are split by pass: passes carrying prompt tokens vs decode-only.
+warm-up. Prompt and generation rates are split by pass: passes carrying prompt tokens vs decode-only;
+ours' seconds are printed by phase too (prompt passes, decode passes, the head and attention inside
+each, sampling), with what the engine holds after the load and each engine's peak RSS.
 
 Regimes
 * ram: the whole model in memory (no memory group). llama.cpp with its defaults (mmap, weights repacked for its
@@ -598,7 +603,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.num_prompts, args.prompt_len, args.gen_len, args.mem_limit_gib = 4, 32, 4, 1.0
     if args.resident_weights is None:
-        args.resident_weights = RESIDENT_7B if args.model == "llama-2-7b" and not args.quick else 0.0
+        args.resident_weights = RESIDENT_7B if args.model == "llama-2-7b" and not (args.quick or args.gguf) else 0.0
     if not 0.0 <= args.resident_weights <= 1.0:
         p.error(f"--resident-weights must be a share between 0 and 1, got {args.resident_weights}")
     if args.gen_len < 2:
@@ -620,6 +625,7 @@ def main() -> int:
     say(f"model: {model} ({shapes.layers} layers, hidden {shapes.hidden}); workload {w.prompts} x {w.prompt_len} "
         f"-> {w.gen_len}; {threads} threads both engines")
     binary = build_llama_cpp(args.cache_dir)
+    os.makedirs(args.work_dir, exist_ok=True)  # the logs and our store (the GGUF too, unless --gguf)
     b = Bench(model, cfg, shapes, w, dtype, binary, args.gguf or gguf_file(args.work_dir, model, cfg), args.work_dir,
               threads, args.cpu_matmul, args.resident_weights, args.ours_weights == "gguf")
     say(f"ours: {'the GGUF ' + b.gguf_path if b.ours_from_gguf else 'dummy:' + model}, "
