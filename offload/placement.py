@@ -100,18 +100,20 @@ class TensorPlan:
 
 
 def uses_kernel_layout(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None,
-                       quant: QuantConfig | None) -> bool:
+                       quant: QuantConfig | None, int4_layout: bool = True) -> bool:
     """A weight of `shape` is kept in the CPU int4 kernel's layout: bf16 compute on the CPU, 4-bit
-    weights the kernel covers on this machine."""
-    return (quant is not None and dtype == torch.bfloat16 and device is not None
+    weights the kernel covers on this machine, and the engine not preferring the int8 kernel
+    (int4_layout=False: row-major, what quant/cpu_int8_matmul.py multiplies)."""
+    return (int4_layout and quant is not None and dtype == torch.bfloat16 and device is not None
             and torch.device(device).type == "cpu" and kernel_covers_shape(shape, quant))
 
 
-def weight_layout_tag(dtype: torch.dtype, device: torch.device, quant: QuantConfig | None) -> str:
+def weight_layout_tag(dtype: torch.dtype, device: torch.device, quant: QuantConfig | None,
+                      int4_layout: bool = True) -> str:
     """Names the stored layout of the weights the kernel covers, for the disk store's key: a store
     written in another layout (older code, another machine's kernel) then has another key and is
     rebuilt, never misread."""
-    if quant is not None and dtype == torch.bfloat16 and torch.device(device).type == "cpu" \
+    if int4_layout and quant is not None and dtype == torch.bfloat16 and torch.device(device).type == "cpu" \
             and kernel_covers_format(quant):
         return KERNEL_LAYOUT_ID
     return "rowmajor"
@@ -132,16 +134,18 @@ def components_of(shape: tuple[int, int], dtype: torch.dtype, quant: QuantConfig
 
 def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: QuantFormats,
                fractions: tuple[float, float, float], device: torch.device | None = None,
-               row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset()) -> list[TensorPlan]:
+               row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
+               int4_layout: bool = True) -> list[TensorPlan]:
     """Cut the layer's 2-D weights at the fraction boundaries of their total bytes (row granularity;
     64-row blocks for a weight in the CPU int4 kernel's layout). `device`: the compute device.
     row_blocks: weights made of that many equal row blocks (experts): the kernel layout only where
     every block is whole 64-row blocks, so that a block stays a contiguous row range. resident: 2-D
-    weights kept with the small tensors (uncompressed, on the compute device)."""
+    weights kept with the small tensors (uncompressed, on the compute device). int4_layout: see
+    uses_kernel_layout."""
     blocks = row_blocks or {}
 
     def kernel(name, shape, q):
-        return uses_kernel_layout((shape[0] // blocks.get(name, 1), shape[1]), dtype, device, q)
+        return uses_kernel_layout((shape[0] // blocks.get(name, 1), shape[1]), dtype, device, q, int4_layout)
 
     plans = [(name, shape, quant_of(quant, name)) for name, shape in shapes.items()
              if len(shape) == 2 and name not in resident]
@@ -165,11 +169,11 @@ def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: Qu
 
 
 def compress_resident(name: str, weight: torch.Tensor | QTensor, dtype: torch.dtype, quant: QuantConfig,
-                      device: torch.device) -> tuple[torch.Tensor | QTensor | Int4Packed, int]:
+                      device: torch.device, int4_layout: bool = True) -> tuple[torch.Tensor | QTensor | Int4Packed, int]:
     """A 2-D weight kept whole on the compute device in `quant`'s format, in the form the model
     multiplies layer weights of that format (a QTensor, or the CPU int4 kernel's layout where the
     layers use it): (the weight, its bytes)."""
-    plan = plan_layer({name: tuple(weight.shape)}, dtype, quant, (1.0, 0.0, 0.0), device)[0]
+    plan = plan_layer({name: tuple(weight.shape)}, dtype, quant, (1.0, 0.0, 0.0), device, int4_layout=int4_layout)[0]
     components = [c.to(device) for c in flat_components(weight, plan)]
     return assemble(plan, components), sum(c.nbytes for c in components)
 
@@ -245,8 +249,8 @@ class WeightPlan:
     def make(cls, *, num_layers: int, layer_shapes: dict[str, tuple[int, ...]] | list[dict[str, tuple[int, ...]]],
              dtype: torch.dtype, quant: QuantFormats, fractions: tuple[float, float, float], overlap: bool,
              prefetch: int, device: torch.device | None = None, row_blocks: dict[str, int] | None = None,
-             resident: frozenset[str] = frozenset()) -> WeightPlan:
-        """layer_shapes: one dict for every layer, or one per layer."""
+             resident: frozenset[str] = frozenset(), int4_layout: bool = True) -> WeightPlan:
+        """layer_shapes: one dict for every layer, or one per layer; int4_layout: see uses_kernel_layout."""
         per_layer = [layer_shapes] * num_layers if isinstance(layer_shapes, dict) else list(layer_shapes)
         if len(per_layer) != num_layers:
             raise ValueError(f"WeightPlan: {len(per_layer)} layer shape dicts for {num_layers} layers")
@@ -256,7 +260,7 @@ class WeightPlan:
             if key not in kinds:
                 small = {k: s for k, s in shapes.items() if len(s) != 2 or k in resident}
                 kinds[key] = LayerPlan(tuple(plan_layer(shapes, dtype, quant, fractions, device, row_blocks,
-                                                        resident)), small)
+                                                        resident, int4_layout)), small)
         return cls(num_layers, tuple(kinds[tuple(sorted(s.items()))] for s in per_layer), dtype,
                    num_slots=prefetch + 1 if overlap else 1, prefetch_depth=prefetch if overlap else 1)
 

@@ -24,7 +24,7 @@ from offload.placed_layers import AllReads, PlacedLayers, linked_bytes, store_ke
 from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble, compress_resident
 from offload.streams import bind_thread, indexed
 from offload.weights import ROW_BLOCKS, RowSplit
-from quant import QuantConfig
+from quant import QTensor, QuantConfig
 
 
 class TieredWeights:
@@ -37,23 +37,25 @@ class TieredWeights:
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False,
                  row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
                  routed_reads: bool = False, cpu_blocks: bool = False, compressed_globals: dict[str, QuantConfig] | None = None,
-                 linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None):
+                 linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None, int4_layout: bool = True):
         """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
         offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
         reads the blocks off the gpu tier only when the model asks for them (after routing);
         cpu_blocks leaves a block held whole on the cpu tier there, for the model to compute on
         the CPU (RowBlockAccess). linked_extents, linked_blocks: see offload.placed_layers.PlacedLayers;
-        compressed_globals: global weights (the LM head) kept in that format (_place_globals)."""
-        self.routed_reads, self.cpu_blocks, self._resident_layers = routed_reads, cpu_blocks, {}
+        compressed_globals: global weights (the LM head) kept in that format (_place_globals);
+        int4_layout: see offload.placement.uses_kernel_layout."""
+        self.routed_reads, self.cpu_blocks, self.int4_layout = routed_reads, cpu_blocks, int4_layout
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
-        # experts read after routing; computed on the cpu tier (per micro-batch); loads with experts left for after routing
+        # experts read after routing; experts computed on the cpu tier (per micro-batch); layer loads with experts left
         self.stats = {"experts_read": 0, "experts_on_cpu": 0, "expert_loads": 0}
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.plan = WeightPlan.make(num_layers=num_layers, layer_shapes=layer_shapes, dtype=dtype,
                                     quant=quant, fractions=fractions, overlap=overlap, prefetch=prefetch,
-                                    device=self.device, row_blocks=row_blocks, resident=resident)
+                                    device=self.device, row_blocks=row_blocks, resident=resident, int4_layout=int4_layout)
         self.prefetch_depth = self.plan.prefetch_depth
         self._streams = [bool(self.plan.layer(j).streamed) for j in range(num_layers)]  # else: _resident_layers
+        self._resident_layers: dict[int, Weights] = {}  # layers with nothing streamed: their weights, once
         self.cuda = self.device.type == "cuda"
         self.plan.reserve(tracker, store_bytes := (self.plan.store_bytes - linked_bytes(self.plan, linked_extents, linked_blocks)
                                                    if self.plan.needs_disk else 0))
@@ -72,21 +74,23 @@ class TieredWeights:
         self._pending: dict[int, tuple[int, Future | None]] = {}  # layer -> (slot, its load)
         self._in_use: dict[int, int] = {}  # layer -> slot, from get() to release()
         self._next_slot = 0  # slots go round in prefetch order (any layer count, across passes)
-        # CUDA: an event per slot, recorded on the compute stream when the pass releases the layer
-        # in it; the next load into the slot waits for it (compute is asynchronous on a GPU).
+        # CUDA: per slot, an event recorded when the pass releases its layer; the next load into it waits
         self._slot_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
         self._blocks_in: list[set[int]] = [set() for _ in range(self.plan.num_slots)]  # routed reads done
-        # CUDA with disk pieces: an event per slot recorded after the copies out of its staging
-        # buffers; the next disk read into them waits for that event only, so this layer's reads
-        # overlap the previous layer's host -> device copies (a stream sync made them add up).
+        # CUDA with disk pieces: per slot, an event after the copies out of its staging buffers; the next
+        # disk read into them waits for it only (this layer's reads overlap the last one's copies up)
         self._staging_free: list[torch.cuda.Event | None] = [None] * self.plan.num_slots
 
     def _place_globals(self, tensors: dict, compressed: dict[str, QuantConfig], tracker: MemoryTracker) -> dict:
-        """The embeddings and head on the compute device (those named in `compressed` in that format)."""
+        """The embeddings and head on the compute device (those named in `compressed` in that format;
+        those the source gives as codes, in theirs)."""
         placed, nbytes = {}, 0
         for name, tensor in tensors.items():
-            if name in compressed:
-                placed[name], size = compress_resident(name, tensor, self.dtype, compressed[name], self.device)
+            if isinstance(tensor, QTensor):  # a source's own codes (a GGUF's Q4_0 head): kept as they are
+                placed[name], size = tensor.to(self.device), tensor.nbytes
+            elif name in compressed:
+                placed[name], size = compress_resident(name, tensor, self.dtype, compressed[name], self.device,
+                                                       self.int4_layout)
             else:
                 placed[name], size = tensor.to(self.device), tensor.nbytes
             nbytes += size

@@ -48,6 +48,9 @@ class ModelSpec:
     weight_format: WeightFormat = WEIGHT_FORMAT  # compressed weights (the engine's weight_quant)
     kv_format: KVFormat = KV_FORMAT  # compressed KV cache (the engine's kv_bits, block, kv_value_group)
     compressed_head: bool = False  # the engine's compress_head: an untied LM head held in weight_format
+    # the checkpoint's own 4-bit codes (a GGUF's Q4_0 token embedding / untied head), held as they are
+    coded_embedding: bool = False
+    coded_head: bool = False
     qk_norm: bool = False  # qwen3: an RMSNorm weight over head_dim for q and for k in every layer
     # Mixture of experts (0 experts: a dense model, the fields below stay 0)
     num_experts: int = 0  # routed experts of each sparse layer
@@ -298,10 +301,12 @@ class ModelSpec:
 
     @property
     def embedding_bytes(self) -> float:
-        if self.compressed_head and not self.tie_embeddings:
-            head = self.lm_head_params
-            return (self.embedding_params - head) * self.bytes_per_value + head * self.matrix_bytes_per_value(True)
-        return self.embedding_params * self.bytes_per_value
+        """The token embedding, head and the rest (norms, positions) as held: the embedding and an
+        untied head in weight_format where they are coded (or the head compressed), else fp16."""
+        table = self.vocab_size * self.token_embed_dim
+        coded = (table if self.coded_embedding else 0) + (
+            table if not self.tie_embeddings and (self.compressed_head or self.coded_head) else 0)
+        return (self.embedding_params - coded) * self.bytes_per_value + coded * self.matrix_bytes_per_value(True)
 
     @property
     def num_params(self) -> int:

@@ -25,7 +25,10 @@ uncentred sum weighs x's rounding by |w - minimum|, about 3x more for a weight's
 infinity in x makes its outputs NaN, never finite.
 
 The kernel is C, compiled once per machine and loaded with ctypes by quant/cpu_kernels.py; a call
-releases the GIL and splits the output rows over torch's own OpenMP threads.
+releases the GIL and splits the output rows over torch's own OpenMP threads. It has three
+instruction paths with one arithmetic (the same bits): AVX2 (vpmaddubsw), AVX-VNNI and AVX-512 VNNI
+(vpdpbusd, 256- and 512-bit), the best the CPU's flags allow unless $FLEXSARATHI_INT8_ISA (or the
+`isa` argument) names one; `KERNEL.isa_name()` says which runs.
 Where there is no compiler, no AVX2, or the build fails, `unavailable_reason()` says why and the
 engine keeps the dequantizing path ("auto") or refuses ("int8"): flexsarathi/engine/llm_engine.py.
 """
@@ -114,10 +117,13 @@ def layout_code(qweight: QTensor) -> int:
     return 1 if qweight.config.adjacent_pairs else 2 if qweight.config.group_halves else 0
 
 
-def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, planes: int = 1) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, planes: int = 1,
+                isa: str | None = None) -> torch.Tensor:
     """`x` `[..., K]` (fp32 or bf16) @ qweightᵀ (+ bias) -> `[..., N]` in x's dtype (see the module).
-    planes=2: x as two int8 planes (its rounding's residual, 254x finer, as M more rows), ~16 bits."""
-    lib = KERNEL.lib()
+    planes=2: x as two int8 planes (its rounding's residual, 254x finer, as M more rows), ~16 bits.
+    isa: the instruction path to run ("avx2", "avx_vnni", "avx512_vnni"; None: KERNEL's), every
+    path giving the same bits."""
+    lib = (KERNEL if isa is None else kernel_for(isa)).lib()
     n, k = qweight.shape
     if not covers(x, qweight) or x.shape[-1] != k or planes not in (1, 2):
         raise ValueError(f"int8_linear: x {tuple(x.shape)} {x.dtype} on {x.device} and a weight {qweight.shape} "
@@ -171,5 +177,14 @@ def error_bound(x: torch.Tensor, qweight: QTensor, planes: int = 1) -> torch.Ten
 _p, _i, _flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 KERNEL = Kernel("int8_linear", SOURCE, {
     "fs_quantize_x_all": [_p, _i, _i, _i, _i, _i, _flag, _p, _p, _p, _p, _p, _p, _p, _p, _flag],
-    "fs_q4_gemm_all": [_p, _p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _flag, _flag, _i, _i, _p, _i, _flag]})
+    "fs_q4_gemm_all": [_p, _p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _flag, _flag, _i, _i, _p, _i, _flag]},
+    isa_paths=True)  # AVX-512 VNNI, AVX-VNNI or AVX2, by the CPU's flags or $FLEXSARATHI_INT8_ISA
 available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason
+_by_isa: dict[str, Kernel] = {}
+
+
+def kernel_for(isa: str) -> Kernel:
+    """The kernel on instruction path `isa`, loaded once per process."""
+    if isa not in _by_isa:
+        _by_isa[isa] = KERNEL.for_isa(isa)
+    return _by_isa[isa]

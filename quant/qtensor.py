@@ -86,5 +86,19 @@ class QTensor:
                        scale=self.scale[start * groups:stop * groups],
                        minimum=self.minimum[start * groups:stop * groups], shape=(stop - start, self.shape[1]))
 
+    def take_rows(self, index: torch.Tensor) -> "QTensor":
+        """Rows `index` (int64 [R], any order, repeats allowed) of a 2-D weight grouped along its
+        last dimension, as a QTensor [R, cols] (a copy): e.g. a quantized embedding's looked-up rows."""
+        layout = self.layout
+        if len(self.shape) != 2 or layout.group_dim != 1:
+            raise ValueError(f"QTensor.take_rows: needs a 2-D weight grouped along dim 1, got shape {self.shape}, "
+                             f"group_dim {layout.group_dim}")
+        rows, index = self.shape[0], index.reshape(-1).to(self.device)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.view(rows, -1).index_select(0, index).reshape(-1)
+        return replace(self, data=pick(self.data), scale=pick(self.scale), minimum=pick(self.minimum),
+                       shape=(index.numel(), self.shape[1]))
+
     def _map(self, fn) -> "QTensor":
         return replace(self, data=fn(self.data), scale=fn(self.scale), minimum=fn(self.minimum))

@@ -24,11 +24,16 @@ llama.cpp
   the same tokens as ours generating G per prompt (the first comes from the prompt pass). Its
   result row gives the prompt and generation times.
 
-Ours: `LLM("dummy:<model>", dummy_weight_codes=True, compress_head=True)` (the same kind of random
-4-bit codes; the LM head 4-bit too, as the GGUF's Q4_0 output tensor), dtype
+`--gguf FILE`: both engines run a user's own llama GGUF instead (its config read from the file).
+
+Ours: `LLM(<the GGUF>, compress_head=True)`, the same file loaded as it is (its Q4_0 layers, token
+embedding and output matrix kept as their codes); `--ours-weights dummy`: `LLM("dummy:<model>",
+dummy_weight_codes=True, compress_head=True)` (the same kind of random 4-bit codes), dtype
 --dtype (auto: what this CPU computes fastest), decode-maximal with all N running, prefill budget
 512 prompt tokens per pass, greedy with ignore_eos; timed generate() end to end after a one-pass
-warm-up. Prompt and generation rates are split by pass: passes carrying prompt tokens vs decode-only.
+warm-up. Prompt and generation rates are split by pass: passes carrying prompt tokens vs decode-only;
+ours' seconds are printed by phase too (prompt passes, decode passes, the head and attention inside
+each, sampling), with what the engine holds after the load and each engine's peak RSS.
 
 Regimes
 * ram: the whole model in memory (no memory group). llama.cpp with its defaults (mmap, weights repacked for its
@@ -56,6 +61,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -79,7 +85,8 @@ from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from policy_search.hardware import HardwareSpec  # noqa: E402
 from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402
-from quant import cpu_kv_attention, cpu_kv_dequant  # noqa: E402
+from flexsarathi.models.gguf_file import hf_config, open_gguf  # noqa: E402
+from quant import cpu_int8_matmul, cpu_kv_attention, cpu_kv_dequant  # noqa: E402
 
 GiB = 1 << 30
 GB = 1e9
@@ -249,6 +256,7 @@ class EngineRun:
     total_s: float
     others: float  # cores the rest of the machine used meanwhile
     peak_gib: float | None = None  # the memory group's peak (disk regime)
+    rss_gb: float | None = None  # the engine's process's peak resident set (VmHWM / the child's ru_maxrss)
 
     def rates(self, w: Workload) -> tuple[float, float]:
         """(prompt tok/s, generation tok/s: the decode steps' tokens / their seconds)."""
@@ -279,7 +287,8 @@ def run_llama_cpp(cmd: list[str], log_path: str, tries: int = 3) -> EngineRun:
             raise SystemExit(f"bench_llamacpp: llama-batched-bench failed (exit {proc.returncode}); see {log_path}")
         if rows:
             t_pp, t_tg, t = (float(rows[-1][i]) for i in (4, 6, 8))
-            return EngineRun("llama.cpp", t_pp, t_tg, t, max(0.0, others))
+            rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GB  # the largest child's (KiB)
+            return EngineRun("llama.cpp", t_pp, t_tg, t, max(0.0, others), rss_gb=rss)
         say(f"  llama.cpp: its result row was lost at exit (try {attempt} of {tries})")
     raise SystemExit(f"bench_llamacpp: llama-batched-bench printed no result in {tries} runs; see {log_path}")
 
@@ -309,48 +318,83 @@ def our_policy(w: Workload, on_disk: bool, compress_kv: bool = False, resident: 
 
 
 def build_ours(model: str, dtype: torch.dtype, w: Workload, on_disk: bool, work_dir: str, budget_gib: float,
-               cpu_matmul: str = "auto", resident: float = 0.0):
+               cpu_matmul: str = "auto", resident: float = 0.0, gguf_path: str | None = None, cfg: dict | None = None):
+    """gguf_path: ours loads that file as it is (else `dummy:<model>` with random 4-bit codes)."""
     hardware = HardwareSpec.preset("t4").with_memory(gpu=budget_gib * GiB / 0.8, cpu=budget_gib * GiB / 0.8)
-    kv_bytes = kv_cache_bytes(known_config(model), w, dtype)
+    kv_bytes = kv_cache_bytes(cfg or known_config(model), w, dtype)
     compress_kv = on_disk and kv_bytes > budget_gib * GiB / 2
     if compress_kv:
         say(f"  FlexSarathi: 4-bit KV cache ({kv_bytes / GiB:.2f} GiB at "
             f"{dtype} would not fit the {budget_gib:g} GiB budget beside the rest)")
-    return LLM(f"dummy:{model}", dtype=dtype, policy=our_policy(w, on_disk, compress_kv, resident), hardware=hardware,
-               offload_dir=os.path.join(work_dir, "offload"), direct_io=True, dummy_weight_codes=True, compress_head=True,
-               cpu_matmul=cpu_matmul)
+    source = dict(model=gguf_path) if gguf_path else dict(model=f"dummy:{model}", dummy_weight_codes=True)
+    return LLM(**source, dtype=dtype, policy=our_policy(w, on_disk, compress_kv, resident), hardware=hardware,
+               offload_dir=os.path.join(work_dir, "offload"), direct_io=True, compress_head=True, cpu_matmul=cpu_matmul)
 
 
-def timed_passes(llm, w: Workload) -> dict[str, float]:
-    """Wrap the executor's run (instance attribute only): seconds of prompt-carrying and decode-only passes."""
-    executor, acc = llm.engine.executor, {"prompt": 0.0, "gen": 0.0}
+PHASES = ("prompt passes", "decode passes", "head", "attention", "sampling")
+
+
+def timed_phases(llm, w: Workload) -> dict[str, float]:
+    """Wrap (instance attributes only) the executor's run, the model's logits, the executor's
+    attention of a part and the engine's sampling: seconds of prompt-carrying passes, decode-only
+    passes, and, inside them, the LM head (final norm + head matmul) and attention (every part,
+    from the pool's codes or gathered), split by pass kind ("head prompt", "head decode", ...);
+    sampling runs between passes."""
+    engine = llm.engine
+    executor, acc, kind = engine.executor, dict.fromkeys(PHASES, 0.0), ["decode"]
+    for phase in ("head", "attention"):
+        acc[f"{phase} prompt"] = acc[f"{phase} decode"] = 0.0
+
+    def timing(fn, name):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[name if name in ("sampling", "passes") else f"{name} {kind[0]}"] += time.perf_counter() - start
+        return timed
+
     run = executor.run
 
-    def timed(micro_batches):
+    def timed_run(micro_batches):
+        kind[0] = "decode" if sum(mb.num_tokens for mb in micro_batches) <= w.prompts else "prompt"
         start = time.perf_counter()
         try:
             return run(micro_batches)
         finally:
-            decode_only = sum(mb.num_tokens for mb in micro_batches) <= w.prompts
-            acc["gen" if decode_only else "prompt"] += time.perf_counter() - start
+            acc[f"{kind[0]} passes"] += time.perf_counter() - start
 
-    executor.run = timed
+    executor.run = timed_run
+    executor.model.logits = timing(executor.model.logits, "head")
+    executor._attend_part = timing(executor._attend_part, "attention")
+    engine.sample = timing(engine.sample, "sampling")
     return acc
+
+
+def print_phases(acc: dict[str, float], total: float) -> None:
+    say(f"  FlexSarathi by phase (s): total {total:.1f} = prompt passes {acc['prompt passes']:.1f} "
+        f"(head {acc['head prompt']:.2f}, attention {acc['attention prompt']:.2f}, layers' matmuls and the rest "
+        f"{acc['prompt passes'] - acc['head prompt'] - acc['attention prompt']:.1f}) + decode passes "
+        f"{acc['decode passes']:.1f} (head {acc['head decode']:.2f}, attention {acc['attention decode']:.2f}, "
+        f"layers' matmuls and the rest {acc['decode passes'] - acc['head decode'] - acc['attention decode']:.1f}) "
+        f"+ sampling {acc['sampling']:.2f} + scheduling and the rest "
+        f"{total - acc['prompt passes'] - acc['decode passes'] - acc['sampling']:.2f}")
 
 
 def run_ours(llm, w: Workload, vocab: int, files) -> EngineRun:
     gen = torch.Generator().manual_seed(1234)
     prompts = torch.randint(4, vocab, (w.prompts, w.prompt_len), generator=gen).tolist()
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
-    acc = timed_passes(llm, w)
+    acc = timed_phases(llm, w)
     drop_cache_of(files)
     release_free_memory()
     busy0, cpu0 = machine_busy_seconds(), cpu_seconds()
     llm.generate(prompts, SamplingParams(max_tokens=w.gen_len, temperature=0, ignore_eos=True), use_tqdm=False)
     total = llm.last_stats["seconds"]
     others = (machine_busy_seconds() - busy0 - (cpu_seconds() - cpu0)) / total
+    print_phases(acc, total)
     # the pass timings leave out the scheduling between passes: it goes with the generation phase
-    return EngineRun("FlexSarathi", acc["prompt"], total - acc["prompt"], total, max(0.0, others))
+    return EngineRun("FlexSarathi", acc["prompt passes"], total - acc["prompt passes"], total, max(0.0, others))
 
 
 # ---- bounds ------------------------------------------------------------------------------------------
@@ -403,6 +447,7 @@ class Bench:
     threads: int
     cpu_matmul: str = "auto"  # ours: how 4-bit weights are multiplied on the CPU (EngineConfig.cpu_matmul)
     resident: float = 0.0  # ours, disk regime: the share of each layer's 4-bit bytes kept in RAM
+    ours_from_gguf: bool = True  # ours loads gguf_path as it is (else dummy:<model> with random codes)
 
 
 def run_regime(b: Bench, on_disk: bool, mem_limit_gib: float) -> tuple[list[EngineRun], tuple[float, float]]:
@@ -436,7 +481,7 @@ def run_theirs(b: Bench, on_disk: bool, group: MemoryGroup | None) -> EngineRun:
     say("  llama.cpp: " + " ".join(os.path.basename(c) if c == b.binary else c for c in cmd))
     r = run_llama_cpp(cmd, os.path.join(b.work_dir, f"llama_cpp_{'disk' if on_disk else 'ram'}.log"))
     say(f"  llama.cpp done in {r.total_s:.1f} s (prompt {r.prompt_s:.1f} s, generation {r.gen_s:.1f} s)")
-    return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group))
+    return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group), r.rss_gb)
 
 
 def run_ours_in_regime(b: Bench, on_disk: bool, group: MemoryGroup | None) -> tuple[EngineRun, float]:
@@ -444,8 +489,12 @@ def run_ours_in_regime(b: Bench, on_disk: bool, group: MemoryGroup | None) -> tu
     if group is not None:
         group.reset_peak()
     say("  FlexSarathi: building the engine" + (" (the disk store is written the first time)" if on_disk else ""))
+    start = time.perf_counter()
     llm = build_ours(b.model, b.dtype, b.workload, on_disk, b.work_dir, budget_gib=64.0 if not on_disk else 4.0,
-                     cpu_matmul=b.cpu_matmul, resident=b.resident if on_disk else 0.0)
+                     cpu_matmul=b.cpu_matmul, resident=b.resident if on_disk else 0.0,
+                     gguf_path=b.gguf_path if b.ours_from_gguf else None, cfg=b.cfg)
+    say(f"  FlexSarathi: loaded {'the GGUF' if b.ours_from_gguf else 'dummy weights'} in "
+        f"{time.perf_counter() - start:.1f} s; holds {held_summary(llm)}")
     try:
         store = llm.engine.weights.store
         files = [b.gguf_path] + (store.data_files() if store is not None else [])
@@ -453,9 +502,23 @@ def run_ours_in_regime(b: Bench, on_disk: bool, group: MemoryGroup | None) -> tu
         store_rate = read_store_rate(store, range_reads=False) if on_disk else 0.0
         r = run_ours(llm, b.workload, b.cfg["vocab_size"], files)
         say(f"  FlexSarathi done in {r.total_s:.1f} s (prompt {r.prompt_s:.1f} s, generation {r.gen_s:.1f} s)")
-        return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group)), store_rate
+        return EngineRun(r.engine, r.prompt_s, r.gen_s, r.total_s, r.others, peak_gib(group), peak_rss_gb()), store_rate
     finally:
         llm.close()
+
+
+def held_summary(llm) -> str:
+    """What the engine's memory tracker holds per kind, in GB, and this process's peak RSS so far."""
+    report = llm.engine.memory.report()
+    held = ", ".join(f"{what} {n / GB:.2f}" for tier in report.values() for what, n in
+                     sorted(tier["by_what"].items(), key=lambda item: -item[1]) if n >= 0.01 * GB)
+    return f"{held}; process peak RSS {peak_rss_gb():.2f} GB"
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set (VmHWM: anonymous and file-backed pages, as ru_maxrss)."""
+    with open("/proc/self/status") as f:
+        return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM")), 0) / GB
 
 
 def peak_gib(group: MemoryGroup | None) -> float | None:
@@ -467,12 +530,13 @@ def print_regime(name: str, runs: list[EngineRun], bound: tuple[float, float], w
     bound_s = sum(bound)
     say(f"\n=== {name}: {w.prompts} prompts x {w.prompt_len} -> {w.gen_len} ===")
     say(f"{'engine':12} {'prompt tok/s':>12} {'gen tok/s':>10} {'prompt s':>9} {'gen s':>8} {'total s':>8} "
-        f"{'/ bound':>8} {'others':>7} {'peak GiB':>9}")
+        f"{'/ bound':>8} {'others':>7} {'peak GiB':>9} {'peak RSS GB':>12}")
     for r in runs:
         p, g = r.rates(w)
         peak = f"{r.peak_gib:.2f}" if r.peak_gib else "-"
+        rss = f"{r.rss_gb:.2f}" if r.rss_gb else "-"
         say(f"{r.engine:12} {p:12.2f} {g:10.2f} {r.prompt_s:9.1f} {r.gen_s:8.1f} {r.total_s:8.1f} "
-            f"{r.total_s / bound_s:8.2f} {r.others:7.2f} {peak:>9}")
+            f"{r.total_s / bound_s:8.2f} {r.others:7.2f} {peak:>9} {rss:>12}")
     say(f"{'bound':12} {w.prompts * w.prompt_len / bound[0]:12.2f} {w.prompts * (w.gen_len - 1) / max(bound[1], 1e-9):10.2f} "
         f"{bound[0]:9.1f} {bound[1]:8.1f} {bound_s:8.1f}")
     theirs, ours = runs
@@ -496,6 +560,21 @@ def register_model(base: str, layers: int | None, quick: bool) -> str:
     return name
 
 
+def model_and_config(args) -> tuple[str, dict]:
+    """(the model's name, its HF config): --gguf's file's, or the registry shape's (written as a GGUF)."""
+    if args.gguf:
+        if not os.path.isfile(args.gguf):
+            raise SystemExit(f"bench_llamacpp: --gguf {args.gguf}: no such file")
+        cfg = hf_config(open_gguf(args.gguf))
+        name = os.path.basename(args.gguf)
+    else:
+        name = register_model(args.model, args.layers, args.quick)
+        cfg = known_config(name)
+    if cfg.get("model_type") != "llama":
+        raise SystemExit(f"bench_llamacpp: {args.gguf or args.model} is not a llama model ({cfg.get('model_type')})")
+    return name, cfg
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-2-7b", help="a llama shape of policy_search/model_registry.py")
@@ -515,12 +594,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="both engines (default: torch's thread count)")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/flexsarathi/llamacpp"))
     p.add_argument("--work-dir", default="/tmp/fs_bench_llamacpp", help="the GGUF and our disk store")
+    p.add_argument("--gguf", default=None, metavar="FILE", help="compare on this llama GGUF (a user's own file) "
+                   "instead of one written with random Q4_0 codes; both engines load it")
+    p.add_argument("--ours-weights", choices=("gguf", "dummy"), default="gguf",
+                   help="ours loads the GGUF as it is (default), or dummy:<model> with random 4-bit codes")
     p.add_argument("--quick", action="store_true", help="smoke test: a tiny llama, 2 layers, 4 x 32 -> 4, 1 GiB group")
     args = p.parse_args(argv)
     if args.quick:
         args.num_prompts, args.prompt_len, args.gen_len, args.mem_limit_gib = 4, 32, 4, 1.0
     if args.resident_weights is None:
-        args.resident_weights = RESIDENT_7B if args.model == "llama-2-7b" and not args.quick else 0.0
+        args.resident_weights = RESIDENT_7B if args.model == "llama-2-7b" and not (args.quick or args.gguf) else 0.0
     if not 0.0 <= args.resident_weights <= 1.0:
         p.error(f"--resident-weights must be a share between 0 and 1, got {args.resident_weights}")
     if args.gen_len < 2:
@@ -536,18 +619,18 @@ def main() -> int:
     threads = torch.get_num_threads()
     dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))
     say(f"bench_llamacpp: {cpu_line(dtype)}; {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.1f} GiB RAM")
-    model = register_model(args.model, args.layers, args.quick)
-    cfg = known_config(model)
-    if cfg.get("model_type") != "llama":
-        raise SystemExit(f"bench_llamacpp: --model {args.model} is not a llama shape")
-    shapes = Shapes.of(planner_model_spec(f"dummy:{model}", "bfloat16"))
+    model, cfg = model_and_config(args)
+    shapes = Shapes.of(planner_model_spec(args.gguf or f"dummy:{model}", "bfloat16"))
     w = Workload(args.num_prompts, args.prompt_len, args.gen_len)
     say(f"model: {model} ({shapes.layers} layers, hidden {shapes.hidden}); workload {w.prompts} x {w.prompt_len} "
         f"-> {w.gen_len}; {threads} threads both engines")
     binary = build_llama_cpp(args.cache_dir)
-    b = Bench(model, cfg, shapes, w, dtype, binary, gguf_file(args.work_dir, model, cfg), args.work_dir, threads,
-              args.cpu_matmul, args.resident_weights)
-    say(f"ours: cpu_matmul={args.cpu_matmul} (what the engine runs: {resolve_cpu_matmul(args.cpu_matmul)}); "
+    os.makedirs(args.work_dir, exist_ok=True)  # the logs and our store (the GGUF too, unless --gguf)
+    b = Bench(model, cfg, shapes, w, dtype, binary, args.gguf or gguf_file(args.work_dir, model, cfg), args.work_dir,
+              threads, args.cpu_matmul, args.resident_weights, args.ours_weights == "gguf")
+    say(f"ours: {'the GGUF ' + b.gguf_path if b.ours_from_gguf else 'dummy:' + model}, "
+        f"cpu_matmul={args.cpu_matmul} (what the engine runs: {resolve_cpu_matmul(args.cpu_matmul)}, int8 kernel path "
+        f"{cpu_int8_matmul.KERNEL.isa_name() or cpu_int8_matmul.unavailable_reason()}); "
         f"disk regime: {args.resident_weights:.0%} of each layer's 4-bit bytes resident; "
         f"4-bit KV kernels: decode attention {cpu_kv_attention.unavailable_reason() or 'built'}, "
         f"gather {cpu_kv_dequant.unavailable_reason() or 'built'}")

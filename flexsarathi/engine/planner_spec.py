@@ -37,15 +37,16 @@ def planned_model(model: str | OpenedModel, dtype=None, device=None, kv_block_si
     device = resolve_device(device, check_available=False) if device is not None else resolve_device(None)
     compute = resolve_dtype(dtype, torch.float16, device)  # either half dtype: 2 bytes
     if isinstance(model, str) and not os.path.exists(model):  # a registered shape: nothing to open
-        spec, stored = ModelSpec.from_name(model, bytes_per_value=compute.itemsize), None
+        spec, stored, coded = ModelSpec.from_name(model, bytes_per_value=compute.itemsize), None, frozenset()
     else:
         opened = model if isinstance(model, OpenedModel) else open_model(model)
         spec = ModelSpec.from_hf(opened.source.config, _short_name(opened.name), bytes_per_value=compute.itemsize)
-        stored = stored_weight_format(opened.source)
+        stored, coded = stored_weight_format(opened.source), opened.source.coded_globals()
     spec = dataclasses.replace(
         spec, weight_format=stored or WeightFormat(weight_quant.bits, weight_quant.group_size),
         kv_format=KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group),
-        compressed_head=compress_head and not spec.tie_embeddings)
+        compressed_head=compress_head and not spec.tie_embeddings,
+        coded_embedding="embed_tokens.weight" in coded, coded_head="lm_head.weight" in coded)
     return PlannedModel(spec, stored is not None)
 
 

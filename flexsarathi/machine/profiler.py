@@ -30,6 +30,7 @@ import torch
 
 from flexsarathi.machine.layer_timing import LayerShapes, layer_matmul_seconds, layer_matmuls, median_seconds, sync_device
 from flexsarathi.models.attention import attend
+from flexsarathi.models.layers import linear
 from offload.disk_store import DiskStore
 from offload.host_buffer import aligned_empty
 from policy_search.hardware import HardwareSpec
@@ -311,7 +312,7 @@ def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 
     shapes = LayerShapes.of(ModelSpec.from_name(model))
     head = g.get("lm_head.weight", g["embed_tokens.weight"])
     x = torch.randn(1, head.shape[1], dtype=dtype, device=device)
-    head_seconds = median_seconds(lambda: (torch.nn.functional.linear(x, head), sync_device(device)), repeats=7)
+    head_seconds = median_seconds(lambda: (linear(x, head), sync_device(device)), repeats=7)  # a QTensor too
     layer_seconds = layer_matmul_seconds(device, dtype, shapes, 1)
     return max(0.0, (pass_seconds - head_seconds) / config.num_layers - layer_seconds)
 

@@ -85,6 +85,11 @@ class WeightSource(ABC):
         None: full-precision weights, quantized by the engine with its own format when asked to."""
         return None
 
+    def coded_globals(self) -> frozenset[str]:
+        """Global weights (canonical names) that `global_weights` gives as 4-bit QTensors, the
+        source's own codes (a GGUF's Q4_0 token embedding and head), from the headers alone."""
+        return frozenset()
+
     def linked_extents(self, layer: int) -> dict[str, dict[str, list[tuple[str, int, int]]]]:
         """Components of the layer's pre-quantized weights whose stored bytes (QTensor `data`,
         `scale`) are exactly byte ranges of the source's files: {canonical name: {component:

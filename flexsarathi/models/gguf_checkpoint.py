@@ -10,8 +10,9 @@ mixture-of-experts layer's 3-D expert stacks (llama.cpp's ffn_{gate,up,down}_exp
 [experts * rows, cols] matrices and reordered into models/moe.py's stacked experts the same way;
 older files' one 2-D tensor per expert (ffn_gate.E) are fused like any other parts.
 Where the engine stores another format it dequantizes them at placement, exactly (offload/
-placement.py `flat_components`). A fused weight whose parts differ in format, norms, biases,
-embeddings and the output head come as floats: gguf's own dequantization, cast to the dtype.
+placement.py `flat_components`). A fused weight whose parts differ in format, norms and biases
+come as floats: gguf's own dequantization, cast to the dtype; so do the token embedding and the
+output head, unless the file holds them as Q4_0 / Q4_1 (kept as those codes: `global_weights`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from flexsarathi.models.worker_pools import worker_pool
 from offload.linked_blocks import BLOCK_FORMATS, LinkedPart, LinkedWeight, split_blocks
 from quant import QTensor
 
+GLOBAL_MATRICES = ("embed_tokens.weight", "lm_head.weight")  # kept as the file's 4-bit codes where it has them
 ERROR_ROWS = 256  # rows of each first-layer K-quant tensor whose conversion error is measured
 _INF_BITS = 0x7C00  # fp16 magnitudes at or above: inf, NaN
 _MAX_EIGHTH_BITS = int(np.array(65504 / 8, dtype=np.float16).view(np.int16))  # |d| whose -8d fits fp16
@@ -56,6 +58,7 @@ class GGUFCheckpoint(WeightSource):
         self.conversion_errors: dict[str, float] = {}  # K-quant type -> largest |error| measured
         self._formats = None  # ((convert_k_quants, keep_blocks), quantized_formats()) once computed
         self.keep_blocks = True  # Q4_0/Q4_1 codes as their blocks' bytes (use_for)
+        self.keep_global_codes = True  # embedding and head as the file's 4-bit codes (global_weights)
         self._crcs: dict[str, int] = {}  # GGUF tensor name -> crc32 of its bytes as last read
         self._at = {(t.path, t.offset): t for t in self.gguf.tensors.values()}  # a linked part's tensor
         self._validate()
@@ -110,7 +113,27 @@ class GGUFCheckpoint(WeightSource):
                                   f"metadata implies")
 
     def global_weights(self, dtype):
-        return {k: self._dense(parts, dtype) for k, parts in self.model.hf_global_names().items()}
+        """Norms as floats; the token embedding and an untied output matrix as the file's codes where
+        it holds them in a 4-bit format of its own (Q4_0, Q4_1: the int8 kernel multiplies the head,
+        an embedding's looked-up rows are dequantized: models/layers.py), unless keep_global_codes
+        is off; else floats (gguf's dequantization)."""
+        out = {}
+        for k, parts in self.model.hf_global_names().items():
+            fmt = self._global_format(k, parts)
+            out[k] = (self._coded(parts, dtype, fmt) if fmt else None) or self._dense(parts, dtype)
+        return out
+
+    def coded_globals(self) -> frozenset[str]:
+        return frozenset(k for k, parts in self.model.hf_global_names().items() if self._global_format(k, parts))
+
+    def _global_format(self, name: str, hf_names: list[str]):
+        """The 4-bit format a global matrix's codes keep (no conversion: Q4_0 / Q4_1), else None."""
+        if not self.keep_global_codes or name not in GLOBAL_MATRICES:
+            return None
+        if any(t.type_name in CONVERTED_TYPES for t, _ in self._parts(hf_names)):
+            return None
+        fmt = self._format(hf_names)
+        return fmt if fmt is not None and fmt.bits == 4 else None
 
     def layer_weights(self, layer, dtype, skip=frozenset()):
         """Matrices as codes where the file has them (routers and shared-expert gates, kept resident

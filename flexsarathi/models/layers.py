@@ -43,6 +43,17 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     return quantized_linear(x, weight, bias)
 
 
+def embedding(token_ids: torch.Tensor, weight) -> torch.Tensor:
+    """The rows of `weight` [vocab, hidden] at `token_ids` [T] -> [T, hidden]; `weight` may be a
+    QTensor (a GGUF's quantized token embedding kept in its format): only the looked-up rows are
+    dequantized, to its dtype."""
+    if isinstance(weight, torch.Tensor):
+        return F.embedding(token_ids, weight)
+    from quant import dequantize  # noqa: PLC0415 - a compressed QTensor
+
+    return dequantize(weight.take_rows(token_ids)).view(*token_ids.shape, weight.shape[1])
+
+
 def swiglu(x: torch.Tensor, gate_up, down, gate_up_bias=None, down_bias=None) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)), gate and up fused in one weight [2 * ffn, hidden]."""
     gate, up = linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)

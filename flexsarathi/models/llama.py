@@ -3,10 +3,9 @@ qwen3 normalises each head of q and k (RMSNorm over head_dim) before RoPE."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flexsarathi.models.base import ModelMath, Weights
-from flexsarathi.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables, swiglu
+from flexsarathi.models.layers import apply_rope, embedding, linear, rms_norm, rope_inv_freq, rope_tables, swiglu
 
 
 ROPE_REMEMBERED = 4  # micro-batches of one pass whose rope tables are kept (FlexGen policies use 1-4)
@@ -96,7 +95,7 @@ class LlamaMath(ModelMath):
         return {k: v for k, v in names.items() if k in self.global_shapes()}
 
     def embed(self, g: Weights, token_ids, positions):
-        return F.embedding(token_ids, g["embed_tokens.weight"])  # [T, hidden]
+        return embedding(token_ids, g["embed_tokens.weight"])  # [T, hidden]
 
     def qkv(self, w: Weights, hidden, positions):
         x = rms_norm(hidden, w["attn_norm.weight"], self.config.norm_eps)

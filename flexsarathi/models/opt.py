@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from flexsarathi.models.base import ModelMath, Weights
-from flexsarathi.models.layers import layer_norm, linear
+from flexsarathi.models.layers import embedding, layer_norm, linear
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 
@@ -70,7 +70,7 @@ class OPTMath(ModelMath):
         return {k: v for k, v in names.items() if k in self.global_shapes()}
 
     def embed(self, g: Weights, token_ids, positions):
-        x = F.embedding(token_ids, g["embed_tokens.weight"])  # [T, embed_dim]
+        x = embedding(token_ids, g["embed_tokens.weight"])  # [T, embed_dim]
         if "project_in.weight" in g:
             x = linear(x, g["project_in.weight"])  # [T, hidden]
         return x + F.embedding(positions + POSITION_OFFSET, g["embed_positions.weight"])

@@ -21,6 +21,16 @@
  *   group halves (GGUF Q4_0 / Q4_1 blocks' bytes): byte j of a group of G holds codes j (low) and
  *     j + G/2 (high); like pairs, 32 bytes give blocks 2c and 2c+1 (G = 32) or one block's codes,
  *     and x is stored in the order the nibbles take (pairs = 2), so the pairs path runs as it is.
+ *
+ * Instruction paths (one source, built once per path by quant/cpu_kernels.py, the path chosen at
+ * load by the CPU's flags): AVX2 (no FS_VNNI): vpmaddubsw into int16 sums, flushed into int32 by
+ * vpmaddwd before they could overflow; FS_VNNI = 256 (AVX-VNNI) and 512 (AVX-512 VNNI): vpdpbusd,
+ * the four products of each int32 lane added into it in one instruction. Every int32 lane holds
+ * the same products on every path (lane j of a 32-byte chunk: its bytes 4j .. 4j + 3), and sums of
+ * them are exact, so the fp32 work after them (the same operations, in the same order, per output)
+ * gives the same bits on every path. The 512-bit path runs two 8-row panels side by side (lanes
+ * 0-7 and 8-15); which outputs go through a panel and which row by row is the same on every path
+ * (the two compute an output in different fp32 orders).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -189,6 +199,19 @@ static inline __m256 to_float(__m256i sums16) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(sums16, _mm256_set1_epi16(1)));
 }
 
+#ifdef FS_VNNI
+/* acc's int32 lane j += the four products of bytes 4j .. 4j + 3 (unsigned codes x signed x): the
+ * int32 lanes AVX2 gets from vpmaddubsw + vpmaddwd, in one instruction. */
+#if FS_VNNI == 512
+#define QUAD_SUMS(acc, codes, x) _mm256_dpbusd_epi32(acc, codes, x)
+#else
+#define QUAD_SUMS(acc, codes, x) _mm256_dpbusd_avx_epi32(acc, codes, x)
+#endif
+static inline __m256i quad_sums(__m256i acc, __m256i codes, const int8_t *x) {
+    return QUAD_SUMS(acc, codes, _mm256_loadu_si256((const __m256i *)x));
+}
+#endif
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -215,23 +238,38 @@ static inline __attribute__((always_inline)) void tile32(const int MB, const int
             for (int i = 0; i < MB; i++) {
                 const int8_t *xr = xq + (m + i) * K + 64 * c;
                 const float *dr = xd + (m + i) * nb + 2 * c;
-                const __m256i s16 = _mm256_add_epi16(pair_sums(lo, xr), pair_sums(hi, xr + 32));
+#ifdef FS_VNNI
+                const __m256 sums = _mm256_cvtepi32_ps(quad_sums(quad_sums(_mm256_setzero_si256(), lo, xr), hi, xr + 32));
+#else
+                const __m256 sums = to_float(_mm256_add_epi16(pair_sums(lo, xr), pair_sums(hi, xr + 32)));
+#endif
                 const __m256 step = _mm256_set_m128(_mm_set1_ps(sw[(64 * c + 32) / G] * dr[1]), _mm_set1_ps(sw[(64 * c) / G] * dr[0]));
-                acc[i] = _mm256_fmadd_ps(to_float(s16), step, acc[i]);
+                acc[i] = _mm256_fmadd_ps(sums, step, acc[i]);
             }
         } else { /* block c (low nibbles) and block c + nc (high nibbles) */
             for (int i = 0; i < MB; i++) {
                 const int8_t *xr = xq + (m + i) * K;
                 const float *dr = xd + (m + i) * nb;
-                acc[i] = _mm256_fmadd_ps(to_float(pair_sums(lo, xr + 32 * c)), _mm256_set1_ps(sw[(32 * c) / G] * dr[c]), acc[i]);
-                acc[i] = _mm256_fmadd_ps(to_float(pair_sums(hi, xr + 32 * (c + nc))),
-                                         _mm256_set1_ps(sw[(32 * (c + nc)) / G] * dr[c + nc]), acc[i]);
+#ifdef FS_VNNI
+                const __m256 sl = _mm256_cvtepi32_ps(quad_sums(_mm256_setzero_si256(), lo, xr + 32 * c));
+                const __m256 sh = _mm256_cvtepi32_ps(quad_sums(_mm256_setzero_si256(), hi, xr + 32 * (c + nc)));
+#else
+                const __m256 sl = to_float(pair_sums(lo, xr + 32 * c)), sh = to_float(pair_sums(hi, xr + 32 * (c + nc)));
+#endif
+                acc[i] = _mm256_fmadd_ps(sl, _mm256_set1_ps(sw[(32 * c) / G] * dr[c]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(sh, _mm256_set1_ps(sw[(32 * (c + nc)) / G] * dr[c + nc]), acc[i]);
             }
         }
     }
     for (int i = 0; i < MB; i++)
         y[(m + i) * ldy] = hsum(acc[i]) + dot(zw, xg + (m + i) * ng, ng) - 8.f * dot(sw, xh + (m + i) * ng, ng);
 }
+
+#ifdef FS_VNNI
+#define WIDE_TO_FLOAT(sums32) _mm256_cvtepi32_ps(sums32)
+#else
+#define WIDE_TO_FLOAT(sums16) to_float(sums16)
+#endif
 
 /* The same for x blocks of XB = 64 or 128 values inside one weight group (G >= XB): a block's int16
  * pair sums are added over its 32-byte chunks (|lane| <= 4 * 2 * 15 * 127 < 2^15) and converted
@@ -254,12 +292,16 @@ static inline __attribute__((always_inline)) void tile_wide(const int MB, const 
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 for (int i = 0; i < MB; i++) {
                     const int8_t *xr = xq + (m + i) * K + 64 * c;
+#ifdef FS_VNNI /* s16: int32 sums here */
+                    s16[i] = quad_sums(quad_sums(s16[i], lo, xr), hi, xr + 32);
+#else
                     s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(pair_sums(lo, xr), pair_sums(hi, xr + 32)));
+#endif
                 }
             }
             const float s = sw[(b * XB) / G];
             for (int i = 0; i < MB; i++)
-                acc[i] = _mm256_fmadd_ps(to_float(s16[i]), _mm256_set1_ps(s * xd[(m + i) * nb + b]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(WIDE_TO_FLOAT(s16[i]), _mm256_set1_ps(s * xd[(m + i) * nb + b]), acc[i]);
         }
     } else { /* x block b (low nibbles of bytes [b * XB, (b + 1) * XB)) and block b + nb / 2 (high) */
         const int64_t half = nb / 2;
@@ -274,15 +316,20 @@ static inline __attribute__((always_inline)) void tile_wide(const int MB, const 
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 for (int i = 0; i < MB; i++) {
                     const int8_t *xr = xq + (m + i) * K;
+#ifdef FS_VNNI
+                    slo[i] = quad_sums(slo[i], lo, xr + off);
+                    shi[i] = quad_sums(shi[i], hi, xr + K / 2 + off);
+#else
                     slo[i] = _mm256_add_epi16(slo[i], pair_sums(lo, xr + off));
                     shi[i] = _mm256_add_epi16(shi[i], pair_sums(hi, xr + K / 2 + off));
+#endif
                 }
             }
             const float sl = sw[(b * XB) / G], sh = sw[((b + half) * XB) / G];
             for (int i = 0; i < MB; i++) {
                 const float *dr = xd + (m + i) * nb;
-                acc[i] = _mm256_fmadd_ps(to_float(slo[i]), _mm256_set1_ps(sl * dr[b]), acc[i]);
-                acc[i] = _mm256_fmadd_ps(to_float(shi[i]), _mm256_set1_ps(sh * dr[b + half]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(WIDE_TO_FLOAT(slo[i]), _mm256_set1_ps(sl * dr[b]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(WIDE_TO_FLOAT(shi[i]), _mm256_set1_ps(sh * dr[b + half]), acc[i]);
             }
         }
     }
@@ -319,12 +366,13 @@ static inline void transpose8(__m256 *r) {
     r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-static void pack_panel(const uint8_t *rows, int64_t row_bytes, uint8_t *panel) {
+/* 8 rows into a panel whose 32-byte groups lie `stride` bytes apart (32; 64: two panels side by side). */
+static void pack_panel(const uint8_t *rows, int64_t row_bytes, uint8_t *panel, int64_t stride) {
     for (int64_t t0 = 0; t0 < row_bytes / 4; t0 += 8) {
         __m256 r[8];
         for (int j = 0; j < 8; j++) r[j] = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(rows + j * row_bytes + 4 * t0)));
         transpose8(r);
-        for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(panel + (t0 + i) * 32), r[i]);
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(panel + (t0 + i) * stride), r[i]);
     }
 }
 
@@ -341,6 +389,14 @@ static inline __m256i x4(const int8_t *p) { /* 4 bytes of x in every 32-bit lane
     return _mm256_set1_epi32(v);
 }
 
+#if defined(FS_VNNI) && FS_VNNI == 512
+static inline __m512i x4w(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+#endif
+
 /* MB (1, 2 or 4) rows of x against a panel; swp / zwp: [groups][8] scales and zeros of its rows. Four
  * rows share each panel load and nibble split (4 rows: -10..13% time against 2 on an AVX2 EPYC; the
  * int32 block sums then spill, once per 8 loads). */
@@ -350,7 +406,10 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
                                                             int64_t m, int64_t K, int64_t G, int64_t XB, float *y,
                                                             int64_t ldy) {
     const int64_t nb = K / XB, ng = K / G;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+#ifndef FS_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     if (!pairs) { /* 4-byte group t: low nibbles codes 4t.. (block b), high ones K/2 + 4t.. (block b + nb/2) */
         const int64_t half = nb / 2;
@@ -367,18 +426,25 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                     for (int i = 0; i < MB; i++) {
                         const int8_t *xr = xq + (m + i) * K + 4 * t;
+#ifdef FS_VNNI /* straight into the int32 sums (slo / shi stay zero) */
+                        alo[i] = QUAD_SUMS(alo[i], lo, x4(xr));
+                        ahi[i] = QUAD_SUMS(ahi[i], hi, x4(xr + K / 2));
+#else
                         slo[i] = _mm256_add_epi16(slo[i], _mm256_maddubs_epi16(lo, x4(xr)));
                         shi[i] = _mm256_add_epi16(shi[i], _mm256_maddubs_epi16(hi, x4(xr + K / 2)));
+#endif
                     }
                     for (int i = 0; i < MB; i++) {
                         SUM_AS_IT_STANDS(slo[i]);
                         SUM_AS_IT_STANDS(shi[i]);
                     }
                 }
+#ifndef FS_VNNI
                 for (int i = 0; i < MB; i++) {
                     alo[i] = _mm256_add_epi32(alo[i], _mm256_madd_epi16(slo[i], ones));
                     ahi[i] = _mm256_add_epi32(ahi[i], _mm256_madd_epi16(shi[i], ones));
                 }
+#endif
             }
             const __m256 sl = _mm256_loadu_ps(swp + PANEL * ((b * XB) / G));
             const __m256 sh = _mm256_loadu_ps(swp + PANEL * (((b + half) * XB) / G));
@@ -401,12 +467,18 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
                     const int64_t off = (4 * t / 32) * 64 + (4 * t) % 32;
                     for (int i = 0; i < MB; i++) {
                         const int8_t *xr = xq + (m + i) * K + off;
+#ifdef FS_VNNI
+                        a32[i] = QUAD_SUMS(QUAD_SUMS(a32[i], lo, x4(xr)), hi, x4(xr + 32));
+#else
                         s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(xr)),
                                                                            _mm256_maddubs_epi16(hi, x4(xr + 32))));
+#endif
                     }
                     for (int i = 0; i < MB; i++) SUM_AS_IT_STANDS(s16[i]);
                 }
+#ifndef FS_VNNI
                 for (int i = 0; i < MB; i++) a32[i] = _mm256_add_epi32(a32[i], _mm256_madd_epi16(s16[i], ones));
+#endif
             }
             const __m256 s = _mm256_loadu_ps(swp + PANEL * ((b * XB) / G));
             for (int i = 0; i < MB; i++)
@@ -423,6 +495,77 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
         _mm256_storeu_ps(y + (m + i) * ldy, _mm256_add_ps(acc[i], _mm256_fnmadd_ps(_mm256_set1_ps(8.f), c, z)));
     }
 }
+
+#if defined(FS_VNNI) && FS_VNNI == 512
+/* panel_tile on two panels side by side (AVX-512 VNNI): panel[64 t + 32 h + 4 j + i] = row 8 h + j's
+ * byte 4 t + i, swp / zwp [groups][16]; int32 lane 8 h + j holds what panel h's lane j holds in
+ * panel_tile, and every fp32 operation after it is panel_tile's, lane for lane: the same bits. */
+static inline __attribute__((always_inline)) void panel_tile16(const int MB, const int pairs, const uint8_t *panel,
+                                                              const float *swp, const float *zwp, const int8_t *xq,
+                                                              const float *xd, const float *xg, const float *xh,
+                                                              int64_t m, int64_t K, int64_t G, int64_t XB, float *y,
+                                                              int64_t ldy) {
+    const int64_t nb = K / XB, ng = K / G, W = 2 * PANEL;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (!pairs) {
+        const int64_t half = nb / 2;
+        for (int64_t b = 0; b < half; b++) {
+            __m512i alo[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+            __m512i ahi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+#pragma GCC unroll 4
+            for (int64_t t = b * XB / 4; t < (b + 1) * XB / 4; t++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(panel + 64 * t));
+                const __m512i lo = _mm512_and_si512(v, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int i = 0; i < MB; i++) {
+                    const int8_t *xr = xq + (m + i) * K + 4 * t;
+                    alo[i] = _mm512_dpbusd_epi32(alo[i], lo, x4w(xr));
+                    ahi[i] = _mm512_dpbusd_epi32(ahi[i], hi, x4w(xr + K / 2));
+                }
+            }
+            const __m512 sl = _mm512_loadu_ps(swp + W * ((b * XB) / G));
+            const __m512 sh = _mm512_loadu_ps(swp + W * (((b + half) * XB) / G));
+            for (int i = 0; i < MB; i++) {
+                const float *dr = xd + (m + i) * nb;
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(alo[i]), _mm512_mul_ps(sl, _mm512_set1_ps(dr[b])), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ahi[i]), _mm512_mul_ps(sh, _mm512_set1_ps(dr[b + half])),
+                                         acc[i]);
+            }
+        }
+    } else {
+        for (int64_t b = 0; b < nb; b++) {
+            __m512i a32[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+#pragma GCC unroll 4
+            for (int64_t t = b * XB / 8; t < (b + 1) * XB / 8; t++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(panel + 64 * t));
+                const __m512i lo = _mm512_and_si512(v, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                const int64_t off = (4 * t / 32) * 64 + (4 * t) % 32;
+                for (int i = 0; i < MB; i++) {
+                    const int8_t *xr = xq + (m + i) * K + off;
+                    a32[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a32[i], lo, x4w(xr)), hi, x4w(xr + 32));
+                }
+            }
+            const __m512 s = _mm512_loadu_ps(swp + W * ((b * XB) / G));
+            for (int i = 0; i < MB; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a32[i]), _mm512_mul_ps(s, _mm512_set1_ps(xd[(m + i) * nb + b])),
+                                         acc[i]);
+        }
+    }
+    for (int i = 0; i < MB; i++) {
+        __m512 z = _mm512_setzero_ps(), c = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            z = _mm512_fmadd_ps(_mm512_loadu_ps(zwp + W * g), _mm512_set1_ps(xg[(m + i) * ng + g]), z);
+            c = _mm512_fmadd_ps(_mm512_loadu_ps(swp + W * g), _mm512_set1_ps(xh[(m + i) * ng + g]), c);
+        }
+        _mm512_storeu_ps(y + (m + i) * ldy, _mm512_add_ps(acc[i], _mm512_fnmadd_ps(_mm512_set1_ps(8.f), c, z)));
+    }
+}
+#define PANELS_SIDE_BY_SIDE 2
+#else
+#define PANELS_SIDE_BY_SIDE 1
+#endif
 
 static inline void to_floats(const uint16_t *half, float *out, int64_t n) {
     int64_t i = 0;
@@ -462,36 +605,46 @@ void fs_q4_gemm(const int8_t *xq, const float *xd, const float *xg, const float 
         /* More than one sweep (prefill rows): every panel packed once up front, the thread's share of
          * the weight copied once (11 MB for llama-2-7b's down_proj), not once per sweep (-13% time at
          * 512 rows, K = 11008); one sweep: one panel at a time, in L1/L2. */
-        const int64_t held = M > m_block ? n_panels : 1;
-        uint8_t *panels = aligned_alloc(64, (size_t)(K / 2) * PANEL * held);
-        float *swp = malloc(sizeof(float) * ng * PANEL * held), *zwp = malloc(sizeof(float) * ng * PANEL * held);
+        const int all = M > m_block, side = PANELS_SIDE_BY_SIDE;
+        const int64_t slots = all ? n_panels : side; /* panels held at once */
+        uint8_t *panels = aligned_alloc(64, (size_t)(K / 2) * PANEL * slots);
+        float *swp = malloc(sizeof(float) * ng * PANEL * slots), *zwp = malloc(sizeof(float) * ng * PANEL * slots);
+        if (!panels || !swp || !zwp) abort();
         float sw_row[ng], zw_row[ng];
         for (int64_t m0 = 0; m0 < M; m0 += m_block) {
             const int64_t m1 = m0 + m_block < M ? m0 + m_block : M;
-            for (int64_t p = 0; p < n_panels; p++) {
-                const int64_t n = n0 + p * PANEL, slot = held > 1 ? p : 0;
+            for (int64_t p = 0; p < n_panels;) {
+                const int64_t n = n0 + p * PANEL, slot = all ? p : 0;
+                const int w = p + side <= n_panels ? side : 1; /* panels side by side in this one */
                 uint8_t *panel = panels + slot * (K / 2) * PANEL;
                 float *sp = swp + slot * ng * PANEL, *zp = zwp + slot * ng * PANEL;
-                if (held == 1 || m0 == 0) {
-                    pack_panel(codes + n * (K / 2), K / 2, panel);
-                    for (int j = 0; j < PANEL; j++) {
+                if (!all || m0 == 0) {
+                    for (int h = 0; h < w; h++) pack_panel(codes + (n + h * PANEL) * (K / 2), K / 2, panel + 32 * h, 32 * w);
+                    for (int j = 0; j < PANEL * w; j++) {
                         row_scales(scale, minimum, min_fp32, n + j, ng, sw_row, zw_row);
                         for (int64_t g = 0; g < ng; g++) {
-                            sp[g * PANEL + j] = sw_row[g];
-                            zp[g * PANEL + j] = zw_row[g];
+                            sp[g * PANEL * w + j] = sw_row[g];
+                            zp[g * PANEL * w + j] = zw_row[g];
                         }
                     }
                 }
                 int64_t m = m0;
-                if (pairs) {
-                    for (; m + 4 <= m1; m += 4) panel_tile(4, 1, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
-                    for (; m + 2 <= m1; m += 2) panel_tile(2, 1, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
-                    for (; m < m1; m++) panel_tile(1, 1, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
-                } else {
-                    for (; m + 4 <= m1; m += 4) panel_tile(4, 0, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
-                    for (; m + 2 <= m1; m += 2) panel_tile(2, 0, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
-                    for (; m < m1; m++) panel_tile(1, 0, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);
-                }
+#define TILES(P, TILE)                                                                                        \
+    do {                                                                                                      \
+        for (; m + 4 <= m1; m += 4) TILE(4, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);       \
+        for (; m + 2 <= m1; m += 2) TILE(2, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);       \
+        for (; m < m1; m++) TILE(1, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);               \
+    } while (0)
+#if PANELS_SIDE_BY_SIDE == 2
+                if (w == 2) {
+                    if (pairs) TILES(1, panel_tile16);
+                    else TILES(0, panel_tile16);
+                } else
+#endif
+                if (pairs) TILES(1, panel_tile);
+                else TILES(0, panel_tile);
+#undef TILES
+                p += w;
             }
         }
         free(panels);

@@ -78,10 +78,12 @@ def test_drawn_codes_are_packed_into_the_kernel_layout_in_bf16(tmp_path):
     """bf16 on the CPU stores 4-bit weights in the int4 kernel's layout: drawn codes must be packed
     into it like quantized ones (bench_70b writes its store this way), not stored row-major under it."""
     compressed = Policy(compress_weight=True)
-    with LLM(f"dummy:{TINY}", dtype="bfloat16", device="cpu", policy=compressed, dummy_weight_codes=True) as llm:
+    # cpu_matmul="dequantize": on a VNNI CPU the int8 modes keep weights row-major for the int8 kernel
+    with LLM(f"dummy:{TINY}", dtype="bfloat16", device="cpu", policy=compressed, dummy_weight_codes=True,
+             cpu_matmul="dequantize") as llm:
         reference = _tokens(llm)
     with LLM(f"dummy:{TINY}", dtype="bfloat16", device="cpu", policy=compressed.replace(**ON_DISK),
-             offload_dir=str(tmp_path), dummy_weight_codes=True) as llm:
+             offload_dir=str(tmp_path), dummy_weight_codes=True, cpu_matmul="dequantize") as llm:
         assert _tokens(llm) == reference
         store, plan = llm.engine.weights.store, llm.engine.weights.plan
         drawn = DummyWeights(TINY, codes=WEIGHT_QUANT).layer_weights(1, torch.bfloat16)

@@ -13,6 +13,7 @@ from flexsarathi import LLM, SamplingParams
 from offload.disk_store import DiskStore
 from offload.weights import RowSplit
 from policy_search import Policy
+from quant import cpu_int8_matmul
 from quant.cpu_matmul import BLOCK_ROWS, layout_matches_torch
 from tests.prompt_logits import prompt_logits
 
@@ -37,8 +38,10 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(folder, policy, offload_dir, prompts=None):
-    # the CPU int4 kernel is the CPU compute path's: named, since a GPU machine's default is CUDA
-    llm = LLM(folder, dtype="bfloat16", device="cpu", policy=policy, offload_dir=str(offload_dir), kv_block_size=8)
+    # the CPU int4 kernel is the CPU compute path's: named, since a GPU machine's default is CUDA;
+    # cpu_matmul="dequantize": on a VNNI CPU the int8 modes keep weights row-major for the int8 kernel
+    llm = LLM(folder, dtype="bfloat16", device="cpu", policy=policy, offload_dir=str(offload_dir), kv_block_size=8,
+              cpu_matmul="dequantize")
     prompts = prompts or _prompts()
     tokens = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     return tokens, prompt_logits(llm, prompts[:3]), llm
@@ -119,7 +122,7 @@ def test_a_store_in_another_layout_is_rebuilt_not_misread(reference, tmp_path, m
     assert any(n.endswith(".data") for n in _manifest_tensor_names(tmp_path / "old"))
     # The kernel-layout engine's store folder, filled with the row-major store's files.
     probe = LLM(folder, dtype="bfloat16", device="cpu", policy=on_disk, offload_dir=str(tmp_path / "probe"),
-                kv_block_size=8)
+                kv_block_size=8, cpu_matmul="dequantize")
     new_store: DiskStore = probe.engine.weights.store
     assert new_store.key != old_store.key
     target = tmp_path / "new" / new_store.path.name
@@ -202,3 +205,20 @@ def test_pack_store_read_round_trip_is_exact_on_every_tier(tmp_path):
                                    expected.scales_zeros.view(torch.int16))
             weights.release(i)
         weights.close()
+
+
+@pytest.mark.skipif(not cpu_int8_matmul.available() or cpu_int8_matmul.KERNEL.isa_name() not in ("avx512_vnni", "avx_vnni"),
+                    reason="needs the int8 kernel on a VNNI path (this CPU lacks avx512_vnni and avx_vnni)")
+def test_on_a_vnni_cpu_the_int8_modes_keep_weights_row_major(tiny_checkpoint, tmp_path):
+    """Where the int8 kernel runs a VNNI path it beats torch's int4 kernel (llm_engine.int8_kernel_preferred):
+    cpu_matmul int8 / int8x2 keep bf16 4-bit weights row-major (QTensors the int8 kernel multiplies, in a
+    store of another key), dequantize keeps the int4 layout."""
+    folder = tiny_checkpoint("llama_blocks64")[0]
+    keys = {}
+    for mode, kind in (("int8", "QTensor"), ("int8x2", "QTensor"), ("dequantize", "Int4Packed")):
+        with LLM(folder, dtype="bfloat16", device="cpu", policy=Policy(**BASE, w_gpu=0.0, w_disk=1.0),
+                 offload_dir=str(tmp_path), kv_block_size=8, cpu_matmul=mode) as llm:
+            assert _formats(llm) == {kind}
+            assert not any(p.kernel_layout for p in llm.engine.weights.plan.tensors) or kind == "Int4Packed"
+            keys[mode] = llm.engine.weights.store.key
+    assert keys["int8"] == keys["int8x2"] != keys["dequantize"]

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from quant import QuantConfig, dequantize, quantize, quantized_linear
 from quant import cpu_int8_matmul as k8
+from quant import cpu_kernels
+from quant.cpu_kernels import ISA_ENV, ISA_PATHS, Kernel, missing_cpu_flags
 
 needs_kernel = pytest.mark.skipif(not k8.available(), reason=f"int8 kernel not available: {k8.unavailable_reason()}")
 U_FP32 = 2.0**-24
@@ -237,3 +239,79 @@ def test_group_halves_beyond_128_are_left_to_the_dequantizing_path():
     assert not k8.covers(x, q) and k8.covers(x, _weight(8, 512, 128, seed=5, layout="group"))
     with k8.cpu_matmul_mode("int8"):
         assert torch.equal(quantized_linear(x, q), torch.nn.functional.linear(x, dequantize(q)))
+
+
+# ---- instruction paths: AVX-512 VNNI and AVX-VNNI give the AVX2 path's bits -----------------------
+
+VNNI_PATHS = [p for p in ISA_PATHS if p != "avx2"]
+
+
+def _path_or_skip(isa: str):
+    """The kernel on `isa`, or a skip naming the CPU flags this machine lacks for it (and AVX2's)."""
+    for name in ("avx2", isa):
+        missing = missing_cpu_flags(ISA_PATHS[name])
+        if missing:
+            pytest.skip(f"this CPU lacks {', '.join(missing)} (the {name} path)")
+    kernel = k8.kernel_for(isa)
+    if not kernel.available():
+        pytest.skip(f"the {isa} path did not load: {kernel.unavailable_reason()}")
+    return kernel
+
+
+@pytest.mark.parametrize("isa", VNNI_PATHS)
+@pytest.mark.parametrize("n,k,group,layout,m32", CASES + [(40, 2048, 64, "line", False), (24, 2048, 32, "pairs", True),
+                                                          (56, 2048, 128, "group", False)])
+def test_every_path_gives_the_avx2_paths_bits(isa, n, k, group, layout, m32):
+    """Exact integer block sums, then the same fp32 operations per output: the VNNI paths' outputs
+    equal the AVX2 path's bit for bit, at row counts that take the row-by-row tiles (1-3), the
+    panels (an odd count of them: the 512-bit path's pairs and one alone; rows 4 and up) and, at K =
+    2048, more than one sweep (every panel packed up front), for 1 and 2 planes and 1 and 2 threads."""
+    _path_or_skip(isa)
+    q = _weight(n, k, group, seed=n + k, layout=layout, minimum_fp32=m32)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 3, 4, 6, 13) + ((2 * (256 * 1024 // k) + 5,) if k == 2048 else ()):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + threads)) * 3
+                for planes in (1, 2):
+                    want = k8.int8_linear(x, q, planes=planes, isa="avx2")
+                    got = k8.int8_linear(x, q, planes=planes, isa=isa)
+                    assert torch.equal(got, want), (rows, planes, threads, (got - want).abs().max())
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("isa", VNNI_PATHS)
+def test_a_vnni_path_gives_nan_for_a_non_finite_x(isa):
+    _path_or_skip(isa)
+    q = _weight(24, 256, 64, seed=3)
+    x = torch.randn(6, 256)
+    x[2, 100] = float("inf")
+    got = k8.int8_linear(x, q, isa=isa)
+    assert got[2].isnan().all() and got[[0, 1, 3, 4, 5]].isfinite().all()
+    assert torch.equal(got.nan_to_num(), k8.int8_linear(x, q, isa="avx2").nan_to_num())
+
+
+def test_the_path_is_chosen_by_the_cpu_flags_or_forced(monkeypatch, tmp_path):
+    """Default: the best path this CPU's flags allow; $FLEXSARATHI_INT8_ISA forces one (so the AVX2
+    path runs on a VNNI machine too); a forced path whose flags are missing (injected: a CPU without
+    avx512_vnni) is unavailable with the flags named; an unknown name is one clear error."""
+    monkeypatch.setenv("FLEXSARATHI_KERNEL_CACHE", str(tmp_path / "kernels"))
+    kernel = Kernel("int8 test", k8.SOURCE, k8.KERNEL.signatures, isa_paths=True)
+    best = next((p for p, path in ISA_PATHS.items() if not missing_cpu_flags(path)), None)
+    if best is None:
+        pytest.skip("this CPU has none of the paths' flags (avx2, fma, f16c)")
+    assert kernel.isa_name() == best
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    kernel.reset()
+    assert kernel.isa_name() == "avx2"
+    without_vnni = frozenset(cpu_kernels.cpu_flags() or ()) - {"avx512_vnni"}
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: without_vnni)
+    monkeypatch.setenv(ISA_ENV, "avx512_vnni")
+    kernel.reset()
+    assert not kernel.available() and "avx512_vnni" in kernel.unavailable_reason()
+    monkeypatch.setenv(ISA_ENV, "avx1024")
+    kernel.reset()
+    with pytest.raises(ValueError, match="FLEXSARATHI_INT8_ISA='avx1024'"):
+        kernel.available()

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("gguf")
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
+from flexsarathi.engine.planner_spec import planner_model_spec  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from quant import QuantConfig  # noqa: E402
 from tests.gguf_files import build_model, dequantized_model, write_gguf  # noqa: E402
@@ -488,3 +489,37 @@ def test_a_q4_0_scale_beyond_fp16_is_one_clear_error(tmp_path):
     for placement in ({}, dict(w_gpu=0.0, w_disk=1.0)):
         with pytest.raises(CheckpointError, match="blk.1.ffn_down.weight .Q4_0. has a block scale"):
             LLM(str(path), dtype="float32", device="cpu", policy=Policy(**placement), offload_dir=str(tmp_path / "o"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # llama: an untied output matrix; qwen2: tied to the embedding
+def test_a_q4_0_embedding_and_head_stay_the_files_codes(tmp_path, kind):
+    """A file whose token embedding and output matrix are Q4_0 (as llama.cpp's Q4_0 files): the engine
+    holds them as those codes (5 bits per value: Q4_0's 4.5 and the fp16 minimum, -8 x scale; what the
+    memory tracker counts and the planner prices), the embedding's
+    looked-up rows dequantized exactly and the head multiplied as a 4-bit weight: transformers' logits
+    (its own dequantization of the same file) to fp32 rounding, and its greedy tokens. compress_head
+    keeps the file's codes (groups of 32), not a requantization."""
+    from transformers import AutoModelForCausalLM
+
+    from quant import QTensor
+
+    path = tmp_path / "model.gguf"
+    write_gguf(build_model(kind), path, weight_type="Q4_0", embed_type="Q4_0")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT)
+    g = llm.engine.weights.global_weights()
+    coded = ["embed_tokens.weight"] + (["lm_head.weight"] if kind == "llama" else [])
+    assert "lm_head.weight" in g if kind == "llama" else "lm_head.weight" not in g
+    vocab, hidden = g["embed_tokens.weight"].shape
+    for name in coded:
+        assert isinstance(g[name], QTensor) and g[name].config.bits == 4 and g[name].config.group_size == 32
+        assert g[name].nbytes == vocab * hidden * 20 // 32  # per 32 values: 16 bytes of codes, fp16 scale, fp16 minimum
+    held = llm.engine.memory.report()["gpu"]["by_what"]["embeddings and head"]
+    assert held == sum(g[n].nbytes for n in coded) + g["final_norm.weight"].nbytes
+    assert planner_model_spec(str(path), "float32").embedding_bytes == held  # the planner prices what is held
+    _assert_logits_and_greedy_match(llm, ref)
+    if kind == "llama":
+        with LLM(str(path), dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT, compress_head=True) as packed:
+            head = packed.engine.weights.global_weights()["lm_head.weight"]
+            assert head.config == g["lm_head.weight"].config and torch.equal(head.data, g["lm_head.weight"].data)
+    llm.close()
