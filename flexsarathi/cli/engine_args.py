@@ -41,6 +41,9 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
                    "decode row counts), int8 (one plane at every row count: llama.cpp's arithmetic, "
                    "fastest), dequantize (exact to the codes); auto: int8x2 where its AVX2 kernel builds")
     add_compress_head_arg(p)
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every pass eagerly on a GPU (by default decode passes that keep everything on "
+                   "the GPU replay a CUDA graph per batch and context bucket)")
 
 
 def add_compress_head_arg(p: argparse.ArgumentParser) -> None:
@@ -93,7 +96,8 @@ def build_llm(args, workload, seed: int = 0, opened=None):
     policy = resolve_policy(args, hardware, workload)
     llm = LLM(opened or args.model, dtype=args.dtype, device=args.device, policy=policy, hardware=hardware,
               offload_dir=args.offload_dir, seed=seed, cpu_matmul=getattr(args, "cpu_matmul", "auto"),
-              compress_head=getattr(args, "compress_head", False))
+              compress_head=getattr(args, "compress_head", False),
+              cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None)
     return llm, policy
 
 
