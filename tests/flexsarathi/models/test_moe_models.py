@@ -139,11 +139,13 @@ def test_int4_kernel_layout_experts_give_the_on_device_tokens(kernel_moe_folder,
     base = dict(gpu_batch_size=2, num_gpu_batches=2, prefill_budget=6, compress_weight=True)
     prompts = _prompts(128, lengths=(3, 13, 7, 20))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    ref = LLM(kernel_moe_folder, dtype="bfloat16", device="cpu", policy=Policy(**base), offload_dir=str(tmp_path / "a"))
+    # dequantize: the mode that keeps torch's int4 layout (the int8 modes keep rows for our kernel on a VNNI CPU)
+    ref = LLM(kernel_moe_folder, dtype="bfloat16", device="cpu", policy=Policy(**base), offload_dir=str(tmp_path / "a"),
+              cpu_matmul="dequantize")
     plans = {p.name: p for p in ref.engine.weights.plan.layer(0).tensors}
     assert plans["experts.gate_up_proj.weight"].kernel_layout and plans["experts.gate_up_proj.weight"].blocks == 4
     got = LLM(kernel_moe_folder, dtype="bfloat16", device="cpu", policy=Policy(**base, **fractions),
-              offload_dir=str(tmp_path / "b"))
+              offload_dir=str(tmp_path / "b"), cpu_matmul="dequantize")
     assert [o.token_ids for o in got.generate(prompts, params, use_tqdm=False)] == \
         [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
 
