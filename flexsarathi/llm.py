@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from flexsarathi.errors import FlexSarathiError
-from flexsarathi.models.hub import resolve_model
-from flexsarathi.models.opened_model import OpenedModel, open_model
+from flexsarathi.formats.hub import resolve_model
+from flexsarathi.formats.opened_model import OpenedModel, open_model
 from flexsarathi.engine.planner_spec import planned_model
 from flexsarathi.engine.sampling import SamplingParams
 from offload.memory import TierBudget
@@ -29,7 +29,7 @@ class LLM:
                  compress_weight: bool | None = None, compress_kv: bool | None = None,
                  direct_io: bool = True, workload=None, **engine_options):
         """model: a checkpoint folder, a `.gguf` file (single or any part of a split one), a Hugging Face
-        repo (`org/name`, `org/name@revision`, `org/name:Q4_K_M` for a GGUF in it: flexsarathi/models/hub.py)
+        repo (`org/name`, `org/name@revision`, `org/name:Q4_K_M` for a GGUF in it: flexsarathi/formats/hub.py)
         or `dummy:<name>`, or one already opened (`open_model`). policy: a Policy, a policy JSON file,
         "auto" (searched by policy_search for `hardware` and `workload`, a policy_search.Workload,
         default prompt 512 / output 32), or None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,

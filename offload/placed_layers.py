@@ -36,7 +36,7 @@ class PlacedLayers:
                  linked_blocks: Callable[[int], dict] | None = None, store_bytes: int | None = None):
         """linked_extents(layer): the source's components that lie as they are in its files;
         linked_blocks(layer): its weights whose rows lie in its files as blocks (offload/
-        linked_blocks.py); both linked by the store, not copied (flexsarathi/models/checkpoint.py
+        linked_blocks.py); both linked by the store, not copied (flexsarathi/formats/checkpoint.py
         `WeightSource`). store_bytes: what the store writes (its free-space check; default the
         plan's whole store)."""
         self.plan, self.store, self.device, self.pin = plan, store, device, pin

@@ -17,7 +17,7 @@ class QuantConfig:
     # The minimum (the value of code 0) kept in fp32 instead of fp16. A pre-quantized checkpoint's
     # asymmetric groups read back `s * (q - z)` with an fp16 `s` and an integer zero point `z`: the
     # minimum `-s * z` needs up to 11 + 8 significant bits, exact in fp32 but not in fp16, and
-    # `q * s + minimum` is then exact too (flexsarathi/models/quantized_checkpoint.py).
+    # `q * s + minimum` is then exact too (flexsarathi/formats/quantized_checkpoint.py).
     minimum_fp32: bool = False
     # 4 bits: byte j of a line holds codes 2j (low nibble) and 2j + 1 (high) instead of the split
     # halves of quant/packing.py: GPTQ's and compressed-tensors' int32 words read as bytes, so their

@@ -77,7 +77,7 @@ from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
-from flexsarathi.models.checkpoint import DummyWeights  # noqa: E402
+from flexsarathi.formats.checkpoint import DummyWeights  # noqa: E402
 from flexsarathi.cli.engine_args import describe_policy  # noqa: E402
 from quant.config import WEIGHT_QUANT  # noqa: E402
 from flexsarathi.engine.planner_spec import planner_model_spec  # noqa: E402

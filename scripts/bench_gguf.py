@@ -83,7 +83,7 @@ def child(mode: str, path: str) -> dict:
     elif mode == "ours":
         import torch
 
-        from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint
+        from flexsarathi.formats.gguf_checkpoint import GGUFCheckpoint
         source = GGUFCheckpoint(path, report=lambda line: None)
         for i in range(source.config.num_layers):
             for w in source.layer_weights(i, torch.bfloat16).values():

@@ -85,7 +85,7 @@ from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from policy_search.hardware import HardwareSpec  # noqa: E402
 from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402
-from flexsarathi.models.gguf_file import hf_config, open_gguf  # noqa: E402
+from flexsarathi.formats.gguf_file import hf_config, open_gguf  # noqa: E402
 from quant import cpu_int8_matmul, cpu_kv_attention, cpu_kv_dequant  # noqa: E402
 
 GiB = 1 << 30

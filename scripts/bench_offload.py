@@ -126,7 +126,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
-from flexsarathi.models.checkpoint import DummyWeights  # noqa: E402
+from flexsarathi.formats.checkpoint import DummyWeights  # noqa: E402
 from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402

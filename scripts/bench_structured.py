@@ -27,7 +27,7 @@ import flexsarathi.engine.sampling as sampling
 from flexsarathi import LLM, SamplingParams
 from flexsarathi.engine.sampling import StructuredOutputsParams
 from flexsarathi.engine.structured_output import GrammarCompiler
-from flexsarathi.models.tokenizer import Tokenizer
+from flexsarathi.formats.tokenizer import Tokenizer
 from policy_search import Policy
 
 SCHEMA = {

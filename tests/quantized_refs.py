@@ -1,5 +1,5 @@
 """Reference writers of pre-quantized HF checkpoints for the loader tests, written from the layouts
-as the formats' authors' code packs them, independently of flexsarathi/models/quantized_formats.py:
+as the formats' authors' code packs them, independently of flexsarathi/formats/quantized_formats.py:
 
 - GPTQ: AutoGPTQ `auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py` (AutoGPTQ/AutoGPTQ), `pack`:
   `qweight[row] |= intweight[j] << (bits * (j - i))` over runs of 32 / bits input rows; `zeros -= 1`
@@ -12,7 +12,7 @@ as the formats' authors' code packs them, independently of flexsarathi/models/qu
   `qweight[:, col] |= intweight[:, col * 8 + order_map[i]] << (i * 4)` with order_map
   [0, 2, 4, 6, 1, 3, 5, 7], qzeros likewise; `awq/utils/packing_utils.py` `dequantize_gemm`:
   `(iweight - izeros) * scales`.
-- compressed-tensors: the package itself compresses (tests/flexsarathi/test_quantized_checkpoint.py).
+- compressed-tensors: the package itself compresses (tests/flexsarathi/formats/test_quantized_checkpoint.py).
 """
 from __future__ import annotations
 

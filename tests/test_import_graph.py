@@ -1,5 +1,7 @@
-"""The library's import graph: no module imports itself back through others (an import circle), and
-the four packages depend one way: policy_search <- quant <- offload <- flexsarathi.
+"""The library's import graph: no module imports itself back through others (an import circle), the
+four packages depend one way: policy_search <- quant <- offload <- flexsarathi, and inside
+flexsarathi/ the model families' math (models/) and the readers of users' files (formats/) sit at
+the bottom in that order: models/ imports no formats/, and neither imports engine/, cli/ or the rest.
 
 Every import statement counts, module-level or inside a function: a function-level import that
 closes a circle still ties the modules into one knot (only the import order is hidden). A package's
@@ -14,6 +16,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("policy_search", "quant", "offload", "flexsarathi")  # each may import only those before it
 ALLOWED = {pkg: set(PACKAGES[:i + 1]) for i, pkg in enumerate(PACKAGES)}
+# The flexsarathi modules each bottom subpackage may import (a prefix names a module or a package);
+# the lower packages stay allowed by ALLOWED. formats/ reads a checkpoint into models/' config and math.
+SUBPACKAGE_ALLOWED = {
+    "flexsarathi.models": ("flexsarathi.errors", "flexsarathi.models"),
+    "flexsarathi.formats": ("flexsarathi.errors", "flexsarathi.models", "flexsarathi.formats"),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -104,3 +112,39 @@ def test_packages_import_one_way():
     wrong = sorted(f"{name} -> {target}" for name, targets in _graph().items() for target in targets
                    if target.split(".")[0] not in ALLOWED[name.split(".")[0]])
     assert not wrong, f"imports against policy_search <- quant <- offload <- flexsarathi: {wrong}"
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _subpackage_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Edges from a SUBPACKAGE_ALLOWED subpackage to a flexsarathi module outside its allowed list."""
+    wrong = []
+    for name, targets in graph.items():
+        for subpackage, allowed in SUBPACKAGE_ALLOWED.items():
+            if _within(name, subpackage):
+                wrong += [f"{name} -> {target}" for target in targets if _within(target, "flexsarathi")
+                          and not any(_within(target, prefix) for prefix in allowed)]
+    return sorted(wrong)
+
+
+def test_bottom_subpackages_exist():
+    """The rule below names real packages (a rename would otherwise leave it checking nothing)."""
+    for subpackage in SUBPACKAGE_ALLOWED:
+        assert (ROOT / subpackage.replace(".", "/") / "__init__.py").is_file(), subpackage
+
+
+def test_model_math_below_formats_below_the_rest_of_flexsarathi():
+    wrong = _subpackage_violations(_graph())
+    assert not wrong, f"imports against flexsarathi.models <- flexsarathi.formats <- engine/cli/...: {wrong}"
+
+
+def test_the_subpackage_rule_finds_planted_upward_imports():
+    """The check above can fail: math reading a format, a format reaching the engine."""
+    graph = {"flexsarathi.models.llama": {"flexsarathi.models.base", "flexsarathi.formats.checkpoint"},
+             "flexsarathi.formats.hub": {"flexsarathi.errors", "flexsarathi.engine.llm_engine"},
+             "flexsarathi.formats.checkpoint": {"flexsarathi.models", "quant"},
+             "flexsarathi.engine.llm_engine": {"flexsarathi.formats.checkpoint"}}
+    assert _subpackage_violations(graph) == ["flexsarathi.formats.hub -> flexsarathi.engine.llm_engine",
+                                             "flexsarathi.models.llama -> flexsarathi.formats.checkpoint"]

@@ -114,7 +114,7 @@ def run_generate(args) -> int:
     fmt, requests = read_requests(input_path, args.input_format)
     check_unique_ids(requests)
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
-    from flexsarathi.models.opened_model import open_model
+    from flexsarathi.formats.opened_model import open_model
 
     opened = open_model(args.model)  # once per job: the engine built below takes it as it is
     source = opened.source

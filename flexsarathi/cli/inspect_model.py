@@ -2,7 +2,7 @@
 quantization of each layer tensor kind, its bytes, and what the engine will store.
 
 Any weight source works (opened_model.open_model): a source that describes itself (`describe()` ->
-flexsarathi/models/prequantized.SourceDescription: pre-quantized HF folders and GGUF files) is
+flexsarathi/formats/prequantized.SourceDescription: pre-quantized HF folders and GGUF files) is
 printed as it says; other sources (full-precision safetensors,
 dummy:<name>) get a description from their shapes and dtype. Reads headers only (and GPTQ's small
 g_idx tensors), never the weights.
@@ -15,7 +15,7 @@ import os
 import torch
 
 from flexsarathi.cli.engine_args import add_dtype_arg
-from flexsarathi.models.prequantized import SourceDescription, TensorKind, describe_config
+from flexsarathi.formats.prequantized import SourceDescription, TensorKind, describe_config
 from policy_search.units import fmt_bytes
 
 
@@ -30,7 +30,7 @@ def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_inspect(args) -> int:
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
-    from flexsarathi.models.opened_model import open_model
+    from flexsarathi.formats.opened_model import open_model
 
     source = open_model(args.model).source
     # what `generate` computes in on this machine (auto: a half dtype on a GPU, the measured choice on the CPU)

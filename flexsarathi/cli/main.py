@@ -12,7 +12,7 @@ from flexsarathi.cli.generate import add_generate_parser
 from flexsarathi.cli.inspect_model import add_inspect_parser
 from flexsarathi.cli.console import show_warnings_as_lines, silence_stdout, stdout_is_closed
 from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
-from flexsarathi.models.hub import resolve_model
+from flexsarathi.formats.hub import resolve_model
 from flexsarathi.cli.policy import add_policy_parser
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.serve.command import add_serve_parser

@@ -17,7 +17,7 @@ from flexsarathi.models.attention import release_host_buffers
 from flexsarathi.engine.micro_batch_builder import build_micro_batch, wants_prompt_logprobs
 from flexsarathi.engine.block_manager import BlockManager
 from flexsarathi.engine.graph_passes import GraphPasses
-from flexsarathi.models.opened_model import OpenedModel, open_model
+from flexsarathi.formats.opened_model import OpenedModel, open_model
 from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.models.model_config import parse_dtype
@@ -26,7 +26,7 @@ from flexsarathi.engine.sampling import SamplingParams, process_logits, sample, 
 from flexsarathi.engine.structured_output import GrammarCompiler, GrammarState, advance_matchers
 from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
 from flexsarathi.engine.sequence import Sequence
-from flexsarathi.models.tokenizer import IncrementalDetokenizer
+from flexsarathi.formats.tokenizer import IncrementalDetokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
-from flexsarathi.models.checkpoint import DUMMY_PREFIX, WeightSource
-from flexsarathi.models.opened_model import OpenedModel, open_model
+from flexsarathi.formats.checkpoint import DUMMY_PREFIX, WeightSource
+from flexsarathi.formats.opened_model import OpenedModel, open_model
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT, KVFormat, WeightFormat
 from quant.config import WEIGHT_QUANT

@@ -54,7 +54,7 @@ def build_processor(model: str, *, sampling: SamplingParams | dict | None = None
     for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise FlexSarathiError(f"build_processor({name}=...) must be an integer >= 1, got {value!r}")
-    from flexsarathi.models.opened_model import open_model
+    from flexsarathi.formats.opened_model import open_model
 
     dtype = job_dtype(dtype, open_model(model).source.config.checkpoint_dtype, device, num_gpus)  # one for all actors
     spec_hw = hardware if hardware is None or isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)

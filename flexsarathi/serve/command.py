@@ -115,7 +115,7 @@ def build_engine(args):
     every batch's result file records about it."""
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
     from flexsarathi.engine.sampling import SamplingParams
-    from flexsarathi.models.opened_model import open_model
+    from flexsarathi.formats.opened_model import open_model
     from flexsarathi.serve.batch_job import ServeEngine
 
     sampling = {**SAMPLING_DEFAULTS, "max_tokens": args.max_tokens}

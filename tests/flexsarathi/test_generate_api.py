@@ -11,7 +11,7 @@ import torch
 
 from flexsarathi import LLM, FlexSarathiError, SamplingParams
 from flexsarathi.engine.sampling import sample_seed
-from flexsarathi.models.tokenizer import IncrementalDetokenizer
+from flexsarathi.formats.tokenizer import IncrementalDetokenizer
 from policy_search import Policy
 
 PROMPTS = ["Once upon a time", "Lily wanted to", "The little dog", "One day, a big bird"]

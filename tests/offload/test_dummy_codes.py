@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flexsarathi import LLM, SamplingParams
-from flexsarathi.models.checkpoint import DummyWeights
+from flexsarathi.formats.checkpoint import DummyWeights
 from quant.config import WEIGHT_QUANT
 from flexsarathi.errors import FlexSarathiError
 from offload.placed_layers import store_key

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexsarathi import LLM, SamplingParams
-from flexsarathi.models.checkpoint import DummyWeights
+from flexsarathi.formats.checkpoint import DummyWeights
 from flexsarathi.errors import CheckpointError
 from policy_search import Policy
 from tests.conftest import MOE_KINDS, build_hf_model

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flexsarathi import LLM, SamplingParams
-from flexsarathi.models.opened_model import open_weight_source
+from flexsarathi.formats.opened_model import open_weight_source
 from flexsarathi.errors import CheckpointError
 from policy_search.policy import Policy
 from quant import dequantize
@@ -367,7 +367,7 @@ def test_compressed_tensors_codes_on_disk_are_linked_not_copied(tmp_path, bits, 
     bytes in the checkpoint (writing only the minimums and small tensors) and gives the all-on-device
     tokens; a checkpoint changed in place under the same size and mtime (so the same store key) fails
     the linked bytes' crc32 at the first read and the store is rebuilt from what the file holds now."""
-    from flexsarathi.models.safetensors_pread import PreadReader
+    from flexsarathi.formats.safetensors_pread import PreadReader
     from offload.disk_store import DiskStore
 
     folder, _ = ct_checkpoint(tmp_path / "ckpt", "llama", bits, group, sym)

@@ -11,8 +11,8 @@ from flexsarathi import LLM, SamplingParams
 from flexsarathi.cli.main import main
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine
 from flexsarathi.errors import FlexSarathiError
-from flexsarathi.models import checkpoint, tokenizer
-from flexsarathi.models.opened_model import open_model
+from flexsarathi.formats import checkpoint, tokenizer
+from flexsarathi.formats.opened_model import open_model
 
 
 def _counting(monkeypatch, owner, name):

@@ -31,14 +31,14 @@ SUPPORTED_MODELS = ("llama", "gpt2")
 
 def load_gguf_tokenizer(path: str):
     """The tokenizer of a GGUF file (None when it carries no vocabulary)."""
-    from flexsarathi.models.gguf_file import open_gguf
+    from flexsarathi.formats.gguf_file import open_gguf
 
     return build_gguf_tokenizer(open_gguf(path).metadata, path)
 
 
 def build_gguf_tokenizer(meta: dict, where: str):
     """A flexsarathi Tokenizer from GGUF metadata; None when the file carries no vocabulary."""
-    from flexsarathi.models.tokenizer import Tokenizer
+    from flexsarathi.formats.tokenizer import Tokenizer
 
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or "tokenizer.ggml.tokens" not in meta:

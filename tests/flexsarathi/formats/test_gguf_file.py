@@ -8,9 +8,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint  # noqa: E402
+from flexsarathi.formats.gguf_checkpoint import GGUFCheckpoint  # noqa: E402
 from flexsarathi.errors import CheckpointError  # noqa: E402
-from flexsarathi.models.gguf_file import GGUFFile, hf_config, unpermute_rows  # noqa: E402
+from flexsarathi.formats.gguf_file import GGUFFile, hf_config, unpermute_rows  # noqa: E402
 from flexsarathi.models.model_config import ModelConfig  # noqa: E402
 from tests.gguf_files import build_model, permute_qk, write_gguf  # noqa: E402
 

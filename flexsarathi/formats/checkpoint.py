@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
-from flexsarathi.models.worker_pools import worker_pool
+from flexsarathi.formats.worker_pools import worker_pool
 from flexsarathi.models import ModelMath, Weights, build_model_math
 from policy_search.model_registry import known_config
 from quant import QTensor, QuantConfig
@@ -81,7 +81,7 @@ class WeightSource(ABC):
 
     def quantized_formats(self) -> dict[str, QuantConfig | None] | None:
         """A pre-quantized source: canonical 2-D layer weight -> the QuantConfig its QTensors come in
-        (None: the compute dtype), stored by the engine as they are (flexsarathi/models/prequantized.py).
+        (None: the compute dtype), stored by the engine as they are (flexsarathi/formats/prequantized.py).
         None: full-precision weights, quantized by the engine with its own format when asked to."""
         return None
 

@@ -14,7 +14,7 @@ import torch
 
 from flexsarathi import LLM, SamplingParams
 from flexsarathi.models.moe import DOWN, GATE_UP
-from flexsarathi.models.opened_model import open_weight_source
+from flexsarathi.formats.opened_model import open_weight_source
 from policy_search import Policy
 from quant import dequantize
 from tests import conftest

@@ -113,9 +113,9 @@ def test_mixed_k_quants_take_one_format_per_weight_exactly(gguf_model, tmp_path)
     (ffn_down): each such weight takes 8-bit groups of 16 in every layer, and its values are
     exactly those of each tensor's own conversion (a 4-bit code is the same 8-bit code, a group of
     32 two groups of 16 with its scale and minimum): nothing is requantized or left in floats."""
-    from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint
-    from flexsarathi.models.gguf_file import gguf_name, qk_heads, unpermute_rows
-    from flexsarathi.models.gguf_quants import to_codes, to_qtensor
+    from flexsarathi.formats.gguf_checkpoint import GGUFCheckpoint
+    from flexsarathi.formats.gguf_file import gguf_name, qk_heads, unpermute_rows
+    from flexsarathi.formats.gguf_quants import to_codes, to_qtensor
     from quant import dequantize
 
     path, ref = gguf_model("llama", "Q4_K_M_layers")
@@ -441,7 +441,7 @@ def test_q4_0_weights_on_disk_are_read_from_the_file_itself(tmp_path):
     assert on_disk == reference
     # the planner prices what the disk tier streams: the file's blocks, 18 bytes per 32 values
     from flexsarathi.engine.planner_spec import planner_model_spec
-    from flexsarathi.models.gguf_file import open_gguf
+    from flexsarathi.formats.gguf_file import open_gguf
     spec = planner_model_spec(str(path), dtype="float32")
     layer_file_bytes = sum(t.raw_shape[0] * t.raw_shape[1] for t in open_gguf(str(path)).tensors.values()
                            if t.name.startswith("blk.0.") and t.type_name == "Q4_0")  # uint8 [rows, bytes per row]
@@ -456,7 +456,7 @@ def test_q4_0_weights_on_disk_are_read_from_the_file_itself(tmp_path):
     split = dict(w_gpu=0.3, w_cpu=0.4, w_disk=0.3)
     assert run("split", **split)[0] == reference and run("split", **split)[0] == reference
 
-    from flexsarathi.models.gguf_file import open_gguf
+    from flexsarathi.formats.gguf_file import open_gguf
     q = open_gguf(str(path)).tensor("blk.1.attn_q.weight")
     stat = os.stat(path)
     with open(path, "r+b") as f:  # the codes of q's first rows, each moved
@@ -478,7 +478,7 @@ def test_a_q4_0_scale_beyond_fp16_is_one_clear_error(tmp_path):
     import numpy as np
 
     from flexsarathi.errors import CheckpointError
-    from flexsarathi.models.gguf_file import open_gguf
+    from flexsarathi.formats.gguf_file import open_gguf
 
     path = tmp_path / "model.gguf"
     write_gguf(build_model("llama"), path, weight_type="Q4_0")

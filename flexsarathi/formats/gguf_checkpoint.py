@@ -1,9 +1,9 @@
-"""`GGUFCheckpoint`: a GGUF file as a weight source (models/checkpoint.py's contract); with the
-tokenizer models/gguf_tokenizer.py builds from the same file, `LLM("model.gguf")` needs nothing else
-(models/opened_model.py opens both).
+"""`GGUFCheckpoint`: a GGUF file as a weight source (formats/checkpoint.py's contract); with the
+tokenizer formats/gguf_tokenizer.py builds from the same file, `LLM("model.gguf")` needs nothing else
+(formats/opened_model.py opens both).
 
 Layer matrices of a code-mapped type come as `QTensor`s with their own `QuantConfig` (group 32 or
-16: models/gguf_quants.py; K-quants only for an engine that stores weights compressed, as their
+16: formats/gguf_quants.py; K-quants only for an engine that stores weights compressed, as their
 conversion rounds their scales), q/k rows put back in HF order and q/k/v, gate/up fused by rows (each
 row's groups are a self-contained byte range, so fusing and reordering rows move codes only). A
 mixture-of-experts layer's 3-D expert stacks (llama.cpp's ffn_{gate,up,down}_exps) are read as
@@ -25,17 +25,17 @@ from collections import Counter
 import numpy as np
 import torch
 
-from flexsarathi.models.checkpoint import WeightSource, require_finite
+from flexsarathi.formats.checkpoint import WeightSource, require_finite
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
-from flexsarathi.models.prequantized import SourceDescription, TensorKind, concat_rows
+from flexsarathi.formats.prequantized import SourceDescription, TensorKind, concat_rows
 from flexsarathi.models import build_model_math
-from flexsarathi.models.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, resolve_part, \
+from flexsarathi.formats.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, resolve_part, \
     unpermute_rows
-from flexsarathi.models.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, FLOAT_TYPES, check_type, code_format, \
+from flexsarathi.formats.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, FLOAT_TYPES, check_type, code_format, \
     common_format, conversion_error, \
     to_codes, to_float, to_qtensor, widen
-from flexsarathi.models.worker_pools import worker_pool
+from flexsarathi.formats.worker_pools import worker_pool
 from offload.linked_blocks import BLOCK_FORMATS, LinkedPart, LinkedWeight, split_blocks
 from quant import QTensor
 

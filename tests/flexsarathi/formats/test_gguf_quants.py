@@ -15,7 +15,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from flexsarathi.errors import CheckpointError  # noqa: E402
-from flexsarathi.models import gguf_quants as gq  # noqa: E402
+from flexsarathi.formats import gguf_quants as gq  # noqa: E402
 from quant import dequantize  # noqa: E402
 from tests.gguf_files import random_blocks  # noqa: E402
 

@@ -14,7 +14,7 @@ from flexsarathi.errors import CheckpointError, FlexSarathiError
 class Tokenizer:
     def __init__(self, path: str | HFTokenizer, add_bos: bool | None, add_eos: bool, bos_id: int | None,
                  eos_id: int | None, chat_template: str | None = None, special_tokens: dict | None = None):
-        """path: a tokenizer.json, or a built `tokenizers.Tokenizer` (a GGUF file's: models/gguf_tokenizer.py)."""
+        """path: a tokenizer.json, or a built `tokenizers.Tokenizer` (a GGUF file's: formats/gguf_tokenizer.py)."""
         try:
             self._tok = path if isinstance(path, HFTokenizer) else HFTokenizer.from_file(path)
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad JSON

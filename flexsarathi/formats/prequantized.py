@@ -1,7 +1,7 @@
 """Pre-quantized weights: how a weight source hands the engine codes that it stores as they are.
 
-The interface (`WeightSource` in flexsarathi/models/checkpoint.py; HF GPTQ/AWQ/compressed-tensors folders
-in flexsarathi/models/quantized_checkpoint.py; GGUF files may implement the same):
+The interface (`WeightSource` in flexsarathi/formats/checkpoint.py; HF GPTQ/AWQ/compressed-tensors folders
+in flexsarathi/formats/quantized_checkpoint.py; GGUF files may implement the same):
 
 - `source.quantized_formats()` -> `{canonical 2-D layer weight name: QuantConfig | None}`: the
   format each layer weight comes in, the same for every layer (placement cuts every layer alike);

@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("gguf")
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
-from flexsarathi.models.gguf_tokenizer import load_gguf_tokenizer  # noqa: E402
-from flexsarathi.models.tokenizer import Tokenizer  # noqa: E402
+from flexsarathi.formats.gguf_tokenizer import load_gguf_tokenizer  # noqa: E402
+from flexsarathi.formats.tokenizer import Tokenizer  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 from tests.gguf_files import bpe_tokenizer_metadata, spm_tokenizer_metadata, write_gguf  # noqa: E402
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flexsarathi.models.prequantized import concat_rows
+from flexsarathi.formats.prequantized import concat_rows
 from quant import QuantConfig, dequantize, quantize
 
 

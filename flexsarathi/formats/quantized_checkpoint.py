@@ -2,7 +2,7 @@
 (GPTQ, AWQ GEMM, compressed-tensors pack-quantized), read as a pre-quantized weight source.
 
 Each layer weight comes out as a QTensor of the engine's format holding the checkpoint's own codes
-(flexsarathi/models/prequantized.py): scale fp16, minimum `-scale * zero` (fp32 for asymmetric
+(flexsarathi/formats/prequantized.py): scale fp16, minimum `-scale * zero` (fp32 for asymmetric
 formats, where fp16 would round it), groups of the checkpoint's size (channel-wise: one group per
 row). Act-order GPTQ (a `g_idx` that is not column // group) mixes groups inside a contiguous run of
 columns, which the engine's format cannot hold: those weights are dequantized exactly and quantized
@@ -18,12 +18,12 @@ import os
 import torch
 from safetensors import SafetensorError
 
-from flexsarathi.models.checkpoint import SafetensorsCheckpoint, require_finite
+from flexsarathi.formats.checkpoint import SafetensorsCheckpoint, require_finite
 from flexsarathi.errors import CheckpointError
-from flexsarathi.models.prequantized import (ConversionLog, SourceDescription, TensorKind, codes_to_qtensor,
+from flexsarathi.formats.prequantized import (ConversionLog, SourceDescription, TensorKind, codes_to_qtensor,
                                              concat_rows, reference_values, requantize)
-from flexsarathi.models.safetensors_pread import PreadReader
-from flexsarathi.models.quantized_formats import TENSORS, ModuleCodes, QuantMethod, Scheme, packed_shape, \
+from flexsarathi.formats.safetensors_pread import PreadReader
+from flexsarathi.formats.quantized_formats import TENSORS, ModuleCodes, QuantMethod, Scheme, packed_shape, \
     parse_quantization_config
 from quant import QuantConfig
 
@@ -48,7 +48,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         self.formats, self.act_order = self._kind_formats()
         self.log = ConversionLog(self.config.num_layers, f"{self.method.name} checkpoint {folder}")
 
-    # ---- the pre-quantized source interface (flexsarathi/models/prequantized.py) ---------------
+    # ---- the pre-quantized source interface (flexsarathi/formats/prequantized.py) ---------------
     def quantized_formats(self) -> dict[str, QuantConfig | None]:
         return dict(self.formats)
 

@@ -1,8 +1,9 @@
 """The `quantization_config` of an HF folder (GPTQ, AWQ, compressed-tensors) and the packed int32
 layouts of those formats, read into unsigned codes, scales and integer zero points.
 
-Layouts, as their authors' code writes them (cited in tests/test_quantized_checkpoint.py, whose
-reference packers are written independently of this module):
+Layouts, as their authors' code writes them (cited in
+tests/flexsarathi/formats/test_quantized_checkpoint.py, whose reference packers are written
+independently of this module):
 - GPTQ: `qweight` int32 `[in * bits / 32, out]`, value j of a word at bits `bits * j` (packed along
   the input dimension); `qzeros` int32 `[groups, out * bits / 32]` packed the same way along the
   output; `scales` `[groups, out]`; `g_idx` `[in]`, column j's group (act-order when not j // group).

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexsarathi import LLM, CheckpointError
-from flexsarathi.models.checkpoint import DummyWeights
+from flexsarathi.formats.checkpoint import DummyWeights
 from flexsarathi.models.model_config import ModelConfig
 from policy_search.model_registry import KNOWN_MODELS
 from tests.prompt_logits import prompt_logits

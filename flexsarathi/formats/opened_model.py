@@ -8,9 +8,9 @@ import os
 from dataclasses import dataclass
 
 from flexsarathi.errors import CheckpointError
-from flexsarathi.models.checkpoint import DUMMY_PREFIX, DummyWeights, SafetensorsCheckpoint, WeightSource
-from flexsarathi.models.quantized_checkpoint import QuantizedCheckpoint, read_quantization_config
-from flexsarathi.models.tokenizer import Tokenizer, load_tokenizer
+from flexsarathi.formats.checkpoint import DUMMY_PREFIX, DummyWeights, SafetensorsCheckpoint, WeightSource
+from flexsarathi.formats.quantized_checkpoint import QuantizedCheckpoint, read_quantization_config
+from flexsarathi.formats.tokenizer import Tokenizer, load_tokenizer
 from quant import QuantConfig
 
 
@@ -29,8 +29,8 @@ def open_model(model: str, codes: QuantConfig | None = None) -> OpenedModel:
     if not model.startswith(DUMMY_PREFIX) and not os.path.isdir(model):
         _refuse_path(model)
     if model.endswith(".gguf") and codes is None:  # llama.cpp's file: weights and tokenizer in one
-        from flexsarathi.models.gguf_checkpoint import GGUFCheckpoint
-        from flexsarathi.models.gguf_tokenizer import load_gguf_tokenizer
+        from flexsarathi.formats.gguf_checkpoint import GGUFCheckpoint
+        from flexsarathi.formats.gguf_tokenizer import load_gguf_tokenizer
         return OpenedModel(model, GGUFCheckpoint(model), load_gguf_tokenizer(model))
     source = open_weight_source(model, codes=codes)
     return OpenedModel(model, source, load_tokenizer(model, source.config), codes)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from flexsarathi.errors import CheckpointError
-from flexsarathi.models.worker_pools import worker_pool
+from flexsarathi.formats.worker_pools import worker_pool
 from quant import QTensor, QuantConfig, pack_4bit, unpack_4bit
 
 FLOAT_TYPES = ("F32", "F16", "BF16")

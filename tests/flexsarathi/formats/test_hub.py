@@ -15,7 +15,7 @@ import pytest
 
 from flexsarathi import LLM, SamplingParams
 from flexsarathi.errors import CheckpointError
-from flexsarathi.models.hub import HubName, resolve_model
+from flexsarathi.formats.hub import HubName, resolve_model
 from tests.conftest import REPO
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
