@@ -135,21 +135,21 @@ def run_flexgen(case: Case, lengths: tuple[int, int], work: Path, timeout: float
 
 
 def run_ours(case: Case, policy: str, schedulers: tuple[str, ...], lengths: tuple[int, int], work: Path,
-             cpu_mem_gib: float, timeout: float) -> list[dict]:
+             cpu_mem_gib: float, timeout: float, profile: str | None = None) -> list[dict]:
     """One process: the engine is built once (weights made once) and measured with each scheduler in
     turn (LLMEngine.set_schedule; placement unchanged). policy: a policy file or "auto"."""
     if policy == "auto" and case.auto_4bit:
         policy = "auto-4bit"
     argv = [sys.executable, str(Path(__file__).resolve()), "--ours-run", "cuda", case.model, policy, case.hardware,
-            f"{cpu_mem_gib:.1f}", str(work / "ours_offload"), str(lengths[0]), str(lengths[1]), str(case.requests),
-            *schedulers]
+            profile or "-", f"{cpu_mem_gib:.1f}", str(work / "ours_offload"), str(lengths[0]), str(lengths[1]),
+            str(case.requests), *schedulers]
     done = _run(argv, timeout)
     if done.get("error"):
         return [done]
     return [json.loads(line) for line in done["stdout"].splitlines() if line.startswith("{")]
 
 
-def ours_run(device: str, model: str, policy: str, preset: str, cpu_mem_gib: float, offload_dir: str,
+def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cpu_mem_gib: float, offload_dir: str,
              prompt_len: int, gen_len: int, requests: int, schedulers: list[str]) -> None:
     """`flexsarathi bench`'s protocol on one engine: a warm-up (32-token prompts, one token each;
     where decode passes replay CUDA graphs, also one decode pass at the measured prompt length, so
@@ -159,9 +159,13 @@ def ours_run(device: str, model: str, policy: str, preset: str, cpu_mem_gib: flo
     from flexsarathi import LLM, SamplingParams
     from flexsarathi.cli.bench import WARMUP_PROMPT_LEN, _prompts
     from flexsarathi.cli.engine_args import describe_policy, device_name
-    from policy_search import HardwareSpec, Workload
+    from flexsarathi.engine.planner_spec import planned_model
+    from policy_search import HardwareSpec, Workload, estimate
 
-    hardware = HardwareSpec.preset(preset).with_memory(cpu=min(cpu_mem_gib * GiB, HardwareSpec.preset(preset).cpu_memory))
+    # The planner sees this machine's measured rates (a profile) or the preset's, with the preset's memory.
+    caps = HardwareSpec.preset(preset)
+    base = HardwareSpec.load(profile) if profile != "-" else caps
+    hardware = base.with_memory(gpu=caps.gpu_memory, cpu=min(cpu_mem_gib * GiB, caps.cpu_memory))
     workload = Workload(prompt_len=prompt_len, gen_len=gen_len, num_requests=requests or None)
     if policy == "auto-4bit":
         policy = LLM.search_policy(f"dummy:{model}", hardware, workload, "float16", device=device,
@@ -185,7 +189,10 @@ def ours_run(device: str, model: str, policy: str, preset: str, cpu_mem_gib: flo
             llm.generate(_prompts(count, prompt_len, vocab, 0),
                          SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True), use_tqdm=False)
             s = llm.last_stats
+            predicted = estimate(engine.policy, planned_model(f"dummy:{model}", "float16", device=device).spec,
+                                 hardware, workload).throughput
             print(json.dumps({"scheduler": scheduler, "tok_s": s["tokens_per_s"], "seconds": s["seconds"],
+                              "predicted_tok_s": predicted, "planned_with": hardware.name,
                               "policy": describe_policy(engine.policy), "device": device_name(engine.device),
                               "num_prompts": count, "peak_gpu": s["memory"]["gpu"]["peak"],
                               "graph_passes": engine.stats["graph_passes"], "warm_up_capture_s": capture_s}), flush=True)
@@ -212,12 +219,15 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
     parser.add_argument("--work", default=None, help="folder for offload files (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write every result to this JSON file")
+    parser.add_argument("--profile", default=None, help="a `flexsarathi profile` JSON of this machine: our "
+                        "planner searches and predicts with its measured rates (host overhead per layer, eager and "
+                        "graph, included), held to each case's preset memory (T4's); default: the preset itself")
     parser.add_argument("--ours-run", nargs="+", help=argparse.SUPPRESS)  # internal: one engine's runs
     args = parser.parse_args()
     if args.ours_run:
-        device, model, policy, preset, cpu_mem_gib, offload_dir, prompt_len, gen_len, requests, *schedulers = \
+        device, model, policy, preset, profile, cpu_mem_gib, offload_dir, prompt_len, gen_len, requests, *schedulers = \
             args.ours_run
-        ours_run(device, model, policy, preset, float(cpu_mem_gib), offload_dir, int(prompt_len), int(gen_len),
+        ours_run(device, model, policy, preset, profile, float(cpu_mem_gib), offload_dir, int(prompt_len), int(gen_len),
                  int(requests), schedulers)
         return 0
     import torch
@@ -243,11 +253,12 @@ def main() -> int:
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 policy_file = f.name
             case.policy.save(policy_file)
-            for result in run_ours(case, policy_file, case.schedulers, lengths, work, cpu_mem, args.timeout):
+            for result in run_ours(case, policy_file, case.schedulers, lengths, work, cpu_mem, args.timeout,
+                                   args.profile):
                 _report(results, case, f"ours, FlexGen's policy, {result.get('scheduler', '?')}", result, flexgen)
         if case.ours_auto:
             searched = f"ours, searched for {case.hardware}" + (" (4-bit weights)" if case.auto_4bit else "")
-            for result in run_ours(case, "auto", (), lengths, work, cpu_mem, args.timeout):
+            for result in run_ours(case, "auto", (), lengths, work, cpu_mem, args.timeout, args.profile):
                 _report(results, case, searched, result, flexgen)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
@@ -261,6 +272,9 @@ def _report(results: list, case: Case, who: str, result: dict, flexgen: dict) ->
         return
     ratio = f"{result['tok_s'] / flexgen['tok_s']:.2f}x" if "tok_s" in flexgen and flexgen is not result else ""
     extra = f"  [{result['policy']}]" if "policy" in result else ""
+    if "predicted_tok_s" in result:  # the planner's estimate of the same run, and how far off it is
+        extra = (f"  predicted {result['predicted_tok_s']:.2f} ({result['planned_with']}; measured / predicted "
+                 f"{result['tok_s'] / result['predicted_tok_s']:.2f})" + extra)
     print(f"{case.name:<20} {who:<42} {result['tok_s']:9.2f} tok/s  {result['seconds']:8.2f} s  {ratio:>6}{extra}",
           flush=True)
 

@@ -14,7 +14,9 @@
 #          test that builds an engine without naming a device computes on the GPU; the `gpu`-marked
 #          tests run too. pytest-xdist spreads it over the cores when installed.
 # triton:  scripts/bench_triton_gpu.py (the kernel against dequantize + matmul, 70B / 30B shapes).
-# flexgen: scripts/bench_flexgen_gpu.py (ours against FlexGen itself under T4 caps).
+# flexgen: scripts/bench_flexgen_gpu.py (ours against FlexGen itself under T4 caps), with the planner's
+#          predicted tok/s beside each of ours; FLEXGEN_PROFILE=1 plans with this GPU's profile (measured
+#          first) instead of the t4 preset's rates.
 # stress:  the CUDA tests that a stream-ordering race fails (test_cuda.py: no_host_sync, held_back,
 #          closed_or_dropped) in STRESS_PROCS (12) processes at once, twice: one GPU and the cores
 #          shared, as a suite under xdist shares them (a race seen there once failed 9 of 25 such runs).
@@ -58,9 +60,15 @@ for step in $STEPS; do
     triton)
         timeout "${TRITON_TIMEOUT:-90}" $PY scripts/bench_triton_gpu.py > "$OUT/triton.log" 2>&1 ;;
     flexgen)
+        : > "$OUT/flexgen.log"
+        if [ -n "${FLEXGEN_PROFILE:-}" ]; then  # this GPU's profile first (opt-125m's layer: ~40 s)
+            timeout 120 $PY -m flexsarathi profile -o "$OUT/profile.json" --model opt-125m --disk-mib 64 \
+                --offload-dir /tmp/gpu_checks_profile >> "$OUT/flexgen.log" 2>&1
+        fi
         # shellcheck disable=SC2086
         timeout "${FLEXGEN_TIMEOUT:-600}" $PY scripts/bench_flexgen_gpu.py ${FLEXGEN_CASES:+--cases $FLEXGEN_CASES} \
-            --timeout "${FLEXGEN_RUN_TIMEOUT:-300}" --json "$OUT/flexgen.json" > "$OUT/flexgen.log" 2>&1 ;;
+            ${FLEXGEN_PROFILE:+--profile "$OUT/profile.json"} --timeout "${FLEXGEN_RUN_TIMEOUT:-300}" \
+            --json "$OUT/flexgen.json" >> "$OUT/flexgen.log" 2>&1 ;;
     stress)
         : > "$OUT/stress.log"
         for round in 1 2; do
