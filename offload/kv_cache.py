@@ -62,10 +62,11 @@ def _qtensor_shapes(config: QuantConfig, values_per_row: int) -> dict[str, tuple
 def kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """k, v [T, kv_heads, head_dim] as one [T, 2, kv_heads, head_dim] view where each token's v
     follows its k in memory (the fused qkv projection's output), else None."""
-    if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device or k.stride() != v.stride():
-        return None
+    if k.dim() != 3 or v.data_ptr() - k.data_ptr() != k.shape[1] * k.shape[2] * k.element_size():
+        return None  # the cheap test first: v does not start where k's first row ends
     width = k.shape[1] * k.shape[2]
-    if k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.data_ptr() - k.data_ptr() != width * k.element_size():
+    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device or k.stride() != v.stride() \
+            or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
         return None
     return k.as_strided((k.shape[0], 2, *k.shape[1:]), (k.stride(0), width, k.shape[2], 1))
 
@@ -246,7 +247,7 @@ class KVPool:
         if table.device.type == "cpu" and device.type == "cuda":
             staged = torch.empty((flat.numel(), *table.shape[1:]), dtype=table.dtype, pin_memory=True)
             return torch.index_select(table, 0, flat, out=staged).to(device, non_blocking=True)
-        if table.device.type == "cpu" and device.type == "cpu":
+        if table.device.type == "cpu" and device.type == "cpu" and flat.numel() * table[0].nbytes >= self._contexts.min_bytes:
             out = self._context_buffer((flat.numel(), *table.shape[1:]), table.dtype)
             return torch.index_select(table, 0, flat, out=out)
         return table.index_select(0, flat).to(device, non_blocking=True)
