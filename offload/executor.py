@@ -253,7 +253,7 @@ class PassExecutor:
     def _decode_biases(self, batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
         """id(part) -> its attention mask, for each decode group of one part attended on the compute
         device (_attend's fused call): the same for every layer, so built once per pass."""
-        return {id(part): self.model.decode_bias(g.q_pos, part.kv_len, part.kv_slots.shape[1], self.dtype, part.kv_start)
+        return {id(part): self._new_bias(g, part, part.kv_slots.shape[1], self.dtype)
                 for mb in batches for g in mb.groups if g.is_decode and len(g.parts) == 1
                 for part in g.parts if self.attention_device(part.tier, g).type == self.device.type}
 
@@ -261,8 +261,11 @@ class PassExecutor:
         """The part's mask from _decode_biases (built here for a part it did not foresee)."""
         key = id(part)
         if key not in self._biases:
-            self._biases[key] = self.model.decode_bias(group.q_pos, part.kv_len, length, dtype, part.kv_start)
+            self._biases[key] = self._new_bias(group, part, length, dtype)
         return self._biases[key]
+
+    def _new_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.model.decode_bias(group.q_pos, part.kv_len, length, dtype, part.kv_start)
 
     def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v) -> None:
         if not self._first[id(mb)]:  # else _compute wrote them

@@ -62,9 +62,11 @@ def _qtensor_shapes(config: QuantConfig, values_per_row: int) -> dict[str, tuple
 def kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """k, v [T, kv_heads, head_dim] as one [T, 2, kv_heads, head_dim] view where each token's v
     follows its k in memory (the fused qkv projection's output), else None."""
-    if k.dim() != 3 or v.data_ptr() - k.data_ptr() != k.shape[1] * k.shape[2] * k.element_size():
-        return None  # the cheap test first: v does not start where k's first row ends
+    if k.dim() != 3:
+        return None
     width = k.shape[1] * k.shape[2]
+    if v.data_ptr() - k.data_ptr() != width * k.element_size():
+        return None  # the cheap test first: v does not start where k's first row ends
     if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device or k.stride() != v.stride() \
             or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
         return None

@@ -117,10 +117,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
 def visible_keys(q_pos: torch.Tensor, kv_len: torch.Tensor, length: int, kv_pos_offset: int | torch.Tensor = 0,
                  sliding_window: int | None = None, key_blocks: tuple[int, str] | None = None) -> torch.Tensor:
     """[B, rows, L] bool: which of `length` keys each query row sees (attend's rule). q_pos: [B, rows]."""
-    key_pos = torch.arange(length, device=q_pos.device) + (
-        kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
+    index = torch.arange(length, device=q_pos.device)  # [L]
+    key_pos = index + (kv_pos_offset if isinstance(kv_pos_offset, int) else kv_pos_offset[:, None, None])
     qp = q_pos[:, :, None]  # [B, rows, 1]
-    mask = (torch.arange(length, device=q_pos.device) < kv_len[:, None])[:, None, :] & (key_pos <= qp)
+    mask = (index < kv_len[:, None])[:, None, :] & (key_pos <= qp)
     if sliding_window is not None:
         mask &= key_pos > qp - sliding_window
     if key_blocks is not None:
