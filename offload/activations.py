@@ -85,6 +85,8 @@ class ActivationStore:
 
     def take(self, key: int) -> torch.Tensor:
         parked = self._parked.pop(key)
+        if len(parked) == 1 and parked[0][0] == "gpu":  # kept on the compute device: as it is
+            return parked[0][1]
         parts = [t if tier == "gpu" else t.to(self.device, non_blocking=True) for tier, t, _ in parked]
         if len(parts) == 1:
             return parts[0]

@@ -57,6 +57,10 @@ class PassExecutor:
         self._biases: dict[int, torch.Tensor] = {}
         self._threaded: dict[int, bool] = {}
         self._first: dict[int, bool] = {}
+        # per pass: id(write or part) -> its slots on its plain pool's device (uploaded once per pass,
+        # not per layer: _pool_slots); id(micro-batch) -> whether its one group is every row, in order
+        self._slots: dict[int, torch.Tensor] = {}
+        self._whole: dict[int, bool] = {}
 
     def _io_worth_a_thread(self, mb: MicroBatch) -> bool:
         """Whether the micro-batch's loads and stores leave the compute device's memory system.
@@ -118,6 +122,8 @@ class PassExecutor:
             # per micro-batch, fixed for the pass: its I/O on the thread, its K/V written first
             self._threaded = {id(mb): self._io_worth_a_thread(mb) for mb in batches}
             self._first = {id(mb): self.writes_first(mb) for mb in batches}
+            self._slots = self._pool_slots(batches)
+            self._whole = {id(mb): _one_group_of_every_row(mb) for mb in batches}
             g = self.weights.global_weights()
             for k, mb in enumerate(batches):
                 self.acts.put(k, self.model.embed(g, mb.token_ids, mb.positions).to(self.dtype))
@@ -149,8 +155,9 @@ class PassExecutor:
             hidden, new_k, new_v = self._compute(layer, w, mb, hidden, contexts)
             if threaded[k]:
                 used_on([hidden, new_k, new_v], self._io_stream.stream)
-            storing.append(self._submit(self._store, record_event(self.device) if threaded[k] else None, layer, mb,
-                                        k, hidden, new_k, new_v, threaded=threaded[k]))
+                storing.append(self._submit(self._store, record_event(self.device), layer, mb, k, hidden, new_k, new_v))
+            else:
+                self._store(layer, mb, k, hidden, new_k, new_v)
         for future in storing:
             wait_for(future.result()[1], self.device)
         self.weights.release(layer)
@@ -175,10 +182,30 @@ class PassExecutor:
         return [[self._context(layer, group, part) for part in group.parts] for group in mb.groups]
 
     def _context(self, layer: int, group: AttentionGroup, part):
-        device, pool = self.attention_device(part.tier, group), self.kv_pools[part.tier]
         if self._reads_new_rows(part):
             return None
+        device, pool = self.attention_device(part.tier, group), self.kv_pools[part.tier]
+        slots = self._slots.get(id(part))
+        if slots is not None:  # a plain pool: its K/V pairs at the slots uploaded for the pass
+            return pool.gather(layer, slots, device)
         return IN_POOL if pool.attends_in_pool(group, part, device) else pool.gather_part(layer, part, device)
+
+    def _pool_slots(self, batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """id(write or part) -> its slots on its pool's device, for plain pools (compressed ones do
+        their index arithmetic on the host). The same for every layer: on a GPU one upload per pass
+        instead of one per layer and step."""
+        slots = {}
+        for mb in batches:
+            for write in mb.kv_writes:
+                pool = self.kv_pools[write.tier]
+                if pool.compression is None:
+                    slots[id(write)] = to_device(write.slots, pool.device)
+            for group in mb.groups:
+                for part in group.parts:
+                    pool = self.kv_pools[part.tier]
+                    if pool.compression is None and not self._reads_new_rows(part):
+                        slots[id(part)] = to_device(part.kv_slots, pool.device)
+        return slots
 
     def _reads_new_rows(self, part) -> bool:
         """The part's whole context is this pass's own new K/V: the pool attends those rows
@@ -193,12 +220,11 @@ class PassExecutor:
         if written:
             self._store_kv(layer, mb, k, v)
             contexts = self._contexts(layer, mb)
-        whole = len(mb.groups) == 1 and mb.groups[0].row_start == 0 and \
-            mb.groups[0].num_seqs * mb.groups[0].num_queries == mb.num_tokens
+        whole = self._whole[id(mb)]
         attn = None if whole else torch.empty_like(q)
         for group, group_contexts in zip(mb.groups, contexts):
             rows = _rows(group.row_start, group.num_seqs * group.num_queries, group.token_rows)
-            q_group = q[rows].view(group.num_seqs, group.num_queries, *q.shape[1:])
+            q_group = (q if whole else q[rows]).view(group.num_seqs, group.num_queries, *q.shape[1:])
             q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
             outs = [out for part, context in zip(group.parts, group_contexts)
                     for out in self._attend_part(layer, q_on, group, part, context, k, v, rows, written)]
@@ -215,6 +241,11 @@ class PassExecutor:
         (lse None where the part is the group's only one: nothing to merge). k, v: the micro-batch's
         new K/V, the group's at `rows`; written: they are in the pool already, so a gathered context
         holds them."""
+        if written and context is not None and id(part) in self._biases:
+            # a decode part alone on the compute device, its new rows in the gathered context: one
+            # fused call with the pass's mask (what _attend does for it, without its tests per layer)
+            q = self._q_on(q_on, context[0].device)
+            return [(self.model.attend_decode(q, context[0], context[1], self._biases[id(part)]), None)]
         pool = self.kv_pools[part.tier]
         if context is IN_POOL:
             q = self._q_on(q_on, CPU)
@@ -274,8 +305,11 @@ class PassExecutor:
 
     def _store_kv(self, layer: int, mb: MicroBatch, new_k, new_v) -> None:
         for write in mb.kv_writes:
-            rows = _rows(write.row_start, write.rows.shape[0], write.rows)
-            self.kv_pools[write.tier].store(layer, write.slots, new_k[rows], new_v[rows], write.residual_ids)
+            k, v, count = new_k, new_v, write.rows.shape[0]
+            if write.row_start != 0 or count != new_k.shape[0]:  # else every row, in order: no slicing
+                rows = _rows(write.row_start, count, write.rows)
+                k, v = new_k[rows], new_v[rows]
+            self.kv_pools[write.tier].store(layer, self._slots.get(id(write), write.slots), k, v, write.residual_ids)
 
 
 class _Done:
@@ -289,6 +323,13 @@ class _Done:
 
     def result(self):
         return self.value
+
+
+def _one_group_of_every_row(mb: MicroBatch) -> bool:
+    """The micro-batch has one attention group and it is every row, in order: its attention output
+    is the layer's, and its q needs no slicing."""
+    group = mb.groups[0] if len(mb.groups) == 1 else None
+    return group is not None and group.row_start == 0 and group.num_seqs * group.num_queries == mb.num_tokens
 
 
 def _rows(start: int | None, count: int, rows: torch.Tensor):

@@ -182,13 +182,14 @@ class KVPool:
         device; residual_ids: [T] the residual row of each token's sequence (compressed pools).
         A host pool takes k and v through pinned memory and an event wait (no stream sync) and
         does its arithmetic on the host; a device pool's index arithmetic runs on the host too."""
-        if self.device.type == "cpu":
-            k, v = to_host(k), to_host(v)
         if self.compression is None:
             pair = kv_pair(k, v)
             if pair is not None and self.device.type == pair.device.type and pair.dtype == self.dtype:
-                self.store_pair(layer, slots, pair)
+                self.kv[layer].index_copy_(0, to_device(slots, self.device), pair)  # one write (store_pair)
                 return
+        if self.device.type == "cpu":
+            k, v = to_host(k), to_host(v)
+        if self.compression is None:
             slots = to_device(slots, self.device)
             self.k[layer].index_copy_(0, slots, k.to(self.device, self.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.device, self.dtype))
@@ -246,12 +247,15 @@ class KVPool:
 
     def _select(self, table: torch.Tensor, flat: torch.Tensor, device: torch.device) -> torch.Tensor:
         """table[flat] on `device` (rows of one layer's K/V pairs, or of a code table)."""
-        if table.device.type == "cpu" and device.type == "cuda":
+        here, there = table.device.type, device.type
+        if here == there:
+            if here == "cpu" and flat.numel() * table.stride(0) * table.element_size() >= self._contexts.min_bytes:
+                return torch.index_select(table, 0, flat, out=self._context_buffer((flat.numel(), *table.shape[1:]),
+                                                                                   table.dtype))
+            return torch.index_select(table, 0, flat)
+        if here == "cpu" and there == "cuda":
             staged = torch.empty((flat.numel(), *table.shape[1:]), dtype=table.dtype, pin_memory=True)
             return torch.index_select(table, 0, flat, out=staged).to(device, non_blocking=True)
-        if table.device.type == "cpu" and device.type == "cpu" and flat.numel() * table[0].nbytes >= self._contexts.min_bytes:
-            out = self._context_buffer((flat.numel(), *table.shape[1:]), table.dtype)
-            return torch.index_select(table, 0, flat, out=out)
         return table.index_select(0, flat).to(device, non_blocking=True)
 
     def _context_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -151,7 +151,7 @@ class TieredWeights:
         return self._globals
 
     def prefetch(self, layer: int) -> None:
-        if layer in self._pending:
+        if layer in self._pending or layer in self._resident_layers:  # the latter: nothing to load, no slot
             return
         slot = self._next_slot
         self._next_slot = (slot + 1) % len(self._buffers)
@@ -162,6 +162,9 @@ class TieredWeights:
             self._pending[layer] = (slot, self._pool.submit(self._load, layer, slot))
 
     def get(self, layer: int) -> Weights:
+        resident = self._resident_layers.get(layer)
+        if resident is not None:  # nothing streamed: the views assembled at its first get, no slot held
+            return resident
         if layer not in self._pending:
             self.prefetch(layer)
         slot, future = self._pending.pop(layer)
@@ -169,8 +172,6 @@ class TieredWeights:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         self._in_use[layer] = slot
-        if layer in self._resident_layers:
-            return self._resident_layers[layer]
         weights: Weights = dict(self.placed.small[layer])
         buffers = self._buffers[slot][self._kind(layer)]
         for plan in self.plan.layer(layer).tensors:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Kernel launches and host time per decode layer-step, ours beside a plain-PyTorch layer (prints;
 asserts nothing; `tests/offload/test_launch_count.py` pins the count). Times are medians of every
-layer-step (ours: each layer of each decode pass; plain: as many repeats), so a busy neighbour's
-burst moves them little.
+layer-step (ours: each layer of each decode pass; plain: as many repeats), ours and plain timed in
+alternating rounds, so a busy neighbour's burst moves them little and their ratio less.
 
 An all-on-device decode pass moves nothing, so its speed on a GPU is host time: about 25 us per
 kernel launch (docs/DESIGN.md, "Decode passes on a GPU"). This counts the aten operators that launch
@@ -74,8 +74,9 @@ class PlainLayer:
         return x + y
 
 
-def measure_plain(args, dtype, device, sync) -> tuple[float, float]:
-    """(launches, host microseconds) per layer-step of the plain layer."""
+def plain_measurer(args, dtype, device, sync):
+    """(launches per layer of the plain layer, a function that times as many layer-steps as one of
+    our timed generates makes and returns their host seconds)."""
     layer = PlainLayer(args.hidden, args.heads, args.batch, args.prompt_len + args.steps + 1, dtype, device)
     x = torch.randn(args.batch, args.hidden, dtype=dtype, device=device)
     slots = torch.arange(args.batch, device=device) * layer.context + args.prompt_len
@@ -84,19 +85,26 @@ def measure_plain(args, dtype, device, sync) -> tuple[float, float]:
             layer.step(x, slots, args.prompt_len + 1)
         with LaunchCounter() as counter:
             layer.step(x, slots, args.prompt_len + 1)
+
+    @torch.inference_mode()
+    def timed() -> list[float]:
         times = []
-        for _ in range(args.layers * args.steps * 4):
+        for _ in range(args.layers * args.steps):
             sync()
             start = time.perf_counter()
             layer.step(x, slots, args.prompt_len + 1)
             sync()
             times.append(time.perf_counter() - start)
-    return counter.launches, 1e6 * statistics.median(times)
+        return times
+
+    return counter.launches, timed
 
 
-def measure_ours(args, folder: str, dtype, device, sync) -> dict:
+def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
     """Launches and host time per decode layer-step of the engine (layer loop only), and per decode
-    pass outside the layers (embedding, head, metadata)."""
+    pass outside the layers (embedding, head, metadata). Our timed runs alternate with
+    `plain_round`'s (args.rounds of each), so both see the same machine: a busy neighbour's burst
+    moves both medians, not their ratio."""
     from flexsarathi import LLM, SamplingParams
     from offload.executor import PassExecutor
     from policy_search import Policy
@@ -161,9 +169,12 @@ def measure_ours(args, folder: str, dtype, device, sync) -> dict:
             PassExecutor._run_layer, PassExecutor.run = counted_layer, counted_pass
             llm.generate(prompts, params, use_tqdm=False)
             PassExecutor._run_layer, PassExecutor.run = timed_layer, timed_pass
-            began = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            total = time.perf_counter() - began
+            plain_times, total = [], 0.0
+            for _ in range(args.rounds):
+                began = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                total += time.perf_counter() - began
+                plain_times += plain_round()
         finally:
             PassExecutor._run_layer, PassExecutor.run = run_layer, run_pass
         graph_steps = llm.engine.stats.get("graph_passes", 0)
@@ -171,7 +182,8 @@ def measure_ours(args, folder: str, dtype, device, sync) -> dict:
     return {"launches": counts["layer"] / steps, "host_us": 1e6 * statistics.median(layer_times) if layer_times else 0.0,
             "outside_launches": counts["pass"] / max(counts["passes"], 1),
             "outside_us": 1e6 * counts["pass_s"] / max(counts["timed_passes"], 1),
-            "eager_layer_steps": counts["layer_steps"], "graph_passes": graph_steps, "generate_s": total}
+            "eager_layer_steps": counts["layer_steps"], "graph_passes": graph_steps, "generate_s": total / args.rounds,
+            "plain_us": 1e6 * statistics.median(plain_times)}
 
 
 def profiler_kernels(args, folder: str, dtype, device) -> float:
@@ -205,7 +217,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=8, help="decode passes measured")
+    p.add_argument("--steps", type=int, default=16, help="decode passes per timed run")
+    p.add_argument("--rounds", type=int, default=5, help="timed runs of ours, each followed by as many plain layer-steps")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the passes that allow them")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
@@ -217,8 +230,9 @@ def main() -> int:
           f"prompt {args.prompt_len}, {args.steps} decode passes")
     with tempfile.TemporaryDirectory() as folder:
         tiny_opt(folder, args.hidden, args.heads, args.layers, dtype)
-        ours = measure_ours(args, folder, dtype, device, sync)
-        plain_launches, plain_us = measure_plain(args, dtype, device, sync)
+        plain_launches, plain_round = plain_measurer(args, dtype, device, sync)
+        ours = measure_ours(args, folder, dtype, device, sync, plain_round)
+        plain_us = ours.pop("plain_us")
         kernels = profiler_kernels(args, folder, dtype, device) if device.type == "cuda" else None
     figures = {"ours": ours, "plain": {"launches": plain_launches, "host_us": plain_us},
                "profiler_kernels_per_layer_step": kernels}

@@ -104,9 +104,7 @@ class ModelMath(ABC):
 
     def _split_qkv(self, qkv: torch.Tensor):
         c = self.config
-        # slices, not Tensor.split (its Python wrapper costs more than the views)
-        q, k, v = qkv[..., :c.q_size], qkv[..., c.q_size:c.q_size + c.kv_size], qkv[..., c.q_size + c.kv_size:]
-        num_tokens = qkv.shape[0]
-        return (q.reshape(num_tokens, c.num_heads, c.head_dim),
-                k.reshape(num_tokens, c.num_kv_heads, c.head_dim),
-                v.reshape(num_tokens, c.num_kv_heads, c.head_dim))
+        # one reshape into heads, then slices (views; Tensor.split's Python wrapper costs more)
+        heads = qkv.reshape(qkv.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)  # [T, h + 2 kvh, d]
+        kv_end = c.num_heads + c.num_kv_heads
+        return heads[:, :c.num_heads], heads[:, c.num_heads:kv_end], heads[:, kv_end:]

@@ -24,7 +24,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     """x @ weight.T + bias; `weight` may be a compressed QTensor (dequantized right before use) or a
     RowSplit (one matmul per part of its rows, outputs side by side)."""
     if isinstance(weight, torch.Tensor):
-        if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and weight.dim() == 2
+        if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 2
                 and weight.numel() >= TRANSPOSED_MIN_WEIGHT and x.numel() // max(1, x.shape[-1]) in TRANSPOSED_ROWS):
             out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()  # [rows, out]
             if bias is not None:
@@ -70,7 +70,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     # for half-precision inputs, and no fp32 copies of x, weight and bias are launched.
     if weight.dtype != x.dtype:
         weight, bias = weight.to(x.dtype), bias.to(x.dtype)
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    # torch.layer_norm is F.layer_norm's own call, without its wrapper's checks (a decode layer on a
+    # GPU is host-bound: docs/DESIGN.md, "Decode passes on a GPU")
+    return torch.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

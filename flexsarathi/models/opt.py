@@ -2,6 +2,7 @@
 biased; pre-norm except opt-350m (post-norm, with 512-wide embeddings projected in and out)."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from flexsarathi.models.base import ModelMath, Weights
@@ -88,7 +89,7 @@ class OPTMath(ModelMath):
             hidden = layer_norm(hidden, w["attn_norm.weight"], w["attn_norm.bias"], eps)
         x = layer_norm(hidden, w["mlp_norm.weight"], w["mlp_norm.bias"], eps) if pre else hidden
         # ReLU in place: one [T, ffn] buffer, as the working set prices it (ModelSpec.ffn_buffers)
-        x = linear(F.relu(linear(x, w["fc1.weight"], w.get("fc1.bias")), inplace=True), w["fc2.weight"], w.get("fc2.bias"))
+        x = linear(torch.relu_(linear(x, w["fc1.weight"], w.get("fc1.bias"))), w["fc2.weight"], w.get("fc2.bias"))
         hidden = hidden + x
         if not pre:
             hidden = layer_norm(hidden, w["mlp_norm.weight"], w["mlp_norm.bias"], eps)
