@@ -5,14 +5,13 @@ Both through flexsarathi.models.attention.attend (kernel="matmul" / "flash"), on
 them ([B, L, kv_heads, d]), min of interleaved repeats. Prints times and the ratio (issue 28,
 finding 11; docs/GPU.md).
 
-    python scripts/bench_attention_lse.py [--repeats 15] [--threads N]
+    python scripts/bench_attention_lse.py [--repeats 15] [--threads N] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
-import platform
-import time
 
+import harness  # puts the repository root on sys.path
 import torch
 
 from flexsarathi.models.attention import attend
@@ -40,26 +39,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(harness.machine()["line"])
+    rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for name, *shape in CASES:
             q, k, v, q_pos, kv_len = _inputs(*shape, dtype)
             scale = shape[-1] ** -0.5
-            best = {"matmul": float("inf"), "flash": float("inf")}
             outs = {}
-            for _ in range(args.repeats):  # interleaved: load changes hit both alike
-                for kernel in best:
-                    start = time.perf_counter()
-                    outs[kernel] = attend(q, k, v, q_pos, kv_len, scale, kernel=kernel)
-                    best[kernel] = min(best[kernel], time.perf_counter() - start)
+
+            def kernel(which):
+                return lambda: outs.__setitem__(which, attend(q, k, v, q_pos, kv_len, scale, kernel=which))
+
+            # taking turns: load changes hit both alike
+            times = harness.alternate({"matmul": kernel("matmul"), "flash": kernel("flash")}, args.repeats,
+                                      warmup=False)
+            best = {which: times.best(which) for which in ("matmul", "flash")}
             diff = (outs["matmul"][0].float() - outs["flash"][0].float()).abs().max().item()
             print(f"{str(dtype).removeprefix('torch.'):>8} {name:<30} matmul {best['matmul'] * 1e3:7.2f} ms  "
                   f"flash+lse {best['flash'] * 1e3:7.2f} ms  flash/matmul {best['flash'] / best['matmul']:5.2f}"
                   f"  (max |diff| {diff:.1e})")
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "case": name, "matmul_ms": best["matmul"] * 1e3,
+                         "flash_ms": best["flash"] * 1e3, "flash_over_matmul": best["flash"] / best["matmul"],
+                         "max_abs_diff": diff})
+    harness.write_result(args, rows)
 
 
 if __name__ == "__main__":
