@@ -2,8 +2,8 @@
 one aten op here that also returns the log-sum-exp the exact merge of partial attentions needs
 (`_scaled_dot_product_flash_attention_for_cpu`; the efficient-attention op with LSE is CUDA-only).
 Both through flexsarathi.models.attention.attend (kernel="matmul" / "flash"), on K/V as the pools gather
-them ([B, L, kv_heads, d]), min of interleaved repeats. Prints times and the ratio (issue 28,
-finding 11; docs/GPU.md).
+them ([B, L, kv_heads, d]), min of repeats taking turns. Prints times and the ratio
+(docs/BENCHMARKS.md, bench_attention_lse).
 
     python scripts/bench_attention_lse.py [--repeats 15] [--threads N] [--json PATH]
 """
@@ -51,12 +51,13 @@ def main() -> None:
             scale = shape[-1] ** -0.5
             outs = {}
 
-            def kernel(which):
-                return lambda: outs.__setitem__(which, attend(q, k, v, q_pos, kv_len, scale, kernel=which))
+            def call(kernel: str):
+                def run() -> None:
+                    outs[kernel] = attend(q, k, v, q_pos, kv_len, scale, kernel=kernel)
+                return run
 
             # taking turns: load changes hit both alike
-            times = harness.alternate({"matmul": kernel("matmul"), "flash": kernel("flash")}, args.repeats,
-                                      warmup=False)
+            times = harness.alternate({"matmul": call("matmul"), "flash": call("flash")}, args.repeats, warmup=False)
             best = {which: times.best(which) for which in ("matmul", "flash")}
             diff = (outs["matmul"][0].float() - outs["flash"][0].float()).abs().max().item()
             print(f"{str(dtype).removeprefix('torch.'):>8} {name:<30} matmul {best['matmul'] * 1e3:7.2f} ms  "

@@ -48,7 +48,7 @@ Regimes
   exited (the store written the first time), so neither holds memory while the other runs. No cgroup (not root, no memory controller): said loudly,
   and the regime runs unconstrained (a RAM run in disguise).
 
-Bounds (this machine's, measured in this process before the runs; bench_offload's functions):
+Bounds (this machine's, measured in this process before the runs; scripts/bound.py):
 compute = the workload's FLOPs / the F.linear rate in ours' dtype at each pass's rows (512-row
 prompt passes, N-row decode passes); disk = the weight bytes read per pass / the fastest of
 O_DIRECT and cold buffered reads, in the disk regime only. Per pass max(disk, compute), summed;
