@@ -64,5 +64,5 @@ KV_FORMAT = KVFormat()
 # Rows up to which a 4-bit weight in the CPU int4 kernel's layout is multiplied by that kernel
 # (quant/int4pack.py), above it dequantized + bf16 GEMM: the kernel dequantizes inside its tiles,
 # so its cost grows with the rows far faster than a GEMM's (measured crossover: docs/BENCHMARKS.md,
-# "Offload benchmark"). The planner prices the same rule.
+# "bench_quant_cpu"). The planner prices the same rule.
 CPU_INT4_KERNEL_MAX_ROWS = 64

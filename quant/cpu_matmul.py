@@ -20,7 +20,7 @@ is one contiguous slice of them too; the kernel wants `[in / group, out, 2]` and
 a strided view of it (torch 2.13: wrong results, no error), so `linear_4bit` transposes that small
 tensor per call (1/4 of the codes' bytes at group 64; opt-1.3b's fc1, 1 thread, CPU time: 0.3 ms,
 6% of the call at 30 rows, 75% at 1 row; at 1 row an opt-1.3b pass's linears still take half the
-uncompressed matmuls' time, docs/BENCHMARKS.md "Offload benchmark"), moving each (scale, zero) pair as one
+uncompressed matmuls' time, docs/BENCHMARKS.md "bench_quant_cpu"), moving each (scale, zero) pair as one
 int32 (`kernel_order_scales`).
 
 Arithmetic: the kernel computes `(c - 8) * s + z` in fp32 from bf16 `s` and `z`, accumulates in

@@ -65,14 +65,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # puts the repository root on sys.path
+import torch
 
-import torch  # noqa: E402
-
-from bench_offload import (Pass, Rates, best_rates, cpu_per_gb, cpu_seconds, disk_read_bytes,  # noqa: E402
-                           drop_cache_of, instrument, machine_busy_seconds, measure_disk_buffered,
-                           measure_matmul, release_free_memory)
+from bound import Pass, Rates, Shapes, best_rates, cpu_per_gb, instrument, measure_disk_buffered, measure_matmul
+from harness import (GB, GiB, cpu_seconds, disk_read_bytes, drop_cache_of, machine_busy_seconds,
+                     release_free_memory, say)
 from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
@@ -88,18 +86,12 @@ from quant import quantize  # noqa: E402
 from quant.cpu_matmul import Int4Packed  # noqa: E402
 from quant.int4pack import int4pack_linear  # noqa: E402
 
-GiB = 1 << 30
-GB = 1e9
 RATE_TOKENS = (1, 8, 32, 128, 512, 1024)  # up to the prefill budget the planner picks here
 LLAMA_CPP_BITS = {"Q4_0": 4.5, "Q4_K_M": 4.8}  # bits per weight of llama.cpp's 4-bit formats
 # --quick: llama-2-70b's proportions (GQA 8:1, ffn 3.5 x hidden) at a tiny size
 TINY = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=1, intermediate_size=1792,
             num_hidden_layers=2)
 TINY_MOE = dict(TINY, moe_intermediate_size=256, head_dim=64)  # --quick of an MoE model: its experts, small
-
-
-def say(*args) -> None:
-    print(*args, flush=True)
 
 
 def register_model(base: str, layers: int | None, quick: bool) -> str:
@@ -114,45 +106,6 @@ def register_model(base: str, layers: int | None, quick: bool) -> str:
     name = f"{base}-{layers}l"
     KNOWN_MODELS[name] = {**known_config(base), "num_hidden_layers": layers}
     return name
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """What the bound needs of the model (bench_offload's Rates.bound reads pass_flops)."""
-    layers: int
-    hidden: int
-    vocab: int
-    # (out, in) of the matmuls a token runs through in one layer, as the engine fuses them (with
-    # experts: attention and one expert): what the matmul rates are measured on
-    matrices: tuple[tuple[int, int], ...]
-    active_params: float = 0.0  # matrix parameters one token multiplies per layer (0: the matrices')
-    stored_params: float = 0.0  # every matrix parameter of a layer, all experts (0: the matrices')
-    q_dim: int = 0  # query heads x head_dim (0: hidden)
-
-    @classmethod
-    def of(cls, spec) -> "Shapes":
-        h, q, kv, f = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.ffn_size
-        if not spec.num_experts:
-            return cls(spec.num_layers, h, spec.vocab_size, ((q + 2 * kv, h), (h, q), (2 * f, h), (h, f)), q_dim=q)
-        e = spec.expert_ffn_size
-        return cls(spec.num_layers, h, spec.vocab_size, ((q + 2 * kv, h), (h, q), (2 * e, h), (h, e)),
-                   active_params=spec.layer_active_matrix_params, stored_params=spec.layer_matrix_params, q_dim=q)
-
-    @property
-    def measured_params(self) -> int:
-        return sum(o * i for o, i in self.matrices)
-
-    @property
-    def layer_matrix_params(self) -> float:
-        """Every matrix parameter of one layer (all experts): what a pass streams."""
-        return self.stored_params or self.measured_params
-
-    def pass_flops(self, tokens: int, attended_keys: int, logit_rows: int) -> float:
-        # matmuls: each token's active parameters (its top-k experts only); attention: q.k and p.v
-        # over every attended key, 2 FLOPs each per query head dim
-        active = self.active_params or self.measured_params
-        return (self.layers * (2.0 * active * tokens + 4.0 * (self.q_dim or self.hidden) * attended_keys)
-                + 2.0 * self.hidden * self.vocab * logit_rows)
 
 
 def llama_cpp_bytes_per_token(shapes: Shapes) -> dict[str, float]:
@@ -378,6 +331,24 @@ def report(args, shapes: Shapes, rates: Rates, rates_4bit: Rates, result: Run, e
             f"at {rates.disk / GB:.2f} GB/s; ours / that {tok_s / theirs:.1f}x")
 
 
+def result_row(args, shapes: Shapes, rates: Rates, rates_4bit: Rates | None, r: Run, est, store_bytes: int
+               ) -> tuple[dict, dict]:
+    """(the printed figures as one row, the printed ratios) for the JSON result."""
+    tok_s = r.generated / r.seconds
+    b4 = bound_4bit(r, shapes, rates_4bit) if rates_4bit is not None else None
+    row = {"model": args.model, "layers": shapes.layers, "store_gb": store_bytes / GB, "tokens": r.generated,
+           "seconds": r.seconds, "passes": len(r.passes), "tok_s": tok_s, "disk_read_gb": r.disk_read / GB,
+           "peak_rss_gib": r.peak_rss / GiB, "cores": r.cores, "others": r.others, "bound_s": r.bound,
+           "bound_4bit_s": b4, "predicted_tok_s": est.throughput, "disk_gb_s": rates.disk / GB}
+    ratios = {"tok_s_over_bound": tok_s * r.bound / r.generated, "measured_over_predicted": tok_s / est.throughput}
+    if b4:
+        ratios["tok_s_over_bound_4bit"] = tok_s * b4 / r.generated
+    if not shapes.stored_params:
+        ratios.update({f"ours_over_llama_cpp_{fmt}_arithmetic": tok_s * per_token / rates.disk
+                       for fmt, per_token in llama_cpp_bytes_per_token(shapes).items()})
+    return row, ratios
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-2-70b",
@@ -398,6 +369,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "~40x slower to write than the default, codes drawn directly)")
     p.add_argument("--offload-dir", default="/tmp/fs_bench_70b")
     p.add_argument("--quick", action="store_true", help="smoke test: a tiny llama shape, 2 layers, 4 x 8 -> 3")
+    harness.add_json_option(p, __file__)
     args = p.parse_args(argv)
     if args.quick:
         args.prompt_len, args.gen_len, args.num_requests = 8, 3, 4
@@ -433,6 +405,9 @@ def main() -> int:
     finally:
         llm.close()
     report(args, shapes, rates, rates_4bit, result, est, store_bytes)
+    row, ratios = result_row(args, shapes, rates, rates_4bit, result, est, store_bytes)
+    harness.write_result(args, [row], ratios, dtype=args.dtype, extra={"rates": rates, "rates_4bit": rates_4bit,
+                                                                       "policy": describe_policy(policy)})
     say(f"done in {time.perf_counter() - t0:.0f} s")
     return 0
 

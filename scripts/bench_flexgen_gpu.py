@@ -42,8 +42,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import harness  # puts the repository root on sys.path
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from flexsarathi.machine.profiler import _host_memory  # noqa: E402
@@ -218,11 +219,11 @@ def main() -> int:
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
     parser.add_argument("--work", default=None, help="folder for offload files (default: a temporary one)")
-    parser.add_argument("--json", default=None, help="also write every result to this JSON file")
     parser.add_argument("--profile", default=None, help="a `flexsarathi profile` JSON of this machine: our "
                         "planner searches and predicts with its measured rates (host overhead per layer, eager and "
                         "graph, included), held to each case's preset memory (T4's); default: the preset itself")
     parser.add_argument("--ours-run", nargs="+", help=argparse.SUPPRESS)  # internal: one engine's runs
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args()
     if args.ours_run:
         device, model, policy, preset, profile, cpu_mem_gib, offload_dir, prompt_len, gen_len, requests, *schedulers = \
@@ -260,8 +261,8 @@ def main() -> int:
             searched = f"ours, searched for {case.hardware}" + (" (4-bit weights)" if case.auto_4bit else "")
             for result in run_ours(case, "auto", (), lengths, work, cpu_mem, args.timeout, args.profile):
                 _report(results, case, searched, result, flexgen)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    harness.write_result(args, results, {f"{r['case']}: {r['who']} / FlexGen": r["over_flexgen"]
+                                         for r in results if r.get("over_flexgen")})
     return 0
 
 
@@ -270,7 +271,10 @@ def _report(results: list, case: Case, who: str, result: dict, flexgen: dict) ->
     if result.get("error"):
         print(f"{case.name:<20} {who:<42} FAILED: {result['error']}", flush=True)
         return
-    ratio = f"{result['tok_s'] / flexgen['tok_s']:.2f}x" if "tok_s" in flexgen and flexgen is not result else ""
+    ratio = ""
+    if "tok_s" in flexgen and flexgen is not result:
+        results[-1]["over_flexgen"] = result["tok_s"] / flexgen["tok_s"]
+        ratio = f"{result['tok_s'] / flexgen['tok_s']:.2f}x"
     extra = f"  [{result['policy']}]" if "policy" in result else ""
     if "predicted_tok_s" in result:  # the planner's estimate of the same run, and how far off it is
         extra = (f"  predicted {result['predicted_tok_s']:.2f} ({result['planned_with']}; measured / predicted "

@@ -21,57 +21,10 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+import harness  # puts the repository root on sys.path; imports no torch (see measure)
+from workloads import FP16_FIELDS, HIDDEN, VOCAB, write_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HIDDEN, FFN, HEADS, VOCAB = 4096, 11008, 32, 32000  # llama-2-7b
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-def write_model(path: str, type_name: str, layers: int) -> None:
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[type_name]
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, "llama")
-    for key, value in (("block_count", layers), ("context_length", 4096), ("embedding_length", HIDDEN),
-                       ("feed_forward_length", FFN), ("attention.head_count", HEADS),
-                       ("attention.head_count_kv", HEADS)):
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-
-    def blocks(rows: int, cols: int) -> np.ndarray:
-        raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-        for offset in FP16_FIELDS[type_name]:
-            raw[:, offset:offset + 2] = np.full(raw.shape[0], 1e-4, dtype=np.float16).view(np.uint8).reshape(-1, 2)
-        return raw.reshape(rows, cols // block * size)
-
-    writer.add_tensor("token_embd.weight", np.zeros((VOCAB, HIDDEN), dtype=np.float16))
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    writer.add_tensor("output.weight", np.zeros((VOCAB, HIDDEN), dtype=np.float16))
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN, HIDDEN), "attn_v": (HIDDEN, HIDDEN),
-              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
-              "ffn_down": (HIDDEN, FFN)}
-    for i in range(layers):
-        for name in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(HIDDEN, dtype=np.float32))
-        for name, shape in shapes.items():
-            writer.add_tensor(f"blk.{i}.{name}.weight", blocks(*shape), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def child(mode: str, path: str) -> dict:
     """One measurement in this process: seconds and bytes held."""
     start = time.perf_counter()
@@ -100,7 +53,7 @@ def child(mode: str, path: str) -> dict:
 
 
 def measure(mode: str, path: str) -> dict:
-    drop_cache(path)
+    harness.drop_cache_of([path])
     env = dict(os.environ, PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, __file__, "--child", mode, path], env=env, capture_output=True,
                          text=True, check=True)
@@ -113,6 +66,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--write", nargs=3, help=argparse.SUPPRESS)
+    harness.add_json_option(p, __file__)
     args = p.parse_args()
     if args.write:
         write_model(args.write[0], args.write[1], int(args.write[2]))
@@ -135,9 +89,14 @@ def main() -> None:
     for mode, r in results.items():
         print(f"{mode:5s} {r['seconds']:7.2f} s  {r['seconds'] / read:5.2f}x read  peak RSS {r['rss_mib']:7.0f} MiB  "
               f"held {r['held'] / 2**20:7.0f} MiB")
-    print(f"ours / dequantize-to-fp32: time {results['ours']['seconds'] / results['deq']['seconds']:.2f}x, "
-          f"bytes held {results['ours']['held'] / results['deq']['held']:.3f}x; ours held / layer bytes in "
-          f"the file {results['ours']['held'] / layer_bytes:.3f}")
+    ratios = {"ours_over_deq_seconds": results["ours"]["seconds"] / results["deq"]["seconds"],
+              "ours_over_deq_held": results["ours"]["held"] / results["deq"]["held"],
+              "ours_held_over_layer_bytes": results["ours"]["held"] / layer_bytes}
+    print(f"ours / dequantize-to-fp32: time {ratios['ours_over_deq_seconds']:.2f}x, "
+          f"bytes held {ratios['ours_over_deq_held']:.3f}x; ours held / layer bytes in "
+          f"the file {ratios['ours_held_over_layer_bytes']:.3f}")
+    harness.write_result(args, [{"mode": mode, **r, "over_read": r["seconds"] / read} for mode, r in results.items()],
+                         ratios)
 
 
 if __name__ == "__main__":

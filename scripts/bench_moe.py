@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # puts the repository root on sys.path
+import torch
 
-import torch  # noqa: E402
-
-from bench_offload import disk_read_bytes  # noqa: E402
+from harness import disk_read_bytes  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
@@ -109,6 +106,7 @@ def main() -> None:
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "flexsarathi-bench-moe"))
     parser.add_argument("--dtype", default="auto", help="compute dtype (auto: this CPU's measured choice)")
     parser.add_argument("--dummy", default=None, help="a registered MoE shape at its real sizes (e.g. mixtral-8x7b)")
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))
     print(cpu_line(args.dtype))
@@ -119,6 +117,7 @@ def main() -> None:
     print(f"model: {args.dummy or 'mixtral-shaped'}, {args.layers} layers, hidden {args.hidden}, {e} experts of ffn {args.ffn}, "
           f"top-{k}; 4-bit weights on disk; an expert {expert_bytes / 2**20:.1f} MiB")
     print("batch  routed  tok/s   s/pass  MB read/pass  experts read/layer/pass  uniform 1-(1-k/E)^B  tokens equal")
+    rows, ratios = [], {}
     for batch in (int(b) for b in args.batches.split(",")):
         results = {routed: run(folder, batch, routed, offload, args) for routed in (False, True)}
         for routed, r in results.items():
@@ -127,9 +126,16 @@ def main() -> None:
                   f"{r['bytes_read'] / r['passes'] / 1e6:12.1f}  "
                   f"{per_layer:6.2f} of {e} ({per_layer / e:4.0%})        {1 - (1 - k / e) ** batch:4.0%}"
                   f"                 {results[True]['tokens'] == results[False]['tokens']}")
+            rows.append({"batch": batch, "routed": routed, "tok_s": r["tok_s"], "s_per_pass": r["seconds"] / r["passes"],
+                         "mb_read_per_pass": r["bytes_read"] / r["passes"] / 1e6, "experts_read_per_layer": per_layer,
+                         "experts": e, "uniform_share": 1 - (1 - k / e) ** batch,
+                         "tokens_equal": results[True]["tokens"] == results[False]["tokens"]})
         whole, routed_only = results[False], results[True]
         print(f"       routed / whole: {routed_only['tok_s'] / whole['tok_s']:.2f}x tok/s, "
               f"{routed_only['bytes_read'] / max(1, whole['bytes_read']):.2f}x bytes read")
+        ratios[f"batch_{batch}_routed_over_whole_tok_s"] = routed_only["tok_s"] / whole["tok_s"]
+        ratios[f"batch_{batch}_routed_over_whole_bytes"] = routed_only["bytes_read"] / max(1, whole["bytes_read"])
+    harness.write_result(args, rows, ratios, dtype=args.dtype)
 
 
 if __name__ == "__main__":

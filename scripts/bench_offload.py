@@ -110,7 +110,6 @@ before the runs, but a busy neighbour still moves the numbers; rerun when in dou
 from __future__ import annotations
 
 import argparse
-import atexit
 import gc
 import json
 import math
@@ -121,193 +120,32 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # puts the repository root on sys.path
+import torch
 
-import torch  # noqa: E402
+from bound import Pass, Rates, cpu_per_gb, instrument, measure_disk_buffered, measure_matmul  # noqa: E402
+from harness import (GB, GiB, MemoryGroup, cpu_seconds, disk_read_bytes, drop_cache_of,  # noqa: E402
+                     machine_busy_seconds, release_free_memory, say, stamp)
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.formats.checkpoint import DummyWeights  # noqa: E402
 from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
-from offload.disk_store import DiskStore, drop_page_cache  # noqa: E402
+from offload.disk_store import DiskStore  # noqa: E402
 from offload.host_malloc import host_malloc_state  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from policy_search.hardware import HardwareSpec  # noqa: E402
 from policy_search.model_registry import known_config  # noqa: E402
 
-GiB = 1 << 30
-GB = 1e9
 FLEXGEN_GPU_TO_WEIGHTS = 16 / 60  # T4 16 GB against OPT-30B's 60 GB of fp16 weights
-RATE_TOKENS = (1, 8, 32, 128, 512, 1024)
-
-
-def say(*args) -> None:
-    print(*args, flush=True)
-
-
-def stamp(t0: float) -> str:
-    return f"[{time.perf_counter() - t0:6.0f}s]"
-
-
-# ---- cgroup v1 memory group -------------------------------------------------------------------
-
-
-class MemoryGroup:
-    """Puts this process in a fresh cgroup-v1 memory group with a limit; `leave()` undoes it.
-
-    The group is a child of the memory group the process is in now, and leaving moves the process
-    back there (not to the root): limits of the parent keep applying and nothing outside is touched.
-    """
-
-    ROOT = "/sys/fs/cgroup/memory"
-
-    def __init__(self, limit_bytes: int):
-        self.limit = limit_bytes
-        self.path: str | None = None
-        self.home: str | None = None
-        self.active = False
-
-    @classmethod
-    def current_group(cls) -> str | None:
-        try:
-            with open("/proc/self/cgroup") as f:
-                for line in f:
-                    _, controllers, path = line.rstrip("\n").split(":", 2)
-                    if "memory" in controllers.split(","):
-                        return cls.ROOT + path.rstrip("/") if path != "/" else cls.ROOT
-        except OSError:
-            return None
-        return None
-
-    def enter(self) -> str | None:
-        """Join the group; returns None on success, else why not (the caller warns)."""
-        home = self.current_group()
-        if home is None or not os.path.exists(os.path.join(home, "cgroup.procs")):
-            return "no cgroup-v1 memory controller at " + self.ROOT
-        path = os.path.join(home, f"bench_offload_{os.getpid()}")
-        try:
-            os.mkdir(path)
-        except OSError as exc:
-            return f"cannot create {path}: {exc.strerror} (root needed)"
-        try:
-            _write(os.path.join(path, "memory.limit_in_bytes"), str(self.limit))
-            _write(os.path.join(path, "cgroup.procs"), str(os.getpid()))
-        except OSError as exc:
-            _rmdir_quietly(path)
-            return f"cannot set up {path}: {exc.strerror}"
-        self.path, self.home, self.active = path, home, True
-        atexit.register(self.leave)
-        return None
-
-    def leave(self) -> None:
-        if not self.active:
-            return
-        self.active = False
-        try:
-            _write(os.path.join(self.home, "cgroup.procs"), str(os.getpid()))
-        except OSError as exc:
-            say(f"WARNING: could not move pid {os.getpid()} back to {self.home}: {exc}")
-        # Page cache still charged to the group keeps it busy: empty it, then remove it.
-        try:
-            _write(os.path.join(self.path, "memory.force_empty"), "0")
-        except OSError:
-            pass
-        _rmdir_quietly(self.path)
-
-    def read(self, name: str) -> int | None:
-        if not self.active:
-            return None
-        try:
-            with open(os.path.join(self.path, name)) as f:
-                return int(f.read().split()[0])
-        except (OSError, ValueError):
-            return None
-
-    def reset_peak(self) -> None:
-        if self.active:
-            try:
-                _write(os.path.join(self.path, "memory.max_usage_in_bytes"), "0")
-            except OSError:
-                pass
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def _rmdir_quietly(path: str) -> None:
-    for _ in range(20):
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.1)
-    say(f"WARNING: could not remove cgroup {path}; remove it by hand (rmdir)")
-
-
-def cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds all processes of the machine have been busy (from /proc/stat), for telling how
-    much of the 2 cores the neighbours took during a run."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-    except OSError:
-        return 0.0
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def disk_read_bytes() -> int:
-    """Bytes this process (all threads) caused to be read from the storage layer."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def release_free_memory() -> None:
-    """gc, then give the C heap's free pages back to the kernel (glibc malloc_trim).
-
-    Freed memory the allocator keeps stays charged to the memory group; how much it keeps depends
-    on the allocation history (it varied by 0.45 GiB between identical runs and got one
-    OOM-killed). Trimming between runs makes every run start from what is really in use. It does
-    not change how either engine allocates while it runs.
-    """
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def drop_cache_of(paths) -> None:
-    for path in paths:
-        try:
-            drop_page_cache(path)
-        except OSError as exc:
-            say(f"  WARNING: could not drop the page cache of {path}: {exc}")
 
 
 # ---- the model, shapes and FLOPs --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Shapes:
+class OPTShapes:
     name: str
     layers: int
     hidden: int
@@ -326,7 +164,7 @@ class Shapes:
         return (3 * h, h), (h, h), (f, h), (h, f)
 
     @classmethod
-    def of(cls, name: str, item: int) -> "Shapes":
+    def of(cls, name: str, item: int) -> "OPTShapes":
         cfg = known_config(name)
         h, f, L, v = cfg["hidden_size"], cfg["ffn_dim"], cfg["num_hidden_layers"], cfg["vocab_size"]
         if cfg.get("word_embed_proj_dim", h) != h or not cfg.get("do_layer_norm_before", True):
@@ -345,127 +183,7 @@ class Shapes:
         return self.layers * 2 * self.hidden * self.item
 
 
-# ---- measured rates ---------------------------------------------------------------------------
-
-
-@dataclass
-class Rates:
-    disk_direct: float  # bytes/s, the DiskStore's O_DIRECT reads into aligned buffers
-    disk_buffered: float  # bytes/s, cold buffered sequential reads of the same files
-    matmul: dict[int, float]  # tokens -> FLOP/s for the layer's matmuls in the run's dtype
-    disk_engine_path: float = 0.0  # bytes/s, read_range_async into aligned buffers (as the engine reads)
-
-    @property
-    def disk(self) -> float:
-        """The fastest way measured to read these bytes from this disk: the bound's bandwidth."""
-        return max(self.disk_direct, self.disk_buffered, self.disk_engine_path)
-
-    def rate(self, tokens: int) -> float:
-        pts = sorted(self.matmul)
-        t = max(tokens, 1)
-        if t <= pts[0]:
-            return self.matmul[pts[0]]
-        if t >= pts[-1]:
-            return self.matmul[pts[-1]]
-        for lo, hi in zip(pts, pts[1:]):
-            if lo <= t <= hi:
-                w = (math.log(t) - math.log(lo)) / (math.log(hi) - math.log(lo))
-                return math.exp((1 - w) * math.log(self.matmul[lo]) + w * math.log(self.matmul[hi]))
-        raise AssertionError
-
-    def balance_tokens(self, shapes: Shapes, disk_bytes: float) -> int:
-        """Smallest pass size (multiple of 32) whose matmuls take as long as reading the weights."""
-        io_s = disk_bytes / self.disk
-        for t in range(32, 8193, 32):
-            if shapes.pass_flops(t, 0, 0) / self.rate(t) >= io_s:
-                return t
-        return 8192
-
-    def bound(self, shapes: Shapes, disk_bytes: float, tokens: int, attended: int, rows: int) -> tuple[float, float]:
-        """(I/O seconds, compute seconds) of one pass / forward."""
-        return disk_bytes / self.disk, shapes.pass_flops(tokens, attended, rows) / self.rate(tokens)
-
-
-def cpu_per_gb(fn, *args) -> tuple[float, float]:
-    """(bytes/s, process CPU seconds per GB read) of one read-all measurement."""
-    c0, w0 = cpu_seconds(), time.perf_counter()
-    rate = fn(*args)
-    nbytes = rate * (time.perf_counter() - w0)
-    return rate, (cpu_seconds() - c0) / (nbytes / GB)
-
-
-def measure_disk_buffered(files) -> float:
-    """Cold buffered sequential reads (4 MiB requests) of `files` after dropping their page cache."""
-    drop_cache_of(files)
-    buf = bytearray(4 << 20)
-    view = memoryview(buf)
-    total, start = 0, time.perf_counter()
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while True:
-                n = os.readv(fd, [view])
-                if n <= 0:
-                    break
-                total += n
-        finally:
-            os.close(fd)
-    elapsed = time.perf_counter() - start
-    drop_cache_of(files)
-    return total / elapsed
-
-
-@torch.inference_mode()
-def measure_matmul(matrices, dtype: torch.dtype, rounds: int = 5, seconds_per_round: float = 0.15,
-                   row_counts: tuple[int, ...] = RATE_TOKENS) -> dict[int, float]:
-    """FLOP/s of one layer's matmuls (`matrices`: (out, in) each) in `dtype` (F.linear, as the engine
-    runs them) per row count T (best_rates)."""
-    gen = torch.Generator().manual_seed(0)
-    ws = [torch.randn(o, i, generator=gen).to(dtype) * 0.02 for o, i in matrices]
-    xs = {t: [torch.randn(t, w.shape[1], generator=gen).to(dtype) for w in ws] for t in row_counts}
-
-    def layer(t: int) -> None:
-        for w, x in zip(ws, xs[t]):
-            torch.nn.functional.linear(x, w)
-
-    return best_rates(layer, 2.0 * sum(w.numel() for w in ws), row_counts, rounds, seconds_per_round)
-
-
-def best_rates(layer, flops_per_row: float, row_counts, rounds: int, seconds_per_round: float) -> dict[int, float]:
-    """FLOP/s of `layer(T)` (one layer's matmuls over T rows) per row count: the best of `rounds`
-    short rounds, interleaved over T, after a warm-up call each (oneDNN primitives for every
-    shape). Best, not mean: the neighbours' load comes in bursts, and the bound wants what the
-    machine can do, not what was left of it at one moment."""
-    best = {t: 0.0 for t in row_counts}
-    for t in row_counts:
-        layer(t)
-    for _ in range(rounds):
-        for t in row_counts:
-            reps, start = 0, time.perf_counter()
-            while True:
-                layer(t)
-                reps += 1
-                elapsed = time.perf_counter() - start
-                if elapsed > seconds_per_round:
-                    break
-            best[t] = max(best[t], flops_per_row * t * reps / elapsed)
-    return best
-
-
 # ---- per-pass records -------------------------------------------------------------------------
-
-
-@dataclass
-class Pass:
-    tokens: int
-    attended: int
-    rows: int
-    seconds: float
-    disk_bytes: float
-    io_s: float = 0.0
-    compute_s: float = 0.0
-    stall_s: float = 0.0  # time the pass waited for weights (ours)
-    load_s: float = 0.0  # time spent loading weights (ours, on whichever thread)
 
 
 @dataclass
@@ -527,46 +245,6 @@ def store_files(llm) -> list:
 
 def store_bytes(store) -> int:
     return sum(store.entry(n).nbytes for n in store.names())
-
-
-def instrument(llm, shapes: Shapes, rates: Rates, disk_bytes_per_pass: int, passes: list[Pass]) -> None:
-    """Record every pass: tokens, attended keys, logit rows, time, weight-load and stall time.
-
-    Wraps instance attributes only (the engine is untouched); loads run on the prefetch thread
-    with overlap on, so their time is summed separately from the time get() waited for them.
-    """
-    executor, weights = llm.engine.executor, llm.engine.weights
-    run, load, get = executor.run, weights._load, weights.get
-    acc = {"load": 0.0, "stall": 0.0}
-
-    def timed_load(*a, **k):
-        t = time.perf_counter()
-        try:
-            return load(*a, **k)
-        finally:
-            acc["load"] += time.perf_counter() - t
-
-    def timed_get(*a, **k):
-        t = time.perf_counter()
-        try:
-            return get(*a, **k)
-        finally:
-            acc["stall"] += time.perf_counter() - t
-
-    def timed_run(micro_batches):
-        tokens = sum(mb.num_tokens for mb in micro_batches)
-        attended = sum(int((mb.positions + 1).sum()) for mb in micro_batches)
-        rows = sum(mb.logit_rows.numel() for mb in micro_batches)
-        acc["load"] = acc["stall"] = 0.0
-        t = time.perf_counter()
-        out = run(micro_batches)
-        seconds = time.perf_counter() - t
-        io_s, compute_s = rates.bound(shapes, disk_bytes_per_pass, tokens, attended, rows)
-        passes.append(Pass(tokens, attended, rows, seconds, disk_bytes_per_pass, io_s, compute_s,
-                           acc["stall"], acc["load"]))
-        return out
-
-    weights._load, weights.get, executor.run = timed_load, timed_get, timed_run
 
 
 def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0, bench_files) -> Result:
@@ -640,7 +318,7 @@ def hf_state_from_dummy(dummy: DummyWeights, layer: int | None, dtype: torch.dty
     return out
 
 
-def build_accelerate_folder(args, shapes: Shapes, t0: float) -> str:
+def build_accelerate_folder(args, shapes: OPTShapes, t0: float) -> str:
     """Write Accelerate's offload folder (its own format: one .dat memmap per tensor + index.json)
     for every decoder layer, and the resident weights to resident.pt. Reused when complete."""
     from accelerate.utils import offload_weight, save_offload_index
@@ -673,7 +351,7 @@ def accelerate_files(folder: str) -> list[str]:
     return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".dat"))
 
 
-def accelerate_batch(shapes: Shapes, prompt_len: int, gen_len: int, gpu_budget: int) -> tuple[int, dict]:
+def accelerate_batch(shapes: OPTShapes, prompt_len: int, gen_len: int, gpu_budget: int) -> tuple[int, dict]:
     """Largest batch whose GPU-side working set fits the budget (see the module docstring)."""
     h, f, it = shapes.hidden, shapes.ffn, shapes.item
     largest_module = (f * h + f) * it  # fc1 / fc2 (+bias): accelerate loads one leaf module at a time
@@ -689,7 +367,7 @@ def accelerate_batch(shapes: Shapes, prompt_len: int, gen_len: int, gpu_budget: 
                         "per sequence": per_seq, "of which KV": kv, "prefill activations": acts}
 
 
-def build_accelerate_model(args, shapes: Shapes, folder: str, t0: float):
+def build_accelerate_model(args, shapes: OPTShapes, folder: str, t0: float):
     """(model, config): OPT on the meta device, resident weights on the execution device, every
     decoder layer dispatched to Accelerate's disk offload."""
     from accelerate import dispatch_model, init_empty_weights
@@ -898,6 +576,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke test in a minute or two: opt-125m, 4 prompts x 32 -> 3 tokens "
                              "(overrides --model, --num-prompts, --prompt-len, --gen-len)")
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.num_prompts, args.prompt_len, args.gen_len = "opt-125m", 4, 32, 3
@@ -912,7 +591,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Setup:
     """What every part of the run derives from: the model, the workload and the memory limits."""
 
-    shapes: Shapes
+    shapes: OPTShapes
     prompts: list[list[int]]
     weights_bytes: int  # offloaded: every layer's 2-D weights
     gpu_budget: int
@@ -925,7 +604,7 @@ class Setup:
 
 
 def make_setup(args) -> Setup:
-    shapes = Shapes.of(args.model, args.torch_dtype.itemsize)
+    shapes = OPTShapes.of(args.model, args.torch_dtype.itemsize)
     s, n, N = args.prompt_len, args.gen_len, args.num_prompts
     weights_bytes = shapes.layer_bytes * shapes.layers
     # FlexGen's T4 against OPT-30B's weights, applied to the whole model; small models, whose
@@ -1088,7 +767,33 @@ def report(args, setup: Setup, rates: Rates, results: list[Result], group: Memor
     compare_configurations({r.label: r for r in results}, results, args.dtype_name)
     say(f"  measured / bound: " + ", ".join(f"{r.label} {r.seconds / r.bound:.2f}" for r in results)
         + " (goal <= 1.3)")
+    harness.write_result(args, [result_row(r) for r in results], result_ratios(results), dtype=args.torch_dtype,
+                         note=None if group.path else "memory limit NOT ENFORCED (no cgroup)",
+                         extra={"rates": rates, "gpu_budget_gib": setup.gpu_budget / GiB,
+                                "mem_limit_gib": setup.mem_limit / GiB, "accelerate_batch": setup.batch})
     say(f"{stamp(t0)} done")
+
+
+def result_row(r: Result) -> dict:
+    """One row of the printed table, for the JSON result."""
+    return {"configuration": r.label, "batch": r.batch, "passes": len(r.passes), "tokens": r.generated,
+            "seconds": r.seconds, "tok_s": r.tok_s, "disk_gb": r.disk_read / GB, "io_s": r.io_total,
+            "compute_s": r.compute_total, "bound_s": r.bound,
+            "measured_over_bound": r.seconds / r.bound if r.bound else None, "cores": r.cores_used,
+            "others": r.others_cores, "cgroup_peak_gib": r.cgroup_peak / GiB if r.cgroup_peak else None}
+
+
+def result_ratios(results: list[Result]) -> dict:
+    """The printed ratios: ours / Accelerate (tok/s) and overlap off / on (seconds)."""
+    by = {r.label: r for r in results}
+    on, off, acc = by.get("ours, overlap on"), by.get("ours, overlap off"), by.get("accelerate disk offload")
+    ratios = {}
+    if acc is not None and on is not None:
+        ratios["ours_over_accelerate_tok_s"] = on.tok_s / acc.tok_s
+        ratios["best_ours_over_accelerate_tok_s"] = max(r.tok_s for r in results if r is not acc) / acc.tok_s
+    if on is not None and off is not None:
+        ratios["overlap_off_over_on_seconds"] = off.seconds / on.seconds
+    return ratios
 
 
 def compare_configurations(by: dict[str, Result], results: list[Result], dtype_name: str) -> None:

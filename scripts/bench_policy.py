@@ -11,12 +11,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import harness  # puts the repository root on sys.path
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate, search_detailed  # noqa: E402
 
@@ -55,6 +53,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="t4")
     parser.add_argument("--models", nargs="+", default=["opt-30b", "opt-175b"])
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args()
     t4 = HardwareSpec.preset("t4")
     hardware = HardwareSpec.resolve(args.hardware)
@@ -63,8 +62,11 @@ def main() -> int:
 
     print("(a) FlexGen's published policies on the t4 preset, prompt 512 / output 32")
     print(f"  {'model':<9}{'published':>10}{'estimate':>10}{'error':>8}  fits  policy")
+    rows = []
     for name, published, policy in FLEXGEN:
         est = estimate(policy, ModelSpec.from_name(name), t4, workload)
+        rows.append({"table": "a", "model": name, "published": published, "estimate": est.throughput,
+                     "error": est.throughput / published - 1, "fits": est.fits, "policy": knobs(policy)})
         print(f"  {name:<9}{published:>10.2f}{est.throughput:>10.3f}{est.throughput / published - 1:>+8.0%}"
               f"  {'yes' if est.fits else 'no ':<4}  {knobs(policy)}")
     print("  ('fits' applies FlexGen's 80% planning rule to this model's memory arithmetic.)")
@@ -82,6 +84,9 @@ def main() -> int:
                 timings.append((name, elapsed, result.lps_solved))
             block_policy, block = result.best_by_scheduler["block"]
             dm_policy, dm = result.best_by_scheduler["decode-maximal"]
+            rows.append({"table": "b", "model": name, "compression": label, "block": block.throughput,
+                         "decode_max": dm.throughput, "ratio": dm.throughput / block.throughput,
+                         "block_policy": knobs(block_policy), "decode_max_policy": knobs(dm_policy)})
             print(f"  {name:<9}{label:<13}{block.throughput:>10.3f}{dm.throughput:>12.3f}"
                   f"{dm.throughput / block.throughput:>7.2f}x   block: {knobs(block_policy)}")
             print(f"  {'':<9}{'':<13}{'':>10}{'':>12}{'':>8}   decode-maximal: {knobs(dm_policy)}, "
@@ -95,6 +100,8 @@ def main() -> int:
     print(f"\n(c) full search time on {hardware.name} (both schedulers, every knob)")
     for name, elapsed, lps in timings:
         print(f"  {name:<9}{elapsed:6.2f} s, {lps} placement LPs")
+        rows.append({"table": "c", "model": name, "search_s": elapsed, "placement_lps": lps})
+    harness.write_result(args, rows)
     return 0
 
 

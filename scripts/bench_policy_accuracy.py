@@ -45,9 +45,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # puts the repository root on sys.path
+import torch
 
-import torch  # noqa: E402
+from harness import Neighbours, say  # noqa: E402
 
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
@@ -59,10 +60,6 @@ from policy_search.units import GiB  # noqa: E402
 
 ALL_GPU = dict(w_gpu=1.0, w_cpu=0.0, w_disk=0.0, kv_gpu=1.0, kv_cpu=0.0, kv_disk=0.0,
                act_gpu=1.0, act_cpu=0.0, act_disk=0.0)
-
-
-def say(*args) -> None:
-    print(*args, flush=True)
 
 
 def placements(gbs: int, micro_batches: int) -> list[tuple[str, Policy]]:
@@ -106,27 +103,6 @@ def load_or_measure_profile(args, model: ModelSpec) -> HardwareSpec:
         spec.save(path)
         say(f"profile: saved to {path}")
     return spec
-
-
-class Neighbours:
-    """CPU time other processes took while a run lasted, in cores (from /proc/stat and os.times):
-    the runs and the profile share 2 cores, so this says how much a figure may be off."""
-
-    def __init__(self):
-        self.start = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-        own = os.times()
-        return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
-
-    def cores(self) -> float:
-        wall0, busy0, own0 = self.start
-        wall1, busy1, own1 = self._sample()
-        return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9)
 
 
 class PassTimer:
@@ -204,6 +180,7 @@ def main() -> int:
     parser.add_argument("--offload-dir", default="/tmp/fs_policy_accuracy")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="compute dtype (default auto: what LLM(dtype='auto') picks on this CPU)")
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args()
     args.model_id = args.model if args.model.startswith("dummy:") else f"dummy:{args.model}"
     t0 = time.perf_counter()
@@ -284,6 +261,11 @@ def main() -> int:
             f"{others:>14.2f}  {bounds}")
     within = sum(1 for _, _, est, m, _ in rows if abs(m / est.throughput - 1) <= 0.25)
     say(f"{within} of {len(rows)} placements within 25%; total {time.perf_counter() - t0:.0f} s")
+    harness.write_result(args, [{"placement": name, "policy": knobs(policy), "predicted_tok_s": est.throughput,
+                                 "measured_tok_s": m, "measured_over_predicted": m / est.throughput, "others": others}
+                                for name, policy, est, m, others in rows],
+                         {"placements_within_25pct": within, "placements": len(rows)}, dtype=args.torch_dtype,
+                         extra={"hardware": hw.describe(), "profile_neighbours": profile_neighbours})
     return 0
 
 

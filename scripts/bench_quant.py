@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import harness  # puts the repository root on sys.path (run from a checkout without installing)
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from quant import QuantConfig, dequantize, quantize  # noqa: E402
@@ -199,12 +197,14 @@ def main(argv: list[str] | None = None) -> None:
     # One thread by default: on a shared 2-core machine a second intra-op thread stalls whenever its
     # core is busy elsewhere (whole scheduler ticks per op), which no median removes.
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0: torch's default")
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     print(f"bench_quant: {cpu_line('float16 (speed sections), float32 (perplexity)')}; median of {args.repeats} repeats")
     rows = [row for name in (args.section or list(SECTIONS)) for row in SECTIONS[name](args)]
     print_table(rows)
+    harness.write_result(args, rows)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,11 @@ compute of a pass's linears, and the same pass-time model over the layer's bytes
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
+import harness  # puts the repository root on sys.path (run from a checkout without installing)
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from quant import QuantConfig, quantize, quantized_linear  # noqa: E402
@@ -68,30 +65,26 @@ def timed_paths(x, weight, q, packed, repeats) -> dict[str, float]:
     if cpu_int8_matmul.available() and cpu_int8_matmul.covers(x, q):
         paths |= {"int8": lambda: cpu_int8_matmul.int8_linear(x, q),
                   "int8x2": lambda: cpu_int8_matmul.int8_linear(x, q, planes=2)}
-    for f in paths.values():  # warm-up: buffers allocated, caches and the thread pool started
-        f()
-    times: dict[str, list[float]] = {k: [] for k in paths}
-    for _ in range(repeats):
-        for k, f in paths.items():
-            start = CLOCK()
-            f()
-            times[k].append(CLOCK() - start)
-    return {k: min(v) for k, v in times.items()}
+    # a warm-up call each: buffers allocated, caches and the thread pool started
+    times = harness.alternate(paths, repeats, clock=CLOCK)
+    return {k: times.best(k) for k in paths}
 
 
-def summary(label, t, io_plain, io_4bit, rows) -> str:
-    """One line: times, ratios to plain, and the streamed pass-time model."""
+def summary(label, t, io_plain, io_4bit, rows) -> tuple[str, dict]:
+    """One line: times, ratios to plain, and the streamed pass-time model; and its figures as a row."""
     # what the engine runs on a weight streamed in its format (cpu_matmul="auto")
     best_4bit = t.get("packed", t["int8x2"] if "int8x2" in t and rows <= cpu_int8_matmul.INT8X2_MAX_ROWS
                       else t["rowmaj"])
     gain = max(io_plain, t["plain"]) / max(io_4bit, best_4bit)
     times = " ".join(f"{k}={v * 1e3:7.2f}" for k, v in t.items())
     ratios = " ".join(f"{k}/plain={v / t['plain']:5.2f}" for k, v in t.items() if k != "plain")
-    return (f"{label} ms: {times} | {ratios} | io plain={io_plain * 1e3:6.2f} 4bit={io_4bit * 1e3:5.2f} | "
+    line = (f"{label} ms: {times} | {ratios} | io plain={io_plain * 1e3:6.2f} 4bit={io_4bit * 1e3:5.2f} | "
             f"streamed 4bit/plain pass speed={gain:4.2f}x")
+    return line, {"case": label, "ms": {k: v * 1e3 for k, v in t.items()}, "io_plain_ms": io_plain * 1e3,
+                  "io_4bit_ms": io_4bit * 1e3, "streamed_4bit_over_plain_pass_speed": gain}
 
 
-def bench_shape(shape, rows, dtype, repeats, disk_bps) -> list[str]:
+def bench_shape(shape, rows, dtype, repeats, disk_bps) -> list[tuple[str, dict]]:
     out_features, in_features = shape
     weight, q, packed = linears(shape, dtype)
     io_plain, io_4bit = weight.numel() * weight.element_size() / disk_bps, q.nbytes / disk_bps
@@ -102,7 +95,7 @@ def bench_shape(shape, rows, dtype, repeats, disk_bps) -> list[str]:
     return lines
 
 
-def bench_layer(rows, dtype, repeats, disk_bps, model="opt-1.3b") -> list[str]:
+def bench_layer(rows, dtype, repeats, disk_bps, model="opt-1.3b") -> list[tuple[str, dict]]:
     """One layer's linears (opt: qkv fused, o, fc1, fc2; llama: qkv, o, gate/up fused, down) summed
     and scaled to the model's layers."""
     shapes, layers = LAYERS[model]
@@ -133,6 +126,7 @@ def main(argv=None) -> None:
     p.add_argument("--cpu-time", action="store_true",
                    help="time by this thread's CPU time (1 thread only: torch then computes on the calling "
                         "thread): on a loaded machine it leaves out the time other processes hold the core")
+    harness.add_json_option(p, __file__)
     args = p.parse_args(argv)
     if args.cpu_time:
         if args.threads != [1]:
@@ -148,17 +142,21 @@ def main(argv=None) -> None:
     print(f"int4 layout ours == torch's converter here: {layout_matches_torch()}; kernel up to "
           f"{CPU_INT4_KERNEL_MAX_ROWS} rows; int8 kernel: {cpu_int8_matmul.unavailable_reason() or 'built'} "
           f"(int8x2 up to {cpu_int8_matmul.INT8X2_MAX_ROWS} rows); disk {args.disk_gbps} GB/s")
+    table = []
     for n in threads:
         torch.set_num_threads(n)
         print(f"-- {n} thread(s)")
         for dtype in (getattr(torch, d) for d in args.dtype):
             if args.layer:
-                for line in bench_layer(rows, dtype, args.repeats, args.disk_gbps * 1e9, args.shapes):
+                for line, row in bench_layer(rows, dtype, args.repeats, args.disk_gbps * 1e9, args.shapes):
                     print(line, flush=True)
+                    table.append({"threads": n, **row})
                 continue
             for shape in shapes:
-                for line in bench_shape(shape, rows, dtype, args.repeats, args.disk_gbps * 1e9):
+                for line, row in bench_shape(shape, rows, dtype, args.repeats, args.disk_gbps * 1e9):
                     print(line, flush=True)
+                    table.append({"threads": n, **row})
+    harness.write_result(args, table, dtype=" and ".join(args.dtype))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+import harness  # puts the repository root on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY = re.compile(r"tokens: (\d+) prompt, (\d+) generated in ([\d.]+) s")
 
@@ -47,8 +49,8 @@ def main() -> None:
     ap.add_argument("--model", default="dummy:opt-125m")
     ap.add_argument("--input", default="pkg:dummy_opt.jsonl")
     ap.add_argument("--max-tokens", default="32")
+    harness.add_json_option(ap, __file__)
     args = ap.parse_args()
-    sys.path.insert(0, REPO)
     import ray
     import torch
 
@@ -87,6 +89,12 @@ def main() -> None:
           f"wall x{median[one][0] / median[two][0]:.2f} (speed-up)")
     print(f"2 actors / 1 actor x 1 CPU: generated tok/s x{median[two][1] / median[names[2]][1]:.2f}")
     print(f"1 actor / single process: wall x{median['single process'][0] / median[one][0]:.2f} (speed-up)")
+    rows = [{"configuration": name, "rounds": [{"wall_s": w, "tok_s": t} for w, t in results[name]],
+             "median_wall_s": wall, "median_tok_s": tps} for name, (wall, tps) in median.items()]
+    harness.write_result(args, rows, {
+        "2 actors / 1 actor tok/s": median[two][1] / median[one][1], "2 actors / 1 actor wall speed-up":
+        median[one][0] / median[two][0], "2 actors / 1 actor x 1 CPU tok/s": median[two][1] / median[names[2]][1],
+        "1 actor / single process wall speed-up": median["single process"][0] / median[one][0]})
 
 
 if __name__ == "__main__":

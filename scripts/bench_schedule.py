@@ -42,21 +42,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # puts the repository root on sys.path
+import torch
 
-import torch  # noqa: E402
-
-from bench_offload import disk_read_bytes, drop_cache_of, machine_busy_seconds, cpu_seconds  # noqa: E402
+from harness import cpu_seconds, disk_read_bytes, drop_cache_of, machine_busy_seconds, say  # noqa: E402
 from flexsarathi import LLM, SamplingParams  # noqa: E402
 from flexsarathi.engine.llm_engine import resolve_dtype  # noqa: E402
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate  # noqa: E402
 from policy_search.passes import steady_prefill_budget  # noqa: E402
-
-
-def say(*args) -> None:
-    print(*args, flush=True)
 
 
 # ---- workloads --------------------------------------------------------------------------------
@@ -233,11 +227,12 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):8.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def report(bench: Bench, model: ModelSpec, hardware: HardwareSpec | None) -> None:
+def report(bench: Bench, model: ModelSpec, hardware: HardwareSpec | None) -> tuple[list[dict], dict]:
+    """Print the workload's table and ratios; return them (rows, ratios) for the JSON result."""
     say(f"\n== {bench.name}: {bench.workload.describe()}")
     say(f"{'configuration':<24}{'passes':>7}{'tokens':>8}{'seconds':>22}{'tok/s':>22}{'compute':>9}"
         f"{'disk GB':>9}{'preempt':>8}{'others':>7}{'planner':>9}{'meas/pred':>10}")
-    medians, predictions = {}, {}
+    medians, predictions, rows, ratios = {}, {}, [], {}
     for config in bench.configs:
         runs = bench.runs[config.name]
         tok_s = [r.tok_s for r in runs]
@@ -248,20 +243,29 @@ def report(bench: Bench, model: ModelSpec, hardware: HardwareSpec | None) -> Non
             f"{spread(tok_s):>22}{statistics.mean(r.compute_share for r in runs):>9.2f}"
             f"{statistics.mean(r.disk_gb for r in runs):>9.2f}{runs[0].preemptions:>8}"
             f"{statistics.mean(r.others_cores for r in runs):>7.2f}{(pred or 0):>9.2f}{ratio}")
+        rows.append({"workload": bench.name, "configuration": config.name, "passes": runs[0].passes,
+                     "tokens": runs[0].tokens, "seconds": [r.seconds for r in runs], "tok_s": tok_s,
+                     "median_tok_s": medians[config.name],
+                     "compute_share": statistics.mean(r.compute_share for r in runs),
+                     "disk_gb": statistics.mean(r.disk_gb for r in runs), "preemptions": runs[0].preemptions,
+                     "others": statistics.mean(r.others_cores for r in runs), "planner_tok_s": pred})
     names = [c.name for c in bench.configs]
     for other in names[1:]:
         paired = [b.tok_s / a.tok_s for a, b in zip(bench.runs["block"], bench.runs[other])]
         planned = predictions.get(other, 0) / predictions["block"] if predictions.get("block") else None
+        ratios[f"{bench.name}: {other} / block"] = statistics.median(paired)
         say(f"  {other} / block: {statistics.median(paired):.2f}x (per round {', '.join(f'{x:.2f}' for x in paired)})"
             + (f"; planner {planned:.2f}x" if planned else ""))
     if "decode-maximal reserve" in names:
         paired = [a.tok_s / b.tok_s for a, b in zip(bench.runs["decode-maximal"], bench.runs["decode-maximal reserve"])]
+        ratios[f"{bench.name}: on-demand / reserve"] = statistics.median(paired)
         say(f"  on-demand / reserve (decode-maximal): {statistics.median(paired):.2f}x "
             f"(per round {', '.join(f'{x:.2f}' for x in paired)})")
     outputs = [r.outputs for c in names for r in bench.runs[c]]
     same = all(o == outputs[0] for o in outputs)
     say(f"  tokens identical across configurations and rounds: {same}"
         + ("" if same else "  <-- MISMATCH: " + divergence(outputs)))
+    return rows, ratios
 
 
 def divergence(outputs: list[list[list[int]]]) -> str:
@@ -319,6 +323,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (default auto: what LLM(dtype='auto') picks on this CPU by measurement)")
     p.add_argument("--quick", action="store_true", help="smoke test: opt-125m, a few short requests, 1 round")
+    harness.add_json_option(p, __file__)
     args = p.parse_args()
     if args.quick:
         args.model, args.rounds, args.no_planner = "opt-125m", 1, True
@@ -352,6 +357,7 @@ def main() -> int:
             benches.append(workload_c(args, gen, vocab, base, llm))
     llm.generate([[5] * 8], greedy(1), use_tqdm=False)  # warm-up pass
     clock = PassClock(llm)
+    rows, ratios = [], {}
     for bench in benches:
         for r in range(args.rounds):
             for config in bench.configs:
@@ -360,8 +366,10 @@ def main() -> int:
                 say(f"  [{time.strftime('%H:%M:%S')}] {bench.name} round {r + 1} {config.name}: {run.passes} passes, "
                     f"{run.seconds:.1f} s, {run.tok_s:.2f} tok/s, compute share {run.compute_share:.2f}, "
                     f"{run.preemptions} preemptions, others on {run.others_cores:.2f} cores")
-        report(bench, model, hardware)
+        table, paired = report(bench, model, hardware)
+        rows, ratios = rows + table, ratios | paired
     llm.close()
+    harness.write_result(args, rows, ratios, dtype=args.torch_dtype)
     return 0
 
 

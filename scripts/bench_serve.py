@@ -32,6 +32,8 @@ import tempfile
 import threading
 import time
 
+import harness  # puts the repository root on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORIES = os.path.join(os.path.dirname(REPO), "shared", "models", "stories260K")
 KEY = "bench-serve-key"
@@ -158,10 +160,12 @@ def run(args) -> None:
             print(f"warm-up batch: {seconds:.2f} s; the clients download its {size} byte output file", flush=True)
             results = {0: [], args.clients: []}
             per_cpu = {0: [], args.clients: []}  # tokens per CPU second of the server process
-            for _ in range(args.rounds):
+            rows = []
+            for r in range(args.rounds):
                 for clients in (0, args.clients):
                     m = measure(client, make_client, args, file_id, download_id, clients, deadline, proc.pid)
                     results[clients].append(m["rate"])
+                    rows.append({"round": r + 1, "clients": clients, **m})
                     per_cpu[clients].append(m["tokens"] / m["server_cpu"])
                     load = f"; {m['served']:.1f} requests/s answered" if clients else ""
                     print(f"{clients:3d} clients: {m['tokens']} tokens in {m['seconds']:6.2f} s = {m['rate']:8.1f} "
@@ -171,6 +175,8 @@ def run(args) -> None:
             cpu_ratio = statistics.median(per_cpu[args.clients]) / statistics.median(per_cpu[0])
             print(f"ratio (median tokens per server CPU second, {args.clients} clients / none): {cpu_ratio:.3f}",
                   flush=True)
+            harness.write_result(args, rows, {"tok_s_clients_over_none": loaded / base,
+                                              "tokens_per_server_cpu_s_clients_over_none": cpu_ratio})
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -189,10 +195,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="timed batches per condition")
     ap.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
+    harness.add_json_option(ap, __file__)
     args = ap.parse_args()
     if not 1 <= args.clients <= 200 or not 1 <= args.requests <= 5000 or not 1 <= args.rounds <= 20:
         raise SystemExit("--clients 1..200, --requests 1..5000, --rounds 1..20: keep the run bounded")
-    sys.path.insert(0, REPO)
     from flexsarathi.machine.cpu_info import cpu_line
 
     print(f"bench_serve: {args.model}, {args.dtype}, {args.requests} requests x {args.max_tokens} tokens; "

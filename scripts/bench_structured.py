@@ -22,6 +22,7 @@ import argparse
 import json
 import time
 
+import harness  # puts the repository root on sys.path
 import flexsarathi.engine.llm_engine as llm_engine
 import flexsarathi.engine.sampling as sampling
 from flexsarathi import LLM, SamplingParams
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3)
+    harness.add_json_option(ap, __file__)
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, policy=Policy(gpu_batch_size=args.batch, prefill_budget=64))
     engine = llm.engine
@@ -114,9 +116,11 @@ def main() -> None:
     share = [g / s for g, (_, s) in zip(grammar, rows["schema"])]
     print(f"grammar work (masks filled and applied, matchers advanced): {min(per_token):.0f} us per "
           f"constrained token, {min(share):.1%} of the schema run's time")
-    print(json.dumps({"plain_tok_s": best["plain"], "schema_tok_s": best["schema"],
-                      "ratio": best["schema"] / best["plain"], "grammar_us_per_token": min(per_token),
-                      "grammar_share": min(share)}))
+    summary = {"plain_tok_s": best["plain"], "schema_tok_s": best["schema"], "ratio": best["schema"] / best["plain"],
+               "grammar_us_per_token": min(per_token), "grammar_share": min(share)}
+    print(json.dumps(summary))
+    harness.write_result(args, [{"run": k, "tokens": t, "seconds": s} for k, v in rows.items() for t, s in v],
+                         {"schema_over_plain_tok_s": summary["ratio"]}, extra=summary)
     llm.close()
 
 

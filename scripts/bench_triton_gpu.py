@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
+import harness  # puts the repository root on sys.path
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant import QuantConfig, dequantize, quantize  # noqa: E402
 
@@ -60,6 +58,7 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=20)
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -72,6 +71,7 @@ def main() -> int:
           f"{'fp16 mm ms':>11} {'deq+mm/kernel':>14} {'kernel err':>11} {'deq+mm err':>11} {'max |ref|':>10}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = QuantConfig(bits=4, group_size=64, group_dim=-1)
+    table = []
     for model in args.models:
         for name, (out_features, in_features) in layer_matrices(model).items():
             weight = (torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02).half()
@@ -93,8 +93,13 @@ def main() -> int:
                 print(f"{model:<12} {name:<8} {f'{out_features}x{in_features}':>14} {rows:>5} {t_kernel * 1e3:>10.3f} "
                       f"{t_fallback * 1e3:>10.3f} {t_dense * 1e3:>11.3f} {t_fallback / t_kernel:>13.2f}x "
                       f"{err_kernel:>11.2e} {err_fallback:>11.2e} {ref.abs().max().item():>10.3f}", flush=True)
+                table.append({"model": model, "weight": name, "shape": [out_features, in_features], "rows": rows,
+                              "kernel_ms": t_kernel * 1e3, "deq_mm_ms": t_fallback * 1e3, "fp16_mm_ms": t_dense * 1e3,
+                              "deq_mm_over_kernel": t_fallback / t_kernel, "kernel_err": err_kernel,
+                              "deq_mm_err": err_fallback, "max_abs_ref": ref.abs().max().item()})
             del q, dense, scratch
             torch.cuda.empty_cache()
+    harness.write_result(args, table, dtype=torch.float16)
     return 0
 
 

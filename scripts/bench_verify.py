@@ -16,16 +16,13 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import zlib
-from pathlib import Path
 
+import harness  # puts the repository root on sys.path (run from a checkout without installing)
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from offload.disk_store import DiskStore  # noqa: E402
@@ -83,6 +80,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="store size")
     parser.add_argument("--folder", default=os.path.expanduser("~/.cache/flexsarathi"))
     parser.add_argument("--rounds", type=int, default=3)
+    harness.add_json_option(parser, __file__)
     args = parser.parse_args()
     os.makedirs(args.folder, exist_ok=True)
     print(f"bench_verify: {cpu_line()}; disk reads and crc32 only (no matmuls)", flush=True)
@@ -103,7 +101,13 @@ def main() -> None:
               f"{total / b / 1e9:.2f} GB/s with the crc32 check on first read: {b / a:.3f}x the time")
         print(f"full verify() of the store when reused (the alternative): {full:.2f} s = "
               f"{full / a:.2f}x an unchecked read of it, paid before the first pass")
-        print(f"zlib.crc32 on one core: {crc32_rate() / 1e9:.2f} GB/s")
+        crc = crc32_rate()
+        print(f"zlib.crc32 on one core: {crc / 1e9:.2f} GB/s")
+        rows = [{"round": r + 1, "unchecked_gb_s": total / p / 1e9, "checked_gb_s": total / c / 1e9}
+                for r, (p, c) in enumerate(zip(plain, checked))]
+        harness.write_result(args, rows, {"checked_over_unchecked_median_seconds": b / a,
+                                          "full_verify_over_unchecked_read": full / a},
+                             extra={"store_gib": total / 2**30, "full_verify_s": full, "crc32_gb_s": crc / 1e9})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,0 +1,76 @@
+"""Every scripts/bench_*.py goes through the one harness: it imports scripts/harness.py, takes --json
+and writes its result with harness.write_result, and imports no other bench_ script (shared code
+lives in harness.py, bound.py or workloads.py, which import no bench_ script either). And each one
+still imports and parses its arguments (`--help`), CUDA-only ones included."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+BENCHES = sorted(SCRIPTS.glob("bench_*.py"))
+SHARED = [SCRIPTS / "harness.py", SCRIPTS / "bound.py", SCRIPTS / "workloads.py"]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Top-level names of every module `path` imports, at any depth (function-local imports too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _called(path: Path) -> set[str]:
+    """`harness.X` attribute calls and bare calls of names imported from harness."""
+    tree = ast.parse(path.read_text(), str(path))
+    from_harness = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                    and n.module == "harness" for a in n.names}
+    calls = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "harness":
+                calls.add(f.attr)
+            elif isinstance(f, ast.Name) and f.id in from_harness:
+                calls.add(f.id)
+    return calls
+
+
+def test_there_are_bench_scripts():
+    assert len(BENCHES) >= 18
+
+
+@pytest.mark.parametrize("path", BENCHES, ids=lambda p: p.stem)
+def test_bench_script_uses_the_harness_and_no_other_bench_script(path):
+    imported = _imported_modules(path)
+    assert "harness" in imported, f"{path.name} does not import the harness"
+    others = sorted(name for name in imported if name.startswith("bench_"))
+    assert not others, f"{path.name} imports other bench scripts: {others}"
+    calls = _called(path)
+    assert {"add_json_option", "write_result"} <= calls, f"{path.name}: no --json / JSON result ({calls})"
+
+
+@pytest.mark.parametrize("path", SHARED, ids=lambda p: p.stem)
+def test_shared_modules_import_no_bench_script(path):
+    assert not sorted(name for name in _imported_modules(path) if name.startswith("bench_"))
+
+
+def test_every_bench_script_imports_and_parses_its_arguments():
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent), OMP_NUM_THREADS="1")
+    procs = {path.name: subprocess.Popen([sys.executable, str(path), "--help"], cwd=SCRIPTS.parent, env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for path in BENCHES}
+    failed = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0 or "--json PATH" not in out:
+            failed[name] = out[-600:]
+    assert not failed, failed
