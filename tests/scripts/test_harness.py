@@ -212,13 +212,16 @@ def test_drop_cache_of_empties_the_page_cache_and_the_next_read_is_counted(tmp_p
 
 def test_cpu_seconds_and_neighbours_count_this_process_apart():
     neighbours = harness.Neighbours()
-    start = harness.cpu_seconds()
-    deadline = time.perf_counter() + 0.3
-    while time.perf_counter() < deadline:
+    start, began = harness.cpu_seconds(), time.perf_counter()
+    deadline = began + 30  # spin until this process has 0.3 CPU seconds (a loaded machine takes longer)
+    while harness.cpu_seconds() - start < 0.3 and time.perf_counter() < deadline:
         pass
-    assert harness.cpu_seconds() - start > 0.1
+    assert harness.cpu_seconds() - start >= 0.3
+    wall = time.perf_counter() - began
     cores = neighbours.cores()
-    assert 0.0 <= cores <= os.cpu_count()
+    # /proc/stat counts in clock ticks (1/100 s): a tick per core at each end may land either side
+    tick_slack = 2 * os.cpu_count() * 0.01 / wall
+    assert 0.0 <= cores <= os.cpu_count() + tick_slack
     assert harness.machine_busy_seconds() > 0
 
 
