@@ -3,9 +3,10 @@
     for layer j:
         start loading layer j+1's weights (policy.weight_prefetch layers ahead; past the last
         layer, the next pass's first ones)                      (prefetch thread / CUDA stream)
-        start loading hidden + KV context of micro-batch 0
+        start loading hidden + KV context of micro-batch 0 (its KV: see below)
         for micro-batch k:
-            start loading hidden + KV context of micro-batch k+1
+            start loading hidden + KV context of micro-batch k+1 (after the last: layer j+1's
+                KV context of micro-batch 0, where that loads on the I/O thread: gathers_ahead)
             compute layer j on micro-batch k (attention next to where its KV lives)
             start storing micro-batch k's new KV and hidden
         wait for the stores; release layer j
@@ -61,6 +62,10 @@ class PassExecutor:
         # not per layer: _pool_slots); id(micro-batch) -> whether its one group is every row, in order
         self._slots: dict[int, torch.Tensor] = {}
         self._whole: dict[int, bool] = {}
+        # the next layer's first micro-batch's contexts, gathered on the I/O thread while this layer's
+        # last micro-batch computes (gathers_ahead): (layer, id(micro-batch)) -> contexts, and its future
+        self._gathered: dict[tuple[int, int], list] = {}
+        self._ahead: "Future | None" = None
 
     def _io_worth_a_thread(self, mb: MicroBatch) -> bool:
         """Whether the micro-batch's loads and stores leave the compute device's memory system.
@@ -102,6 +107,7 @@ class PassExecutor:
         states and reset the weights' prefetching, so the next pass runs as on a fresh engine."""
         if self._io is not None:
             self._io.submit(int).result()  # one worker: every load and store submitted before is done
+        self._gathered, self._ahead = {}, None
         self.acts.close()
         self.weights.reset()
 
@@ -124,6 +130,7 @@ class PassExecutor:
             self._first = {id(mb): self.writes_first(mb) for mb in batches}
             self._slots = self._pool_slots(batches)
             self._whole = {id(mb): _one_group_of_every_row(mb) for mb in batches}
+            self._gathered, self._ahead = {}, None
             g = self.weights.global_weights()
             for k, mb in enumerate(batches):
                 self.acts.put(k, self.model.embed(g, mb.token_ids, mb.positions).to(self.dtype))
@@ -144,6 +151,9 @@ class PassExecutor:
         for ahead in range(1, self.weights.prefetch_depth + 1):
             self.weights.prefetch((layer + ahead) % num_layers)
         loading = self._submit(self._load, start, layer, batches[0], 0, threaded=threaded[0])
+        if self._ahead is not None:  # done before the load (one I/O worker); its error surfaces here
+            wait_for(self._ahead.result()[1], self.device)
+            self._ahead = None
         storing = []
         for k, mb in enumerate(batches):
             (hidden, contexts), loaded = loading.result()
@@ -152,6 +162,10 @@ class PassExecutor:
                 used_on([hidden, *(t for parts in contexts or () for kv in parts if kv is not None for t in kv)], compute)
             if k + 1 < len(batches):
                 loading = self._submit(self._load, start, layer, batches[k + 1], k + 1, threaded=threaded[k + 1])
+            elif layer + 1 < num_layers and self.gathers_ahead(batches):
+                # FlexGen's order: the next layer's first KV load overlaps this layer's last compute
+                # (with one micro-batch, too: else its load and compute would add up)
+                self._ahead = self._submit(self._gather_ahead, start, layer + 1, batches[0])
             hidden, new_k, new_v = self._compute(layer, w, mb, hidden, contexts)
             if threaded[k]:
                 used_on([hidden, new_k, new_v], self._io_stream.stream)
@@ -173,10 +187,28 @@ class PassExecutor:
         return self.device
 
     # ---- the three steps of a micro-batch -----------------------------------------------------
+    def gathers_ahead(self, batches: list[MicroBatch]) -> bool:
+        """Whether the first micro-batch's contexts for layer j + 1 are gathered while layer j's last
+        micro-batch computes: where its loads run on the I/O thread and it does not write first. The
+        compute device then holds two micro-batches' contexts at once, the last and the first (the
+        engine's working set charges it: LLMEngine._pass_tokens)."""
+        mb = batches[0]
+        threaded, first = self._threaded.get(id(mb)), self._first.get(id(mb))
+        if threaded is None:  # asked before the pass (the engine's working set)
+            threaded, first = self._io_worth_a_thread(mb), self.writes_first(mb)
+        return threaded and not first
+
+    def _gather_ahead(self, layer: int, mb: MicroBatch) -> None:
+        """On the I/O thread, before the layer's load of `mb` (one worker: in order)."""
+        self._gathered[(layer, id(mb))] = self._contexts(layer, mb)
+
     def _load(self, layer: int, mb: MicroBatch, k: int):
         """(hidden, contexts); contexts None where the micro-batch writes first (gathered in _compute)."""
         hidden = self.acts.take(k)
-        return hidden, None if self._first[id(mb)] else self._contexts(layer, mb)
+        if self._first[id(mb)]:
+            return hidden, None
+        gathered = self._gathered.pop((layer, id(mb)), None)
+        return hidden, gathered if gathered is not None else self._contexts(layer, mb)
 
     def _contexts(self, layer: int, mb: MicroBatch) -> list[list]:
         return [[self._context(layer, group, part) for part in group.parts] for group in mb.groups]

@@ -100,6 +100,9 @@ def worst_passes(policy: Policy, running: int, prompt_lens: Sequence[int], max_l
     max_len, k = max(max_lens), policy.num_gpu_batches
     lengths = max_lens if policy.kv_admission == "on-demand" else prompt_lens
     decode = decode_context(policy, max_len, pool_slots)
+    # One micro-batch gathers the next layer's context while this layer computes where its loads
+    # leave the compute device (offload/executor.py gathers_ahead): any KV or activations off it.
+    ahead = policy.kv_gpu < 1.0 or policy.act_gpu < 1.0
 
     def pass_tokens(decodes: int, prompt_tokens: int, longest_prompt: int, chunk_context: int,
                     prompt_keys: int, prompt_items: int) -> PassTokens:
@@ -107,7 +110,8 @@ def worst_passes(policy: Policy, running: int, prompt_lens: Sequence[int], max_l
         # one decode token per item: balanced to the token; a prompt item may overhang its share
         widest = total if k == 1 else min(total, math.ceil(total / k) + (longest_prompt if prompt_tokens else 0))
         seqs = total if k == 1 else _sequences_per_micro_batch(decodes, prompt_tokens, prompt_items, k)
-        held = min(decodes, 2 * seqs) if k > 1 else decodes  # the executor holds two micro-batches
+        # the executor holds two micro-batches: k and k + 1, or the last and the next layer's first
+        held = min(decodes, 2 * seqs) if k > 1 else (2 if ahead else 1) * decodes
         decoders = min(decodes, seqs)
         # a chunk's sequence is one of the running ones: each holds a decode's or a chunk's context
         per_seq = max(decode if decodes else 0, chunk_context)

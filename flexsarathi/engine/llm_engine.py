@@ -560,7 +560,8 @@ class LLMEngine:
     def _pass_tokens(self, batches) -> PassTokens:
         """What this pass holds on the compute device (policy_search/working_set.py): the K/V the
         executor gathers there for each pair of consecutive micro-batches (k computes while k+1
-        loads), and its largest decode and prompt attention calls."""
+        loads; the last and the next layer's first where it gathers ahead), and its largest decode
+        and prompt attention calls."""
         held = []  # per micro-batch: K/V slots gathered onto the compute device
         keys_max = {True: 0, False: 0}  # is_decode -> the largest call's keys, and its score cells
         cells_max = {True: 0, False: 0}
@@ -577,9 +578,10 @@ class LLMEngine:
                     keys_max[g.is_decode] = max(keys_max[g.is_decode], keys)
                     cells_max[g.is_decode] = max(cells_max[g.is_decode], keys * min(g.num_queries, QUERY_BLOCK))
             held.append(slots)
+        ahead = self.executor.gathers_ahead(batches) and self.config.num_layers > 1
         return PassTokens(total=sum(mb.num_tokens for mb in batches),
                           widest=max(mb.num_tokens for mb in batches),
-                          context_slots=max(a + b for a, b in zip(held, held[1:] + [0])),
+                          context_slots=max(a + b for a, b in zip(held, held[1:] + [held[0] if ahead else 0])),
                           attention_slots=keys_max[True] + keys_max[False],
                           attention_cells=cells_max[True] + cells_max[False],
                           logit_rows=sum(mb.logit_rows.numel() for mb in batches))

@@ -136,6 +136,56 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
         assert exact == len(charged)
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_the_next_layers_context_gathered_ahead_is_charged(tiny_checkpoint, tmp_path, monkeypatch, micro_batches):
+    """KV on disk (its loads run on the I/O thread, on the CPU too): layer j + 1's first micro-batch
+    context is gathered while layer j's last micro-batch computes (FlexGen's order; with one
+    micro-batch as with several), once per layer after the first of every pass; the compute device
+    then holds that context beside the last one, and the engine's charge covers the pair, exactly
+    (plain pools: the charge counts the gathered slots themselves)."""
+    folder, _ = tiny_checkpoint(KIND)
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=micro_batches, prefill_budget=8, kv_admission="reserve",
+                    kv_gpu=0.0, kv_cpu=0.0, kv_disk=1.0)
+    engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
+    gathered: list[tuple[int, int, int]] = []  # (layer, id of the micro-batch's tokens, bytes), in order
+    charged, ahead = [], []
+    gather, gather_ahead, pass_tokens = PassExecutor._contexts, PassExecutor._gather_ahead, engine._pass_tokens
+
+    def observed_contexts(self, layer, mb):
+        contexts = gather(self, layer, mb)
+        gathered.append((layer, id(mb.token_ids), sum(t.nbytes for group in contexts for kv in group
+                                                      if kv is not None for t in kv)))
+        return contexts
+
+    def observed_ahead(self, layer, mb):
+        ahead.append(layer)
+        return gather_ahead(self, layer, mb)
+
+    def observed_tokens(batches):
+        tokens = pass_tokens(batches)
+        charged.append((len(gathered), [id(mb.token_ids) for mb in batches], tokens))
+        return tokens
+
+    monkeypatch.setattr(PassExecutor, "_contexts", observed_contexts)
+    monkeypatch.setattr(PassExecutor, "_gather_ahead", observed_ahead)
+    monkeypatch.setattr(engine, "_pass_tokens", observed_tokens)
+    try:
+        _generate(engine, [[1 + i] * n for i, n in enumerate((5, 9, 3, 12))], max_tokens=5)
+        kv_dim, item, layers = engine.config.num_kv_heads * engine.config.head_dim, engine.dtype.itemsize, \
+            engine.config.num_layers
+    finally:
+        engine.close()
+    assert layers > 1 and len(charged) > 3
+    assert sorted(ahead) == sorted(list(range(1, layers)) * len(charged))
+    ends = [start for start, _, _ in charged[1:]] + [len(gathered)]
+    for (start, order, tokens), end in zip(charged, ends):
+        # in the order they are computed: layer by layer, micro-batches in order
+        loads = sorted(gathered[start:end], key=lambda load: (load[0], order.index(load[1])))
+        sizes = [nbytes for _, _, nbytes in loads]
+        held = max(a + b for a, b in zip(sizes, sizes[1:] + [0]))  # each context and the next one's
+        assert held == 2 * tokens.context_slots * kv_dim * item
+
+
 @pytest.mark.parametrize("policy", [
     Policy(gpu_batch_size=2, num_gpu_batches=3, scheduler="block", kv_gpu=0.5, kv_cpu=0.5, kv_disk=0.0),
     Policy(gpu_batch_size=3, num_gpu_batches=2, scheduler="block", act_gpu=0.5, act_cpu=0.5),
@@ -143,6 +193,8 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
     Policy(gpu_batch_size=2, num_gpu_batches=2, prefill_budget=16, kv_admission="reserve", compress_kv=True),
     Policy(gpu_batch_size=4, prefill_budget=8, kv_gpu=0.3, kv_cpu=0.7, kv_disk=0.0),
     Policy(gpu_batch_size=1, num_gpu_batches=6, prefill_budget=10, kv_gpu=0.5, kv_cpu=0.5, kv_disk=0.0),
+    # one micro-batch whose next layer's context is gathered ahead (KV on disk: loads on the I/O thread)
+    Policy(gpu_batch_size=3, prefill_budget=8, kv_gpu=0.0, kv_cpu=0.0, kv_disk=1.0),
 ])
 def test_every_pass_is_within_the_largest_pass_of_its_kind(tiny_checkpoint, tmp_path, monkeypatch, policy):
     """The fail-early check (working_set.worst_passes: the largest pass of each kind the scheduler
