@@ -254,6 +254,8 @@ class KVPool:
                                                                                    table.dtype))
             return torch.index_select(table, 0, flat)
         if here == "cpu" and there == "cuda":
+            # Pinned memory from torch's caching host allocator: a block freed after its copy up is
+            # handed out again once that copy's event has passed (reused, not allocated per layer).
             staged = torch.empty((flat.numel(), *table.shape[1:]), dtype=table.dtype, pin_memory=True)
             return torch.index_select(table, 0, flat, out=staged).to(device, non_blocking=True)
         return table.index_select(0, flat).to(device, non_blocking=True)

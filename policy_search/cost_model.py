@@ -12,7 +12,8 @@ model follows FlexGen's (flexgen/cost_model.py) with these differences:
   * memory counts the stage with the largest intermediates, not the sum of all stages.
 
 With overlap a pass lasts as long as its slowest chain (`time_terms`):
-  load     disk -> host -> device: a disk-resident tensor crosses both links before use
+  load     disk -> host -> device: a disk-resident tensor crosses both links before use (off-GPU
+           K/V also gathered on the host into one pinned buffer first: _kv_gather_seconds)
   store    device -> host -> disk
   compute  GPU + CPU: the pass loop runs a micro-batch's GPU work and its CPU attention in turn
   host     host->device copies + CPU attention: both stream host memory (FlexGen adds the weight
@@ -247,7 +248,8 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
         if policy.compress_kv:
             cpu_seconds += decode_kv_tokens * kv_values / hw.cpu_dequant_rate
         cpu = f.kv_off_gpu * cpu_seconds
-    out = {"host->device": to_device / hw.host_to_device + _disk_read_cpu(s, policy, model, hw),
+    out = {"host->device": (to_device / hw.host_to_device + _disk_read_cpu(s, policy, model, hw)
+                            + _kv_gather_seconds(s, policy, model, hw, cpu_attention)),
            "device->host": to_host / hw.device_to_host,
            "disk->host": disk_read / hw.disk_to_host, "host->disk": disk_write / hw.host_to_disk,
            "gpu": gpu, "cpu": cpu}
@@ -255,6 +257,18 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
         for name, expr in _moe_resources(s, policy, model, hw, gpu).items():
             out[name] = out.get(name, const(0.0)) + expr
     return out
+
+
+def _kv_gather_seconds(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec,
+                       cpu_attention: bool) -> np.ndarray:
+    """Off-GPU K/V bound for the GPU is first gathered on the host, its rows from the pool's slots
+    into one pinned buffer, then copied up (offload/kv_cache.py KVPool._select): one pass over those
+    bytes at the host's memory rate (HardwareSpec.cpu_read_bandwidth), on the I/O thread before the
+    copy, so on the load chain with it. On a host compute device that gather is the copy itself."""
+    if hw.compute_on_host:
+        return const(0.0)
+    gathered_tokens = s.prior_kv_tokens + (0.0 if cpu_attention else s.decode_tokens * s.context)
+    return f.kv_off_gpu * (gathered_tokens * model.kv_bytes_per_token(policy.compress_kv) / hw.cpu_read_bandwidth)
 
 
 def _layer_overhead(s: PassShape, hw: HardwareSpec, graphed: bool) -> float:

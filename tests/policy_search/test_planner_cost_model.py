@@ -96,11 +96,33 @@ def test_cpu_attention_runs_where_the_cache_lives(opt13b, t4):
     cpu_seconds = sum(p.resources["cpu"] * p.count for p in decodes_on)
     assert cpu_seconds == pytest.approx(0.5 * flops / t4.cpu_attention_flops)
     assert all(p.resources["cpu"] == 0 for p in off.passes)
-    # without CPU attention the off-GPU half of the cache crosses PCIe instead (q and output rows aside)
+    # without CPU attention the off-GPU half of the cache crosses PCIe instead (q and output rows
+    # aside), gathered on the host into a pinned buffer first (a pass at the host's memory rate)
     moved = sum((off_p.resources["host->device"] - on_p.resources["host->device"]) * on_p.count
                 for on_p, off_p in zip(decodes_on, decodes_off))
     kv_bytes = kv_read * opt13b.kv_bytes_per_token(False) * 0.5
-    assert moved == pytest.approx(kv_bytes / t4.host_to_device, rel=0.01)
+    assert moved == pytest.approx(kv_bytes / t4.host_to_device + kv_bytes / t4.cpu_read_bandwidth, rel=0.01)
+
+
+@pytest.mark.parametrize("memory_rate", [None, 40e9])
+def test_the_host_gather_of_off_gpu_kv_is_priced_on_a_gpu_machine_only(opt13b, t4, memory_rate):
+    """K/V bound for the GPU from the cpu tier is gathered on the host (a pass over its bytes at
+    HardwareSpec.cpu_read_bandwidth: host_to_device where the memory rate is not known) before
+    the copy up; on a host compute device that gather is the copy itself, priced once."""
+    from tests.policy_search.conftest import host_profile
+
+    wl = Workload(prompt_len=64, gen_len=4)
+    gpu_machine = t4.replace(cpu_memory_bandwidth=memory_rate)
+    policy = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(kv_gpu=0.0, kv_cpu=1.0, kv_disk=0.0)))
+    kv_read = sum(4 * (64 + i) for i in range(1, 4)) * opt13b.num_layers  # decode steps 1..3
+    kv_bytes = kv_read * opt13b.kv_bytes_per_token(False)
+    for hw, gathered_at in ((gpu_machine, memory_rate or t4.host_to_device), (host_profile(1e9), None)):
+        kept = estimate(policy.replace(kv_gpu=1.0, kv_cpu=0.0), opt13b, hw, wl).passes
+        off = estimate(policy, opt13b, hw, wl).passes
+        moved = sum((o.resources["host->device"] - k.resources["host->device"]) * o.count
+                    for o, k in zip(off, kept) if o.kind.startswith("decode"))
+        copy = kv_bytes / hw.host_to_device
+        assert moved == pytest.approx(copy + (kv_bytes / gathered_at if gathered_at else 0.0), rel=0.01)
 
 
 def test_kv_cache_grows_with_context(opt13b, t4):

@@ -43,8 +43,9 @@ def test_decode_maximal_is_predicted_to_beat_the_block_schedule(name, searches):
     block = full.best_by_scheduler["block"][1].throughput
     fused = full.best_by_scheduler["decode-maximal"][1].throughput
     assert fused > block
-    # the prompt compute hides under I/O that every pass pays: a mixed pass lasts no longer than its
-    # weight and KV loading (the LP may balance the two exactly, so either may be named the bound)
+    # prompt compute and the I/O every pass pays overlap: the LP adds prompt tokens to a mixed pass
+    # until its GPU work meets its weight and KV loading, so the loading keeps the pass busy (to
+    # within a few percent where the two meet between whole prompt chunks)
     mixed = full.best_by_scheduler["decode-maximal"][1].passes[0]
     loading = mixed.resources["disk->host"] + mixed.resources["host->device"]
-    assert mixed.seconds == pytest.approx(loading, rel=1e-6)
+    assert 0.95 * mixed.seconds <= loading <= mixed.seconds * (1 + 1e-9)
