@@ -219,7 +219,7 @@ class PassExecutor:
         device, pool = self.attention_device(part.tier, group), self.kv_pools[part.tier]
         slots = self._slots.get(id(part))
         if slots is not None:  # a plain pool: its K/V pairs at the slots uploaded for the pass
-            return pool.gather(layer, slots, device)
+            return pool.gather_pairs(layer, slots, part.kv_slots.shape, device)
         return IN_POOL if pool.attends_in_pool(group, part, device) else pool.gather_part(layer, part, device)
 
     def _pool_slots(self, batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
@@ -236,7 +236,7 @@ class PassExecutor:
                 for part in group.parts:
                     pool = self.kv_pools[part.tier]
                     if pool.compression is None and not self._reads_new_rows(part):
-                        slots[id(part)] = to_device(part.kv_slots, pool.device)
+                        slots[id(part)] = to_device(part.kv_slots.reshape(-1), pool.device)  # [B * L]
         return slots
 
     def _reads_new_rows(self, part) -> bool:
@@ -262,7 +262,7 @@ class PassExecutor:
                     for out in self._attend_part(layer, q_on, group, part, context, k, v, rows, written)]
             merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
             if whole:  # the one group is every row, in order: its output is the attention output
-                attn = merged.flatten(0, 1)
+                attn = merged.reshape(mb.num_tokens, -1)  # [T, heads * d]: one view
             else:
                 attn[rows] = merged.flatten(0, 1)
         return self.model.post_attention(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]

@@ -239,11 +239,17 @@ class KVPool:
         the copy up is an asynchronous DMA."""
         slots = to_device(slots, self.device)  # the batch builder's host tensor: a no-op here
         if self.compression is None:
-            # index_select, not advanced indexing: 4x faster on the CPU for this shape. K and V of
-            # a slot lie side by side: one select reads both, returned as views of the one result.
-            pairs = self._select(self.kv[layer], slots.reshape(-1), device)  # [B * L, 2, kv_heads, head_dim]
-            return pairs.view(*slots.shape, 2, self.kv_heads, self.head_dim).unbind(-3)
+            return self.gather_pairs(layer, slots.reshape(-1), slots.shape, device)
         return self._gather_compressed(layer, slots, device, residual_ids, complete_len)
+
+    def gather_pairs(self, layer: int, flat_slots: torch.Tensor, shape: torch.Size,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A plain pool's gather: flat_slots [B * L] on the pool's device (the executor uploads them
+        once per pass), shape (B, L) -> k, v [B, L, kv_heads, head_dim] on `device`."""
+        # index_select, not advanced indexing: 4x faster on the CPU for this shape. K and V of a slot
+        # lie side by side: one select reads both, returned as views of the one result.
+        pairs = self._select(self.kv[layer], flat_slots, device)  # [B * L, 2, kv_heads, head_dim]
+        return pairs.view(*shape, 2, self.kv_heads, self.head_dim).unbind(-3)
 
     def _select(self, table: torch.Tensor, flat: torch.Tensor, device: torch.device) -> torch.Tensor:
         """table[flat] on `device` (rows of one layer's K/V pairs, or of a code table)."""
