@@ -23,7 +23,8 @@ from flexsarathi.errors import FlexSarathiError
 from flexsarathi.models.model_config import parse_dtype
 from flexsarathi.engine.logprobs import Logprob, decode_logprobs, prompt_logprobs, top_logprobs
 from flexsarathi.engine.sampling import SamplingParams, process_logits, sample, sample_seed
-from flexsarathi.engine.structured_output import GrammarCompiler, GrammarState, advance_matchers
+from flexsarathi.engine.structured_output import (GrammarCompiler, GrammarState, advance_matchers,
+                                                  fill_grammar_bitmask)
 from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
 from flexsarathi.engine.sequence import Sequence
 from flexsarathi.formats.tokenizer import IncrementalDetokenizer
@@ -614,12 +615,20 @@ class LLMEngine:
                 _record_prompt_logprobs(item.seq, item.start, item.end, logits)
             if item.samples:
                 rows += [(seq, logits[-1]) for seq in (item.seq, *item.seq.forks)]
+        # Before the step's first host sync (_finite_rows): on a GPU the host fills the grammars'
+        # bitmask while the pass it launched still runs.
+        bitmask = fill_grammar_bitmask([seq for seq, _ in rows], self.config.vocab_size,
+                                       pinned=self.device.type == "cuda")
         live = self._finite_rows([(seq, row) for seq, row in rows if not seq.context_full])
         tokens: dict[Sequence, int] = {}
         if live:
             seqs = [s for s, _ in live]
             logits = torch.stack([row for _, row in live])  # [R, vocab]
-            sampled = sample(process_logits(logits, seqs), [s.params for s in seqs], [s.generator for s in seqs])
+            if bitmask is not None and len(live) < len(rows):  # rows dropped: their bitmask rows too
+                position = {seq: i for i, (seq, _) in enumerate(rows)}
+                bitmask = bitmask[[position[s] for s in seqs]]
+            sampled = sample(process_logits(logits, seqs, bitmask), [s.params for s in seqs],
+                             [s.generator for s in seqs])
             advance_matchers(seqs, sampled)
             wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
             if wanted:  # of the model's distribution, as vLLM's raw logprobs

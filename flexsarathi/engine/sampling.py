@@ -25,10 +25,11 @@ def sample_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 1_000_003 + index) % (1 << 62)
 
 
-def process_logits(logits: torch.Tensor, seqs: list) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, seqs: list, grammar_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """What the requests' SamplingParams do to logits [R, vocab] before temperature (row i is
-    seqs[i]'s): a new tensor on the same device."""
-    logits = apply_grammar_masks(logits, seqs)
+    seqs[i]'s): a new tensor on the same device. grammar_bitmask: the rows' structured-output
+    masks if already filled (structured_output.fill_grammar_bitmask)."""
+    logits = apply_grammar_masks(logits, seqs, grammar_bitmask)
     constrained = logits
     logits = bar_stops(logits, [s.stop_ids for s in seqs], [s.may_stop for s in seqs])
     if any(s.grammar is not None and not s.may_stop for s in seqs):

@@ -5,6 +5,7 @@ device, and the matcher advanced with the sampled token. EOS is in the mask only
 grammar is complete. The scheduler and executor know nothing of it: it is part of sampling."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -12,6 +13,7 @@ import torch
 
 from flexsarathi.engine.sampling_params import StructuredOutputsParams
 from flexsarathi.errors import FlexSarathiError
+from offload.streams import device_guard
 
 # Whitespace characters in a row that JSON output may hold where its grammar allows whitespace:
 # enough for pretty-printed JSON a few levels deep, and a bound on a model that would otherwise
@@ -113,20 +115,44 @@ class GrammarState:
             raise RuntimeError(f"token {token} is outside the grammar the mask allowed: a sampler bug")
 
 
-def apply_grammar_masks(logits: torch.Tensor, seqs: list) -> torch.Tensor:
+def apply_grammar_masks(logits: torch.Tensor, seqs: list, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, vocab] with -inf where row i's grammar forbids the token (rows whose sequence
-    has no grammar untouched). The bitmask is filled on the host, one row per constrained
-    sequence, and applied on the logits' device by xgrammar's kernel."""
+    has no grammar untouched); a new tensor: the model's logits stay as they are (raw logprobs).
+    bitmask: these rows' fill_grammar_bitmask, made earlier (the engine fills it while a GPU still
+    runs the pass); None: filled here."""
+    if bitmask is None:
+        bitmask = fill_grammar_bitmask(seqs, logits.shape[1], pinned=logits.device.type == "cuda")
+    if bitmask is None:
+        return logits
+    logits = logits.clone()
+    apply_grammar_bitmask(logits, bitmask)
+    return logits
+
+
+def fill_grammar_bitmask(seqs: list, vocab: int, pinned: bool = False) -> torch.Tensor | None:
+    """The step's token bitmask [R, ceil(vocab / 32)] int32 on the host, row i from seqs[i]'s
+    matcher (bit set: allowed), all bits set in rows without a grammar; None when no row has one.
+    pinned: page-locked, so that its one copy to a GPU is asynchronous (torch's pinned-block cache
+    keeps the block from reuse until that copy is done, so a buffer per step costs no allocation)."""
     rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
     if not rows:
-        return logits
-    xgr = _xgrammar()
-    bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[1])  # [R, ceil(vocab / 32)] int32
+        return None
+    bitmask = torch.full((len(seqs), (vocab + 31) // 32), -1, dtype=torch.int32, pin_memory=pinned)
     for i in rows:
         seqs[i].grammar.matcher(seqs[i].output_token_ids).fill_next_token_bitmask(bitmask, i)
-    logits = logits.clone()
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
-    return logits
+    return bitmask
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf, in place, where `bitmask` [R, ceil(vocab / 32)] (host) clears a token of logits
+    [R, vocab] (any device): one copy of the bitmask to the logits' device, then xgrammar's kernel
+    there (its C++ loop on a CPU, its Triton kernel on CUDA) over every row: a row with all bits
+    set is unchanged, so mixed batches need no row indices (which would be a second copy)."""
+    xgr = _xgrammar()
+    on_device = bitmask.to(logits.device, non_blocking=bitmask.is_pinned())
+    backend = "auto" if logits.device.type != "cuda" or importlib.util.find_spec("triton") else "torch_native"
+    with device_guard(logits.device):  # a Triton launch goes to the current device: the logits'
+        xgr.apply_token_bitmask_inplace(logits, on_device, vocab_size=logits.shape[1], backend=backend)
 
 
 def advance_matchers(seqs: list, tokens: list[int]) -> None:

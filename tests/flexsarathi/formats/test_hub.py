@@ -131,3 +131,32 @@ def test_cli_model_by_repo_name_offline(hub, tmp_path, stories_dir):
                           timeout=300)
     assert proc.returncode == 2 and str(cache) in proc.stderr and "tiny-org/absent" in proc.stderr
     shutil.rmtree(cache)
+
+
+def test_cli_gguf_in_a_repo_by_quantization_and_by_file_offline(hub, tmp_path):
+    """`--model org/name:QUANT` and `--model org/name --gguf-file FILE` in `generate`: the tokens of
+    the same GGUF file opened by its local path (in process)."""
+    import json
+
+    from tests.gguf_files import build_model, write_gguf
+
+    cache, _ = hub
+    files = {}
+    for quant in ("Q8_0", "F32"):
+        files[quant] = tmp_path / f"tiny-{quant}.gguf"
+        write_gguf(build_model("llama"), files[quant], weight_type=quant)
+    add_repo(cache, "tiny-org/tiny-GGUF", {path.name: path for path in files.values()})
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt_token_ids": [3, 9, 27, 81, 5]}) + "\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    args = ["--input", str(src), "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "--dtype", "float32",
+            "--quiet"]
+    for quant, model in (("Q8_0", ["tiny-org/tiny-GGUF:Q8_0"]), ("F32", ["tiny-org/tiny-GGUF", "--gguf-file",
+                                                                         "tiny-F32.gguf"])):
+        out = tmp_path / f"{quant}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "flexsarathi", "generate", "--model", *model, *args,
+                               "--output", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        with LLM(str(files[quant]), dtype="float32") as local:
+            expected = local.generate([[3, 9, 27, 81, 5]], GREEDY, use_tqdm=False)[0].token_ids
+        assert json.loads(out.read_text())["token_ids"] == expected
