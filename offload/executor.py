@@ -255,7 +255,7 @@ class PassExecutor:
         whole = self._whole[id(mb)]
         attn = None if whole else torch.empty_like(q)
         for group, group_contexts in zip(mb.groups, contexts):
-            rows = _rows(group.row_start, group.num_seqs * group.num_queries, group.token_rows)
+            rows = _EVERY_ROW if whole else _rows(group.row_start, group.num_seqs * group.num_queries, group.token_rows)
             q_group = (q if whole else q[rows]).view(group.num_seqs, group.num_queries, *q.shape[1:])
             q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
             outs = [out for part, context in zip(group.parts, group_contexts)
@@ -276,7 +276,7 @@ class PassExecutor:
         if written and context is not None and id(part) in self._biases:
             # a decode part alone on the compute device, its new rows in the gathered context: one
             # fused call with the pass's mask (what _attend does for it, without its tests per layer)
-            q = self._q_on(q_on, context[0].device)
+            q = next(iter(q_on.values()))  # the compute device's: where this part's context was gathered
             return [(self.model.attend_decode(q, context[0], context[1], self._biases[id(part)]), None)]
         pool = self.kv_pools[part.tier]
         if context is IN_POOL:
@@ -355,6 +355,9 @@ class _Done:
 
     def result(self):
         return self.value
+
+
+_EVERY_ROW = slice(None)  # a micro-batch's one group that is every row (_one_group_of_every_row)
 
 
 def _one_group_of_every_row(mb: MicroBatch) -> bool:

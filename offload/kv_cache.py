@@ -97,6 +97,9 @@ class KVPool:
             # holds k and v adjacent: store_pair) and one gather reads a context's (gather).
             self.kv = alloc((num_layers, num_slots, 2, num_kv_heads, head_dim), dtype)
             self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # [layers, slots, kv_heads, head_dim] views
+            # each layer's [slots, 2, kv_heads, head_dim] view, made once: a decode step writes and
+            # gathers every layer, and a view costs as much host time as a small kernel's launch
+            self.kv_layers = self.kv.unbind(0)
             return
         if compression.block_size != block_size:
             raise ValueError(f"K is grouped by KV block: compression.block_size={compression.block_size} "
@@ -185,7 +188,7 @@ class KVPool:
         if self.compression is None:
             pair = kv_pair(k, v)
             if pair is not None and self.device.type == pair.device.type and pair.dtype == self.dtype:
-                self.kv[layer].index_copy_(0, to_device(slots, self.device), pair)  # one write (store_pair)
+                self.store_pair(layer, slots, pair)
                 return
         if self.device.type == "cpu":
             k, v = to_host(k), to_host(v)
@@ -203,7 +206,9 @@ class KVPool:
     def store_pair(self, layer: int, slots: torch.Tensor, pair: torch.Tensor) -> None:
         """pair: [T, 2, kv_heads, head_dim] (K then V of each token) on the pool's device, in its
         dtype, into `slots` [T]: one write (a plain pool's)."""
-        self.kv[layer].index_copy_(0, to_device(slots, self.device), pair)
+        if slots.device != self.device:  # the executor's are uploaded once per pass already
+            slots = to_device(slots, self.device)
+        self.kv_layers[layer].index_copy_(0, slots, pair)
 
     def _store_keys(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -> None:
         """K of a compressed pool: into each sequence's residual (open) block; a block completed
@@ -248,7 +253,7 @@ class KVPool:
         once per pass), shape (B, L) -> k, v [B, L, kv_heads, head_dim] on `device`."""
         # index_select, not advanced indexing: 4x faster on the CPU for this shape. K and V of a slot
         # lie side by side: one select reads both, returned as views of the one result.
-        pairs = self._select(self.kv[layer], flat_slots, device)  # [B * L, 2, kv_heads, head_dim]
+        pairs = self._select(self.kv_layers[layer], flat_slots, device)  # [B * L, 2, kv_heads, head_dim]
         return pairs.view(*shape, 2, self.kv_heads, self.head_dim).unbind(-3)
 
     def _select(self, table: torch.Tensor, flat: torch.Tensor, device: torch.device) -> torch.Tensor:
