@@ -10,11 +10,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
+from offload.errors import UnquantizableWeight
 from offload.store_writer import DiskStoreWriter
 from offload.host_buffer import aligned_empty, pinned_empty
 from offload.linked_blocks import LinkedWeight, linked_key, read_rows
 from offload.placement import Component, TensorPlan, WeightPlan, flat_components
-from quant import QTensor
+from quant import QTensor, UnrepresentableGroups
 
 Pieces = dict[tuple[str, int], list[torch.Tensor]]  # (tensor name, piece index) -> its components
 
@@ -131,7 +132,7 @@ class PlacedLayers:
             if plan.name in blocks and all(p.tier == "disk" for p in plan.pieces):
                 _link_blocks(writer, layer, plan.name, blocks[plan.name])  # nothing else to cut or convert
                 continue
-            comps = flat_components(weights[plan.name], plan)
+            comps = _components(weights, plan, layer)
             for i, piece in enumerate(plan.pieces):
                 if piece.tier == "disk":
                     continue
@@ -158,7 +159,7 @@ class PlacedLayers:
             if plan.name in blocks:
                 _link_blocks(writer, layer, plan.name, blocks[plan.name])
                 continue
-            _add_tensor(writer, layer, plan, flat_components(weights[plan.name], plan),
+            _add_tensor(writer, layer, plan, _components(weights, plan, layer),
                         _links_of(weights[plan.name], plan, links))
         for k in self.plan.layer(layer).small_shapes:
             writer.add(small_key(layer, k), weights[k])
@@ -212,6 +213,16 @@ class PlacedLayers:
             finish()
         return small, {key: [t.to(self.device) if tier == "gpu" else t for t in sliced]
                        for key, (tier, sliced) in pieces.items()}
+
+
+def _components(weights: dict, plan: TensorPlan, layer: int) -> list[torch.Tensor]:
+    """flat_components of the layer's weight `plan.name`; a weight whose group scales come out
+    non-finite as it is quantized is an UnquantizableWeight naming it (the engine leaves that check
+    of its source's values to this pass, which makes the scales anyway)."""
+    try:
+        return flat_components(weights[plan.name], plan)
+    except UnrepresentableGroups as exc:
+        raise UnquantizableWeight(layer, plan.name, str(exc)) from None
 
 
 def _add_tensor(writer: DiskStoreWriter, layer: int, plan: TensorPlan, comps: list[torch.Tensor],

@@ -132,6 +132,15 @@ def components_of(shape: tuple[int, int], dtype: torch.dtype, quant: QuantConfig
             Component("minimum", torch.float32 if quant.minimum_fp32 else torch.float16, groups_per_row))
 
 
+def quantized_on_placement(shapes: dict[str, tuple[int, ...]], quant: QuantFormats,
+                           resident: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The layer weights `plan_layer` gives a format (2-D, not resident): a source that gives them
+    in floating point has them quantized as they are placed (flat_components), and quantize
+    refuses a group whose scale or minimum is not a finite fp16, so that pass checks their values."""
+    return frozenset(name for name, shape in shapes.items()
+                     if len(shape) == 2 and name not in resident and quant_of(quant, name) is not None)
+
+
 def plan_layer(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quant: QuantFormats,
                fractions: tuple[float, float, float], device: torch.device | None = None,
                row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),

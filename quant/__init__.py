@@ -6,8 +6,10 @@
 """
 from quant.config import QuantConfig
 from quant.fused import quantized_linear
+from quant.group_params import UnrepresentableGroups
 from quant.groupwise import dequantize, quantize
 from quant.packing import pack_4bit, unpack_4bit
 from quant.qtensor import QTensor
 
-__all__ = ["QuantConfig", "QTensor", "quantize", "dequantize", "pack_4bit", "unpack_4bit", "quantized_linear"]
+__all__ = ["QuantConfig", "QTensor", "quantize", "dequantize", "pack_4bit", "unpack_4bit", "quantized_linear",
+           "UnrepresentableGroups"]

@@ -55,9 +55,14 @@ def _round_down_to_fp16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(above, torch.nextafter(nearest, torch.full_like(nearest, float("-inf"))), nearest)
 
 
+class UnrepresentableGroups(ValueError):
+    """Some group's minimum or step is not a finite fp16: the values hold a NaN or an inf (which
+    propagate through the group's min and max), or a magnitude beyond fp16's range."""
+
+
 def check_representable(scale: torch.Tensor, minimum: torch.Tensor) -> None:
     if not (torch.isfinite(scale).all() and torch.isfinite(minimum).all()):
-        raise ValueError(
+        raise UnrepresentableGroups(
             "quantize needs finite values whose group minimum and step fit in fp16 "
             f"(magnitude <= {_FP16_MAX:g}); got inf, NaN or a value out of that range"
         )

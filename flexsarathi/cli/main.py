@@ -27,16 +27,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="policy JSON (from `flexsarathi policy --json`)")
 
 
+def _engine_llm(args):
+    """The LLM of `demo` / `perplexity`: every flag of _add_engine_args honoured."""
+    from flexsarathi import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy, cpu_matmul=args.cpu_matmul,
+               compress_head=args.compress_head, cuda_graphs=False if args.no_cuda_graphs else None)
+
+
 DEMO_PROMPT_LEN = 64
 
 
 def _cmd_demo(args) -> int:
     import random
 
-    from flexsarathi import LLM, SamplingParams
+    from flexsarathi import SamplingParams
 
     print(f"loading {args.model} ...", flush=True)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy, cpu_matmul=args.cpu_matmul)
+    llm = _engine_llm(args)
     vocab = llm.engine.config.vocab_size
     rng = random.Random(0)
     if llm.tokenizer is not None and args.prompt_len is None:  # text prompts, as many as asked
@@ -57,11 +65,10 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_perplexity(args) -> int:
-    from flexsarathi import LLM
     from flexsarathi.cli.perplexity import perplexity, split_documents
 
     text = read_text_file(args.text, "--text")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, policy=args.policy, cpu_matmul=args.cpu_matmul)
+    llm = _engine_llm(args)
     result = perplexity(llm, split_documents(text, args.separator), stride=args.stride,
                         use_tqdm=not args.quiet)
     print(json.dumps({"model": args.model, "text": args.text, **result}))

@@ -19,7 +19,7 @@ from flexsarathi.engine.block_manager import BlockManager
 from flexsarathi.engine.graph_passes import GraphPasses
 from flexsarathi.formats.opened_model import OpenedModel, open_model
 from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
-from flexsarathi.errors import FlexSarathiError
+from flexsarathi.errors import CheckpointError, FlexSarathiError
 from flexsarathi.models.model_config import parse_dtype
 from flexsarathi.engine.logprobs import Logprob, decode_logprobs, prompt_logprobs, top_logprobs
 from flexsarathi.engine.sampling import SamplingParams, process_logits, sample, sample_seed
@@ -33,7 +33,8 @@ from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
 from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget, dequant_scratch_bytes
-from offload.placement import weight_layout_tag
+from offload.errors import UnquantizableWeight
+from offload.placement import quantized_on_placement, weight_layout_tag
 from offload.tiered_weights import TieredWeights
 from policy_search.graphs import graphs_refused
 from policy_search.policy import TIERS, Policy
@@ -262,7 +263,10 @@ class LLMEngine:
         self.memory = MemoryTracker(e.budget, self.device)
         self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
                                              value_group=e.kv_value_group) if p.compress_kv else None)
-        self.weights = self._place_weights()
+        try:
+            self.weights = self._place_weights()
+        except UnquantizableWeight as refused:
+            raise self._unquantizable(refused) from None
         if self.device.type == "cuda" and (p.compress_weight or e.compress_head):  # quant/fused.py's one dequantized weight
             shapes = {**(self.model.weight_kinds() if p.compress_weight else {}),
                       **({HEAD: self.model.global_shapes()[HEAD]} if e.compress_head else {})}
@@ -322,7 +326,8 @@ class LLMEngine:
             read_globals=lambda: self.source.global_weights(self.dtype),
             # skip: weights the store only links (offload/placed_layers.py); only a source with
             # linked_blocks (GGUF) is ever asked to skip any
-            read_layer=lambda i, skip=frozenset(): self.source.layer_weights(i, self.dtype, **({"skip": skip} if skip else {})),
+            read_layer=lambda i, skip=frozenset(): self.source.layer_weights(
+                i, self.dtype, self._checked_on_placement(i, quant), **({"skip": skip} if skip else {})),
             linked_extents=self.source.linked_extents,
             linked_blocks=self.source.linked_blocks,
             compressed_globals={HEAD: e.weight_quant} if e.compress_head else None,
@@ -331,6 +336,22 @@ class LLMEngine:
             pin_memory=p.pin_weight and self.device.type == "cuda",
             disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io,
                                          pin_memory=self.device.type == "cuda"), int4_layout=int4_layout)
+
+    def _checked_on_placement(self, layer: int, quant) -> frozenset[str]:
+        """The layer's weights this engine quantizes from the source's floats: quantize checks their
+        values as it makes their group scales (a NaN or inf gives a non-finite scale, which it
+        refuses), so the source need not pass over them for that (WeightSource.layer_weights)."""
+        if self.source.quantized_formats() is not None:  # its codes are stored as they are
+            return frozenset()
+        return quantized_on_placement(self.model.layer_shapes(layer), quant, self.model.resident_weights())
+
+    def _unquantizable(self, refused: UnquantizableWeight) -> FlexSarathiError:
+        """The error for a weight quantize refused as it was placed: the source's own, naming the
+        tensor, its file and its first non-finite entry (the layer read again with every check);
+        else its values are finite but beyond the fp16 range of the groups' scales."""
+        self.source.layer_weights(refused.layer, self.dtype)
+        return CheckpointError(f"{refused}; its values are finite in {str(self.dtype).removeprefix('torch.')}, but "
+                               "beyond what 4-bit groups' fp16 scales hold: run it with uncompressed weights")
 
     def _moe_flag(self, name: str) -> bool:
         value = getattr(self.engine_config, name)

@@ -36,7 +36,9 @@ def require_finite(values: torch.Tensor, name: str, where: str, read: torch.Tens
     One sum of the tensor just read, in its own dtype (NaN and inf propagate through it; torch's
     vectorized half sums are ~25x faster than one asking for a float32 result), not a second read
     of the file; only a non-finite sum pays for the element-wise check that locates the entry (a
-    sum of finite values that overflows, as float16's can, passes it)."""
+    sum of finite values that overflows, as float16's can, passes it). Summing each chunk of a
+    cast while it is in cache measured slower than cast-then-sum here (Python's per-chunk calls);
+    a weight the engine quantizes skips this: its group scales check it (layer_weights' unchecked)."""
     if not values.is_floating_point() or values.numel() == 0:
         return values
     if torch.isfinite(values.sum()):
@@ -56,6 +58,11 @@ def require_finite(values: torch.Tensor, name: str, where: str, read: torch.Tens
                           "the checkpoint is damaged; the engine would compute NaN logits from it")
 
 
+def _as_read(values: torch.Tensor, *_) -> torch.Tensor:
+    """require_finite's stand-in for a weight whose caller checks it (WeightSource.layer_weights)."""
+    return values
+
+
 class WeightSource(ABC):
     """Canonical weights of one model, read one layer at a time."""
 
@@ -71,7 +78,10 @@ class WeightSource(ABC):
     def global_weights(self, dtype: torch.dtype) -> Weights: ...
 
     @abstractmethod
-    def layer_weights(self, layer: int, dtype: torch.dtype) -> Weights: ...
+    def layer_weights(self, layer: int, dtype: torch.dtype, unchecked: frozenset[str] = frozenset()) -> Weights:
+        """unchecked: canonical names whose values the caller checks itself: the engine quantizes
+        them as it places them, and a NaN or inf makes its group's scale non-finite, which
+        quantize refuses. A source may leave their finiteness check (a pass over the values) to it."""
 
     def use_for(self, compress_weight: bool, weights_on_disk: bool = True) -> None:
         """Told by the engine whether its policy stores weights compressed. A source whose codes only
@@ -185,9 +195,10 @@ class SafetensorsCheckpoint(WeightSource):
                         f"tensor(s) {', '.join(parts)} in {self.folder} have {rows} rows in total, but "
                         f"config.json implies {shapes[canonical][0]} ({canonical})")
 
-    def _read(self, names: dict[str, list[str]], dtype: torch.dtype) -> Weights:
+    def _read(self, names: dict[str, list[str]], dtype: torch.dtype, unchecked: frozenset[str] = frozenset()) -> Weights:
         out = {}
         for canonical, parts in names.items():
+            check = require_finite if canonical not in unchecked else _as_read
             tensors = []
             for hf_name in parts:
                 name = self._resolve(hf_name)
@@ -196,15 +207,15 @@ class SafetensorsCheckpoint(WeightSource):
                 except (SafetensorError, RuntimeError, OSError) as exc:
                     raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: "
                                           f"{exc}") from None
-                tensors.append(require_finite(read.to(dtype), name, self._file_of[name], read))
+                tensors.append(check(read.to(dtype), name, self._file_of[name], read))
             out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         return out
 
     def global_weights(self, dtype):
         return self._read(self.model.hf_global_names(), dtype)
 
-    def layer_weights(self, layer, dtype):
-        return self._read(self.model.hf_layer_names(layer), dtype)
+    def layer_weights(self, layer, dtype, unchecked=frozenset()):
+        return self._read(self.model.hf_layer_names(layer), dtype, unchecked)
 
 
 class DummyWeights(WeightSource):
@@ -257,8 +268,8 @@ class DummyWeights(WeightSource):
         minimum = torch.full((groups,), -step * (levels - 1) / 2, dtype=torch.float16)
         return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(shape), dtype=dtype, config=config)
 
-    def layer_weights(self, layer, dtype):
-        codes = self.codes is not None
+    def layer_weights(self, layer, dtype, unchecked=frozenset()):
+        codes = self.codes is not None  # (normal draws and codes are finite: nothing to check)
         resident = self.model.resident_weights()  # routers: never drawn as codes (placed uncompressed)
 
         def draw(name: str, shape: tuple[int, ...]):

@@ -135,11 +135,12 @@ class GGUFCheckpoint(WeightSource):
         fmt = self._format(hf_names)
         return fmt if fmt is not None and fmt.bits == 4 else None
 
-    def layer_weights(self, layer, dtype, skip=frozenset()):
+    def layer_weights(self, layer, dtype, unchecked=frozenset(), skip=frozenset()):
         """Matrices as codes where the file has them (routers and shared-expert gates, kept resident
         uncompressed, as floats); each weight in its canonical shape. skip: weights of
         `linked_blocks(layer)` the caller only links: their bytes are read for their crc32 (and
-        their scales checked) and left out."""
+        their scales checked) and left out. unchecked: ignored (every weight is checked here: a
+        float one by require_finite, block codes by their scales, gguf_quants.py)."""
         shapes, formats = self.model.layer_shapes(layer), self.quantized_formats() or {}
         out, linkable = {}, self.linked_blocks(layer) if skip else {}
         for k, parts in self.model.hf_layer_names(layer).items():

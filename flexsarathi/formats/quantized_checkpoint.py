@@ -180,7 +180,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group)
 
     # ---- reading ---------------------------------------------------------------------------
-    def _read(self, names: dict[str, list[str]], dtype: torch.dtype):
+    def _read(self, names: dict[str, list[str]], dtype: torch.dtype, unchecked: frozenset[str] = frozenset()):
         out, plain = {}, {}
         for canonical, parts in names.items():
             config = self.formats.get(canonical)
@@ -195,7 +195,8 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             tensors = []
             for name in names:
                 read = self._reader.get(self._file_of[name], name)
-                tensors.append(require_finite(read.to(dtype), name, self._file_of[name], read))
+                cast = read.to(dtype)
+                tensors.append(cast if canonical in unchecked else require_finite(cast, name, self._file_of[name], read))
             out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         return out
 
@@ -263,7 +264,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         name = self._resolve(hf_name)
         return self._reader.extent(self._file_of[name], name)
 
-    def layer_weights(self, layer, dtype):
-        weights = super().layer_weights(layer, dtype)
+    def layer_weights(self, layer, dtype, unchecked=frozenset()):
+        weights = super().layer_weights(layer, dtype, unchecked)
         self.log.layer_done(layer)
         return weights

@@ -114,3 +114,14 @@ def test_prefetch_across_passes_never_overwrites_the_layer_in_use(tmp_path, num_
                 assert torch.equal(value, before[name]) and torch.equal(value, expected[j][name]), (j, name)
             weights.release(j)
     weights.close()
+
+
+@pytest.mark.parametrize("quant", [QuantConfig(), {"qkv": QuantConfig(), "o": None}, None])
+def test_the_weights_said_quantized_on_placement_are_those_the_plan_quantizes(quant):
+    """The engine leaves these weights' finiteness to quantize's scale check (flexsarathi/engine/
+    llm_engine.py _checked_on_placement): exactly the plan's compressed ones."""
+    from offload.placement import quantized_on_placement
+    shapes = {"qkv": (96, 64), "o": (64, 64), "router": (4, 64), "norm": (64,)}
+    resident = frozenset({"router"})
+    plans = plan_layer(shapes, torch.float32, quant, (0.5, 0.5, 0.0), resident=resident)
+    assert quantized_on_placement(shapes, quant, resident) == {p.name for p in plans if p.quant is not None}

@@ -52,6 +52,10 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                                              "--offload-dir /etc/passwd/off cannot be created"),
         "profile bad dtype": (["profile", "--dtype", "int3", "-o", f"{tmp}/hw.json"], "unsupported dtype 'int3'"),
         "profile unknown model": (["profile", "--model", "opt-7", "-o", f"{tmp}/hw.json"], "unknown model 'opt-7'"),
+        "demo compress head of a tied model": (["demo", "--compress-head"], "compress_head: dummy:opt-125m has no "
+                                               "LM head of its own"),
+        "perplexity compress head of a tied model": (["perplexity", "--model", str(STORIES), "--text", f"{tmp}/ok.txt",
+                                                     "--compress-head"], "has no LM head of its own"),
         "inspect a text file": (["inspect", "--model", text], f"model {text} is a file of {len(NOT_UTF8)} bytes, not "
                                 "a checkpoint; a model is a checkpoint folder (config.json + safetensors), a "
                                 ".gguf file or dummy:<name>"),
@@ -86,6 +90,7 @@ def cli_runs(tmp_path_factory):
     """Every case run once, in this process; (the folder of its files, name -> (run, message))."""
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "not_utf8.txt").write_bytes(NOT_UTF8)
+    (tmp / "ok.txt").write_text("Once upon a time there was a cat.")
     return tmp, {name: (run_in_process(argv), message) for name, (argv, message) in _cases(str(tmp)).items()}
 
 
