@@ -107,3 +107,27 @@ def test_load_peak_within_what_the_engine_reports(checkpoints, tmp_path, kind, d
     assert got["peak"] <= bound + SLACK, (
         f"{kind}: the load peaked {(got['peak'] - bound) / MiB:.1f} MiB above what the engine reports "
         f"(held {held / MiB:.1f} MiB + its load reservation {loading / MiB:.1f} MiB) + {SLACK // MiB} MiB slack")
+
+
+def test_load_reads_ahead_only_where_the_cpu_budget_has_room(checkpoints, tmp_path):
+    """The load's reservation: two layers in flight and one weight's read where the cpu tier has room
+    for them, else one layer (no read ahead), else one MemoryBudgetError with the arithmetic."""
+    from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine
+    from flexsarathi.formats.opened_model import open_model
+    from offload.memory import MemoryBudgetError, TierBudget
+    from offload.tiered_weights import LOADING
+
+    model = checkpoints[0]["gguf"]
+    source = open_model(model).source
+    source.use_for(compress_weight=False, weights_on_disk=False)  # as the engine below: all in RAM, default policy
+    layer, read = source.load_bytes(torch.float32)
+    for cpu, reads_ahead in ((2 * layer + read, True), (2 * layer + read - 1, False), (layer + read, False)):
+        engine = LLMEngine(EngineConfig(model, dtype=torch.float32, device="cpu", budget=TierBudget(cpu=cpu),
+                                        offload_dir=str(tmp_path)))
+        assert engine.weights.placed.read_ahead is reads_ahead
+        assert engine.memory.peak_by_what("cpu")[LOADING] == (2 if reads_ahead else 1) * layer + read
+        assert engine.memory.in_use("cpu") == 0
+        engine.close()
+    with pytest.raises(MemoryBudgetError, match="reserving 'loading"):
+        LLMEngine(EngineConfig(model, dtype=torch.float32, device="cpu", budget=TierBudget(cpu=layer + read - 1),
+                               offload_dir=str(tmp_path)))
