@@ -72,6 +72,10 @@ class TieredWeights:
         finally:
             tracker.release("cpu", loading, LOADING)
             release_free_heap()
+        self._make_buffers(tracker, overlap)
+
+    def _make_buffers(self, tracker: MemoryTracker, overlap: bool) -> None:
+        """The working slots, staging buffers, prefetch thread and per-slot state of the streamer."""
         self._block_staging, self._staging_at = self._linked_staging(tracker), 0  # and its next free byte
         self._kinds = self.plan.kinds
         layouts = self._slot_layouts(_off_gpu_rows)
