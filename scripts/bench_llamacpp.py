@@ -514,7 +514,9 @@ def held_summary(llm) -> str:
     report = llm.engine.memory.report()
     held = ", ".join(f"{what} {n / GB:.2f}" for tier in report.values() for what, n in
                      sorted(tier["by_what"].items(), key=lambda item: -item[1]) if n >= 0.01 * GB)
-    return f"{held}; process peak RSS {peak_rss_gb():.2f} GB"
+    released = ", ".join(f"{what} {n / GB:.2f}" for tier in report.values() for what, n in
+                         tier.get("peak_by_what", {}).items() if what not in tier["by_what"] and n)
+    return f"{held}{'; released (peak): ' + released if released else ''}; process peak RSS {peak_rss_gb():.2f} GB"
 
 
 def peak_rss_gb() -> float:
