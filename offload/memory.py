@@ -101,6 +101,7 @@ class MemoryTracker:
         self._in_use_by_what: dict[str, dict[str, int]] = {tier: {} for tier in TIERS}
         self._in_use: dict[str, int] = {tier: 0 for tier in TIERS}
         self._peak: dict[str, int] = {tier: 0 for tier in TIERS}
+        self._peak_by_what: dict[str, dict[str, int]] = {tier: {} for tier in TIERS}
 
     # ---- reserve / release -------------------------------------------------------------------
 
@@ -115,6 +116,8 @@ class MemoryTracker:
                 raise self._budget_error(tier, nbytes, what, in_use, capacity)
             by_what = self._in_use_by_what[tier]
             by_what[what] = by_what.get(what, 0) + nbytes
+            peaks = self._peak_by_what[tier]
+            peaks[what] = max(peaks.get(what, 0), by_what[what])
             self._in_use[tier] = in_use + nbytes
             self._peak[tier] = max(self._peak[tier], self._in_use[tier])
 
@@ -169,16 +172,25 @@ class MemoryTracker:
         with self._lock:
             return dict(self._in_use_by_what[tier])
 
+    def peak_by_what(self, tier: str) -> dict[str, int]:
+        """The most each purpose ever held on `tier` (those released since included: the load's own
+        memory, offload/tiered_weights.py)."""
+        _check_tier(tier)
+        with self._lock:
+            return dict(self._peak_by_what[tier])
+
     def reset_peak(self) -> None:
         """Start peak tracking afresh from the current use (e.g. between prefill and decode)."""
         with self._lock:
             for tier in TIERS:
                 self._peak[tier] = self._in_use[tier]
+                self._peak_by_what[tier] = dict(self._in_use_by_what[tier])
 
     # ---- reporting ----------------------------------------------------------------------------
 
     def report(self) -> dict[str, dict]:
-        """Per tier: capacity, in_use, peak, by_what; on CUDA the gpu tier adds torch's own peak."""
+        """Per tier: capacity, in_use, peak, by_what, peak_by_what; on CUDA the gpu tier adds torch's
+        own peak."""
         with self._lock:
             report = {
                 tier: {
@@ -186,6 +198,7 @@ class MemoryTracker:
                     "in_use": self._in_use[tier],
                     "peak": self._peak[tier],
                     "by_what": dict(self._in_use_by_what[tier]),
+                    "peak_by_what": dict(self._peak_by_what[tier]),
                 }
                 for tier in TIERS
             }
@@ -206,6 +219,9 @@ class MemoryTracker:
             lines.append(line)
             for what, nbytes in sorted(entry["by_what"].items(), key=lambda item: -item[1]):
                 lines.append(f"        {what}: {human_bytes(nbytes)}")
+            for what, nbytes in sorted(entry["peak_by_what"].items(), key=lambda item: -item[1]):
+                if what not in entry["by_what"]:  # released since: the load's own memory
+                    lines.append(f"        {what}: none now, peak {human_bytes(nbytes)}")
         return "\n".join(lines)
 
     __str__ = format_report

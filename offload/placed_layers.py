@@ -13,6 +13,7 @@ from offload.disk_store import DiskStore, OffloadError, StoreCorruptError
 from offload.errors import UnquantizableWeight
 from offload.store_writer import DiskStoreWriter
 from offload.host_buffer import aligned_empty, pinned_empty
+from offload.host_malloc import release_free_heap
 from offload.linked_blocks import LinkedWeight, linked_key, read_rows
 from offload.placement import Component, TensorPlan, WeightPlan, flat_components
 from quant import QTensor, UnrepresentableGroups
@@ -34,13 +35,16 @@ class PlacedLayers:
 
     def __init__(self, plan: WeightPlan, read_layer: Callable[[int], dict], store: DiskStore | None,
                  device: torch.device, pin: bool, linked_extents: Callable[[int], dict] | None = None,
-                 linked_blocks: Callable[[int], dict] | None = None, store_bytes: int | None = None):
+                 linked_blocks: Callable[[int], dict] | None = None, store_bytes: int | None = None,
+                 read_ahead: bool = True):
         """linked_extents(layer): the source's components that lie as they are in its files;
         linked_blocks(layer): its weights whose rows lie in its files as blocks (offload/
         linked_blocks.py); both linked by the store, not copied (flexsarathi/formats/checkpoint.py
         `WeightSource`). store_bytes: what the store writes (its free-space check; default the
-        plan's whole store)."""
+        plan's whole store). read_ahead: from the source, read layer j + 1 while layer j is placed
+        (two layers in flight; TieredWeights reserves their bytes)."""
         self.plan, self.store, self.device, self.pin = plan, store, device, pin
+        self.read_ahead = read_ahead
         self._read_layer = read_layer
         self._linked_extents = linked_extents or (lambda layer: {})
         self._linked_blocks = linked_blocks or (lambda layer: {})
@@ -66,7 +70,7 @@ class PlacedLayers:
         # From the source, layer j + 1 is read (and decoded: a GGUF's codes, a dummy's draws) on a
         # thread while layer j is cut, compressed and written: the two overlap (file reads, numpy
         # and torch release the GIL) and at most two layers are held at once.
-        reader = ThreadPoolExecutor(1, thread_name_prefix="source-read") if from_source else None
+        reader = ThreadPoolExecutor(1, thread_name_prefix="source-read") if from_source and self.read_ahead else None
         ahead: Future | None = None
         self.small, self.pieces, self.linked = [], [], []
         try:
@@ -78,7 +82,7 @@ class PlacedLayers:
                     link_only = writer is not None  # weights the store only links need no decoding
                     weights = ahead.result() if ahead is not None else self._source_layer(layer, damage, link_only)
                     ahead = None
-                    if layer + 1 < self.plan.num_layers:
+                    if layer + 1 < self.plan.num_layers and reader is not None:
                         ahead = reader.submit(self._source_layer, layer + 1, damage, link_only)
                     small = {k: weights[k].to(self.device) for k in self.plan.layer(layer).small_shapes}
                     blocks = self._blocks_to_link(weights, layer) if writer is not None else {}
@@ -87,6 +91,7 @@ class PlacedLayers:
                     del weights
                 self.small.append(small)
                 self.pieces.append(pieces)
+                release_free_heap()  # the layer's freed conversion, else kept between the blocks it placed
             if writer is not None:
                 writer.commit()
         except BaseException:
@@ -137,7 +142,7 @@ class PlacedLayers:
                 if piece.tier == "disk":
                     continue
                 target = self.device if piece.tier == "gpu" else torch.device("cpu")
-                sliced = [c[cm.numel(piece.row_start):cm.numel(piece.row_end)].to(target).clone()
+                sliced = [_own_rows(c, cm.numel(piece.row_start), cm.numel(piece.row_end), target)
                           for c, cm in zip(comps, plan.components)]
                 if piece.tier == "cpu" and self.pin:  # exactly its bytes (offload/host_buffer.py)
                     sliced = [pinned_empty(t.shape, t.dtype).copy_(t) for t in sliced]
@@ -146,6 +151,7 @@ class PlacedLayers:
                 _link_blocks(writer, layer, plan.name, blocks[plan.name])
             elif writer is not None:
                 _add_tensor(writer, layer, plan, comps, _links_of(weights[plan.name], plan, links))
+            del weights[plan.name], comps  # its source form goes as soon as it is placed
         if writer is not None:
             for k in layer_plan.small_shapes:
                 writer.add(small_key(layer, k), weights[k])
@@ -223,6 +229,18 @@ def _components(weights: dict, plan: TensorPlan, layer: int) -> list[torch.Tenso
         return flat_components(weights[plan.name], plan)
     except UnrepresentableGroups as exc:
         raise UnquantizableWeight(layer, plan.name, str(exc)) from None
+
+
+def _own_rows(component: torch.Tensor, lo: int, hi: int, target: torch.device) -> torch.Tensor:
+    """Elements [lo, hi) of a flat component on `target` in memory of their own: the component
+    itself where it is the whole of its own memory on `target` (the source gave it to the placement:
+    no second copy of a weight while a layer is placed), else a copy (a slice must not keep the
+    rest of the weight's memory alive)."""
+    if component.device != target:
+        return component[lo:hi].to(target)  # a copy of those elements alone
+    whole = (lo == 0 and hi == component.numel() and component.is_contiguous()
+             and component.storage_offset() == 0 and component.untyped_storage().nbytes() == component.nbytes)
+    return component if whole else component[lo:hi].clone()
 
 
 def _add_tensor(writer: DiskStoreWriter, layer: int, plan: TensorPlan, comps: list[torch.Tensor],

@@ -19,7 +19,8 @@ import torch
 from offload.disk_store import DiskStore, StoreCorruptError
 from offload.host_buffer import align_up, aligned_empty, pinned_empty
 from offload.linked_blocks import read_rows
-from offload.memory import MemoryTracker
+from offload.host_malloc import release_free_heap
+from offload.memory import MemoryBudgetError, MemoryTracker
 from offload.placed_layers import AllReads, PlacedLayers, linked_bytes, store_key
 from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble, compress_resident
 from offload.streams import bind_thread, indexed
@@ -37,14 +38,17 @@ class TieredWeights:
                  disk_store: Callable[[], DiskStore] | None = None, pin_memory: bool = False,
                  row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
                  routed_reads: bool = False, cpu_blocks: bool = False, compressed_globals: dict[str, QuantConfig] | None = None,
-                 linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None, int4_layout: bool = True):
+                 linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None, int4_layout: bool = True,
+                 load_bytes: tuple[int, int] = (0, 0)):
         """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
         offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
         reads the blocks off the gpu tier only when the model asks for them (after routing);
         cpu_blocks leaves a block held whole on the cpu tier there, for the model to compute on
         the CPU (RowBlockAccess). linked_extents, linked_blocks: see offload.placed_layers.PlacedLayers;
         compressed_globals: global weights (the LM head) kept in that format (_place_globals);
-        int4_layout: see offload.placement.uses_kernel_layout."""
+        int4_layout: see offload.placement.uses_kernel_layout. load_bytes: (the largest layer as
+        read_layer gives it, what reading one weight holds besides): the load's own memory
+        (_reserve_load), held on the cpu tier while the weights are placed."""
         self.routed_reads, self.cpu_blocks, self.int4_layout = routed_reads, cpu_blocks, int4_layout
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
         # experts read after routing; experts computed on the cpu tier (per micro-batch); layer loads with experts left
@@ -59,10 +63,19 @@ class TieredWeights:
         self.cuda = self.device.type == "cuda"
         self.plan.reserve(tracker, store_bytes := (self.plan.store_bytes - linked_bytes(self.plan, linked_extents, linked_blocks)
                                                    if self.plan.needs_disk else 0))
-        self._globals = self._place_globals(read_globals(), compressed_globals or {}, tracker)
-        self.store = disk_store() if self.plan.needs_disk else None
-        self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
-                                   linked_extents, linked_blocks, store_bytes)
+        loading, read_ahead = _reserve_load(tracker, *load_bytes)
+        try:
+            self._globals = self._place_globals(read_globals(), compressed_globals or {}, tracker)
+            self.store = disk_store() if self.plan.needs_disk else None
+            self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
+                                       linked_extents, linked_blocks, store_bytes, read_ahead)
+        finally:
+            tracker.release("cpu", loading, LOADING)
+            release_free_heap()
+        self._make_buffers(tracker, overlap)
+
+    def _make_buffers(self, tracker: MemoryTracker, overlap: bool) -> None:
+        """The working slots, staging buffers, prefetch thread and per-slot state of the streamer."""
         self._block_staging, self._staging_at = self._linked_staging(tracker), 0  # and its next free byte
         self._kinds = self.plan.kinds
         layouts = self._slot_layouts(_off_gpu_rows)
@@ -379,6 +392,25 @@ class TieredWeights:
         if not stacked or not (self.routed_reads or self.cpu_blocks):
             return None
         return RowBlockAccess(self, layer, slot, stacked)
+
+
+LOADING = "loading (layers in flight)"
+
+
+def _reserve_load(tracker: MemoryTracker, layer_bytes: int, read_bytes: int) -> tuple[int, bool]:
+    """Reserve on the cpu tier what the load holds beside the weights it has placed: the layer being
+    placed and, where the budget has room, the next one read ahead (PlacedLayers), each as the
+    source gives it, plus one weight's read (WeightSource.load_bytes). -> (bytes reserved, whether
+    to read ahead). The tier's peak then shows the load's; released once every layer is placed."""
+    for layers in (2, 1):
+        need = layers * layer_bytes + read_bytes
+        try:
+            tracker.reserve("cpu", need, LOADING)
+            return need, layers == 2
+        except MemoryBudgetError:
+            if layers == 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _clip(plan: TensorPlan, block: int, piece) -> tuple[int, int] | None:

@@ -480,7 +480,9 @@ def run_ours_in_regime(b: Bench, on_disk: bool, group: MemoryGroup | None) -> tu
         group.reset_peak()
     say("  FlexSarathi: building the engine" + (" (the disk store is written the first time)" if on_disk else ""))
     start = time.perf_counter()
-    llm = build_ours(b.model, b.dtype, b.workload, on_disk, b.work_dir, budget_gib=64.0 if not on_disk else 4.0,
+    # beyond RAM the engine's budget is the group's limit (4 GiB at most): a policy that does not fit fails early
+    budget = 64.0 if not on_disk else min(4.0, group.limit / GiB) if group is not None and group.active else 4.0
+    llm = build_ours(b.model, b.dtype, b.workload, on_disk, b.work_dir, budget_gib=budget,
                      cpu_matmul=b.cpu_matmul, resident=b.resident if on_disk else 0.0,
                      gguf_path=b.gguf_path if b.ours_from_gguf else None, cfg=b.cfg)
     say(f"  FlexSarathi: loaded {'the GGUF' if b.ours_from_gguf else 'dummy weights'} in "
@@ -502,7 +504,9 @@ def held_summary(llm) -> str:
     report = llm.engine.memory.report()
     held = ", ".join(f"{what} {n / GB:.2f}" for tier in report.values() for what, n in
                      sorted(tier["by_what"].items(), key=lambda item: -item[1]) if n >= 0.01 * GB)
-    return f"{held}; process peak RSS {peak_rss_gb():.2f} GB"
+    released = ", ".join(f"{what} {n / GB:.2f}" for tier in report.values() for what, n in
+                         tier.get("peak_by_what", {}).items() if what not in tier["by_what"] and n)
+    return f"{held}{'; released (peak): ' + released if released else ''}; process peak RSS {peak_rss_gb():.2f} GB"
 
 
 def peak_rss_gb() -> float:

@@ -335,7 +335,8 @@ class LLMEngine:
             tracker=self.memory, overlap=p.overlap, prefetch=p.weight_prefetch,
             pin_memory=p.pin_weight and self.device.type == "cuda",
             disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io,
-                                         pin_memory=self.device.type == "cuda"), int4_layout=int4_layout)
+                                         pin_memory=self.device.type == "cuda"), int4_layout=int4_layout,
+            load_bytes=self.source.load_bytes(self.dtype, frozenset({HEAD}) if e.compress_head else frozenset()))
 
     def _checked_on_placement(self, layer: int, quant) -> frozenset[str]:
         """The layer's weights this engine quantizes from the source's floats: quantize checks their

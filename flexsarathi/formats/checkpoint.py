@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
+from flexsarathi.formats.safetensors_pread import PreadReader
 from flexsarathi.formats.worker_pools import worker_pool
 from flexsarathi.models import ModelMath, Weights, build_model_math
 from policy_search.model_registry import known_config
@@ -25,6 +26,7 @@ from quant import QTensor, QuantConfig
 from quant.layout import GroupLayout
 
 DUMMY_PREFIX = "dummy:"
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def require_finite(values: torch.Tensor, name: str, where: str, read: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,7 +100,35 @@ class WeightSource(ABC):
     def coded_globals(self) -> frozenset[str]:
         """Global weights (canonical names) that `global_weights` gives as 4-bit QTensors, the
         source's own codes (a GGUF's Q4_0 token embedding and head), from the headers alone."""
-        return frozenset()
+        return frozenset(self.global_formats())
+
+    def global_formats(self) -> dict[str, QuantConfig]:
+        """{canonical name: format} of the global weights `global_weights` gives as QTensors."""
+        return {}
+
+    def load_bytes(self, dtype: torch.dtype, converted: frozenset[str] = frozenset()) -> tuple[int, int]:
+        """What reading this source holds beside the weights it has given, from the headers: (the
+        largest layer as `layer_weights` gives it, what reading one weight holds besides the
+        weights given: one more of the largest layer weight as given (a fused weight's parts beside
+        their concatenation, or a weight beside its converted form before that is placed), or of a
+        global weight the engine converts (`converted`: a compressed head), plus
+        `read_buffer_bytes`). An upper bound: a weight the source gives in a format of its own
+        counts in it (`quantized_formats`, `global_formats`), any other in `dtype`."""
+        formats = self.quantized_formats() or {}
+        layers = [{k: given_bytes(shape, dtype, formats.get(k)) for k, shape in self.model.layer_shapes(i).items()}
+                  for i in range(self.config.num_layers)]
+        coded = self.global_formats()
+        weights = [given_bytes(shape, dtype, coded.get(k)) for k, shape in self.model.global_shapes().items()
+                   if k in converted]
+        weights += [n for layer in layers for n in layer.values()]
+        return max((sum(layer.values()) for layer in layers), default=0), max(weights) + self.read_buffer_bytes(dtype)
+
+    def read_buffer_bytes(self, dtype: torch.dtype) -> int:
+        """The most one weight's read holds before it is given (its file bytes, its decoding); by
+        default 4 bytes per value of the largest weight (a float32 read or draw)."""
+        shapes = [*self.model.global_shapes().values()]
+        shapes += [s for i in range(self.config.num_layers) for s in self.model.layer_shapes(i).values()]
+        return 4 * max(math.prod(s) for s in shapes)
 
     def linked_extents(self, layer: int) -> dict[str, dict[str, list[tuple[str, int, int]]]]:
         """Components of the layer's pre-quantized weights whose stored bytes (QTensor `data`,
@@ -115,12 +145,22 @@ class WeightSource(ABC):
         return {}
 
 
+def given_bytes(shape: tuple[int, ...], dtype: torch.dtype, fmt: QuantConfig | None) -> int:
+    """Bytes of a weight of `shape` as a source gives it: in `dtype`, or a 2-D QTensor of `fmt`
+    (codes, fp16 scales, minimums)."""
+    if fmt is None or len(shape) != 2:
+        return math.prod(shape) * dtype.itemsize
+    groups = shape[0] * -(-shape[1] // fmt.group_size)
+    return groups * (fmt.bytes_per_group + 2 + fmt.minimum_bytes)
+
+
 class SafetensorsCheckpoint(WeightSource):
     def __init__(self, folder: str):
         self.folder = folder
         self.config = ModelConfig.from_folder(folder)
         self.model = build_model_math(self.config)
-        self._handles: dict[str, object] = {}  # file path -> open safetensors handle
+        self._handles: dict[str, object] = {}  # file path -> open safetensors handle (headers only)
+        self._pread = PreadReader()  # tensors' bytes: read into fresh memory, not mapped (safetensors_pread.py)
         self._file_of = self._index_tensors()  # HF tensor name -> file path
         self._validate_shapes()
 
@@ -203,8 +243,8 @@ class SafetensorsCheckpoint(WeightSource):
             for hf_name in parts:
                 name = self._resolve(hf_name)
                 try:
-                    read = self._open(self._file_of[name]).get_tensor(name)
-                except (SafetensorError, RuntimeError, OSError) as exc:
+                    read = self._pread.get(self._file_of[name], name)
+                except OSError as exc:
                     raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: "
                                           f"{exc}") from None
                 tensors.append(check(read.to(dtype), name, self._file_of[name], read))
@@ -213,6 +253,12 @@ class SafetensorsCheckpoint(WeightSource):
 
     def global_weights(self, dtype):
         return self._read(self.model.hf_global_names(), dtype)
+
+    def read_buffer_bytes(self, dtype: torch.dtype) -> int:
+        """The largest tensor's bytes in its file where they are cast to `dtype` (read whole, then
+        cast; a tensor already in `dtype` is given as read)."""
+        extents = (self._pread.extent(path, name) for name, path in self._file_of.items())
+        return max((nbytes for _, _, nbytes, kind, _ in extents if kind != _SAFETENSORS_DTYPES.get(dtype)), default=0)
 
     def layer_weights(self, layer, dtype, unchecked=frozenset()):
         return self._read(self.model.hf_layer_names(layer), dtype, unchecked)

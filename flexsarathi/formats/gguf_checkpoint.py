@@ -33,7 +33,7 @@ from flexsarathi.models import build_model_math
 from flexsarathi.formats.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, resolve_part, \
     unpermute_rows
 from flexsarathi.formats.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, FLOAT_TYPES, check_type, code_format, \
-    common_format, conversion_error, \
+    common_format, conversion_error, decode_scratch_bytes, \
     to_codes, to_float, to_qtensor, widen
 from flexsarathi.formats.worker_pools import worker_pool
 from offload.linked_blocks import BLOCK_FORMATS, LinkedPart, LinkedWeight, split_blocks
@@ -123,8 +123,27 @@ class GGUFCheckpoint(WeightSource):
             out[k] = (self._coded(parts, dtype, fmt) if fmt else None) or self._dense(parts, dtype)
         return out
 
-    def coded_globals(self) -> frozenset[str]:
-        return frozenset(k for k, parts in self.model.hf_global_names().items() if self._global_format(k, parts))
+    def global_formats(self) -> dict:
+        formats = {k: self._global_format(k, parts) for k, parts in self.model.hf_global_names().items()}
+        return {k: fmt for k, fmt in formats.items() if fmt is not None}
+
+    def read_buffer_bytes(self, dtype: torch.dtype) -> int:
+        """The largest of: a tensor's bytes as read, beside their decoding before the weight is given:
+        float32 values and their q/k row-reordered copy (_dense), or codes as bytes with float32
+        group scales and minimums (to_codes) plus the decoding's scratch; nothing for Q4_0 / Q4_1
+        blocks kept as such (_split_blocks: split straight into the weight as given)."""
+        most, decoding = 0, False
+        for t in self.gguf.tensors.values():
+            values, raw = int(np.prod(t.shape)), int(np.prod(t.raw_shape)) * t.raw_dtype.itemsize
+            fmt = code_format(t.type_name, self.keep_blocks) if t.type_name in CODE_FORMATS else None
+            if fmt is not None and fmt.group_halves:
+                decoded = 0
+            elif fmt is not None:
+                decoded, decoding = values * fmt.bits // 8 + values // fmt.group_size * 8, True
+            else:
+                decoded = 8 * values
+            most = max(most, raw + decoded)
+        return most + (decode_scratch_bytes() if decoding else 0)
 
     def _global_format(self, name: str, hf_names: list[str]):
         """The 4-bit format a global matrix's codes keep (no conversion: Q4_0 / Q4_1), else None."""

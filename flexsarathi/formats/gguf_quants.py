@@ -35,13 +35,14 @@ weight or its layers mix bit widths or groups (Q4_K_M: Q4_K beside Q6_K), `commo
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from flexsarathi.errors import CheckpointError
-from flexsarathi.formats.worker_pools import worker_pool
+from flexsarathi.formats.worker_pools import MAX_WORKERS, worker_pool
 from quant import QTensor, QuantConfig, pack_4bit, unpack_4bit
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -51,6 +52,16 @@ DEQUANTIZED_TYPES = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + CONVERTED_TYPES + DEQUANTIZED_TYPES
 QK_K = 256  # values per K-quant super-block
 _CHUNK_VALUES = 2**22  # values decoded at a time
+# A chunk's decoding holds up to this many bytes per value of it (its blocks' copy, the nibble runs
+# split and joined, the scales): a whole Q4_0 tensor's decoding (16M and 525M values, two workers,
+# up to three chunks in flight) peaked 3.9 and 3.2 bytes per chunk value above its results.
+_SCRATCH_PER_VALUE = 3
+
+
+def decode_scratch_bytes() -> int:
+    """The most `to_codes` holds besides its input and its results: a chunk on the calling thread
+    and one per worker of the decoding pool."""
+    return (1 + min(MAX_WORKERS, os.cpu_count() or 1)) * _CHUNK_VALUES * _SCRATCH_PER_VALUE
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,14 @@ def test_reserve_release_arithmetic_and_peak():
     assert tracker.available("cpu") is None
     assert tracker.in_use("disk") == 0 and tracker.peak("disk") == 0
 
+    # each purpose's own peak, kept after it is released (the load's memory: offload/tiered_weights.py)
+    assert tracker.peak_by_what("gpu") == {"weights": 400 * MiB, "kv cache": 200 * MiB, "activations": 824 * MiB}
+
     tracker.release("gpu", 824 * MiB, "activations")
+    assert "activations: none now, peak 824.00 MiB" in tracker.format_report()
     tracker.reset_peak()
     assert tracker.peak("gpu") == 200 * MiB
+    assert tracker.peak_by_what("gpu") == {"kv cache": 200 * MiB}
 
 
 def test_budget_error_carries_the_arithmetic_and_changes_nothing():
