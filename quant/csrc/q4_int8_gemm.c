@@ -366,16 +366,6 @@ static inline void transpose8(__m256 *r) {
     r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-/* 8 rows into a panel whose 32-byte groups lie `stride` bytes apart (32; 64: two panels side by side). */
-static void pack_panel(const uint8_t *rows, int64_t row_bytes, uint8_t *panel, int64_t stride) {
-    for (int64_t t0 = 0; t0 < row_bytes / 4; t0 += 8) {
-        __m256 r[8];
-        for (int j = 0; j < 8; j++) r[j] = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(rows + j * row_bytes + 4 * t0)));
-        transpose8(r);
-        for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(panel + (t0 + i) * stride), r[i]);
-    }
-}
-
 /* A running int16 sum as it stands after each step. Without it gcc -O3 reassociates a flush
  * window's integer adds (legal: they are exact) into a tree over all the window's products and
  * spills those to the stack; the chain of adds keeps each sum in its register (the panel tile
@@ -395,6 +385,30 @@ static inline __m512i x4w(const int8_t *p) {
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
 }
+
+/* r[i]'s 4-byte unit j -> r[j]'s unit i: pairs of units, then quads, within each 128-bit lane; then
+ * the lanes, two shuffles of whole lanes deep. */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int q = 0; q < 16; q += 4) { /* u[q + e], lane L: rows q .. q + 3's unit 4 L + e */
+        u[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+        u[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+        u[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+        u[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), b = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+        const __m512i c = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE), d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(a, b, 0x88);
+        r[4 + e] = _mm512_shuffle_i32x4(a, b, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(c, d, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(c, d, 0xDD);
+    }
+}
 #endif
 
 /* MB (1, 2 or 4) rows of x against a panel; swp / zwp: [groups][8] scales and zeros of its rows. Four
@@ -410,7 +424,8 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
 #ifndef FS_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[4], z[4], c[4]; /* z, c: each row's sums over the groups of zero * xg and scale * xh */
+    for (int i = 0; i < MB; i++) acc[i] = z[i] = c[i] = _mm256_setzero_ps();
     if (!pairs) { /* 4-byte group t: low nibbles codes 4t.. (block b), high ones K/2 + 4t.. (block b + nb/2) */
         const int64_t half = nb / 2;
         for (int64_t b = 0; b < half; b++) {
@@ -455,6 +470,13 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
                                          acc[i]);
             }
         }
+        for (int64_t g = 0; g < ng; g++) { /* each row's terms a chain over the groups, the rows side by side */
+            const __m256 sg = _mm256_loadu_ps(swp + PANEL * g);
+            for (int i = 0; i < MB; i++) {
+                if (zwp) z[i] = _mm256_fmadd_ps(_mm256_loadu_ps(zwp + PANEL * g), _mm256_set1_ps(xg[(m + i) * ng + g]), z[i]);
+                c[i] = _mm256_fmadd_ps(sg, _mm256_set1_ps(xh[(m + i) * ng + g]), c[i]);
+            }
+        }
     } else { /* group t: low nibbles the even codes of 8t.., high the odd ones: x's pairs order */
         for (int64_t b = 0; b < nb; b++) {
             __m256i a32[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -480,20 +502,20 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
                 for (int i = 0; i < MB; i++) a32[i] = _mm256_add_epi32(a32[i], _mm256_madd_epi16(s16[i], ones));
 #endif
             }
-            const __m256 s = _mm256_loadu_ps(swp + PANEL * ((b * XB) / G));
+            const int64_t g = (b * XB) / G;
+            const __m256 s = _mm256_loadu_ps(swp + PANEL * g);
             for (int i = 0; i < MB; i++)
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a32[i]), _mm256_mul_ps(s, _mm256_set1_ps(xd[(m + i) * nb + b])),
                                          acc[i]);
+            if (((b + 1) * XB) % G == 0) /* the group's last block: its zero and correction terms, in group order */
+                for (int i = 0; i < MB; i++) {
+                    if (zwp) z[i] = _mm256_fmadd_ps(_mm256_loadu_ps(zwp + PANEL * g), _mm256_set1_ps(xg[(m + i) * ng + g]), z[i]);
+                    c[i] = _mm256_fmadd_ps(s, _mm256_set1_ps(xh[(m + i) * ng + g]), c[i]);
+                }
         }
     }
-    for (int i = 0; i < MB; i++) {
-        __m256 z = _mm256_setzero_ps(), c = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            z = _mm256_fmadd_ps(_mm256_loadu_ps(zwp + PANEL * g), _mm256_set1_ps(xg[(m + i) * ng + g]), z);
-            c = _mm256_fmadd_ps(_mm256_loadu_ps(swp + PANEL * g), _mm256_set1_ps(xh[(m + i) * ng + g]), c);
-        }
-        _mm256_storeu_ps(y + (m + i) * ldy, _mm256_add_ps(acc[i], _mm256_fnmadd_ps(_mm256_set1_ps(8.f), c, z)));
-    }
+    for (int i = 0; i < MB; i++)
+        _mm256_storeu_ps(y + (m + i) * ldy, _mm256_add_ps(acc[i], _mm256_fnmadd_ps(_mm256_set1_ps(8.f), c[i], z[i])));
 }
 
 #if defined(FS_VNNI) && FS_VNNI == 512
@@ -507,12 +529,13 @@ static inline __attribute__((always_inline)) void panel_tile16(const int MB, con
                                                               int64_t ldy) {
     const int64_t nb = K / XB, ng = K / G, W = 2 * PANEL;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[4], z[4], c[4];
+    for (int i = 0; i < MB; i++) acc[i] = z[i] = c[i] = _mm512_setzero_ps();
     if (!pairs) {
         const int64_t half = nb / 2;
         for (int64_t b = 0; b < half; b++) {
-            __m512i alo[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-            __m512i ahi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+            __m512i alo[4], ahi[4];
+            for (int i = 0; i < MB; i++) alo[i] = ahi[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int64_t t = b * XB / 4; t < (b + 1) * XB / 4; t++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(panel + 64 * t));
@@ -533,9 +556,17 @@ static inline __attribute__((always_inline)) void panel_tile16(const int MB, con
                                          acc[i]);
             }
         }
+        for (int64_t g = 0; g < ng; g++) {
+            const __m512 sg = _mm512_loadu_ps(swp + W * g);
+            for (int i = 0; i < MB; i++) {
+                if (zwp) z[i] = _mm512_fmadd_ps(_mm512_loadu_ps(zwp + W * g), _mm512_set1_ps(xg[(m + i) * ng + g]), z[i]);
+                c[i] = _mm512_fmadd_ps(sg, _mm512_set1_ps(xh[(m + i) * ng + g]), c[i]);
+            }
+        }
     } else {
         for (int64_t b = 0; b < nb; b++) {
-            __m512i a32[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+            __m512i a32[4];
+            for (int i = 0; i < MB; i++) a32[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int64_t t = b * XB / 8; t < (b + 1) * XB / 8; t++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(panel + 64 * t));
@@ -547,20 +578,20 @@ static inline __attribute__((always_inline)) void panel_tile16(const int MB, con
                     a32[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a32[i], lo, x4w(xr)), hi, x4w(xr + 32));
                 }
             }
-            const __m512 s = _mm512_loadu_ps(swp + W * ((b * XB) / G));
+            const int64_t g = (b * XB) / G;
+            const __m512 s = _mm512_loadu_ps(swp + W * g);
             for (int i = 0; i < MB; i++)
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a32[i]), _mm512_mul_ps(s, _mm512_set1_ps(xd[(m + i) * nb + b])),
                                          acc[i]);
+            if (((b + 1) * XB) % G == 0)
+                for (int i = 0; i < MB; i++) {
+                    if (zwp) z[i] = _mm512_fmadd_ps(_mm512_loadu_ps(zwp + W * g), _mm512_set1_ps(xg[(m + i) * ng + g]), z[i]);
+                    c[i] = _mm512_fmadd_ps(s, _mm512_set1_ps(xh[(m + i) * ng + g]), c[i]);
+                }
         }
     }
-    for (int i = 0; i < MB; i++) {
-        __m512 z = _mm512_setzero_ps(), c = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            z = _mm512_fmadd_ps(_mm512_loadu_ps(zwp + W * g), _mm512_set1_ps(xg[(m + i) * ng + g]), z);
-            c = _mm512_fmadd_ps(_mm512_loadu_ps(swp + W * g), _mm512_set1_ps(xh[(m + i) * ng + g]), c);
-        }
-        _mm512_storeu_ps(y + (m + i) * ldy, _mm512_add_ps(acc[i], _mm512_fnmadd_ps(_mm512_set1_ps(8.f), c, z)));
-    }
+    for (int i = 0; i < MB; i++)
+        _mm512_storeu_ps(y + (m + i) * ldy, _mm512_add_ps(acc[i], _mm512_fnmadd_ps(_mm512_set1_ps(8.f), c[i], z[i])));
 }
 #define PANELS_SIDE_BY_SIDE 2
 #else
@@ -583,6 +614,116 @@ static void row_scales(const uint16_t *scale, const void *minimum, int min_fp32,
         to_floats((const uint16_t *)minimum + n * ng, zw, ng);
     }
     for (int64_t g = 0; g < ng; g++) zw[g] += 8.f * sw[g];
+}
+
+/* w panels of 8 rows (the rows from `rows` on, row_bytes apart) packed side by side. Two at a time
+ * (AVX-512) as one 16 x 16 transpose of 4-byte units per 64 bytes of each row: with the scales'
+ * transposes below, a decode pass's packing took half a 16-row call's time done 8 rows at a time. */
+static void pack_panels(const uint8_t *rows, int64_t row_bytes, int w, uint8_t *panel) {
+    int64_t t0 = 0;
+#if defined(FS_VNNI) && FS_VNNI == 512
+    if (w == 2)
+        for (; t0 + 16 <= row_bytes / 4; t0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                r[j] = _mm512_loadu_si512((const void *)(rows + j * row_bytes + 4 * t0));
+                /* the next panels' line (a hint: past the weight's end it is dropped): 16 rows read
+                 * side by side outrun the hardware's prefetch (-10% time at 16 rows of x) */
+                _mm_prefetch((const char *)(rows + (16 + j) * row_bytes + 4 * t0), _MM_HINT_T1);
+            }
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(panel + (t0 + i) * 64), r[i]);
+        }
+#endif
+    for (int h = 0; h < w; h++) /* the rest (all of it on AVX2): 8 rows by 8 rows */
+        for (int64_t t = t0; t < row_bytes / 4; t += 8) {
+            __m256 r[8];
+            for (int j = 0; j < 8; j++)
+                r[j] = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(rows + (8 * h + j) * row_bytes + 4 * t)));
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(panel + (t + i) * 32 * w + 32 * h), r[i]);
+        }
+}
+
+/* The panels' rows' scales and zeros (row_scales' values) as sp / zp [groups][8 w] (lane = row);
+ * returns whether every zero is 0. 8 groups of 8 rows at a time, transposed in registers. */
+static int panel_scales(const uint16_t *scale, const void *minimum, int min_fp32, int64_t n, int64_t ng, int w,
+                        float *sp, float *zp) {
+    const int lanes = PANEL * w;
+    const __m256 eight = _mm256_set1_ps(8.f), zero = _mm256_setzero_ps();
+    int zero_free = 1;
+    int64_t g0 = 0;
+    for (; g0 + 8 <= ng; g0 += 8)
+        for (int h = 0; h < w; h++) {
+            __m256 sv[8], zv[8];
+            for (int j = 0; j < 8; j++) {
+                const int64_t at = (n + 8 * h + j) * ng + g0;
+                sv[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + at)));
+                zv[j] = min_fp32 ? _mm256_loadu_ps((const float *)minimum + at)
+                                 : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)minimum + at)));
+                zv[j] = _mm256_add_ps(zv[j], _mm256_mul_ps(eight, sv[j])); /* row_scales' zw += 8.f * sw */
+                zero_free &= _mm256_movemask_ps(_mm256_cmp_ps(zv[j], zero, _CMP_EQ_OQ)) == 0xFF;
+            }
+            transpose8(sv);
+            transpose8(zv);
+            for (int i = 0; i < 8; i++) {
+                _mm256_storeu_ps(sp + (g0 + i) * lanes + 8 * h, sv[i]);
+                _mm256_storeu_ps(zp + (g0 + i) * lanes + 8 * h, zv[i]);
+            }
+        }
+    if (g0 < ng) { /* the last ng % 8 groups, row by row */
+        float sw[ng], zw[ng];
+        for (int j = 0; j < lanes; j++) {
+            row_scales(scale, minimum, min_fp32, n + j, ng, sw, zw);
+            for (int64_t g = g0; g < ng; g++) {
+                sp[g * lanes + j] = sw[g];
+                zp[g * lanes + j] = zw[g];
+                zero_free &= zw[g] == 0.f;
+            }
+        }
+    }
+    return zero_free;
+}
+
+/* Rows [m0, m1) of x against one packed panel (w = 2: two side by side), 4 rows a tile while they
+ * last. zp NULL: every zero of the panel's rows is 0 (Q4_0's): its term is left out (+0 either way
+ * for finite x; a sum of x that overflowed no longer turns the output into a NaN). */
+static inline __attribute__((always_inline)) void panel_rows(const int w, const int pairs, const uint8_t *panel,
+                                                            const float *sp, const float *zp, const int8_t *xq,
+                                                            const float *xd, const float *xg, const float *xh,
+                                                            int64_t m0, int64_t m1, int64_t K, int64_t G, int64_t XB,
+                                                            float *y, int64_t ldy) {
+    int64_t m = m0;
+#define TILES(P, TILE)                                                                                        \
+    do {                                                                                                      \
+        for (; m + 4 <= m1; m += 4) TILE(4, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y, ldy);           \
+        for (; m + 2 <= m1; m += 2) TILE(2, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y, ldy);           \
+        for (; m < m1; m++) TILE(1, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y, ldy);                   \
+    } while (0)
+#if PANELS_SIDE_BY_SIDE == 2
+    if (w == 2) {
+        if (pairs) TILES(1, panel_tile16);
+        else TILES(0, panel_tile16);
+        return;
+    }
+#endif
+    if (pairs) TILES(1, panel_tile);
+    else TILES(0, panel_tile);
+#undef TILES
+}
+
+/* panel_rows with the block and group sizes as constants where they are the usual ones (GGUF
+ * Q4_0's 32 / 32; 64 and 128 groups), so that the tiles' block loops unroll whole and the groups'
+ * indices need no division: -7% time at 512 rows with Q4_0's. */
+static void panel_rows_sized(int w, int pairs, const uint8_t *panel, const float *sp, const float *zp, const int8_t *xq,
+                             const float *xd, const float *xg, const float *xh, int64_t m0, int64_t m1, int64_t K,
+                             int64_t G, int64_t XB, float *y, int64_t ldy) {
+#define SIZED(XB_, G_) panel_rows(w, pairs, panel, sp, zp, xq, xd, xg, xh, m0, m1, K, G_, XB_, y, ldy)
+    if (XB == 32 && G == 32) SIZED(32, 32);
+    else if (XB == 64 && G == 64) SIZED(64, 64);
+    else if (XB == 128 && G == 128) SIZED(128, 128);
+    else SIZED(XB, G);
+#undef SIZED
 }
 
 /* Output columns [n0, n1) of y fp32 [M, N] (row stride ldy), from xq / xd / xg / xh as fs_quantize_x
@@ -609,8 +750,8 @@ void fs_q4_gemm(const int8_t *xq, const float *xd, const float *xg, const float 
         const int64_t slots = all ? n_panels : side; /* panels held at once */
         uint8_t *panels = aligned_alloc(64, (size_t)(K / 2) * PANEL * slots);
         float *swp = malloc(sizeof(float) * ng * PANEL * slots), *zwp = malloc(sizeof(float) * ng * PANEL * slots);
-        if (!panels || !swp || !zwp) abort();
-        float sw_row[ng], zw_row[ng];
+        uint8_t *zero_free = malloc((size_t)slots); /* a slot's zeros all 0 (Q4_0's): their term left out */
+        if (!panels || !swp || !zwp || !zero_free) abort();
         for (int64_t m0 = 0; m0 < M; m0 += m_block) {
             const int64_t m1 = m0 + m_block < M ? m0 + m_block : M;
             for (int64_t p = 0; p < n_panels;) {
@@ -619,37 +760,17 @@ void fs_q4_gemm(const int8_t *xq, const float *xd, const float *xg, const float 
                 uint8_t *panel = panels + slot * (K / 2) * PANEL;
                 float *sp = swp + slot * ng * PANEL, *zp = zwp + slot * ng * PANEL;
                 if (!all || m0 == 0) {
-                    for (int h = 0; h < w; h++) pack_panel(codes + (n + h * PANEL) * (K / 2), K / 2, panel + 32 * h, 32 * w);
-                    for (int j = 0; j < PANEL * w; j++) {
-                        row_scales(scale, minimum, min_fp32, n + j, ng, sw_row, zw_row);
-                        for (int64_t g = 0; g < ng; g++) {
-                            sp[g * PANEL * w + j] = sw_row[g];
-                            zp[g * PANEL * w + j] = zw_row[g];
-                        }
-                    }
+                    pack_panels(codes + n * (K / 2), K / 2, w, panel);
+                    zero_free[slot] = panel_scales(scale, minimum, min_fp32, n, ng, w, sp, zp);
                 }
-                int64_t m = m0;
-#define TILES(P, TILE)                                                                                        \
-    do {                                                                                                      \
-        for (; m + 4 <= m1; m += 4) TILE(4, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);       \
-        for (; m + 2 <= m1; m += 2) TILE(2, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);       \
-        for (; m < m1; m++) TILE(1, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y + n, ldy);               \
-    } while (0)
-#if PANELS_SIDE_BY_SIDE == 2
-                if (w == 2) {
-                    if (pairs) TILES(1, panel_tile16);
-                    else TILES(0, panel_tile16);
-                } else
-#endif
-                if (pairs) TILES(1, panel_tile);
-                else TILES(0, panel_tile);
-#undef TILES
+                panel_rows_sized(w, pairs, panel, sp, zero_free[slot] ? NULL : zp, xq, xd, xg, xh, m0, m1, K, G, XB, y + n, ldy);
                 p += w;
             }
         }
         free(panels);
         free(swp);
         free(zwp);
+        free(zero_free);
         n_rows = n0 + n_panels * PANEL;
     }
     for (int64_t m0 = 0; m0 < M; m0 += m_block) {

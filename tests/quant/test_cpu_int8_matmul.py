@@ -282,6 +282,33 @@ def test_every_path_gives_the_avx2_paths_bits(isa, n, k, group, layout, m32):
         torch.set_num_threads(previous)
 
 
+@needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("m32", [False, True])
+def test_panels_whose_zeros_are_all_0_give_the_stated_arithmetic_on_every_path(layout, m32):
+    """GGUF Q4_0's minimum is -8 * scale, so every zero (the value of code 8) is 0 and the kernel
+    leaves the zero's term out of a panel whose rows' zeros are all 0: rows 0-15 and 32-47 here
+    (a 512-bit path's panel pair; the AVX2 path's panels of 8), rows 16-31 keep one nonzero zero,
+    and the rows left over (48-52) go row by row. Each output is the stated arithmetic, the same bits
+    on every path this CPU has, and the same bits 4 rows at a time."""
+    k = 512
+    q = _weight(53, k, 32, seed=21, layout=layout, minimum_fp32=m32)
+    zeroed = torch.cat([torch.arange(0, 16), torch.arange(16, 32)[1:], torch.arange(32, 53)])
+    q.minimum.view(53, -1)[zeroed] = (-8 * q.scale.view(53, -1)[zeroed].float()).to(q.minimum.dtype)
+    zero = _zero(q)
+    assert zero[torch.arange(0, 16)].eq(0).all() and zero[16].ne(0).any()
+    x = torch.randn(2 * (256 * 1024 // k) + 8, k, generator=torch.Generator().manual_seed(22)) * 3  # 3 sweeps
+    for rows in (6, len(x)):
+        got = k8.int8_linear(x[:rows], q)
+        expected = (_rounded_x(x[:rows], k8.x_block(q), 1) @ (dequantize(q, torch.float64) - zero).T
+                    + x[:rows].double() @ zero.T)
+        assert (got.double() - expected).abs().le(_fp32_slack(x[:rows], q)).all()
+        for isa in VNNI_PATHS:
+            if not missing_cpu_flags(ISA_PATHS[isa]):
+                assert torch.equal(k8.int8_linear(x[:rows], q, isa=isa), k8.int8_linear(x[:rows], q, isa="avx2"))
+    assert torch.equal(got, torch.cat([k8.int8_linear(x[i:i + 4], q) for i in range(0, len(x), 4)]))
+
+
 @pytest.mark.parametrize("isa", VNNI_PATHS)
 def test_a_vnni_path_gives_nan_for_a_non_finite_x(isa):
     _path_or_skip(isa)
