@@ -201,16 +201,18 @@ def flat_components(tensor: torch.Tensor | QTensor, plan: TensorPlan) -> list[to
     return [q.data, q.scale, q.minimum]
 
 
-def assemble(plan: TensorPlan, components: list[torch.Tensor], rows: int | None = None):
+def assemble(plan: TensorPlan, components: list[torch.Tensor], rows: int | None = None, panels: bool = False):
     """Flat components -> the weight the model uses (a tensor, a QTensor, or an Int4Packed);
-    rows: the components hold that many of the weight's rows (one expert's), not all."""
+    rows: the components hold that many of the weight's rows (one expert's), not all; panels: a
+    QTensor's components are stored in the int8 kernel's panels (quant/panels.py)."""
     shape = plan.shape if rows is None else (rows, plan.shape[1])
     if plan.quant is None:
         return components[0].view(shape)
     if plan.kernel_layout:
         return Int4Packed.from_flat(*components, shape, plan.quant.group_size)
     data, scale, minimum = components
-    return QTensor(data=data, scale=scale, minimum=minimum, shape=shape, dtype=plan.dtype, config=plan.quant)
+    return QTensor(data=data, scale=scale, minimum=minimum, shape=shape, dtype=plan.dtype, config=plan.quant,
+                   panels=panels)
 
 
 @dataclass(frozen=True)

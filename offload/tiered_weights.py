@@ -25,7 +25,7 @@ from offload.placed_layers import AllReads, PlacedLayers, linked_bytes, store_ke
 from offload.placement import QuantFormats, TensorPlan, WeightPlan, Weights, assemble, compress_resident
 from offload.streams import bind_thread, indexed
 from offload.weights import ROW_BLOCKS, RowSplit
-from quant import QTensor, QuantConfig
+from quant import QTensor, QuantConfig, cpu_int8_matmul, panels
 
 
 class TieredWeights:
@@ -39,7 +39,7 @@ class TieredWeights:
                  row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
                  routed_reads: bool = False, cpu_blocks: bool = False, compressed_globals: dict[str, QuantConfig] | None = None,
                  linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None, int4_layout: bool = True,
-                 load_bytes: tuple[int, int] = (0, 0)):
+                 load_bytes: tuple[int, int] = (0, 0), int8_panels: bool = False):
         """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
         offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
         reads the blocks off the gpu tier only when the model asks for them (after routing);
@@ -48,7 +48,9 @@ class TieredWeights:
         compressed_globals: global weights (the LM head) kept in that format (_place_globals);
         int4_layout: see offload.placement.uses_kernel_layout. load_bytes: (the largest layer as
         read_layer gives it, what reading one weight holds besides): the load's own memory
-        (_reserve_load), held on the cpu tier while the weights are placed."""
+        (_reserve_load), held on the cpu tier while the weights are placed. int8_panels: the passes
+        multiply 4-bit weights with the int8 kernel on this (CPU) device: each one's gpu-tier rows
+        are stored in its panels (quant/panels.py), reordered in place once placed."""
         self.routed_reads, self.cpu_blocks, self.int4_layout = routed_reads, cpu_blocks, int4_layout
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
         # experts read after routing; experts computed on the cpu tier (per micro-batch); layer loads with experts left
@@ -64,15 +66,33 @@ class TieredWeights:
         self.plan.reserve(tracker, store_bytes := (self.plan.store_bytes - linked_bytes(self.plan, linked_extents, linked_blocks)
                                                    if self.plan.needs_disk else 0))
         loading, read_ahead = _reserve_load(tracker, *load_bytes)
+        self._panelled: frozenset[tuple[int, str]] = frozenset()  # (layer, name): gpu rows in the int8 kernel's panels
         try:
             self._globals = self._place_globals(read_globals(), compressed_globals or {}, tracker)
             self.store = disk_store() if self.plan.needs_disk else None
             self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
                                        linked_extents, linked_blocks, store_bytes, read_ahead)
+            self._panelled = self._store_panels() if int8_panels and self.device.type == "cpu" else frozenset()
         finally:
             tracker.release("cpu", loading, LOADING)
             release_free_heap()
         self._make_buffers(tracker, overlap)
+
+    def _store_panels(self) -> frozenset[tuple[int, str]]:
+        """Every 4-bit weight's gpu-tier piece the int8 kernel covers, reordered into its panels
+        in place (the piece is used where it is, never copied to a working buffer): {(layer, name)}.
+        A piece of fewer rows than a panel, a kernel layout's or stacked experts' stay as they are."""
+        done = set()
+        for layer in range(self.num_layers):
+            for plan in self.plan.layer(layer).tensors:
+                if plan.quant is None or plan.kernel_layout or plan.blocks != 1 or not plan.gpu_rows:
+                    continue
+                held = self.placed.pieces[layer][(plan.name, 0)]
+                q = assemble(plan, held, rows=plan.gpu_rows)
+                if panels.can_store(q) and cpu_int8_matmul.covers(torch.empty(0, plan.shape[1]), q):
+                    panels.to_panels(q)  # held's bytes reordered
+                    done.add((layer, plan.name))
+        return frozenset(done)
 
     def _make_buffers(self, tracker: MemoryTracker, overlap: bool) -> None:
         """The working slots, staging buffers, prefetch thread and per-slot state of the streamer."""
@@ -188,12 +208,13 @@ class TieredWeights:
         weights: Weights = dict(self.placed.small[layer])
         buffers = self._buffers[slot][self._kind(layer)]
         for plan in self.plan.layer(layer).tensors:
+            in_panels = (layer, plan.name) in self._panelled
             if plan.resident:
-                weights[plan.name] = assemble(plan, self.placed.pieces[layer][(plan.name, 0)])
+                weights[plan.name] = assemble(plan, self.placed.pieces[layer][(plan.name, 0)], panels=in_panels)
             elif plan.gpu_rows:  # its gpu rows in place, the rest from the working buffer
                 streamed = plan.shape[0] - plan.gpu_rows
                 weights[plan.name] = RowSplit((
-                    assemble(plan, self.placed.pieces[layer][(plan.name, 0)], rows=plan.gpu_rows),
+                    assemble(plan, self.placed.pieces[layer][(plan.name, 0)], rows=plan.gpu_rows, panels=in_panels),
                     assemble(plan, buffers[plan.name], rows=streamed)))
             else:
                 weights[plan.name] = assemble(plan, buffers[plan.name])

@@ -8,8 +8,9 @@ by it with AVX2's 32-lane integer multiply-add (vpmaddubsw). quant/csrc/q4_int8_
 our own layouts (split halves of a line or of a group, adjacent pairs; fp16 or fp32 minimums), reading half a byte per
 weight: 38 ms at 32 rows (one plane; two: 75 ms), 3.4 ms at 1 row (2 threads; end to end:
 docs/BENCHMARKS.md, "llama.cpp side by side"). From 4 rows of x on, 8 weight rows at a time are interleaved into a small
-buffer so that the integer lanes hold 8 outputs (the kernel's "panel"; llama.cpp repacks its
-weights at load for the same reason, the engine's stored layout stays row-major).
+buffer so that the integer lanes hold 8 outputs (the kernel's "panel"); a weight the engine keeps
+resident for this kernel is stored in those panels once, at load (quant/panels.py), as llama.cpp
+repacks its weights.
 
 Arithmetic (what the tests hold it to): per row of x and per block of XB consecutive values (32,
 64 or 128, inside one weight group), `step = max|x| / 127` and `xq = round(x / step)`; with the
@@ -41,6 +42,7 @@ import threading
 import torch
 
 from quant.cpu_kernels import CSRC, Kernel
+from quant.panels import PANEL_ROWS, from_panels, stored_rows
 from quant.qtensor import QTensor
 
 SOURCE = CSRC / "q4_int8_gemm.c"
@@ -142,20 +144,22 @@ def int8_linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = N
         fine = [t[m].data_ptr() for t in (xq, steps, sums, rounded_sums)] if planes == 2 else [None] * 4
         lib.fs_quantize_x_all(flat.data_ptr(), m, k, k, group, block, pairs, xq.data_ptr(), steps.data_ptr(),
                               sums.data_ptr(), rounded_sums.data_ptr(), *fine, threads)
+        packed = stored_rows(n) if qweight.panels else 0  # rows in the kernel's panels (quant/panels.py)
         lib.fs_q4_gemm_all(xq.data_ptr(), steps.data_ptr(), sums.data_ptr(), rounded_sums.data_ptr(), planes * m, k,
                            group, block, qweight.data.data_ptr(), qweight.scale.data_ptr(), qweight.minimum.data_ptr(),
-                           int(qweight.config.minimum_fp32), pairs, n, gemm_step(n, threads), y.data_ptr(), n, threads)
+                           int(qweight.config.minimum_fp32), pairs, packed, n,
+                           gemm_step(n, threads, PANEL_ROWS if packed else ROW_ALIGN), y.data_ptr(), n, threads)
     out = y[:m] + y[m:] if planes == 2 else y
     if bias is not None:
         out += bias
     return out.to(x.dtype).view(*x.shape[:-1], n)
 
 
-def gemm_step(n: int, threads: int) -> int:
+def gemm_step(n: int, threads: int, align: int = ROW_ALIGN) -> int:
     """Output rows per range the kernel's threads take in turn: GEMM_CHUNKS_PER_THREAD ranges per
-    thread, each a multiple of ROW_ALIGN."""
+    thread, each a multiple of `align` (ROW_ALIGN; a weight stored in panels: whole panels)."""
     step = -(-n // (threads * GEMM_CHUNKS_PER_THREAD))
-    return -(-step // ROW_ALIGN) * ROW_ALIGN
+    return -(-step // align) * align
 
 
 def error_bound(x: torch.Tensor, qweight: QTensor, planes: int = 1) -> torch.Tensor:
@@ -164,6 +168,7 @@ def error_bound(x: torch.Tensor, qweight: QTensor, planes: int = 1) -> torch.Ten
     (each x moves by at most half its step; with two planes, half the residual's 254x finer step)."""
     from quant.groupwise import dequantize  # noqa: PLC0415 - only the tests and benchmarks need it
 
+    qweight = from_panels(qweight)
     n, k = qweight.shape
     flat = x.reshape(-1, k).double()
     block = x_block(qweight)
@@ -177,7 +182,7 @@ def error_bound(x: torch.Tensor, qweight: QTensor, planes: int = 1) -> torch.Ten
 _p, _i, _flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 KERNEL = Kernel("int8_linear", SOURCE, {
     "fs_quantize_x_all": [_p, _i, _i, _i, _i, _i, _flag, _p, _p, _p, _p, _p, _p, _p, _p, _flag],
-    "fs_q4_gemm_all": [_p, _p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _flag, _flag, _i, _i, _p, _i, _flag]},
+    "fs_q4_gemm_all": [_p, _p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _flag, _flag, _i, _i, _i, _p, _i, _flag]},
     isa_paths=True)  # AVX-512 VNNI, AVX-VNNI or AVX2, by the CPU's flags or $FLEXSARATHI_INT8_ISA
 available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason
 _by_isa: dict[str, Kernel] = {}

@@ -76,6 +76,9 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, *, out: torch.Tenso
     working buffer: when the groups run along the last dimension unpadded it is written in place.
     """
     dtype = q.dtype if dtype is None else dtype
+    if q.panels:  # stored for the int8 kernel: its rows back in order first
+        from quant.panels import from_panels  # noqa: PLC0415 - quant.panels imports this module's package
+        q = from_panels(q)
     layout = q.layout
     if out is not None:
         _check_out(out, q, dtype)

@@ -19,6 +19,9 @@ class QTensor:
     shape: tuple[int, ...]  # the original shape
     dtype: torch.dtype  # the original dtype, what `dequantize` returns by default
     config: QuantConfig
+    # rows [0, N - N % 16) of this 2-D 4-bit weight lie in the int8 kernel's 16-row panels (quant/
+    # panels.py: one weight kept resident for it, reordered once at load), the rest row-major
+    panels: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, QuantConfig):
@@ -44,6 +47,10 @@ class QTensor:
                     f"QTensor.{name} has shape {tuple(buffer.shape)} ({buffer.numel()} elements) but "
                     f"{where} needs {shape} ({torch.Size(shape).numel()} elements)"
                 )
+        if self.panels is not False and (self.panels is not True or self.config.bits != 4 or len(self.shape) != 2
+                                         or layout.group_dim != 1):
+            raise ValueError(f"QTensor.panels is True only for a 2-D 4-bit weight grouped along dim 1, got "
+                             f"{self.panels!r} for {where}")
         if not (self.data.device == self.scale.device == self.minimum.device):
             raise ValueError(
                 f"QTensor buffers must share one device, got data on {self.data.device}, "
@@ -76,6 +83,9 @@ class QTensor:
         """Rows [start, stop) of a 2-D weight grouped along its last dimension, as a view: each row's
         groups (codes packed per row, quant/packing.py), scales and minimums are one contiguous run."""
         layout = self.layout
+        if self.panels:
+            raise ValueError(f"QTensor.rows({start}, {stop}): this weight's rows are stored in panels "
+                             f"(quant/panels.py), not one contiguous run each")
         if len(self.shape) != 2 or layout.group_dim != 1 or not 0 <= start <= stop <= self.shape[0]:
             raise ValueError(f"QTensor.rows({start}, {stop}): needs a 2-D weight grouped along dim 1 and "
                              f"rows within [0, {self.shape[0] if self.shape else 0}], got shape {self.shape}, "
@@ -90,9 +100,9 @@ class QTensor:
         """Rows `index` (int64 [R], any order, repeats allowed) of a 2-D weight grouped along its
         last dimension, as a QTensor [R, cols] (a copy): e.g. a quantized embedding's looked-up rows."""
         layout = self.layout
-        if len(self.shape) != 2 or layout.group_dim != 1:
-            raise ValueError(f"QTensor.take_rows: needs a 2-D weight grouped along dim 1, got shape {self.shape}, "
-                             f"group_dim {layout.group_dim}")
+        if len(self.shape) != 2 or layout.group_dim != 1 or self.panels:
+            raise ValueError(f"QTensor.take_rows: needs a 2-D weight grouped along dim 1, rows not in panels, got "
+                             f"shape {self.shape}, group_dim {layout.group_dim}, panels={self.panels}")
         rows, index = self.shape[0], index.reshape(-1).to(self.device)
 
         def pick(t: torch.Tensor) -> torch.Tensor:

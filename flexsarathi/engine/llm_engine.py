@@ -315,7 +315,8 @@ class LLMEngine:
         quant = self.source.quantized_formats() or quant
         # The store format version is part of the key: a store written by an engine with another
         # layout (e.g. a different 4-bit packing) has different, equally checksummed bytes.
-        int4_layout = not int8_kernel_preferred(resolve_cpu_matmul(e.cpu_matmul, self.device.type))
+        cpu_matmul = resolve_cpu_matmul(e.cpu_matmul, self.device.type)
+        int4_layout = not int8_kernel_preferred(cpu_matmul)
         store_key = f"fmt{STORE_FORMAT}|{self.source.fingerprint}|{str(self.dtype).removeprefix('torch.')}|" + (
             _formats_key(quant, self.dtype, self.device, int4_layout))
         return TieredWeights(
@@ -336,7 +337,10 @@ class LLMEngine:
             pin_memory=p.pin_weight and self.device.type == "cuda",
             disk_store=lambda: DiskStore(self._offload_folder(), store_key, direct_io=e.direct_io,
                                          pin_memory=self.device.type == "cuda"), int4_layout=int4_layout,
-            load_bytes=self.source.load_bytes(self.dtype, frozenset({HEAD}) if e.compress_head else frozenset()))
+            load_bytes=self.source.load_bytes(self.dtype, frozenset({HEAD}) if e.compress_head else frozenset()),
+            # every pass multiplies 4-bit weights with the int8 kernel ("int8x2" dequantizes prompt-sized
+            # ones instead, which would have to undo the panels per call): their resident rows in its panels
+            int8_panels=cpu_matmul == "int8" and self.device.type == "cpu")
 
     def _checked_on_placement(self, layer: int, quant) -> frozenset[str]:
         """The layer's weights this engine quantizes from the source's floats: quantize checks their

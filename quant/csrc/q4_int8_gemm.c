@@ -411,14 +411,36 @@ static inline void transpose16(__m512i *r) {
 }
 #endif
 
-/* MB (1, 2 or 4) rows of x against a panel; swp / zwp: [groups][8] scales and zeros of its rows. Four
+/* The next stored panel's lines (quant/panels.py: one contiguous run of codes, one of scales, one
+ * of minimums), fetched a few per block iteration by the current panel's first tile while it
+ * computes: read on demand the panels cost as much again as the compute at 16 rows of x, and one
+ * burst of prefetches stalls the core on its miss buffers (spread: 1.33x, 16 rows, Zen 5). */
+typedef struct {
+    const char *codes, *scale, *minimum;
+    int64_t code_lines, scale_lines, minimum_lines;
+} Ahead;
+
+/* Iteration `it`'s share: `per` code lines (code_lines / the loop's iterations, worked out once
+ * before it: a division per block cost more than the fetches saved), then one line of scales or
+ * minimums. */
+#define PREFETCH(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p))) /* gcc 12 dropped _mm_prefetch's here */
+
+static inline void fetch_ahead(const Ahead *a, int64_t it, int64_t per) {
+    if (!a) return;
+    for (int64_t l = it * per; l < (it + 1) * per; l++) PREFETCH(a->codes + 64 * l);
+    if (it < a->scale_lines) PREFETCH(a->scale + 64 * it);
+    else if (it - a->scale_lines < a->minimum_lines) PREFETCH(a->minimum + 64 * (it - a->scale_lines));
+}
+
+/* MB (1, 2 or 4) rows of x against a panel (its 32-byte groups PS bytes apart: 32; 64, one half of a
+ * stored 16-row panel); swp / zwp: [groups][8] scales and zeros of its rows. Four
  * rows share each panel load and nibble split (4 rows: -10..13% time against 2 on an AVX2 EPYC; the
  * int32 block sums then spill, once per 8 loads). */
 static inline __attribute__((always_inline)) void panel_tile(const int MB, const int pairs, const uint8_t *panel,
                                                             const float *swp, const float *zwp, const int8_t *xq,
                                                             const float *xd, const float *xg, const float *xh,
                                                             int64_t m, int64_t K, int64_t G, int64_t XB, float *y,
-                                                            int64_t ldy) {
+                                                            int64_t ldy, const int64_t PS, const Ahead *ahead) {
     const int64_t nb = K / XB, ng = K / G;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
 #ifndef FS_VNNI
@@ -428,7 +450,9 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
     for (int i = 0; i < MB; i++) acc[i] = z[i] = c[i] = _mm256_setzero_ps();
     if (!pairs) { /* 4-byte group t: low nibbles codes 4t.. (block b), high ones K/2 + 4t.. (block b + nb/2) */
         const int64_t half = nb / 2;
+        const int64_t per = ahead ? ahead->code_lines / half : 0;
         for (int64_t b = 0; b < half; b++) {
+            fetch_ahead(ahead, b, per);
             __m256i alo[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
             __m256i ahi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int64_t t0 = b * XB / 4; t0 < (b + 1) * XB / 4; t0 += 8) { /* int16: 8 sums at most */
@@ -436,7 +460,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
                 __m256i shi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 8 /* with the sums kept as they stand: -9..-22% time at 512 rows */
                 for (int64_t t = t0; t < t0 + 8; t++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(panel + 32 * t));
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(panel + PS * t));
                     const __m256i lo = _mm256_and_si256(v, low4);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                     for (int i = 0; i < MB; i++) {
@@ -478,12 +502,14 @@ static inline __attribute__((always_inline)) void panel_tile(const int MB, const
             }
         }
     } else { /* group t: low nibbles the even codes of 8t.., high the odd ones: x's pairs order */
+        const int64_t per = ahead ? ahead->code_lines / nb : 0;
         for (int64_t b = 0; b < nb; b++) {
+            fetch_ahead(ahead, b, per);
             __m256i a32[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int64_t t0 = b * XB / 8; t0 < (b + 1) * XB / 8; t0 += 4) { /* 8 sums per flush */
                 __m256i s16[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
                 for (int64_t t = t0; t < t0 + 4; t++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(panel + 32 * t));
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(panel + PS * t));
                     const __m256i lo = _mm256_and_si256(v, low4);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                     const int64_t off = (4 * t / 32) * 64 + (4 * t) % 32;
@@ -526,14 +552,17 @@ static inline __attribute__((always_inline)) void panel_tile16(const int MB, con
                                                               const float *swp, const float *zwp, const int8_t *xq,
                                                               const float *xd, const float *xg, const float *xh,
                                                               int64_t m, int64_t K, int64_t G, int64_t XB, float *y,
-                                                              int64_t ldy) {
+                                                              int64_t ldy, const int64_t PS, const Ahead *ahead) {
+    (void)PS; /* always 64: two panels side by side */
     const int64_t nb = K / XB, ng = K / G, W = 2 * PANEL;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[4], z[4], c[4];
     for (int i = 0; i < MB; i++) acc[i] = z[i] = c[i] = _mm512_setzero_ps();
     if (!pairs) {
         const int64_t half = nb / 2;
+        const int64_t per = ahead ? ahead->code_lines / half : 0;
         for (int64_t b = 0; b < half; b++) {
+            fetch_ahead(ahead, b, per);
             __m512i alo[4], ahi[4];
             for (int i = 0; i < MB; i++) alo[i] = ahi[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -564,7 +593,9 @@ static inline __attribute__((always_inline)) void panel_tile16(const int MB, con
             }
         }
     } else {
+        const int64_t per = ahead ? ahead->code_lines / nb : 0;
         for (int64_t b = 0; b < nb; b++) {
+            fetch_ahead(ahead, b, per);
             __m512i a32[4];
             for (int i = 0; i < MB; i++) a32[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -685,20 +716,21 @@ static int panel_scales(const uint16_t *scale, const void *minimum, int min_fp32
     return zero_free;
 }
 
-/* Rows [m0, m1) of x against one packed panel (w = 2: two side by side), 4 rows a tile while they
- * last. zp NULL: every zero of the panel's rows is 0 (Q4_0's): its term is left out (+0 either way
+/* Rows [m0, m1) of x against one packed panel (w = 2: two side by side; PS: see panel_tile), 4 rows
+ * a tile while they last. zp NULL: every zero of the panel's rows is 0 (Q4_0's): its term is left out (+0 either way
  * for finite x; a sum of x that overflowed no longer turns the output into a NaN). */
 static inline __attribute__((always_inline)) void panel_rows(const int w, const int pairs, const uint8_t *panel,
                                                             const float *sp, const float *zp, const int8_t *xq,
                                                             const float *xd, const float *xg, const float *xh,
                                                             int64_t m0, int64_t m1, int64_t K, int64_t G, int64_t XB,
-                                                            float *y, int64_t ldy) {
+                                                            float *y, int64_t ldy, const int64_t PS,
+                                                            const Ahead *ahead) {
     int64_t m = m0;
 #define TILES(P, TILE)                                                                                        \
     do {                                                                                                      \
-        for (; m + 4 <= m1; m += 4) TILE(4, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y, ldy);           \
-        for (; m + 2 <= m1; m += 2) TILE(2, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y, ldy);           \
-        for (; m < m1; m++) TILE(1, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y, ldy);                   \
+        for (; m + 4 <= m1; m += 4) TILE(4, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y, ldy, PS, m == m0 ? ahead : NULL);           \
+        for (; m + 2 <= m1; m += 2) TILE(2, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y, ldy, PS, m == m0 ? ahead : NULL);           \
+        for (; m < m1; m++) TILE(1, P, panel, sp, zp, xq, xd, xg, xh, m, K, G, XB, y, ldy, PS, m == m0 ? ahead : NULL);                   \
     } while (0)
 #if PANELS_SIDE_BY_SIDE == 2
     if (w == 2) {
@@ -717,8 +749,9 @@ static inline __attribute__((always_inline)) void panel_rows(const int w, const 
  * indices need no division: -7% time at 512 rows with Q4_0's. */
 static void panel_rows_sized(int w, int pairs, const uint8_t *panel, const float *sp, const float *zp, const int8_t *xq,
                              const float *xd, const float *xg, const float *xh, int64_t m0, int64_t m1, int64_t K,
-                             int64_t G, int64_t XB, float *y, int64_t ldy) {
-#define SIZED(XB_, G_) panel_rows(w, pairs, panel, sp, zp, xq, xd, xg, xh, m0, m1, K, G_, XB_, y, ldy)
+                             int64_t G, int64_t XB, float *y, int64_t ldy, int64_t PS,
+                             const Ahead *ahead) {
+#define SIZED(XB_, G_) panel_rows(w, pairs, panel, sp, zp, xq, xd, xg, xh, m0, m1, K, G_, XB_, y, ldy, PS, ahead)
     if (XB == 32 && G == 32) SIZED(32, 32);
     else if (XB == 64 && G == 64) SIZED(64, 64);
     else if (XB == 128 && G == 128) SIZED(128, 128);
@@ -727,12 +760,12 @@ static void panel_rows_sized(int w, int pairs, const uint8_t *panel, const float
 }
 
 /* Output columns [n0, n1) of y fp32 [M, N] (row stride ldy), from xq / xd / xg / xh as fs_quantize_x
- * wrote them with block size XB (32, or 64 / 128 dividing G). codes uint8 [N, K / 2]; scale fp16
- * [N, K / G]; minimum fp16 or fp32 (min_fp32) [N, K / G]. Needs K % 64 == 0, G % 32 == 0, K % G == 0,
- * and for the split-halves layout K / 2 % XB == 0. */
-void fs_q4_gemm(const int8_t *xq, const float *xd, const float *xg, const float *xh, int64_t M, int64_t K, int64_t G, int64_t XB,
-                const uint8_t *codes, const uint16_t *scale, const void *minimum, int min_fp32, int pairs,
-                int64_t n0, int64_t n1, float *y, int64_t ldy) {
+ * wrote them with block size XB (32, or 64 / 128 dividing G), the weight's rows row-major: codes
+ * uint8 [N, K / 2]; scale fp16 [N, K / G]; minimum fp16 or fp32 (min_fp32) [N, K / G]. Needs K % 64
+ * == 0, G % 32 == 0, K % G == 0, and for the split-halves layout K / 2 % XB == 0. */
+static void gemm_rowmajor(const int8_t *xq, const float *xd, const float *xg, const float *xh, int64_t M, int64_t K,
+                          int64_t G, int64_t XB, const uint8_t *codes, const uint16_t *scale, const void *minimum,
+                          int min_fp32, int pairs, int64_t n0, int64_t n1, float *y, int64_t ldy) {
     const int64_t ng = K / G;
     float sw[ng], zw[ng]; /* the row's scales, and its groups' values of code 8 (minimum + 8 * scale) */
     /* Rows of x per sweep over the weight rows: their int8 copy (m_block * K bytes, 256 KiB) stays in
@@ -763,7 +796,8 @@ void fs_q4_gemm(const int8_t *xq, const float *xd, const float *xg, const float 
                     pack_panels(codes + n * (K / 2), K / 2, w, panel);
                     zero_free[slot] = panel_scales(scale, minimum, min_fp32, n, ng, w, sp, zp);
                 }
-                panel_rows_sized(w, pairs, panel, sp, zero_free[slot] ? NULL : zp, xq, xd, xg, xh, m0, m1, K, G, XB, y + n, ldy);
+                panel_rows_sized(w, pairs, panel, sp, zero_free[slot] ? NULL : zp, xq, xd, xg, xh, m0, m1, K, G, XB, y + n, ldy,
+                                 32 * w, NULL);
                 p += w;
             }
         }
@@ -794,6 +828,109 @@ void fs_q4_gemm(const int8_t *xq, const float *xd, const float *xg, const float 
     }
 }
 
+/* ---- weights stored in panels (quant/panels.py) ------------------------------------------------
+ * Rows [0, packed_rows) of a weight kept resident for this kernel lie in 16-row panels, packed once
+ * at load: panel p's codes are bytes [p, p + 1) * 16 * K / 2, byte 64 t + 32 h + 4 j + i = row
+ * 16 p + 8 h + j's byte 4 t + i (two 8-row panels side by side, as pack_panels writes them), and its
+ * scales and minimums [groups][16] (lane = row). The rows after them (fewer than 16) are row-major.
+ * Each output goes the way it goes from row-major rows (the same panels and tiles, the same bits),
+ * without the per-call packing that took half of a 16-row call's time. */
+
+/* Panel rows [n, n + 16)'s scales and zeros, lanes 8 h .. 8 h + lanes - 1, as sp / zp [groups][lanes]
+ * (lanes 16: both halves; 8: half h); returns whether every zero is 0. */
+static int stored_scales(const uint16_t *scale, const void *minimum, int min_fp32, int64_t n, int64_t ng, int lanes,
+                         int h, float *sp, float *zp) {
+    const __m256 eight = _mm256_set1_ps(8.f), zero = _mm256_setzero_ps();
+    int zero_free = 1;
+    for (int64_t g = 0; g < ng; g++)
+        for (int q = 0; q < lanes; q += 8) {
+            const int64_t at = n * ng + 16 * g + 8 * h + q;
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + at)));
+            __m256 zv = min_fp32 ? _mm256_loadu_ps((const float *)minimum + at)
+                                 : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)minimum + at)));
+            zv = _mm256_add_ps(zv, _mm256_mul_ps(eight, sv)); /* row_scales' zw += 8.f * sw */
+            zero_free &= _mm256_movemask_ps(_mm256_cmp_ps(zv, zero, _CMP_EQ_OQ)) == 0xFF;
+            _mm256_storeu_ps(sp + g * lanes + q, sv);
+            _mm256_storeu_ps(zp + g * lanes + q, zv);
+        }
+    return zero_free;
+}
+
+/* A stored panel back to 16 row-major rows (codes [16][K / 2], scales and minimums [16][groups]):
+ * fewer rows of x than a panel tile takes go row by row, as they do from row-major rows. */
+static void unpack_panel(const uint8_t *panel, const uint16_t *scale, const void *minimum, int min_fp32, int64_t K,
+                         int64_t ng, uint8_t *codes, uint16_t *sc, void *mn) {
+    for (int64_t t = 0; t < K / 8; t++)
+        for (int r = 0; r < 16; r++) memcpy(codes + r * (K / 2) + 4 * t, panel + 64 * t + 4 * r, 4);
+    const size_t mb = min_fp32 ? 4 : 2;
+    for (int64_t g = 0; g < ng; g++)
+        for (int r = 0; r < 16; r++) {
+            sc[r * ng + g] = scale[16 * g + r];
+            memcpy((char *)mn + (r * ng + g) * mb, (const char *)minimum + (16 * g + r) * mb, mb);
+        }
+}
+
+static void gemm_stored(const int8_t *xq, const float *xd, const float *xg, const float *xh, int64_t M, int64_t K,
+                        int64_t G, int64_t XB, const uint8_t *codes, const uint16_t *scale, const void *minimum,
+                        int min_fp32, int pairs, int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    const int64_t ng = K / G, mbytes = min_fp32 ? 4 : 2;
+    if (M < PANEL_MIN_ROWS) { /* row by row, from each panel unpacked */
+        uint8_t *rows = malloc((size_t)(K / 2) * 16);
+        uint16_t *sc = malloc(sizeof(uint16_t) * 16 * ng);
+        void *mn = malloc((size_t)(mbytes * 16 * ng));
+        if (!rows || !sc || !mn) abort();
+        for (int64_t n = n0; n < n1; n += 16) {
+            unpack_panel(codes + n * (K / 2), scale + n * ng, (const char *)minimum + n * ng * mbytes, min_fp32, K, ng,
+                         rows, sc, mn);
+            gemm_rowmajor(xq, xd, xg, xh, M, K, G, XB, rows, sc, mn, min_fp32, pairs, 0, 16, y + n, ldy);
+        }
+        free(rows);
+        free(sc);
+        free(mn);
+        return;
+    }
+    int64_t m_block = (256 * 1024) / K; /* as gemm_rowmajor's sweeps */
+    m_block = m_block < 4 ? 4 : m_block - m_block % 4;
+    float *sp = malloc(sizeof(float) * ng * 16), *zp = malloc(sizeof(float) * ng * 16);
+    if (!sp || !zp) abort();
+    for (int64_t m0 = 0; m0 < M; m0 += m_block) {
+        const int64_t m1 = m0 + m_block < M ? m0 + m_block : M;
+        for (int64_t n = n0; n < n1; n += 16) {
+            const uint8_t *panel = codes + n * (K / 2);
+            const int64_t next = n + 16; /* the next panel of this range (its scales follow this one's) */
+            const Ahead ahead = {(const char *)(codes + next * (K / 2)), (const char *)(scale + next * ng),
+                                 (const char *)minimum + next * ng * mbytes, K / 8, ng / 2, ng * mbytes / 4};
+            const Ahead *fetch = next < n1 ? &ahead : NULL;
+#if PANELS_SIDE_BY_SIDE == 2
+            const int zero_free = stored_scales(scale, minimum, min_fp32, n, ng, 16, 0, sp, zp);
+            panel_rows_sized(2, pairs, panel, sp, zero_free ? NULL : zp, xq, xd, xg, xh, m0, m1, K, G, XB, y + n, ldy, 64,
+                             fetch);
+#else
+            for (int h = 0; h < 2; h++) { /* each half an 8-row panel, its groups 64 bytes apart */
+                const int zero_free = stored_scales(scale, minimum, min_fp32, n, ng, 8, h, sp, zp);
+                panel_rows_sized(1, pairs, panel + 32 * h, sp, zero_free ? NULL : zp, xq, xd, xg, xh, m0, m1, K, G, XB,
+                                 y + n + 8 * h, ldy, 64, h ? NULL : fetch);
+            }
+#endif
+        }
+    }
+    free(sp);
+    free(zp);
+}
+
+/* Output columns [n0, n1) of y (gemm_rowmajor's), rows [0, packed_rows) of the weight stored in
+ * panels (a multiple of 16; 0: all row-major) and n0 a multiple of 16 where packed_rows > n0. */
+void fs_q4_gemm(const int8_t *xq, const float *xd, const float *xg, const float *xh, int64_t M, int64_t K, int64_t G,
+                int64_t XB, const uint8_t *codes, const uint16_t *scale, const void *minimum, int min_fp32, int pairs,
+                int64_t packed_rows, int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    const int64_t split = n1 < packed_rows ? n1 : packed_rows;
+    if (n0 < split)
+        gemm_stored(xq, xd, xg, xh, M, K, G, XB, codes, scale, minimum, min_fp32, pairs, n0, split, y, ldy);
+    if ((n0 > split ? n0 : split) < n1)
+        gemm_rowmajor(xq, xd, xg, xh, M, K, G, XB, codes, scale, minimum, min_fp32, pairs, n0 > split ? n0 : split, n1,
+                      y, ldy);
+}
+
 /* ---- the whole call on one OpenMP team ---------------------------------------------------------
  * Built with -fopenmp, this file needs libgomp.so.1; in a process that imported torch the loader
  * resolves that soname to the copy torch already loaded, so these loops run on torch's own worker
@@ -818,15 +955,16 @@ void fs_quantize_x_all(const float *x, int64_t M, int64_t K, int64_t ldx, int64_
     }
 }
 
-/* fs_q4_gemm over output columns [0, N) in ranges of `step` (a multiple of 8), taken in turn by
+/* fs_q4_gemm over output columns [0, N) in ranges of `step` (a multiple of 8; of 16 for a weight stored in panels), taken in turn by
  * `threads` threads: a core that other work slows takes fewer of them. */
 void fs_q4_gemm_all(const int8_t *xq, const float *xd, const float *xg, const float *xh, int64_t M, int64_t K, int64_t G,
                     int64_t XB, const uint8_t *codes, const uint16_t *scale, const void *minimum, int min_fp32,
-                    int pairs, int64_t N, int64_t step, float *y, int64_t ldy, int threads) {
+                    int pairs, int64_t packed_rows, int64_t N, int64_t step, float *y, int64_t ldy,
+                    int threads) {
     const int64_t pieces = (N + step - 1) / step;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t p = 0; p < pieces; p++) {
         const int64_t n0 = p * step, n1 = n0 + step < N ? n0 + step : N;
-        fs_q4_gemm(xq, xd, xg, xh, M, K, G, XB, codes, scale, minimum, min_fp32, pairs, n0, n1, y, ldy);
+        fs_q4_gemm(xq, xd, xg, xh, M, K, G, XB, codes, scale, minimum, min_fp32, pairs, packed_rows, n0, n1, y, ldy);
     }
 }

@@ -60,6 +60,30 @@ def test_every_placement_gives_the_all_on_device_tokens_under_the_kernel(stories
         assert tokens == reference, name
 
 
+@needs_kernel
+def test_int8_passes_multiply_resident_weights_from_the_kernels_panels(stories_dir, tmp_path):
+    """With cpu_matmul="int8" every pass runs the kernel, so each 4-bit weight's rows on the compute
+    tier are stored in its panels at load (quant/panels.py): the resident layers' weights, and the
+    in-place rows of a weight split over tiers. int8x2 dequantizes prompt-sized matmuls instead and
+    keeps them row-major. (Their tokens equal the row-major placements' above.)"""
+    def panelled(mode, **policy):
+        llm = LLM(stories_dir, dtype="float32", device="cpu", policy=Policy(compress_weight=True, **policy),
+                  offload_dir=str(tmp_path / f"{mode}{len(policy)}"), cpu_matmul=mode)
+        weights = llm.engine.executor.weights
+        layer = weights.get(0)
+        weights.release(0)
+        return {name: tuple(getattr(part, "panels", None) for part in getattr(w, "parts", (w,)))
+                for name, w in layer.items()}, weights._panelled
+
+    layer, stored = panelled("int8")
+    assert layer["qkv_proj.weight"] == (True,) and layer["gate_up_proj.weight"] == (True,)
+    assert layer["down_proj.weight"] == (False,)  # K = 172: not a case the kernel covers, kept as it is
+    assert len(stored) == 3 * 5  # qkv, o, gate_up of each of the 5 layers
+    layer, _ = panelled("int8", w_gpu=0.3, w_cpu=0.4, w_disk=0.3, num_gpu_batches=2)
+    assert layer["gate_up_proj.weight"] == (True, False)  # its compute-tier rows in place, the rest streamed
+    assert not panelled("int8x2")[1]
+
+
 def test_an_unknown_choice_is_one_clear_error(stories_dir, tmp_path):
     with pytest.raises(FlexSarathiError, match="cpu_matmul='fast'.*auto, int8x2, int8, dequantize"):
         LLM(stories_dir, dtype="float32", offload_dir=str(tmp_path), cpu_matmul="fast")
