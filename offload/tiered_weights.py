@@ -39,7 +39,8 @@ class TieredWeights:
                  row_blocks: dict[str, int] | None = None, resident: frozenset[str] = frozenset(),
                  routed_reads: bool = False, cpu_blocks: bool = False, compressed_globals: dict[str, QuantConfig] | None = None,
                  linked_extents: Callable[[int], dict] | None = None, linked_blocks: Callable[[int], dict] | None = None, int4_layout: bool = True,
-                 load_bytes: tuple[int, int] = (0, 0), int8_panels: bool = False):
+                 load_bytes: tuple[int, int] = (0, 0), int8_panels: bool = False,
+                 panel_globals: frozenset[str] = frozenset()):
         """layer_shapes: one dict for every layer or one per layer; row_blocks, resident: see
         offload.placement.plan_layer. For weights stacked from row blocks (experts): routed_reads
         reads the blocks off the gpu tier only when the model asks for them (after routing);
@@ -50,7 +51,8 @@ class TieredWeights:
         read_layer gives it, what reading one weight holds besides): the load's own memory
         (_reserve_load), held on the cpu tier while the weights are placed. int8_panels: the passes
         multiply 4-bit weights with the int8 kernel on this (CPU) device: each one's gpu-tier rows
-        are stored in its panels (quant/panels.py), reordered in place once placed."""
+        are stored in its panels (quant/panels.py), reordered in place once placed, and so are the
+        global weights named in panel_globals (the LM head: multiplied, never looked up by row)."""
         self.routed_reads, self.cpu_blocks, self.int4_layout = routed_reads, cpu_blocks, int4_layout
         self._cpu_blocks_of: dict[int, frozenset[int]] = {}  # id(LayerPlan) -> blocks computed on the cpu tier
         # experts read after routing; experts computed on the cpu tier (per micro-batch); layer loads with experts left
@@ -67,12 +69,14 @@ class TieredWeights:
                                                    if self.plan.needs_disk else 0))
         loading, read_ahead = _reserve_load(tracker, *load_bytes)
         self._panelled: frozenset[tuple[int, str]] = frozenset()  # (layer, name): gpu rows in the int8 kernel's panels
+        in_panels = int8_panels and self.device.type == "cpu"
+        self._panel_globals = panel_globals if in_panels else frozenset()
         try:
             self._globals = self._place_globals(read_globals(), compressed_globals or {}, tracker)
             self.store = disk_store() if self.plan.needs_disk else None
             self.placed = PlacedLayers(self.plan, read_layer, self.store, self.device, pin_memory and self.cuda,
                                        linked_extents, linked_blocks, store_bytes, read_ahead)
-            self._panelled = self._store_panels() if int8_panels and self.device.type == "cpu" else frozenset()
+            self._panelled = self._store_panels() if in_panels else frozenset()
         finally:
             tracker.release("cpu", loading, LOADING)
             release_free_heap()
@@ -87,10 +91,9 @@ class TieredWeights:
             for plan in self.plan.layer(layer).tensors:
                 if plan.quant is None or plan.kernel_layout or plan.blocks != 1 or not plan.gpu_rows:
                     continue
-                held = self.placed.pieces[layer][(plan.name, 0)]
-                q = assemble(plan, held, rows=plan.gpu_rows)
-                if panels.can_store(q) and cpu_int8_matmul.covers(torch.empty(0, plan.shape[1]), q):
-                    panels.to_panels(q)  # held's bytes reordered
+                q = assemble(plan, self.placed.pieces[layer][(plan.name, 0)], rows=plan.gpu_rows)
+                if _panels_fit(q):
+                    panels.to_panels(q)  # the piece's bytes reordered
                     done.add((layer, plan.name))
         return frozenset(done)
 
@@ -126,6 +129,8 @@ class TieredWeights:
                                                        self.int4_layout)
             else:
                 placed[name], size = tensor.to(self.device), tensor.nbytes
+            if name in self._panel_globals and _panels_fit(placed[name]):
+                placed[name] = panels.to_panels(placed[name])
             nbytes += size
         tracker.reserve("gpu", nbytes, "embeddings and head")
         return placed
@@ -416,6 +421,12 @@ class TieredWeights:
 
 
 LOADING = "loading (layers in flight)"
+
+
+def _panels_fit(weight) -> bool:
+    """A QTensor the int8 kernel multiplies that can be stored in its panels."""
+    return (isinstance(weight, QTensor) and panels.can_store(weight)
+            and cpu_int8_matmul.covers(torch.empty(0, weight.shape[1]), weight))
 
 
 def _reserve_load(tracker: MemoryTracker, layer_bytes: int, read_bytes: int) -> tuple[int, bool]:

@@ -340,7 +340,7 @@ class LLMEngine:
             load_bytes=self.source.load_bytes(self.dtype, frozenset({HEAD}) if e.compress_head else frozenset()),
             # every pass multiplies 4-bit weights with the int8 kernel ("int8x2" dequantizes prompt-sized
             # ones instead, which would have to undo the panels per call): their resident rows in its panels
-            int8_panels=cpu_matmul == "int8" and self.device.type == "cpu")
+            int8_panels=cpu_matmul == "int8" and self.device.type == "cpu", panel_globals=frozenset({HEAD}))
 
     def _checked_on_placement(self, layer: int, quant) -> frozenset[str]:
         """The layer's weights this engine quantizes from the source's floats: quantize checks their

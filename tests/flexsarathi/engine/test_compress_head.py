@@ -12,9 +12,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from flexsarathi import LLM, SamplingParams
+from flexsarathi.engine.llm_engine import HEAD
 from flexsarathi.errors import FlexSarathiError
 from policy_search import Policy
 from quant import cpu_int8_matmul, dequantize, quantize
+from quant.panels import from_panels
 from quant.config import WEIGHT_QUANT
 from tests.flexsarathi.models.test_models import hf_greedy
 
@@ -102,6 +104,27 @@ def test_the_int8_kernels_head_gives_the_dequantizing_tokens(untied128, tmp_path
     finally:
         exact.close()
         fast.close()
+
+
+@pytest.mark.skipif(not cpu_int8_matmul.available(),
+                    reason=f"int8 kernel not available: {cpu_int8_matmul.unavailable_reason()}")
+def test_under_int8_the_head_is_stored_in_the_kernels_panels(untied128, tmp_path):
+    """cpu_matmul="int8": the compressed head is stored in the int8 kernel's panels at load
+    (quant/panels.py), holding the row-major head's codes, scales and minimums (those of the int8x2
+    engine, which keeps it row-major), and the kernel gives the row-major head's bits from it."""
+    stored = _engine(str(untied128), tmp_path / "a", compress_head=True, cpu_matmul="int8")
+    plain = _engine(str(untied128), tmp_path / "b", compress_head=True, cpu_matmul="int8x2")
+    try:
+        head, rows = (e.engine.executor.weights.global_weights()[HEAD] for e in (stored, plain))
+        assert head.panels and not rows.panels
+        back = from_panels(head)
+        assert all(torch.equal(a, b) for a, b in zip((back.data, back.scale, back.minimum),
+                                                      (rows.data, rows.scale, rows.minimum)))
+        x = torch.randn(6, head.shape[1], generator=torch.Generator().manual_seed(0))
+        assert torch.equal(cpu_int8_matmul.int8_linear(x, head), cpu_int8_matmul.int8_linear(x, rows))
+    finally:
+        stored.close()
+        plain.close()
 
 
 def test_a_tied_head_is_one_clear_error(tiny_checkpoint, tmp_path):
