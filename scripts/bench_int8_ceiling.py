@@ -23,6 +23,10 @@ timed pass alternating between the two, so that the noise of a shared machine fa
 
     git show HEAD~1:quant/csrc/q4_int8_gemm.c > /tmp/old.c
     .venv/bin/python scripts/bench_int8_ceiling.py --against /tmp/old.c
+
+`--layout group --group-size 32` times GGUF Q4_0's codes; `--panels` also times the default path on
+the weights stored in the kernel's panels (quant/panels.py), as the engine holds them under
+cpu_matmul=int8, against the row-major weights' per-call packing.
 """
 from __future__ import annotations
 
@@ -39,10 +43,12 @@ import harness  # puts the repository root on sys.path
 import torch
 
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
-from quant import QuantConfig, quantize  # noqa: E402
+from quant import QTensor, QuantConfig, quantize  # noqa: E402
 from quant import cpu_int8_matmul  # noqa: E402
 from quant.cpu_kernels import ISA_PATHS, Kernel, c_compiler, cpu_flags, missing_cpu_flags  # noqa: E402
+from quant.panels import to_panels  # noqa: E402
 
+LAYOUTS = {"line": {}, "pairs": {"adjacent_pairs": True}, "group": {"group_halves": True}}
 # llama-2-7b's fused layer matrices (N, K): qkv, o, gate_up, down
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
 
@@ -139,25 +145,31 @@ def probe() -> Ceiling | str:
     return Ceiling(*[v if math.isfinite(v) and v > 1e-6 else 0.0 for v in values])
 
 
-def kernel_rates(rows: int, threads: int, repeats: int, weights, inputs, kernels: dict) -> dict[str, float]:
+def kernel_rates(rows: int, threads: int, repeats: int, weights: dict, inputs, kernels: dict) -> dict[str, float]:
     """{name: multiply-adds per second of one pass over the four matrices, best of `repeats`}, the
-    kernels (name -> cpu_kernels.Kernel) taking turns pass by pass."""
+    kernels (name -> cpu_kernels.Kernel) taking turns pass by pass, each on weights[name]."""
     previous, current = torch.get_num_threads(), cpu_int8_matmul.KERNEL
     torch.set_num_threads(threads)
 
-    def one_pass(kernel):
+    def one_pass(kernel, matrices):
         def run() -> None:
             cpu_int8_matmul.KERNEL = kernel  # what int8_linear calls
-            for w, x in zip(weights, inputs[rows]):
+            for w, x in zip(matrices, inputs[rows]):
                 cpu_int8_matmul.int8_linear(x, w)
         return run
 
     try:
-        times = harness.alternate({name: one_pass(kernel) for name, kernel in kernels.items()}, repeats, warmup=False)
+        times = harness.alternate({name: one_pass(kernel, weights[name]) for name, kernel in kernels.items()}, repeats,
+                                  warmup=False)
     finally:
         cpu_int8_matmul.KERNEL = current
         torch.set_num_threads(previous)
     return {name: rows * sum(n * k for n, k in SHAPES) / times.best(name) for name in kernels}
+
+
+def _copy(q: QTensor) -> QTensor:
+    return QTensor(data=q.data.clone(), scale=q.scale.clone(), minimum=q.minimum.clone(), shape=q.shape,
+                   dtype=q.dtype, config=q.config)
 
 
 def the_kernels(args) -> dict[str, Kernel] | str:
@@ -190,6 +202,10 @@ def main() -> int:
                    help="instruction paths to time (default: every one this CPU has)")
     p.add_argument("--against", default=None, metavar="OLD.c", help="another version of quant/csrc/q4_int8_gemm.c "
                    "to time alternately with this one (built for the default path)")
+    p.add_argument("--layout", choices=tuple(LAYOUTS), default="line", help="the codes' layout: ours (line), GPTQ's "
+                   "adjacent pairs, GGUF Q4_0's group halves (with --group-size 32: a Q4_0 file's)")
+    p.add_argument("--panels", action="store_true", help="also time the default path on the weights stored in the "
+                   "kernel's panels (quant/panels.py: what the engine holds under cpu_matmul=int8)")
     harness.add_json_option(p, __file__)
     args = p.parse_args()
     print(cpu_line(torch.float32))
@@ -202,8 +218,12 @@ def main() -> int:
         return 1
     print_ceiling(ceiling)
     gen = torch.Generator().manual_seed(0)
-    weights = [quantize(torch.randn(n, k, generator=gen) * 0.02, QuantConfig(bits=4, group_size=args.group_size))
-               for n, k in SHAPES]
+    config = QuantConfig(bits=4, group_size=args.group_size, **LAYOUTS[args.layout])
+    matrices = [quantize(torch.randn(n, k, generator=gen) * 0.02, config) for n, k in SHAPES]
+    weights = {name: matrices for name in kernels}
+    if args.panels:  # the default path again, on copies stored in panels
+        name = f"{cpu_int8_matmul.KERNEL.isa_name()} panels"
+        kernels[name], weights[name] = cpu_int8_matmul.KERNEL, [to_panels(_copy(q)) for q in matrices]
     inputs = {rows: [torch.randn(rows, k, generator=gen) for _, k in SHAPES] for rows in args.rows}
     print(f"\n{'path':>12} {'rows':>5} {'threads':>8} {'G mult-adds/s':>14} {'per cycle and core':>19} "
           f"{'of its ceiling':>15} {'vs avx2':>8}")

@@ -860,8 +860,23 @@ static int stored_scales(const uint16_t *scale, const void *minimum, int min_fp3
  * fewer rows of x than a panel tile takes go row by row, as they do from row-major rows. */
 static void unpack_panel(const uint8_t *panel, const uint16_t *scale, const void *minimum, int min_fp32, int64_t K,
                          int64_t ng, uint8_t *codes, uint16_t *sc, void *mn) {
-    for (int64_t t = 0; t < K / 8; t++)
-        for (int r = 0; r < 16; r++) memcpy(codes + r * (K / 2) + 4 * t, panel + 64 * t + 4 * r, 4);
+    int64_t t0 = 0; /* the transposes that pack panels, undone (each is its own inverse) */
+#if defined(FS_VNNI) && FS_VNNI == 512
+    for (; t0 + 16 <= K / 8; t0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(panel + 64 * (t0 + i)));
+        transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(codes + j * (K / 2) + 4 * t0), r[j]);
+    }
+#endif
+    for (; t0 < K / 8; t0 += 8)
+        for (int h = 0; h < 2; h++) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(panel + 64 * (t0 + i) + 32 * h)));
+            transpose8(r);
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps((float *)(codes + (8 * h + j) * (K / 2) + 4 * t0), r[j]);
+        }
     const size_t mb = min_fp32 ? 4 : 2;
     for (int64_t g = 0; g < ng; g++)
         for (int r = 0; r < 16; r++) {
