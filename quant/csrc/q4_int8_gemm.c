@@ -343,7 +343,8 @@ static inline __attribute__((always_inline)) void tile_wide(const int MB, const 
  * each of the 8 rows, multiplied by the same 4 values of x broadcast to every lane, so the int32
  * lanes after vpmaddwd are the 8 rows' sums: converting and scaling a block costs one
  * cvt + fma for 8 outputs instead of one per output (llama.cpp repacks its weights for the same
- * reason; here the panel is made per call and the stored layout stays row-major). */
+ * reason). From row-major rows the panels are made per call; a weight stored in them at load
+ * (quant/panels.py, gemm_stored below) is read as it is. */
 #define PANEL 8
 #define PANEL_MIN_ROWS 4
 
