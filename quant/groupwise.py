@@ -12,6 +12,7 @@ from quant.config import QuantConfig
 from quant.group_params import check_representable, scale_and_minimum
 from quant.layout import GroupLayout
 from quant.packing import pack_4bit, pack_4bit_pairs, unpack_4bit, unpack_4bit_pairs_into
+from quant.panels import from_panels
 from quant.qtensor import QTensor
 
 _CPU_CHUNK_VALUES = 2**20  # values per chunk in `quantize` on CPU: 4 MiB fp32 temporaries
@@ -77,7 +78,6 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, *, out: torch.Tenso
     """
     dtype = q.dtype if dtype is None else dtype
     if q.panels:  # stored for the int8 kernel: its rows back in order first
-        from quant.panels import from_panels  # noqa: PLC0415 - quant.panels imports this module's package
         q = from_panels(q)
     layout = q.layout
     if out is not None:

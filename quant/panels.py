@@ -51,7 +51,7 @@ def from_panels(q: QTensor) -> QTensor:
     """A row-major copy of a weight stored in panels (`q` itself where it is not)."""
     if not q.panels:
         return q
-    out = replace(q, data=q.data.clone(), scale=q.scale.clone(), minimum=q.minimum.clone(), panels=False)
+    out = replace(q.clone(), panels=False)
     _reorder_(out, to_panel_order=False)
     return out
 

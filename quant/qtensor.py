@@ -73,6 +73,10 @@ class QTensor:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "QTensor":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
+    def clone(self) -> "QTensor":
+        """A copy with buffers of its own (e.g. before quant/panels.py reorders one in place)."""
+        return self._map(torch.Tensor.clone)
+
     def pin_memory(self) -> "QTensor":
         return self._map(torch.Tensor.pin_memory)
 

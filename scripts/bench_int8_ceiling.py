@@ -43,7 +43,7 @@ import harness  # puts the repository root on sys.path
 import torch
 
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
-from quant import QTensor, QuantConfig, quantize  # noqa: E402
+from quant import QuantConfig, quantize  # noqa: E402
 from quant import cpu_int8_matmul  # noqa: E402
 from quant.cpu_kernels import ISA_PATHS, Kernel, c_compiler, cpu_flags, missing_cpu_flags  # noqa: E402
 from quant.panels import to_panels  # noqa: E402
@@ -167,11 +167,6 @@ def kernel_rates(rows: int, threads: int, repeats: int, weights: dict, inputs, k
     return {name: rows * sum(n * k for n, k in SHAPES) / times.best(name) for name in kernels}
 
 
-def _copy(q: QTensor) -> QTensor:
-    return QTensor(data=q.data.clone(), scale=q.scale.clone(), minimum=q.minimum.clone(), shape=q.shape,
-                   dtype=q.dtype, config=q.config)
-
-
 def the_kernels(args) -> dict[str, Kernel] | str:
     """{name: kernel} to time alternately: each instruction path this CPU has (or --isa's), and
     --against's source; or why not."""
@@ -223,7 +218,7 @@ def main() -> int:
     weights = {name: matrices for name in kernels}
     if args.panels:  # the default path again, on copies stored in panels
         name = f"{cpu_int8_matmul.KERNEL.isa_name()} panels"
-        kernels[name], weights[name] = cpu_int8_matmul.KERNEL, [to_panels(_copy(q)) for q in matrices]
+        kernels[name], weights[name] = cpu_int8_matmul.KERNEL, [to_panels(q.clone()) for q in matrices]
     inputs = {rows: [torch.randn(rows, k, generator=gen) for _, k in SHAPES] for rows in args.rows}
     print(f"\n{'path':>12} {'rows':>5} {'threads':>8} {'G mult-adds/s':>14} {'per cycle and core':>19} "
           f"{'of its ceiling':>15} {'vs avx2':>8}")

@@ -28,11 +28,6 @@ def _weight(rows: int, k: int, group: int, layout: str, m32: bool, seed: int) ->
                                    group_halves=layout == "group", minimum_fp32=m32))
 
 
-def _copy(q: QTensor) -> QTensor:
-    return QTensor(data=q.data.clone(), scale=q.scale.clone(), minimum=q.minimum.clone(), shape=q.shape,
-                   dtype=q.dtype, config=q.config)
-
-
 def _panel_order(q: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stored bytes the kernel reads, element by element from the row-major weight."""
     rows, k = q.shape
@@ -55,7 +50,7 @@ def _panel_order(q: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def test_to_panels_reorders_in_place_as_the_kernel_reads_and_dequantize_reads_it_back(layout, rows, k, group):
     q = _weight(rows, k, group, layout, m32=layout == "pairs", seed=rows + k)
     want = _panel_order(q)
-    held = _copy(q)
+    held = q.clone()
     pointers = [t.data_ptr() for t in (held.data, held.scale, held.minimum)]
     stored = to_panels(held)
     assert stored.panels and [t.data_ptr() for t in (stored.data, stored.scale, stored.minimum)] == pointers
@@ -76,7 +71,7 @@ def test_the_kernel_gives_the_row_major_bits_from_panels_on_every_path(layout, r
     than one sweep (K = 2048); 1 and 2 planes; 1 and 2 threads: the same bits as the row-major
     weight on every path (and each path equals AVX2's: tests/quant/test_cpu_int8_matmul.py)."""
     q = _weight(rows, k, group, layout, m32=group == 32, seed=rows * k)
-    stored = to_panels(_copy(q))
+    stored = to_panels(q.clone())
     row_counts = (1, 3, 4, 6, 13) + ((2 * (256 * 1024 // k) + 5,) if k == 2048 else ())
     previous = torch.get_num_threads()
     try:
@@ -101,7 +96,7 @@ def test_what_cannot_be_stored_in_panels_is_refused():
         assert not can_store(bad)
         with pytest.raises(ValueError, match="cannot be stored in 16-row panels"):
             to_panels(bad)
-    stored = to_panels(_copy(q))
+    stored = to_panels(q.clone())
     with pytest.raises(ValueError, match="panels=True"):
         to_panels(stored)
     with pytest.raises(ValueError, match="stored in panels"):
