@@ -36,7 +36,6 @@ files of the offload folder (offload/host_buffer.py, `tier_zeros`).
 from __future__ import annotations
 
 import os
-import warnings
 import zlib
 from concurrent.futures import Future
 from pathlib import Path
@@ -46,6 +45,7 @@ import torch
 from offload.disk_reader import ChunkReader, when_all_done
 from offload.errors import OffloadError, StoreCorruptError
 from offload.host_buffer import ALIGNMENT, align_up, aligned_bytes, aligned_empty
+from offload.page_cache import drop_page_cache
 from offload.store_manifest import (MANIFEST_NAME, Manifest, InOrderCrc, TensorEntry,
                                     files_have_recorded_sizes, load_manifest, store_dir_name)
 from offload.store_writer import (DEFAULT_SHARD_BYTES, DiskStoreWriter, byte_view, free_bytes, fsync_dir,
@@ -53,24 +53,6 @@ from offload.store_writer import (DEFAULT_SHARD_BYTES, DiskStoreWriter, byte_vie
 
 DEFAULT_CHUNK_BYTES = 8 << 20       # per read request: large enough for full disk bandwidth,
                                     # small enough that num_threads requests are in flight per tensor
-
-
-def drop_page_cache(path: str | os.PathLike) -> None:
-    """Ask the kernel to evict `path` from the page cache, so the next read comes from the disk.
-
-    Cheaper than O_DIRECT for benchmarks that want one cold read. Dirty pages cannot be dropped, so
-    they are written back first.
-    """
-    if not hasattr(os, "posix_fadvise"):
-        warnings.warn("os.posix_fadvise is not available here: the page cache is not dropped",
-                      RuntimeWarning, stacklevel=2)
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 class DiskStore:

@@ -133,17 +133,13 @@ def disk_read_bytes() -> int:
 
 
 def drop_cache_of(paths) -> None:
-    """Drop the page cache of each file (dirty pages written back, then posix_fadvise DONTNEED), so
-    the next read comes from the disk; a file that cannot be is named. offload.disk_store's
-    drop_page_cache does the same, but importing it imports torch (see the module docstring)."""
+    """Drop the page cache of each file (offload/page_cache.py: dirty pages written back, then
+    posix_fadvise DONTNEED), so the next read comes from the disk; a file that cannot be is named."""
+    from offload.page_cache import drop_page_cache  # noqa: PLC0415 - after the repository root is on sys.path
+
     for path in paths:
         try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_page_cache(path)
         except OSError as exc:
             say(f"  WARNING: could not drop the page cache of {path}: {exc}")
 
