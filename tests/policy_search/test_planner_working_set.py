@@ -68,6 +68,20 @@ def test_planner_working_set_equals_the_engines_reservation(tiny_checkpoint, tmp
     assert (reserved[1] < planned_uncharged(spec, policy, run, decode)) == policy.cpu_attention
 
 
+def _record_charges(monkeypatch, engine, gathered: list) -> list:
+    """engine._pass_tokens observed: per pass, (how many gathers `gathered` held when it was charged,
+    its micro-batches' token ids, the charged tokens), appended to the list returned."""
+    charged, pass_tokens = [], engine._pass_tokens
+
+    def observed_tokens(batches):
+        tokens = pass_tokens(batches)
+        charged.append((len(gathered), [id(mb.token_ids) for mb in batches], tokens))
+        return tokens
+
+    monkeypatch.setattr(engine, "_pass_tokens", observed_tokens)
+    return charged
+
+
 def planned_uncharged(spec, policy, run, shape):
     """What the same decode pass would charge were its context gathered onto the compute device."""
     on_device = policy.replace(cpu_attention=False)
@@ -91,8 +105,7 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
     # per micro-batch and layer: bytes of the contexts kept on the compute device (gathered ahead by
     # the I/O step, or after the new K/V are written where the micro-batch writes first)
     gathered: list[list[int]] = []
-    charged: list = []
-    gather, pass_tokens = PassExecutor._contexts, engine._pass_tokens
+    gather, charged = PassExecutor._contexts, _record_charges(monkeypatch, engine, gathered)
 
     def observed_contexts(self, layer, mb):
         contexts = gather(self, layer, mb)
@@ -106,13 +119,7 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
         gathered.append((layer, id(mb.token_ids), nbytes))  # moved to the compute device (the CPU): the same tensor
         return contexts
 
-    def observed_tokens(batches):
-        tokens = pass_tokens(batches)
-        charged.append((len(gathered), [id(mb.token_ids) for mb in batches], tokens))
-        return tokens
-
     monkeypatch.setattr(PassExecutor, "_contexts", observed_contexts)
-    monkeypatch.setattr(engine, "_pass_tokens", observed_tokens)
     try:
         _generate(engine, [[1 + i] * n for i, n in enumerate((5, 9, 3, 12, 7, 10))], max_tokens=5)
         kv_dim, item = engine.config.num_kv_heads * engine.config.head_dim, engine.dtype.itemsize
@@ -148,8 +155,9 @@ def test_the_next_layers_context_gathered_ahead_is_charged(tiny_checkpoint, tmp_
                     kv_gpu=0.0, kv_cpu=0.0, kv_disk=1.0)
     engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
     gathered: list[tuple[int, int, int]] = []  # (layer, id of the micro-batch's tokens, bytes), in order
-    charged, ahead = [], []
-    gather, gather_ahead, pass_tokens = PassExecutor._contexts, PassExecutor._gather_ahead, engine._pass_tokens
+    ahead: list[int] = []
+    gather, gather_ahead = PassExecutor._contexts, PassExecutor._gather_ahead
+    charged = _record_charges(monkeypatch, engine, gathered)
 
     def observed_contexts(self, layer, mb):
         contexts = gather(self, layer, mb)
@@ -161,14 +169,8 @@ def test_the_next_layers_context_gathered_ahead_is_charged(tiny_checkpoint, tmp_
         ahead.append(layer)
         return gather_ahead(self, layer, mb)
 
-    def observed_tokens(batches):
-        tokens = pass_tokens(batches)
-        charged.append((len(gathered), [id(mb.token_ids) for mb in batches], tokens))
-        return tokens
-
     monkeypatch.setattr(PassExecutor, "_contexts", observed_contexts)
     monkeypatch.setattr(PassExecutor, "_gather_ahead", observed_ahead)
-    monkeypatch.setattr(engine, "_pass_tokens", observed_tokens)
     try:
         _generate(engine, [[1 + i] * n for i, n in enumerate((5, 9, 3, 12))], max_tokens=5)
         kv_dim, item, layers = engine.config.num_kv_heads * engine.config.head_dim, engine.dtype.itemsize, \
