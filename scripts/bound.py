@@ -189,19 +189,14 @@ def instrument(llm, shapes: Shapes, rates: Rates, disk_bytes_per_pass: int, pass
     run, load, get = executor.run, weights._load, weights.get
     acc = {"load": 0.0, "stall": 0.0}
 
-    def timed_load(*a, **k):
-        t = time.perf_counter()
-        try:
-            return load(*a, **k)
-        finally:
-            acc["load"] += time.perf_counter() - t
-
-    def timed_get(*a, **k):
-        t = time.perf_counter()
-        try:
-            return get(*a, **k)
-        finally:
-            acc["stall"] += time.perf_counter() - t
+    def timed(fn, key):  # fn, its seconds added to acc[key]
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] += time.perf_counter() - t
+        return call
 
     def timed_run(micro_batches):
         tokens = sum(mb.num_tokens for mb in micro_batches)
@@ -216,4 +211,4 @@ def instrument(llm, shapes: Shapes, rates: Rates, disk_bytes_per_pass: int, pass
                            acc["stall"], acc["load"]))
         return out
 
-    weights._load, weights.get, executor.run = timed_load, timed_get, timed_run
+    weights._load, weights.get, executor.run = timed(load, "load"), timed(get, "stall"), timed_run
