@@ -217,10 +217,12 @@ class PassExecutor:
         if self._reads_new_rows(part):
             return None
         device, pool = self.attention_device(part.tier, group), self.kv_pools[part.tier]
+        if pool.attends_in_pool(group, part, device):
+            return IN_POOL
         slots = self._slots.get(id(part))
         if slots is not None:  # a plain pool: its K/V pairs at the slots uploaded for the pass
             return pool.gather_pairs(layer, slots, part.kv_slots.shape, device)
-        return IN_POOL if pool.attends_in_pool(group, part, device) else pool.gather_part(layer, part, device)
+        return pool.gather_part(layer, part, device)
 
     def _pool_slots(self, batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
         """id(write or part) -> its slots on its pool's device, for plain pools (compressed ones do
@@ -273,17 +275,18 @@ class PassExecutor:
         (lse None where the part is the group's only one: nothing to merge). k, v: the micro-batch's
         new K/V, the group's at `rows`; written: they are in the pool already, so a gathered context
         holds them."""
+        pool = self.kv_pools[part.tier]
+        if context is IN_POOL:  # new rows None where they are in the pool already
+            q = self._q_on(q_on, CPU)
+            new_k, new_v = (None, None) if written else (k[rows], v[rows])
+            out, lse = pool.attend_decode(layer, group, part, q, new_k, new_v, self.model.scale,
+                                          self.model.config.sliding_window)
+            return [(to_device(out, self.device), to_device(lse, self.device))]
         if written and context is not None and id(part) in self._biases:
             # a decode part alone on the compute device, its new rows in the gathered context: one
             # fused call with the pass's mask (what _attend does for it, without its tests per layer)
             q = next(iter(q_on.values()))  # the compute device's: where this part's context was gathered
             return [(self.model.attend_decode(q, context[0], context[1], self._biases[id(part)]), None)]
-        pool = self.kv_pools[part.tier]
-        if context is IN_POOL:
-            q = self._q_on(q_on, CPU)
-            out, lse = pool.attend_decode(layer, group, part, q, k[rows], v[rows], self.model.scale,
-                                          self.model.config.sliding_window)
-            return [(to_device(out, self.device), to_device(lse, self.device))]
         triples = ([(*context, None)] if written and context is not None
                    else pool.parts_to_attend(group, part, context, k[rows], v[rows]))
         alone = len(triples) == 1 and len(group.parts) == 1

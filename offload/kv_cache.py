@@ -22,6 +22,7 @@ quantized. `KVPool.parts_to_attend` is the one place that turns this rule into a
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -32,6 +33,24 @@ from offload.host_buffer import RecycledBuffers, tier_zeros
 from offload.streams import to_device, to_host
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, cpu_kv_attention, cpu_kv_dequant, dequantize, quantize
+
+
+# Plain pools in memory are attended in place by decodes on the CPU (KVPool.attends_in_pool); off
+# inside gathered_plain_decodes().
+_plain_in_place = [True]
+
+
+@contextlib.contextmanager
+def gathered_plain_decodes():
+    """Inside: decodes gather a plain pool's context and attend it with SDPA on the CPU too, the code
+    path a GPU's pool takes, so that its launches can be counted on the CPU (scripts/count_launches.py,
+    tests/offload/test_launch_count.py). Process-wide: the executor's I/O thread gathers too."""
+    before = _plain_in_place[0]
+    _plain_in_place[0] = False
+    try:
+        yield
+    finally:
+        _plain_in_place[0] = before
 
 
 # (block_size, "before" | "same"): attend only keys in blocks before each query's own block, or in
@@ -328,37 +347,55 @@ class KVPool:
 
     # ---- decode attention read from the codes -------------------------------------------------
     def attends_in_pool(self, group: AttentionGroup, part: KVPart, device: torch.device) -> bool:
-        """Whether the group's decode rows attend this part straight from the pool's 4-bit codes
-        (attend_decode: no gathered fp32 context, quant/cpu_kv_attention.py)."""
-        return (self.compression is not None and group.is_decode and device.type == "cpu"
-                and self.device.type == "cpu" and part.new_rows is None
-                and cpu_kv_attention.covers(self.k_config, self.v_config, self.head_dim, self.dtype))
+        """Whether the group's decode rows attend this part straight from the pool on the CPU
+        (attend_decode, quant/cpu_kv_attention.py): from a compressed pool's 4-bit codes, with no
+        gathered fp32 context; from a plain pool's slots in memory, with no gathered context at all
+        (a plain pool on the disk tier is gathered: the executor reads the next layer's ahead, on
+        its I/O thread, while this one computes)."""
+        if not (group.is_decode and device.type == "cpu" and self.device.type == "cpu" and part.new_rows is None):
+            return False
+        if self.compression is None:
+            return (_plain_in_place[0] and self.tier != "disk"
+                    and cpu_kv_attention.covers_plain(self.dtype, self.head_dim))
+        return cpu_kv_attention.covers(self.k_config, self.v_config, self.head_dim, self.dtype)
 
     def attend_decode(self, layer: int, group: AttentionGroup, part: KVPart, q: torch.Tensor, new_k: torch.Tensor,
                       new_v: torch.Tensor, scale: float, sliding_window: int | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """What attention.attend gives over the context gather_part + parts_to_attend build (earlier
         blocks as quantized, the open block in full precision, the pass's new row with V as it will
-        read back), computed from the codes. q [B, 1, heads, d] on the CPU; new_k, new_v: the
-        group's new rows [B, kv_heads, d] on any device. out [B, 1, heads, d] in q's dtype, lse
-        [B, 1, heads] fp32."""
+        read back), computed from the codes, or from a plain pool's slots. q [B, 1, heads, d] on the
+        CPU; new_k, new_v: the group's new rows [B, kv_heads, d] on any device, or None where they
+        are in the pool already (the executor wrote them first). out [B, 1, heads, d] in q's dtype,
+        lse [B, 1, heads] fp32."""
         at, bs = host_of(part), self.block_size  # host tensors: the batch builder's, no sync
         q_pos = host_of(group).q_pos[:, 0]
         hi = torch.minimum(at.kv_len, q_pos - at.kv_start + 1)
         lo = (q_pos - at.kv_start - sliding_window + 1).clamp_min(0) if sliding_window else torch.zeros_like(hi)
-        batch = q.shape[0]
-        k_new = torch.zeros(batch, self.kv_heads, self.head_dim, dtype=torch.float32)
-        v_new, new_pos = torch.zeros_like(k_new), torch.full((batch,), -1, dtype=torch.long)
-        if part.patch_src.numel():  # one new row per decoding sequence, patched over its slot
-            src = part.patch_src
-            k_new[at.patch_seq] = to_host(new_k[src]).float()
-            v_new[at.patch_seq] = to_host(self.round_trip_v(new_v[src])).float()
-            new_pos[at.patch_seq] = at.patch_pos
+        new = self._new_rows(part, new_k, new_v, q.shape[0])
+        if self.compression is None:
+            out, lse = cpu_kv_attention.plain_decode_attention(self.kv_layers[layer], at.kv_slots, q[:, 0], (lo, hi),
+                                                               new, scale)
+            return out.to(q.dtype).unsqueeze(1), lse.unsqueeze(1)
         out, lse = cpu_kv_attention.decode_attention(
             {n: t[layer] for n, t in self.k_codes.items()}, at.kv_slots[:, ::bs] // bs, at.complete_len,
             self.k_residual[layer], at.residual_ids, {n: t[layer] for n, t in self.v_codes.items()}, at.kv_slots,
-            self.v_config.group_size, q[:, 0], (lo, hi), (k_new, v_new, new_pos), scale)
+            self.v_config.group_size, q[:, 0], (lo, hi), new, scale)
         return out.to(q.dtype).unsqueeze(1), lse.unsqueeze(1)
+
+    def _new_rows(self, part: KVPart, new_k: torch.Tensor, new_v: torch.Tensor, batch: int):
+        """(k [B, kv_heads, d], v, position [B]) fp32 on the host: each decoding sequence's new row
+        as it reads back from the pool, at its position (-1: none, its row is in the pool already
+        or it has none)."""
+        at = host_of(part)
+        k_new = torch.zeros(batch, self.kv_heads, self.head_dim, dtype=torch.float32)
+        v_new, new_pos = torch.zeros_like(k_new), torch.full((batch,), -1, dtype=torch.long)
+        if new_k is not None and part.patch_src.numel():  # one new row per decoding sequence, over its slot
+            src = part.patch_src
+            k_new[at.patch_seq] = to_host(new_k[src]).to(self.dtype).float()
+            v_new[at.patch_seq] = to_host(self.round_trip_v(new_v[src])).to(self.dtype).float()
+            new_pos[at.patch_seq] = at.patch_pos
+        return k_new, v_new, new_pos
 
     # ---- what a group's queries attend ---------------------------------------------------------
     def gather_part(self, layer: int, part: KVPart, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

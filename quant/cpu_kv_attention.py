@@ -78,6 +78,50 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
     return out, lse
 
 
+# The element kinds of a plain pool the kernel reads (quant/csrc/kv_attention.c `load8`).
+_PLAIN_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def covers_plain(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel attends a plain pool of this dtype and head size in place (else: gather, then attend)."""
+    return dtype in _PLAIN_KINDS and head_dim % 8 == 0 and available()
+
+
+def plain_decode_attention(kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
+                           visible: tuple[torch.Tensor, torch.Tensor],
+                           new: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of a plain pool, B sequences with one query row each, read in place.
+
+    kv [num_slots, 2, H, d] (K then V per slot; fp32, bf16 or fp16); slots [B, L]: sequence b's key
+    j at slot slots[b, j]; q [B, heads, d] (any float dtype; widened to fp32); visible (lo, hi) [B]:
+    the keys [lo, hi) each query sees; new (k [B, H, d], v [B, H, d], position [B], -1 for none): the
+    pass's own row, read instead of the pool there (give it as the pool would store it).
+    Returns out [B, heads, d] fp32 and lse [B, heads] (natural log; -inf, out 0 where nothing is
+    visible): `flexsarathi.models.attention.attend` over the gathered context, summed in another
+    order of fp32 operations (tests/quant/test_cpu_kv_attention.py holds it to 1e-5 of the output's
+    scale)."""
+    lib = KERNEL.lib()
+    batch, heads, dim = q.shape
+    kv_heads = kv.shape[2]
+    if kv.dtype not in _PLAIN_KINDS or kv.shape[1:] != (2, kv_heads, dim) or dim % 8 or heads % kv_heads:
+        raise ValueError(f"plain_decode_attention: a pool of {tuple(kv.shape)} {kv.dtype} and queries {tuple(q.shape)} "
+                         "are not a case this kernel covers")
+    kv, q = _contiguous(kv), q.float().contiguous()
+    k_new, v_new = (_contiguous(t.float().contiguous()) for t in new[:2])
+    slots, lo, hi, new_pos = (t.to(torch.int64).contiguous() for t in (slots, *visible, new[2]))
+    out = torch.empty(batch, heads, dim, dtype=torch.float32)
+    lse = torch.empty(batch, heads, dtype=torch.float32)
+    threads = max(1, min(torch.get_num_threads(), batch))
+    per_thread = heads * (slots.shape[1] + dim)
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+    lib.fs_plain_decode_attention_all(kv.data_ptr(), _PLAIN_KINDS[kv.dtype], slots.data_ptr(), slots.shape[1],
+                                      lo.data_ptr(), hi.data_ptr(), k_new.data_ptr(), v_new.data_ptr(),
+                                      new_pos.data_ptr(), q.data_ptr(), heads, kv_heads, dim, scale, batch,
+                                      out.data_ptr(), lse.data_ptr(), scratch.data_ptr(), per_thread, threads)
+    return out, lse
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("cpu_kv_attention: every table and input must be a contiguous CPU tensor")
@@ -85,7 +129,9 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-KERNEL = Kernel("cpu_kv_attention", SOURCE, {"fs_kv_decode_attention_all": [
-    _p, _p, _p, _p, _i, _p, _p, _p, _p, _p, _p, _i, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _i, _f, _i, _p, _p, _p,
-    _i, ctypes.c_int]})
+KERNEL = Kernel("cpu_kv_attention", SOURCE, {
+    "fs_kv_decode_attention_all": [_p, _p, _p, _p, _i, _p, _p, _p, _p, _p, _p, _i, _p, _p, _p, _p, _p, _p, _p, _i, _i,
+                                   _i, _i, _i, _f, _i, _p, _p, _p, _i, ctypes.c_int],
+    "fs_plain_decode_attention_all": [_p, ctypes.c_int, _p, _i, _p, _p, _p, _p, _p, _p, _i, _i, _i, _f, _i, _p, _p, _p,
+                                      _i, ctypes.c_int]})
 available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason

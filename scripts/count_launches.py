@@ -107,6 +107,7 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
     moves both medians, not their ratio."""
     from flexsarathi import LLM, SamplingParams
     from offload.executor import PassExecutor
+    from offload.kv_cache import gathered_plain_decodes
     from policy_search import Policy
 
     policy = Policy(gpu_batch_size=args.batch, num_gpu_batches=1, overlap=False, scheduler="block")
@@ -163,7 +164,9 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
             counts["pass_s"] += time.perf_counter() - began - (counts["layer_s"] - before)
         return result
 
-    with LLM(folder, dtype=dtype, device=device, policy=policy, cuda_graphs=args.graphs) as llm:
+    # gathered_plain_decodes: decode attention as the GPU runs it (gather + SDPA), on the CPU too
+    with LLM(folder, dtype=dtype, device=device, policy=policy, cuda_graphs=args.graphs) as llm, \
+            gathered_plain_decodes():
         llm.generate(prompts, params, use_tqdm=False)  # warm-up (and graph capture)
         try:
             PassExecutor._run_layer, PassExecutor.run = counted_layer, counted_pass

@@ -597,6 +597,8 @@ class LLMEngine:
             for g in mb.groups:
                 on_device = gathered_tiers(self.policy, g.is_decode)
                 for p in g.parts:
+                    # a decode attended on the CPU where it lives is not charged; one attended in place
+                    # (KVPool.attends_in_pool) is: the planner's working set prices the gather
                     if p.new_rows is None and p.tier not in on_device:
                         continue  # attended on the CPU, where it lives
                     if p.new_rows is None:

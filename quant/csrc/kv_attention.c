@@ -168,3 +168,99 @@ void fs_kv_decode_attention_all(const uint8_t *kd, const uint16_t *ks, const uin
                                    vnew, newpos, q, heads, H, d, bs, G, scale, b, b + 1, out, lse, mine);
     }
 }
+
+/* ---- plain pools: K and V as the compute dtype stores them -------------------------------------
+ * KVPool's plain layout, one layer: slot s holds its K then its V, [S, 2, H, d] elements of fp32,
+ * bf16 or fp16 (`kind` 0, 1, 2). Read in place through each sequence's slots: no gathered context
+ * ([B, L, H, d] copies of K and V per layer), no mask, no transposed strides (SDPA on the gathered
+ * bf16 context took 20 ms per layer for 30 sequences x 140 tokens of 32 heads of 64 on 2 cores).
+ * Arithmetic: every element widened to fp32 exactly; q . k summed in 8 fixed lanes (lane l takes
+ * channels c = l mod 8, in order), the lanes then added pairwise in a fixed tree, so the bits do
+ * not depend on the compiler's vectorization; softmax and the weighted sum of V as the 4-bit
+ * kernel above does them. The Python side states the tolerance the tests hold it to. */
+
+static inline __m256 load8(const void *base, int64_t index, int kind) {
+    /* 8 elements from `index` on, widened to fp32 (exactly: bf16 and fp16 fit in fp32) */
+    if (kind == 0) return _mm256_loadu_ps((const float *)base + index);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
+    if (kind == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    return _mm256_cvtph_ps(raw);
+}
+
+static inline float sum8(__m256 v) {
+    /* (l0 + l4) + (l2 + l6) + ((l1 + l5) + (l3 + l7)): a fixed order */
+    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l_i + l_{i+4} */
+    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                                 /* [0]+[2], [1]+[3] */
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
+
+/* q . k over d channels (d a multiple of 8); k `kind`-typed from element `at` of `base`. */
+static inline float dot_plain(const float *q, const void *base, int64_t at, int64_t d, int kind) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + c), load8(base, at + c, kind)));
+    return sum8(acc);
+}
+
+/* acc[0, d) += p * v, v `kind`-typed from element `at` of `base`. */
+static inline void axpy_plain(float p, const void *base, int64_t at, int64_t d, int kind, float *acc) {
+    const __m256 w = _mm256_set1_ps(p);
+    for (int64_t c = 0; c < d; c += 8)
+        _mm256_storeu_ps(acc + c, _mm256_add_ps(_mm256_loadu_ps(acc + c), _mm256_mul_ps(w, load8(base, at + c, kind))));
+}
+
+/* Sequence b: keys [lo[b], hi[b]) at slots[b, :L], position newpos[b] (-1: none) read from knew /
+ * vnew [B, H, d] fp32 instead of the pool. q, out [B, heads, d], lse [B, heads] as above.
+ * scratch: heads * (L + d) floats. Slot by slot, each slot's K (then V) read once for every head:
+ * one contiguous run of H * d elements. */
+static void plain_decode_attention(const void *kv, int kind, const int64_t *slots, int64_t L, const int64_t *lo,
+                                   const int64_t *hi, const float *knew, const float *vnew, const int64_t *newpos,
+                                   const float *q, int64_t heads, int64_t H, int64_t d, float scale, int64_t b,
+                                   float *out, float *lse, float *scratch) {
+    float *probs = scratch, *acc = scratch + heads * L;
+    const int64_t group = heads / H, j0 = lo[b], j1 = hi[b], n = j1 - j0, width = H * d;
+    const float *qb = q + b * heads * d;
+    if (n <= 0) {
+        for (int64_t c = 0; c < heads * d; c++) out[b * heads * d + c] = 0.f;
+        for (int64_t qh = 0; qh < heads; qh++) lse[b * heads + qh] = -INFINITY;
+        return;
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const int own = j == newpos[b];
+        const void *base = own ? (const void *)knew : kv;
+        const int64_t at = own ? b * width : slots[b * L + j] * 2 * width;
+        for (int64_t qh = 0; qh < heads; qh++)
+            probs[qh * L + j - j0] = dot_plain(qb + qh * d, base, at + (qh / group) * d, d, own ? 0 : kind) * scale;
+    }
+    for (int64_t qh = 0; qh < heads; qh++) {
+        float *s = probs + qh * L, top = -INFINITY, total = 0.f;
+        for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
+        for (int64_t j = 0; j < n; j++) total += (s[j] = expf(s[j] - top));
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < n; j++) s[j] *= inv;
+        lse[b * heads + qh] = top + logf(total);
+    }
+    for (int64_t c = 0; c < heads * d; c++) acc[c] = 0.f;
+    for (int64_t j = j0; j < j1; j++) {
+        const int own = j == newpos[b];
+        const void *base = own ? (const void *)vnew : kv;
+        const int64_t at = own ? b * width : slots[b * L + j] * 2 * width + width;
+        for (int64_t qh = 0; qh < heads; qh++)
+            axpy_plain(probs[qh * L + j - j0], base, at + (qh / group) * d, d, own ? 0 : kind, acc + qh * d);
+    }
+    for (int64_t c = 0; c < heads * d; c++) out[b * heads * d + c] = acc[c];
+}
+
+/* Every sequence [0, B), one at a time per thread as fs_kv_decode_attention_all takes them. */
+void fs_plain_decode_attention_all(const void *kv, int kind, const int64_t *slots, int64_t L, const int64_t *lo,
+                                   const int64_t *hi, const float *knew, const float *vnew, const int64_t *newpos,
+                                   const float *q, int64_t heads, int64_t H, int64_t d, float scale, int64_t B,
+                                   float *out, float *lse, float *scratch, int64_t scratch_floats, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = scratch + (int64_t)omp_get_thread_num() * scratch_floats;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++)
+            plain_decode_attention(kv, kind, slots, L, lo, hi, knew, vnew, newpos, q, heads, H, d, scale, b, out, lse,
+                                   mine);
+    }
+}

@@ -148,15 +148,18 @@ def test_compressed_gather_on_the_cpu_equals_torchs_route_and_never_overwrites_a
     assert torch.equal(held[0], slow[1][0])
 
 
+@pytest.mark.parametrize("compression", [KVCompression(bits=4, block_size=BS, value_group=8), None],
+                         ids=["codes", "plain"])
 @pytest.mark.parametrize("lengths,window", [([11, 4, 7], None), ([1, 12, 8], None), ([11, 4, 7], 5)])
-def test_decode_attention_from_the_codes_equals_gather_then_attend(lengths, window):
-    """KVPool.attend_decode (quant/cpu_kv_attention.py) against the route it replaces: gather_part,
-    parts_to_attend (the new row patched in, V as it will read back) and attention.attend, on a pool
-    filled through store; a sliding window hides the oldest keys."""
+def test_decode_attention_in_the_pool_equals_gather_then_attend(lengths, window, compression):
+    """KVPool.attend_decode (quant/cpu_kv_attention.py: from the codes, or a plain pool's slots in
+    place) against the route it replaces: gather_part, parts_to_attend (the new row patched in, V as
+    it will read back) and attention.attend, on a pool filled through store; a sliding window hides
+    the oldest keys."""
     from flexsarathi.models import attention  # noqa: PLC0415
     from offload.micro_batch import AttentionGroup, KVPart  # noqa: PLC0415
 
-    pool = _pool(KVCompression(bits=4, block_size=BS, value_group=8))
+    pool = _pool(compression)
     gen = torch.Generator().manual_seed(sum(lengths) + (window or 0))
     table = torch.randperm(12, generator=gen).view(3, 4)
     slots = (table[:, :, None] * BS + torch.arange(BS)).flatten(1)  # [3, 16]

@@ -10,6 +10,7 @@ import pytest
 from flexsarathi import LLM, SamplingParams
 from flexsarathi.machine.launch_counter import LaunchCounter
 from offload.executor import PassExecutor
+from offload.kv_cache import gathered_plain_decodes
 from policy_search import Policy
 
 # OPT: LayerNorm, qkv, the K/V pair written, the context gathered, SDPA, o_proj, residual, LayerNorm,
@@ -33,7 +34,8 @@ def decode_launches(folder: str, graphs: bool = False, device: str = "cpu") -> t
         return result
 
     policy = Policy(gpu_batch_size=2, overlap=False, scheduler="block")
-    with LLM(folder, dtype="float16", device=device, policy=policy, cuda_graphs=graphs) as llm:
+    with LLM(folder, dtype="float16", device=device, policy=policy, cuda_graphs=graphs) as llm, \
+            gathered_plain_decodes():  # the GPU's decode attention on the CPU too
         PassExecutor._run_layer = counted
         try:
             llm.generate([[5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),

@@ -218,18 +218,22 @@ def test_searched_policy_passes_the_engines_largest_pass_check(references, tmp_p
 
 
 @pytest.mark.parametrize("model", ["stories260K"])
-def test_decode_attention_from_the_codes_gives_the_gather_routes_tokens(references, model, tmp_path, monkeypatch):
-    """4-bit KV beside CPU attention: decode rows attended from the pool's codes
-    (KVPool.attend_decode) give the greedy tokens of gathering the context, then attending it."""
+@pytest.mark.parametrize("placement,compress_kv", [("kv_cpu_cpu_attention", True), ("kv_cpu_cpu_attention", False),
+                                                   ("kv_split_cpu_attention", False), (None, False)])
+def test_decode_attention_in_the_pool_gives_the_gather_routes_tokens(references, model, placement, compress_kv,
+                                                                      tmp_path, monkeypatch):
+    """Decode rows attended in the pool on the CPU (KVPool.attend_decode: from a 4-bit pool's codes,
+    from a plain pool's slots in place, the compute device's own pool included) give the greedy
+    tokens of gathering the context, then attending it."""
     from offload.kv_cache import KVPool  # noqa: PLC0415
 
     folder, prompts, _, _, _ = references(model, True)
-    policy = Policy(**{**BASE, **CASES["kv_cpu_cpu_attention"], "compress_kv": True})
+    policy = Policy(**{**BASE, **(CASES[placement] if placement else {}), "compress_kv": compress_kv})
     calls = []
     attend_decode = KVPool.attend_decode
     monkeypatch.setattr(KVPool, "attend_decode", lambda self, *a: calls.append(1) or attend_decode(self, *a))
     from_codes, logits, _ = _run(folder, policy, prompts, tmp_path / "codes")
-    assert calls, "no decode row was attended from the codes"
+    assert calls, "no decode row was attended in the pool"
     monkeypatch.setattr(KVPool, "attends_in_pool", lambda self, *a: False)
     gathered, gathered_logits, _ = _run(folder, policy, prompts, tmp_path / "gathered")
     assert from_codes == gathered

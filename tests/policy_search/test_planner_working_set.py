@@ -10,6 +10,7 @@ from flexsarathi.engine.planner_spec import planner_model_spec
 from flexsarathi.engine.sampling import SamplingParams
 from offload import executor as executor_module
 from offload.executor import PassExecutor
+from offload.kv_cache import gathered_plain_decodes
 from policy_search.cost_model import working_bytes
 from policy_search.linear import FRACTIONS, evaluate
 from policy_search.pass_shape import PassShape, RunShape
@@ -97,7 +98,9 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
     """Decode-maximal, 3 micro-batches, prompts cut into chunks, KV split across tiers: in every
     pass and layer, the K/V the executor gathers onto the compute device for two consecutive
     micro-batches (k computes while k+1 loads) is at most the engine's charged context, and exactly
-    it for uncompressed pools (the charge counts the gathered slots themselves)."""
+    it for uncompressed pools (the charge counts the gathered slots themselves). Decodes gather
+    plain pools here (gathered_plain_decodes): attended in place they gather nothing, under the
+    same charge."""
     folder, _ = tiny_checkpoint(KIND)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=3, prefill_budget=8, compress_kv=compress_kv,
                     kv_admission="reserve", **placement)
@@ -111,7 +114,7 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
         contexts = gather(self, layer, mb)
         nbytes = sum(t.nbytes for group, group_contexts in zip(mb.groups, contexts)
                      for part, context in zip(group.parts, group_contexts)
-                     # None: the part's keys are the pass's new rows; IN_POOL: attended from the codes
+                     # None: the part's keys are the pass's new rows; IN_POOL: attended in the pool
                      if context is not None and context is not executor_module.IN_POOL
                      # the executor's own choice: executor.CPU is returned only for CPU attention
                      if self.attention_device(part.tier, group) is not executor_module.CPU
@@ -121,7 +124,8 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
 
     monkeypatch.setattr(PassExecutor, "_contexts", observed_contexts)
     try:
-        _generate(engine, [[1 + i] * n for i, n in enumerate((5, 9, 3, 12, 7, 10))], max_tokens=5)
+        with gathered_plain_decodes():
+            _generate(engine, [[1 + i] * n for i, n in enumerate((5, 9, 3, 12, 7, 10))], max_tokens=5)
         kv_dim, item = engine.config.num_kv_heads * engine.config.head_dim, engine.dtype.itemsize
     finally:
         engine.close()
@@ -162,7 +166,8 @@ def test_the_next_layers_context_gathered_ahead_is_charged(tiny_checkpoint, tmp_
     def observed_contexts(self, layer, mb):
         contexts = gather(self, layer, mb)
         gathered.append((layer, id(mb.token_ids), sum(t.nbytes for group in contexts for kv in group
-                                                      if kv is not None for t in kv)))
+                                                      if kv is not None and kv is not executor_module.IN_POOL
+                                                      for t in kv)))
         return contexts
 
     def observed_ahead(self, layer, mb):

@@ -108,3 +108,89 @@ def test_covers_only_what_it_computes():
     assert not cpu_kv_attention.covers(k, v, 80, torch.float32)  # V's lines padded past the head
     assert not cpu_kv_attention.covers(QuantConfig(bits=8, group_size=64), v, 128, torch.float32)
     assert not cpu_kv_attention.covers(k, QuantConfig(bits=4, group_size=64, symmetric=True), 128, torch.float32)
+
+
+# ---- plain pools (K and V in the compute dtype, read in place) ----------------------------------
+
+
+def _plain_case(gen, batch, heads, kv_heads, d, length, dtype):
+    """A plain pool layer [slots, 2, H, d] in `dtype`, block-aligned slot tables, one decode step's
+    inputs; the context each sequence sees (its new row where it has one), widened to fp32."""
+    num_slots = batch * length + 8
+    kv = (torch.randn(num_slots, 2, kv_heads, d, generator=gen) * 3).to(dtype)
+    slots = torch.randperm(num_slots, generator=gen)[:batch * length].view(batch, length)
+    hi = torch.randint(1, length + 1, (batch,), generator=gen)
+    lo = torch.minimum(torch.randint(0, length, (batch,), generator=gen), hi - 1)
+    lo[0], hi[-1] = 0, length
+    new_pos = torch.where(torch.rand(batch, generator=gen) < 0.7, hi - 1, torch.full((batch,), -1))
+    # the new rows as the pool would store them: representable in its dtype
+    k_new, v_new = (torch.randn(batch, kv_heads, d, generator=gen).to(dtype).float() for _ in range(2))
+    q = torch.randn(batch, heads, d, generator=gen)
+    context_k, context_v = kv[slots, 0].float(), kv[slots, 1].float()  # [B, L, H, d]
+    for b in range(batch):
+        if new_pos[b] >= 0:
+            context_k[b, new_pos[b]], context_v[b, new_pos[b]] = k_new[b], v_new[b]
+    return (kv, slots, q, (lo, hi), (k_new, v_new, new_pos)), context_k, context_v
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d,length", [(4, 4, 16, 37), (8, 2, 32, 150), (2, 1, 8, 9),
+                                                     (32, 32, 64, 140), (6, 3, 128, 70)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plain_pool_equals_exact_attention_over_the_gathered_context(dtype, heads, kv_heads, d, length, threads):
+    gen = torch.Generator().manual_seed(d * 17 + length)
+    args, context_k, context_v = _plain_case(gen, 5, heads, kv_heads, d, length, dtype)
+    scale = d ** -0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = cpu_kv_attention.plain_decode_attention(*args, scale)
+    finally:
+        torch.set_num_threads(previous)
+    want_out, want_lse = _exact(args[2], context_k, context_v, *args[3], scale)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == (5, heads, d)
+    assert torch.allclose(out.double(), want_out, rtol=1e-5, atol=1e-5 * want_out.abs().max().item())
+    assert torch.allclose(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_plain_pool_bits_do_not_depend_on_threads_or_on_the_other_sequences():
+    """Each sequence's output is summed in one fixed order: alone, in a batch, on 1 or 2 threads."""
+    gen = torch.Generator().manual_seed(11)
+    (kv, slots, q, (lo, hi), (k_new, v_new, pos)), _, _ = _plain_case(gen, 6, 8, 2, 64, 90, torch.bfloat16)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out, lse = cpu_kv_attention.plain_decode_attention(kv, slots, q, (lo, hi), (k_new, v_new, pos), 0.125)
+        torch.set_num_threads(1)
+        for b in range(6):
+            one = slice(b, b + 1)
+            out_b, lse_b = cpu_kv_attention.plain_decode_attention(kv, slots[one], q[one], (lo[one], hi[one]),
+                                                                   (k_new[one], v_new[one], pos[one]), 0.125)
+            assert torch.equal(out_b[0], out[b]) and torch.equal(lse_b[0], lse[b])
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernel
+def test_plain_pool_query_that_sees_nothing_gets_zero_and_minus_infinity():
+    gen = torch.Generator().manual_seed(5)
+    (kv, slots, q, _, new), _, _ = _plain_case(gen, 3, 4, 2, 16, 20, torch.float32)
+    out, lse = cpu_kv_attention.plain_decode_attention(kv, slots, q, (torch.tensor([5, 0, 7]), torch.tensor([5, 20, 2])),
+                                                       new, 0.25)
+    assert torch.equal(out[[0, 2]], torch.zeros(2, 4, 16)) and bool(torch.isneginf(lse[[0, 2]]).all())
+    assert bool(torch.isfinite(lse[1]).all())
+
+
+def test_plain_pool_covers_only_what_it_computes():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert cpu_kv_attention.covers_plain(dtype, 64) == cpu_kv_attention.available()
+        assert not cpu_kv_attention.covers_plain(dtype, 60)  # 8 channels per step
+    assert not cpu_kv_attention.covers_plain(torch.float64, 64)
+    if cpu_kv_attention.available():
+        with pytest.raises(ValueError, match="not a case this kernel covers"):
+            cpu_kv_attention.plain_decode_attention(torch.zeros(4, 2, 2, 12), torch.zeros(1, 2, dtype=torch.long),
+                                                    torch.zeros(1, 2, 12), (torch.zeros(1), torch.ones(1)),
+                                                    (torch.zeros(1, 2, 12), torch.zeros(1, 2, 12),
+                                                     torch.full((1,), -1)), 1.0)
