@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from quant import cpu_weight_dequant
 from quant.config import QuantConfig
 from quant.group_params import check_representable, scale_and_minimum
 from quant.layout import GroupLayout
@@ -82,6 +83,8 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, *, out: torch.Tenso
     layout = q.layout
     if out is not None:
         _check_out(out, q, dtype)
+    if cpu_weight_dequant.covers(q, dtype):  # one C pass on the CPU, the same bits
+        return cpu_weight_dequant.dequantize_into(q, out if out is not None else torch.empty(q.shape, dtype=dtype))
     if out is not None and layout.groups_are_contiguous:
         values = out.view(layout.num_groups, q.config.group_size)
     else:
