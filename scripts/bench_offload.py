@@ -6,6 +6,7 @@ prompts, same memory limit, page cache out of the picture (prints; asserts nothi
     .venv/bin/python scripts/bench_offload.py --model opt-125m --num-prompts 8 --prompt-len 64 --gen-len 4
     .venv/bin/python scripts/bench_offload.py --quick    # smoke test: opt-125m, 4 prompts x 32 -> 3 tokens
     .venv/bin/python scripts/bench_offload.py --dtype float32   # compute and store in fp32 (default: auto)
+    .venv/bin/python scripts/bench_offload.py --cpu-matmul auto,int8   # one 4-bit row per cpu_matmul mode
 
 Run time (opt-1.3b defaults, 2 cores): about 10 minutes on a quiet machine once the offload
 folders exist (Accelerate ~300 s; ours ~58 s overlap on, ~85 s off, ~66 s 4-bit; building engines
@@ -62,7 +63,9 @@ How it is made honest on this machine (CPU only; see docs "Measuring honestly on
   CPU seconds per GB; the bound uses the fastest, i.e. what the disk can do. And the CPU matmul
   rate (in the run's dtype) for the layer's shapes [T, hidden] x [hidden, 3h | h | ffn] and [T, ffn] x
   [ffn, hidden] at several T, best of five short rounds (the neighbours' load comes in bursts),
-  interpolated in log T, so skinny decode matmuls get their own lower rate.
+  interpolated in log T, so skinny decode matmuls get their own lower rate; measured again after
+  the runs, and each T's faster measurement is the one the bounds use (one slowed measurement
+  once flattered every measured / bound by 10%).
   Per pass (ours) or per forward (Accelerate), recorded as they run:
       bound = max(offloaded weight bytes / disk bw, FLOPs / rate(T))
       FLOPs = layers * (2 * layer matrix params * T + 4 * hidden * sum of attended keys)
@@ -123,7 +126,7 @@ from dataclasses import dataclass, field
 import harness  # puts the repository root on sys.path
 import torch
 
-from bound import Pass, Rates, cpu_per_gb, instrument, measure_disk_buffered, measure_matmul  # noqa: E402
+from bound import Pass, Rates, cpu_per_gb, instrument, measure_disk_buffered, measure_matmul, rebound  # noqa: E402
 from harness import (GB, GiB, MemoryGroup, cpu_seconds, disk_read_bytes, drop_cache_of,  # noqa: E402
                      machine_busy_seconds, release_free_memory, say, stamp)
 
@@ -247,11 +250,12 @@ def store_bytes(store) -> int:
     return sum(store.entry(n).nbytes for n in store.names())
 
 
-def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0, bench_files) -> Result:
+def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0, bench_files,
+             cpu_matmul: str = "auto") -> Result:
     say(f"{stamp(t0)} {label}: building the engine (the store is reused: layers are read from it, "
         f"only embeddings and head are regenerated)")
     llm = LLM(f"dummy:{args.model}", dtype=args.torch_dtype, policy=policy, offload_dir=args.offload_dir,
-              direct_io=True, hardware=hardware)
+              direct_io=True, hardware=hardware, cpu_matmul=cpu_matmul)
     try:
         store = llm.engine.weights.store
         if not store.direct_io_active:
@@ -567,6 +571,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="our running sequences (default: all prompts)")
     parser.add_argument("--skip-accelerate", action="store_true")
     parser.add_argument("--skip-compressed", action="store_true")
+    parser.add_argument("--cpu-matmul", default="auto",
+                        help="the 4-bit rows' cpu_matmul modes, comma-separated, one row each (default auto: "
+                             "what LLM picks; int8: x as one int8 plane, llama.cpp's arithmetic)")
     parser.add_argument("--only", choices=("ours", "accelerate"), default=None,
                         help="run only one engine's rows (for debugging; the ratios need both)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -582,6 +589,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.model, args.num_prompts, args.prompt_len, args.gen_len = "opt-125m", 4, 32, 3
     if args.only == "ours":
         args.skip_accelerate = True
+    args.cpu_matmuls = [m.strip() for m in args.cpu_matmul.split(",") if m.strip()]
+    unknown = [m for m in args.cpu_matmuls if m not in ("auto", "int8x2", "int8", "dequantize")]
+    if unknown or not args.cpu_matmuls:
+        parser.error(f"--cpu-matmul: {', '.join(unknown) or 'nothing'} is not among auto, int8x2, int8, dequantize")
     args.torch_dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))
     args.dtype_name = str(args.torch_dtype).removeprefix("torch.")
     return args
@@ -667,11 +678,13 @@ def build_offload_folders(args, setup: Setup, t0: float) -> tuple[list, str | No
     (every data file, our uncompressed store's key, Accelerate's folder)."""
     os.makedirs(args.offload_dir, exist_ok=True)
     files, plain_key = [], None
-    for compress in ((False,) if args.skip_compressed else (False, True)):
+    # each cpu_matmul mode's store (its weight layout: the int8 kernels' rows, or torch's int4 kernel's)
+    stores = [(False, "auto")] + ([] if args.skip_compressed else [(True, mode) for mode in args.cpu_matmuls])
+    for compress, mode in stores:
         say(f"{stamp(t0)} ours: placing weights ({'4-bit' if compress else args.dtype_name}) in {args.offload_dir} "
             "(written once, reused)")
         llm = LLM(f"dummy:{args.model}", dtype=args.torch_dtype, offload_dir=args.offload_dir, direct_io=True,
-                  policy=our_policy(args, 1, 64, True, compress))
+                  policy=our_policy(args, 1, 64, True, compress), cpu_matmul=mode)
         files += store_files(llm)
         if not compress:
             plain_key = llm.engine.weights.store.key
@@ -729,28 +742,39 @@ def measure_machine(args, setup: Setup, plain_key: str, t0: float) -> tuple[Rate
 
 
 def run_all(args, setup: Setup, rates: Rates, prefill_budget: int, acc_folder, group, files,
-            t0: float, results: list[Result]) -> None:
-    """Accelerate, then each of our configurations, appended to `results` as they finish."""
-    configs = [("ours, overlap on", True, False), ("ours, overlap off", False, False)]
+            t0: float, results: list[Result]) -> Rates:
+    """Accelerate, then each of our configurations, appended to `results` as they finish; returns
+    the rates every result's bound is then computed at (the matmul rates measured again after the
+    runs, the faster of the two measurements of each)."""
+    configs = [("ours, overlap on", True, False, "auto"), ("ours, overlap off", False, False, "auto")]
     if args.only == "accelerate":
         configs = []
     elif not args.skip_compressed:
-        configs.append(("ours, 4-bit weights, overlap", True, True))
+        configs += [(compressed_label(mode), True, True, mode) for mode in args.cpu_matmuls]
     # Accelerate first: our engine's first pass on the CPU sets glibc's malloc policy for the
     # whole process (offload/host_malloc.py), and Accelerate must run as a user gets it.
     say(f"  host malloc before any run: {host_malloc_state()}")
     if not args.skip_accelerate:
         results.append(run_accelerate(args, setup.shapes, rates, setup.prompts, setup.batch, acc_folder,
                                       group, t0))
-    for label, overlap, compress in configs:
+    for label, overlap, compress, mode in configs:
         policy = our_policy(args, setup.running, prefill_budget, overlap, compress)
         results.append(run_ours(label, args, setup.shapes, rates, setup.prompts, policy, setup.hardware,
-                                group, t0, files))
+                                group, t0, files, mode))
     say(f"  host malloc after our runs: {host_malloc_state()}")
     after = measure_matmul(setup.shapes.matrices, args.torch_dtype)
+    best = rates.with_best_matmul(after)
+    for r in results:
+        rebound(r.passes, setup.shapes, best)
     say(f"  {args.dtype_name} matmul again after the runs: " + ", ".join(
-        f"T={t}: {r / 1e12:.3f}" for t, r in after.items()) + " TFLOP/s (the bound above used the "
-        "best-of rates before the runs)")
+        f"T={t}: {r / 1e12:.3f}" for t, r in after.items()) + " TFLOP/s; the bounds below use the faster "
+        "of the two measurements at each T: " + ", ".join(f"T={t}: {r / 1e12:.3f}" for t, r in best.matmul.items()))
+    return best
+
+
+def compressed_label(cpu_matmul: str) -> str:
+    """The row of the 4-bit weights run with this cpu_matmul mode."""
+    return "ours, 4-bit weights, overlap" + ("" if cpu_matmul == "auto" else f", cpu_matmul {cpu_matmul}")
 
 
 def report(args, setup: Setup, rates: Rates, results: list[Result], group: MemoryGroup, t0: float) -> None:
@@ -808,9 +832,9 @@ def compare_configurations(by: dict[str, Result], results: list[Result], dtype_n
             f"tok/s: {acc.bound / on.bound:.2f}x is what this machine allows these two batch sizes "
             f"(Accelerate's bound even grants it overlap of I/O and compute within a forward)")
         say(f"  greedy tokens, ours vs Accelerate: {agreement(on, acc)}")
-    comp = by.get("ours, 4-bit weights, overlap")
-    if on is not None and comp is not None:
-        say(f"  greedy tokens, 4-bit vs {dtype_name} weights: {agreement(on, comp)}")
+    for comp in (r for r in results if r.label.startswith("ours, 4-bit weights") and on is not None):
+        say(f"  {comp.label.removeprefix('ours, ')}: {comp.tok_s / on.tok_s:.2f}x the {dtype_name} weights' tok/s "
+            f"(overlap on); greedy tokens, 4-bit vs {dtype_name} weights: {agreement(on, comp)}")
     if on is not None and off is not None:
         say(f"  greedy tokens, overlap on vs off: {agreement(on, off)}")
         overlap_report(on, off)
@@ -830,7 +854,7 @@ def main() -> int:
     results: list[Result] = []
     try:
         rates, prefill_budget = measure_machine(args, setup, plain_key, t0)
-        run_all(args, setup, rates, prefill_budget, acc_folder, group, files, t0, results)
+        rates = run_all(args, setup, rates, prefill_budget, acc_folder, group, files, t0, results)
     finally:
         group.leave()
     report(args, setup, rates, results, group, t0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -95,6 +95,18 @@ class Rates:
     def bound(self, shapes: Shapes, disk_bytes: float, tokens: int, attended: int, rows: int) -> tuple[float, float]:
         """(I/O seconds, compute seconds) of one pass / forward."""
         return disk_bytes / self.disk, shapes.pass_flops(tokens, attended, rows) / self.rate(tokens)
+
+    def with_best_matmul(self, other: dict[int, float]) -> "Rates":
+        """These rates, each token count's matmul rate the faster of this one and `other` (another
+        measurement of the same shapes: a busy neighbour can slow a measurement, never speed it up,
+        so the faster is nearer what the machine can do, and the bound it gives is the tighter)."""
+        return replace(self, matmul={t: max(r, other.get(t, 0.0)) for t, r in self.matmul.items()})
+
+
+def rebound(passes: list["Pass"], shapes: Shapes, rates: Rates) -> None:
+    """Each recorded pass's two halves of the bound again, at `rates`."""
+    for p in passes:
+        p.io_s, p.compute_s = rates.bound(shapes, p.disk_bytes, p.tokens, p.attended, p.rows)
 
 
 def cpu_per_gb(fn, *args) -> tuple[float, float]:
