@@ -208,6 +208,13 @@ static inline void axpy_plain(float p, const void *base, int64_t at, int64_t d, 
         _mm256_storeu_ps(acc + c, _mm256_add_ps(_mm256_loadu_ps(acc + c), _mm256_mul_ps(w, load8(base, at + c, kind))));
 }
 
+#define PLAIN_AHEAD 2 /* slots whose records are fetched ahead of the one scored (1-4 measured alike) */
+#define PREFETCH_LINE(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
+
+static inline void fetch_record(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) PREFETCH_LINE(p + i);
+}
+
 /* Sequence b: keys [lo[b], hi[b]) at slots[b, :L], position newpos[b] (-1: none) read from knew /
  * vnew [B, H, d] fp32 instead of the pool. q, out [B, heads, d], lse [B, heads] as above.
  * scratch: heads * (L + d) floats. Slot by slot, each slot's K (then V) read once for every head:
@@ -224,10 +231,15 @@ static void plain_decode_attention(const void *kv, int kind, const int64_t *slot
         for (int64_t qh = 0; qh < heads; qh++) lse[b * heads + qh] = -INFINITY;
         return;
     }
+    const int64_t record = 2 * width * (kind == 0 ? 4 : 2); /* bytes of a slot's K and V */
     for (int64_t j = j0; j < j1; j++) {
         const int own = j == newpos[b];
         const void *base = own ? (const void *)knew : kv;
         const int64_t at = own ? b * width : slots[b * L + j] * 2 * width;
+        if (j + PLAIN_AHEAD < j1) /* a slot ahead's K and V, for both passes (the V pass then reads
+                                    them from the cache): one core's demand misses alone read the
+                                    pool at a third of the rate (3.4 -> 1.4 ms, 30 x 150 tokens) */
+            fetch_record((const char *)kv + slots[b * L + j + PLAIN_AHEAD] * record, record);
         for (int64_t qh = 0; qh < heads; qh++)
             probs[qh * L + j - j0] = dot_plain(qb + qh * d, base, at + (qh / group) * d, d, own ? 0 : kind) * scale;
     }
