@@ -35,7 +35,7 @@ from offload.disk_store import DiskStore
 from offload.host_buffer import aligned_empty
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
-from quant import QTensor, QuantConfig, dequantize, quantize
+from quant import QTensor, QuantConfig, cpu_kv_attention, dequantize, quantize
 
 
 def _copy_bandwidth(src_device, dst_device, nbytes: int, pin: bool) -> float:
@@ -95,20 +95,24 @@ def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads:
                     head_dim: int = 128, kv_heads: int | None = None, between=None) -> float:
     """Causal-pair FLOP/s of attention as the executor runs it: each sequence's K and V gathered
     from a paged pool by slot (KVPool.gather), then `attend` (prompts: the flash kernel; decodes: fp32
-    matmuls, whose time on a CPU is mostly the fp32 copies of K and V, masks and softmax). `between` (untimed) runs before each
-    call: in a pass, attention sits between a layer's matmuls, which evict its data from the CPU's
-    caches (back-to-back calls run twice as fast on a 2-core EPYC)."""
+    matmuls, whose time on a CPU is mostly the fp32 copies of K and V, masks and softmax); decodes on
+    the CPU read the pool in place where its kernel covers it (KVPool.attends_in_pool). `between`
+    (untimed) runs before each call: in a pass, attention sits between a layer's matmuls, which evict
+    its data from the CPU's caches (back-to-back calls run twice as fast on a 2-core EPYC)."""
     kv_heads = kv_heads or heads
     q = torch.randn(seqs, queries, heads, head_dim, dtype=dtype, device=device)
-    # Like the engine's pool, one cache per layer, each read once per pass: the call reads a layer
-    # that is not in the CPU caches (a hot 5 MB context would flatter the rate 2x on a CPU).
+    # Like the engine's pool (K and V of a slot side by side), one cache per layer, each read once
+    # per pass: the call reads a layer that is not in the CPU caches (a hot 5 MB context would
+    # flatter the rate 2x on a CPU).
     layers = max(2, -(-(256 << 20) // (2 * seqs * context * kv_heads * head_dim * dtype.itemsize)))
-    pool_k = torch.randn(layers, seqs * context, kv_heads, head_dim, dtype=dtype, device=device)
-    pool_v = torch.randn_like(pool_k)
+    pool = torch.randn(layers, seqs * context, 2, kv_heads, head_dim, dtype=dtype, device=device)
     # Sequences own runs of slots, in reverse order of admission as a busy pool leaves them.
     slots = torch.arange(seqs * context, device=device).view(seqs, context).flip(0)
     q_pos = torch.arange(context - queries, context, device=device).expand(seqs, queries)
     kv_len = torch.full((seqs,), context, device=device)
+    in_place = device.type == "cpu" and queries == 1 and cpu_kv_attention.covers_plain(dtype, head_dim)
+    no_new = (torch.zeros(seqs, kv_heads, head_dim), torch.zeros(seqs, kv_heads, head_dim),
+              torch.full((seqs,), -1))
     layer = iter(range(1 << 62))
 
     def run():
@@ -117,9 +121,12 @@ def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads:
             between()
             sync_device(device)
         start = time.perf_counter()
-        shape = (seqs, context, kv_heads, head_dim)  # gathered as KVPool.gather does
-        attend(q, pool_k[j].index_select(0, slots.reshape(-1)).view(shape),
-               pool_v[j].index_select(0, slots.reshape(-1)).view(shape), q_pos, kv_len, head_dim ** -0.5)
+        if in_place:
+            cpu_kv_attention.plain_decode_attention(pool[j], slots, q[:, 0], (torch.zeros_like(kv_len), kv_len),
+                                                    no_new, head_dim ** -0.5)
+        else:
+            k, v = pool[j].index_select(0, slots.reshape(-1)).view(seqs, context, 2, kv_heads, head_dim).unbind(2)
+            attend(q, k, v, q_pos, kv_len, head_dim ** -0.5)  # gathered as KVPool.gather_pairs does
         sync_device(device)
         return time.perf_counter() - start
 
@@ -405,8 +412,10 @@ def _measure_attention(device, dtype, shapes, prompt_len: int, decode_context: i
     log("  measuring attention (a whole prompt, then a decode batch) ...")
     attn_prefill = _attention_rate(device, dtype, prompt_len, prompt_len, 1, **heads)
     attn_decode = _attention_rate(device, dtype, 1, decode_context, decode_seqs, **heads)
+    # a GPU engine's host pool holds its compute dtype, read in place where the kernel covers it
+    host_dtype = dtype if cpu_kv_attention.covers_plain(dtype, shapes.head_dim) else torch.float32
     cpu_attn = (attn_decode if not cuda else
-                _attention_rate(torch.device("cpu"), torch.float32, 1, decode_context, decode_seqs, **heads))
+                _attention_rate(torch.device("cpu"), host_dtype, 1, decode_context, decode_seqs, **heads))
     log(f"  attention: prefill {attn_prefill / 1e9:.2f} (a {prompt_len}-token prompt), decode "
         f"{attn_decode / 1e9:.3f} ({decode_seqs} x {decode_context} tokens), CPU decode {cpu_attn / 1e9:.3f} "
         f"GFLOP/s (causal pairs)")
