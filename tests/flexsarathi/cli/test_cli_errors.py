@@ -98,6 +98,8 @@ def cli_runs(tmp_path_factory):
 def test_bad_input_is_one_error_line_and_exit_2(name, cli_runs):
     if "cuda" in name and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
+    if str(STORIES) in " ".join(_cases("/tmp")[name][0]) and not STORIES.exists():
+        pytest.skip(f"{STORIES} is absent: the shared stories260K checkpoint is needed")
     done, message = cli_runs[1][name]
     lines = done.stderr.splitlines()
     assert done.returncode == 2, done.stderr
@@ -153,6 +155,8 @@ def test_a_closed_stdout_is_not_an_error(tmp_path):
     out = tmp_path / "p.json"
     assert _with_stdout_closed(["policy", "--model", "opt-125m", "--json", str(out)]) == (0, "")
     assert json.loads(out.read_text())["policy"]["gpu_batch_size"] >= 1
+    if not STORIES.exists():
+        pytest.skip(f"{STORIES} is absent: the generate half needs the shared stories260K checkpoint")
     prompts = tmp_path / "in.txt"
     prompts.write_text("Once upon a time\nLily wanted to\n")
     result = tmp_path / "o.jsonl"
