@@ -78,6 +78,15 @@ static void add_value(const uint8_t *vd, const uint16_t *vs, const uint16_t *vm,
     }
 }
 
+/* s[0, n) scores whose maximum is `top` -> their softmax, in place; returns the log-sum-exp. */
+static float softmax_in_place(float *s, int64_t n, float top) {
+    float total = 0.f;
+    for (int64_t j = 0; j < n; j++) total += (s[j] = expf(s[j] - top));
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < n; j++) s[j] *= inv;
+    return top + logf(total);
+}
+
 /* Scores of query head qh (KV head h) over keys [j0, j1) of sequence b, scaled, into s[0, j1 - j0);
  * returns their maximum. qs: d floats, kacc: bs floats of scratch. */
 static float head_scores(const uint8_t *kd, const uint16_t *ks, const uint16_t *km, const int64_t *blocks,
@@ -128,11 +137,7 @@ void fs_kv_decode_attention(const uint8_t *kd, const uint16_t *ks, const uint16_
             const float top = head_scores(kd, ks, km, blocks + b * nb, open, j0, j1, done, knew + b * H * d,
                                           newpos[b], q + (b * heads + qh) * d, qh / group, H, d, bs, scale, qs,
                                           kacc, s);
-            float total = 0.f;
-            for (int64_t j = 0; j < n; j++) total += (s[j] = expf(s[j] - top));
-            const float inv = 1.f / total;
-            for (int64_t j = 0; j < n; j++) s[j] *= inv;
-            lse[b * heads + qh] = top + logf(total);
+            lse[b * heads + qh] = softmax_in_place(s, n, top);
         }
         for (int64_t c = 0; c < heads * d; c++) acc[c] = 0.f;
         for (int64_t j = j0; j < j1; j++) {
@@ -244,12 +249,9 @@ static void plain_decode_attention(const void *kv, int kind, const int64_t *slot
             probs[qh * L + j - j0] = dot_plain(qb + qh * d, base, at + (qh / group) * d, d, own ? 0 : kind) * scale;
     }
     for (int64_t qh = 0; qh < heads; qh++) {
-        float *s = probs + qh * L, top = -INFINITY, total = 0.f;
+        float *s = probs + qh * L, top = -INFINITY;
         for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
-        for (int64_t j = 0; j < n; j++) total += (s[j] = expf(s[j] - top));
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < n; j++) s[j] *= inv;
-        lse[b * heads + qh] = top + logf(total);
+        lse[b * heads + qh] = softmax_in_place(s, n, top);
     }
     for (int64_t c = 0; c < heads * d; c++) acc[c] = 0.f;
     for (int64_t j = j0; j < j1; j++) {

@@ -77,16 +77,25 @@ def test_equals_exact_attention_over_the_gathered_context(heads, kv_heads, d, bs
     gen = torch.Generator().manual_seed(d * 31 + length)
     inputs, context_k, context_v = _case(gen, 5, heads, kv_heads, d, bs, group, length)
     scale = d ** -0.5
+    out, lse = _on_threads(threads, lambda: cpu_kv_attention.decode_attention(**inputs, scale=scale))
+    _assert_exact(out, lse, _exact(inputs["q"], context_k, context_v, *inputs["visible"], scale), (5, heads, d))
+
+
+def _on_threads(threads: int, call):
+    """call() with torch (and so the kernel's OpenMP team) on `threads` threads."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, lse = cpu_kv_attention.decode_attention(**inputs, scale=scale)
+        return call()
     finally:
         torch.set_num_threads(previous)
-    lo, hi = inputs["visible"]
-    want_out, want_lse = _exact(inputs["q"], context_k, context_v, lo, hi, scale)
-    assert out.dtype == lse.dtype == torch.float32 and out.shape == (5, heads, d)
-    # fp32 sums of ~d * length products: a relative 1e-5 of the values' scale
+
+
+def _assert_exact(out, lse, want, shape):
+    """The kernel's fp32 (out, lse) against fp64 `want`: fp32 sums of ~d * length products, a
+    relative 1e-5 of the values' scale."""
+    want_out, want_lse = want
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == shape
     assert torch.allclose(out.double(), want_out, rtol=1e-5, atol=1e-5 * want_out.abs().max().item())
     assert torch.allclose(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
@@ -142,16 +151,8 @@ def test_plain_pool_equals_exact_attention_over_the_gathered_context(dtype, head
     gen = torch.Generator().manual_seed(d * 17 + length)
     args, context_k, context_v = _plain_case(gen, 5, heads, kv_heads, d, length, dtype)
     scale = d ** -0.5
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, lse = cpu_kv_attention.plain_decode_attention(*args, scale)
-    finally:
-        torch.set_num_threads(previous)
-    want_out, want_lse = _exact(args[2], context_k, context_v, *args[3], scale)
-    assert out.dtype == lse.dtype == torch.float32 and out.shape == (5, heads, d)
-    assert torch.allclose(out.double(), want_out, rtol=1e-5, atol=1e-5 * want_out.abs().max().item())
-    assert torch.allclose(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    out, lse = _on_threads(threads, lambda: cpu_kv_attention.plain_decode_attention(*args, scale))
+    _assert_exact(out, lse, _exact(args[2], context_k, context_v, *args[3], scale), (5, heads, d))
 
 
 @needs_kernel
@@ -159,18 +160,13 @@ def test_plain_pool_bits_do_not_depend_on_threads_or_on_the_other_sequences():
     """Each sequence's output is summed in one fixed order: alone, in a batch, on 1 or 2 threads."""
     gen = torch.Generator().manual_seed(11)
     (kv, slots, q, (lo, hi), (k_new, v_new, pos)), _, _ = _plain_case(gen, 6, 8, 2, 64, 90, torch.bfloat16)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        out, lse = cpu_kv_attention.plain_decode_attention(kv, slots, q, (lo, hi), (k_new, v_new, pos), 0.125)
-        torch.set_num_threads(1)
-        for b in range(6):
-            one = slice(b, b + 1)
-            out_b, lse_b = cpu_kv_attention.plain_decode_attention(kv, slots[one], q[one], (lo[one], hi[one]),
-                                                                   (k_new[one], v_new[one], pos[one]), 0.125)
-            assert torch.equal(out_b[0], out[b]) and torch.equal(lse_b[0], lse[b])
-    finally:
-        torch.set_num_threads(previous)
+    out, lse = _on_threads(2, lambda: cpu_kv_attention.plain_decode_attention(kv, slots, q, (lo, hi),
+                                                                              (k_new, v_new, pos), 0.125))
+    for b in range(6):
+        one = slice(b, b + 1)
+        out_b, lse_b = _on_threads(1, lambda: cpu_kv_attention.plain_decode_attention(
+            kv, slots[one], q[one], (lo[one], hi[one]), (k_new[one], v_new[one], pos[one]), 0.125))
+        assert torch.equal(out_b[0], out[b]) and torch.equal(lse_b[0], lse[b])
 
 
 @needs_kernel
