@@ -207,6 +207,9 @@ class EngineConfig:
     # counts (<= 64 rows; more: dequantize); "int8": one plane at every row count (llama.cpp's
     # arithmetic: fastest, x rounded to 8 bits); "dequantize": F.linear on the dequantized weight
     # (exact to the codes); "auto": int8x2 where its kernel builds on this machine, else dequantize.
+    # What x's rounding costs beside the weights' (`flexsarathi perplexity` on stories260K and the
+    # held-out stories, 4-bit weights, bf16, Zen 5, 2026-11-28): dequantize 3.7656, int8x2 3.7653,
+    # int8 3.7671 (+0.04%), the uncompressed weights 3.3980 (the 4-bit codes: +10.8%).
     cpu_matmul: str = "auto"
     # The LM head (where it is its own tensor, not the tied input embeddings) kept 4-bit in
     # `weight_quant` on the compute device and multiplied as the layers' 4-bit weights are: 1/7 of
