@@ -8,10 +8,10 @@ prompts, same memory limit, page cache out of the picture (prints; asserts nothi
     .venv/bin/python scripts/bench_offload.py --dtype float32   # compute and store in fp32 (default: auto)
     .venv/bin/python scripts/bench_offload.py --cpu-matmul auto,int8   # one 4-bit row per cpu_matmul mode
 
-Run time (opt-1.3b defaults, 2 cores): about 10 minutes on a quiet machine once the offload
-folders exist (Accelerate ~300 s; ours ~58 s overlap on, ~85 s off, ~66 s 4-bit; building engines
-and measuring ~1.5 min), plus about 1.5 minutes the first time to write them
-(/tmp/fs_bench_offload, ~5.5 GB). Busy neighbours stretch all of it.
+Run time (opt-1.3b defaults, 2 cores): about 8 minutes on a quiet machine once the offload
+folders exist (Accelerate ~280 s; ours ~37 s overlap on, ~55 s off, ~26 s 4-bit, ~21 s more with
+--cpu-matmul auto,int8; building engines and measuring ~1.5 min), plus about 1.5 minutes the first
+time to write them (/tmp/fs_bench_offload, ~5.5 GB). Busy neighbours stretch all of it.
 
 The issue's targets: all weights on disk, page cache bypassed, against Accelerate's disk offload
 (`device_map` + `offload_folder`) at the same memory limit on the same prompts: (1) our throughput
