@@ -259,3 +259,21 @@ def test_rates_interpolate_in_log_tokens_and_clamp_outside():
     assert rates.rate(4) == pytest.approx(4e9) and rates.rate(32) == pytest.approx(8e9)
     assert rates.rate(0) == 1e9 and rates.rate(4096) == 8e9
     assert math.isclose(rates.rate(8), 8e9)
+
+
+def test_the_bound_uses_the_faster_of_two_matmul_measurements_at_each_row_count():
+    from bound import Pass, rebound  # noqa: PLC0415
+
+    before = Rates(2e9, 1e9, {1: 1e9, 64: 4e9})
+    best = before.with_best_matmul({1: 0.5e9, 64: 8e9})
+    assert best.matmul == {1: 1e9, 64: 8e9} and best.disk == before.disk and before.matmul[64] == 4e9
+
+    class Model:  # what rebound asks of the shapes: 2 FLOPs per token per parameter of 1e6 parameters
+        def pass_flops(self, tokens, attended, rows):
+            return 2e6 * tokens
+
+    p = Pass(tokens=64, attended=0, rows=1, seconds=1.0, disk_bytes=4e9)
+    rebound([p], Model(), before)
+    assert (p.io_s, p.compute_s) == (2.0, pytest.approx(128e6 / 4e9))
+    rebound([p], Model(), best)
+    assert (p.io_s, p.compute_s) == (2.0, pytest.approx(128e6 / 8e9))
