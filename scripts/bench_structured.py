@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import subprocess
@@ -43,18 +44,9 @@ from flexsarathi.machine.cpu_info import cpu_line
 from policy_search import Policy
 from policy_search.model_registry import KNOWN_MODELS, known_config
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "mood": {"enum": ["happy", "sad", "angry"]},
-        "friends": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "home": {"type": "object", "properties": {"town": {"type": "string", "maxLength": 10},
-                                                  "size": {"enum": ["big", "small"]}},
-                 "required": ["town", "size"]},
-    },
-    "required": ["name", "mood", "friends", "home"],
-}
+# The nested schema of tests/flexsarathi/engine/test_structured_output.py: an enum, an array, an
+# object in an object, bounded strings.
+SCHEMA = json.loads((harness.REPO / "examples" / "story_schema.json").read_text())
 PARTS = ("mask fill", "mask apply", "matcher advance", "passes")
 SECONDS = dict.fromkeys(PARTS, 0.0)  # of the run in progress
 

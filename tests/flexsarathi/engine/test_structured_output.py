@@ -16,24 +16,14 @@ from flexsarathi import LLM, FlexSarathiError, SamplingParams
 from flexsarathi.engine.sampling import StructuredOutputsParams
 from flexsarathi.engine.structured_output import apply_grammar_masks
 from policy_search import Policy
+from tests.conftest import REPO
 
 pytest.importorskip("xgrammar")
 
 # A nested object with an enum, an array and required fields; strings bounded so that a 260K-
-# parameter model cannot wander inside one for its whole max_tokens.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "mood": {"enum": ["happy", "sad", "angry"]},
-        "friends": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "home": {"type": "object", "properties": {"town": {"type": "string", "maxLength": 10},
-                                                  "size": {"enum": ["big", "small"]}},
-                 "required": ["town", "size"], "additionalProperties": False},
-    },
-    "required": ["name", "mood", "friends", "home"],
-    "additionalProperties": False,
-}
+# parameter model cannot wander inside one for its whole max_tokens (scripts/bench_structured.py
+# times the same schema).
+SCHEMA = json.loads((REPO / "examples" / "story_schema.json").read_text())
 PROMPTS = ["Once upon a time", "Lily wanted to", "The little dog", "One day, a big bird", "Tom and Sue"]
 JSON = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 WORDS = r"[A-Z][a-z]{2,6} (is|was) (happy|sad)\."  # bounded: it ends within max_tokens
