@@ -131,3 +131,18 @@ def known_config(name: str) -> dict:
     if key not in KNOWN_MODELS:
         raise KeyError(f"unknown model name {name!r}; known: {', '.join(KNOWN_MODELS)}")
     return copy.deepcopy(KNOWN_MODELS[key])
+
+
+def register_variant(base: str, layers: int | None = None, small: dict | None = None) -> str:
+    """The registered name of `base` cut to its first `layers` layers (`<base>-<N>l`), or with the
+    config overrides `small` (`<base>-tiny`: a benchmark's smoke run); `base` itself where neither
+    changes it. A benchmark runs a dummy of the returned name."""
+    if small is not None:
+        name = f"{base}-tiny"
+        KNOWN_MODELS[name] = {**known_config(base), **small}
+        return name
+    if layers is None or layers == known_config(base)["num_hidden_layers"]:
+        return base
+    name = f"{base}-{layers}l"
+    KNOWN_MODELS[name] = {**known_config(base), "num_hidden_layers": layers}
+    return name

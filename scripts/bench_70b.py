@@ -81,7 +81,7 @@ from quant.config import WEIGHT_QUANT  # noqa: E402
 from flexsarathi.engine.planner_spec import planner_model_spec  # noqa: E402
 from offload.disk_store import DiskStore  # noqa: E402
 from policy_search import HardwareSpec, Workload, search  # noqa: E402
-from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402
+from policy_search.model_registry import known_config, register_variant  # noqa: E402
 from quant import quantize  # noqa: E402
 from quant.cpu_matmul import Int4Packed  # noqa: E402
 from quant.int4pack import int4pack_linear  # noqa: E402
@@ -95,17 +95,10 @@ TINY_MOE = dict(TINY, moe_intermediate_size=256, head_dim=64)  # --quick of an M
 
 
 def register_model(base: str, layers: int | None, quick: bool) -> str:
-    """The registered model name to run: `base` (a registry name), or its config truncated to `layers`."""
-    if quick:
-        name = f"{base}-tiny"
-        tiny = TINY_MOE if known_config(base).get("num_local_experts") or known_config(base).get("num_experts") else TINY
-        KNOWN_MODELS[name] = {**known_config(base), **tiny}
-        return name
-    if layers is None or layers == known_config(base)["num_hidden_layers"]:
-        return base
-    name = f"{base}-{layers}l"
-    KNOWN_MODELS[name] = {**known_config(base), "num_hidden_layers": layers}
-    return name
+    """The registered model name to run: `base`, its config truncated to `layers`, or (quick) small."""
+    config = known_config(base)
+    moe = config.get("num_local_experts") or config.get("num_experts")
+    return register_variant(base, layers, (TINY_MOE if moe else TINY) if quick else None)
 
 
 def llama_cpp_bytes_per_token(shapes: Shapes) -> dict[str, float]:

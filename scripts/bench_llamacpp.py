@@ -85,7 +85,7 @@ from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from flexsarathi.machine.profiler import read_store_rate  # noqa: E402
 from policy_search import Policy  # noqa: E402
 from policy_search.hardware import HardwareSpec  # noqa: E402
-from policy_search.model_registry import KNOWN_MODELS, known_config  # noqa: E402
+from policy_search.model_registry import known_config, register_variant  # noqa: E402
 from flexsarathi.formats.gguf_file import hf_config, open_gguf  # noqa: E402
 from quant import cpu_int8_matmul, cpu_kv_attention, cpu_kv_dequant  # noqa: E402
 
@@ -550,19 +550,6 @@ def regime_rows(regime: str, runs: list[EngineRun], bound: tuple[float, float], 
 # ---- main --------------------------------------------------------------------------------------------
 
 
-def register_model(base: str, layers: int | None, quick: bool) -> str:
-    """The registry name to run: `base`, its config truncated to `layers`, or (quick) a tiny llama."""
-    if quick:
-        name = f"{base}-tiny"
-        KNOWN_MODELS[name] = {**known_config(base), **TINY}
-        return name
-    if layers is None or layers == known_config(base)["num_hidden_layers"]:
-        return base
-    name = f"{base}-{layers}l"
-    KNOWN_MODELS[name] = {**known_config(base), "num_hidden_layers": layers}
-    return name
-
-
 def model_and_config(args) -> tuple[str, dict]:
     """(the model's name, its HF config): --gguf's file's, or the registry shape's (written as a GGUF)."""
     if args.gguf:
@@ -571,7 +558,7 @@ def model_and_config(args) -> tuple[str, dict]:
         cfg = hf_config(open_gguf(args.gguf))
         name = os.path.basename(args.gguf)
     else:
-        name = register_model(args.model, args.layers, args.quick)
+        name = register_variant(args.model, args.layers, TINY if args.quick else None)
         cfg = known_config(name)
     if cfg.get("model_type") != "llama":
         raise SystemExit(f"bench_llamacpp: {args.gguf or args.model} is not a llama model ({cfg.get('model_type')})")

@@ -109,3 +109,16 @@ def test_planner_prices_an_8bit_kv_cache_at_8_bits():
         per_token = spec.kv_values_per_token * (bits / 8 + 2 * 2 / group)
         assert peaks[bits] == pytest.approx(8 * (64 + 16) * spec.num_layers * per_token)
     assert peaks[8] > 1.8 * peaks[4]
+
+
+def test_register_variant_names_a_cut_or_small_copy_of_a_known_model(monkeypatch):
+    from policy_search import model_registry  # noqa: PLC0415
+
+    monkeypatch.setattr(model_registry, "KNOWN_MODELS", dict(model_registry.KNOWN_MODELS))  # leave no names behind
+    full = known_config("llama-2-7b")
+    assert model_registry.register_variant("llama-2-7b") == "llama-2-7b"
+    assert model_registry.register_variant("llama-2-7b", full["num_hidden_layers"]) == "llama-2-7b"
+    cut = model_registry.register_variant("llama-2-7b", 3)
+    assert cut == "llama-2-7b-3l" and known_config(cut) == {**full, "num_hidden_layers": 3}
+    small = model_registry.register_variant("llama-2-7b", 3, {"hidden_size": 64})
+    assert small == "llama-2-7b-tiny" and known_config(small) == {**full, "hidden_size": 64}
