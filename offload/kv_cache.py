@@ -345,7 +345,7 @@ class KVPool:
             open_keys = self.k_residual[layer][rows, to_device(pos % self.block_size, self.device)]
             k[to_device(seq, device), to_device(pos, device)] = to_device(open_keys, device)
 
-    # ---- decode attention read from the codes -------------------------------------------------
+    # ---- decode attention read in the pool (its codes, or a plain pool's slots) -------------------
     def attends_in_pool(self, group: AttentionGroup, part: KVPart, device: torch.device) -> bool:
         """Whether the group's decode rows attend this part straight from the pool on the CPU
         (attend_decode, quant/cpu_kv_attention.py): from a compressed pool's 4-bit codes, with no
