@@ -52,13 +52,7 @@ SECONDS = dict.fromkeys(PARTS, 0.0)  # of the run in progress
 
 
 def timed(part: str, fn):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            SECONDS[part] += time.perf_counter() - start
-    return wrapper
+    return harness.timed_into(SECONDS, part, fn)
 
 
 # Module attributes, looked up at each call (the engine and apply_grammar_masks call them by name).

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from harness import GB, cpu_seconds, drop_cache_of
+from harness import GB, cpu_seconds, drop_cache_of, timed_into
 
 RATE_TOKENS = (1, 8, 32, 128, 512, 1024)
 
@@ -201,15 +201,6 @@ def instrument(llm, shapes: Shapes, rates: Rates, disk_bytes_per_pass: int, pass
     run, load, get = executor.run, weights._load, weights.get
     acc = {"load": 0.0, "stall": 0.0}
 
-    def timed(fn, key):  # fn, its seconds added to acc[key]
-        def call(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[key] += time.perf_counter() - t
-        return call
-
     def timed_run(micro_batches):
         tokens = sum(mb.num_tokens for mb in micro_batches)
         attended = sum(int((mb.positions + 1).sum()) for mb in micro_batches)
@@ -223,4 +214,5 @@ def instrument(llm, shapes: Shapes, rates: Rates, disk_bytes_per_pass: int, pass
                            acc["stall"], acc["load"]))
         return out
 
-    weights._load, weights.get, executor.run = timed(load, "load"), timed(get, "stall"), timed_run
+    weights._load, weights.get = timed_into(acc, "load", load), timed_into(acc, "stall", get)
+    executor.run = timed_run

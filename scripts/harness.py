@@ -120,6 +120,17 @@ class Neighbours:
         return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9)
 
 
+def timed_into(totals: dict, key: str, fn: Callable) -> Callable:
+    """`fn`, each call's wall seconds added to totals[key] (however the call ends)."""
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - start
+    return call
+
+
 def disk_read_bytes() -> int:
     """Bytes this process (all threads) caused to be read from the storage layer (/proc/self/io)."""
     try:

@@ -277,3 +277,20 @@ def test_the_bound_uses_the_faster_of_two_matmul_measurements_at_each_row_count(
     assert (p.io_s, p.compute_s) == (2.0, pytest.approx(128e6 / 4e9))
     rebound([p], Model(), best)
     assert (p.io_s, p.compute_s) == (2.0, pytest.approx(128e6 / 8e9))
+
+
+def test_timed_into_adds_each_calls_seconds_however_it_ends(monkeypatch):
+    clock = iter([10.0, 12.5, 20.0, 21.0])
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: next(clock))
+    totals = {"work": 0.0}
+
+    def work(x, fail=False):
+        if fail:
+            raise ValueError("boom")
+        return 2 * x
+
+    timed = harness.timed_into(totals, "work", work)
+    assert timed(3) == 6 and totals["work"] == 2.5
+    with pytest.raises(ValueError, match="boom"):
+        timed(1, fail=True)
+    assert totals["work"] == 3.5
