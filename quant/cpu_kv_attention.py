@@ -116,7 +116,7 @@ def plain_decode_attention(kv: torch.Tensor, slots: torch.Tensor, q: torch.Tenso
     slots, lo, hi, new_pos = (t.to(torch.int64).contiguous() for t in (slots, *visible, new[2]))
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
     lse = torch.empty(batch, heads, dtype=torch.float32)
-    threads = max(1, min(torch.get_num_threads(), batch))
+    threads = max(1, min(torch.get_num_threads(), batch * kv_heads))  # a few sequences: split by heads
     per_thread = heads * (slots.shape[1] + dim)
     scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     lib.fs_plain_decode_attention_all(kv.data_ptr(), _PLAIN_KINDS[kv.dtype], slots.data_ptr(), slots.shape[1],

@@ -220,61 +220,73 @@ static inline void fetch_record(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) PREFETCH_LINE(p + i);
 }
 
-/* Sequence b: keys [lo[b], hi[b]) at slots[b, :L], position newpos[b] (-1: none) read from knew /
- * vnew [B, H, d] fp32 instead of the pool. q, out [B, heads, d], lse [B, heads] as above.
- * scratch: heads * (L + d) floats. Slot by slot, each slot's K (then V) read once for every head:
- * one contiguous run of H * d elements. */
+/* Sequence b, its KV heads [k0, k1) (their query heads [k0 * group, k1 * group)): keys [lo[b], hi[b])
+ * at slots[b, :L], position newpos[b] (-1: none) read from knew / vnew [B, H, d] fp32 instead of the
+ * pool. q, out [B, heads, d], lse [B, heads] as above. scratch: heads * (L + d) floats. Slot by
+ * slot, the heads' K (then V) of a slot read once for all of them: one contiguous run. */
 static void plain_decode_attention(const void *kv, int kind, const int64_t *slots, int64_t L, const int64_t *lo,
                                    const int64_t *hi, const float *knew, const float *vnew, const int64_t *newpos,
                                    const float *q, int64_t heads, int64_t H, int64_t d, float scale, int64_t b,
-                                   float *out, float *lse, float *scratch) {
+                                   int64_t k0, int64_t k1, float *out, float *lse, float *scratch) {
     float *probs = scratch, *acc = scratch + heads * L;
     const int64_t group = heads / H, j0 = lo[b], j1 = hi[b], n = j1 - j0, width = H * d;
+    const int64_t h0 = k0 * group, h1 = k1 * group, elt = kind == 0 ? 4 : 2;
     const float *qb = q + b * heads * d;
     if (n <= 0) {
-        for (int64_t c = 0; c < heads * d; c++) out[b * heads * d + c] = 0.f;
-        for (int64_t qh = 0; qh < heads; qh++) lse[b * heads + qh] = -INFINITY;
+        for (int64_t c = h0 * d; c < h1 * d; c++) out[b * heads * d + c] = 0.f;
+        for (int64_t qh = h0; qh < h1; qh++) lse[b * heads + qh] = -INFINITY;
         return;
     }
-    const int64_t record = 2 * width * (kind == 0 ? 4 : 2); /* bytes of a slot's K and V */
     for (int64_t j = j0; j < j1; j++) {
         const int own = j == newpos[b];
         const void *base = own ? (const void *)knew : kv;
         const int64_t at = own ? b * width : slots[b * L + j] * 2 * width;
-        if (j + PLAIN_AHEAD < j1) /* a slot ahead's K and V, for both passes (the V pass then reads
-                                    them from the cache): one core's demand misses alone read the
-                                    pool at a third of the rate (3.4 -> 1.4 ms, 30 x 150 tokens) */
-            fetch_record((const char *)kv + slots[b * L + j + PLAIN_AHEAD] * record, record);
-        for (int64_t qh = 0; qh < heads; qh++)
+        if (j + PLAIN_AHEAD < j1) { /* a slot ahead's K and V of these heads, for both passes (the V pass
+                                       then reads them from the cache): one core's demand misses alone
+                                       read the pool at a third of the rate (3.4 -> 1.4 ms, 30 x 150) */
+            const char *ahead = (const char *)kv + (slots[b * L + j + PLAIN_AHEAD] * 2 * width + k0 * d) * elt;
+            if (k1 - k0 == H) {
+                fetch_record(ahead, 2 * width * elt);
+            } else {
+                fetch_record(ahead, (k1 - k0) * d * elt);
+                fetch_record(ahead + width * elt, (k1 - k0) * d * elt);
+            }
+        }
+        for (int64_t qh = h0; qh < h1; qh++)
             probs[qh * L + j - j0] = dot_plain(qb + qh * d, base, at + (qh / group) * d, d, own ? 0 : kind) * scale;
     }
-    for (int64_t qh = 0; qh < heads; qh++) {
+    for (int64_t qh = h0; qh < h1; qh++) {
         float *s = probs + qh * L, top = -INFINITY;
         for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
         lse[b * heads + qh] = softmax_in_place(s, n, top);
     }
-    for (int64_t c = 0; c < heads * d; c++) acc[c] = 0.f;
+    for (int64_t c = h0 * d; c < h1 * d; c++) acc[c] = 0.f;
     for (int64_t j = j0; j < j1; j++) {
         const int own = j == newpos[b];
         const void *base = own ? (const void *)vnew : kv;
         const int64_t at = own ? b * width : slots[b * L + j] * 2 * width + width;
-        for (int64_t qh = 0; qh < heads; qh++)
+        for (int64_t qh = h0; qh < h1; qh++)
             axpy_plain(probs[qh * L + j - j0], base, at + (qh / group) * d, d, own ? 0 : kind, acc + qh * d);
     }
-    for (int64_t c = 0; c < heads * d; c++) out[b * heads * d + c] = acc[c];
+    for (int64_t c = h0 * d; c < h1 * d; c++) out[b * heads * d + c] = acc[c];
 }
 
-/* Every sequence [0, B), one at a time per thread as fs_kv_decode_attention_all takes them. */
+/* Every sequence [0, B), taken by `threads` threads of the caller's OpenMP team as
+ * fs_kv_decode_attention_all takes them; with fewer sequences than threads, each sequence's KV heads
+ * split into as many runs as keep every thread busy (a head's arithmetic is the same either way). */
 void fs_plain_decode_attention_all(const void *kv, int kind, const int64_t *slots, int64_t L, const int64_t *lo,
                                    const int64_t *hi, const float *knew, const float *vnew, const int64_t *newpos,
                                    const float *q, int64_t heads, int64_t H, int64_t d, float scale, int64_t B,
                                    float *out, float *lse, float *scratch, int64_t scratch_floats, int threads) {
+    const int64_t wanted = B >= threads ? 1 : (threads + B - 1) / B, runs = wanted < H ? wanted : H;
 #pragma omp parallel num_threads(threads)
     {
         float *mine = scratch + (int64_t)omp_get_thread_num() * scratch_floats;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; b++)
-            plain_decode_attention(kv, kind, slots, L, lo, hi, knew, vnew, newpos, q, heads, H, d, scale, b, out, lse,
-                                   mine);
+        for (int64_t t = 0; t < B * runs; t++) {
+            const int64_t b = t / runs, r = t % runs;
+            plain_decode_attention(kv, kind, slots, L, lo, hi, knew, vnew, newpos, q, heads, H, d, scale, b,
+                                   r * H / runs, (r + 1) * H / runs, out, lse, mine);
+        }
     }
 }

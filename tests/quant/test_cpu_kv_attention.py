@@ -157,16 +157,18 @@ def test_plain_pool_equals_exact_attention_over_the_gathered_context(dtype, head
 
 @needs_kernel
 def test_plain_pool_bits_do_not_depend_on_threads_or_on_the_other_sequences():
-    """Each sequence's output is summed in one fixed order: alone, in a batch, on 1 or 2 threads."""
+    """Each sequence's output is summed in one fixed order: alone, in a batch, on 1 or 2 threads (a
+    sequence alone on 2 threads has its KV heads split between them)."""
     gen = torch.Generator().manual_seed(11)
     (kv, slots, q, (lo, hi), (k_new, v_new, pos)), _, _ = _plain_case(gen, 6, 8, 2, 64, 90, torch.bfloat16)
     out, lse = _on_threads(2, lambda: cpu_kv_attention.plain_decode_attention(kv, slots, q, (lo, hi),
                                                                               (k_new, v_new, pos), 0.125))
     for b in range(6):
         one = slice(b, b + 1)
-        out_b, lse_b = _on_threads(1, lambda: cpu_kv_attention.plain_decode_attention(
-            kv, slots[one], q[one], (lo[one], hi[one]), (k_new[one], v_new[one], pos[one]), 0.125))
-        assert torch.equal(out_b[0], out[b]) and torch.equal(lse_b[0], lse[b])
+        for threads in (1, 2):
+            out_b, lse_b = _on_threads(threads, lambda: cpu_kv_attention.plain_decode_attention(
+                kv, slots[one], q[one], (lo[one], hi[one]), (k_new[one], v_new[one], pos[one]), 0.125))
+            assert torch.equal(out_b[0], out[b]) and torch.equal(lse_b[0], lse[b])
 
 
 @needs_kernel
