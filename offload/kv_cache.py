@@ -388,8 +388,9 @@ class KVPool:
         as it reads back from the pool, at its position (-1: none, its row is in the pool already
         or it has none)."""
         at = host_of(part)
-        k_new = torch.zeros(batch, self.kv_heads, self.head_dim, dtype=torch.float32)
-        v_new, new_pos = torch.zeros_like(k_new), torch.full((batch,), -1, dtype=torch.long)
+        # the kernels read a sequence's row only at its position: rows at -1 need no filling
+        k_new = torch.empty(batch, self.kv_heads, self.head_dim, dtype=torch.float32)
+        v_new, new_pos = torch.empty_like(k_new), torch.full((batch,), -1, dtype=torch.long)
         if new_k is not None and part.patch_src.numel():  # one new row per decoding sequence, over its slot
             src = part.patch_src
             k_new[at.patch_seq] = to_host(new_k[src]).to(self.dtype).float()
