@@ -142,11 +142,13 @@ class LLM:
         engine, scheduler = self.engine, self.engine.scheduler
         seqs = [seq for group in groups.values() for seq in group]
         request_of = {seq.seq_id: i for i, group in groups.items() for seq in group}
-        engine.add_requests(list(groups.values()))  # a prompt is prefilled once for its n completions
         progress = _Progress(seqs, [group[0] for group in groups.values()], use_tqdm)
         passes, left = 0, {i: len(group) for i, group in groups.items()}
         prefilled, preempted = scheduler.num_prefill_tokens, scheduler.num_preemptions
+        foreign = engine.has_unfinished()  # another generate_iter's batch: add_requests refuses, it stays
         try:
+            # inside the try: a Ctrl-C as the batch is added still leaves nothing queued
+            engine.add_requests(list(groups.values()))  # a prompt is prefilled once for its n completions
             while engine.has_unfinished():
                 finished = engine.step()
                 passes += 1
@@ -167,7 +169,8 @@ class LLM:
                 if stop is not None and stop():
                     break
         finally:
-            engine.abort_all()  # a caller that stopped iterating leaves nothing queued
+            if not foreign:
+                engine.abort_all()  # a caller that stopped iterating leaves nothing queued
             progress.close()
             self.last_stats = _stats(len(groups), failed, progress.prompt_tokens, progress.generated,
                                      passes, progress.elapsed, engine.memory.report())

@@ -31,6 +31,7 @@ import torch
 from offload.activations import ActivationStore
 from offload.micro_batch import AttentionGroup, MicroBatch, host_of
 from offload.host_malloc import keep_freed_host_memory
+from offload.interrupts import raise_if_interrupted
 from offload.kv_cache import KVPool
 from offload.streams import (IOStream, bind_thread, device_guard, indexed, record_event, to_device, to_host,
                              used_on, wait_for)
@@ -138,6 +139,7 @@ class PassExecutor:
             # (only threaded loads wait for it: a resident pass records no event).
             start = record_event(self.device) if any(self._threaded.values()) else None
             for layer in range(self.weights.num_layers):
+                raise_if_interrupted()  # Ctrl-C lands here, between layers (offload/interrupts.py)
                 self._run_layer(layer, batches, start)
             return [self.model.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
 

@@ -31,6 +31,7 @@ from flexsarathi.formats.tokenizer import IncrementalDetokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
+from offload.interrupts import DeferredInterrupts
 from offload.kv_cache import KVCompression, KVPool
 from offload.memory import MemoryTracker, TierBudget, dequant_scratch_bytes
 from offload.errors import UnquantizableWeight
@@ -437,6 +438,10 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             raise FlexSarathiError("the engine runs one batch of requests at a time: step it to the "
                                    "end (or abort_all) before adding the next")
+        with DeferredInterrupts():  # pools, blocks and queue change together: Ctrl-C waits for the end
+            self._add_requests(groups)
+
+    def _add_requests(self, groups: list[list[Sequence]]) -> None:
         seqs = [seq for group in groups for seq in group]
         if not seqs:
             return
@@ -454,7 +459,8 @@ class LLMEngine:
 
     def abort_all(self) -> list[Sequence]:
         """Drop the unfinished requests (their KV blocks are free again); returns their sequences."""
-        return self.scheduler.abort_all()
+        with DeferredInterrupts():
+            return self.scheduler.abort_all()
 
     def _scheduler_config(self) -> SchedulerConfig:
         p = self.policy
@@ -526,13 +532,20 @@ class LLMEngine:
         self.activations.close()
         release_host_buffers()
 
-    def recover(self) -> None:
+    def recover(self, forced: bool = False) -> None:
         """Called by step when an exception (KeyboardInterrupt included) escaped a pass: drop the
         interrupted batch's sequences (every KV block is free again), wait for the I/O threads
         and weight prefetches still running, drop parked activations and forget which layer
         sits in which working buffer. The next call then gives a fresh engine's results; if the
-        engine cannot get there, it is closed and says why on its next use."""
+        engine cannot get there, it is closed and says why on its next use. forced: a second
+        Ctrl-C stopped the pass wherever it stood (not between layers): nothing vouches for the
+        state it left (a lock held, a buffer half written), so the engine is closed."""
         if self.closed:
+            return
+        if forced:  # the reason first: closing may itself be interrupted
+            self._closed_because = ("a second Ctrl-C stopped a pass where it stood, not between layers, "
+                                    "so its state cannot be vouched for")
+            self.close()
             return
         self.scheduler.abort_all()
         try:
@@ -554,14 +567,15 @@ class LLMEngine:
         (KeyboardInterrupt included) leaves the engine as a fresh one (see recover) and propagates;
         between steps the engine is always consistent (prefetches of the next pass's first layers
         are valid loads), so every loop over step, LLM.generate's among them, is covered."""
-        try:
-            plan = self.scheduler.schedule()
-            outputs = self.forward(plan)
-            seqs, token_ids = self.sample(outputs)
-            return self.scheduler.postprocess(plan, seqs, token_ids)
-        except BaseException:
-            self.recover()
-            raise
+        with DeferredInterrupts() as deferral:  # Ctrl-C is taken between layers (offload/interrupts.py)
+            try:
+                plan = self.scheduler.schedule()
+                outputs = self.forward(plan)
+                seqs, token_ids = self.sample(outputs)
+                return self.scheduler.postprocess(plan, seqs, token_ids)
+            except BaseException:
+                self.recover(forced=deferral.forced)
+                raise
 
     def forward(self, plan: SchedulerOutput) -> list[tuple[WorkItem, torch.Tensor]]:
         """Runs the scheduled pass. Returns each item that has logits with its rows [rows, vocab]

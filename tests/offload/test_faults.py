@@ -252,25 +252,60 @@ def _tokens(llm, prompts):
     return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("at_load", [1, 3, 8, 17])
-def test_interrupts_from_another_thread_leave_fresh_engine_results(disk_engine, at_load):
-    """KeyboardInterrupt sent to the main thread from another thread (as Ctrl-C in Jupyter), while
-    the main thread computes: the weight-prefetch thread sends it on its at_load-th layer load (a
-    named point, never a timer) and finishes that load. The next generate on the same LLM gives the
-    fresh engine's tokens."""
-    llm, prompts, reference = disk_engine
-    # interrupt_main lands in the main thread at its next bytecode, inside generate, as Python's
-    # own SIGINT handler: set here, since a test run earlier in this process may have left another
-    # (interrupt_main does nothing where SIGINT is ignored, and a library's handler may defer it).
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler while the test runs (a test run earlier in this process may have
+    left another; interrupt_main does nothing where SIGINT is ignored): the one the engine defers."""
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with on_call(llm.engine.weights, "_load", at_load, _thread.interrupt_main) as loads, \
-                pytest.raises(KeyboardInterrupt):
-            llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        signal.signal(signal.SIGINT, handler)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+
+@pytest.mark.parametrize("at_load", [1, 3, 8, 17])
+def test_interrupts_from_another_thread_leave_fresh_engine_results(disk_engine, at_load, python_sigint):
+    """SIGINT sent to the main thread from another thread (as Ctrl-C in Jupyter), while the main
+    thread computes: the weight-prefetch thread sends it on its at_load-th layer load (a named point,
+    never a timer) and finishes that load. The engine takes it between layers (not at whatever
+    bytecode the main thread ran, where it could leave a thread pool's lock held), and the next
+    generate on the same LLM gives the fresh engine's tokens."""
+    llm, prompts, reference = disk_engine
+    with on_call(llm.engine.weights, "_load", at_load, _thread.interrupt_main) as loads, \
+            pytest.raises(KeyboardInterrupt) as raised:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert raised.traceback[-1].name == "raise_if_interrupted", f"raised in {raised.traceback[-1].name}"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the deferral is over
     assert len(loads) >= at_load
     assert _tokens(llm, prompts) == reference, f"after an interrupt at load {at_load}"
+
+
+def test_an_interrupt_while_a_batch_is_added_leaves_nothing_queued(disk_engine, python_sigint):
+    """SIGINT as the engine lays out the KV pools for a new batch: taken once the batch is added,
+    which generate then drops, so the next generate runs (not "one batch at a time")."""
+    llm, prompts, reference = disk_engine
+    with on_call(llm.engine, "_ensure_pools", 1, lambda: signal.raise_signal(signal.SIGINT)), \
+            pytest.raises(KeyboardInterrupt) as raised:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert raised.traceback[-1].name == "__exit__"
+    assert not llm.engine.has_unfinished()
+    assert _tokens(llm, prompts) == reference
+
+
+def test_a_second_interrupt_inside_a_pass_closes_the_engine_and_says_why(python_sigint):
+    """Two SIGINTs before the engine reaches a layer's end: the second is raised where it lands (a
+    user whose pass hangs must be able to stop it), and the engine, which cannot vouch for the state
+    it left, refuses the next call with the reason."""
+    llm = LLM("dummy:opt-125m", dtype="float32")
+
+    def ctrl_c_twice():
+        signal.raise_signal(signal.SIGINT)  # noted
+        signal.raise_signal(signal.SIGINT)  # raised here, inside the model's math
+
+    with on_call(llm.engine.executor.model, "post_attention", 3, ctrl_c_twice), pytest.raises(KeyboardInterrupt) as raised:
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert raised.traceback[-1].name == "_note"
+    with pytest.raises(FlexSarathiError, match="a second Ctrl-C stopped a pass"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
 
 
 @pytest.mark.parametrize("at_call", [5, 14, 40])
