@@ -5,7 +5,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from typing import Callable, Iterator, Sequence as Seq
 
@@ -37,6 +39,8 @@ class LLM:
         enforces. offload_dir: where disk-tier weights, KV and activations live (default
         ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options
         go to EngineConfig (weight_quant, kv_bits, kv_value_group: the compression formats)."""
+        # one batch at a time: a call from another thread waits for the one running (_one_batch)
+        self._batch, self._batch_thread = threading.Lock(), None
         opened = model if isinstance(model, OpenedModel) else None
         model = opened.name if opened else resolve_model(model)  # "org/name" -> its folder in the HF cache
         spec = None
@@ -114,14 +118,33 @@ class LLM:
         stop: asked after every pass; True ends the run there (the unfinished requests are
         dropped, the finished ones were yielded): how a server cancels a batch at a pass boundary."""
         prompts, params = _check_arguments(prompts, sampling_params, on_error)
-        self.last_stats = _stats(0, 0, 0, 0, 0, 0.0, self.engine.memory.report())
-        groups, refused = self._make_requests(prompts, params, on_error)
-        self.last_stats["failed"] = len(refused)
-        for index, error in refused:
-            yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
-                                       else None, prompt_token_ids=[], outputs=[], error=error)
-        if groups:
-            yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
+        with self._one_batch():
+            self.last_stats = _stats(0, 0, 0, 0, 0, 0.0, self.engine.memory.report())
+            groups, refused = self._make_requests(prompts, params, on_error)
+            self.last_stats["failed"] = len(refused)
+            for index, error in refused:
+                yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
+                                           else None, prompt_token_ids=[], outputs=[], error=error)
+            if groups:
+                yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
+
+    @contextlib.contextmanager
+    def _one_batch(self):
+        """The engine runs one batch at a time: a generate from another thread waits until the
+        running one ends (a server's worker threads take turns); one from the thread whose
+        generate_iter is still being iterated (not run to its end, nor closed) would wait on itself
+        forever, and is refused."""
+        if not self._batch.acquire(blocking=False):
+            if self._batch_thread == threading.get_ident():
+                raise FlexSarathiError("this LLM's previous generate_iter in this thread is still being iterated: "
+                                       "run it to its end or close() it before the next generate")
+            self._batch.acquire()
+        self._batch_thread = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._batch_thread = None
+            self._batch.release()
 
     def _make_requests(self, prompts: list, params: list[SamplingParams], on_error: str):
         """{prompt index: its n sequences} and [(prompt index, error)] for refused prompts."""

@@ -1,6 +1,10 @@
 """The generation API: bad input gets one clear error; sampling is reproducible."""
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import pytest
 import torch
 
@@ -152,6 +156,49 @@ def test_a_generate_left_unfinished_by_its_caller_is_dropped(tiny_checkpoint):
     outputs.close()
     assert not llm.engine.has_unfinished() and llm.engine.blocks.idle
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == fresh
+
+
+def test_generate_from_two_threads_takes_turns(tiny_checkpoint):
+    """A second thread's generate while the first's runs (a server's workers sharing one LLM) waits
+    for it, and each gets the tokens it gets alone (it used to be refused, and a race between the
+    two calls' admissions could drop the running batch)."""
+    llm = LLM(tiny_checkpoint("opt")[0], dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=4))
+    first, second = [[3, 4, 5], [6, 7, 8, 9, 10]], [[11, 12], [13, 14, 15]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = [[o.token_ids for o in llm.generate(p, params, use_tqdm=False)] for p in (first, second)]
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(second=llm.generate(second, params, use_tqdm=False)))
+
+    def start_the_other_thread():  # on the first call's second pass: the other waits for its turn
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while _top_function(waiter) != "_one_batch":
+            assert time.monotonic() < deadline, "the second generate did not wait for the first"
+            time.sleep(0.001)
+
+    with on_call(llm.engine, "step", 2, start_the_other_thread):
+        got["first"] = llm.generate(first, params, use_tqdm=False)
+    waiter.join()
+    assert [[o.token_ids for o in got[k]] for k in ("first", "second")] == alone
+
+
+def _top_function(thread: threading.Thread) -> str | None:
+    """The function `thread` runs now (innermost frame of ours: a lock's acquire is C code)."""
+    frame = sys._current_frames().get(thread.ident)
+    return frame.f_code.co_name if frame is not None else None
+
+
+def test_a_generate_inside_this_threads_unfinished_generate_iter_is_refused(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("opt")[0], dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=4))
+    prompts, params = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    outputs = llm.generate_iter(prompts, params, use_tqdm=False)
+    done = [next(outputs)]
+    with pytest.raises(FlexSarathiError, match="previous generate_iter in this thread is still being iterated"):
+        llm.generate([[1, 2]], params, use_tqdm=False)
+    done += list(outputs)  # the batch went on untouched
+    assert [o.token_ids for _, o in sorted(done, key=lambda d: d[0])] == alone
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
 
 
 def test_a_batch_runs_alone_and_the_schedule_changes_only_between_batches(tiny_checkpoint):
