@@ -41,6 +41,7 @@ class LLM:
         go to EngineConfig (weight_quant, kv_bits, kv_value_group: the compression formats)."""
         # one batch at a time: a call from another thread waits for the one running (_one_batch)
         self._batch, self._batch_thread = threading.Lock(), None
+        self._closing = False  # close() was called: a running generate ends after its pass
         opened = model if isinstance(model, OpenedModel) else None
         model = opened.name if opened else resolve_model(model)  # "org/name" -> its folder in the HF cache
         spec = None
@@ -85,8 +86,15 @@ class LLM:
 
     def close(self) -> None:
         """Release the engine: I/O threads, disk-store files, KV pools, working buffers. Also
-        called on leaving a `with LLM(...) as llm:` block. Idempotent."""
-        self.engine.close()
+        called on leaving a `with LLM(...) as llm:` block. Idempotent. Called from another thread
+        while a generate runs, it lets that pass end, the generate then raises FlexSarathiError
+        (what finished was given), and the engine closes."""
+        self._closing = True
+        if self._batch_thread == threading.get_ident():  # inside this thread's own generate_iter
+            self.engine.close()
+            return
+        with self._batch:  # another thread's batch sees _closing after its pass and ends
+            self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -173,6 +181,10 @@ class LLM:
             # inside the try: a Ctrl-C as the batch is added still leaves nothing queued
             engine.add_requests(list(groups.values()))  # a prompt is prefilled once for its n completions
             while engine.has_unfinished():
+                if self._closing:
+                    unfinished = sum(1 for n in left.values() if n)
+                    raise FlexSarathiError(f"this LLM was closed while generate ran: {unfinished} of its "
+                                           f"{len(left)} prompts did not finish")
                 finished = engine.step()
                 passes += 1
                 done = []

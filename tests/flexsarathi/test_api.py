@@ -201,6 +201,41 @@ def test_a_generate_inside_this_threads_unfinished_generate_iter_is_refused(tiny
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
 
 
+def test_close_from_another_thread_ends_the_running_generate_at_a_pass_boundary(tiny_checkpoint):
+    """close() while another thread generates: that pass ends, the generate raises saying so, then
+    the engine closes (it used to free the pools under the running pass: KeyError 'gpu' or "cannot
+    schedule new futures after shutdown")."""
+    llm = LLM(tiny_checkpoint("opt")[0], dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=4))
+    closer = threading.Thread(target=llm.close)
+
+    def close_from_the_other_thread():  # on the second pass: close() waits for the pass to end
+        closer.start()
+        deadline = time.monotonic() + 30
+        while _top_function(closer) != "close":
+            assert time.monotonic() < deadline, "close() did not wait for the running pass"
+            time.sleep(0.001)
+
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with on_call(llm.engine, "step", 2, close_from_the_other_thread) as steps, \
+            pytest.raises(FlexSarathiError, match="closed while generate ran: 2 of its 2 prompts did not finish"):
+        llm.generate([[3, 4, 5], [6, 7, 8, 9, 10]], params, use_tqdm=False)
+    closer.join()
+    assert len(steps) == 2 and llm.engine.closed
+    with pytest.raises(FlexSarathiError, match=r"closed \(LLM.close\(\) was called\)"):
+        llm.generate([[3, 4]], params, use_tqdm=False)
+
+
+def test_close_inside_this_threads_generate_iter_ends_it(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("opt")[0], dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=4))
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (1, 20)]
+    outputs = llm.generate_iter([[3, 4, 5], [6, 7, 8, 9, 10]], params, use_tqdm=False)
+    index, _ = next(outputs)
+    llm.close()  # does not wait for this thread's own batch
+    with pytest.raises(FlexSarathiError, match="closed while generate ran: 1 of its 2 prompts"):
+        next(outputs)
+    assert index == 0 and llm.engine.closed
+
+
 def test_a_batch_runs_alone_and_the_schedule_changes_only_between_batches(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("opt")[0], policy=Policy(gpu_batch_size=2, prefill_budget=4))
     engine = llm.engine
