@@ -389,7 +389,8 @@ class LLMEngine:
         self._check_token_ids(params)
         seq = Sequence(
             seq_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
-            max_len=min(len(prompt_token_ids) + params.max_tokens, self.config.max_position_embeddings),
+            max_len=min(len(prompt_token_ids) + (params.max_tokens or self.config.max_position_embeddings),
+                        self.config.max_position_embeddings),
             stop_ids=frozenset(stop), generator=torch.Generator().manual_seed(seed), prompt=prompt,
             detokenizer=(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
                          if params.stop else None),

@@ -20,11 +20,12 @@ class Logprob:
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: list[int]) -> list[dict[int, Logprob]]:
     """logits [R, vocab] (any device), chosen [R] token ids, top[i] alternatives for row i -> per
-    row {token: Logprob} of the chosen token and row i's top[i] most likely (one top-k for all)."""
+    row {token: Logprob} of the chosen token and row i's top[i] most likely (one top-k for all; -1: all)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, vocab]
     chosen = chosen.to(logprobs.device)
     chosen_lp = logprobs.gather(1, chosen[:, None])  # [R, 1]
     ranks = (logprobs > chosen_lp).sum(-1) + 1  # [R]
+    top = [logprobs.shape[1] if t == -1 else t for t in top]  # -1: the whole vocabulary (vLLM's)
     k = min(max(top, default=0), logprobs.shape[1])
     values, ids = torch.topk(logprobs, k) if k else (logprobs[:, :0], chosen[:, None][:, :0])
     values, ids = values.tolist(), ids.tolist()

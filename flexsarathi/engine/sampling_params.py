@@ -91,13 +91,13 @@ class StructuredOutputsParams:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the model's context ends
     temperature: float = 1.0  # 0 = greedy
-    top_k: int = -1  # -1 = whole vocabulary
+    top_k: int = -1  # -1 (or 0, vLLM's spelling now) = whole vocabulary
     top_p: float = 1.0
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after temperature)
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # None: none (vLLM's default), as for stop and bad_words
     ignore_eos: bool = False
     # per prompt position after the first: the prompt token's log-probability and the top
     # `prompt_logprobs` candidates (vLLM's shape: RequestOutput.prompt_logprobs[0] is None)
@@ -106,7 +106,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # ... or just after it
     min_tokens: int = 0  # EOS, stop tokens and stop strings are ignored before this many tokens
     n: int = 1  # completions per prompt
-    logprobs: int | None = None  # per generated token: its log-probability and the top `logprobs`
+    logprobs: int | None = None  # per generated token: its log-probability and the top `logprobs` (-1: all)
     # Penalties on tokens already seen (vLLM's): repetition divides a positive logit (multiplies a
     # negative one) of every token in the prompt or the output; presence and frequency subtract
     # from the logits of output tokens once / per occurrence (OpenAI's formula).
@@ -119,6 +119,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        if self.top_k == 0 and _is_int(self.top_k):  # vLLM's "off" since it changed its default from -1
+            object.__setattr__(self, "top_k", -1)
+        for name in ("stop", "stop_token_ids", "bad_words"):  # vLLM's defaults are None
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         self._check_numbers()
         self._check_penalties()
         object.__setattr__(self, "stop_token_ids", _as_tuple(self, "stop_token_ids", self.stop_token_ids))
@@ -143,27 +148,28 @@ class SamplingParams:
         raise FlexSarathiError(f"SamplingParams.{field} {rule}, got {getattr(self, field)!r}")
 
     def _check_numbers(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            self._bad("max_tokens", "must be an integer >= 1")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            self._bad("max_tokens", "must be None (until the context ends) or an integer >= 1")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             self._bad("temperature", "must be a finite number >= 0")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            self._bad("top_k", "must be -1 (off) or an integer >= 1")
+            self._bad("top_k", "must be -1 or 0 (off) or an integer >= 1")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             self._bad("top_p", "must be in (0, 1]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             self._bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            self._bad("seed", "must be an integer or None")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 64):
+            self._bad("seed", "must be None or an integer in [-2**63, 2**64) (what a torch generator takes)")
+        most = math.inf if self.max_tokens is None else self.max_tokens
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= most:
             self._bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if not _is_int(self.n) or self.n < 1:
             self._bad("n", "must be an integer >= 1")
         for name, what in (("logprobs", "top alternatives per token"),
                            ("prompt_logprobs", "top candidates per prompt position; 0 = the prompt token only")):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                self._bad(name, f"must be None or an integer >= 0 ({what})")
+            if value is not None and (not _is_int(value) or value < -1):
+                self._bad(name, f"must be None, -1 (the whole vocabulary) or an integer >= 0 ({what})")
 
     def _check_penalties(self) -> None:
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:

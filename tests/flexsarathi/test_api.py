@@ -23,13 +23,13 @@ def llm(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+    ("max_tokens", 0, r"max_tokens must be None \(until the context ends\) or an integer >= 1"),
     ("temperature", -0.5, "temperature must be a finite number >= 0"),
     ("temperature", float("nan"), "temperature"),
-    ("top_k", 0, "top_k must be -1"),
+    ("top_k", -2, r"top_k must be -1 or 0 \(off\) or an integer >= 1"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_p", 1.5, "top_p"),
-    ("seed", "7", "seed must be an integer"),
+    ("seed", "7", "seed must be None or an integer"),
     ("stop_token_ids", (-1,), "stop_token_ids"),
 ])
 def test_invalid_sampling_values(field, value, message):

@@ -164,13 +164,38 @@ def test_api_misuse_names_the_argument(tiny, call, message):
     ({"stop": [""]}, "stop must be a non-empty string"),
     ({"n": 0}, "n must be an integer >= 1"),
     ({"min_tokens": 20, "max_tokens": 16}, r"min_tokens must be an integer in \[0, max_tokens=16\]"),
-    ({"logprobs": -1}, "logprobs must be None or an integer >= 0"),
+    ({"logprobs": -2}, r"logprobs must be None, -1 \(the whole vocabulary\) or an integer >= 0"),
+    ({"seed": 1 << 64}, r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\)"),
+    ({"seed": -(1 << 63) - 1}, "seed must be None or an integer in"),
     ({"ignore_eos": "yes"}, "ignore_eos must be True or False"),
-    ({"max_tokens": True}, "max_tokens must be an integer"),
+    ({"max_tokens": True}, r"max_tokens must be None \(until the context ends\) or an integer"),
 ])
 def test_sampling_params_types(fields, message):
     with pytest.raises(FlexSarathiError, match=f"SamplingParams.{message}"):
         SamplingParams(**fields)
+
+
+def test_vllms_other_spellings_mean_what_they_mean_there(tiny):
+    """vLLM's defaults and "off" values as vLLM code passes them: top_k 0, stop / stop_token_ids /
+    bad_words None, max_tokens None (until the context ends), logprobs -1 (the whole vocabulary),
+    each giving what the spelling that was already accepted gives."""
+    llm, hf = tiny
+    ids = [3, 9, 27, 81]
+    sampled = dict(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
+    assert (llm.generate([ids], SamplingParams(top_k=0, stop=None, stop_token_ids=None, bad_words=None, **sampled),
+                         use_tqdm=False)[0].token_ids
+            == llm.generate([ids], SamplingParams(top_k=-1, **sampled), use_tqdm=False)[0].token_ids)
+    context = hf.config.max_position_embeddings
+    rest = llm.generate([ids], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(rest.token_ids) == context - len(ids) and rest.finish_reason == "length"
+    vocab = hf.config.vocab_size
+    every = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, logprobs=-1, prompt_logprobs=-1),
+                         use_tqdm=False)[0]
+    named = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, logprobs=vocab, prompt_logprobs=vocab),
+                         use_tqdm=False)[0]
+    assert [len(step) for step in every.outputs[0].logprobs] == [vocab, vocab]
+    assert every.outputs[0].logprobs == named.outputs[0].logprobs
+    assert every.prompt_logprobs == named.prompt_logprobs and len(every.prompt_logprobs[1]) == vocab
 
 
 def test_empty_generate_resets_last_stats(tiny):
