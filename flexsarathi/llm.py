@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ from flexsarathi.engine.sampling import SamplingParams
 from offload.memory import TierBudget
 from policy_search.policy import Policy
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # dict: vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
 
 
 class LLM:
@@ -213,23 +214,47 @@ class LLM:
                                    preemptions=scheduler.num_preemptions - preempted)
 
     def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
+        """(token ids, text or None) of a prompt: a string, a list of token ids, or vLLM's prompt
+        dicts ({"prompt": text} / {"prompt_token_ids": ids})."""
+        if isinstance(prompt, dict):
+            prompt = _from_prompt_dict(prompt, index)
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise FlexSarathiError(f"prompt {index} is text, but this model has no tokenizer.json; "
                                        "give prompts as lists of token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would fail on it obscurely
+                raise FlexSarathiError(f"prompt {index} is not valid Unicode text ({exc.reason} at character "
+                                       f"{exc.start})") from None
             return self.engine.tokenizer.encode(prompt), prompt
         if isinstance(prompt, (list, tuple)):
-            return list(prompt), None
+            return [int(t) if _is_token(t) else t for t in prompt], None  # numpy ints as Python ints
         raise FlexSarathiError(f"prompt {index} must be a string or a list of token ids, "
                                f"got {type(prompt).__name__}")
+
+
+def _from_prompt_dict(prompt: dict, index: int) -> str | list:
+    """vLLM's TextPrompt / TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}."""
+    kinds = [k for k in ("prompt", "prompt_token_ids") if k in prompt]
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if len(kinds) != 1 or unknown:
+        raise FlexSarathiError(f"prompt {index} is a dict: it takes exactly one of \"prompt\" (text) or "
+                               f"\"prompt_token_ids\" (token ids), got keys {sorted(prompt)}")
+    value = prompt[kinds[0]]
+    if not isinstance(value, str if kinds[0] == "prompt" else (list, tuple)):
+        raise FlexSarathiError(f"prompt {index}: {kinds[0]!r} must be "
+                               f"{'a string' if kinds[0] == 'prompt' else 'a list of token ids'}, "
+                               f"got {type(value).__name__}")
+    return value
 
 
 def _check_arguments(prompts, sampling_params, on_error: str) -> tuple[list, list[SamplingParams]]:
     """The prompts and one SamplingParams per prompt; FlexSarathiError naming a misused argument."""
     if on_error not in ("raise", "record"):
         raise FlexSarathiError(f'generate(on_error=...) must be "raise" or "record", got {on_error!r}')
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and _is_token(prompts[0])):
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and _is_token(prompts[0])):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise FlexSarathiError("generate(prompts=...) must be a string, a list of token ids, or a list "
@@ -253,7 +278,8 @@ def _check_arguments(prompts, sampling_params, on_error: str) -> tuple[list, lis
 
 
 def _is_token(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer token id: Python's or numpy's (a tokenizer's output), never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _stats(requests: int, failed: int, prompt_tokens: int, generated: int, passes: int, seconds: float,

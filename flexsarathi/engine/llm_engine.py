@@ -422,7 +422,11 @@ class LLMEngine:
         if len(ids) == 0:
             raise FlexSarathiError(f"prompt {index} is empty")
         vocab = self.config.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        not_ints = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        if not_ints:
+            raise FlexSarathiError(f"prompt {index}: {not_ints[0]!r} ({type(not_ints[0]).__name__}) is not "
+                                   "an integer token id")
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise FlexSarathiError(f"prompt {index}: token id {bad[0]!r} is outside the vocabulary "
                                    f"[0, {vocab})")

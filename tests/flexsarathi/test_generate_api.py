@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,6 +150,11 @@ def test_on_error_record_keeps_the_batch_going(tiny):
     (lambda llm: llm.generate([[1, 2]], [{"max_tokens": 5}]), r"sampling_params=.*holds a dict"),
     (lambda llm: llm.generate(None), r"prompts=\.\.\.\) must be a string"),
     (lambda llm: llm.generate(7), r"prompts=\.\.\.\) must be a string"),
+    (lambda llm: llm.generate([[1, 2.0]]), r"prompt 0: 2\.0 \(float\) is not an integer token id"),
+    (lambda llm: llm.generate([[1], [True]]), r"prompt 1: True \(bool\) is not an integer token id"),
+    (lambda llm: llm.generate({"prompt_token_ids": [1], "prompt": "a"}), r"prompt 0 is a dict: it takes exactly one"),
+    (lambda llm: llm.generate([{"prompt_token_ids": [1], "multi_modal_data": {}}]), r"got keys \['multi_modal_data'"),
+    (lambda llm: llm.generate({"prompt_token_ids": "1 2"}), r"prompt 0: 'prompt_token_ids' must be a list of token ids"),
     (lambda llm: llm.generate([[1]], on_error="skip"), r"on_error"),
     (lambda llm: llm.generate([[1]], SamplingParams(stop_token_ids=[500])), r"stop_token_ids .*outside the vocabulary"),
     (lambda llm: llm.generate([[1]], SamplingParams(stop=["x"])), r"stop strings need .*tokenizer.json"),
@@ -173,6 +179,22 @@ def test_api_misuse_names_the_argument(tiny, call, message):
 def test_sampling_params_types(fields, message):
     with pytest.raises(FlexSarathiError, match=f"SamplingParams.{message}"):
         SamplingParams(**fields)
+
+
+def test_vllms_prompt_dicts_and_numpy_token_ids_are_the_prompts_they_hold(stories):
+    """vLLM's TextPrompt / TokensPrompt dicts and a tokenizer's numpy ids give what the plain string
+    and list give; text that is not valid Unicode is one error naming the prompt."""
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    text, ids = "Once upon a time", [1, 300, 301, 302]
+    plain = stories.generate([text, ids], greedy, use_tqdm=False)
+    as_dicts = stories.generate([{"prompt": text}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    assert [o.token_ids for o in as_dicts] == [o.token_ids for o in plain]
+    assert as_dicts[0].prompt == text and as_dicts[0].prompt_token_ids == plain[0].prompt_token_ids
+    numpy_ids = stories.generate(list(np.array(ids, dtype=np.int64)), greedy, use_tqdm=False)[0]
+    assert numpy_ids.token_ids == plain[1].token_ids
+    assert stories.generate({"prompt": text}, greedy, use_tqdm=False)[0].token_ids == plain[0].token_ids
+    with pytest.raises(FlexSarathiError, match=r"prompt 1 is not valid Unicode text \(surrogates not allowed at character 4\)"):
+        stories.generate(["fine", "bad \ud800"], greedy, use_tqdm=False)
 
 
 def test_vllms_other_spellings_mean_what_they_mean_there(tiny):
