@@ -22,8 +22,9 @@ import threading
 
 
 class _Noted:
-    """The process's one deferral: who installed it, and what SIGINT left for it."""
-    active = False
+    """What SIGINT left for the process's one deferral. The deferral is active exactly while its
+    handler (_note) is installed: no separate flag that an interrupt between two statements could
+    leave stale."""
     pending = False  # a SIGINT came and is not taken yet
     forced = False  # a second one came first: raised at once, wherever the main thread was
 
@@ -40,7 +41,8 @@ def _note(signum, frame) -> None:
 
 def raise_if_interrupted() -> None:
     """A point where the engine can recover: raise the SIGINT noted since the deferral began."""
-    if _noted.pending and threading.current_thread() is threading.main_thread():
+    if (_noted.pending and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is _note):
         _noted.pending = False
         raise KeyboardInterrupt
 
@@ -60,19 +62,18 @@ class DeferredInterrupts:
         return self._owner and _noted.forced
 
     def __enter__(self) -> "DeferredInterrupts":
-        if (_noted.active or threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):  # _note: nested
             return self
         _noted.pending = _noted.forced = False
         self._previous = signal.signal(signal.SIGINT, _note)
-        self._owner = _noted.active = True
+        self._owner = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self._owner:
             return
-        signal.signal(signal.SIGINT, self._previous)
-        _noted.active = False
+        signal.signal(signal.SIGINT, self._previous)  # from here a SIGINT raises at once, as it would
         pending, _noted.pending = _noted.pending, False
         if pending and exc_type is None:  # an exception on its way out already ends the call
             raise KeyboardInterrupt

@@ -95,3 +95,29 @@ def test_off_the_main_thread_the_deferral_does_nothing():
     thread.join()
     assert errors == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigint_as_the_handler_goes_back_leaves_later_deferrals_working(monkeypatch):
+    """SIGINT in the instant after the block's end puts Python's handler back (found by sending
+    SIGINT at random lines of a generate): it raises there, as outside any deferral, and the next
+    deferral still defers (a flag set back one statement later stayed set, and every later deferral
+    took itself for nested and did nothing)."""
+    real_signal = signal.signal
+
+    def handler_back_then_sigint(signum, handler):
+        previous = real_signal(signum, handler)
+        if handler is signal.default_int_handler:
+            signal.raise_signal(signal.SIGINT)  # Python's own handler: KeyboardInterrupt right here
+        return previous
+
+    monkeypatch.setattr(signal, "signal", handler_back_then_sigint)
+    with pytest.raises(KeyboardInterrupt):
+        with DeferredInterrupts():
+            pass
+    monkeypatch.setattr(signal, "signal", real_signal)
+    raise_if_interrupted()  # outside any deferral: nothing is raised, whatever was left
+    with DeferredInterrupts():
+        signal.raise_signal(signal.SIGINT)  # noted, not raised (KeyboardInterrupt here fails the test)
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
