@@ -20,6 +20,7 @@ from flexsarathi.formats.hub import resolve_model
 from flexsarathi.formats.opened_model import OpenedModel, open_model
 from flexsarathi.engine.planner_spec import planned_model
 from flexsarathi.engine.sampling import SamplingParams
+from offload.interrupts import DeferredInterrupts, raise_if_interrupted
 from offload.memory import TierBudget
 from policy_search.policy import Policy
 
@@ -140,20 +141,28 @@ class LLM:
     @contextlib.contextmanager
     def _one_batch(self):
         """The engine runs one batch at a time: a generate from another thread waits until the
-        running one ends (a server's worker threads take turns); one from the thread whose
-        generate_iter is still being iterated (not run to its end, nor closed) would wait on itself
-        forever, and is refused."""
-        if not self._batch.acquire(blocking=False):
-            if self._batch_thread == threading.get_ident():
-                raise FlexSarathiError("this LLM's previous generate_iter in this thread is still being iterated: "
-                                       "run it to its end or close() it before the next generate")
-            self._batch.acquire()
-        self._batch_thread = threading.get_ident()
+        running one ends (a server's worker threads take turns; Ctrl-C still stops the wait); one
+        from the thread whose generate_iter is still being iterated (not run to its end, nor
+        closed) would wait on itself forever, and is refused. The lock is taken and given back with
+        Ctrl-C deferred (offload/interrupts.py): one landing between the acquire and the try that
+        releases it would leave it taken, and every later generate would wait forever."""
+        me, taken = threading.get_ident(), False
         try:
+            with DeferredInterrupts():
+                while not taken:
+                    taken = self._batch.acquire(timeout=0.05)
+                    if not taken and self._batch_thread == me:
+                        raise FlexSarathiError("this LLM's previous generate_iter in this thread is still being "
+                                               "iterated: run it to its end or close() it before the next generate")
+                    if not taken:
+                        raise_if_interrupted()
+                self._batch_thread = me
             yield
         finally:
-            self._batch_thread = None
-            self._batch.release()
+            if taken:
+                with DeferredInterrupts():
+                    self._batch_thread = None
+                    self._batch.release()
 
     def _make_requests(self, prompts: list, params: list[SamplingParams], on_error: str):
         """{prompt index: its n sequences} and [(prompt index, error)] for refused prompts."""

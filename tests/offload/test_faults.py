@@ -317,3 +317,19 @@ def test_an_exception_inside_a_pass_leaves_fresh_engine_results(disk_engine, at_
             pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(llm, prompts) == reference
+
+
+def test_ctrl_c_at_random_lines_never_hangs_or_changes_the_next_results(tmp_path):
+    """SIGINT at lines drawn at random over a whole generate (weights streamed from disk, prefetch
+    and I/O threads running): lines of any file, then of the threading module (the locks the thread
+    pools take). Before Ctrl-C was deferred to layer boundaries, one landing as a pool's submit had
+    just taken a lock left it held and the next generate hung; one just after a deferral ended
+    switched deferral off for good. Each is followed by a generate that must give the fresh engine's
+    tokens; in a child (tests/offload/ctrl_c_at_lines.py), whose watchdog dumps every thread's stack
+    if one hangs."""
+    child = subprocess.run([sys.executable, str(Path(__file__).with_name("ctrl_c_at_lines.py")), str(tmp_path),
+                            "8", "0"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert child.returncode == 0, child.stdout + child.stderr[-6000:]
+    assert child.stdout.count("ok: SIGINT at line") == 16, child.stdout
+    shutil.rmtree(tmp_path)  # ~500 MB; pytest keeps the temporary folders of recent sessions
