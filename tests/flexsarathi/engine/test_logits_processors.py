@@ -145,7 +145,7 @@ def test_top_logprobs_are_vllms_shape_with_float64_ranks():
 @pytest.mark.parametrize("field,value", [("repetition_penalty", 0), ("presence_penalty", 2.5),
                                          ("frequency_penalty", -3), ("min_p", 1.5), ("logit_bias", {"a": 1}),
                                          ("logit_bias", {1: float("nan")}), ("bad_words", [""]),
-                                         ("prompt_logprobs", True), ("prompt_logprobs", -1),
+                                         ("prompt_logprobs", True), ("prompt_logprobs", -2),
                                          ("include_stop_str_in_output", 1), ("skip_special_tokens", "no")])
 def test_bad_values_are_one_error_naming_the_field(field, value):
     with pytest.raises(FlexSarathiError, match=f"SamplingParams.{field}"):
