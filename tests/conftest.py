@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -119,6 +120,16 @@ atexit.register(shutil.rmtree, TEST_CACHE_DIR, ignore_errors=True)
 
 def raise_keyboard_interrupt() -> None:
     raise KeyboardInterrupt
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler while the test runs (a test run earlier in this process may have
+    left another; interrupt_main and raise_signal do nothing where SIGINT is ignored): the handler
+    the engine defers (offload/interrupts.py). Restored after."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, handler)
 
 
 @contextlib.contextmanager

@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     """Every failure ends in one `error: ...` line on stderr: exit 2 for bad input and for files
     or folders that cannot be used, 1 for an unexpected failure (its traceback only with
     FLEXSARATHI_TRACEBACK=1), 130 when interrupted."""
-    args = build_parser().parse_args(argv)
-    show_warnings_as_lines()
-    try:
+    try:  # from the parsing on: a Ctrl-C while the parser is built is "interrupted" too
+        args = build_parser().parse_args(argv)
+        show_warnings_as_lines()
         if hasattr(args, "gguf_file"):  # engine commands: a Hugging Face repo -> its local folder or GGUF file
             args.model = resolve_model(args.model, args.gguf_file)
         return args.func(args)

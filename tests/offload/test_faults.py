@@ -252,15 +252,6 @@ def _tokens(llm, prompts):
     return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.fixture
-def python_sigint():
-    """Python's own SIGINT handler while the test runs (a test run earlier in this process may have
-    left another; interrupt_main does nothing where SIGINT is ignored): the one the engine defers."""
-    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, handler)
-
-
 
 @pytest.mark.parametrize("at_load", [1, 3, 8, 17])
 def test_interrupts_from_another_thread_leave_fresh_engine_results(disk_engine, at_load, python_sigint):

@@ -9,13 +9,7 @@ import pytest
 from offload.interrupts import DeferredInterrupts, raise_if_interrupted
 
 
-@pytest.fixture(autouse=True)
-def default_handler():
-    """Python's own SIGINT handler for each test (a runner may have left another), restored after."""
-    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, handler)
-
+pytestmark = pytest.mark.usefixtures("python_sigint")  # Python's own handler in each test
 
 def test_a_noted_sigint_is_raised_at_the_next_checkpoint_only():
     with DeferredInterrupts() as deferral:

@@ -13,11 +13,13 @@ import sys
 import pytest
 
 from flexsarathi import LLM, SamplingParams
+from flexsarathi.cli import main as cli_main
 from flexsarathi.cli.main import main
+from flexsarathi.engine.llm_engine import LLMEngine
 from flexsarathi.cli.generate import request_seed
 from flexsarathi.cli.request_files import record_key_of
 from policy_search import Policy
-from tests.conftest import KILLED_AFTER_RECORDS, REPO
+from tests.conftest import KILLED_AFTER_RECORDS, REPO, on_call
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -175,6 +177,28 @@ def test_kill_and_resume_equals_an_uninterrupted_run(stories_dir, tmp_path):
     proc = cli(*args[:-1], "--output", str(torn), check_rc=0)
     assert "torn last line" in proc.stdout and "23 already in" in proc.stdout
     assert sorted(map(json.dumps, records(torn))) == sorted(map(json.dumps, records(full)))
+
+
+def test_ctrl_c_exits_130_and_the_rerun_equals_an_uninterrupted_run(stories_dir, tmp_path, capsys, python_sigint):
+    """SIGINT (real, Python's own handler) while the parser is built and in a job's 12th pass: one
+    `error: interrupted` line, exit 130 (the first used to escape as a traceback); the second is taken
+    at a layer boundary, and the rerun resumes to the uninterrupted run's records."""
+    prompts = [f"Once upon a time, number {i}" for i in range(6)]
+    src = write_lines(tmp_path / "in.txt", prompts)
+    args = ["generate", "--model", stories_dir, "--input", src, "--policy", _policy_file(tmp_path, gpu_batch_size=2),
+            "--max-tokens", "8", "--ignore-eos", "--dtype", "float32", "--quiet"]
+    full, cut = str(tmp_path / "full.jsonl"), str(tmp_path / "cut.jsonl")
+    assert main([*args, "--output", full]) == 0
+    ctrl_c = lambda: signal.raise_signal(signal.SIGINT)  # noqa: E731
+    with on_call(cli_main, "build_parser", 1, ctrl_c):
+        assert main([*args, "--output", cut]) == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
+    with on_call(LLMEngine, "forward", 12, ctrl_c):  # inside the 12th step: after the first two prompts
+        assert main([*args, "--output", cut]) == 130
+    assert "interrupted: finished records are in" in capsys.readouterr().err
+    assert 0 < len(records(cut)) < 6, "the job was not interrupted partway"
+    assert main([*args, "--output", cut]) == 0
+    assert sorted(map(json.dumps, records(cut))) == sorted(map(json.dumps, records(full)))
 
 
 def test_mismatch_duplicates_and_bad_jobs_exit_2(stories_dir, tmp_path, capsys):
