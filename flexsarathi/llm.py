@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import numbers
 import os
 import threading
@@ -22,6 +23,7 @@ from flexsarathi.engine.planner_spec import planned_model
 from flexsarathi.engine.sampling import SamplingParams
 from offload.interrupts import DeferredInterrupts, raise_if_interrupted
 from offload.memory import TierBudget
+from policy_search.hardware import HardwareSpec
 from policy_search.policy import Policy
 
 Prompt = str | list[int] | dict  # dict: vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
@@ -44,12 +46,11 @@ class LLM:
         # one batch at a time: a call from another thread waits for the one running (_one_batch)
         self._batch, self._batch_thread = threading.Lock(), None
         self._closing = False  # close() was called: a running generate ends after its pass
+        model, policy, hardware = _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_options)
         opened = model if isinstance(model, OpenedModel) else None
         model = opened.name if opened else resolve_model(model)  # "org/name" -> its folder in the HF cache
         spec = None
         if hardware is not None:
-            from policy_search import HardwareSpec
-
             spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
         if policy == "auto":
             if opened is None and os.path.exists(model):
@@ -256,6 +257,30 @@ def _from_prompt_dict(prompt: dict, index: int) -> str | list:
                                f"{'a string' if kinds[0] == 'prompt' else 'a list of token ids'}, "
                                f"got {type(value).__name__}")
     return value
+
+
+def _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_options: dict) -> tuple:
+    """(model, policy, hardware) with paths (pathlib too) as strings; FlexSarathiError naming an
+    argument of LLM(...) whose kind is wrong, before anything is opened."""
+    model, policy, hardware = (os.fspath(v) if isinstance(v, os.PathLike) else v for v in (model, policy, hardware))
+    if not isinstance(model, (str, OpenedModel)):
+        raise FlexSarathiError("LLM(model=...) must be a checkpoint folder, a .gguf file, a Hugging Face repo name or "
+                               f"dummy:<name>; got {type(model).__name__}")
+    if policy is not None and not isinstance(policy, (str, Policy)):
+        raise FlexSarathiError('LLM(policy=...) must be a Policy, a policy JSON file, "auto" or None; '
+                               f"got {type(policy).__name__}")
+    if hardware is not None and not isinstance(hardware, (str, HardwareSpec)):
+        raise FlexSarathiError("LLM(hardware=...) must be a HardwareSpec, a preset name (t4, a100-40g, ...) or a "
+                               f"profile JSON file; got {type(hardware).__name__}")
+    if not _is_token(seed):
+        raise FlexSarathiError(f"LLM(seed=...) must be an integer, got {seed!r}")
+    if kv_block_size is not None and (not _is_token(kv_block_size) or kv_block_size < 1):
+        raise FlexSarathiError(f"LLM(kv_block_size=...) must be None or an integer >= 1, got {kv_block_size!r}")
+    unknown = sorted(set(engine_options) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if unknown:
+        raise FlexSarathiError(f"LLM() got unknown option(s) {unknown}: the options are LLM's own arguments and "
+                               "EngineConfig's fields (flexsarathi/engine/llm_engine.py)")
+    return model, policy, hardware
 
 
 def _check_arguments(prompts, sampling_params, on_error: str) -> tuple[list, list[SamplingParams]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,6 +219,33 @@ def test_vllms_other_spellings_mean_what_they_mean_there(tiny):
     assert [len(step) for step in every.outputs[0].logprobs] == [vocab, vocab]
     assert every.outputs[0].logprobs == named.outputs[0].logprobs
     assert every.prompt_logprobs == named.prompt_logprobs and len(every.prompt_logprobs[1]) == vocab
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"model": None}, r"LLM\(model=\.\.\.\) must be a checkpoint folder.*got NoneType"),
+    ({"policy": 5}, r'LLM\(policy=\.\.\.\) must be a Policy, a policy JSON file, "auto" or None; got int'),
+    ({"hardware": {"gpu_memory": 1}}, r"LLM\(hardware=\.\.\.\) must be a HardwareSpec.*got dict"),
+    ({"seed": "a"}, r"LLM\(seed=\.\.\.\) must be an integer, got 'a'"),
+    ({"kv_block_size": 0}, r"LLM\(kv_block_size=\.\.\.\) must be None or an integer >= 1, got 0"),
+    ({"kv_blocksize": 16}, r"LLM\(\) got unknown option\(s\) \['kv_blocksize'\]"),
+])
+def test_llm_arguments_of_the_wrong_kind_are_one_error_naming_them(tiny_checkpoint, options, message):
+    """Each used to fail deeper with an AttributeError or TypeError (or, for seed and kv_block_size 0,
+    to be taken silently)."""
+    with pytest.raises(FlexSarathiError, match=message):
+        LLM(**{"model": tiny_checkpoint("opt")[0], **options})
+
+
+def test_paths_may_be_pathlib_paths(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("opt")[0]
+    policy = Policy(gpu_batch_size=2, prefill_budget=4)
+    policy.save(str(tmp_path / "policy.json"))
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM(folder, dtype="float32", policy=policy) as as_strings:
+        expected = as_strings.generate([[3, 4, 5]], greedy, use_tqdm=False)[0].token_ids
+    with LLM(Path(folder), dtype="float32", policy=tmp_path / "policy.json") as as_paths:
+        assert as_paths.engine.policy == policy
+        assert as_paths.generate([[3, 4, 5]], greedy, use_tqdm=False)[0].token_ids == expected
 
 
 def test_empty_generate_resets_last_stats(tiny):
