@@ -150,14 +150,12 @@ class LLM:
         me, taken = threading.get_ident(), False
         try:
             with DeferredInterrupts():
-                while not taken:
-                    taken = self._batch.acquire(timeout=0.05)
-                    if not taken and self._batch_thread == me:
+                while not self._batch.acquire(timeout=0.05):
+                    if self._batch_thread == me:
                         raise FlexSarathiError("this LLM's previous generate_iter in this thread is still being "
                                                "iterated: run it to its end or close() it before the next generate")
-                    if not taken:
-                        raise_if_interrupted()
-                self._batch_thread = me
+                    raise_if_interrupted()
+                taken, self._batch_thread = True, me  # no SIGINT between the acquire and here: it is deferred
             yield
         finally:
             if taken:
@@ -239,7 +237,7 @@ class LLM:
                                        f"{exc.start})") from None
             return self.engine.tokenizer.encode(prompt), prompt
         if isinstance(prompt, (list, tuple)):
-            return [int(t) if _is_token(t) else t for t in prompt], None  # numpy ints as Python ints
+            return [int(t) if _is_integer(t) else t for t in prompt], None  # numpy ints as Python ints
         raise FlexSarathiError(f"prompt {index} must be a string or a list of token ids, "
                                f"got {type(prompt).__name__}")
 
@@ -272,9 +270,9 @@ def _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_op
     if hardware is not None and not isinstance(hardware, (str, HardwareSpec)):
         raise FlexSarathiError("LLM(hardware=...) must be a HardwareSpec, a preset name (t4, a100-40g, ...) or a "
                                f"profile JSON file; got {type(hardware).__name__}")
-    if not _is_token(seed):
+    if not _is_integer(seed):
         raise FlexSarathiError(f"LLM(seed=...) must be an integer, got {seed!r}")
-    if kv_block_size is not None and (not _is_token(kv_block_size) or kv_block_size < 1):
+    if kv_block_size is not None and (not _is_integer(kv_block_size) or kv_block_size < 1):
         raise FlexSarathiError(f"LLM(kv_block_size=...) must be None or an integer >= 1, got {kv_block_size!r}")
     unknown = sorted(set(engine_options) - {f.name for f in dataclasses.fields(EngineConfig)})
     if unknown:
@@ -288,7 +286,7 @@ def _check_arguments(prompts, sampling_params, on_error: str) -> tuple[list, lis
     if on_error not in ("raise", "record"):
         raise FlexSarathiError(f'generate(on_error=...) must be "raise" or "record", got {on_error!r}')
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                            and _is_token(prompts[0])):
+                                            and _is_integer(prompts[0])):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise FlexSarathiError("generate(prompts=...) must be a string, a list of token ids, or a list "
@@ -311,8 +309,8 @@ def _check_arguments(prompts, sampling_params, on_error: str) -> tuple[list, lis
     return prompts, params
 
 
-def _is_token(value) -> bool:
-    """An integer token id: Python's or numpy's (a tokenizer's output), never a bool."""
+def _is_integer(value) -> bool:
+    """A token id, a seed: Python's or numpy's integers (a tokenizer's output), never a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
