@@ -36,6 +36,7 @@ from offload.kv_cache import KVPool
 from offload.streams import (IOStream, bind_thread, device_guard, indexed, record_event, to_device, to_host,
                              used_on, wait_for)
 from offload.weights import LayerWeightStore
+from policy_search.working_set import POST_ATTENTION_ROWS
 from quant.cpu_int8_matmul import cpu_matmul_mode
 
 CPU = torch.device("cpu")
@@ -269,7 +270,21 @@ class PassExecutor:
                 attn = merged.reshape(mb.num_tokens, -1)  # [T, heads * d]: one view
             else:
                 attn[rows] = merged.flatten(0, 1)
-        return self.model.post_attention(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
+        return self._post_attention(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
+
+    def _post_attention(self, w, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer after attention, in slices of POST_ATTENTION_ROWS rows where the micro-batch has
+        more: every op there is row-wise, so the slices give the whole call's rows, and a long prompt
+        pass holds one slice's MLP intermediates ([rows, ffn], the largest of a layer) instead of all
+        (FlexGen's batch-72 x 512 prefill of OPT-6.7B: 1.2 GB of fc1 output at once otherwise)."""
+        rows = hidden.shape[0]
+        if rows <= POST_ATTENTION_ROWS:
+            return self.model.post_attention(w, hidden, attn)
+        out = torch.empty_like(hidden)  # [T, hidden]
+        for start in range(0, rows, POST_ATTENTION_ROWS):
+            stop = start + POST_ATTENTION_ROWS
+            out[start:stop] = self.model.post_attention(w, hidden[start:stop], attn[start:stop])
+        return out
 
     def _attend_part(self, layer: int, q_on: dict, group: AttentionGroup, part, context, k, v, rows,
                      written: bool):

@@ -56,7 +56,7 @@ from policy_search.model_spec import ModelSpec
 from policy_search.pass_shape import PassShape, RunShape
 from policy_search.policy import Policy
 from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS
-from policy_search.working_set import QUERY_BLOCK, SCORE_BYTES, PassTokens, working_set
+from policy_search.working_set import POST_ATTENTION_ROWS, QUERY_BLOCK, SCORE_BYTES, PassTokens, working_set
 
 RESOURCES = ("host->device", "device->host", "disk->host", "host->disk", "gpu", "cpu")
 ROUTED = "routed"  # routed_expert_reads' chain: compute before the experts, then their reads (not a resource)
@@ -357,7 +357,8 @@ def working_tokens(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec
     chunks = s.prompt_tokens / k / max(s.prompt_rows_per_sequence, 1) if s.prior_kv_tokens > 0 else 0.0
     prompt_call = longest if s.prompt_tokens > 0 else 0.0  # keys of one prompt chunk's call
     # Every field that working_set adds up is an expression (a float would add to every coefficient).
-    return PassTokens(total=s.tokens, widest=const(s.tokens / k),
+    return PassTokens(total=const(s.tokens), widest=const(s.tokens / k),
+                      slice_rows=const(min(s.tokens / k, POST_ATTENTION_ROWS)),
                       context_slots=(2 if k > 1 else 1) * (decoders * decode + const(chunks * longest)),
                       attention_slots=decoders * decode + const(prompt_call),
                       attention_cells=decoders * decode + const(
@@ -368,7 +369,7 @@ def working_tokens(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec
 def working_bytes(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> np.ndarray:
     """The pass's gpu-tier working set (working_set.py) as an affine expression in the fractions."""
     working = working_set(model, working_tokens(s, run, policy, model), policy.compress_kv)
-    return f.act_gpu * working.parked + working.compute
+    return f.act_gpu * (s.tokens * working.hidden_bytes) + working.compute  # the parked share, as WorkingSet.nbytes
 
 
 def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> dict[str, np.ndarray]:

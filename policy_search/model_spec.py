@@ -203,9 +203,9 @@ class ModelSpec:
     @property
     def ffn_buffers(self) -> int:
         """FFN intermediates of ffn_activation_width a token holds at once: an MLP applies its
-        activation in place on the up projection's output (1); a gated MLP's fused gate + up output
-        is two widths (2)."""
-        return 1 if self.ffn_kind == "mlp" and not self.num_experts else 2
+        activation in place on the up projection's output (1); a gated MLP holds its fused gate + up
+        output (two widths) and the activated gate (one) when the down projection runs (3)."""
+        return 1 if self.ffn_kind == "mlp" and not self.num_experts else 3
 
     @property
     def matmul_flops_per_token(self) -> float:

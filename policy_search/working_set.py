@@ -6,8 +6,10 @@ a batch of requests can form, checked before any work) and the planner's memory 
 affine expressions in the placement fractions (policy_search/linear.py). What it charges is what
 offload/executor.py holds on the compute device at once (docs/DESIGN.md, "Working set"):
   * the parked hidden states kept on the gpu tier (act_gpu of the pass's rows);
-  * one micro-batch's layer intermediates (an MLP's activation in place: ModelSpec.ffn_buffers), and
-    the next micro-batch's input being loaded;
+  * one micro-batch's layer tensors (its input, fused q/k/v, rotated q and k, the attention output,
+    the output of the layer after attention, the rotary tables), one slice's intermediates of the
+    layer after attention (POST_ATTENTION_ROWS rows: residual, normed x, FFN buffers
+    ModelSpec.ffn_buffers wide, the MLP's output), and the next micro-batch's input being loaded;
   * the K/V context gathered onto the compute device for the micro-batch computing and the next
     one (the executor loads k+1 before computing k). Not gathered: decode context attended on the
     CPU (cpu_attention, KV off the gpu tier) and a prompt chunk whose keys are all its own new rows;
@@ -26,12 +28,17 @@ from policy_search.policy import TIERS, Policy
 LOGIT_BYTES = 4  # logits are kept in fp32
 SCORE_BYTES = 4  # attention scores and the K/V copies they are computed from are fp32
 QUERY_BLOCK = 256  # query rows per score buffer (flexsarathi/models/attention.py _QUERY_BLOCK)
+# Rows of a micro-batch the layer after attention computes at once (offload/executor.py
+# _post_attention): bounds the MLP's [rows, ffn] intermediates of a long prompt pass. Large enough
+# that the matmuls run at full speed on a GPU and a CPU (4096 x hidden x ffn).
+POST_ATTENTION_ROWS = 4096
 
 
 @dataclass(frozen=True)
 class PassTokens:
-    total: int  # tokens of the pass, all micro-batches
+    total: int  # tokens of the pass, all micro-batches (the planner: an expression, as every field)
     widest: int  # tokens of its largest micro-batch
+    slice_rows: int  # rows of one call of the layer after attention: min(widest, POST_ATTENTION_ROWS)
     context_slots: int  # K/V slots gathered onto the compute device at once (2 micro-batches)
     attention_slots: int  # keys of the largest decode call + the largest prompt call on the device
     attention_cells: int  # (query row, key) pairs of one score buffer of each of those two calls
@@ -57,10 +64,15 @@ class WorkingSet:
 def working_set(model: ModelSpec, tokens: PassTokens, compress_kv: bool) -> WorkingSet:
     """Bytes of the pass's working set, in the model's compute dtype (ModelSpec.bytes_per_value)."""
     h, item = model.hidden_size, model.bytes_per_value
-    # input, output, q, k, v, the two FFN activations of one micro-batch (a MoE layer's: every
-    # routed expert's rows, and the router's logits), the next one's input
-    ffn = model.ffn_buffers * model.ffn_activation_width + model.num_experts
-    layer = tokens.widest * (3 * h + model.q_dim + 2 * model.kv_dim + ffn) * item
+    rotary = not model.learned_positions
+    # Per token of the micro-batch: its input, the next one's, the layer's output; the fused q/k/v
+    # projection (v stays a view of it), q and k rotated, the attention output.
+    whole = 3 * h + 2 * model.q_dim + 2 * model.kv_dim + rotary * (model.q_dim + model.kv_dim)
+    # Per row of one slice after attention: the residual sum, the normed x and the MLP's output, the
+    # FFN buffers (a MoE layer's: every routed expert's rows, and the router's logits).
+    sliced = 3 * h + model.ffn_buffers * model.ffn_activation_width + model.num_experts
+    tables = rotary * 2 * model.head_dim  # cos and sin per token of the pass (models/layers.py rope_tables)
+    layer = (tokens.widest * whole + tokens.slice_rows * sliced + tokens.total * tables) * item
     # K and V gathered, and a second K for compressed pools (earlier blocks dequantized)
     context = (3 if compress_kv else 2) * tokens.context_slots * model.kv_dim * item
     attention = (tokens.attention_slots * 2 * model.kv_dim
@@ -115,7 +127,8 @@ def worst_passes(policy: Policy, running: int, prompt_lens: Sequence[int], max_l
         decoders = min(decodes, seqs)
         # a chunk's sequence is one of the running ones: each holds a decode's or a chunk's context
         per_seq = max(decode if decodes else 0, chunk_context)
-        return PassTokens(total=total, widest=widest, context_slots=held * per_seq,
+        return PassTokens(total=total, widest=widest, slice_rows=min(widest, POST_ATTENTION_ROWS),
+                          context_slots=held * per_seq,
                           attention_slots=decoders * min(decode, max_len) + prompt_keys,
                           attention_cells=decoders * min(decode, max_len) + min(longest_prompt, QUERY_BLOCK) * prompt_keys,
                           logit_rows=total if all_logits else running)

@@ -70,8 +70,8 @@ class GraphPasses:
         if key in self._refused:
             return False
         batch, keys = key
-        tokens = PassTokens(total=batch, widest=batch, context_slots=batch * keys, attention_slots=batch * keys,
-                            attention_cells=batch * keys, logit_rows=batch)
+        tokens = PassTokens(total=batch, widest=batch, slice_rows=batch, context_slots=batch * keys,
+                            attention_slots=batch * keys, attention_cells=batch * keys, logit_rows=batch)
         nbytes = self._working_bytes(tokens)
         try:
             self.memory.reserve("gpu", nbytes, GRAPH_POOL)

@@ -41,7 +41,8 @@ from policy_search.graphs import graphs_refused
 from policy_search.policy import TIERS, Policy
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT
-from policy_search.working_set import QUERY_BLOCK, PassTokens, gathered_tiers, working_set, worst_passes
+from policy_search.working_set import (POST_ATTENTION_ROWS, QUERY_BLOCK, PassTokens, gathered_tiers, working_set,
+                                       worst_passes)
 from quant import QuantConfig, cpu_int8_matmul
 from quant.config import WEIGHT_QUANT
 
@@ -630,8 +631,9 @@ class LLMEngine:
                     cells_max[g.is_decode] = max(cells_max[g.is_decode], keys * min(g.num_queries, QUERY_BLOCK))
             held.append(slots)
         ahead = self.executor.gathers_ahead(batches) and self.config.num_layers > 1
-        return PassTokens(total=sum(mb.num_tokens for mb in batches),
-                          widest=max(mb.num_tokens for mb in batches),
+        widest = max(mb.num_tokens for mb in batches)
+        return PassTokens(total=sum(mb.num_tokens for mb in batches), widest=widest,
+                          slice_rows=min(widest, POST_ATTENTION_ROWS),
                           context_slots=max(a + b for a, b in zip(held, held[1:] + [held[0] if ahead else 0])),
                           attention_slots=keys_max[True] + keys_max[False],
                           attention_cells=cells_max[True] + cells_max[False],

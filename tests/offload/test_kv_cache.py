@@ -2,16 +2,13 @@
 store order (one token at a time, chunks crossing block boundaries, interleaved sequences)."""
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from offload.kv_cache import KVCompression, KVPool
 from policy_search.model_spec import ModelSpec
 from policy_search.working_set import PassTokens, working_set
+from tests.live_bytes import LiveBytes
 
 HEADS, DIM, BS = 2, 8, 4
 
@@ -70,28 +67,6 @@ def test_pool_size_accounting_matches_allocation():
         assert pool.nbytes == KVPool.nbytes_for(2, 12 * BS, HEADS, DIM, torch.float32, comp, num_residual=3)
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The most bytes that tensors created inside the mode held at once (storages the caller
-    names, e.g. the pool's own, are not counted): checked after every op, outputs alive."""
-
-    def __init__(self, existing):
-        super().__init__()
-        self.existing, self.storages, self.peak = set(existing), {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.existing:
-                storage = t.untyped_storage()
-                refs, nbytes = self.storages.get(storage.data_ptr(), ([], 0))
-                if not any(r() is not None for r in refs):  # a new allocation at a freed address
-                    refs, nbytes = [], storage.nbytes()
-                self.storages[storage.data_ptr()] = (refs + [weakref.ref(t)], nbytes)
-        live = sum(n for refs, n in self.storages.values() if any(r() is not None for r in refs))
-        self.peak = max(self.peak, live)
-        return out
-
-
 def test_compressed_gather_holds_no_more_than_the_working_set_charges():
     """A compressed gather's transients (dequantized blocks, K, V, the codes) stay within the
     three K/V-sized tensors per gathered slot that working_set charges (opt-125m's K/V width, bf16,
@@ -107,10 +82,10 @@ def test_compressed_gather_holds_no_more_than_the_working_set_charges():
     complete_len = torch.tensor([3 * bs, 2 * bs, bs, 0])  # each sequence's open block elsewhere
     pool_storages = [t.untyped_storage().data_ptr() for t in
                      [*pool.k_codes.values(), *pool.v_codes.values(), pool.k_residual, slots]]
-    charged = working_set(spec, PassTokens(total=0, widest=0, context_slots=batch * length, attention_slots=0,
-                                           attention_cells=0, logit_rows=0), compress_kv=True).compute
+    charged = working_set(spec, PassTokens(total=0, widest=0, slice_rows=0, context_slots=batch * length,
+                                           attention_slots=0, attention_cells=0, logit_rows=0), compress_kv=True).compute
     assert charged == 3 * batch * length * spec.kv_dim * 2  # the charge: three K/V-sized tensors
-    live = _LiveBytes(pool_storages)
+    live = LiveBytes(pool_storages)
     with live:
         k, v = pool.gather(0, slots, torch.device("cpu"), torch.arange(batch), complete_len)
     assert k.shape == v.shape == (batch, length, spec.num_kv_heads, spec.head_dim)
