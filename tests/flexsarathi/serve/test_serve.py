@@ -5,11 +5,8 @@ never on a timer."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,139 +18,12 @@ from flexsarathi.cli.main import main
 from flexsarathi.serve.command import check_bind
 from flexsarathi.errors import FlexSarathiError
 from policy_search import Policy
-from tests.conftest import REPO
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-API_KEY = "test-key-45"
-MAX_FILE_MIB = 8
-TERMINAL = ("completed", "failed", "cancelled", "expired")
-
-# `python -c SERVE_WITH_HOOKS ARGS...` runs `flexsarathi ARGS...` (a server) with two hooks after each
-# record its batch runner writes, driven by marker files in --data-dir: `kill` (holding N) SIGKILLs
-# the server once it has written N records; while `hold` exists the runner waits (and says so with
-# `held`), as a long pass would, so a test can act while a batch is surely running.
-SERVE_WITH_HOOKS = """
-import os, signal, sys, time
-from flexsarathi.cli import result_file
-from flexsarathi.cli.main import main
-data = sys.argv[sys.argv.index("--data-dir") + 1]
-append, written = result_file.ResultFile.append, []
-
-def append_with_hooks(self, record):
-    append(self, record)
-    written.append(record)
-    kill = os.path.join(data, "kill")
-    if os.path.exists(kill) and len(written) >= int(open(kill).read()):
-        os.kill(os.getpid(), signal.SIGKILL)
-    hold, held = os.path.join(data, "hold"), os.path.join(data, "held")
-    if os.path.exists(hold):
-        open(held, "w").close()
-        while os.path.exists(hold):
-            time.sleep(0.01)
-        os.remove(held)
-
-result_file.ResultFile.append = append_with_hooks
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One `flexsarathi serve` process on loopback, its log in DATA/../server-N.log."""
-
-    def __init__(self, data_dir, *args: str):
-        self.data_dir, self.args, self.starts = data_dir, args, 0
-        self.proc = None
-
-    def start(self) -> "Server":
-        self.port, self.starts = free_port(), self.starts + 1
-        self.log = self.data_dir.parent / f"server-{self.starts}.log"
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        argv = [sys.executable, "-c", SERVE_WITH_HOOKS, "serve", *self.args, "--host", "127.0.0.1",
-                "--port", str(self.port), "--data-dir", str(self.data_dir), "--api-key", API_KEY]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        client = self.client()
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, f"the server exited: {self.output()}"
-            try:
-                client.models.list()
-                return self
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, self.output()
-                time.sleep(0.1)
-
-    def client(self, api_key: str = API_KEY):
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        assert "Traceback" not in self.output(), self.output()
-
-
-@pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve")
-    srv = Server(folder / "data", "--model", stories_dir, "--dtype", "float32",
-                 "--max-file-mib", str(MAX_FILE_MIB)).start()
-    yield srv
-    (srv.data_dir / "hold").unlink(missing_ok=True)  # a test that failed while holding the runner
-    srv.stop()
-
-
-@pytest.fixture
-def client(server):
-    return server.client()
-
-
-def completion(custom_id: str, prompt: str, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"model": "stories260K", "prompt": prompt, "max_tokens": 6, "temperature": 0, **body}}
-
-
-def write_lines(path, lines) -> str:
-    path.write_text("".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines))
-    return str(path)
-
-
-def wait_until_ended(client, batch_id: str, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in TERMINAL:
-            return batch
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.05)
-
-
-def wait_for_file(path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
-
-
-def submit(client, src: str, endpoint: str = "/v1/completions"):
-    with open(src, "rb") as f:
-        uploaded = client.files.create(file=f, purpose="batch")
-    return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
-
-
-def downloaded(client, file_id: str | None) -> list[dict]:
-    return [] if file_id is None else [json.loads(ln) for ln in client.files.content(file_id).text.splitlines()]
+from tests.flexsarathi.serve.serve_process import (API_KEY, Server, completion, downloaded, submit,  # noqa: E402
+                                                   wait_for_file, wait_until_ended, write_lines)
 
 
 def by_request(records: list[dict]) -> dict:
