@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,10 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "logit_bias", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
                    "prompt_logprobs", "structured_outputs")
 COMPLETIONS_URL, CHAT_URL = "/v1/completions", "/v1/chat/completions"
+# Line ends: \n, \r\n or \r only. str.splitlines() also splits at U+2028, U+2029 and U+0085, which
+# JSON allows raw inside a string (json.dumps(..., ensure_ascii=False) writes them): one request
+# would become two broken lines and every later line number would be off.
+_LINE_END = re.compile(r"\r\n|\r|\n")
 # OpenAI body fields we cannot honour: refused when set to anything but their neutral value.
 _UNSUPPORTED_OPENAI = {"best_of": 1, "echo": False, "suffix": None, "stream": False, "tools": None}
 
@@ -60,7 +65,7 @@ def detect_format(lines: list[str]) -> str:
     for ln in lines:  # the first record that parses tells JSONL from OpenAI Batch
         try:
             obj = json.loads(ln)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(obj, dict):
             return "openai" if "custom_id" in obj or "body" in obj else "jsonl"
@@ -69,7 +74,7 @@ def detect_format(lines: list[str]) -> str:
 
 def read_requests(path: str, fmt: str = "auto") -> tuple[str, list[BatchRequest]]:
     """(format, one request per non-blank line). Raises FlexSarathiError when the file cannot be read."""
-    lines = read_text_file(path, "--input").splitlines()
+    lines = _LINE_END.split(read_text_file(path, "--input"))
     fmt = detect_format(lines) if fmt == "auto" else fmt
     parse = {"text": _text_request, "jsonl": _jsonl_request, "openai": _openai_request}[fmt]
     return fmt, [parse(number, ln) for number, ln in enumerate(lines, 1) if ln.strip()]
@@ -96,6 +101,8 @@ def _json_object(line: int, text: str) -> tuple[dict | None, str | None]:
         obj = json.loads(text)
     except ValueError as exc:
         return None, f"line {line} is not valid JSON: {exc}"
+    except RecursionError:  # json's decoder recurses once per level: [[[[...]]]] thousands deep
+        return None, f"line {line} nests its JSON deeper than the reader allows (about 1,000 levels)"
     if not isinstance(obj, dict):
         return None, f"line {line} is a JSON {type(obj).__name__}, not an object"
     return obj, None

@@ -1,6 +1,6 @@
 """The FastAPI application: the routes of routes.py behind a bearer-token check, request bodies
-size-limited by FastAPI's own limit (413), every error in OpenAI's shape, and the batch runner
-started and stopped with the application."""
+size-limited (413), every error in OpenAI's shape, and the batch runner started and stopped with
+the application."""
 from __future__ import annotations
 
 import hmac
@@ -13,10 +13,11 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from flexsarathi.serve.batch_job import ServeEngine
-from flexsarathi.serve.routes import ROUTES, ApiError, upload_file
+from flexsarathi.serve.routes import ROUTES, ApiError
 from flexsarathi.serve.runner import BatchRunner
 from flexsarathi.serve.store import Store
 
@@ -27,19 +28,59 @@ MULTIPART_SLACK = 64 << 10
 
 
 def create_app(store: Store, engine: ServeEngine, api_key: str | None, max_file_bytes: int) -> FastAPI:
-    app = FastAPI(title="FlexSarathi batch server", lifespan=_lifespan, max_body_size=MAX_JSON_BYTES)
+    app = FastAPI(title="FlexSarathi batch server", lifespan=_lifespan)
     app.state.store, app.state.engine, app.state.api_key = store, engine, api_key
     app.state.runner = BatchRunner(store, engine)
     app.state.max_file_bytes, app.state.started = max_file_bytes, int(time.time())
     router = APIRouter(dependencies=[Depends(require_api_key)])
     for method, path, endpoint in ROUTES:
-        limit = max_file_bytes + MULTIPART_SLACK if endpoint is upload_file else None
-        router.add_api_route(path, endpoint, methods=[method], max_body_size=limit)
+        router.add_api_route(path, endpoint, methods=[method])
     app.include_router(router)
+    app.add_middleware(BodyLimit, max_file_bytes=max_file_bytes)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)
     return app
+
+
+class BodyLimit:
+    """Request bodies over their limit (an upload's: the file plus its multipart framing; any
+    other: MAX_JSON_BYTES) get one 413 in OpenAI's shape: at once when Content-Length declares
+    one, nothing read, else as the bytes read pass it. (FastAPI's own max_body_size answers a
+    declared one in plain text, which the openai client cannot read.)"""
+
+    def __init__(self, app, max_file_bytes: int):
+        self.app, self.max_file_bytes = app, max_file_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        upload = _is_upload(scope["method"], scope["path"])
+        limit = self.max_file_bytes + MULTIPART_SLACK if upload else MAX_JSON_BYTES
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdecimal() and int(declared) > limit:
+            return await _too_large(upload, self.max_file_bytes)(scope, receive, send)
+        received = 0
+
+        async def receive_counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:  # a chunked body, or one longer than it declared
+                raise HTTPException(413)  # answered by _http_error
+            return message
+
+        await self.app(scope, receive_counted, send)
+
+
+def _is_upload(method: str, path: str) -> bool:
+    return method == "POST" and path.rstrip("/") == "/v1/files"
+
+
+def _too_large(upload: bool, max_file_bytes: int) -> JSONResponse:
+    limit = f"{max_file_bytes} bytes (--max-file-mib)" if upload else f"{MAX_JSON_BYTES} bytes"
+    return _error_body(413, f"the request body is over this server's limit of {limit}", code="request_too_large")
 
 
 @asynccontextmanager
@@ -74,17 +115,27 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Framework errors: unknown paths (404), wrong methods (405), bodies over the limit (413)."""
-    message = str(exc.detail)
     if exc.status_code == 413:
-        limit = request.app.state.max_file_bytes if request.url.path == "/v1/files" else MAX_JSON_BYTES
-        message = f"the request body is over this server's limit of {limit} bytes"
-    return _error_body(exc.status_code, message, code="request_too_large" if exc.status_code == 413 else None)
+        return _too_large(_is_upload(request.method, request.url.path), request.app.state.max_file_bytes)
+    return _error_body(exc.status_code, str(exc.detail))
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0]
+    if first["type"] == "json_invalid":  # its loc is ("body", character offset): no field to name
+        return _error_body(400, f"the request body is not valid JSON: {first['ctx']['error']} "
+                                f"(at character {first['loc'][-1]})")
     where = ".".join(str(part) for part in first["loc"] if part not in ("body", "query", "path"))
-    return _error_body(400, f"{where}: {first['msg']}" if where else first["msg"], where or None)
+    if not where:  # the body itself: none at all, or JSON that is not an object
+        return _error_body(400, "the request body must be a JSON object sent as application/json: "
+                                f"{first['msg']}")
+    return _error_body(400, f"{where}: {first['msg']}", where)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: one 500 in OpenAI's shape; its traceback goes to the server's log, never to the client."""
+    return _error_body(500, f"internal server error ({type(exc).__name__}): a bug; the server's log has "
+                            "its traceback", code="internal_error")
 
 
 class Server(uvicorn.Server):

@@ -6,12 +6,14 @@ least time taken from the engine's thread while clients poll); those that read o
 (upload, create, cancel, delete) are plain functions, run in FastAPI's thread pool."""
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Literal
+from urllib.parse import quote
 
 from fastapi import File, Form, Query, Request, UploadFile
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import Response, StreamingResponse
 
 from flexsarathi.serve.batch_job import InputFileError, validate_input
 from flexsarathi.serve.schemas import (FINAL_STATUSES, Batch, BatchCreate, BatchErrors, BatchList, FileDeleted,
@@ -20,6 +22,7 @@ from flexsarathi.serve.store import FileTooLarge
 
 
 SMALL_FILE_BYTES = 1 << 20  # downloads up to this size are answered from one read
+DOWNLOAD_CHUNK = 1 << 20
 
 
 class ApiError(Exception):
@@ -55,13 +58,32 @@ async def retrieve_file(request: Request, file_id: str) -> FileObject:
 
 async def file_content(request: Request, file_id: str) -> Response:
     found = _file(request, file_id)
-    path = request.app.state.store.file_path(found.id)
-    if found.bytes > SMALL_FILE_BYTES:  # streamed from disk in chunks, off the event loop
-        return FileResponse(path, media_type="application/jsonl", filename=found.filename)
-    with open(path, "rb") as f:  # one read from the page cache: cheaper than FileResponse's thread hops
-        data = f.read()
-    return Response(data, media_type="application/jsonl",
-                    headers={"content-disposition": f'attachment; filename="{found.filename}"'})
+    try:  # opened before anything is sent: a delete from now on unlinks a file this download still reads
+        data_file = open(request.app.state.store.file_path(found.id), "rb")
+    except FileNotFoundError:  # deleted since the lookup
+        raise ApiError(404, f"No such File object: {file_id}", "id") from None
+    headers = {"content-disposition": _attachment(found.filename)}
+    if found.bytes <= SMALL_FILE_BYTES:  # one read from the page cache: no thread hops
+        with data_file:
+            return Response(data_file.read(), media_type="application/jsonl", headers=headers)
+    headers["content-length"] = str(os.fstat(data_file.fileno()).st_size)
+    return StreamingResponse(_chunks(data_file), media_type="application/jsonl", headers=headers)
+
+
+def _chunks(data_file):
+    """A file's bytes in chunks (a plain generator: Starlette reads it off the event loop)."""
+    with data_file:
+        while chunk := data_file.read(DOWNLOAD_CHUNK):
+            yield chunk
+
+
+def _attachment(filename: str) -> str:
+    """Content-Disposition for a client's file name, as Starlette's FileResponse writes it: RFC
+    5987's percent-encoded form unless quoting leaves the name as it is. Written raw, a character
+    beyond Latin-1 fails the response (a 500), a quote ends the name early, and CR or LF (or any
+    control character) makes uvicorn drop the connection."""
+    encoded = quote(filename)
+    return f'attachment; filename="{filename}"' if encoded == filename else f"attachment; filename*=utf-8''{encoded}"
 
 
 def delete_file(request: Request, file_id: str) -> FileDeleted:
@@ -88,10 +110,7 @@ def create_batch(request: Request, body: BatchCreate) -> Batch:
     """Validated here (the input file read whole): a file that cannot make a batch gives a failed
     batch with its `errors`; a good one is queued in_progress and its requests run in turn."""
     state = request.app.state
-    source = state.store.get_file(body.input_file_id)
-    if source is None or source.purpose != "batch":
-        what = "No such File object" if source is None else f"File with purpose {source.purpose!r}, not 'batch':"
-        raise ApiError(400, f"{what} {body.input_file_id}", "input_file_id")
+    source = _input_file(state.store, body.input_file_id)
     batch = Batch(id="batch_" + uuid.uuid4().hex[:24], endpoint=body.endpoint, model=state.engine.model_name,
                   input_file_id=body.input_file_id, completion_window=body.completion_window,
                   status="validating", created_at=int(time.time()), metadata=body.metadata)
@@ -103,9 +122,19 @@ def create_batch(request: Request, body: BatchCreate) -> Batch:
     except InputFileError as exc:
         batch = batch.model_copy(update={"status": "failed", "failed_at": int(time.time()),
                                          "errors": BatchErrors(data=exc.errors)})
-    batch = state.store.add_batch(batch)
+    with state.store.lock:  # a delete checks for batches under this lock: it now refuses, or it came first
+        _input_file(state.store, body.input_file_id)  # not deleted while it was read
+        batch = state.store.add_batch(batch)
     state.runner.wake()
     return batch
+
+
+def _input_file(store, file_id: str) -> FileObject:
+    source = store.get_file(file_id)
+    if source is None or source.purpose != "batch":
+        what = "No such File object" if source is None else f"File with purpose {source.purpose!r}, not 'batch':"
+        raise ApiError(400, f"{what} {file_id}", "input_file_id")
+    return source
 
 
 async def retrieve_batch(request: Request, batch_id: str) -> Batch:
