@@ -20,9 +20,10 @@ of the FlexGen repository), dummy weights (`--path _DUMMY_` there, `dummy:<model
   keeps 108 GB of KV cache on the host beside 48 GB of weights: more than a 128 GiB machine has.
 Ours runs the same policy (block schedule, as FlexGen; and decode-maximal on the same engine), and
 the policy our planner searches for the t4 preset (`policy="auto"`). Our engine holds itself to a
-T4's memory: with FlexGen's policies the whole of it (15 GiB: the 15360 MiB CUDA reports on a T4,
-where FlexGen ran them; its 6.7B all-GPU policy needs 13 GB, over the planner's 80% rule); with the
-searched policy the t4 preset as a user gets it (the planner's 80% of 16 GiB). CPU: the preset's
+T4's memory, the whole of it for FlexGen's policies and the searched one alike (15 GiB: the 15360 MiB
+CUDA reports on a T4, where FlexGen ran them; its 6.7B all-GPU policy needs 13 GB, over the
+planner's default 80% rule), so the search is compared with FlexGen's policies at the same budget.
+The a100-80g case keeps that preset as a user gets it. CPU: the preset's
 208 GiB or 85% of this machine's RAM, the smaller. FlexGen has no caps: it uses what its policy asks
 for. The report names the GPU that ran.
 
@@ -168,11 +169,11 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
     base = HardwareSpec.load(profile) if profile != "-" else caps
     hardware = base.with_memory(gpu=caps.gpu_memory, cpu=min(cpu_mem_gib * GiB, caps.cpu_memory))
     workload = Workload(prompt_len=prompt_len, gen_len=gen_len, num_requests=requests or None)
+    if preset == "t4":  # the whole T4, for FlexGen's policies and the search alike (see the docstring)
+        hardware = hardware.replace(memory_usable_fraction=1.0).with_memory(gpu=T4_CUDA_GIB * GiB)
     if policy == "auto-4bit":
         policy = LLM.search_policy(f"dummy:{model}", hardware, workload, "float16", device=device,
                                    compress_weight=True)
-    elif policy != "auto":  # FlexGen's own policy: the whole T4 (see the docstring)
-        hardware = hardware.replace(memory_usable_fraction=1.0).with_memory(gpu=T4_CUDA_GIB * GiB)
     # dummy_weight_codes: 4-bit weights drawn as codes (quantizing 7B-70B random draws on the CPU takes
     # minutes); no effect on uncompressed weights
     with LLM(f"dummy:{model}", dtype="float16", device=device, policy=policy, hardware=hardware,
@@ -240,8 +241,8 @@ def main() -> int:
     cpu_mem = min(208.0, 0.85 * (_host_memory() / GiB))
     print(f"GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / GiB:.0f} GiB), "
           f"torch {torch.__version__}; {cpu_line()}; RAM {(_host_memory() / GiB):.0f} GiB")
-    print(f"ours: T4 caps (GPU {T4_CUDA_GIB:.0f} GiB whole for FlexGen's policies, the t4 preset's 80% of 16 GiB for the "
-          f"searched one; CPU {cpu_mem:.0f} GiB), fp16; prompt {args.prompt_len}, output {args.gen_len}\n")
+    print(f"ours: T4 caps (GPU {T4_CUDA_GIB:.0f} GiB whole, for FlexGen's policies and the searched one alike; "
+          f"CPU {cpu_mem:.0f} GiB), fp16; prompt {args.prompt_len}, output {args.gen_len}\n")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_flexgen_gpu_"))
     lengths = (args.prompt_len, args.gen_len)
     results = []
