@@ -409,7 +409,7 @@ class KVPool:
         attentions merge exactly. context: gather_part's k, v [B, L, kv_heads, d], or None when the
         part's keys are all this pass's new rows (part.new_rows); new_k, new_v: the group's new
         rows [B * n, kv_heads, d]. New rows read as they will read back from the pool."""
-        k, v = self._with_new_rows(part, context, new_k, new_v)  # [B, L, kv_heads, d]
+        k, v = self._with_new_rows(group, part, context, new_k, new_v)  # [B, L, kv_heads, d]
         if self.compression is None or group.is_decode:
             # A decode's keys already read as its query sees them (earlier blocks dequantized from
             # the pool, its own block from the full-precision residual and the new row): one
@@ -421,10 +421,14 @@ class KVPool:
         bs = self.block_size
         return [(self._keys_as_stored(group, part, k), v, (bs, "before")), (k, v, (bs, "same"))]
 
-    def _with_new_rows(self, part: KVPart, context, new_k: torch.Tensor, new_v: torch.Tensor):
-        if context is None:  # [1, L, kv_heads, d]: the chunk's own rows, in order
+    def _with_new_rows(self, group: AttentionGroup, part: KVPart, context, new_k: torch.Tensor, new_v: torch.Tensor):
+        if context is None:  # [B, L, kv_heads, d]: each sequence's own rows, in order (views)
             lo, hi = part.new_rows
-            return new_k[lo:hi].unsqueeze(0), self.round_trip_v(new_v[lo:hi]).unsqueeze(0)
+            k = new_k.unflatten(0, (group.num_seqs, -1))[:, lo:hi]
+            v = new_v.unflatten(0, (group.num_seqs, -1))[:, lo:hi]
+            if self.compression is None:
+                return k, v
+            return k, self.round_trip_v(v.flatten(0, 1)).unflatten(0, v.shape[:2])
         k, v = context  # fresh tensors from gather: patched in place
         if part.patch_src.numel():
             dev, src = k.device, part.patch_src  # src: rows of new_k (the compute device)

@@ -43,7 +43,7 @@ class KVPart:
     patch_pos: torch.Tensor  # [P] index into the part's L
     residual_ids: torch.Tensor  # [B] each sequence's residual row (compressed pools)
     complete_len: torch.Tensor  # [B] leading keys of this part in blocks completed before the pass
-    # (lo, hi): when the part's whole context is the group's own new rows lo..hi-1 (a prompt chunk
+    # (lo, hi): when the part's whole context is each sequence's own new rows lo..hi-1 (prompt chunks
     # whose keys in this tier all arrive in this pass), in order; the executor then attends them
     # directly instead of gathering slots from the pool and patching every one of them.
     new_rows: tuple[int, int] | None = None
@@ -52,8 +52,8 @@ class KVPart:
 
 @dataclass
 class AttentionGroup:
-    """Sequences attended together; each brings `num_queries` rows (decodes: 1, grouped; a prompt
-    chunk: its length, alone in its group)."""
+    """Sequences attended together; each brings `num_queries` rows (decodes: 1, grouped; whole
+    prompts of one length and one tier layout: grouped; a later prompt chunk: alone)."""
 
     token_rows: torch.Tensor  # [B * n] rows of the micro-batch, sequence-major
     num_queries: int  # n

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -294,6 +295,14 @@ class LLMEngine:
         self.closed = False
         self.stats = {"graph_passes": 0}  # decode passes replayed from a CUDA graph
         self._closed_because = "LLM.close() was called"
+
+    def _prompts_grouped_upto(self) -> int:
+        """Whole prompts of up to this many tokens are grouped for build_micro_batch: where one causal
+        call attends such a group (PassExecutor.one_causal_call: a plain pool, a flash kernel, within
+        the sliding window); 0: none."""
+        if self.kv_compression is not None or not self.executor.causal_calls:
+            return 0
+        return self.model.config.sliding_window or sys.maxsize
 
     def _graph_passes(self) -> GraphPasses | None:
         """CUDA graphs for decode passes (EngineConfig.cuda_graphs; None: on CUDA) where the policy
@@ -590,7 +599,8 @@ class LLMEngine:
         if replayed is not None:
             self.stats["graph_passes"] += 1
             return replayed
-        built = [build_micro_batch(items, self.blocks) for items in plan.micro_batches]
+        grouped_upto = self._prompts_grouped_upto()
+        built = [build_micro_batch(items, self.blocks, grouped_upto) for items in plan.micro_batches]
         batches = [mb for mb, _ in built]
         with self.memory.reservation("gpu", self._pass_working_bytes(batches), "pass activations"):
             logits = self.executor.run(batches)
@@ -622,8 +632,8 @@ class LLMEngine:
                 for p in g.parts:
                     # a decode attended on the CPU where it lives is not charged; one attended in place
                     # (KVPool.attends_in_pool) is: the planner's working set prices the gather
-                    if p.new_rows is None and p.tier not in on_device:
-                        continue  # attended on the CPU, where it lives
+                    if (p.new_rows is None and p.tier not in on_device) or self.executor.one_causal_call(g, p):
+                        continue  # attended on the CPU, where it lives; or one call holding its output only
                     if p.new_rows is None:
                         slots += p.kv_slots.numel()
                     keys = g.num_seqs * (p.new_rows[1] - p.new_rows[0] if p.new_rows else p.kv_slots.shape[1])

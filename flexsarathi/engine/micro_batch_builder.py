@@ -53,8 +53,13 @@ class _SeqView:
                 self.runs.append(_TierRun(tier, first, where.numel(), self.local[where]))
 
 
-def build_micro_batch(items: list[WorkItem], blocks: BlockManager) -> tuple[MicroBatch, list[LogitSpan]]:
+def build_micro_batch(items: list[WorkItem], blocks: BlockManager,
+                      group_prompts_upto: int = 0) -> tuple[MicroBatch, list[LogitSpan]]:
+    """The micro-batch of `items`, its attention groups: decodes grouped, whole prompts of up to
+    group_prompts_upto tokens grouped (where the executor attends such a group in one causal call:
+    LLMEngine._prompts_grouped_upto), later prompt chunks alone."""
     token_ids, positions, logit_rows, spans, groups = [], [], [], [], []
+    prompts: dict[tuple, list] = {}  # whole prompts by length and tier layout (_prompt_group_key)
     writes: dict[str, tuple[list, list, list]] = {t: ([], [], []) for t in TIERS}
     decodes: dict[tuple, list[tuple[WorkItem, int, _SeqView]]] = {}
     row = 0
@@ -78,9 +83,12 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager) -> tuple[Micr
                 writes[tier][2].append(torch.full((int(mask.sum()),), seq.residual_id, dtype=torch.long))
         if n == 1:
             decodes.setdefault(_decode_group_key(item, view), []).append((item, row, view))
+        elif item.start == 0 and n <= group_prompts_upto:
+            prompts.setdefault(_prompt_group_key(item, view), []).append((item, row, view))
         else:
             groups.append(_group([(item, row, view)], n, blocks.block_size))
         row += n
+    groups += [_group(members, members[0][0].num_tokens, blocks.block_size) for members in prompts.values()]
     groups += [_group(members, 1, blocks.block_size) for members in decodes.values()]
     kv_writes = [_write(t, torch.cat(r), torch.cat(s), torch.cat(ids)) for t, (r, s, ids) in writes.items() if r]
     batch = MicroBatch(token_ids=torch.tensor(token_ids), positions=torch.tensor(positions),
@@ -101,6 +109,13 @@ def _decode_group_key(item: WorkItem, view: _SeqView) -> tuple:
     length rounded up to a power of two, so a long context does not pad every short one to its
     length (padded keys are gathered and scored like real ones; a group pads at most 2x)."""
     return tuple(r.tier for r in view.runs), (item.end - 1).bit_length()
+
+
+def _prompt_group_key(item: WorkItem, view: _SeqView) -> tuple:
+    """Whole prompts (or first chunks) of one length whose positions lie in the same tiers alike
+    attend as one batch: each sees only its own new rows, so one causal call serves them all
+    (offload/executor.py one_causal_call) where a prompt each took a dozen launches."""
+    return item.num_tokens, tuple((r.tier, r.start, r.visible) for r in view.runs)
 
 
 def _group(members: list[tuple[WorkItem, int, _SeqView]], n: int, block_size: int) -> AttentionGroup:
@@ -132,8 +147,9 @@ def _group(members: list[tuple[WorkItem, int, _SeqView]], n: int, block_size: in
                 seq_index.append(b)
                 pos_index.append(p - run.start)
         new_rows = None
-        if batch == 1 and runs[0].start >= members[0][0].start:  # every key of this part is new
-            lo = runs[0].start - members[0][0].start
+        starts = {run.start - item.start for (item, _, _), run in zip(members, runs) if run is not None}
+        if None not in runs and len(starts) == 1 and min(starts) >= 0 and len({r.visible for r in runs}) == 1:
+            lo = starts.pop()  # every key of this part is new, in each sequence's rows lo..
             new_rows = (lo, lo + runs[0].visible)
         parts.append(KVPart(tier, kv_slots, kv_start, kv_len, torch.tensor(src, dtype=torch.long),
                             torch.tensor(seq_index, dtype=torch.long), torch.tensor(pos_index, dtype=torch.long),

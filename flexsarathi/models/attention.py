@@ -163,6 +163,17 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     return out.reshape(batch, 1, heads, dim)
 
 
+def attend_own_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Prompts whose keys are exactly their own query rows (whole prompts, or first chunks), where no
+    log-sum-exp is wanted: query i of each sequence sees keys 0..i of it, one fused causal call
+    (scaled_dot_product_attention: flash kernels, fp32 accumulation inside; no mask, no score buffer,
+    no fp32 copies of K and V; grouped-query heads read in place). q: [B, n, heads, d]; k, v:
+    [B, n, kv_heads, d]. Returns out [B, n, heads, d] in q's dtype."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         scale=scale, enable_gqa=q.shape[2] != k.shape[2])  # [B, heads, n, d]
+    return out.transpose(1, 2)
+
+
 def _attend_flash(q, k, v, visible: torch.Tensor, scale: float, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Query rows in tiles of `tile_rows`, each trimmed to its rows that see some key and to the
     keys those rows see: the kernel computes every masked score, so a long chunk's causal mask and

@@ -98,6 +98,9 @@ class ModelMath(ABC):
     def attend_decode(self, q, k, v, bias):
         return attention.attend_decode(q, k, v, bias, self.scale)
 
+    def attend_own_rows(self, q, k, v):
+        return attention.attend_own_rows(q, k, v, self.scale)
+
     @staticmethod
     def merge_attention(parts):
         return attention.merge_partial_attention(parts)

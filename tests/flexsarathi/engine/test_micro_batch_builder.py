@@ -119,6 +119,28 @@ def test_a_table_crossing_tiers_gives_one_part_per_tier():
     assert writes == {"cpu": [0, 1, 2, 3, 4, 5], "disk": [6]}
 
 
+@pytest.mark.parametrize("upto", [0, 5, 64])
+def test_whole_prompts_of_one_length_and_tier_layout_are_one_group(upto):
+    """Whole prompts of up to `upto` tokens group by length and tier layout (where the executor
+    attends such a group in one causal call); a later chunk stays alone, its keys not all new."""
+    blocks = BlockManager(BS, {"gpu": 4, "cpu": 7}, num_residual=5)
+    a, b = (admitted(blocks, make_seq(i, 6), 8) for i in (0, 1))  # gpu
+    c = admitted(blocks, make_seq(2, 6), 8)  # cpu: another layout
+    d = admitted(blocks, make_seq(3, 5), 8)  # cpu: another length
+    e = admitted(blocks, make_seq(4, 9), 12)  # cpu
+    items = [WorkItem(a, 0, 6), WorkItem(b, 0, 6), WorkItem(c, 0, 6), WorkItem(d, 0, 5), WorkItem(e, 4, 9)]
+    mb, _ = build_micro_batch(items, blocks, group_prompts_upto=upto)
+    got = sorted((g.token_rows.tolist()[::g.num_queries], g.num_queries, [(p.tier, p.new_rows) for p in g.parts])
+                 for g in mb.groups)
+    apart = [([0], 6, [("gpu", (0, 6))]), ([6], 6, [("gpu", (0, 6))])]
+    together = [([0, 6], 6, [("gpu", (0, 6))])]
+    assert got == sorted((together if upto >= 6 else apart) + [([12], 6, [("cpu", (0, 6))]), ([18], 5, [("cpu", (0, 5))]),
+                                                                 ([23], 5, [("cpu", None)])])
+    if upto >= 6:
+        (pair,) = [g for g in mb.groups if g.num_seqs == 2]
+        assert pair.row_start == 0 and pair.q_pos.tolist() == [list(range(6))] * 2
+
+
 # ---- KVPool.parts_to_attend over passes the builder made ---------------------------------------
 COMPRESSION = KVCompression(bits=4, block_size=BS, value_group=DIM)
 
@@ -138,19 +160,24 @@ def stored_v(v: torch.Tensor) -> torch.Tensor:
 class Passes:
     """Two sequences over gpu/cpu/disk pools, run as a chunked prefill, a mixed pass and a decode
     pass; every pass's parts come from KVPool.parts_to_attend as the executor calls it."""
+    tiers = {"gpu": 1, "cpu": 2, "disk": 6}
+    group_prompts_upto = 0  # build_micro_batch's
 
     def __init__(self, compression, folder):
-        self.blocks = BlockManager(BS, {"gpu": 1, "cpu": 2, "disk": 6}, num_residual=2)
-        self.a = admitted(self.blocks, make_seq(0, 6, outputs=2), 8)  # gpu [0, 4), cpu [4, 8)
-        self.b = admitted(self.blocks, make_seq(1, 13, outputs=1), 16)  # cpu [0, 4), disk [4, 16)
+        self.blocks = BlockManager(BS, self.tiers, num_residual=2)
+        self.a, self.b = self.sequences()
         self.pools = {t: KVPool(t, 1, n * BS, KV_HEADS, DIM, torch.float32, "cpu", block_size=BS,
                                 compression=compression, num_residual=2, folder=folder if t == "disk" else None)
-                      for t, n in (("gpu", 1), ("cpu", 2), ("disk", 6))}
+                      for t, n in self.tiers.items()}
         gen = torch.Generator().manual_seed(0)
         scales = torch.linspace(0.1, 5, DIM)  # outlier channels, as real K has
         self.k = {s.seq_id: torch.randn(16, KV_HEADS, DIM, generator=gen) * scales for s in (self.a, self.b)}
         self.v = {s.seq_id: torch.randn(16, KV_HEADS, DIM, generator=gen) for s in (self.a, self.b)}
         self.gen = gen
+
+    def sequences(self) -> tuple[Sequence, Sequence]:
+        return (admitted(self.blocks, make_seq(0, 6, outputs=2), 8),  # gpu [0, 4), cpu [4, 8)
+                admitted(self.blocks, make_seq(1, 13, outputs=1), 16))  # cpu [0, 4), disk [4, 16)
 
     def schedule(self) -> list[list[WorkItem]]:
         a, b = self.a, self.b
@@ -159,7 +186,7 @@ class Passes:
 
     def run(self, items: list[WorkItem]):
         """Yields (group, members, q_group, [(part, triples)]) of one pass, then stores its K/V."""
-        mb, _ = build_micro_batch(items, self.blocks)
+        mb, _ = build_micro_batch(items, self.blocks, self.group_prompts_upto)
         rows = row_positions(items)
         new_k = torch.stack([self.k[s.seq_id][p] for s, p in rows])  # [T, kvh, d]
         new_v = torch.stack([self.v[s.seq_id][p] for s, p in rows])
@@ -181,6 +208,25 @@ class Passes:
             self.pools[w.tier].store(0, w.slots, new_k[w.rows], new_v[w.rows], w.residual_ids)
 
 
+class GroupedPasses(Passes):
+    """Two whole prompts of one length and one tier, attended as one group (the executor's
+    causal-call grouping), then two decode passes."""
+    tiers = {"gpu": 6, "cpu": 1, "disk": 1}
+    group_prompts_upto = 64
+
+    def sequences(self) -> tuple[Sequence, Sequence]:
+        return (admitted(self.blocks, make_seq(0, 7, outputs=2), 9),  # gpu [0, 9)
+                admitted(self.blocks, make_seq(1, 7, outputs=2), 9))  # gpu [0, 9)
+
+    def schedule(self) -> list[list[WorkItem]]:
+        a, b = self.a, self.b
+        return [[WorkItem(a, 0, 7), WorkItem(b, 0, 7)], [WorkItem(a, 7, 8), WorkItem(b, 7, 8)],
+                [WorkItem(a, 8, 9), WorkItem(b, 8, 9)]]
+
+
+SCENARIOS = [Passes, GroupedPasses]
+
+
 def visible_keys(group, part, b: int, rule: str | None) -> list[int]:
     """Indices j into the part's keys that some query of sequence b sees under the key rule."""
     start, length = int(part.kv_start[b]), int(part.kv_len[b])
@@ -194,8 +240,9 @@ def visible_keys(group, part, b: int, rule: str | None) -> list[int]:
     return sorted(seen)
 
 
-def test_plain_pool_parts_are_the_stored_k_v_bitwise(tmp_path):
-    passes = Passes(None, str(tmp_path))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_plain_pool_parts_are_the_stored_k_v_bitwise(tmp_path, scenario):
+    passes = scenario(None, str(tmp_path))
     for items in passes.schedule():
         for group, members, _, parts in passes.run(items):
             for part, triples in parts:
@@ -207,8 +254,9 @@ def test_plain_pool_parts_are_the_stored_k_v_bitwise(tmp_path):
                     assert torch.equal(values[b, :length], passes.v[seq.seq_id][start:start + length])
 
 
-def test_compressed_pool_parts_are_quants_dequantize_of_what_was_stored(tmp_path):
-    passes = Passes(COMPRESSION, str(tmp_path))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_compressed_pool_parts_are_quants_dequantize_of_what_was_stored(tmp_path, scenario):
+    passes = scenario(COMPRESSION, str(tmp_path))
     checked = {"stored before the pass": 0, "completed in the pass": 0, "own block": 0}
     decodes = {"one part": 0}
     for items in passes.schedule():
@@ -253,9 +301,10 @@ def reference_attention(q: torch.Tensor, q_pos: list[int], k: torch.Tensor, v: t
     return out
 
 
+@pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("compression", [None, COMPRESSION], ids=["plain", "compressed"])
-def test_attending_the_parts_and_merging_equals_the_whole_reference_context(tmp_path, compression):
-    passes = Passes(compression, str(tmp_path))
+def test_attending_the_parts_and_merging_equals_the_whole_reference_context(tmp_path, compression, scenario):
+    passes = scenario(compression, str(tmp_path))
     for items in passes.schedule():
         for group, members, q_group, parts in passes.run(items):
             outs = [attend(q_group, keys, values, group.q_pos, part.kv_len, SCALE, None, part.kv_start, rule)

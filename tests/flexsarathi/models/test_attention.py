@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexsarathi.models.attention import attend, merge_partial_attention
+from flexsarathi.models.attention import attend, attend_own_rows, merge_partial_attention
 
 
 def naive(q, k, v, q_pos, kv_len, scale, offset=0, key_blocks=None):
@@ -55,6 +55,21 @@ def test_attend_matches_a_naive_softmax(kernel, batch, n, heads, kv_heads, lengt
         assert torch.isinf(want_lse).any()  # the case really has blind rows
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,n,heads,kv_heads", [(3, 7, 4, 4), (2, 40, 4, 2), (1, 300, 2, 1)])
+def test_whole_prompts_in_one_causal_call_match_a_naive_softmax(dtype, batch, n, heads, kv_heads):
+    """attend_own_rows: each sequence's keys are its own query rows (whole prompts)."""
+    g = torch.Generator().manual_seed(batch * 100 + n)
+    dim = 8
+    q, k, v = (torch.randn(batch, n, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    q_pos, kv_len = torch.arange(n).expand(batch, n), torch.full((batch,), n)
+    out = attend_own_rows(q, k, v, dim ** -0.5)
+    want, _ = naive(q, k, v, q_pos, kv_len, dim ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kernel", ["matmul", "flash"])
