@@ -68,7 +68,10 @@ class PassExecutor:
         # last micro-batch computes (gathers_ahead): (layer, id(micro-batch)) -> contexts, and its future
         self._gathered: dict[tuple[int, int], list] = {}
         self._ahead: "Future | None" = None
-        self.causal_calls = _causal_calls_read_in_place(self.device, dtype, model.config)
+        # where one fused call attends grouped whole prompts: plain pools (a causal call), compressed
+        # ones (a masked call per block); _causal_calls_read_in_place
+        self.causal_calls = _causal_calls_read_in_place(self.device, dtype, model.config, masked=False)
+        self.masked_causal_calls = _causal_calls_read_in_place(self.device, dtype, model.config, masked=True)
 
     def _io_worth_a_thread(self, mb: MicroBatch) -> bool:
         """Whether the micro-batch's loads and stores leave the compute device's memory system.
@@ -184,13 +187,15 @@ class PassExecutor:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def one_causal_call(self, group: AttentionGroup, part) -> bool:
-        """The group's prompts attend only their own new rows, in one plain part: one fused causal
-        call (the model's attend_own_rows) serves them all, with no mask, no log-sum-exp and no score
-        buffer (the engine's working set charges it nothing beyond its output). A compressed pool's
-        prompts see earlier blocks as stored: masks and merges (parts_to_attend)."""
+        """The group's prompts attend only their own new rows, in one part: one fused causal call
+        (the model's attend_own_rows) serves them all, with no mask, no log-sum-exp and no score
+        buffer (the engine's working set charges it nothing beyond its output); over a compressed
+        pool, whose prompts see earlier blocks as stored, one masked call per block
+        (attend_own_rows_by_block; charged as three K/V-sized tensors per key, as a gather)."""
         window = self.model.config.sliding_window
-        return (self.causal_calls and not group.is_decode and len(group.parts) == 1
-                and part.new_rows == (0, group.num_queries) and self.kv_pools[part.tier].compression is None
+        plain = self.kv_pools[part.tier].compression is None
+        return ((self.causal_calls if plain else self.masked_causal_calls) and not group.is_decode
+                and len(group.parts) == 1 and part.new_rows == (0, group.num_queries)
                 and (window is None or group.num_queries <= window))
 
     def attention_device(self, tier: str, group: AttentionGroup) -> torch.device:
@@ -316,8 +321,11 @@ class PassExecutor:
             q = next(iter(q_on.values()))  # the compute device's: where this part's context was gathered
             return [(self.model.attend_decode(q, context[0], context[1], self._biases[id(part)]), None)]
         if self.one_causal_call(group, part):
-            keys, values, _ = pool.parts_to_attend(group, part, None, k[rows], v[rows])[0]  # views of k, v
-            return [(self.model.attend_own_rows(self._q_on(q_on, self.device), keys, values), None)]
+            triples, q = pool.parts_to_attend(group, part, None, k[rows], v[rows]), self._q_on(q_on, self.device)
+            if len(triples) == 1:  # a plain pool: views of k, v
+                return [(self.model.attend_own_rows(q, triples[0][0], triples[0][1]), None)]
+            (before, values, _), (same, _, _) = triples  # keys as stored, and exact (parts_to_attend)
+            return [(self.model.attend_own_rows_by_block(q, before, same, values, pool.block_size), None)]
         triples = ([(*context, None)] if written and context is not None
                    else pool.parts_to_attend(group, part, context, k[rows], v[rows]))
         alone = len(triples) == 1 and len(group.parts) == 1
@@ -394,15 +402,18 @@ class _Done:
 _EVERY_ROW = slice(None)  # a micro-batch's one group that is every row (_one_group_of_every_row)
 
 
-def _causal_calls_read_in_place(device: torch.device, dtype: torch.dtype, config) -> bool:
-    """Where scaled_dot_product_attention's causal call runs a flash kernel (K and V read in place,
-    no score buffer): the CPU's in any dtype; CUDA's in half precision, with grouped-query heads
-    only from sm80 (elsewhere it would fall back to the math route, which builds the scores)."""
+def _causal_calls_read_in_place(device: torch.device, dtype: torch.dtype, config, masked: bool) -> bool:
+    """Where scaled_dot_product_attention's causal (or masked) call runs a fused kernel (K and V read
+    in place, no score buffer): the CPU's flash kernel in any dtype; CUDA's in half precision, with
+    grouped-query heads only in the flash kernel (sm80 on), which takes no mask; elsewhere it would
+    fall back to the math route, which builds the scores."""
     if device.type == "cpu":
         return True
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
-    return config.num_heads == config.num_kv_heads or torch.cuda.get_device_capability(device) >= (8, 0)
+    if config.num_heads == config.num_kv_heads:
+        return True
+    return not masked and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _one_group_of_every_row(mb: MicroBatch) -> bool:

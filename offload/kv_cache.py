@@ -445,13 +445,17 @@ class KVPool:
         """Keys as queries of later blocks see them: blocks completed inside this pass are
         round-tripped through the block quantization they are stored with (earlier blocks already
         come dequantized from the pool). Prompt rows only: decodes attend one part."""
-        bs, k_prior = self.block_size, k
+        bs = self.block_size
         lengths = host_of(part)  # host tensors: int() of a device tensor would be a sync per sequence
-        for b in range(group.num_seqs):
-            lo = int(lengths.complete_len[b])
-            hi = int(lengths.kv_len[b]) // bs * bs
-            if hi > lo:
-                if k_prior is k:
-                    k_prior = k.clone()
-                k_prior[b, lo:hi] = self.round_trip_k_blocks(k[b, lo:hi])
+        spans: dict[tuple[int, int], list[int]] = {}  # (lo, hi) -> the sequences with those blocks to round-trip
+        for b, (lo, length) in enumerate(zip(lengths.complete_len.tolist(), lengths.kv_len.tolist())):
+            if length // bs * bs > lo:
+                spans.setdefault((lo, length // bs * bs), []).append(b)
+        if not spans:
+            return k
+        k_prior = k.clone()
+        for (lo, hi), members in spans.items():  # one round trip per span (grouped prompts: one in all)
+            seqs = slice(None) if len(members) == group.num_seqs else torch.tensor(members, device=k.device)
+            stored = self.round_trip_k_blocks(k[seqs, lo:hi].flatten(0, 1))  # whole blocks of each sequence
+            k_prior[seqs, lo:hi] = stored.unflatten(0, (-1, hi - lo))
         return k_prior

@@ -103,7 +103,8 @@ def worst_passes(policy: Policy, running: int, prompt_lens: Sequence[int], max_l
     prefill up to max_len - 1 tokens.
 
     * block (FlexGen's lockstep): a pass of whole prompts (their keys are all new: nothing is
-      gathered), and a pass of one decode token per running sequence; never the two together.
+      gathered; a compressed pool's, grouped, are held as gathered keys, LLMEngine._pass_tokens),
+      and a pass of one decode token per running sequence; never the two together.
     * decode-maximal: every running sequence decoding beside a prompt chunk of the whole budget
       (any prompt may be cut where a pass's budget runs out: a later chunk gathers its prefix).
     Micro-batches are balanced by tokens (the scheduler's _split, largest items first, each to the
@@ -117,25 +118,27 @@ def worst_passes(policy: Policy, running: int, prompt_lens: Sequence[int], max_l
     ahead = policy.kv_gpu < 1.0 or policy.act_gpu < 1.0
 
     def pass_tokens(decodes: int, prompt_tokens: int, longest_prompt: int, chunk_context: int,
-                    prompt_keys: int, prompt_items: int) -> PassTokens:
+                    prompt_keys: int, prompt_items: int, grouped_keys: int = 0) -> PassTokens:
         total = decodes + prompt_tokens
         # one decode token per item: balanced to the token; a prompt item may overhang its share
         widest = total if k == 1 else min(total, math.ceil(total / k) + (longest_prompt if prompt_tokens else 0))
         seqs = total if k == 1 else _sequences_per_micro_batch(decodes, prompt_tokens, prompt_items, k)
         # the executor holds two micro-batches: k and k + 1, or the last and the next layer's first
         held = min(decodes, 2 * seqs) if k > 1 else (2 if ahead else 1) * decodes
+        grouped = min(grouped_keys, 2 * widest) if k > 1 else (2 if ahead else 1) * grouped_keys
         decoders = min(decodes, seqs)
         # a chunk's sequence is one of the running ones: each holds a decode's or a chunk's context
         per_seq = max(decode if decodes else 0, chunk_context)
         return PassTokens(total=total, widest=widest, slice_rows=min(widest, POST_ATTENTION_ROWS),
-                          context_slots=held * per_seq,
+                          context_slots=held * per_seq + grouped,
                           attention_slots=decoders * min(decode, max_len) + prompt_keys,
                           attention_cells=decoders * min(decode, max_len) + min(longest_prompt, QUERY_BLOCK) * prompt_keys,
                           logit_rows=total if all_logits else running)
 
     if policy.scheduler == "block":
         longest = max(lengths)
-        return [pass_tokens(0, running * longest, longest, 0, longest, running),
+        grouped = running * longest if policy.compress_kv else 0  # held as gathered keys (see above)
+        return [pass_tokens(0, running * longest, longest, 0, longest, running, grouped),
                 pass_tokens(running, 0, 0, 0, 0, 0)]
     longest = min(policy.prefill_budget, max(lengths))
     prompt_tokens = min(policy.prefill_budget, sum(lengths))

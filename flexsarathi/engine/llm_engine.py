@@ -298,9 +298,9 @@ class LLMEngine:
 
     def _prompts_grouped_upto(self) -> int:
         """Whole prompts of up to this many tokens are grouped for build_micro_batch: where one causal
-        call attends such a group (PassExecutor.one_causal_call: a plain pool, a flash kernel, within
-        the sliding window); 0: none."""
-        if self.kv_compression is not None or not self.executor.causal_calls:
+        call attends such a group (PassExecutor.one_causal_call: a fused kernel, within the sliding
+        window); 0: none."""
+        if not (self.executor.causal_calls if self.kv_compression is None else self.executor.masked_causal_calls):
             return 0
         return self.model.config.sliding_window or sys.maxsize
 
@@ -632,8 +632,11 @@ class LLMEngine:
                 for p in g.parts:
                     # a decode attended on the CPU where it lives is not charged; one attended in place
                     # (KVPool.attends_in_pool) is: the planner's working set prices the gather
-                    if (p.new_rows is None and p.tier not in on_device) or self.executor.one_causal_call(g, p):
-                        continue  # attended on the CPU, where it lives; or one call holding its output only
+                    if self.executor.one_causal_call(g, p):  # its output only; a compressed pool's keys
+                        slots += 0 if self.kv_compression is None else g.num_seqs * g.num_queries  # as gathered
+                        continue
+                    if p.new_rows is None and p.tier not in on_device:
+                        continue  # attended on the CPU, where it lives
                     if p.new_rows is None:
                         slots += p.kv_slots.numel()
                     keys = g.num_seqs * (p.new_rows[1] - p.new_rows[0] if p.new_rows else p.kv_slots.shape[1])

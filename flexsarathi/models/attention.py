@@ -174,6 +174,24 @@ def attend_own_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out.transpose(1, 2)
 
 
+def attend_own_rows_by_block(q: torch.Tensor, k_before: torch.Tensor, k_same: torch.Tensor, v: torch.Tensor,
+                             block_size: int, scale: float) -> torch.Tensor:
+    """attend_own_rows over a compressed cache's keys: query block c sees the earlier blocks' keys as
+    they are stored (k_before) and its own block's exact (k_same), causally, V as stored: what the
+    "before" and "same" key rules give merged, in one fused call per block (the keys side by side,
+    a lower-right causal mask of [block rows, keys]), no log-sum-exp. Shapes as attend_own_rows'."""
+    n = q.shape[1]
+    out = torch.empty_like(q)
+    for start in range(0, n, block_size):
+        stop = min(start + block_size, n)
+        keys = torch.cat((k_before[:, :start], k_same[:, start:stop]), dim=1) if start else k_same[:, :stop]
+        mask = torch.arange(stop, device=q.device) <= torch.arange(start, stop, device=q.device)[:, None]
+        out[:, start:stop] = F.scaled_dot_product_attention(
+            q[:, start:stop].transpose(1, 2), keys.transpose(1, 2), v[:, :stop].transpose(1, 2), attn_mask=mask,
+            scale=scale, enable_gqa=q.shape[2] != k_same.shape[2]).transpose(1, 2)
+    return out
+
+
 def _attend_flash(q, k, v, visible: torch.Tensor, scale: float, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Query rows in tiles of `tile_rows`, each trimmed to its rows that see some key and to the
     keys those rows see: the kernel computes every masked score, so a long chunk's causal mask and

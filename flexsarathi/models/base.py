@@ -101,6 +101,9 @@ class ModelMath(ABC):
     def attend_own_rows(self, q, k, v):
         return attention.attend_own_rows(q, k, v, self.scale)
 
+    def attend_own_rows_by_block(self, q, k_before, k_same, v, block_size):
+        return attention.attend_own_rows_by_block(q, k_before, k_same, v, block_size, self.scale)
+
     @staticmethod
     def merge_attention(parts):
         return attention.merge_partial_attention(parts)

@@ -61,7 +61,7 @@ def test_opt_decode_layer_step_is_the_lean_sequence(tiny_checkpoint):
                         "linear", "add", "layer_norm", "linear", "relu_", "linear", "add"]
 
 
-def prompt_launches(folder: str, prompts: int) -> list[int]:
+def prompt_launches(folder: str, prompts: int, compress_kv: bool = False) -> list[int]:
     """Launches of each prompt layer-step of a block prefill of `prompts` 8-token prompts."""
     counts, run_layer = [], PassExecutor._run_layer
 
@@ -73,7 +73,7 @@ def prompt_launches(folder: str, prompts: int) -> list[int]:
         counts.append(counter.launches)
         return result
 
-    policy = Policy(gpu_batch_size=prompts, overlap=False, scheduler="block")
+    policy = Policy(gpu_batch_size=prompts, overlap=False, scheduler="block", compress_kv=compress_kv)
     with LLM(folder, dtype="float16", device="cpu", policy=policy) as llm:
         PassExecutor._run_layer = counted
         try:
@@ -84,11 +84,13 @@ def prompt_launches(folder: str, prompts: int) -> list[int]:
     return counts
 
 
+@pytest.mark.parametrize("compress_kv", [False, True])
 @pytest.mark.parametrize("kind", sorted(MOST))
-def test_a_prompt_layer_step_launches_as_many_kernels_for_16_prompts_as_for_2(tiny_checkpoint, kind):
-    """Whole prompts of one length attend in one causal call (PassExecutor.one_causal_call): a
-    prompt layer-step's launches do not grow with its prompts (they grew by a dozen per prompt:
-    1459 for 72 prompts of a small OPT, 36 ms of host time per layer on a GPU)."""
+def test_a_prompt_layer_step_launches_as_many_kernels_for_16_prompts_as_for_2(tiny_checkpoint, kind, compress_kv):
+    """Whole prompts of one length attend in one causal call, or one masked call per block of a
+    compressed cache (PassExecutor.one_causal_call): a prompt layer-step's launches do not grow with
+    its prompts (72 prompts of a small OPT: 1459 launches per layer-step, 36 ms of host time on a
+    GPU; 10602 over a 4-bit cache)."""
     folder, _ = tiny_checkpoint(kind)
-    two, sixteen = prompt_launches(folder, 2), prompt_launches(folder, 16)
+    two, sixteen = prompt_launches(folder, 2, compress_kv), prompt_launches(folder, 16, compress_kv)
     assert two and sixteen == two

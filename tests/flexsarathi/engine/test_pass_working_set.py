@@ -26,13 +26,15 @@ def _slice_rows(monkeypatch, rows: int) -> None:
     monkeypatch.setattr(engine_module, "POST_ATTENTION_ROWS", rows)
 
 
-def _measured_passes(folder: str, tmp_path, monkeypatch, scheduler: str):
+def _measured_passes(folder: str, tmp_path, monkeypatch, scheduler: str, compress_kv: bool = False,
+                     prompt_len: int = PROMPT_LEN):
     """Per pass: (live bytes at its peak, the engine's charge for it), and the generated tokens."""
-    policy = Policy(gpu_batch_size=PROMPTS, scheduler=scheduler, prefill_budget=PROMPTS * PROMPT_LEN)
+    policy = Policy(gpu_batch_size=PROMPTS, scheduler=scheduler, prefill_budget=PROMPTS * prompt_len,
+                    compress_kv=compress_kv)
     engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path), dtype="float32"))
     charges, charge = [], engine._pass_working_bytes
     monkeypatch.setattr(engine, "_pass_working_bytes", lambda batches: charges.append(charge(batches)) or charges[-1])
-    seqs = [engine.make_sequence([1 + (7 * i + j) % 100 for j in range(PROMPT_LEN)],
+    seqs = [engine.make_sequence([1 + (7 * i + j) % 100 for j in range(prompt_len)],
                                  SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for i in range(PROMPTS)]
     passes = []
     try:
@@ -59,6 +61,17 @@ def test_a_pass_holds_at_most_its_charge(tiny_checkpoint, tmp_path, monkeypatch,
     # what the charge leaves unused in the prompt pass: the next micro-batch's input and the parked
     # copy of this one's (one micro-batch here), the sliced call's output where there is one slice
     assert prefill_peak > 0.6 * prefill_charge, passes
+
+
+@pytest.mark.parametrize("kind", ["opt_blocks64", "llama_blocks64"])
+def test_a_pass_over_a_compressed_cache_holds_at_most_its_charge(tiny_checkpoint, tmp_path, monkeypatch, kind):
+    """16 whole prompts of 100 tokens (two 4-bit KV blocks) in one group, attended block by block
+    (attend_own_rows_by_block): the keys as stored, V as stored and one call's keys are charged as a
+    gather's three K/V-sized tensors per key (without that charge OPT's prompt pass held 1.04x)."""
+    folder, _ = tiny_checkpoint(kind)
+    _slice_rows(monkeypatch, 64)  # the MLP's slices small: the attention's tensors make the peak
+    passes, _ = _measured_passes(folder, tmp_path, monkeypatch, "block", compress_kv=True, prompt_len=100)
+    assert all(peak <= charged for peak, charged in passes), passes
 
 
 def test_slices_after_attention_give_one_calls_tokens(tiny_checkpoint, tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexsarathi.models.attention import attend, attend_own_rows, merge_partial_attention
+from flexsarathi.models.attention import attend, attend_own_rows, attend_own_rows_by_block, merge_partial_attention
 
 
 def naive(q, k, v, q_pos, kv_len, scale, offset=0, key_blocks=None):
@@ -70,6 +70,23 @@ def test_whole_prompts_in_one_causal_call_match_a_naive_softmax(dtype, batch, n,
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("batch,n,heads,kv_heads,block", [(3, 20, 4, 4, 8), (2, 16, 4, 2, 8), (1, 5, 2, 1, 8),
+                                                          (2, 70, 4, 2, 32)])
+def test_whole_prompts_by_block_equal_the_two_key_rules_merged(batch, n, heads, kv_heads, block):
+    """attend_own_rows_by_block: earlier blocks' keys as stored (here: other keys), the own block's
+    exact, V shared: what attending "before" over k_before and "same" over k_same and merging gives."""
+    g = torch.Generator().manual_seed(batch * 10 + n)
+    dim = 8
+    q = torch.randn(batch, n, heads, dim, generator=g)
+    k_same, k_before, v = (torch.randn(batch, n, kv_heads, dim, generator=g) for _ in range(3))
+    q_pos, kv_len = torch.arange(n).expand(batch, n), torch.full((batch,), n)
+    parts = [attend(q, keys, v, q_pos, kv_len, dim ** -0.5, key_blocks=(block, rule), kernel="matmul")
+             for keys, rule in ((k_before, "before"), (k_same, "same"))]
+    want = merge_partial_attention(parts)
+    got = attend_own_rows_by_block(q, k_before, k_same, v, block, dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", ["matmul", "flash"])
