@@ -14,6 +14,7 @@ a plain PyTorch OPT decode layer (fused qkv, one KV write, SDPA: the floor) in t
     python scripts/count_launches.py                         # tiny OPT, fp16, batch 2, on the CPU
     python scripts/count_launches.py --device cuda           # the same on a GPU (also its profiler's count)
     python scripts/count_launches.py --graphs                # with CUDA graphs where the pass allows them
+    python scripts/count_launches.py --batch 72              # also: a block prefill of 72 prompts, per layer-step
 """
 from __future__ import annotations
 
@@ -123,13 +124,12 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
         return all(g.is_decode for mb in batches for g in mb.groups)
 
     def counted_layer(self, layer, batches, start):
-        if not is_decode(batches):
-            return run_layer(self, layer, batches, start)
         layer_counter.reset()
         with layer_counter:
             result = run_layer(self, layer, batches, start)
-        counts["layer"] += layer_counter.launches
-        counts["layer_steps"] += 1
+        kind = "" if is_decode(batches) else "prompt_"  # the block prefill of every prompt, or a decode
+        counts[kind + "layer"] = counts.get(kind + "layer", 0) + layer_counter.launches
+        counts[kind + "layer_steps"] = counts.get(kind + "layer_steps", 0) + 1
         return result
 
     def counted_pass(self, micro_batches):
@@ -183,6 +183,7 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
         graph_steps = llm.engine.stats.get("graph_passes", 0)
     steps = max(counts["layer_steps"], 1)
     return {"launches": counts["layer"] / steps, "host_us": 1e6 * statistics.median(layer_times) if layer_times else 0.0,
+            "prompt_launches": counts.get("prompt_layer", 0) / max(counts.get("prompt_layer_steps", 0), 1),
             "outside_launches": counts["pass"] / max(counts["passes"], 1),
             "outside_us": 1e6 * counts["pass_s"] / max(counts["timed_passes"], 1),
             "eager_layer_steps": counts["layer_steps"], "graph_passes": graph_steps, "generate_s": total / args.rounds,
@@ -244,6 +245,7 @@ def main() -> int:
     print(f"{'plain PyTorch, per layer':28}{plain_launches:>10.1f}{plain_us:>10.1f}")
     print(f"{'ours / plain':28}{ours['launches'] / plain_launches:>10.2f}{ours['host_us'] / plain_us:>10.2f}")
     print(f"outside the layers, per decode pass: {ours['outside_launches']:.1f} launches, {ours['outside_us']:.1f} us")
+    print(f"per prompt layer-step (block prefill of {args.batch} prompts): {ours['prompt_launches']:.1f} launches")
     if args.graphs:
         print(f"decode passes replayed from a CUDA graph: {ours['graph_passes']}; "
               f"eager decode layer-steps: {ours['eager_layer_steps']}")
