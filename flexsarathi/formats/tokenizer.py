@@ -46,6 +46,10 @@ class Tokenizer:
                    _chat_template(folder, tok_cfg), specials)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in JSON): tokenizers' TypeError otherwise
+            raise FlexSarathiError(f"the text is not valid Unicode ({exc.reason} at character {exc.start})") from None
         if not add_special_tokens:
             return self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos is None:

@@ -90,12 +90,13 @@ def test_jsonl_bad_lines_become_error_records(stories_dir, stories_llm, tmp_path
             {"id": "s", "prompt": "Lily wanted to", "stop": [" a"], "max_tokens": 12}]
     bad = [{"id": "chat", "messages": [{"role": "user", "content": "hi"}]},  # no chat template
            "{not json", {"id": "none"}, {"id": "long", "prompt_token_ids": [5] * 600},
-           {"id": "temp", "prompt": "x", "temperature": -1}, {"id": "typo", "prompt": "x", "max_token": 3}]
+           {"id": "temp", "prompt": "x", "temperature": -1}, {"id": "typo", "prompt": "x", "max_token": 3},
+           {"id": "sur", "prompt": "bad \ud800"}]  # a lone surrogate, as JSON can carry one
     src = write_lines(tmp_path / "in.jsonl", good + bad)
     cli("generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"), *GREEDY,
         check_rc=1)
     got = {r.get("id", r.get("line")): r for r in records(tmp_path / "o.jsonl")}
-    assert len(got) == 9
+    assert len(got) == 10
     ref_a, = greedy(stories_llm, ["Once upon a time"])
     ref_7, = greedy(stories_llm, [[1, 403, 407]], max_tokens=3)
     assert got["a"]["token_ids"] == ref_a.token_ids and got["a"]["text"] == ref_a.text
@@ -105,7 +106,8 @@ def test_jsonl_bad_lines_become_error_records(stories_dir, stories_llm, tmp_path
     assert got["s"]["finish_reason"] == "stop"
     messages = {"chat": "no chat template", 5: "line 5 is not valid JSON", "none": "needs exactly one of",
                 "long": "600 tokens, more than the model's context of 512",
-                "temp": "temperature must be a finite number", "typo": "unknown field(s) ['max_token']"}
+                "temp": "temperature must be a finite number", "typo": "unknown field(s) ['max_token']",
+                "sur": "line 10: the text is not valid Unicode (surrogates not allowed at character 4)"}
     for key, text in messages.items():
         assert text in got[key]["error"]["message"], got[key]
     assert got[5] == {"line": 5, "error": got[5]["error"]}
