@@ -28,3 +28,9 @@ def flexgen_weight_split(model: ModelSpec, w_gpu_percent: float, w_cpu_percent: 
             start += size
     whole = sum(placed.values())
     return placed["gpu"] / whole, placed["cpu"] / whole, placed["disk"] / whole
+
+
+def flexgen_weight_fields(model_name: str, w_gpu_percent: float, w_cpu_percent: float) -> dict[str, float]:
+    """Policy's w_gpu, w_cpu, w_disk for FlexGen's `--percent w_gpu w_cpu ...` on a registered OPT model."""
+    split = flexgen_weight_split(ModelSpec.from_name(model_name), w_gpu_percent, w_cpu_percent)
+    return dict(zip(("w_gpu", "w_cpu", "w_disk"), split))

@@ -50,8 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from flexsarathi.machine.profiler import _host_memory  # noqa: E402
 from policy_search import Policy  # noqa: E402
-from policy_search import ModelSpec  # noqa: E402
-from policy_search.flexgen_placement import flexgen_weight_split  # noqa: E402
+from policy_search.flexgen_placement import flexgen_weight_fields  # noqa: E402
 from policy_search.units import GiB  # noqa: E402
 
 T4_CUDA_GIB = 15.0  # a 16 GB T4 as CUDA reports it: 15360 MiB
@@ -73,13 +72,12 @@ class Case:
 def flexgen_case(name: str, model: str, percent: tuple[int, ...], gbs: int, ngb: int = 1, cpu_attention=False,
                  overlap=True, compress=False, **options) -> Case:
     """A FlexGen policy given once: its `flex_opt` flags and the same policy in our fields (weights:
-    the bytes FlexGen's rule places, flexgen_weight_split)."""
+    the bytes FlexGen's rule places, flexgen_weight_fields)."""
     args = ("--percent", *map(str, percent), "--gpu-batch-size", str(gbs), "--num-gpu-batches", str(ngb),
             "--overlap", str(overlap))
     args += ("--cpu-cache-compute",) * cpu_attention + ("--compress-weight", "--compress-cache") * compress
     _, _, kv_gpu, kv_cpu, act_gpu, act_cpu = (p / 100 for p in percent)
-    w_gpu, w_cpu, w_disk = flexgen_weight_split(ModelSpec.from_name(model), percent[0], percent[1])
-    policy = Policy(gpu_batch_size=gbs, num_gpu_batches=ngb, w_gpu=w_gpu, w_cpu=w_cpu, w_disk=w_disk,
+    policy = Policy(gpu_batch_size=gbs, num_gpu_batches=ngb, **flexgen_weight_fields(model, percent[0], percent[1]),
                     kv_gpu=kv_gpu, kv_cpu=kv_cpu, kv_disk=1 - kv_gpu - kv_cpu, act_gpu=act_gpu, act_cpu=act_cpu,
                     act_disk=1 - act_gpu - act_cpu, cpu_attention=cpu_attention, overlap=overlap,
                     compress_weight=compress, compress_kv=compress, scheduler="block")

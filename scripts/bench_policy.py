@@ -17,22 +17,16 @@ import time
 import harness  # puts the repository root on sys.path
 from flexsarathi.machine.cpu_info import cpu_line  # noqa: E402
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload, estimate, search_detailed  # noqa: E402
-from policy_search.flexgen_placement import flexgen_weight_split  # noqa: E402
+from policy_search.flexgen_placement import flexgen_weight_fields  # noqa: E402
 
-
-
-def _flexgen_weights(model: str, w_gpu_percent: float, w_cpu_percent: float) -> dict:
-    """FlexGen's --percent for weights as the bytes it places (policy_search/flexgen_placement.py)."""
-    return dict(zip(("w_gpu", "w_cpu", "w_disk"),
-                    flexgen_weight_split(ModelSpec.from_name(model), w_gpu_percent, w_cpu_percent)))
 
 
 # FlexGen (ICML'23) Table 2 / benchmark/flexgen/bench_suite.py: T4 16 GB, 208 GB RAM, 1.5 TB SSD.
 FLEXGEN = [
-    ("opt-30b", 7.32, Policy(gpu_batch_size=48, num_gpu_batches=3, **_flexgen_weights("opt-30b", 20, 80),
+    ("opt-30b", 7.32, Policy(gpu_batch_size=48, num_gpu_batches=3, **flexgen_weight_fields("opt-30b", 20, 80),
                              kv_gpu=0.0, kv_cpu=1.0, kv_disk=0.0, act_gpu=0.0, act_cpu=1.0, act_disk=0.0,
                              cpu_attention=True, scheduler="block")),
-    ("opt-175b", 0.69, Policy(gpu_batch_size=32, num_gpu_batches=8, **_flexgen_weights("opt-175b", 0, 50),
+    ("opt-175b", 0.69, Policy(gpu_batch_size=32, num_gpu_batches=8, **flexgen_weight_fields("opt-175b", 0, 50),
                               kv_gpu=0.0, kv_cpu=0.0, kv_disk=1.0, act_gpu=0.0, act_cpu=1.0, act_disk=0.0,
                               cpu_attention=True, scheduler="block", pin_weight=False)),
     # compressed runs (4-bit); the t4 dequantization rate was fitted to these three

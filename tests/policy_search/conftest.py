@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policy_search import HardwareSpec, ModelSpec, Policy, Workload
-from policy_search.flexgen_placement import flexgen_weight_split
+from policy_search.flexgen_placement import flexgen_weight_fields
 from policy_search.units import GB, GiB, TFLOPS
 
 ALL_GPU = dict(w_gpu=1.0, w_cpu=0.0, w_disk=0.0, kv_gpu=1.0, kv_cpu=0.0, kv_disk=0.0,
@@ -13,19 +13,13 @@ ALL_GPU = dict(w_gpu=1.0, w_cpu=0.0, w_disk=0.0, kv_gpu=1.0, kv_cpu=0.0, kv_disk
 
 
 
-def flexgen_weights(model: str, w_gpu_percent: float, w_cpu_percent: float) -> dict:
-    """FlexGen's --percent for weights as the bytes it places (policy_search/flexgen_placement.py)."""
-    split = flexgen_weight_split(ModelSpec.from_name(model), w_gpu_percent, w_cpu_percent)
-    return dict(zip(("w_gpu", "w_cpu", "w_disk"), split))
-
-
 # FlexGen (ICML'23) Table 2 and benchmark/flexgen/bench_suite.py, prompt 512 / output 32, on a T4:
 # (model, published tokens/s, the policy FlexGen ran: --percent 20 80 0 100 0 100 and 0 50 0 0 0 100).
 FLEXGEN_PUBLISHED = {
-    "opt-30b": (7.32, Policy(gpu_batch_size=48, num_gpu_batches=3, **flexgen_weights("opt-30b", 20, 80),
+    "opt-30b": (7.32, Policy(gpu_batch_size=48, num_gpu_batches=3, **flexgen_weight_fields("opt-30b", 20, 80),
                              kv_gpu=0.0, kv_cpu=1.0, kv_disk=0.0, act_gpu=0.0, act_cpu=1.0, act_disk=0.0,
                              cpu_attention=True, scheduler="block")),
-    "opt-175b": (0.69, Policy(gpu_batch_size=32, num_gpu_batches=8, **flexgen_weights("opt-175b", 0, 50),
+    "opt-175b": (0.69, Policy(gpu_batch_size=32, num_gpu_batches=8, **flexgen_weight_fields("opt-175b", 0, 50),
                               kv_gpu=0.0, kv_cpu=0.0, kv_disk=1.0, act_gpu=0.0, act_cpu=1.0, act_disk=0.0,
                               cpu_attention=True, scheduler="block", pin_weight=False)),
 }
