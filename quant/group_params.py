@@ -37,22 +37,35 @@ def scale_and_minimum(groups: torch.Tensor, config: QuantConfig) -> tuple[torch.
     return scale, minimum
 
 
+_INFINITIES: dict[tuple, torch.Tensor] = {}  # (device, dtype, sign) -> a 0-dim +-inf nextafter broadcasts
+
+
+def _infinity(like: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """+-inf as a 0-dim tensor on like's device and dtype, made once: a [groups]-sized full_like per
+    rounding was one kernel launch more per call (a compressed KV store runs several per layer)."""
+    key = (like.device, like.dtype, sign)
+    if key not in _INFINITIES:
+        with torch.inference_mode(False):  # usable in and out of inference mode
+            _INFINITIES[key] = torch.tensor(sign * float("inf"), dtype=like.dtype, device=like.device)
+    return _INFINITIES[key]
+
+
 def _next_up(x: torch.Tensor) -> torch.Tensor:
-    return torch.nextafter(x, torch.full_like(x, float("inf")))
+    return torch.nextafter(x, _infinity(x))
 
 
 def _round_up_to_fp16(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> the smallest fp16 >= x."""
     nearest = x.half()
     below = nearest.float() < x
-    return torch.where(below, torch.nextafter(nearest, torch.full_like(nearest, float("inf"))), nearest)
+    return torch.where(below, torch.nextafter(nearest, _infinity(nearest)), nearest)
 
 
 def _round_down_to_fp16(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> the largest fp16 <= x."""
     nearest = x.half()
     above = nearest.float() > x
-    return torch.where(above, torch.nextafter(nearest, torch.full_like(nearest, float("-inf"))), nearest)
+    return torch.where(above, torch.nextafter(nearest, _infinity(nearest, -1.0)), nearest)
 
 
 class UnrepresentableGroups(ValueError):
