@@ -25,6 +25,7 @@ The model is injected (offload/ never imports flexsarathi/): any object with `em
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -37,6 +38,7 @@ from offload.streams import (IOStream, bind_thread, device_guard, indexed, recor
                              used_on, wait_for)
 from offload.weights import LayerWeightStore
 from policy_search.working_set import POST_ATTENTION_ROWS
+from quant import QTensor
 from quant.cpu_int8_matmul import cpu_matmul_mode
 
 CPU = torch.device("cpu")
@@ -173,12 +175,14 @@ class PassExecutor:
                 # FlexGen's order: the next layer's first KV load overlaps this layer's last compute
                 # (with one micro-batch, too: else its load and compute would add up)
                 self._ahead = self._submit(self._gather_ahead, start, layer + 1, batches[0])
-            hidden, new_k, new_v = self._compute(layer, w, mb, hidden, contexts)
+            hidden, new_k, new_v, v_codes = self._compute(layer, w, mb, hidden, contexts)
             if threaded[k]:
-                used_on([hidden, new_k, new_v], self._io_stream.stream)
-                storing.append(self._submit(self._store, record_event(self.device), layer, mb, k, hidden, new_k, new_v))
+                codes = () if v_codes is None else (v_codes.data, v_codes.scale, v_codes.minimum)
+                used_on([hidden, new_k, new_v, *codes], self._io_stream.stream)
+                storing.append(self._submit(self._store, record_event(self.device), layer, mb, k, hidden, new_k, new_v,
+                                            v_codes))
             else:
-                self._store(layer, mb, k, hidden, new_k, new_v)
+                self._store(layer, mb, k, hidden, new_k, new_v, v_codes)
         for future in storing:
             wait_for(future.result()[1], self.device)
         self.weights.release(layer)
@@ -269,9 +273,10 @@ class PassExecutor:
         """Layer `layer` on the micro-batch; contexts None: it writes first (writes_first), so its new
         K/V go into the pool here and the contexts are gathered from the pool after them."""
         q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
+        v_codes, v_seen = self._v_read_back(v)  # a compressed pool's: V's codes once, for attention and store
         written = contexts is None
         if written:
-            self._store_kv(layer, mb, k, v)
+            self._store_kv(layer, mb, k, v, v_codes)
             contexts = self._contexts(layer, mb)
         whole = self._whole[id(mb)]
         attn = None if whole else torch.empty_like(q)
@@ -280,13 +285,21 @@ class PassExecutor:
             q_group = (q if whole else q[rows]).view(group.num_seqs, group.num_queries, *q.shape[1:])
             q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
             outs = [out for part, context in zip(group.parts, group_contexts)
-                    for out in self._attend_part(layer, q_on, group, part, context, k, v, rows, written)]
+                    for out in self._attend_part(layer, q_on, group, part, context, k, v_seen, rows, written,
+                                                 v_codes is not None)]
             merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
             if whole:  # the one group is every row, in order: its output is the attention output
                 attn = merged.reshape(mb.num_tokens, -1)  # [T, heads * d]: one view
             else:
                 attn[rows] = merged.flatten(0, 1)
-        return self._post_attention(w, hidden, attn.flatten(1)), k, v  # hidden: [T, hidden]
+        return self._post_attention(w, hidden, attn.flatten(1)), k, v, v_codes  # hidden: [T, hidden]
+
+    def _v_read_back(self, v: torch.Tensor):
+        """(codes, values as they read back) of the new V rows where the pools are compressed (one
+        format for all: the first compressed pool makes them, its non-finite flag checked with the
+        others' as the pass ends); else (None, v)."""
+        pool = next((p for p in self.kv_pools.values() if p.compression is not None), None)
+        return (None, v) if pool is None else pool.quantize_v(v)
 
     def _post_attention(self, w, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer after attention, in slices of POST_ATTENTION_ROWS rows where the micro-batch has
@@ -303,17 +316,17 @@ class PassExecutor:
         return out
 
     def _attend_part(self, layer: int, q_on: dict, group: AttentionGroup, part, context, k, v, rows,
-                     written: bool):
+                     written: bool, v_read_back: bool = False):
         """(out, lse) pairs of the group's queries against one part's keys, on the compute device
         (lse None where the part is the group's only one: nothing to merge). k, v: the micro-batch's
-        new K/V, the group's at `rows`; written: they are in the pool already, so a gathered context
-        holds them."""
+        new K/V, the group's at `rows` (v_read_back: V as it reads back from a compressed pool);
+        written: they are in the pool already, so a gathered context holds them."""
         pool = self.kv_pools[part.tier]
         if context is IN_POOL:  # new rows None where they are in the pool already
             q = self._q_on(q_on, CPU)
             new_k, new_v = (None, None) if written else (k[rows], v[rows])
             out, lse = pool.attend_decode(layer, group, part, q, new_k, new_v, self.model.scale,
-                                          self.model.config.sliding_window)
+                                          self.model.config.sliding_window, v_read_back)
             return [(to_device(out, self.device), to_device(lse, self.device))]
         if written and context is not None and id(part) in self._biases:
             # a decode part alone on the compute device, its new rows in the gathered context: one
@@ -321,13 +334,14 @@ class PassExecutor:
             q = next(iter(q_on.values()))  # the compute device's: where this part's context was gathered
             return [(self.model.attend_decode(q, context[0], context[1], self._biases[id(part)]), None)]
         if self.one_causal_call(group, part):
-            triples, q = pool.parts_to_attend(group, part, None, k[rows], v[rows]), self._q_on(q_on, self.device)
+            triples = pool.parts_to_attend(group, part, None, k[rows], v[rows], v_read_back)
+            q = self._q_on(q_on, self.device)
             if len(triples) == 1:  # a plain pool: views of k, v
                 return [(self.model.attend_own_rows(q, triples[0][0], triples[0][1]), None)]
             (before, values, _), (same, _, _) = triples  # keys as stored, and exact (parts_to_attend)
             return [(self.model.attend_own_rows_by_block(q, before, same, values, pool.block_size), None)]
         triples = ([(*context, None)] if written and context is not None
-                   else pool.parts_to_attend(group, part, context, k[rows], v[rows]))
+                   else pool.parts_to_attend(group, part, context, k[rows], v[rows], v_read_back))
         alone = len(triples) == 1 and len(group.parts) == 1
         return [self._attend(q_on, group, part, keys, values, key_rule, alone)
                 for keys, values, key_rule in triples]
@@ -372,18 +386,21 @@ class PassExecutor:
     def _new_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype) -> torch.Tensor:
         return self.model.decode_bias(group.q_pos, part.kv_len, length, dtype, part.kv_start)
 
-    def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v) -> None:
+    def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v, v_codes=None) -> None:
         if not self._first[id(mb)]:  # else _compute wrote them
-            self._store_kv(layer, mb, new_k, new_v)
+            self._store_kv(layer, mb, new_k, new_v, v_codes)
         self.acts.put(k, hidden)
 
-    def _store_kv(self, layer: int, mb: MicroBatch, new_k, new_v) -> None:
+    def _store_kv(self, layer: int, mb: MicroBatch, new_k, new_v, v_codes=None) -> None:
+        """v_codes: _v_read_back's codes of new_v (compressed pools), else None."""
         for write in mb.kv_writes:
-            k, v, count = new_k, new_v, write.rows.shape[0]
+            k, v, codes, count = new_k, new_v, v_codes, write.rows.shape[0]
             if write.row_start != 0 or count != new_k.shape[0]:  # else every row, in order: no slicing
                 rows = _rows(write.row_start, count, write.rows)
                 k, v = new_k[rows], new_v[rows]
-            self.kv_pools[write.tier].store(layer, self._slots.get(id(write), write.slots), k, v, write.residual_ids)
+                codes = None if v_codes is None else _code_rows(v_codes, rows, count)
+            self.kv_pools[write.tier].store(layer, self._slots.get(id(write), write.slots), k, v, write.residual_ids,
+                                            v_codes=codes)
 
 
 class _Done:
@@ -400,6 +417,17 @@ class _Done:
 
 
 _EVERY_ROW = slice(None)  # a micro-batch's one group that is every row (_one_group_of_every_row)
+
+
+def _code_rows(codes: QTensor, rows, count: int) -> QTensor:
+    """Rows `rows` (a slice or an index) of V's codes [T, kv_heads, head_dim]: each row's groups,
+    scales and minimums are one run (V is grouped along head_dim)."""
+    total = codes.shape[0]
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.view(total, -1)[rows].reshape(-1)
+    return replace(codes, data=pick(codes.data), scale=pick(codes.scale), minimum=pick(codes.minimum),
+                   shape=(count, *codes.shape[1:]))
 
 
 def _causal_calls_read_in_place(device: torch.device, dtype: torch.dtype, config, masked: bool) -> bool:

@@ -173,9 +173,17 @@ class KVPool:
 
     def round_trip_v(self, v: torch.Tensor) -> torch.Tensor:
         """V rows [T, kv_heads, head_dim] as they read back from the pool."""
-        if self.compression is None:
-            return v
-        return dequantize(quantize(v, self.v_config, nonfinite=self._flag(v.device)), v.dtype)
+        return v if self.compression is None else self.quantize_v(v)[1]
+
+    def quantize_v(self, v: torch.Tensor) -> tuple[QTensor, torch.Tensor]:
+        """New V rows [T, kv_heads, head_dim] of a compressed pool: their codes and the values they read
+        back as. The executor makes them once per micro-batch and layer, for its attention
+        (v_read_back) and its store (v_codes): each took its own quantize (~50 launches on a GPU)."""
+        q = quantize(v, self.v_config, nonfinite=self._flag(v.device))
+        return q, dequantize(q, v.dtype)
+
+    def _as_read_back(self, v: torch.Tensor, read_back: bool) -> torch.Tensor:
+        return v if read_back else self.round_trip_v(v)
 
     def round_trip_k_blocks(self, k: torch.Tensor) -> torch.Tensor:
         """Whole K blocks [num_blocks * block_size, kv_heads, head_dim] as they read back."""
@@ -199,9 +207,10 @@ class KVPool:
 
     # ---- store / gather -------------------------------------------------------------------
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              residual_ids: torch.Tensor | None = None) -> None:
+              residual_ids: torch.Tensor | None = None, v_codes: QTensor | None = None) -> None:
         """slots: [T] (best a host tensor: the batch builder's); k, v: [T, kv_heads, head_dim] on any
-        device; residual_ids: [T] the residual row of each token's sequence (compressed pools).
+        device; residual_ids: [T] the residual row of each token's sequence (compressed pools); v_codes:
+        quantize_v's codes of v, used where they are on this pool's device (else v is quantized here).
         A host pool takes k and v through pinned memory and an event wait (no stream sync) and
         does its arithmetic on the host; a device pool's index arithmetic runs on the host too."""
         if self.compression is None:
@@ -216,7 +225,8 @@ class KVPool:
             self.k[layer].index_copy_(0, slots, k.to(self.device, self.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.device, self.dtype))
             return
-        q = quantize(v, self.v_config, nonfinite=self._flag(v.device))
+        same_device = v_codes is not None and v_codes.device.type == self.device.type
+        q = v_codes if same_device else quantize(v, self.v_config, nonfinite=self._flag(v.device))
         dev_slots = to_device(slots, self.device)
         for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
             self.v_codes[name][layer].index_copy_(0, dev_slots, part.view(v.shape[0], -1).to(self.device))
@@ -360,7 +370,7 @@ class KVPool:
         return cpu_kv_attention.covers(self.k_config, self.v_config, self.head_dim, self.dtype)
 
     def attend_decode(self, layer: int, group: AttentionGroup, part: KVPart, q: torch.Tensor, new_k: torch.Tensor,
-                      new_v: torch.Tensor, scale: float, sliding_window: int | None
+                      new_v: torch.Tensor, scale: float, sliding_window: int | None, v_read_back: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """What attention.attend gives over the context gather_part + parts_to_attend build (earlier
         blocks as quantized, the open block in full precision, the pass's new row with V as it will
@@ -372,7 +382,7 @@ class KVPool:
         q_pos = host_of(group).q_pos[:, 0]
         hi = torch.minimum(at.kv_len, q_pos - at.kv_start + 1)
         lo = (q_pos - at.kv_start - sliding_window + 1).clamp_min(0) if sliding_window else torch.zeros_like(hi)
-        new = self._new_rows(part, new_k, new_v, q.shape[0])
+        new = self._new_rows(part, new_k, new_v, q.shape[0], v_read_back)
         if self.compression is None:
             out, lse = cpu_kv_attention.plain_decode_attention(self.kv_layers[layer], at.kv_slots, q[:, 0], (lo, hi),
                                                                new, scale)
@@ -383,7 +393,7 @@ class KVPool:
             self.v_config.group_size, q[:, 0], (lo, hi), new, scale)
         return out.to(q.dtype).unsqueeze(1), lse.unsqueeze(1)
 
-    def _new_rows(self, part: KVPart, new_k: torch.Tensor, new_v: torch.Tensor, batch: int):
+    def _new_rows(self, part: KVPart, new_k: torch.Tensor, new_v: torch.Tensor, batch: int, v_read_back: bool):
         """(k [B, kv_heads, d], v, position [B]) fp32 on the host: each decoding sequence's new row
         as it reads back from the pool, at its position (-1: none, its row is in the pool already
         or it has none)."""
@@ -394,7 +404,7 @@ class KVPool:
         if new_k is not None and part.patch_src.numel():  # one new row per decoding sequence, over its slot
             src = part.patch_src
             k_new[at.patch_seq] = to_host(new_k[src]).to(self.dtype).float()
-            v_new[at.patch_seq] = to_host(self.round_trip_v(new_v[src])).to(self.dtype).float()
+            v_new[at.patch_seq] = to_host(self._as_read_back(new_v[src], v_read_back)).to(self.dtype).float()
             new_pos[at.patch_seq] = at.patch_pos
         return k_new, v_new, new_pos
 
@@ -404,12 +414,13 @@ class KVPool:
         return self.gather(layer, part.kv_slots, device, part.residual_ids, part.complete_len)
 
     def parts_to_attend(self, group: AttentionGroup, part: KVPart, context, new_k: torch.Tensor,
-                        new_v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, KeyRule]]:
+                        new_v: torch.Tensor, v_read_back: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, KeyRule]]:
         """What the group's queries attend in this part, as (keys, values, key rule) triples whose
         attentions merge exactly. context: gather_part's k, v [B, L, kv_heads, d], or None when the
         part's keys are all this pass's new rows (part.new_rows); new_k, new_v: the group's new
-        rows [B * n, kv_heads, d]. New rows read as they will read back from the pool."""
-        k, v = self._with_new_rows(group, part, context, new_k, new_v)  # [B, L, kv_heads, d]
+        rows [B * n, kv_heads, d] (v_read_back: new_v as it reads back already, quantize_v's). New rows
+        read as they will read back from the pool."""
+        k, v = self._with_new_rows(group, part, context, new_k, new_v, v_read_back)  # [B, L, kv_heads, d]
         if self.compression is None or group.is_decode:
             # A decode's keys already read as its query sees them (earlier blocks dequantized from
             # the pool, its own block from the full-precision residual and the new row): one
@@ -421,12 +432,13 @@ class KVPool:
         bs = self.block_size
         return [(self._keys_as_stored(group, part, k), v, (bs, "before")), (k, v, (bs, "same"))]
 
-    def _with_new_rows(self, group: AttentionGroup, part: KVPart, context, new_k: torch.Tensor, new_v: torch.Tensor):
+    def _with_new_rows(self, group: AttentionGroup, part: KVPart, context, new_k: torch.Tensor, new_v: torch.Tensor,
+                       v_read_back: bool):
         if context is None:  # [B, L, kv_heads, d]: each sequence's own rows, in order (views)
             lo, hi = part.new_rows
             k = new_k.unflatten(0, (group.num_seqs, -1))[:, lo:hi]
             v = new_v.unflatten(0, (group.num_seqs, -1))[:, lo:hi]
-            if self.compression is None:
+            if self.compression is None or v_read_back:
                 return k, v
             return k, self.round_trip_v(v.flatten(0, 1)).unflatten(0, v.shape[:2])
         k, v = context  # fresh tensors from gather: patched in place
@@ -437,7 +449,7 @@ class KVPool:
             at = host_of(part) if dev.type == "cpu" else part
             seq, pos = at.patch_seq, at.patch_pos
             k[seq, pos] = to_host(new_k[src]).to(k.dtype) if dev.type == "cpu" else new_k[src].to(dev, k.dtype)
-            v_back = self.round_trip_v(new_v[src])  # K of the open block stays exact, V as stored
+            v_back = self._as_read_back(new_v[src], v_read_back)  # K of the open block stays exact, V as stored
             v[seq, pos] = to_host(v_back).to(v.dtype) if dev.type == "cpu" else v_back.to(dev, v.dtype)
         return k, v
 

@@ -94,3 +94,34 @@ def test_a_prompt_layer_step_launches_as_many_kernels_for_16_prompts_as_for_2(ti
     folder, _ = tiny_checkpoint(kind)
     two, sixteen = prompt_launches(folder, 2, compress_kv), prompt_launches(folder, 16, compress_kv)
     assert two and sixteen == two
+
+
+def test_a_compressed_decode_quantizes_its_new_v_once(tiny_checkpoint, monkeypatch):
+    """Over a 4-bit KV cache the new V rows are quantized once per layer-step, for the attention (as
+    they read back) and for the store alike (PassExecutor._v_read_back): each took its own quantize,
+    ~50 launches on a GPU (a decode layer-step 135 -> 98 launches)."""
+    from offload import kv_cache
+
+    folder, _ = tiny_checkpoint("opt")
+    quantized, real = [], kv_cache.quantize
+
+    def counted(x, config, **kwargs):
+        quantized.append(config)
+        return real(x, config, **kwargs)
+
+    monkeypatch.setattr(kv_cache, "quantize", counted)
+    layer_steps, run_layer = [], PassExecutor._run_layer
+
+    def counted_layer(self, layer, batches, start):
+        decode = all(g.is_decode for mb in batches for g in mb.groups)
+        quantized.clear()
+        result = run_layer(self, layer, batches, start)
+        if decode:
+            layer_steps.append([c for c in quantized if c == self.kv_pools["gpu"].v_config])
+        return result
+
+    policy = Policy(gpu_batch_size=2, overlap=False, scheduler="block", compress_kv=True)
+    monkeypatch.setattr(PassExecutor, "_run_layer", counted_layer)
+    with LLM(folder, dtype="float16", device="cpu", policy=policy) as llm:
+        llm.generate([[5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert layer_steps and all(len(v_quantized) == 1 for v_quantized in layer_steps), layer_steps
