@@ -25,7 +25,6 @@ The model is injected (offload/ never imports flexsarathi/): any object with `em
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
@@ -38,7 +37,6 @@ from offload.streams import (IOStream, bind_thread, device_guard, indexed, recor
                              used_on, wait_for)
 from offload.weights import LayerWeightStore
 from policy_search.working_set import POST_ATTENTION_ROWS
-from quant import QTensor
 from quant.cpu_int8_matmul import cpu_matmul_mode
 
 CPU = torch.device("cpu")
@@ -398,7 +396,8 @@ class PassExecutor:
             if write.row_start != 0 or count != new_k.shape[0]:  # else every row, in order: no slicing
                 rows = _rows(write.row_start, count, write.rows)
                 k, v = new_k[rows], new_v[rows]
-                codes = None if v_codes is None else _code_rows(v_codes, rows, count)
+                if v_codes is not None:  # the codes' rows alike (QTensor: a view of a slice)
+                    codes = v_codes.rows(rows.start, rows.stop) if isinstance(rows, slice) else v_codes.take_rows(rows)
             self.kv_pools[write.tier].store(layer, self._slots.get(id(write), write.slots), k, v, write.residual_ids,
                                             v_codes=codes)
 
@@ -417,17 +416,6 @@ class _Done:
 
 
 _EVERY_ROW = slice(None)  # a micro-batch's one group that is every row (_one_group_of_every_row)
-
-
-def _code_rows(codes: QTensor, rows, count: int) -> QTensor:
-    """Rows `rows` (a slice or an index) of V's codes [T, kv_heads, head_dim]: each row's groups,
-    scales and minimums are one run (V is grouped along head_dim)."""
-    total = codes.shape[0]
-
-    def pick(t: torch.Tensor) -> torch.Tensor:
-        return t.view(total, -1)[rows].reshape(-1)
-    return replace(codes, data=pick(codes.data), scale=pick(codes.scale), minimum=pick(codes.minimum),
-                   shape=(count, *codes.shape[1:]))
 
 
 def _causal_calls_read_in_place(device: torch.device, dtype: torch.dtype, config, masked: bool) -> bool:

@@ -84,35 +84,39 @@ class QTensor:
         return all(t.is_pinned() for t in (self.data, self.scale, self.minimum))
 
     def rows(self, start: int, stop: int) -> "QTensor":
-        """Rows [start, stop) of a 2-D weight grouped along its last dimension, as a view: each row's
-        groups (codes packed per row, quant/packing.py), scales and minimums are one contiguous run."""
-        layout = self.layout
+        """Rows [start, stop) along the first dimension of a tensor of 2 or more dimensions grouped
+        along its last (a weight's rows; a KV pass's tokens [T, kv_heads, head_dim]), as a view: each
+        row's groups (codes packed per line, quant/packing.py), scales and minimums are one run."""
         if self.panels:
             raise ValueError(f"QTensor.rows({start}, {stop}): this weight's rows are stored in panels "
                              f"(quant/panels.py), not one contiguous run each")
-        if len(self.shape) != 2 or layout.group_dim != 1 or not 0 <= start <= stop <= self.shape[0]:
-            raise ValueError(f"QTensor.rows({start}, {stop}): needs a 2-D weight grouped along dim 1 and "
-                             f"rows within [0, {self.shape[0] if self.shape else 0}], got shape {self.shape}, "
-                             f"group_dim {layout.group_dim}")
-        groups = layout.padded_len // layout.group_size  # per row
+        if not self._rows_are_runs() or not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(f"QTensor.rows({start}, {stop}): needs a tensor of 2 or more dimensions grouped along "
+                             f"its last and rows within [0, {self.shape[0] if self.shape else 0}], got shape "
+                             f"{self.shape}, group_dim {self.layout.group_dim}")
+        groups = self.layout.num_groups // self.shape[0] if self.shape[0] else 0  # per row
         per_byte = groups * self.config.bytes_per_group
         return replace(self, data=self.data[start * per_byte:stop * per_byte],
                        scale=self.scale[start * groups:stop * groups],
-                       minimum=self.minimum[start * groups:stop * groups], shape=(stop - start, self.shape[1]))
+                       minimum=self.minimum[start * groups:stop * groups], shape=(stop - start, *self.shape[1:]))
 
     def take_rows(self, index: torch.Tensor) -> "QTensor":
-        """Rows `index` (int64 [R], any order, repeats allowed) of a 2-D weight grouped along its
-        last dimension, as a QTensor [R, cols] (a copy): e.g. a quantized embedding's looked-up rows."""
-        layout = self.layout
-        if len(self.shape) != 2 or layout.group_dim != 1 or self.panels:
-            raise ValueError(f"QTensor.take_rows: needs a 2-D weight grouped along dim 1, rows not in panels, got "
-                             f"shape {self.shape}, group_dim {layout.group_dim}, panels={self.panels}")
+        """Rows `index` (int64 [R], any order, repeats allowed) along the first dimension, as rows()
+        takes them, as a QTensor [R, ...] (a copy): e.g. a quantized embedding's looked-up rows."""
+        if not self._rows_are_runs() or self.panels:
+            raise ValueError(f"QTensor.take_rows: needs a tensor of 2 or more dimensions grouped along its last, "
+                             f"rows not in panels, got shape {self.shape}, group_dim {self.layout.group_dim}, "
+                             f"panels={self.panels}")
         rows, index = self.shape[0], index.reshape(-1).to(self.device)
 
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t.view(rows, -1).index_select(0, index).reshape(-1)
         return replace(self, data=pick(self.data), scale=pick(self.scale), minimum=pick(self.minimum),
-                       shape=(index.numel(), self.shape[1]))
+                       shape=(index.numel(), *self.shape[1:]))
+
+    def _rows_are_runs(self) -> bool:
+        """Rows along the first dimension are whole runs of groups: the groups lie along the last."""
+        return len(self.shape) >= 2 and self.layout.group_dim == len(self.shape) - 1
 
     def _map(self, fn) -> "QTensor":
         return replace(self, data=fn(self.data), scale=fn(self.scale), minimum=fn(self.minimum))

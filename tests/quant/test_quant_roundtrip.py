@@ -243,3 +243,20 @@ def test_round_trip_over_several_chunks_is_the_formats_arithmetic(shape, config)
     for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
         got = dequantize(q, dtype)
         assert got.dtype == dtype and torch.equal(got, expected.to(dtype)), dtype
+
+
+@pytest.mark.parametrize("config", [QuantConfig(bits=4, group_size=8),
+                                    QuantConfig(bits=4, group_size=8, adjacent_pairs=True),
+                                    QuantConfig(bits=8, group_size=4)])
+def test_rows_of_a_tensor_grouped_along_its_last_dimension_are_the_rows_quantized(config):
+    """QTensor.rows / take_rows along the first dimension of a 3-D tensor ([tokens, kv_heads,
+    head_dim], as a pass's new V): the same bits as quantizing those rows alone."""
+    x = torch.randn(6, 3, 16, generator=torch.Generator().manual_seed(0))
+    q = quantize(x, config)
+    index = torch.tensor([4, 0, 4, 2])
+    for got, want in ((q.rows(1, 4), quantize(x[1:4], config)), (q.take_rows(index), quantize(x[index], config))):
+        assert got.shape == want.shape
+        assert all(torch.equal(a, b) for a, b in ((got.data, want.data), (got.scale, want.scale),
+                                                   (got.minimum, want.minimum)))
+    with pytest.raises(ValueError, match="grouped along its last"):
+        quantize(x, QuantConfig(bits=4, group_size=2, group_dim=1)).rows(0, 1)
