@@ -630,11 +630,12 @@ class LLMEngine:
             for g in mb.groups:
                 on_device = gathered_tiers(self.policy, g.is_decode)
                 for p in g.parts:
+                    if self.executor.one_causal_call(g, p):  # one fused call: its output only, but a
+                        if self.kv_compression is not None:  # compressed pool's keys are held as gathered
+                            slots += g.num_seqs * g.num_queries
+                        continue
                     # a decode attended on the CPU where it lives is not charged; one attended in place
                     # (KVPool.attends_in_pool) is: the planner's working set prices the gather
-                    if self.executor.one_causal_call(g, p):  # its output only; a compressed pool's keys
-                        slots += 0 if self.kv_compression is None else g.num_seqs * g.num_queries  # as gathered
-                        continue
                     if p.new_rows is None and p.tier not in on_device:
                         continue  # attended on the CPU, where it lives
                     if p.new_rows is None:
