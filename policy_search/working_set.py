@@ -51,11 +51,6 @@ class WorkingSet:
     hidden_bytes: int  # one token's hidden state
     compute: int  # everything but the parked hidden states
 
-    @property
-    def parked(self) -> int:
-        """Hidden states of the pass if all are kept on the gpu tier (the planner scales by act_gpu)."""
-        return self.tokens * self.hidden_bytes
-
     def nbytes(self, act_gpu: float) -> int:
         """The whole working set when the activation placement keeps act_gpu of them there."""
         return round(act_gpu * self.tokens) * self.hidden_bytes + self.compute
