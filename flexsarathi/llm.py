@@ -5,23 +5,21 @@
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import numbers
 import os
-import threading
 import time
 from typing import Callable, Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from flexsarathi.batch_turns import BatchTurns
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.formats.hub import resolve_model
 from flexsarathi.formats.opened_model import OpenedModel, open_model
 from flexsarathi.engine.planner_spec import planned_model
 from flexsarathi.engine.sampling import SamplingParams
-from offload.interrupts import DeferredInterrupts, raise_if_interrupted
 from offload.memory import TierBudget
 from policy_search.hardware import HardwareSpec
 from policy_search.policy import Policy
@@ -43,8 +41,7 @@ class LLM:
         enforces. offload_dir: where disk-tier weights, KV and activations live (default
         ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options
         go to EngineConfig (weight_quant, kv_bits, kv_value_group: the compression formats)."""
-        # one batch at a time: a call from another thread waits for the one running (_one_batch)
-        self._batch, self._batch_thread = threading.Lock(), None
+        self._turns = BatchTurns()  # one batch at a time: a call from another thread waits for the one running
         self._closing = False  # close() was called: a running generate ends after its pass
         model, policy, hardware = _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_options)
         opened = model if isinstance(model, OpenedModel) else None
@@ -93,10 +90,10 @@ class LLM:
         while a generate runs, it lets that pass end, the generate then raises FlexSarathiError
         (what finished was given), and the engine closes."""
         self._closing = True
-        if self._batch_thread == threading.get_ident():  # inside this thread's own generate_iter
+        if self._turns.held_here():  # inside this thread's own generate_iter
             self.engine.close()
             return
-        with self._batch:  # another thread's batch sees _closing after its pass and ends
+        with self._turns.turn():  # another thread's batch sees _closing after its pass and ends
             self.engine.close()
 
     def __enter__(self) -> "LLM":
@@ -129,7 +126,7 @@ class LLM:
         stop: asked after every pass; True ends the run there (the unfinished requests are
         dropped, the finished ones were yielded): how a server cancels a batch at a pass boundary."""
         prompts, params = _check_arguments(prompts, sampling_params, on_error)
-        with self._one_batch():
+        with self._turns.turn():  # flexsarathi/batch_turns.py
             self.last_stats = _stats(0, 0, 0, 0, 0, 0.0, self.engine.memory.report())
             groups, refused = self._make_requests(prompts, params, on_error)
             self.last_stats["failed"] = len(refused)
@@ -138,30 +135,6 @@ class LLM:
                                            else None, prompt_token_ids=[], outputs=[], error=error)
             if groups:
                 yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
-
-    @contextlib.contextmanager
-    def _one_batch(self):
-        """The engine runs one batch at a time: a generate from another thread waits until the
-        running one ends (a server's worker threads take turns; Ctrl-C still stops the wait); one
-        from the thread whose generate_iter is still being iterated (not run to its end, nor
-        closed) would wait on itself forever, and is refused. The lock is taken and given back with
-        Ctrl-C deferred (offload/interrupts.py): one landing between the acquire and the try that
-        releases it would leave it taken, and every later generate would wait forever."""
-        me, taken = threading.get_ident(), False
-        try:
-            with DeferredInterrupts():
-                while not self._batch.acquire(timeout=0.05):
-                    if self._batch_thread == me:
-                        raise FlexSarathiError("this LLM's previous generate_iter in this thread is still being "
-                                               "iterated: run it to its end or close() it before the next generate")
-                    raise_if_interrupted()
-                taken, self._batch_thread = True, me  # no SIGINT between the acquire and here: it is deferred
-            yield
-        finally:
-            if taken:
-                with DeferredInterrupts():
-                    self._batch_thread = None
-                    self._batch.release()
 
     def _make_requests(self, prompts: list, params: list[SamplingParams], on_error: str):
         """{prompt index: its n sequences} and [(prompt index, error)] for refused prompts."""
@@ -210,6 +183,7 @@ class LLM:
                         if on_error == "raise":
                             raise FlexSarathiError(f"prompt {i}: {output.error}")
                     yield i, output
+                engine.raise_held_interrupt()  # a Ctrl-C as the step ended: after its finished requests
                 if stop is not None and stop():
                     break
         finally:

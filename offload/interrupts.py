@@ -52,9 +52,13 @@ class DeferredInterrupts:
     raise_if_interrupted() or the end of the block. Re-entrant (an inner one does nothing); does
     nothing off the main thread or where the SIGINT handler is not Python's default."""
 
-    def __init__(self) -> None:
-        self._owner = False
+    def __init__(self, hold: bool = False) -> None:
+        """hold: a SIGINT still noted as the block ends without an exception is not raised there but
+        kept in `held`, for the caller to raise once it has handed its finished work over (a step
+        whose pass completed returns its finished sequences first: LLMEngine.step)."""
+        self._owner, self._hold = False, hold
         self._previous = None
+        self.held = False
 
     @property
     def forced(self) -> bool:
@@ -76,4 +80,7 @@ class DeferredInterrupts:
         signal.signal(signal.SIGINT, self._previous)  # from here a SIGINT raises at once, as it would
         pending, _noted.pending = _noted.pending, False
         if pending and exc_type is None:  # an exception on its way out already ends the call
+            if self._hold:
+                self.held = True
+                return
             raise KeyboardInterrupt

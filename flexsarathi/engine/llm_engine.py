@@ -245,6 +245,8 @@ class LLMEngine:
     """Owns the placed weights, the KV pools and ONE scheduler (with its block manager) for its
     lifetime; `add_requests` queues a batch, `step` runs one pass of it."""
 
+    interrupt_held = False  # a Ctrl-C came as the last step ended (step, raise_held_interrupt)
+
     def __init__(self, config: EngineConfig, opened: OpenedModel | None = None):
         """opened: the model already opened by the caller (open_model(config.model)), else opened here."""
         self.engine_config = e = config
@@ -581,16 +583,29 @@ class LLMEngine:
         """One pass; returns the sequences that finished in it. An exception inside it
         (KeyboardInterrupt included) leaves the engine as a fresh one (see recover) and propagates;
         between steps the engine is always consistent (prefetches of the next pass's first layers
-        are valid loads), so every loop over step, LLM.generate's among them, is covered."""
-        with DeferredInterrupts() as deferral:  # Ctrl-C is taken between layers (offload/interrupts.py)
+        are valid loads), so every loop over step, LLM.generate's among them, is covered. A Ctrl-C
+        that came after the pass is held (interrupt_held) and raised by raise_held_interrupt."""
+        self.raise_held_interrupt()
+        # Ctrl-C is taken between layers (offload/interrupts.py); one noted after the pass's last
+        # layer is held: the step's work is done, and raised here its finished sequences would be lost
+        with DeferredInterrupts(hold=True) as deferral:
             try:
                 plan = self.scheduler.schedule()
                 outputs = self.forward(plan)
                 seqs, token_ids = self.sample(outputs)
-                return self.scheduler.postprocess(plan, seqs, token_ids)
+                finished = self.scheduler.postprocess(plan, seqs, token_ids)
             except BaseException:
                 self.recover(forced=deferral.forced)
                 raise
+        self.interrupt_held = deferral.held
+        return finished
+
+    def raise_held_interrupt(self) -> None:
+        """Raise the Ctrl-C a step held (it came as the step ended; the step returned its finished
+        sequences): LLM.generate_iter calls this once it has yielded them, step as it starts."""
+        if self.interrupt_held:
+            self.interrupt_held = False
+            raise KeyboardInterrupt
 
     def forward(self, plan: SchedulerOutput) -> list[tuple[WorkItem, torch.Tensor]]:
         """Runs the scheduled pass. Returns each item that has logits with its rows [rows, vocab]

@@ -1,6 +1,7 @@
 """The generation API: bad input gets one clear error; sampling is reproducible."""
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
@@ -143,6 +144,30 @@ def test_an_interrupted_generate_leaks_no_kv_block_and_the_next_equals_a_fresh_e
     assert engine.blocks.idle
 
 
+def test_a_ctrl_c_as_a_step_ends_first_hands_over_that_steps_finished_requests(tiny_checkpoint, python_sigint):
+    """A real SIGINT during the sampling of the step in which request 0 finishes (after the pass's
+    last layer): generate_iter yields request 0, as an uninterrupted run gives it, and only then
+    raises (raised as the step ended, its finished request was lost: a batch job redid it). The
+    engine is left as a fresh one."""
+    folder = tiny_checkpoint("opt")[0]
+    policy = Policy(gpu_batch_size=2, prefill_budget=4)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (2, 9, 9)]
+    llm = LLM(folder, policy=policy)
+    with on_call(llm.engine, "step", 10 ** 9, lambda: None) as steps:
+        fresh = {i: (o.outputs[0].token_ids, len(steps)) for i, o in llm.generate_iter(prompts, params, use_tqdm=False)}
+    first_done = min(step for _, step in fresh.values())  # the step in which a request first finishes
+    got = {}
+    with on_call(llm.engine, "sample", first_done, lambda: signal.raise_signal(signal.SIGINT)), \
+            pytest.raises(KeyboardInterrupt):
+        for i, output in llm.generate_iter(prompts, params, use_tqdm=False):
+            got[i] = output.outputs[0].token_ids
+    assert got and got == {i: ids for i, (ids, step) in fresh.items() if step == first_done}
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.idle and not llm.engine.interrupt_held
+    assert {i: o.outputs[0].token_ids for i, o in llm.generate_iter(prompts, params, use_tqdm=False)} == \
+        {i: ids for i, (ids, _) in fresh.items()}
+
+
 def test_a_generate_left_unfinished_by_its_caller_is_dropped(tiny_checkpoint):
     folder = tiny_checkpoint("opt")[0]
     policy = Policy(gpu_batch_size=2, prefill_budget=4)
@@ -172,7 +197,7 @@ def test_generate_from_two_threads_takes_turns(tiny_checkpoint):
     def start_the_other_thread():  # on the first call's second pass: the other waits for its turn
         waiter.start()
         deadline = time.monotonic() + 120  # a guard against a hang, not a budget
-        while _top_function(waiter) != "_one_batch":
+        while _top_function(waiter) != "turn":  # BatchTurns.turn: waiting
             assert time.monotonic() < deadline, "the second generate did not wait for the first"
             time.sleep(0.001)
 
@@ -183,7 +208,7 @@ def test_generate_from_two_threads_takes_turns(tiny_checkpoint):
 
 
 def _top_function(thread: threading.Thread) -> str | None:
-    """The function `thread` runs now (innermost frame of ours: a lock's acquire is C code)."""
+    """The function `thread` runs now (innermost frame of ours: a sleep is C code)."""
     frame = sys._current_frames().get(thread.ident)
     return frame.f_code.co_name if frame is not None else None
 
@@ -211,7 +236,7 @@ def test_close_from_another_thread_ends_the_running_generate_at_a_pass_boundary(
     def close_from_the_other_thread():  # on the second pass: close() waits for the pass to end
         closer.start()
         deadline = time.monotonic() + 120  # a guard against a hang, not a budget
-        while _top_function(closer) != "close":
+        while _top_function(closer) != "turn":  # close() waiting for the turn
             assert time.monotonic() < deadline, "close() did not wait for the running pass"
             time.sleep(0.001)
 

@@ -33,6 +33,23 @@ def test_a_sigint_not_taken_inside_is_raised_as_the_block_ends():
     raise_if_interrupted()  # nothing is left pending
 
 
+def test_a_holding_block_keeps_a_sigint_not_taken_inside_for_its_caller():
+    """hold=True: the block ends without raising and says so in `held` (the engine hands a finished
+    step's sequences over first); a SIGINT taken inside, or none, leaves held False."""
+    with DeferredInterrupts(hold=True) as deferral:
+        signal.raise_signal(signal.SIGINT)
+    assert deferral.held
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    raise_if_interrupted()  # nothing is left pending
+    with DeferredInterrupts(hold=True) as taken:
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()
+    with DeferredInterrupts(hold=True) as quiet:
+        pass
+    assert not taken.held and not quiet.held
+
+
 def test_a_second_sigint_before_the_first_is_taken_is_raised_at_once_and_forced():
     with pytest.raises(KeyboardInterrupt):
         with DeferredInterrupts() as deferral:

@@ -1,0 +1,66 @@
+"""One batch at a time on an LLM's engine: whose turn it is.
+
+A generate from another thread waits until the running one ends (a server's worker threads take
+turns; Ctrl-C still stops the wait); one from the thread whose generate_iter is still being iterated
+(not run to its end, nor closed) would wait on itself forever, and is refused.
+
+A turn is held by a ticket that only the holding generate_iter's frame references. Its end gives
+the turn back; a Ctrl-C can land anywhere in that Python code, before the give-back too, and a
+turn left taken would stop every later generate for good. So a turn whose ticket is gone (its
+generate_iter ended, whatever way) counts as free: nothing can leave the engine held.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+from flexsarathi.errors import FlexSarathiError
+from offload.interrupts import DeferredInterrupts, raise_if_interrupted
+
+
+class _Ticket:
+    __slots__ = ("__weakref__",)
+
+
+class BatchTurns:
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()  # C-level: `with` gives it back on any exception
+        self._holder: tuple[int, weakref.ref] | None = None  # (thread, the holding turn's ticket)
+
+    def held_here(self) -> bool:
+        """Whether this thread holds the turn (inside its own generate_iter)."""
+        holder = self._holder
+        return holder is not None and holder[0] == threading.get_ident() and holder[1]() is not None
+
+    def _try_take(self, ticket: _Ticket) -> bool:
+        me = threading.get_ident()
+        with self._mutex:
+            holder = self._holder
+            if holder is None or holder[1]() is None:  # free, or its holder ended without giving it back
+                self._holder = (me, weakref.ref(ticket))
+                return True
+            if holder[0] == me:
+                raise FlexSarathiError("this LLM's previous generate_iter in this thread is still being "
+                                       "iterated: run it to its end or close() it before the next generate")
+            return False
+
+    def _give_back(self, ticket: _Ticket) -> None:
+        with self._mutex:
+            if self._holder is not None and self._holder[1]() is ticket:
+                self._holder = None
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """Wait for the turn (Ctrl-C is taken while waiting), hold it inside the block."""
+        ticket = _Ticket()
+        with DeferredInterrupts():
+            while not self._try_take(ticket):
+                raise_if_interrupted()
+                time.sleep(0.02)
+        try:
+            yield
+        finally:
+            self._give_back(ticket)
