@@ -241,25 +241,31 @@ class PassExecutor:
         if pool.attends_in_pool(group, part, device):
             return IN_POOL
         slots = self._slots.get(id(part))
-        if slots is not None:  # a plain pool: its K/V pairs at the slots uploaded for the pass
+        if pool.compression is None and slots is not None:  # its K/V pairs at the slots uploaded for the pass
             return pool.gather_pairs(layer, slots, part.kv_slots.shape, device)
-        return pool.gather_part(layer, part, device)
+        return pool.gather_part(layer, part, device, slots)  # a compressed pool: slots is its plan
 
-    def _pool_slots(self, batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        """id(write or part) -> its slots on its pool's device, for plain pools (compressed ones do
-        their index arithmetic on the host). The same for every layer: on a GPU one upload per pass
+    def _pool_slots(self, batches: list[MicroBatch]) -> dict:
+        """id(write or part) -> what indexes its pool: a plain pool's slots on its device, a compressed
+        pool's plan (offload/kv_plans.py). The same for every layer: on a GPU one upload per pass
         instead of one per layer and step."""
         slots = {}
         for mb in batches:
             for write in mb.kv_writes:
                 pool = self.kv_pools[write.tier]
-                if pool.compression is None:
-                    slots[id(write)] = to_device(write.slots, pool.device)
+                slots[id(write)] = (to_device(write.slots, pool.device) if pool.compression is None
+                                    else pool.plan_store(write.slots, write.residual_ids))
             for group in mb.groups:
                 for part in group.parts:
                     pool = self.kv_pools[part.tier]
-                    if pool.compression is None and not self._reads_new_rows(part):
+                    if self._reads_new_rows(part):
+                        continue
+                    if pool.compression is None:
                         slots[id(part)] = to_device(part.kv_slots.reshape(-1), pool.device)  # [B * L]
+                        continue
+                    device = self.attention_device(part.tier, group)
+                    if not pool.attends_in_pool(group, part, device):
+                        slots[id(part)] = pool.plan_gather(part, device)
         return slots
 
     def _reads_new_rows(self, part) -> bool:
@@ -398,8 +404,11 @@ class PassExecutor:
                 k, v = new_k[rows], new_v[rows]
                 if v_codes is not None:  # the codes' rows alike (QTensor: a view of a slice)
                     codes = v_codes.rows(rows.start, rows.stop) if isinstance(rows, slice) else v_codes.take_rows(rows)
-            self.kv_pools[write.tier].store(layer, self._slots.get(id(write), write.slots), k, v, write.residual_ids,
-                                            v_codes=codes)
+            pool, indices = self.kv_pools[write.tier], self._slots.get(id(write))
+            if pool.compression is None:
+                pool.store(layer, write.slots if indices is None else indices, k, v)
+            else:
+                pool.store(layer, write.slots, k, v, write.residual_ids, v_codes=codes, plan=indices)
 
 
 class _Done:

@@ -30,6 +30,7 @@ import torch
 
 from offload.micro_batch import AttentionGroup, KVPart, host_of
 from offload.host_buffer import RecycledBuffers, tier_zeros
+from offload.kv_plans import GatherPlan, StorePlan, plan_gather, plan_store
 from offload.streams import to_device, to_host
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, cpu_kv_attention, cpu_kv_dequant, dequantize, quantize
@@ -207,12 +208,14 @@ class KVPool:
 
     # ---- store / gather -------------------------------------------------------------------
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              residual_ids: torch.Tensor | None = None, v_codes: QTensor | None = None) -> None:
+              residual_ids: torch.Tensor | None = None, v_codes: QTensor | None = None,
+              plan: StorePlan | None = None) -> None:
         """slots: [T] (best a host tensor: the batch builder's); k, v: [T, kv_heads, head_dim] on any
         device; residual_ids: [T] the residual row of each token's sequence (compressed pools); v_codes:
-        quantize_v's codes of v, used where they are on this pool's device (else v is quantized here).
-        A host pool takes k and v through pinned memory and an event wait (no stream sync) and
-        does its arithmetic on the host; a device pool's index arithmetic runs on the host too."""
+        quantize_v's codes of v, used where they are on this pool's device (else v is quantized here);
+        plan: plan_store's of slots and residual_ids for this pool (the executor's, made once per pass;
+        else made here). A host pool takes k and v through pinned memory and an event wait (no stream
+        sync); index arithmetic runs on the host."""
         if self.compression is None:
             pair = kv_pair(k, v)
             if pair is not None and self.device.type == pair.device.type and pair.dtype == self.dtype:
@@ -227,10 +230,19 @@ class KVPool:
             return
         same_device = v_codes is not None and v_codes.device.type == self.device.type
         q = v_codes if same_device else quantize(v, self.v_config, nonfinite=self._flag(v.device))
-        dev_slots = to_device(slots, self.device)
+        plan = plan or self.plan_store(slots, residual_ids)
         for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
-            self.v_codes[name][layer].index_copy_(0, dev_slots, part.view(v.shape[0], -1).to(self.device))
-        self._store_keys(layer, slots.cpu(), residual_ids.cpu(), k.to(self.device, self.dtype))
+            self.v_codes[name][layer].index_copy_(0, plan.slots, part.view(v.shape[0], -1).to(self.device))
+        self._store_keys(layer, plan, k.to(self.device, self.dtype))
+
+    def plan_store(self, slots: torch.Tensor, residual_ids: torch.Tensor) -> StorePlan:
+        """Where a store of these slots puts its K and V in this (compressed) pool: offload/kv_plans.py."""
+        return plan_store(slots, residual_ids, self.block_size, self.device)
+
+    def plan_gather(self, part: KVPart, device: torch.device) -> GatherPlan:
+        """What a gather of this part onto `device` reads from this (compressed) pool."""
+        at = host_of(part)
+        return plan_gather(at.kv_slots, at.residual_ids, at.complete_len, self.block_size, self.device, device)
 
     def store_pair(self, layer: int, slots: torch.Tensor, pair: torch.Tensor) -> None:
         """pair: [T, 2, kv_heads, head_dim] (K then V of each token) on the pool's device, in its
@@ -239,42 +251,36 @@ class KVPool:
             slots = to_device(slots, self.device)
         self.kv_layers[layer].index_copy_(0, slots, pair)
 
-    def _store_keys(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -> None:
+    def _store_keys(self, layer: int, plan: StorePlan, k: torch.Tensor) -> None:
         """K of a compressed pool: into each sequence's residual (open) block; a block completed
         here is assembled from its residual row (tokens stored by earlier passes) and this call's
         tokens of that block, then quantized. The row is not written first: later tokens of the
-        same sequence in this call reuse it for the next block. slots, rows: host [T]."""
-        offsets, blocks = slots % self.block_size, slots // self.block_size
-        done = offsets == self.block_size - 1  # tokens that complete their block (host: no sync)
-        in_done = torch.zeros_like(done)
-        residual, dev = self.k_residual[layer], self.device
-        if bool(done.any()):
-            done_blocks = blocks[done]
-            in_done = torch.isin(blocks, done_blocks)
-            which = (blocks[in_done][:, None] == done_blocks[None, :]).int().argmax(dim=1)
-            full = residual[to_device(rows[done], dev)].clone()  # [nb, bs, kvh, d]
-            full[to_device(which, dev), to_device(offsets[in_done], dev)] = \
-                k[to_device(in_done.nonzero().squeeze(1), dev)]
-            q = quantize(full.permute(0, 2, 3, 1), self.k_config, nonfinite=self._flag(dev))  # groups: bs tokens of one channel
+        same sequence in this call reuse it for the next block."""
+        residual = self.k_residual[layer]
+        if plan.done_blocks is not None:
+            full = residual[plan.done_rows]  # [nb, bs, kvh, d]: a copy (advanced indexing)
+            full[plan.into_block, plan.into_offset] = k[plan.from_row]
+            # groups: the block's tokens of one channel
+            q = quantize(full.permute(0, 2, 3, 1), self.k_config, nonfinite=self._flag(k.device))
             for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
-                self.k_codes[name][layer].index_copy_(0, to_device(done_blocks, dev),
-                                                      part.view(done_blocks.shape[0], -1))
-        keep = (~in_done).nonzero().squeeze(1)
-        residual[to_device(rows[keep], dev), to_device(offsets[keep], dev)] = \
-            k[to_device(keep, dev)]
+                self.k_codes[name][layer].index_copy_(0, plan.done_blocks, part.view(plan.done_blocks.shape[0], -1))
+        if plan.keep_rows.numel():
+            residual[plan.keep_rows, plan.keep_offsets] = k if plan.keep_src is None else k[plan.keep_src]
 
     def gather(self, layer: int, slots: torch.Tensor, device: torch.device,
-               residual_ids: torch.Tensor | None = None,
-               complete_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               residual_ids: torch.Tensor | None = None, complete_len: torch.Tensor | None = None,
+               plan: GatherPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """slots: [B, L] (block-aligned: position j of a row is in the row's block j // block_size)
         -> fresh k, v [B, L, kv_heads, head_dim] in the pool dtype on `device`. For compressed
         pools, the first complete_len[b] positions come from quantized blocks, the rest from the
         sequence's residual block. Host pools gather into pinned memory when `device` is CUDA, so
-        the copy up is an asynchronous DMA."""
-        slots = to_device(slots, self.device)  # the batch builder's host tensor: a no-op here
+        the copy up is an asynchronous DMA. plan: plan_gather's for these tensors (compressed pools;
+        else made here)."""
         if self.compression is None:
+            slots = to_device(slots, self.device)  # the batch builder's host tensor: a no-op here
             return self.gather_pairs(layer, slots.reshape(-1), slots.shape, device)
-        return self._gather_compressed(layer, slots, device, residual_ids, complete_len)
+        plan = plan or plan_gather(slots, residual_ids, complete_len, self.block_size, self.device, device)
+        return self._gather_compressed(layer, plan, tuple(slots.shape), device)
 
     def gather_pairs(self, layer: int, flat_slots: torch.Tensor, shape: torch.Size,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,26 +311,23 @@ class KVPool:
         does not fault in tens of fresh MB per layer (offload/host_buffer.py, RecycledBuffers)."""
         return self._contexts.take(shape, dtype)
 
-    def _gather_compressed(self, layer: int, slots: torch.Tensor, device: torch.device,
-                           residual_ids: torch.Tensor, complete_len: torch.Tensor):
+    def _gather_compressed(self, layer: int, plan: GatherPlan, shape: tuple[int, int], device: torch.device):
         """K then V, each written once into its result: at most two K/V-sized tensors exist at a
         time (the dequantized blocks and K; then K and V), which working_set's charge of three per
         gathered slot covers (docs/DESIGN.md, "Working set")."""
-        batch, length = slots.shape
-        kvh, d, bs = self.kv_heads, self.head_dim, self.block_size
+        (batch, length), (kvh, d, bs) = shape, (self.kv_heads, self.head_dim, self.block_size)
         num_blocks, full = -(-length // bs), length // bs
-        blocks = slots[:, ::bs] // bs  # [B, nb]
         if self.device.type == "cpu" and cpu_kv_dequant.covers(self.k_config, self.dtype, device):
             # One C pass per tensor (quant/cpu_kv_dequant.py): the same values as below, 5-10x sooner.
-            shape = (batch, length, kvh, d)
-            k = cpu_kv_dequant.keys({n: t[layer] for n, t in self.k_codes.items()}, blocks, length, kvh, d, bs,
-                                    out=self._context_buffer(shape, torch.float32))
-            self._fill_open_blocks(k, layer, residual_ids, complete_len)
-            v = cpu_kv_dequant.values({n: t[layer] for n, t in self.v_codes.items()}, slots, kvh, d, self.v_config,
-                                      out=self._context_buffer(shape, torch.float32))
+            out = (batch, length, kvh, d)
+            k = cpu_kv_dequant.keys({n: t[layer] for n, t in self.k_codes.items()}, plan.blocks, length, kvh, d, bs,
+                                    out=self._context_buffer(out, torch.float32))
+            self._fill_open_blocks(k, layer, plan)
+            v = cpu_kv_dequant.values({n: t[layer] for n, t in self.v_codes.items()}, plan.slots.view(batch, length),
+                                      kvh, d, self.v_config, out=self._context_buffer(out, torch.float32))
             return k, v
-        parts = {n: to_device(t[layer].index_select(0, blocks.reshape(-1)).reshape(-1), device)
-                 for n, t in self.k_codes.items()}
+        # a host pool's codes are selected straight into pinned memory for the copy up (_select)
+        parts = {n: self._select(t[layer], plan.blocks.reshape(-1), device).reshape(-1) for n, t in self.k_codes.items()}
         by_block = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                       shape=(batch * num_blocks, kvh, d, bs), dtype=self.dtype, config=self.k_config))
         by_block = by_block.view(batch, num_blocks, kvh, d, bs).permute(0, 1, 4, 2, 3)  # [B, nb, bs, kvh, d]
@@ -334,26 +337,18 @@ class KVPool:
         if length > full * bs:
             k[:, full * bs:].copy_(by_block[:, full, :length - full * bs])
         del by_block
-        self._fill_open_blocks(k, layer, residual_ids, complete_len)
-        parts = {n: to_device(t[layer].index_select(0, slots.reshape(-1)).reshape(-1), device)
-                 for n, t in self.v_codes.items()}
+        self._fill_open_blocks(k, layer, plan)
+        parts = {n: self._select(t[layer], plan.slots, device).reshape(-1) for n, t in self.v_codes.items()}
         v = dequantize(QTensor(data=parts["data"], scale=parts["scale"], minimum=parts["minimum"],
                                shape=(batch * length, kvh, d), dtype=self.dtype, config=self.v_config))
         return k, v.view(batch, length, kvh, d)
 
-    def _fill_open_blocks(self, k: torch.Tensor, layer: int, residual_ids: torch.Tensor,
-                          complete_len: torch.Tensor) -> None:
-        """k [B, L, kv_heads, d]: positions from complete_len[b] on read sequence b's residual
-        block (position j -> residual row j % block_size), in place."""
-        length, device = k.shape[1], k.device
-        # Which positions read the residual block, worked out on the host (complete_len is the
-        # batch builder's host tensor): on CUDA, nonzero() would be a sync.
-        seq, pos = (torch.arange(length)[None, :] >= complete_len.cpu()[:, None]).nonzero(as_tuple=True)
-        if seq.numel():
-            # Only the positions read, not whole residual rows (those are block_size x larger).
-            rows = to_device(residual_ids, self.device)[to_device(seq, self.device)]
-            open_keys = self.k_residual[layer][rows, to_device(pos % self.block_size, self.device)]
-            k[to_device(seq, device), to_device(pos, device)] = to_device(open_keys, device)
+    def _fill_open_blocks(self, k: torch.Tensor, layer: int, plan: GatherPlan) -> None:
+        """k [B, L, kv_heads, d]: the positions that read a sequence's residual (open) block, in place
+        (only those positions, not whole residual rows: those are block_size x larger)."""
+        if plan.open_seq.numel():
+            open_keys = self.k_residual[layer][plan.open_rows, plan.open_offsets]
+            k[plan.open_seq, plan.open_pos] = to_device(open_keys, k.device)
 
     # ---- decode attention read in the pool (its codes, or a plain pool's slots) -------------------
     def attends_in_pool(self, group: AttentionGroup, part: KVPart, device: torch.device) -> bool:
@@ -409,9 +404,10 @@ class KVPool:
         return k_new, v_new, new_pos
 
     # ---- what a group's queries attend ---------------------------------------------------------
-    def gather_part(self, layer: int, part: KVPart, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_part(self, layer: int, part: KVPart, device: torch.device,
+                    plan: GatherPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored context of one attention part, gathered onto `device` (see gather)."""
-        return self.gather(layer, part.kv_slots, device, part.residual_ids, part.complete_len)
+        return self.gather(layer, part.kv_slots, device, part.residual_ids, part.complete_len, plan)
 
     def parts_to_attend(self, group: AttentionGroup, part: KVPart, context, new_k: torch.Tensor,
                         new_v: torch.Tensor, v_read_back: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, KeyRule]]:

@@ -15,6 +15,7 @@ a plain PyTorch OPT decode layer (fused qkv, one KV write, SDPA: the floor) in t
     python scripts/count_launches.py --device cuda           # the same on a GPU (also its profiler's count)
     python scripts/count_launches.py --graphs                # with CUDA graphs where the pass allows them
     python scripts/count_launches.py --batch 72              # also: a block prefill of 72 prompts, per layer-step
+    python scripts/count_launches.py --compress-kv           # over a 4-bit KV cache
 """
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
     from offload.kv_cache import gathered_plain_decodes
     from policy_search import Policy
 
-    policy = Policy(gpu_batch_size=args.batch, num_gpu_batches=1, overlap=False, scheduler="block")
+    policy = Policy(gpu_batch_size=args.batch, num_gpu_batches=1, overlap=False, scheduler="block",
+                    compress_kv=args.compress_kv)
     prompts = [[(7 * i + j) % 500 + 2 for j in range(args.prompt_len)] for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)
     counts = {"layer": 0, "pass": 0, "layer_s": 0.0, "pass_s": 0.0, "layer_steps": 0, "passes": 0,
@@ -195,7 +197,8 @@ def profiler_kernels(args, folder: str, dtype, device) -> float:
     from flexsarathi import LLM, SamplingParams
     from policy_search import Policy
 
-    policy = Policy(gpu_batch_size=args.batch, num_gpu_batches=1, overlap=False, scheduler="block")
+    policy = Policy(gpu_batch_size=args.batch, num_gpu_batches=1, overlap=False, scheduler="block",
+                    compress_kv=args.compress_kv)
     prompts = [[(7 * i + j) % 500 + 2 for j in range(args.prompt_len)] for i in range(args.batch)]
     with LLM(folder, dtype=dtype, device=device, policy=policy, cuda_graphs=False) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -224,6 +227,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16, help="decode passes per timed run")
     p.add_argument("--rounds", type=int, default=5, help="timed runs of ours, each followed by as many plain layer-steps")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the passes that allow them")
+    p.add_argument("--compress-kv", action="store_true", help="a 4-bit KV cache (its decode passes run eagerly)")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -231,7 +235,7 @@ def main() -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {device} ({where}), {args.dtype}, torch {torch.__version__}; {cpu_line()}")
     print(f"tiny OPT: hidden {args.hidden}, {args.heads} heads, {args.layers} layers; batch {args.batch}, "
-          f"prompt {args.prompt_len}, {args.steps} decode passes")
+          f"prompt {args.prompt_len}, {args.steps} decode passes{', 4-bit KV cache' if args.compress_kv else ''}")
     with tempfile.TemporaryDirectory() as folder:
         tiny_opt(folder, args.hidden, args.heads, args.layers, dtype)
         plain_launches, plain_round = plain_measurer(args, dtype, device, sync)
