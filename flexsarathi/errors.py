@@ -1,8 +1,7 @@
 """User-facing errors: each says what is wrong and where."""
+from policy_search.errors import FlexSarathiError  # the root, beneath the planner's errors too
 
-
-class FlexSarathiError(ValueError):
-    """Bad input (a checkpoint, a prompt, a parameter): the message names what and where."""
+__all__ = ["FlexSarathiError", "CheckpointError"]
 
 
 class CheckpointError(FlexSarathiError):

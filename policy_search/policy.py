@@ -11,6 +11,8 @@ import math
 import os
 from dataclasses import dataclass, fields
 
+from policy_search.errors import FlexSarathiError
+
 TIERS = ("gpu", "cpu", "disk")  # where a tensor can live, fastest first; fractions follow this order
 SCHEDULERS = ("decode-maximal", "block")
 KV_ADMISSIONS = ("on-demand", "reserve")
@@ -22,7 +24,7 @@ _FRACTION_KINDS = {
 _TOL = 1e-6
 
 
-class PolicyError(ValueError):
+class PolicyError(FlexSarathiError):
     """A policy field (or policy file) is invalid; the message names the field."""
 
 

@@ -47,3 +47,18 @@ def test_weight_buffers(overlap, prefetch, buffers):
     policy = Policy(overlap=overlap, weight_prefetch=prefetch)
     assert policy.weight_buffers == buffers
     assert policy.max_running == policy.gpu_batch_size * policy.num_gpu_batches
+
+
+def test_the_planners_errors_are_flexsarathi_errors():
+    """One `except FlexSarathiError` catches every bad input, a bad policy or spec too (they were
+    plain ValueErrors: a serve batch failing on one reported it as a server bug)."""
+    from flexsarathi import FlexSarathiError
+    from policy_search import HardwareSpec
+    from policy_search.errors import InfeasibleError, SpecError
+
+    assert issubclass(SpecError, FlexSarathiError) and issubclass(InfeasibleError, FlexSarathiError)
+    with pytest.raises(FlexSarathiError, match="w_gpu"):
+        Policy(w_gpu=2.0)
+    with pytest.raises(FlexSarathiError):
+        HardwareSpec.preset("no-such-gpu")
+    assert FlexSarathiError.__module__ == "flexsarathi.errors"
