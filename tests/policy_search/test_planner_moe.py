@@ -16,7 +16,7 @@ from policy_search.quant_format import WEIGHT_FORMAT
 from policy_search.search import search_detailed
 from policy_search.units import GB, GiB
 
-from conftest import host_profile
+from tests.policy_search.conftest import host_profile
 
 ALL_DISK = dict(w_gpu=0.0, w_cpu=0.0, w_disk=1.0, kv_gpu=1.0, kv_cpu=0.0, kv_disk=0.0,
                 act_gpu=1.0, act_cpu=0.0, act_disk=0.0)
