@@ -23,6 +23,7 @@ quantized. `KVPool.parts_to_attend` is the one place that turns this rule into a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import torch
 from offload.micro_batch import AttentionGroup, KVPart, host_of
 from offload.host_buffer import RecycledBuffers, tier_zeros
 from offload.kv_plans import GatherPlan, StorePlan, plan_gather, plan_store
-from offload.streams import to_device, to_host
+from offload.streams import to_device, to_host, to_host_all
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, cpu_kv_attention, cpu_kv_dequant, dequantize, quantize
 
@@ -222,7 +223,13 @@ class KVPool:
                 self.store_pair(layer, slots, pair)
                 return
         if self.device.type == "cpu":
-            k, v = to_host(k), to_host(v)
+            if self.compression is not None and v_codes is not None and v_codes.device.type == "cuda":
+                # The executor's codes of v (what its attention read back) come down with k, one event
+                # wait for all: the host does not quantize v a second time.
+                k, data, scale, minimum = to_host_all(k, v_codes.data, v_codes.scale, v_codes.minimum)
+                v_codes = dataclasses.replace(v_codes, data=data, scale=scale, minimum=minimum)
+            else:
+                k, v = to_host(k), to_host(v)
         if self.compression is None:
             slots = to_device(slots, self.device)
             self.k[layer].index_copy_(0, slots, k.to(self.device, self.dtype))

@@ -72,14 +72,25 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t` on the CPU. From CUDA: a non-blocking copy into pinned memory, then a wait on an event
     recorded after it (only this copy and what precedes it on the current stream are waited for)."""
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+    return to_host_all(t)[0]
+
+
+def to_host_all(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor on the CPU, as to_host, with one event wait for all of them."""
+    on_cuda = [t for t in tensors if t.device.type == "cuda"]
+    if not on_cuda:
+        return list(tensors)
+    hosts = []
+    for t in tensors:
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t = host
+        hosts.append(t)
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))
+    event.record(torch.cuda.current_stream(on_cuda[0].device))
     event.synchronize()
-    return host
+    return hosts
 
 
 class IOStream:

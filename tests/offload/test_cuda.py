@@ -278,3 +278,30 @@ def test_eager_decode_layer_steps_on_cuda_launch_what_they_launch_on_the_cpu(tin
     launches, steps = decode_launches(folder, device="cuda")
     assert launches <= MOST[kind], steps[0]
     assert steps[0] == decode_launches(folder, device="cpu")[1][0]
+
+
+def test_a_host_pool_stores_the_gpus_codes_of_v_without_quantizing_again(monkeypatch):
+    """A compressed pool on the cpu tier, fed by a GPU pass: V's codes (what the pass's attention read
+    back) come down with K in one event wait, and the host quantizes only K's completed blocks; the
+    pool then holds what a store of the same codes from the host gives."""
+    from offload import kv_cache
+    from offload.kv_cache import KVCompression, KVPool
+
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 64)  # one whole block of 16 tokens
+    slots, rows = torch.arange(16), torch.zeros(16, dtype=torch.long)
+
+    def pool():
+        return KVPool("cpu", 1, 32, 2, 64, torch.float32, "cpu", block_size=16, compression=KVCompression(),
+                      num_residual=1)
+
+    host = pool()
+    host.store(0, slots, k[0], v[0], rows, v_codes=host.quantize_v(v[0])[0])
+    fed = pool()
+    codes = fed.quantize_v(v[0].cuda())[0]
+    quantized, real = [], kv_cache.quantize
+    monkeypatch.setattr(kv_cache, "quantize", lambda x, config, **kw: quantized.append(config) or real(x, config, **kw))
+    fed.store(0, slots, k[0].cuda(), v[0].cuda(), rows, v_codes=codes)
+    assert quantized == [fed.k_config]  # K's completed block only
+    for name in ("data", "scale", "minimum"):
+        assert torch.equal(fed.v_codes[name], host.v_codes[name]) and torch.equal(fed.k_codes[name], host.k_codes[name])
