@@ -12,8 +12,8 @@ generate_iter ended, whatever way) counts as free: nothing can leave the engine 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 
@@ -29,6 +29,7 @@ class BatchTurns:
     def __init__(self) -> None:
         self._mutex = threading.Lock()  # C-level: `with` gives it back on any exception
         self._holder: tuple[int, weakref.ref] | None = None  # (thread, the holding turn's ticket)
+        self._given_back = queue.SimpleQueue()  # wakes a waiter at once (C-level put and get)
 
     def held_here(self) -> bool:
         """Whether this thread holds the turn (inside its own generate_iter)."""
@@ -51,6 +52,8 @@ class BatchTurns:
         with self._mutex:
             if self._holder is not None and self._holder[1]() is ticket:
                 self._holder = None
+        if self._given_back.empty():  # at most a stale wake-up or two left behind, not one per turn
+            self._given_back.put(None)
 
     @contextlib.contextmanager
     def turn(self) -> Iterator[None]:
@@ -59,7 +62,10 @@ class BatchTurns:
         with DeferredInterrupts():
             while not self._try_take(ticket):
                 raise_if_interrupted()
-                time.sleep(0.02)
+                try:  # a turn given back wakes one waiter; one whose holder ended without it, the timeout
+                    self._given_back.get(timeout=0.05)
+                except queue.Empty:
+                    pass
         try:
             yield
         finally:
