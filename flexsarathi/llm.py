@@ -186,7 +186,11 @@ class LLM:
                 engine.raise_held_interrupt()  # a Ctrl-C as the step ended: after its finished requests
                 if stop is not None and stop():
                     break
+        except GeneratorExit:  # the caller stopped iterating: a Ctrl-C held for it reaches it now
+            engine.raise_held_interrupt()
+            raise
         finally:
+            engine.interrupt_held = False  # any other exception on its way out ends the call already
             if not foreign:
                 engine.abort_all()  # a caller that stopped iterating leaves nothing queued
             progress.close()

@@ -164,6 +164,13 @@ def test_a_ctrl_c_as_a_step_ends_first_hands_over_that_steps_finished_requests(t
             got[i] = output.outputs[0].token_ids
     assert got and got == {i: ids for i, (ids, step) in fresh.items() if step == first_done}
     assert not llm.engine.has_unfinished() and llm.engine.blocks.idle and not llm.engine.interrupt_held
+    # a caller that stops iterating at that yield gets the Ctrl-C from close(), none is left for later
+    with on_call(llm.engine, "sample", first_done, lambda: signal.raise_signal(signal.SIGINT)):
+        outputs = llm.generate_iter(prompts, params, use_tqdm=False)
+        next(outputs)
+        with pytest.raises(KeyboardInterrupt):
+            outputs.close()
+    assert not llm.engine.interrupt_held and not llm.engine.has_unfinished()
     assert {i: o.outputs[0].token_ids for i, o in llm.generate_iter(prompts, params, use_tqdm=False)} == \
         {i: ids for i, (ids, _) in fresh.items()}
 
