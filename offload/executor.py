@@ -247,7 +247,7 @@ class PassExecutor:
 
     def _pool_slots(self, batches: list[MicroBatch]) -> dict:
         """id(write or part) -> what indexes its pool: a plain pool's slots on its device, a compressed
-        pool's plan (offload/kv_plans.py). The same for every layer: on a GPU one upload per pass
+        pool's plan of a gather or of a decode read in the pool (offload/kv_plans.py). The same for every layer: on a GPU one upload per pass
         instead of one per layer and step."""
         slots = {}
         for mb in batches:
@@ -266,6 +266,8 @@ class PassExecutor:
                     device = self.attention_device(part.tier, group)
                     if not pool.attends_in_pool(group, part, device):
                         slots[id(part)] = pool.plan_gather(part, device)
+                    elif pool.attends_with_triton():
+                        slots[id(part)] = pool.plan_decode(group, part, self.model.config.sliding_window)
         return slots
 
     def _reads_new_rows(self, part) -> bool:
@@ -327,10 +329,10 @@ class PassExecutor:
         written: they are in the pool already, so a gathered context holds them."""
         pool = self.kv_pools[part.tier]
         if context is IN_POOL:  # new rows None where they are in the pool already
-            q = self._q_on(q_on, CPU)
+            q = self._q_on(q_on, self.attention_device(part.tier, group))  # the pool's device
             new_k, new_v = (None, None) if written else (k[rows], v[rows])
             out, lse = pool.attend_decode(layer, group, part, q, new_k, new_v, self.model.scale,
-                                          self.model.config.sliding_window, v_read_back)
+                                          self.model.config.sliding_window, v_read_back, self._slots.get(id(part)))
             return [(to_device(out, self.device), to_device(lse, self.device))]
         if written and context is not None and id(part) in self._biases:
             # a decode part alone on the compute device, its new rows in the gathered context: one
@@ -378,7 +380,8 @@ class PassExecutor:
         device (_attend's fused call): the same for every layer, so built once per pass."""
         return {id(part): self._new_bias(g, part, part.kv_slots.shape[1], self.dtype)
                 for mb in batches for g in mb.groups if g.is_decode and len(g.parts) == 1
-                for part in g.parts if self.attention_device(part.tier, g).type == self.device.type}
+                for part in g.parts if self.attention_device(part.tier, g).type == self.device.type
+                and not self.kv_pools[part.tier].attends_in_pool(g, part, self.device)}
 
     def _decode_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype) -> torch.Tensor:
         """The part's mask from _decode_biases (built here for a part it did not foresee)."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
+import os
 import threading
 from dataclasses import dataclass
 
@@ -31,7 +33,7 @@ import torch
 
 from offload.micro_batch import AttentionGroup, KVPart, host_of
 from offload.host_buffer import RecycledBuffers, tier_zeros
-from offload.kv_plans import GatherPlan, StorePlan, plan_gather, plan_store
+from offload.kv_plans import DecodePlan, GatherPlan, StorePlan, plan_decode, plan_gather, plan_store
 from offload.streams import to_device, to_host, to_host_all
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, cpu_kv_attention, cpu_kv_dequant, dequantize, quantize
@@ -40,6 +42,9 @@ from quant import QTensor, QuantConfig, cpu_kv_attention, cpu_kv_dequant, dequan
 # Plain pools in memory are attended in place by decodes on the CPU (KVPool.attends_in_pool); off
 # inside gathered_plain_decodes().
 _plain_in_place = [True]
+# Compressed pools on the CPU attend decodes with the Triton kernel (in Triton's interpreter) inside
+# triton_decodes_on_cpu(): the code path a GPU's pool takes, tested and counted on the CPU.
+_triton_on_cpu = [False]
 
 
 @contextlib.contextmanager
@@ -53,6 +58,31 @@ def gathered_plain_decodes():
         yield
     finally:
         _plain_in_place[0] = before
+
+
+@contextlib.contextmanager
+def triton_decodes_on_cpu():
+    """Inside: a compressed pool on the CPU attends decode rows with the Triton kernel a GPU's pool
+    uses (quant/triton_kv_attention.py), run by Triton's interpreter, which needs TRITON_INTERPRET=1
+    in the environment before triton is first imported. Process-wide, like gathered_plain_decodes."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton_decodes_on_cpu: set TRITON_INTERPRET=1 before starting Python (Triton reads "
+                           "it at import) to run the GPU's decode kernel on the CPU")
+    before = _triton_on_cpu[0]
+    _triton_on_cpu[0] = True
+    try:
+        yield
+    finally:
+        _triton_on_cpu[0] = before
+
+
+def _triton_kernel():
+    """quant.triton_kv_attention, or None where triton is not installed (imported on first use: it
+    imports triton, ~1 s, which a CPU engine never needs)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from quant import triton_kv_attention
+    return triton_kv_attention
 
 
 # (block_size, "before" | "same"): attend only keys in blocks before each query's own block, or in
@@ -103,6 +133,7 @@ class KVPool:
         self.device = torch.device(device)
         self.kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.compression = compression
+        self._triton_covers: bool | None = None  # attends_with_triton's kernel check, made once
         self._contexts = RecycledBuffers(min_bytes=1 << 20)  # what gathers onto the CPU return (see _context_buffer)
         # CUDA: "a value quantized here was not finite", one flag per (device, thread), set without a
         # host sync and checked by check_finite() after the pass (quantize's `nonfinite`).
@@ -359,27 +390,50 @@ class KVPool:
 
     # ---- decode attention read in the pool (its codes, or a plain pool's slots) -------------------
     def attends_in_pool(self, group: AttentionGroup, part: KVPart, device: torch.device) -> bool:
-        """Whether the group's decode rows attend this part straight from the pool on the CPU
-        (attend_decode, quant/cpu_kv_attention.py): from a compressed pool's 4-bit codes, with no
-        gathered fp32 context; from a plain pool's slots in memory, with no gathered context at all
-        (a plain pool on the disk tier is gathered: the executor reads the next layer's ahead, on
-        its I/O thread, while this one computes)."""
-        if not (group.is_decode and device.type == "cpu" and self.device.type == "cpu" and part.new_rows is None):
+        """Whether the group's decode rows attend this part straight from the pool (attend_decode):
+        from a compressed pool's 4-bit codes, with no gathered context, on the CPU
+        (quant/cpu_kv_attention.py) or on a GPU (quant/triton_kv_attention.py, one launch per layer);
+        from a plain pool's slots in memory on the CPU, with no gathered context at all (a plain
+        pool on the disk tier is gathered: the executor reads the next layer's ahead, on its I/O
+        thread, while this one computes)."""
+        if not (group.is_decode and device.type == self.device.type and part.new_rows is None):
+            return False
+        if self.attends_with_triton():
+            return True
+        if device.type != "cpu":
             return False
         if self.compression is None:
             return (_plain_in_place[0] and self.tier != "disk"
                     and cpu_kv_attention.covers_plain(self.dtype, self.head_dim))
         return cpu_kv_attention.covers(self.k_config, self.v_config, self.head_dim, self.dtype)
 
+    def attends_with_triton(self) -> bool:
+        """Decode rows over this compressed pool take the Triton kernel: on a GPU, or on the CPU
+        inside triton_decodes_on_cpu()."""
+        if self.compression is None or not (self.device.type == "cuda" or _triton_on_cpu[0]):
+            return False
+        if self._triton_covers is None:
+            kernel = _triton_kernel()
+            self._triton_covers = kernel is not None and kernel.covers(self.k_config, self.v_config, self.head_dim)
+        return self._triton_covers
+
+    def plan_decode(self, group: AttentionGroup, part: KVPart, sliding_window: int | None) -> DecodePlan:
+        """What attend_decode's Triton kernel reads for this part, on the pool's device (made once per pass)."""
+        return plan_decode(host_of(group).q_pos[:, 0], host_of(part), self.block_size, sliding_window, self.device)
+
     def attend_decode(self, layer: int, group: AttentionGroup, part: KVPart, q: torch.Tensor, new_k: torch.Tensor,
-                      new_v: torch.Tensor, scale: float, sliding_window: int | None, v_read_back: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      new_v: torch.Tensor, scale: float, sliding_window: int | None, v_read_back: bool = False,
+                      plan: DecodePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What attention.attend gives over the context gather_part + parts_to_attend build (earlier
         blocks as quantized, the open block in full precision, the pass's new row with V as it will
         read back), computed from the codes, or from a plain pool's slots. q [B, 1, heads, d] on the
-        CPU; new_k, new_v: the group's new rows [B, kv_heads, d] on any device, or None where they
-        are in the pool already (the executor wrote them first). out [B, 1, heads, d] in q's dtype,
-        lse [B, 1, heads] fp32."""
+        pool's device; new_k, new_v: the group's new rows [B, kv_heads, d] on any device (the
+        compute device's where the Triton kernel runs: it reads them where they are), or None where
+        they are in the pool already (the executor wrote them first). plan: plan_decode's for the
+        Triton kernel (else made here). out [B, 1, heads, d] in q's dtype, lse [B, 1, heads] fp32."""
+        if self.attends_with_triton():
+            return self._attend_decode_triton(layer, group, part, q, new_k, new_v, scale, sliding_window,
+                                              v_read_back, plan)
         at, bs = host_of(part), self.block_size  # host tensors: the batch builder's, no sync
         q_pos = host_of(group).q_pos[:, 0]
         hi = torch.minimum(at.kv_len, q_pos - at.kv_start + 1)
@@ -394,6 +448,18 @@ class KVPool:
             self.k_residual[layer], at.residual_ids, {n: t[layer] for n, t in self.v_codes.items()}, at.kv_slots,
             self.v_config.group_size, q[:, 0], (lo, hi), new, scale)
         return out.to(q.dtype).unsqueeze(1), lse.unsqueeze(1)
+
+    def _attend_decode_triton(self, layer: int, group: AttentionGroup, part: KVPart, q: torch.Tensor, new_k, new_v,
+                              scale: float, sliding_window: int | None, v_read_back: bool, plan: DecodePlan | None):
+        """attend_decode on the pool's device, one Triton launch: every index is plan_decode's (uploaded
+        once per pass), the new rows are read in place at the group rows the plan names."""
+        plan = plan or self.plan_decode(group, part, sliding_window)
+        new = None if new_k is None else (new_k, self._as_read_back(new_v, v_read_back), plan.new_src, plan.new_pos)
+        out, lse = _triton_kernel().decode_attention(
+            {n: t[layer] for n, t in self.k_codes.items()}, plan.blocks, plan.complete_len, self.k_residual[layer],
+            plan.residual_ids, {n: t[layer] for n, t in self.v_codes.items()}, plan.slots, self.v_config.group_size,
+            q[:, 0], (plan.lo, plan.hi), new, scale, out_dtype=q.dtype)
+        return out.unsqueeze(1), lse.unsqueeze(1)
 
     def _new_rows(self, part: KVPart, new_k: torch.Tensor, new_v: torch.Tensor, batch: int, v_read_back: bool):
         """(k [B, kv_heads, d], v, position [B]) fp32 on the host: each decoding sequence's new row

@@ -47,7 +47,7 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
                      slots: torch.Tensor, value_group: int, q: torch.Tensor,
                      visible: tuple[torch.Tensor, torch.Tensor],
                      new_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer, B sequences with one query row each (H KV heads of d channels, block size bs); every
     tensor on one device.
 
@@ -58,10 +58,11 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
     [B, L]. q [B, heads, d]. visible: (lo, hi) [B], the keys [lo, hi) each query sees. new_rows:
     (k [T, H, d], v [T, H, d], src [B], position [B]): sequence b's key at `position[b]` is row
     `src[b]` of k and v instead of the pool's (-1: none; give v as it reads back), or None.
-    Returns out [B, heads, d] fp32 and lse [B, heads] (natural log; -inf, out 0 where nothing is visible)."""
+    Returns out [B, heads, d] in out_dtype (rounded from fp32 as the kernel stores it: no cast launched
+    after it) and lse [B, heads] fp32 (natural log; -inf, out 0 where nothing is visible)."""
     batch, heads, dim = q.shape
     kv_heads, bs = k_open.shape[2], k_open.shape[1]
-    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, heads, dim, dtype=out_dtype, device=q.device)
     lse = torch.empty(batch, heads, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out, lse
@@ -133,7 +134,7 @@ def _decode_kernel(
     any_seen = total > 0
     out = acc / tl.where(any_seen, total, 1.0)[:, None]
     lse = tl.where(any_seen, m + tl.log(tl.where(any_seen, total, 1.0)), float("-inf"))
-    tl.store(out_ptr + rows[:, None] * DIM + c[None, :], out, mask=g_ok[:, None] & c_ok[None, :])
+    tl.store(out_ptr + rows[:, None] * DIM + c[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & c_ok[None, :])
     tl.store(lse_ptr + rows, lse, mask=g_ok)
 
 

@@ -16,11 +16,20 @@ a plain PyTorch OPT decode layer (fused qkv, one KV write, SDPA: the floor) in t
     python scripts/count_launches.py --graphs                # with CUDA graphs where the pass allows them
     python scripts/count_launches.py --batch 72              # also: a block prefill of 72 prompts, per layer-step
     python scripts/count_launches.py --compress-kv           # over a 4-bit KV cache
+
+Over a 4-bit KV cache a GPU attends decode rows with one Triton kernel reading the codes
+(quant/triton_kv_attention.py); on the CPU the same route runs in Triton's interpreter (the script
+sets TRITON_INTERPRET=1), its launch counted as one, its host time then the interpreter's (not a
+GPU's launch cost: read the launches). `--gather-kv` takes the gather route instead (dequantized
+context + SDPA), what a GPU without triton runs.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -166,9 +175,10 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
             counts["pass_s"] += time.perf_counter() - began - (counts["layer_s"] - before)
         return result
 
-    # gathered_plain_decodes: decode attention as the GPU runs it (gather + SDPA), on the CPU too
+    # gathered_plain_decodes: decode attention as the GPU runs it (gather + SDPA), on the CPU too;
+    # over a 4-bit cache the Triton kernel as the GPU runs it (interpreted on the CPU)
     with LLM(folder, dtype=dtype, device=device, policy=policy, cuda_graphs=args.graphs) as llm, \
-            gathered_plain_decodes():
+            gathered_plain_decodes(), triton_decodes(args, device):
         llm.generate(prompts, params, use_tqdm=False)  # warm-up (and graph capture)
         try:
             PassExecutor._run_layer, PassExecutor.run = counted_layer, counted_pass
@@ -190,6 +200,26 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
             "outside_us": 1e6 * counts["pass_s"] / max(counts["timed_passes"], 1),
             "eager_layer_steps": counts["layer_steps"], "graph_passes": graph_steps, "generate_s": total / args.rounds,
             "plain_us": 1e6 * statistics.median(plain_times)}
+
+
+@contextlib.contextmanager
+def triton_decodes(args, device: torch.device):
+    """Over a 4-bit KV cache: each launch of the Triton decode kernel counted as one (no dispatch mode
+    sees it), and on the CPU the kernel run in the interpreter. Else nothing."""
+    if not args.compress_kv or args.gather_kv or importlib.util.find_spec("triton") is None:
+        yield
+        return
+    from flexsarathi.machine.launch_counter import launched_outside_aten
+    from offload.kv_cache import triton_decodes_on_cpu
+    from quant import triton_kv_attention
+
+    kernel = triton_kv_attention.decode_attention
+    triton_kv_attention.decode_attention = launched_outside_aten("triton_kv_decode_attention", kernel)
+    try:
+        with triton_decodes_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
+            yield
+    finally:
+        triton_kv_attention.decode_attention = kernel
 
 
 def profiler_kernels(args, folder: str, dtype, device) -> float:
@@ -215,6 +245,14 @@ def profiler_kernels(args, folder: str, dtype, device) -> float:
         return (kernels(many) - kernels(one)) / (args.steps * args.layers)
 
 
+def kv_line(args) -> str:
+    if not args.compress_kv:
+        return ""
+    route = "gather route" if args.gather_kv or importlib.util.find_spec("triton") is None else "Triton kernel"
+    interpreted = ", interpreted: host times are not a GPU's" if route == "Triton kernel" and args.device == "cpu" else ""
+    return f", 4-bit KV cache ({route}{interpreted})"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -228,14 +266,20 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5, help="timed runs of ours, each followed by as many plain layer-steps")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the passes that allow them")
     p.add_argument("--compress-kv", action="store_true", help="a 4-bit KV cache (its decode passes run eagerly)")
+    p.add_argument("--gather-kv", action="store_true",
+                   help="with --compress-kv: the gather route (dequantized context + SDPA), not the Triton kernel")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
+    if args.compress_kv and not args.gather_kv and args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the GPU's kernel, interpreted
+        if importlib.util.find_spec("triton") is None:
+            print("triton is not installed: the gather route, as a GPU without triton runs it")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {device} ({where}), {args.dtype}, torch {torch.__version__}; {cpu_line()}")
     print(f"tiny OPT: hidden {args.hidden}, {args.heads} heads, {args.layers} layers; batch {args.batch}, "
-          f"prompt {args.prompt_len}, {args.steps} decode passes{', 4-bit KV cache' if args.compress_kv else ''}")
+          f"prompt {args.prompt_len}, {args.steps} decode passes{kv_line(args)}")
     with tempfile.TemporaryDirectory() as folder:
         tiny_opt(folder, args.hidden, args.heads, args.layers, dtype)
         plain_launches, plain_round = plain_measurer(args, dtype, device, sync)

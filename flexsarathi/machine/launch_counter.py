@@ -57,3 +57,25 @@ class LaunchCounter(TorchDispatchMode):
             self.ops.append((name, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors),
                              tuple(t.untyped_storage().data_ptr() for t in tensors)))
         return func(*args, **kwargs)
+
+
+
+def launched_outside_aten(name: str, fn):
+    """fn wrapped to count as one launch for every LaunchCounter active when it is called: a kernel
+    launched outside aten (a Triton kernel's Python launch, which no dispatch mode sees). fn runs
+    with the dispatch modes off: on a GPU it launches that one kernel; in Triton's interpreter on
+    the CPU, the interpreter's own tensor copies are not a GPU's launches. Who wraps such a launch:
+    scripts/count_launches.py and tests/offload/test_launch_count.py."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+    def counted(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        for mode in _get_current_dispatch_mode_stack():
+            if isinstance(mode, LaunchCounter):
+                mode.launches += 1
+                mode.ops.append((name, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors),
+                                 tuple(t.untyped_storage().data_ptr() for t in tensors)))
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return counted
