@@ -64,6 +64,7 @@ class PassExecutor:
         # not per layer: _pool_slots); id(micro-batch) -> whether its one group is every row, in order
         self._slots: dict[int, torch.Tensor] = {}
         self._whole: dict[int, bool] = {}
+        self._reads_back: dict[int, bool] = {}  # id(micro-batch) -> _reads_v_back
         # the next layer's first micro-batch's contexts, gathered on the I/O thread while this layer's
         # last micro-batch computes (gathers_ahead): (layer, id(micro-batch)) -> contexts, and its future
         self._gathered: dict[tuple[int, int], list] = {}
@@ -135,6 +136,7 @@ class PassExecutor:
             self._threaded = {id(mb): self._io_worth_a_thread(mb) for mb in batches}
             self._first = {id(mb): self.writes_first(mb) for mb in batches}
             self._slots = self._pool_slots(batches)
+            self._reads_back = {id(mb): self._reads_v_back(mb) for mb in batches}
             self._whole = {id(mb): _one_group_of_every_row(mb) for mb in batches}
             self._gathered, self._ahead = {}, None
             g = self.weights.global_weights()
@@ -279,7 +281,7 @@ class PassExecutor:
         """Layer `layer` on the micro-batch; contexts None: it writes first (writes_first), so its new
         K/V go into the pool here and the contexts are gathered from the pool after them."""
         q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
-        v_codes, v_seen = self._v_read_back(v)  # a compressed pool's: V's codes once, for attention and store
+        v_codes, v_seen, read_back = self._v_read_back(v, self._reads_back[id(mb)])  # V's codes once: attention, store
         written = contexts is None
         if written:
             self._store_kv(layer, mb, k, v, v_codes)
@@ -292,7 +294,7 @@ class PassExecutor:
             q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
             outs = [out for part, context in zip(group.parts, group_contexts)
                     for out in self._attend_part(layer, q_on, group, part, context, k, v_seen, rows, written,
-                                                 v_codes is not None)]
+                                                 read_back, v_codes)]
             merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
             if whole:  # the one group is every row, in order: its output is the attention output
                 attn = merged.reshape(mb.num_tokens, -1)  # [T, heads * d]: one view
@@ -300,12 +302,23 @@ class PassExecutor:
                 attn[rows] = merged.flatten(0, 1)
         return self._post_attention(w, hidden, attn.flatten(1)), k, v, v_codes  # hidden: [T, hidden]
 
-    def _v_read_back(self, v: torch.Tensor):
-        """(codes, values as they read back) of the new V rows where the pools are compressed (one
-        format for all: the first compressed pool makes them, its non-finite flag checked with the
-        others' as the pass ends); else (None, v)."""
+    def _v_read_back(self, v: torch.Tensor, read_back: bool):
+        """(codes, values, read back?) of the new V rows where the pools are compressed (one format for
+        all: the first compressed pool makes them, its non-finite flag checked with the others' as the
+        pass ends): the values as they read back where some part of the micro-batch reads them
+        (read_back), else v as it is; where no pool is compressed (None, v, False)."""
         pool = next((p for p in self.kv_pools.values() if p.compression is not None), None)
-        return (None, v) if pool is None else pool.quantize_v(v)
+        if pool is None:
+            return None, v, False
+        codes, back = pool.quantize_v(v, read_back)
+        return codes, (v if back is None else back), back is not None
+
+    def _reads_v_back(self, mb: MicroBatch) -> bool:
+        """Whether some part of the micro-batch reads its new V rows as they read back from a compressed
+        pool: every part but a decode's read by the Triton kernel, which reads their codes."""
+        return any(not (self.kv_pools[part.tier].attends_with_triton() and not self._reads_new_rows(part)
+                        and self.kv_pools[part.tier].attends_in_pool(g, part, self.attention_device(part.tier, g)))
+                   for g in mb.groups for part in g.parts)
 
     def _post_attention(self, w, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer after attention, in slices of POST_ATTENTION_ROWS rows where the micro-batch has
@@ -322,17 +335,22 @@ class PassExecutor:
         return out
 
     def _attend_part(self, layer: int, q_on: dict, group: AttentionGroup, part, context, k, v, rows,
-                     written: bool, v_read_back: bool = False):
+                     written: bool, v_read_back: bool = False, v_codes=None):
         """(out, lse) pairs of the group's queries against one part's keys, on the compute device
         (lse None where the part is the group's only one: nothing to merge). k, v: the micro-batch's
         new K/V, the group's at `rows` (v_read_back: V as it reads back from a compressed pool);
-        written: they are in the pool already, so a gathered context holds them."""
+        written: they are in the pool already, so a gathered context holds them; v_codes: the micro-batch's
+        V codes (compressed pools)."""
         pool = self.kv_pools[part.tier]
+        if context is IN_POOL and pool.attends_with_triton():  # on the pool's device: the compute device
+            new = None if written else (k, v_codes)  # every row of the micro-batch: the plan names each's
+            return [pool.attend_decode_codes(layer, self._q_on(q_on, pool.device), self._slots[id(part)], new,
+                                             self.model.scale)]
         if context is IN_POOL:  # new rows None where they are in the pool already
-            q = self._q_on(q_on, self.attention_device(part.tier, group))  # the pool's device
+            q = self._q_on(q_on, CPU)
             new_k, new_v = (None, None) if written else (k[rows], v[rows])
             out, lse = pool.attend_decode(layer, group, part, q, new_k, new_v, self.model.scale,
-                                          self.model.config.sliding_window, v_read_back, self._slots.get(id(part)))
+                                          self.model.config.sliding_window, v_read_back)
             return [(to_device(out, self.device), to_device(lse, self.device))]
         if written and context is not None and id(part) in self._biases:
             # a decode part alone on the compute device, its new rows in the gathered context: one

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import os
 import threading
@@ -79,10 +80,23 @@ def triton_decodes_on_cpu():
 def _triton_kernel():
     """quant.triton_kv_attention, or None where triton is not installed (imported on first use: it
     imports triton, ~1 s, which a CPU engine never needs)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return None
     from quant import triton_kv_attention
     return triton_kv_attention
+
+
+def _triton_quantize():
+    """quant.triton_quantize, or None where triton is not installed (imported on first use)."""
+    if not _triton_installed():
+        return None
+    from quant import triton_quantize
+    return triton_quantize
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 # (block_size, "before" | "same"): attend only keys in blocks before each query's own block, or in
@@ -189,8 +203,8 @@ class KVPool:
 
     # ---- compression helpers (pure functions of values: what a stored value reads back as) ---
     def _flag(self, device: torch.device) -> torch.Tensor | None:
-        if device.type != "cuda":
-            return None  # quantize checks at once on the CPU
+        if device.type != "cuda" and not _triton_on_cpu[0]:
+            return None  # quantize checks at once on the CPU (inside triton_decodes_on_cpu: as on a GPU)
         key = (device, threading.get_ident())
         if key not in self._nonfinite:
             self._nonfinite[key] = torch.zeros((), dtype=torch.bool, device=device)
@@ -208,12 +222,17 @@ class KVPool:
         """V rows [T, kv_heads, head_dim] as they read back from the pool."""
         return v if self.compression is None else self.quantize_v(v)[1]
 
-    def quantize_v(self, v: torch.Tensor) -> tuple[QTensor, torch.Tensor]:
-        """New V rows [T, kv_heads, head_dim] of a compressed pool: their codes and the values they read
-        back as. The executor makes them once per micro-batch and layer, for its attention
-        (v_read_back) and its store (v_codes): each took its own quantize (~50 launches on a GPU)."""
-        q = quantize(v, self.v_config, nonfinite=self._flag(v.device))
-        return q, dequantize(q, v.dtype)
+    def quantize_v(self, v: torch.Tensor, read_back: bool = True) -> tuple[QTensor, torch.Tensor | None]:
+        """New V rows [T, kv_heads, head_dim] of a compressed pool: their codes and (read_back) the values
+        they read back as, else None. The executor makes them once per micro-batch and layer, for its
+        attention and its store. Where the Triton kernels run (a GPU; the CPU inside
+        triton_decodes_on_cpu) one launch (quant/triton_quantize.py, the same bits) instead of ~30."""
+        kernel = _triton_quantize() if v.device.type == "cuda" or _triton_on_cpu[0] else None
+        if kernel is not None and kernel.covers(self.v_config, self.head_dim):
+            q = kernel.quantize_lines(v, self.v_config, nonfinite=self._flag(v.device))
+        else:
+            q = quantize(v, self.v_config, nonfinite=self._flag(v.device))
+        return q, dequantize(q, v.dtype) if read_back else None
 
     def _as_read_back(self, v: torch.Tensor, read_back: bool) -> torch.Tensor:
         return v if read_back else self.round_trip_v(v)
@@ -418,22 +437,19 @@ class KVPool:
         return self._triton_covers
 
     def plan_decode(self, group: AttentionGroup, part: KVPart, sliding_window: int | None) -> DecodePlan:
-        """What attend_decode's Triton kernel reads for this part, on the pool's device (made once per pass)."""
-        return plan_decode(host_of(group).q_pos[:, 0], host_of(part), self.block_size, sliding_window, self.device)
+        """What attend_decode_codes reads for this part, on the pool's device (made once per pass)."""
+        at = host_of(group)
+        return plan_decode(at.q_pos[:, 0], at.token_rows, host_of(part), self.block_size, sliding_window, self.device)
 
     def attend_decode(self, layer: int, group: AttentionGroup, part: KVPart, q: torch.Tensor, new_k: torch.Tensor,
-                      new_v: torch.Tensor, scale: float, sliding_window: int | None, v_read_back: bool = False,
-                      plan: DecodePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      new_v: torch.Tensor, scale: float, sliding_window: int | None, v_read_back: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """What attention.attend gives over the context gather_part + parts_to_attend build (earlier
         blocks as quantized, the open block in full precision, the pass's new row with V as it will
-        read back), computed from the codes, or from a plain pool's slots. q [B, 1, heads, d] on the
-        pool's device; new_k, new_v: the group's new rows [B, kv_heads, d] on any device (the
-        compute device's where the Triton kernel runs: it reads them where they are), or None where
-        they are in the pool already (the executor wrote them first). plan: plan_decode's for the
-        Triton kernel (else made here). out [B, 1, heads, d] in q's dtype, lse [B, 1, heads] fp32."""
-        if self.attends_with_triton():
-            return self._attend_decode_triton(layer, group, part, q, new_k, new_v, scale, sliding_window,
-                                              v_read_back, plan)
+        read back), computed from the codes on the CPU, or from a plain pool's slots. q [B, 1, heads, d]
+        on the CPU; new_k, new_v: the group's new rows [B, kv_heads, d] on any device, or None where they
+        are in the pool already (the executor wrote them first). out [B, 1, heads, d] in q's dtype,
+        lse [B, 1, heads] fp32. (A pool that attends_with_triton: attend_decode_codes.)"""
         at, bs = host_of(part), self.block_size  # host tensors: the batch builder's, no sync
         q_pos = host_of(group).q_pos[:, 0]
         hi = torch.minimum(at.kv_len, q_pos - at.kv_start + 1)
@@ -449,16 +465,24 @@ class KVPool:
             self.v_config.group_size, q[:, 0], (lo, hi), new, scale)
         return out.to(q.dtype).unsqueeze(1), lse.unsqueeze(1)
 
-    def _attend_decode_triton(self, layer: int, group: AttentionGroup, part: KVPart, q: torch.Tensor, new_k, new_v,
-                              scale: float, sliding_window: int | None, v_read_back: bool, plan: DecodePlan | None):
-        """attend_decode on the pool's device, one Triton launch: every index is plan_decode's (uploaded
-        once per pass), the new rows are read in place at the group rows the plan names."""
-        plan = plan or self.plan_decode(group, part, sliding_window)
-        new = None if new_k is None else (new_k, self._as_read_back(new_v, v_read_back), plan.new_src, plan.new_pos)
+    def attend_decode_codes(self, layer: int, q: torch.Tensor, plan: DecodePlan,
+                            new: tuple[torch.Tensor, QTensor] | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """attend_decode where the pool attends_with_triton: one launch on the pool's device. q
+        [B, 1, heads, d] there; plan: plan_decode's (every index, uploaded once per pass); new: the
+        micro-batch's new K [T, kv_heads, d] and its V codes (quantize_v's), the rows the plan names
+        read in place, or None (in the pool already). out [B, 1, heads, d] in q's dtype, lse
+        [B, 1, heads] fp32."""
+        new_rows = None
+        if new is not None:
+            k, codes = new
+            rows = codes.shape[0]
+            tables = {"data": codes.data.view(rows, -1), "scale": codes.scale.view(rows, -1),
+                      "minimum": codes.minimum.view(rows, -1)}
+            new_rows = (k, tables, plan.new_src, plan.new_pos)
         out, lse = _triton_kernel().decode_attention(
             {n: t[layer] for n, t in self.k_codes.items()}, plan.blocks, plan.complete_len, self.k_residual[layer],
             plan.residual_ids, {n: t[layer] for n, t in self.v_codes.items()}, plan.slots, self.v_config.group_size,
-            q[:, 0], (plan.lo, plan.hi), new, scale, out_dtype=q.dtype)
+            q[:, 0], (plan.lo, plan.hi), new_rows, scale, out_dtype=q.dtype)
         return out.unsqueeze(1), lse.unsqueeze(1)
 
     def _new_rows(self, part: KVPart, new_k: torch.Tensor, new_v: torch.Tensor, batch: int, v_read_back: bool):

@@ -102,19 +102,21 @@ class DecodePlan:
     slots: torch.Tensor  # [B, L] each position's slot (its V codes' row)
     lo: torch.Tensor  # [B] the keys [lo, hi) each query sees
     hi: torch.Tensor
-    new_src: torch.Tensor  # [B] the group row whose new K/V sit at new_pos (-1: none)
+    new_src: torch.Tensor  # [B] the micro-batch row whose new K/V sit at new_pos (-1: none)
     new_pos: torch.Tensor  # [B] that row's position in the part (-1: none)
 
 
-def plan_decode(q_pos: torch.Tensor, part, block_size: int, sliding_window: int | None,
+def plan_decode(q_pos: torch.Tensor, token_rows: torch.Tensor, part, block_size: int, sliding_window: int | None,
                 device: torch.device) -> DecodePlan:
-    """q_pos [B] (the decode rows' positions) and `part` (a KVPart): the batch builder's host tensors."""
+    """q_pos [B] (the decode rows' positions), token_rows [B] (their rows of the micro-batch) and `part`
+    (a KVPart): the batch builder's host tensors."""
     kv_slots, batch = part.kv_slots.cpu(), q_pos.shape[0]
     hi = torch.minimum(part.kv_len, q_pos - part.kv_start + 1)
     lo = ((q_pos - part.kv_start - sliding_window + 1).clamp_min(0) if sliding_window
           else torch.zeros_like(hi))
     new_src, new_pos = torch.full((batch,), -1, dtype=torch.long), torch.full((batch,), -1, dtype=torch.long)
-    new_src[part.patch_seq], new_pos[part.patch_seq] = part.patch_src.cpu().long(), part.patch_pos.cpu().long()
+    new_src[part.patch_seq] = token_rows.cpu().long()[part.patch_src.cpu().long()]  # group rows -> micro-batch rows
+    new_pos[part.patch_seq] = part.patch_pos.cpu().long()
     host = [kv_slots[:, ::block_size] // block_size, part.complete_len, part.residual_ids, kv_slots, lo, hi,
             new_src, new_pos]
     return DecodePlan(*upload_packed([t.cpu().contiguous() for t in host], device))

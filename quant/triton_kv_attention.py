@@ -6,8 +6,9 @@ open blocks patched in) and again for V, the pass's new row patched into both, t
 fp16 context it wrote out. A GPU decode step is host-bound at ~25 us a launch (docs/DESIGN.md,
 "Decode passes on a GPU"), so those launches cost more than the bytes. This kernel reads each code
 once, in registers, and writes nothing but the output: the same contract as the CPU kernel
-(quant/cpu_kv_attention.py `decode_attention`), with the pass's new rows given as rows of the
-micro-batch's K and V plus each sequence's row index instead of a [B, H, d] copy (no scatter).
+(quant/cpu_kv_attention.py `decode_attention`), with the pass's new rows given as the micro-batch's
+K and V codes plus each sequence's row there instead of a [B, H, d] copy (no scatter, and its V read
+back from its codes as the pool's are).
 
 What it computes is `flexsarathi.models.attention.attend` over the context the gather route builds
 (blocks completed before the pass as quantized, the open block's keys in full precision, every value
@@ -46,7 +47,7 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
                      k_open: torch.Tensor, residual_ids: torch.Tensor, v_codes: dict[str, torch.Tensor],
                      slots: torch.Tensor, value_group: int, q: torch.Tensor,
                      visible: tuple[torch.Tensor, torch.Tensor],
-                     new_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                     new_rows: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor] | None,
                      scale: float, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer, B sequences with one query row each (H KV heads of d channels, block size bs); every
     tensor on one device.
@@ -56,8 +57,9 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
     quantized blocks, later ones k_open [R, bs, H, d] at row residual_ids[b], token j % bs. v_codes:
     V tables (data [num_slots, H * d / 2], scale and minimum [num_slots, H * d / value_group]); slots
     [B, L]. q [B, heads, d]. visible: (lo, hi) [B], the keys [lo, hi) each query sees. new_rows:
-    (k [T, H, d], v [T, H, d], src [B], position [B]): sequence b's key at `position[b]` is row
-    `src[b]` of k and v instead of the pool's (-1: none; give v as it reads back), or None.
+    (k [T, H, d], v_codes, src [B], position [B]): sequence b's key at `position[b]` is row `src[b]` of
+    k (-1: none) instead of the pool's, its value row `src[b]` of v_codes (V tables of the pass's T
+    rows, laid out as the pool's: read back as the pool's are); or None.
     Returns out [B, heads, d] in out_dtype (rounded from fp32 as the kernel stores it: no cast launched
     after it) and lse [B, heads] fp32 (natural log; -inf, out 0 where nothing is visible)."""
     batch, heads, dim = q.shape
@@ -67,18 +69,18 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
     if batch == 0:
         return out, lse
     has_new = new_rows is not None
-    k_new, v_new, new_src, new_pos = new_rows if has_new else (q, q, complete_len, complete_len)  # unread
+    k_new, v_new, new_src, new_pos = new_rows if has_new else (q, v_codes, complete_len, complete_len)  # unread
     group, dim_pad = heads // kv_heads, triton.next_power_of_2(dim)
     group_pad = triton.next_power_of_2(group)
     # [group_pad, block_n, dim_pad] fp32 products live in registers: at most 8192 of them per program
     block_n = max(1, min(64, 8192 // (group_pad * dim_pad)))
     q, k_open = q.contiguous(), k_open.contiguous()
-    k_new, v_new = (t if t.stride(-1) == 1 and t.stride(-2) == dim else t.contiguous() for t in (k_new, v_new))
+    k_new = k_new if k_new.stride(-1) == 1 and k_new.stride(-2) == dim else k_new.contiguous()
     _decode_kernel[(batch, kv_heads)](
         k_codes["data"], k_codes["scale"], k_codes["minimum"], blocks, complete_len, k_open, residual_ids,
         v_codes["data"], v_codes["scale"], v_codes["minimum"], slots, visible[0], visible[1],
-        k_new, v_new, new_src, new_pos, q, out, lse, blocks.stride(0), slots.stride(0),
-        k_new.stride(0), v_new.stride(0), scale,
+        k_new, v_new["data"], v_new["scale"], v_new["minimum"], new_src, new_pos, q, out, lse, blocks.stride(0),
+        slots.stride(0), k_new.stride(0), scale,
         GROUP=group, GROUP_PAD=group_pad, DIM=dim, DIM_PAD=dim_pad, KV_HEADS=kv_heads, BS=bs, VG=value_group,
         BLOCK_N=block_n, HAS_NEW=has_new,
     )
@@ -89,14 +91,13 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
 def _decode_kernel(
     kd_ptr, ks_ptr, km_ptr, blocks_ptr, complete_ptr, open_ptr, residual_ptr,
     vd_ptr, vs_ptr, vm_ptr, slots_ptr, lo_ptr, hi_ptr,
-    k_new_ptr, v_new_ptr, new_src_ptr, new_pos_ptr, q_ptr, out_ptr, lse_ptr,
-    stride_blocks, stride_slots, stride_k_new, stride_v_new, scale,
+    k_new_ptr, new_vd_ptr, new_vs_ptr, new_vm_ptr, new_src_ptr, new_pos_ptr, q_ptr, out_ptr, lse_ptr,
+    stride_blocks, stride_slots, stride_k_new, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     KV_HEADS: tl.constexpr, BS: tl.constexpr, VG: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NEW: tl.constexpr,
 ):
     b, h = tl.program_id(0), tl.program_id(1)
-    g = tl.arange(0, GROUP_PAD)  # [G] query heads of this KV head
-    c = tl.arange(0, DIM_PAD)  # [D] channels
+    g, c = tl.arange(0, GROUP_PAD), tl.arange(0, DIM_PAD)  # [G] query heads of this KV head, [D] channels
     g_ok, c_ok = g < GROUP, c < DIM
     rows = b * KV_HEADS * GROUP + h * GROUP + g  # [G] rows of q [B * heads, d]
     q = tl.load(q_ptr + rows[:, None] * DIM + c[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
@@ -106,7 +107,8 @@ def _decode_kernel(
         # src -1 comes with position -1 (no row of the pass): row 0 is read and never used
         src, new_pos = tl.maximum(tl.load(new_src_ptr + b), 0), tl.load(new_pos_ptr + b)
         k_new = tl.load(k_new_ptr + src * stride_k_new + h * DIM + c, mask=c_ok, other=0.0).to(tl.float32)  # [D]
-        v_new = tl.load(v_new_ptr + src * stride_v_new + h * DIM + c, mask=c_ok, other=0.0).to(tl.float32)
+        v_new = _values(new_vd_ptr, new_vs_ptr, new_vm_ptr, src + tl.zeros([1], tl.int64), tl.zeros([1], tl.int32) == 0,
+                        h, c, c_ok, DIM, KV_HEADS, VG)  # [1, D]
 
     m, total = tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -120,7 +122,7 @@ def _decode_kernel(
         if HAS_NEW:
             is_new = (j == new_pos)[:, None]
             k = tl.where(is_new, k_new[None, :], k)
-            v = tl.where(is_new, v_new[None, :], v)
+            v = tl.where(is_new, v_new, v)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
         scores = tl.where(seen[None, :], scores, float("-inf"))
         m_next = tl.maximum(m, tl.max(scores, axis=1))

@@ -32,14 +32,15 @@ def covers(config: QuantConfig, head_dim: int) -> bool:
 
 
 def quantize_lines(x: torch.Tensor, config: QuantConfig, *, nonfinite: torch.Tensor | None = None) -> QTensor:
-    """x [..., d] (its last dimension contiguous): quant.groupwise.quantize(x, config), the same bits.
-    nonfinite: a bool scalar on x's device set where some group's minimum or step is not a finite
-    fp16 (inf, NaN or out of fp16's range), without a host sync; None: checked here (a sync)."""
+    """x [..., d]: quant.groupwise.quantize(x, config), the same bits. nonfinite: a bool scalar on x's
+    device set where some group's minimum or step is not a finite fp16 (inf, NaN or out of fp16's
+    range), without a host sync; None: checked here (a sync)."""
     dim = x.shape[-1]
-    lines = x.reshape(-1, dim)  # [L, d]: a view for the strided K/V of a fused projection
+    heads = x.shape[-2] if x.dim() >= 2 else 1
+    lines = x.reshape(-1, heads, dim)  # [T, H, d]: a view of a fused projection's strided V (no copy)
     if lines.stride(-1) != 1:
         lines = lines.contiguous()
-    num_lines, groups = lines.shape[0], dim // config.group_size
+    num_lines, groups = lines.shape[0] * heads, dim // config.group_size
     data = torch.empty(num_lines * dim // 2, dtype=torch.uint8, device=x.device)
     scale = torch.empty(num_lines * groups, dtype=torch.float16, device=x.device)
     minimum = torch.empty_like(scale)
@@ -47,8 +48,8 @@ def quantize_lines(x: torch.Tensor, config: QuantConfig, *, nonfinite: torch.Ten
     if num_lines:
         half = dim // 2
         _quantize_kernel[(num_lines,)](
-            lines, data, scale, minimum, flag.view(torch.uint8), lines.stride(0),
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), GROUP=config.group_size, GROUPS=groups,
+            lines, data, scale, minimum, flag.view(torch.uint8), lines.stride(0), lines.stride(1),
+            HEADS=heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), GROUP=config.group_size, GROUPS=groups,
             GROUPS_PAD=triton.next_power_of_2(groups), MAX_CODE=config.max_code,
         )
     if nonfinite is None and bool(flag):
@@ -75,14 +76,15 @@ def _next_up(x):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, data_ptr, scale_ptr, minimum_ptr, flag_ptr, stride_line,
-                     HALF: tl.constexpr, HALF_PAD: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+def _quantize_kernel(x_ptr, data_ptr, scale_ptr, minimum_ptr, flag_ptr, stride_row, stride_head,
+                     HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
                      GROUPS_PAD: tl.constexpr, MAX_CODE: tl.constexpr):
     line = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, 2)[:, None]  # [2, 1] row 0: the line's first half, row 1: its second
     i = tl.arange(0, HALF_PAD)[None, :]  # [1, H]
     ok = (i < HALF) & (r < 2)  # [2, H]
-    x = tl.load(x_ptr + line * stride_line + r * HALF + i, mask=ok, other=0.0).to(tl.float32)
+    start = (line // HEADS) * stride_row + (line % HEADS) * stride_head  # line: (token, head)
+    x = tl.load(x_ptr + start + r * HALF + i, mask=ok, other=0.0).to(tl.float32)
     group = (r * HALF + i) // GROUP  # [2, H] each value's group
     g = tl.arange(0, GROUPS_PAD)[:, None, None]  # [G, 1, 1]
     member = (group[None, :, :] == g) & ok[None, :, :]  # [G, 2, H]

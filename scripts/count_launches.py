@@ -204,22 +204,18 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
 
 @contextlib.contextmanager
 def triton_decodes(args, device: torch.device):
-    """Over a 4-bit KV cache: each launch of the Triton decode kernel counted as one (no dispatch mode
-    sees it), and on the CPU the kernel run in the interpreter. Else nothing."""
+    """Over a 4-bit KV cache: each launch of the Triton kernels of the decode route (attention, V's
+    quantize) counted as one, and on the CPU those kernels run in the interpreter. Else nothing."""
     if not args.compress_kv or args.gather_kv or importlib.util.find_spec("triton") is None:
         yield
         return
-    from flexsarathi.machine.launch_counter import launched_outside_aten
+    from flexsarathi.machine.launch_counter import counting_triton_launches
     from offload.kv_cache import triton_decodes_on_cpu
-    from quant import triton_kv_attention
+    from quant import triton_kv_attention, triton_quantize
 
-    kernel = triton_kv_attention.decode_attention
-    triton_kv_attention.decode_attention = launched_outside_aten("triton_kv_decode_attention", kernel)
-    try:
-        with triton_decodes_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
-            yield
-    finally:
-        triton_kv_attention.decode_attention = kernel
+    with counting_triton_launches((triton_kv_attention, "_decode_kernel"), (triton_quantize, "_quantize_kernel")), \
+            triton_decodes_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
+        yield
 
 
 def profiler_kernels(args, folder: str, dtype, device) -> float:

@@ -14,6 +14,8 @@ device (or, `pin_memory`, allocate page-locked memory).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -65,7 +67,7 @@ def launched_outside_aten(name: str, fn):
     launched outside aten (a Triton kernel's Python launch, which no dispatch mode sees). fn runs
     with the dispatch modes off: on a GPU it launches that one kernel; in Triton's interpreter on
     the CPU, the interpreter's own tensor copies are not a GPU's launches. Who wraps such a launch:
-    scripts/count_launches.py and tests/offload/test_launch_count.py."""
+    counting_triton_launches."""
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
     def counted(*args, **kwargs):
@@ -79,3 +81,28 @@ def launched_outside_aten(name: str, fn):
             return fn(*args, **kwargs)
 
     return counted
+
+
+class _CountedKernel:
+    """A Triton kernel whose launches (`kernel[grid](...)`) count as one each."""
+
+    def __init__(self, name: str, kernel):
+        self.name, self.kernel = name, kernel
+
+    def __getitem__(self, grid):
+        return launched_outside_aten(self.name, self.kernel[grid])
+
+
+@contextlib.contextmanager
+def counting_triton_launches(*kernels: tuple[object, str]):
+    """Inside: each launch of these Triton kernels ((module, attribute name) pairs, e.g.
+    (quant.triton_kv_attention, "_decode_kernel")) counts as one for every LaunchCounter active then
+    (launched_outside_aten). Process-wide: the module attributes are swapped while inside."""
+    originals = [getattr(module, name) for module, name in kernels]
+    for (module, name), kernel in zip(kernels, originals):
+        setattr(module, name, _CountedKernel(name, kernel))
+    try:
+        yield
+    finally:
+        for (module, name), kernel in zip(kernels, originals):
+            setattr(module, name, kernel)

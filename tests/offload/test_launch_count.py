@@ -5,6 +5,14 @@ launch (docs/DESIGN.md, "Decode passes on a GPU"); FlexGen's OPT layer issues ab
 PyTorch layer 11 (fused qkv, one KV write, SDPA)."""
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 
 from flexsarathi import LLM, SamplingParams
@@ -17,6 +25,7 @@ from policy_search import Policy
 # fc1, ReLU, fc2, residual. LLaMA-family layers add RMSNorm's fp32 steps, RoPE and separate K and V
 # writes (the rotated K is no longer beside V).
 MOST = {"opt": 12, "llama_gqa_untied": 28}
+REPO = Path(__file__).resolve().parents[2]
 
 
 def decode_launches(folder: str, graphs: bool = False, device: str = "cpu") -> tuple[float, list]:
@@ -125,3 +134,49 @@ def test_a_compressed_decode_quantizes_its_new_v_once(tiny_checkpoint, monkeypat
     with LLM(folder, dtype="float16", device="cpu", policy=policy) as llm:
         llm.generate([[5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert layer_steps and all(len(v_quantized) == 1 for v_quantized in layer_steps), layer_steps
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")
+def test_a_compressed_decode_layer_step_is_two_triton_kernels_and_the_layer(tiny_checkpoint):
+    """Over a 4-bit KV cache a GPU quantizes the new V rows in one Triton launch and attends the
+    codes in another (quant/triton_quantize.py, quant/triton_kv_attention.py); here the same route
+    runs in Triton's interpreter (triton_decodes_on_cpu), each kernel counted as one launch. The
+    exact operators (81 launches per layer-step on the gather route before; 15 now), and a pass's
+    first layer-step also makes the pool's non-finite flag (one zeros per pass)."""
+    folder, _ = tiny_checkpoint("opt")
+    script = textwrap.dedent(f"""
+        import json
+        from flexsarathi import LLM, SamplingParams
+        from flexsarathi.machine.launch_counter import LaunchCounter, counting_triton_launches
+        from offload.executor import PassExecutor
+        from offload.kv_cache import triton_decodes_on_cpu
+        from policy_search import Policy
+        from quant import triton_kv_attention, triton_quantize
+
+        steps, run_layer = [], PassExecutor._run_layer
+
+        def counted(self, layer, batches, start):
+            if not all(g.is_decode for mb in batches for g in mb.groups):
+                return run_layer(self, layer, batches, start)
+            with LaunchCounter() as counter:
+                result = run_layer(self, layer, batches, start)
+            steps.append((layer, [op[0] for op in counter.ops]))
+            return result
+
+        policy = Policy(gpu_batch_size=2, overlap=False, scheduler="block", compress_kv=True)
+        with LLM({folder!r}, dtype="float16", device="cpu", policy=policy) as llm, triton_decodes_on_cpu(), \\
+                counting_triton_launches((triton_kv_attention, "_decode_kernel"), (triton_quantize, "_quantize_kernel")):
+            PassExecutor._run_layer = counted
+            llm.generate([[5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)
+        print(json.dumps(steps))
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = json.loads(result.stdout.strip().splitlines()[-1])
+    layer = ["layer_norm", "linear", "_quantize_kernel", "_decode_kernel", "linear", "add", "layer_norm", "linear",
+             "relu_", "linear", "add", "index_copy_", "index_copy_", "index_copy_", "index_put_"]
+    assert len(steps) == 2 * 3  # 3 decode passes of the 2-layer OPT
+    for index, ops in steps:
+        assert ops == (layer if index else [*layer[:2], "zeros", *layer[2:]]), (index, ops)

@@ -43,12 +43,45 @@ _COUNTED = """
 
 
 def test_the_pool_attends_a_decode_as_the_gather_route_does():
+    """KVPool.attend_decode_codes (its DecodePlan: visible range, sliding window, each sequence's
+    row of the micro-batch) against gather_part + parts_to_attend + attention.attend on a pool filled
+    through store; the group's rows are not the micro-batch's first ones."""
     out = _run(_COUNTED + """
+    import torch
+    from flexsarathi.models import attention
     from offload.kv_cache import KVCompression, triton_decodes_on_cpu
-    from tests.offload.test_kv_cache import BS, test_decode_attention_in_the_pool_equals_gather_then_attend as check
-    with triton_decodes_on_cpu():
-        for lengths, window in [([11, 4, 7], None), ([1, 12, 8], None), ([11, 4, 7], 5), ([15, 3, 9], 2)]:
-            check(lengths, window, KVCompression(bits=4, block_size=BS, value_group=8))
+    from offload.micro_batch import AttentionGroup, KVPart
+    from tests.offload.test_kv_cache import BS, DIM, HEADS, _pool
+
+    cpu = torch.device("cpu")
+    for lengths, window in [([11, 4, 7], None), ([1, 12, 8], None), ([11, 4, 7], 5), ([15, 3, 9], 2)]:
+        pool = _pool(KVCompression(bits=4, block_size=BS, value_group=8))
+        gen = torch.Generator().manual_seed(sum(lengths) + (window or 0))
+        table = torch.randperm(12, generator=gen).view(3, 4)
+        slots = (table[:, :, None] * BS + torch.arange(BS)).flatten(1)  # [3, 16]
+        for row, length in enumerate(lengths):
+            for p in range(length):
+                kv = torch.randn(2, 1, HEADS, DIM, generator=gen) * 4
+                pool.store(1, slots[row, p:p + 1], kv[0], kv[1], torch.tensor([row]))
+        kv_len = torch.tensor(lengths) + 1  # the decode's new row at position lengths[b]
+        part = KVPart("cpu", slots[:, :int(kv_len.max())], torch.zeros(3, dtype=torch.long), kv_len, torch.arange(3),
+                      torch.arange(3), torch.tensor(lengths), torch.arange(3),
+                      torch.tensor([n // BS * BS for n in lengths]))
+        token_rows = torch.tensor([4, 1, 2])  # the group's rows of a 5-row micro-batch
+        group = AttentionGroup(token_rows, 1, torch.tensor(lengths)[:, None], [part])
+        q = torch.randn(3, 1, 2 * HEADS, DIM, generator=gen)  # GQA: two query heads per KV head
+        new_k, new_v = torch.randn(5, HEADS, DIM, generator=gen), torch.randn(5, HEADS, DIM, generator=gen)
+        scale = DIM ** -0.5
+        with triton_decodes_on_cpu():
+            assert pool.attends_with_triton() and pool.attends_in_pool(group, part, cpu)
+            codes, back = pool.quantize_v(new_v)
+            out, lse = pool.attend_decode_codes(1, q, pool.plan_decode(group, part, window), (new_k, codes), scale)
+        context = pool.gather_part(1, part, cpu)
+        [(k, v, rule)] = pool.parts_to_attend(group, part, context, new_k[token_rows], back[token_rows], True)
+        want_out, want_lse = attention.attend(q, k, v, group.q_pos, kv_len, scale, window, 0, rule)
+        assert out.shape == want_out.shape and lse.shape == want_lse.shape
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     print("calls", calls[0])
     """)
     assert out.split()[-1] == "4"  # each pool call took the kernel
@@ -77,13 +110,15 @@ def test_every_placement_gives_the_all_on_device_tokens():
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         return [o.token_ids for o in outs], [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
 
-    for kind in ("llama_gqa_untied", "opt"):
+    placements = {"llama_gqa_untied": [{}, dict(kv_gpu=0.3, kv_cpu=0.4, kv_disk=0.3, cpu_attention=True),
+                                       dict(num_gpu_batches=2, scheduler="block", w_gpu=0.5, w_cpu=0.5)],
+                  "opt": [{}]}
+    for kind in placements:
         folder = tempfile.mkdtemp()
         build_hf_model(kind).save_pretrained(folder, safe_serialization=True)
         tokens, logprobs = run(folder)
         with triton_decodes_on_cpu():
-            for placement in [{}, dict(kv_gpu=0.3, kv_cpu=0.4, kv_disk=0.3, cpu_attention=True),
-                              dict(num_gpu_batches=2), dict(scheduler="block", w_gpu=0.5, w_cpu=0.5)]:
+            for placement in placements[kind]:
                 before = calls[0]
                 got, got_logprobs = run(folder, **placement)
                 assert got == tokens, (kind, placement)

@@ -28,17 +28,23 @@ _SCRIPT = textwrap.dedent("""
     from tests.quant.test_cpu_kv_attention import _assert_exact, _case, _exact
 
     def as_rows(inputs, gen, dtype, strided):
-        # the new rows as rows of the pass's K and V (T > B, in another order), src and position per sequence
-        k_new, v_new, new_pos = inputs.pop("new")
+        # the new rows as rows of the pass's K (T > B rows, in another order; strided as the fused qkv
+        # output's K) and of its V codes, with src and position per sequence; the values they read as
+        from quant import QuantConfig, quantize, dequantize
+        k_new, _, new_pos = inputs.pop("new")
         batch, kv_heads, d = k_new.shape
         src = torch.randperm(batch + 3, generator=gen)[:batch]
-        width = 3 if strided else 1  # rows of a wider tensor (the fused qkv output's K is a strided view)
+        width = 3 if strided else 1
         k_rows = torch.randn(batch + 3, width, kv_heads, d, generator=gen)
-        v_rows = torch.randn(batch + 3, width, kv_heads, d, generator=gen)
-        k_rows[src, 0], v_rows[src, 0] = k_new, v_new
-        k_rows, v_rows = k_rows.to(dtype)[:, 0], v_rows.to(dtype)[:, 0]
+        k_rows[src, 0] = k_new
+        k_rows = k_rows.to(dtype)[:, 0]
+        v_codes = quantize(torch.randn(batch + 3, kv_heads, d, generator=gen) * 3,
+                           QuantConfig(bits=4, group_size=inputs["value_group"]))
+        v_rows = dequantize(v_codes, torch.float32)
+        tables = {"data": v_codes.data.view(batch + 3, -1), "scale": v_codes.scale.view(batch + 3, -1),
+                  "minimum": v_codes.minimum.view(batch + 3, -1)}
         src = torch.where(new_pos >= 0, src, torch.full_like(src, -1))
-        return (k_rows, v_rows, src, new_pos), k_new, v_new
+        return (k_rows, tables, src, new_pos), v_rows
 
     cases = [(4, 4, 16, 16, 16, 37), (8, 2, 32, 64, 16, 150), (2, 1, 8, 4, 8, 9), (32, 32, 128, 64, 64, 144),
              (6, 3, 64, 8, 32, 70), (2, 2, 10, 2, 2, 5), (12, 4, 80, 16, 16, 40)]
@@ -54,15 +60,15 @@ _SCRIPT = textwrap.dedent("""
             out, lse = triton_kv_attention.decode_attention(**inputs, new_rows=None, scale=scale)
             _assert_exact(out, lse, _exact(inputs["q"], context_k, context_v, *inputs["visible"], scale), (5, heads, d))
             continue
-        new_rows, _, _ = as_rows(inputs, gen, dtype, strided=n % 3 == 0)
+        new_rows, v_rows = as_rows(inputs, gen, dtype, strided=n % 3 == 0)
         inputs["k_open"], inputs["q"] = inputs["k_open"].to(dtype), inputs["q"].to(dtype)
         # the reference reads the same numbers: open keys and new rows as rounded to dtype
         opened = (j[None, :] >= inputs["complete_len"][:, None])[..., None, None]
         context_k = torch.where(opened, inputs["k_open"].float()[inputs["residual_ids"]][:, j % bs], context_k)
-        k_rows, v_rows, src, new_pos = new_rows
+        k_rows, _, src, new_pos = new_rows
         for b in range(5):
             if new_pos[b] >= 0:
-                context_k[b, new_pos[b]], context_v[b, new_pos[b]] = k_rows[src[b]].float(), v_rows[src[b]].float()
+                context_k[b, new_pos[b]], context_v[b, new_pos[b]] = k_rows[src[b]].float(), v_rows[src[b]]
         out, lse = triton_kv_attention.decode_attention(**inputs, new_rows=new_rows, scale=scale)
         _assert_exact(out, lse, _exact(inputs["q"].float(), context_k, context_v, *inputs["visible"], scale),
                       (5, heads, d))

@@ -27,11 +27,13 @@ _SCRIPT = textwrap.dedent("""
     from quant import triton_quantize
     warnings.simplefilter("ignore")  # numpy's warnings on the padding lanes' inf - inf
     gen = torch.Generator().manual_seed(0)
-    for t, h, d, g in [(5, 2, 16, 16), (3, 4, 64, 64), (7, 2, 128, 64), (4, 3, 80, 16), (2, 2, 10, 2),
+    for t, h, d, g in [(1, 1, 8, 8), (5, 2, 16, 16), (3, 4, 64, 64), (7, 2, 128, 64), (4, 3, 80, 16), (2, 2, 10, 2),
                        (6, 1, 128, 32), (3, 2, 96, 48), (40, 2, 32, 8)]:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             wide = torch.randn(t, h, 2 * d, generator=gen) * torch.logspace(-6, 3, t)[:, None, None]
             x = wide[..., :d].to(dtype) if dtype == torch.float32 else wide.to(dtype)[..., :d]  # strided rows
+            if t == 40:  # heads of a fused projection's output: [T, H, d] whose rows are wider than H * d
+                x = torch.randn(t, 3 * h * d, generator=gen).to(dtype)[:, h * d:2 * h * d].view(t, h, d)
             x[0, 0, :g] = 0.37  # a constant group
             x[-1, -1, :] = -1e-8
             config = QuantConfig(bits=4, group_size=g)
