@@ -46,16 +46,23 @@ def quantize_lines(x: torch.Tensor, config: QuantConfig, *, nonfinite: torch.Ten
     minimum = torch.empty_like(scale)
     flag = nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.bool, device=x.device)
     if num_lines:
-        half = dim // 2
-        _quantize_kernel[(num_lines,)](
-            lines, data, scale, minimum, flag.view(torch.uint8), lines.stride(0), lines.stride(1),
-            HEADS=heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), GROUP=config.group_size, GROUPS=groups,
-            GROUPS_PAD=triton.next_power_of_2(groups), MAX_CODE=config.max_code,
-        )
+        _quantize_kernel[(num_lines,)](lines, data, scale, minimum, flag.view(torch.uint8), lines.stride(0),
+                                       lines.stride(1), **constants(config, heads, dim), **OPTIONS)
     if nonfinite is None and bool(flag):
         raise UnrepresentableGroups("quantize needs finite values whose group minimum and step fit in fp16; "
                                     "got inf, NaN or a value out of that range")
     return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(x.shape), dtype=x.dtype, config=config)
+
+
+# no a * b + c contracted into one rounding (Triton's default fuses them): torch's bits
+OPTIONS = {"enable_fp_fusion": False}
+
+
+def constants(config: QuantConfig, heads: int, dim: int) -> dict:
+    """The kernel's compile-time constants for lines of `dim` values, `heads` per row."""
+    half, groups = dim // 2, dim // config.group_size
+    return dict(HEADS=heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), GROUP=config.group_size, GROUPS=groups,
+                GROUPS_PAD=triton.next_power_of_2(groups), MAX_CODE=config.max_code)
 
 
 @triton.jit
