@@ -305,3 +305,63 @@ def test_a_host_pool_stores_the_gpus_codes_of_v_without_quantizing_again(monkeyp
     assert quantized == [fed.k_config]  # K's completed block only
     for name in ("data", "scale", "minimum"):
         assert torch.equal(fed.v_codes[name], host.v_codes[name]) and torch.equal(fed.k_codes[name], host.k_codes[name])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_v_quantize_kernel_gives_torchs_bits_on_cuda(dtype):
+    """quant/triton_quantize.py compiled (IEEE division, no fma) against torch's quantize on this GPU
+    and on the CPU: codes, scales and minimums bit for bit, over nine decades, strided rows of a fused
+    projection, constant groups; a non-finite group sets the flag without a sync."""
+    from quant import triton_quantize
+
+    gen = torch.Generator().manual_seed(1)
+    for tokens, heads, dim, group in [(1, 1, 8, 8), (72, 32, 128, 64), (9, 8, 64, 64), (5, 4, 80, 16), (40, 2, 32, 8)]:
+        fused = torch.randn(tokens, 3 * heads * dim, generator=gen) * torch.logspace(-6, 3, tokens)[:, None]
+        x = fused.to(dtype)[:, heads * dim:2 * heads * dim].view(tokens, heads, dim)
+        x[0, 0, :group] = 0.37
+        config = QuantConfig(bits=4, group_size=group)
+        got = triton_quantize.quantize_lines(x.cuda(), config)
+        for want in (quantize(x.cuda(), config), quantize(x, config)):
+            for name in ("data", "scale", "minimum"):
+                assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), (tokens, heads, dim, name)
+    flag = torch.zeros((), dtype=torch.bool, device="cuda")
+    bad = torch.randn(3, 2, 16, device="cuda", dtype=dtype)
+    bad[1, 1, 4] = float("nan")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        triton_quantize.quantize_lines(bad, QuantConfig(bits=4, group_size=16), nonfinite=flag)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert bool(flag)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("model", ["opt_deep", "llama_deep"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_compressed_decodes_read_in_the_pool_give_the_gather_routes_tokens(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                           model, dtype):
+    """A gpu-tier compressed pool's decode rows attended by quant/triton_kv_attention.py (one launch,
+    the codes read in place) against the gather route (dequantized context, SDPA) on the same GPU:
+    the same greedy tokens, logprobs within the rounding of the two summation orders."""
+    from offload.kv_cache import KVPool
+
+    folder = tiny_checkpoint(model)[0]
+    policy = Policy(**{**BASE, "compress_kv": True, "num_gpu_batches": 2})
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = _prompts(128)
+
+    def run():
+        outs = [o.outputs[0] for o in _llm(folder, policy, tmp_path, dtype=dtype).generate(prompts, params,
+                                                                                           use_tqdm=False)]
+        return [o.token_ids for o in outs], [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
+
+    calls, kernel = [], KVPool.attend_decode_codes
+    monkeypatch.setattr(KVPool, "attend_decode_codes", lambda self, *a, **kw: calls.append(1) or kernel(self, *a, **kw))
+    tokens, logprobs = run()
+    assert calls
+    monkeypatch.setattr(KVPool, "attends_with_triton", lambda self: False)
+    gathered, gathered_logprobs = run()
+    assert tokens == gathered
+    tolerance = 1e-4 if dtype == "float32" else 2e-2
+    assert max(abs(a - b) for x, y in zip(logprobs, gathered_logprobs) for a, b in zip(x, y)) < tolerance
