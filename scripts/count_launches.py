@@ -204,18 +204,26 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
 
 @contextlib.contextmanager
 def triton_decodes(args, device: torch.device):
-    """Over a 4-bit KV cache: each launch of the Triton kernels of the decode route (attention, V's
-    quantize) counted as one, and on the CPU those kernels run in the interpreter. Else nothing."""
-    if not args.compress_kv or args.gather_kv or importlib.util.find_spec("triton") is None:
+    """Over a 4-bit KV cache: each launch of the KV cache's Triton kernels (decode attention, V's
+    quantize) counted as one; on the CPU the GPU's route run by the interpreter; --gather-kv: the
+    route a GPU without triton takes (dequantized context, SDPA). Else nothing."""
+    if not args.compress_kv or importlib.util.find_spec("triton") is None:
         yield
         return
     from flexsarathi.machine.launch_counter import counting_triton_launches
-    from offload.kv_cache import triton_decodes_on_cpu
+    from offload.kv_cache import KVPool, triton_decodes_on_cpu
     from quant import triton_kv_attention, triton_quantize
 
-    with counting_triton_launches((triton_kv_attention, "_decode_kernel"), (triton_quantize, "_quantize_kernel")), \
-            triton_decodes_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
-        yield
+    interpreted = device.type == "cpu" and not args.gather_kv
+    attends_with_triton = KVPool.attends_with_triton
+    if args.gather_kv:
+        KVPool.attends_with_triton = lambda self: False
+    try:
+        with counting_triton_launches((triton_kv_attention, "_decode_kernel"), (triton_quantize, "_quantize_kernel")), \
+                triton_decodes_on_cpu() if interpreted else contextlib.nullcontext():
+            yield
+    finally:
+        KVPool.attends_with_triton = attends_with_triton
 
 
 def profiler_kernels(args, folder: str, dtype, device) -> float:
@@ -281,7 +289,8 @@ def main() -> int:
         plain_launches, plain_round = plain_measurer(args, dtype, device, sync)
         ours = measure_ours(args, folder, dtype, device, sync, plain_round)
         plain_us = ours.pop("plain_us")
-        kernels = profiler_kernels(args, folder, dtype, device) if device.type == "cuda" else None
+        with triton_decodes(args, device):
+            kernels = profiler_kernels(args, folder, dtype, device) if device.type == "cuda" else None
     figures = {"ours": ours, "plain": {"launches": plain_launches, "host_us": plain_us},
                "profiler_kernels_per_layer_step": kernels}
     print(f"{'':28}{'launches':>10}{'host us':>10}")

@@ -87,6 +87,12 @@ for step in $STEPS; do
                 # shellcheck disable=SC2086
                 timeout "${LAUNCH_TIMEOUT:-120}" $PY scripts/count_launches.py --device cuda $shape $graphs
             done
+            # a 4-bit KV cache: the Triton decode route, then the gather route it replaces
+            for route in "" "--gather-kv"; do
+                # shellcheck disable=SC2086
+                timeout "${LAUNCH_TIMEOUT:-120}" $PY scripts/count_launches.py --device cuda $shape --compress-kv \
+                    --batch 8 $route
+            done
         done > "$OUT/launches.log" 2>&1 ;;
     profile)
         for scheduler in block decode-maximal; do
