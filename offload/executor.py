@@ -344,8 +344,8 @@ class PassExecutor:
         pool = self.kv_pools[part.tier]
         if context is IN_POOL and pool.attends_with_triton():  # on the pool's device: the compute device
             new = None if written else (k, v_codes)  # every row of the micro-batch: the plan names each's
-            return [pool.attend_decode_codes(layer, self._q_on(q_on, pool.device), self._slots[id(part)], new,
-                                             self.model.scale)]
+            q = self._q_on(q_on, self.attention_device(part.tier, group))  # the compute device's q, as it is
+            return [pool.attend_decode_codes(layer, q, self._slots[id(part)], new, self.model.scale)]
         if context is IN_POOL:  # new rows None where they are in the pool already
             q = self._q_on(q_on, CPU)
             new_k, new_v = (None, None) if written else (k[rows], v[rows])
