@@ -65,6 +65,7 @@ class PassExecutor:
         self._slots: dict[int, torch.Tensor] = {}
         self._whole: dict[int, bool] = {}
         self._reads_back: dict[int, bool] = {}  # id(micro-batch) -> _reads_v_back
+        self._v_first: dict[int, bool] = {}  # id(micro-batch) -> _writes_v_first
         # the next layer's first micro-batch's contexts, gathered on the I/O thread while this layer's
         # last micro-batch computes (gathers_ahead): (layer, id(micro-batch)) -> contexts, and its future
         self._gathered: dict[tuple[int, int], list] = {}
@@ -137,6 +138,7 @@ class PassExecutor:
             self._first = {id(mb): self.writes_first(mb) for mb in batches}
             self._slots = self._pool_slots(batches)
             self._reads_back = {id(mb): self._reads_v_back(mb) for mb in batches}
+            self._v_first = {id(mb): self._writes_v_first(mb) for mb in batches}
             self._whole = {id(mb): _one_group_of_every_row(mb) for mb in batches}
             self._gathered, self._ahead = {}, None
             g = self.weights.global_weights()
@@ -281,7 +283,12 @@ class PassExecutor:
         """Layer `layer` on the micro-batch; contexts None: it writes first (writes_first), so its new
         K/V go into the pool here and the contexts are gathered from the pool after them."""
         q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
-        v_codes, v_seen, read_back = self._v_read_back(v, self._reads_back[id(mb)])  # V's codes once: attention, store
+        if self._v_first[id(mb)]:  # V's codes straight into the pool, where attention reads them
+            write = mb.kv_writes[0]
+            self.kv_pools[write.tier].store_v_first(layer, v, self._slots[id(write)])
+            v_codes, v_seen, read_back = None, v, False
+        else:  # V's codes once: for attention and the store
+            v_codes, v_seen, read_back = self._v_read_back(v, self._reads_back[id(mb)])
         written = contexts is None
         if written:
             self._store_kv(layer, mb, k, v, v_codes)
@@ -312,6 +319,18 @@ class PassExecutor:
             return None, v, False
         codes, back = pool.quantize_v(v, read_back)
         return codes, (v if back is None else back), back is not None
+
+    def _writes_v_first(self, mb: MicroBatch) -> bool:
+        """Whether the micro-batch's new V rows are quantized straight into their pool before attention
+        (KVPool.store_v_first; the store after attention writes K only): one write of every row, in
+        order, into a pool the Triton kernels serve on the compute device, every part of the
+        micro-batch read by them (a decode micro-batch over a gpu-tier compressed pool)."""
+        if len(mb.kv_writes) != 1 or self._reads_back[id(mb)]:
+            return False
+        write = mb.kv_writes[0]
+        pool = self.kv_pools[write.tier]
+        return (pool.attends_with_triton() and pool.device.type == self.device.type and write.row_start == 0
+                and write.rows.shape[0] == mb.num_tokens)
 
     def _reads_v_back(self, mb: MicroBatch) -> bool:
         """Whether some part of the micro-batch reads its new V rows as they read back from a compressed
@@ -429,7 +448,8 @@ class PassExecutor:
             if pool.compression is None:
                 pool.store(layer, write.slots if indices is None else indices, k, v)
             else:
-                pool.store(layer, write.slots, k, v, write.residual_ids, v_codes=codes, plan=indices)
+                pool.store(layer, write.slots, k, v, write.residual_ids, v_codes=codes, plan=indices,
+                           v_stored=self._v_first.get(id(mb), False))
 
 
 class _Done:

@@ -260,13 +260,13 @@ class KVPool:
     # ---- store / gather -------------------------------------------------------------------
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               residual_ids: torch.Tensor | None = None, v_codes: QTensor | None = None,
-              plan: StorePlan | None = None) -> None:
+              plan: StorePlan | None = None, v_stored: bool = False) -> None:
         """slots: [T] (best a host tensor: the batch builder's); k, v: [T, kv_heads, head_dim] on any
         device; residual_ids: [T] the residual row of each token's sequence (compressed pools); v_codes:
         quantize_v's codes of v, used where they are on this pool's device (else v is quantized here);
         plan: plan_store's of slots and residual_ids for this pool (the executor's, made once per pass;
-        else made here). A host pool takes k and v through pinned memory and an event wait (no stream
-        sync); index arithmetic runs on the host."""
+        else made here); v_stored: store_v_first put V in already (K only here). A host pool takes k
+        and v through pinned memory and an event wait (no stream sync); index arithmetic runs on the host."""
         if self.compression is None:
             pair = kv_pair(k, v)
             if pair is not None and self.device.type == pair.device.type and pair.dtype == self.dtype:
@@ -285,12 +285,20 @@ class KVPool:
             self.k[layer].index_copy_(0, slots, k.to(self.device, self.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.device, self.dtype))
             return
-        same_device = v_codes is not None and v_codes.device.type == self.device.type
-        q = v_codes if same_device else quantize(v, self.v_config, nonfinite=self._flag(v.device))
         plan = plan or self.plan_store(slots, residual_ids)
-        for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
-            self.v_codes[name][layer].index_copy_(0, plan.slots, part.view(v.shape[0], -1).to(self.device))
+        if not v_stored:
+            same_device = v_codes is not None and v_codes.device.type == self.device.type
+            q = v_codes if same_device else quantize(v, self.v_config, nonfinite=self._flag(v.device))
+            for name, part in (("data", q.data), ("scale", q.scale), ("minimum", q.minimum)):
+                self.v_codes[name][layer].index_copy_(0, plan.slots, part.view(v.shape[0], -1).to(self.device))
         self._store_keys(layer, plan, k.to(self.device, self.dtype))
+
+    def store_v_first(self, layer: int, v: torch.Tensor, plan: StorePlan) -> None:
+        """New V rows [T, kv_heads, head_dim] on this pool's device, quantized straight into their slots
+        (plan.slots) in one Triton launch, before attention reads them there (a pool that
+        attends_with_triton); the store after attention then writes K only (store's v_stored)."""
+        tables = {n: t[layer] for n, t in self.v_codes.items()}
+        _triton_quantize().quantize_lines(v, self.v_config, nonfinite=self._flag(v.device), into=(tables, plan.slots))
 
     def plan_store(self, slots: torch.Tensor, residual_ids: torch.Tensor) -> StorePlan:
         """Where a store of these slots puts its K and V in this (compressed) pool: offload/kv_plans.py."""
@@ -431,9 +439,10 @@ class KVPool:
         inside triton_decodes_on_cpu()."""
         if self.compression is None or not (self.device.type == "cuda" or _triton_on_cpu[0]):
             return False
-        if self._triton_covers is None:
-            kernel = _triton_kernel()
-            self._triton_covers = kernel is not None and kernel.covers(self.k_config, self.v_config, self.head_dim)
+        if self._triton_covers is None:  # both kernels: the decode attention and V's quantize
+            kernel, quantizer = _triton_kernel(), _triton_quantize()
+            self._triton_covers = (kernel is not None and kernel.covers(self.k_config, self.v_config, self.head_dim)
+                                   and quantizer.covers(self.v_config, self.head_dim))
         return self._triton_covers
 
     def plan_decode(self, group: AttentionGroup, part: KVPart, sliding_window: int | None) -> DecodePlan:
@@ -469,15 +478,14 @@ class KVPool:
                             new: tuple[torch.Tensor, QTensor] | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """attend_decode where the pool attends_with_triton: one launch on the pool's device. q
         [B, 1, heads, d] there; plan: plan_decode's (every index, uploaded once per pass); new: the
-        micro-batch's new K [T, kv_heads, d] and its V codes (quantize_v's), the rows the plan names
-        read in place, or None (in the pool already). out [B, 1, heads, d] in q's dtype, lse
+        micro-batch's new K [T, kv_heads, d] and its V codes (quantize_v's; None: store_v_first wrote
+        them into the pool), the rows the plan names read in place, or None (both in the pool already). out [B, 1, heads, d] in q's dtype, lse
         [B, 1, heads] fp32."""
         new_rows = None
-        if new is not None:
+        if new is not None:  # codes None: store_v_first put them in the pool
             k, codes = new
-            rows = codes.shape[0]
-            tables = {"data": codes.data.view(rows, -1), "scale": codes.scale.view(rows, -1),
-                      "minimum": codes.minimum.view(rows, -1)}
+            tables = None if codes is None else {n: getattr(codes, n).view(codes.shape[0], -1)
+                                                 for n in ("data", "scale", "minimum")}
             new_rows = (k, tables, plan.new_src, plan.new_pos)
         out, lse = _triton_kernel().decode_attention(
             {n: t[layer] for n, t in self.k_codes.items()}, plan.blocks, plan.complete_len, self.k_residual[layer],

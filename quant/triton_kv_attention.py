@@ -59,7 +59,8 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
     [B, L]. q [B, heads, d]. visible: (lo, hi) [B], the keys [lo, hi) each query sees. new_rows:
     (k [T, H, d], v_codes, src [B], position [B]): sequence b's key at `position[b]` is row `src[b]` of
     k (-1: none) instead of the pool's, its value row `src[b]` of v_codes (V tables of the pass's T
-    rows, laid out as the pool's: read back as the pool's are); or None.
+    rows, laid out as the pool's: read back as the pool's are; None: the pool holds them already);
+    or None (the pool holds both).
     Returns out [B, heads, d] in out_dtype (rounded from fp32 as the kernel stores it: no cast launched
     after it) and lse [B, heads] fp32 (natural log; -inf, out 0 where nothing is visible)."""
     batch, heads, dim = q.shape
@@ -70,6 +71,8 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
         return out, lse
     has_new = new_rows is not None
     k_new, v_new, new_src, new_pos = new_rows if has_new else (q, v_codes, complete_len, complete_len)  # unread
+    new_v = has_new and v_new is not None
+    v_new = v_new if new_v else v_codes  # unread
     q, k_open = q.contiguous(), k_open.contiguous()
     k_new = k_new if k_new.stride(-1) == 1 and k_new.stride(-2) == dim else k_new.contiguous()
     _decode_kernel[(batch, kv_heads)](
@@ -77,13 +80,15 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
         v_codes["data"], v_codes["scale"], v_codes["minimum"], slots, visible[0], visible[1],
         k_new, v_new["data"], v_new["scale"], v_new["minimum"], new_src, new_pos, q, out, lse, blocks.stride(0),
         slots.stride(0), k_new.stride(0), scale,
-        **constants(heads, kv_heads, dim, bs, value_group, has_new),
+        **constants(heads, kv_heads, dim, bs, value_group, has_new, new_v),
     )
     return out, lse
 
 
-def constants(heads: int, kv_heads: int, dim: int, block_size: int, value_group: int, has_new: bool) -> dict:
-    """The kernel's compile-time constants for a layer of these shapes."""
+def constants(heads: int, kv_heads: int, dim: int, block_size: int, value_group: int, has_new: bool,
+              new_v: bool) -> dict:
+    """The kernel's compile-time constants for a layer of these shapes (has_new: the pass's new keys
+    are read from its K; new_v: and their values from its V codes, not from the pool)."""
     group = heads // kv_heads
     group_pad, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(dim)
     # [group_pad, block_n, dim_pad] fp32 products live in registers: at most 4096 of them per program
@@ -91,7 +96,7 @@ def constants(heads: int, kv_heads: int, dim: int, block_size: int, value_group:
     # 8192 spilled at one). tests/quant/test_triton_compile.py compiles these shapes without a GPU.
     block_n = max(1, min(64, 4096 // (group_pad * dim_pad)))
     return dict(GROUP=group, GROUP_PAD=group_pad, DIM=dim, DIM_PAD=dim_pad, KV_HEADS=kv_heads, BS=block_size,
-                VG=value_group, BLOCK_N=block_n, HAS_NEW=has_new)
+                VG=value_group, BLOCK_N=block_n, HAS_NEW=has_new, NEW_V=new_v)
 
 
 @triton.jit
@@ -102,6 +107,7 @@ def _decode_kernel(
     stride_blocks, stride_slots, stride_k_new, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     KV_HEADS: tl.constexpr, BS: tl.constexpr, VG: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NEW: tl.constexpr,
+    NEW_V: tl.constexpr,
 ):
     b, h = tl.program_id(0), tl.program_id(1)
     g, c = tl.arange(0, GROUP_PAD), tl.arange(0, DIM_PAD)  # [G] query heads of this KV head, [D] channels
@@ -111,11 +117,8 @@ def _decode_kernel(
     lo, hi = tl.load(lo_ptr + b), tl.load(hi_ptr + b)
     complete, residual_row = tl.load(complete_ptr + b), tl.load(residual_ptr + b)
     if HAS_NEW:
-        # src -1 comes with position -1 (no row of the pass): row 0 is read and never used
-        src, new_pos = tl.maximum(tl.load(new_src_ptr + b), 0), tl.load(new_pos_ptr + b)
-        k_new = tl.load(k_new_ptr + src * stride_k_new + h * DIM + c, mask=c_ok, other=0.0).to(tl.float32)  # [D]
-        v_new = _values(new_vd_ptr, new_vs_ptr, new_vm_ptr, src + tl.zeros([1], tl.int64), tl.zeros([1], tl.int32) == 0,
-                        h, c, c_ok, DIM, KV_HEADS, VG)  # [1, D]
+        k_new, v_new, new_pos = _new_row(k_new_ptr, new_vd_ptr, new_vs_ptr, new_vm_ptr, new_src_ptr, new_pos_ptr,
+                                         stride_k_new, b, h, c, c_ok, DIM, KV_HEADS, VG, NEW_V)
 
     m, total = tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -129,7 +132,8 @@ def _decode_kernel(
         if HAS_NEW:
             is_new = (j == new_pos)[:, None]
             k = tl.where(is_new, k_new[None, :], k)
-            v = tl.where(is_new, v_new, v)
+            if NEW_V:
+                v = tl.where(is_new, v_new, v)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
         scores = tl.where(seen[None, :], scores, float("-inf"))
         m_next = tl.maximum(m, tl.max(scores, axis=1))
@@ -145,6 +149,22 @@ def _decode_kernel(
     lse = tl.where(any_seen, m + tl.log(tl.where(any_seen, total, 1.0)), float("-inf"))
     tl.store(out_ptr + rows[:, None] * DIM + c[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & c_ok[None, :])
     tl.store(lse_ptr + rows, lse, mask=g_ok)
+
+
+@triton.jit
+def _new_row(k_new_ptr, new_vd_ptr, new_vs_ptr, new_vm_ptr, new_src_ptr, new_pos_ptr, stride_k_new, b, h, c, c_ok,
+             DIM: tl.constexpr, KV_HEADS: tl.constexpr, VG: tl.constexpr, NEW_V: tl.constexpr):
+    """Sequence b's new key [D] and value [1, D] (zeros unless NEW_V: the pool holds it) of KV head h,
+    fp32, and their position."""
+    # src -1 comes with position -1 (no row of the pass): row 0 is read and never used
+    src = tl.maximum(tl.load(new_src_ptr + b), 0)
+    k_new = tl.load(k_new_ptr + src * stride_k_new + h * DIM + c, mask=c_ok, other=0.0).to(tl.float32)
+    if NEW_V:
+        v_new = _values(new_vd_ptr, new_vs_ptr, new_vm_ptr, src + tl.zeros([1], tl.int64), tl.zeros([1], tl.int32) == 0,
+                        h, c, c_ok, DIM, KV_HEADS, VG)
+    else:
+        v_new = tl.zeros_like(k_new)[None, :]
+    return k_new, v_new, tl.load(new_pos_ptr + b)
 
 
 @triton.jit

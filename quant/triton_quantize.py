@@ -31,26 +31,34 @@ def covers(config: QuantConfig, head_dim: int) -> bool:
             and head_dim % 2 == 0 and head_dim % config.group_size == 0)
 
 
-def quantize_lines(x: torch.Tensor, config: QuantConfig, *, nonfinite: torch.Tensor | None = None) -> QTensor:
+def quantize_lines(x: torch.Tensor, config: QuantConfig, *, nonfinite: torch.Tensor | None = None,
+                   into: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None) -> QTensor | None:
     """x [..., d]: quant.groupwise.quantize(x, config), the same bits. nonfinite: a bool scalar on x's
     device set where some group's minimum or step is not a finite fp16 (inf, NaN or out of fp16's
-    range), without a host sync; None: checked here (a sync)."""
+    range), without a host sync; None: checked here (a sync). into: (tables, rows) to write x [T, H, d]
+    straight into a KV pool's V tables of one layer (data [slots, H * d / 2], scale and minimum
+    [slots, H * d / group]) at row rows[t] for token t, and return None (a store with no copy after it)."""
     dim = x.shape[-1]
     heads = x.shape[-2] if x.dim() >= 2 else 1
     lines = x.reshape(-1, heads, dim)  # [T, H, d]: a view of a fused projection's strided V (no copy)
     if lines.stride(-1) != 1:
         lines = lines.contiguous()
     num_lines, groups = lines.shape[0] * heads, dim // config.group_size
-    data = torch.empty(num_lines * dim // 2, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(num_lines * groups, dtype=torch.float16, device=x.device)
-    minimum = torch.empty_like(scale)
+    if into is None:
+        data = torch.empty(num_lines * dim // 2, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(num_lines * groups, dtype=torch.float16, device=x.device)
+        minimum, rows = torch.empty_like(scale), data  # rows: unread
+    else:
+        (tables, rows), (data, scale, minimum) = into, (into[0][n] for n in ("data", "scale", "minimum"))
     flag = nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.bool, device=x.device)
     if num_lines:
-        _quantize_kernel[(num_lines,)](lines, data, scale, minimum, flag.view(torch.uint8), lines.stride(0),
-                                       lines.stride(1), **constants(config, heads, dim), **OPTIONS)
+        _quantize_kernel[(num_lines,)](lines, data, scale, minimum, flag.view(torch.uint8), rows, lines.stride(0),
+                                       lines.stride(1), **constants(config, heads, dim, into is not None), **OPTIONS)
     if nonfinite is None and bool(flag):
         raise UnrepresentableGroups("quantize needs finite values whose group minimum and step fit in fp16; "
                                     "got inf, NaN or a value out of that range")
+    if into is not None:
+        return None
     return QTensor(data=data, scale=scale, minimum=minimum, shape=tuple(x.shape), dtype=x.dtype, config=config)
 
 
@@ -58,10 +66,11 @@ def quantize_lines(x: torch.Tensor, config: QuantConfig, *, nonfinite: torch.Ten
 OPTIONS = {"enable_fp_fusion": False}
 
 
-def constants(config: QuantConfig, heads: int, dim: int) -> dict:
-    """The kernel's compile-time constants for lines of `dim` values, `heads` per row."""
+def constants(config: QuantConfig, heads: int, dim: int, into_rows: bool = False) -> dict:
+    """The kernel's compile-time constants for lines of `dim` values, `heads` per row (into_rows: each
+    token's lines go to the table row its `rows` entry names)."""
     half, groups = dim // 2, dim // config.group_size
-    return dict(HEADS=heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), GROUP=config.group_size, GROUPS=groups,
+    return dict(INTO_ROWS=into_rows, HEADS=heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), GROUP=config.group_size, GROUPS=groups,
                 GROUPS_PAD=triton.next_power_of_2(groups), MAX_CODE=config.max_code)
 
 
@@ -83,8 +92,8 @@ def _next_up(x):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, data_ptr, scale_ptr, minimum_ptr, flag_ptr, stride_row, stride_head,
-                     HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+def _quantize_kernel(x_ptr, data_ptr, scale_ptr, minimum_ptr, flag_ptr, rows_ptr, stride_row, stride_head,
+                     INTO_ROWS: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
                      GROUPS_PAD: tl.constexpr, MAX_CODE: tl.constexpr):
     line = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, 2)[:, None]  # [2, 1] row 0: the line's first half, row 1: its second
@@ -109,8 +118,12 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, minimum_ptr, flag_ptr, stride_r
     g_ok = tl.arange(0, GROUPS_PAD) < GROUPS
     bad = g_ok & ~(finite & (tl.abs(scale.to(tl.float32)) < float("inf")) & (tl.abs(minimum.to(tl.float32)) < float("inf")))
     tl.store(flag_ptr + tl.zeros([GROUPS_PAD], tl.int32), tl.full([GROUPS_PAD], 1, tl.uint8), mask=bad)
-    tl.store(scale_ptr + line * GROUPS + tl.arange(0, GROUPS_PAD), scale, mask=g_ok)
-    tl.store(minimum_ptr + line * GROUPS + tl.arange(0, GROUPS_PAD), minimum, mask=g_ok)
+    if INTO_ROWS:  # token t's head h: line h of table row rows[t]
+        out = tl.load(rows_ptr + line // HEADS).to(tl.int64) * HEADS + line % HEADS
+    else:
+        out = line
+    tl.store(scale_ptr + out * GROUPS + tl.arange(0, GROUPS_PAD), scale, mask=g_ok)
+    tl.store(minimum_ptr + out * GROUPS + tl.arange(0, GROUPS_PAD), minimum, mask=g_ok)
     # each value's own group's minimum and scale: a select over the few groups of the line (where,
     # not a product: an empty padding group's inf would make 0 * inf)
     value_min = tl.sum(tl.where(member, minimum.to(tl.float32)[:, None, None], 0.0), axis=0)  # [2, H]
@@ -122,4 +135,4 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, minimum_ptr, flag_ptr, stride_r
     rounded = down + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)  # half to even, as torch.round
     codes = tl.minimum(tl.maximum(rounded, 0.0), MAX_CODE).to(tl.int32)  # [2, H]
     packed = tl.sum(tl.where(r == 0, codes, codes << 4), axis=0).to(tl.uint8)  # [H]: byte i = code i | code i + H
-    tl.store(data_ptr + line * HALF + tl.arange(0, HALF_PAD), packed, mask=tl.arange(0, HALF_PAD) < HALF)
+    tl.store(data_ptr + out * HALF + tl.arange(0, HALF_PAD), packed, mask=tl.arange(0, HALF_PAD) < HALF)

@@ -116,10 +116,10 @@ def _run_recording_stores(llm):
     (pool,) = engine.kv_pools.values()
     stored, store = {}, pool.store
 
-    def recording_store(layer, slots, k, v, residual_ids=None, v_codes=None, plan=None):
+    def recording_store(layer, slots, k, v, residual_ids=None, v_codes=None, plan=None, v_stored=False):
         for slot, k_row, v_row in zip(slots.tolist(), k.detach().cpu().clone(), v.detach().cpu().clone()):
             stored[layer, slot] = (k_row, v_row)
-        return store(layer, slots, k, v, residual_ids, v_codes=v_codes, plan=plan)
+        return store(layer, slots, k, v, residual_ids, v_codes=v_codes, plan=plan, v_stored=v_stored)
 
     pool.store = recording_store
     tables = {}

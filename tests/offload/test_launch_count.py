@@ -138,11 +138,12 @@ def test_a_compressed_decode_quantizes_its_new_v_once(tiny_checkpoint, monkeypat
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")
 def test_a_compressed_decode_layer_step_is_two_triton_kernels_and_the_layer(tiny_checkpoint):
-    """Over a 4-bit KV cache a GPU quantizes the new V rows in one Triton launch and attends the
-    codes in another (quant/triton_quantize.py, quant/triton_kv_attention.py); here the same route
-    runs in Triton's interpreter (triton_decodes_on_cpu), each kernel counted as one launch. The
-    exact operators (81 launches per layer-step on the gather route before; 15 now), and a pass's
-    first layer-step also makes the pool's non-finite flag (one zeros per pass)."""
+    """Over a 4-bit KV cache a GPU quantizes the new V rows straight into their pool slots in one
+    Triton launch and attends the codes in another (quant/triton_quantize.py,
+    quant/triton_kv_attention.py); here the same route runs in Triton's interpreter
+    (triton_decodes_on_cpu), each kernel counted as one launch. The exact operators (81 launches per
+    layer-step on the gather route; 12 now), and a pass's first layer-step also makes the pool's
+    non-finite flag (one zeros per pass)."""
     folder, _ = tiny_checkpoint("opt")
     script = textwrap.dedent(f"""
         import json
@@ -176,7 +177,7 @@ def test_a_compressed_decode_layer_step_is_two_triton_kernels_and_the_layer(tiny
     assert result.returncode == 0, result.stderr[-3000:]
     steps = json.loads(result.stdout.strip().splitlines()[-1])
     layer = ["layer_norm", "linear", "_quantize_kernel", "_decode_kernel", "linear", "add", "layer_norm", "linear",
-             "relu_", "linear", "add", "index_copy_", "index_copy_", "index_copy_", "index_put_"]
+             "relu_", "linear", "add", "index_put_"]  # V went into the pool with its quantize; K's residual row
     assert len(steps) == 2 * 3  # 3 decode passes of the 2-layer OPT
     for index, ops in steps:
         assert ops == (layer if index else [*layer[:2], "zeros", *layer[2:]]), (index, ops)

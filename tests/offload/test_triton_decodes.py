@@ -76,6 +76,11 @@ def test_the_pool_attends_a_decode_as_the_gather_route_does():
             assert pool.attends_with_triton() and pool.attends_in_pool(group, part, cpu)
             codes, back = pool.quantize_v(new_v)
             out, lse = pool.attend_decode_codes(1, q, pool.plan_decode(group, part, window), (new_k, codes), scale)
+            # V stored first (the executor's decode route): read from the pool, the same bits
+            stored = pool.plan_store(slots[torch.arange(3), torch.tensor(lengths)], torch.arange(3))
+            pool.store_v_first(1, new_v[token_rows], stored)
+            first = pool.attend_decode_codes(1, q, pool.plan_decode(group, part, window), (new_k, None), scale)
+            assert torch.equal(first[0], out) and torch.equal(first[1], lse)
         context = pool.gather_part(1, part, cpu)
         [(k, v, rule)] = pool.parts_to_attend(group, part, context, new_k[token_rows], back[token_rows], True)
         want_out, want_lse = attention.attend(q, k, v, group.q_pos, kv_len, scale, window, 0, rule)
@@ -84,7 +89,7 @@ def test_the_pool_attends_a_decode_as_the_gather_route_does():
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     print("calls", calls[0])
     """)
-    assert out.split()[-1] == "4"  # each pool call took the kernel
+    assert out.split()[-1] == "8"  # each pool call took the kernel (two per case)
 
 
 def test_every_placement_gives_the_all_on_device_tokens():

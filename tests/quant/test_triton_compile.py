@@ -30,15 +30,15 @@ def _compile(fn, signature: dict, constants: dict, capability: int, **options):
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("heads,dim,group", [(32, 128, 64), (8, 64, 64), (4, 80, 16)])
-def test_the_quantize_kernel_compiles_with_ieee_division_and_no_fma(capability, dtype, heads, dim, group):
+@pytest.mark.parametrize("heads,dim,group,into_rows", [(32, 128, 64, True), (8, 64, 64, False), (4, 80, 16, False)])
+def test_the_quantize_kernel_compiles_with_ieee_division_and_no_fma(capability, dtype, heads, dim, group, into_rows):
     from quant import triton_quantize
 
     signature = {"x_ptr": f"*{dtype}", "data_ptr": "*u8", "scale_ptr": "*fp16", "minimum_ptr": "*fp16",
-                 "flag_ptr": "*u8", "stride_row": "i64", "stride_head": "i64"}
+                 "flag_ptr": "*u8", "rows_ptr": "*i64", "stride_row": "i64", "stride_head": "i64"}
     kernel = _compile(triton_quantize._quantize_kernel, signature,
-                      triton_quantize.constants(QuantConfig(bits=4, group_size=group), heads, dim), capability,
-                      **triton_quantize.OPTIONS)
+                      triton_quantize.constants(QuantConfig(bits=4, group_size=group), heads, dim, into_rows),
+                      capability, **triton_quantize.OPTIONS)
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"]
     divisions = re.findall(r"\bdiv\.[a-z0-9.]+", ptx)
@@ -59,5 +59,5 @@ def test_the_decode_attention_kernel_compiles(capability, heads, kv_heads, dim, 
                 "q_ptr": "*fp16", "out_ptr": "*fp16", "lse_ptr": "*fp32"}
     scalars = {"stride_blocks": "i64", "stride_slots": "i64", "stride_k_new": "i64", "scale": "fp32"}
     kernel = _compile(triton_kv_attention._decode_kernel, {**pointers, **scalars},
-                      triton_kv_attention.constants(heads, kv_heads, dim, bs, group, has_new), capability)
+                      triton_kv_attention.constants(heads, kv_heads, dim, bs, group, has_new, has_new), capability)
     assert kernel.asm["cubin"]

@@ -72,6 +72,17 @@ _SCRIPT = textwrap.dedent("""
         out, lse = triton_kv_attention.decode_attention(**inputs, new_rows=new_rows, scale=scale)
         _assert_exact(out, lse, _exact(inputs["q"].float(), context_k, context_v, *inputs["visible"], scale),
                       (5, heads, d))
+        # new values the pool holds already (stored before attention): read from the pool at their slot, the
+        # same bits as the same codes given as the pass's rows
+        slot = inputs["slots"][torch.arange(5), new_pos.clamp_min(0)]
+        pool_rows = {name: table[slot] for name, table in inputs["v_codes"].items()}
+        k_at_src = torch.zeros(5, *k_rows.shape[1:], dtype=k_rows.dtype)
+        k_at_src[new_pos >= 0] = k_rows[src[new_pos >= 0]]
+        given = triton_kv_attention.decode_attention(**inputs, new_rows=(k_at_src, pool_rows, torch.arange(5), new_pos),
+                                                     scale=scale)
+        stored = triton_kv_attention.decode_attention(**inputs, new_rows=(k_at_src, None, torch.arange(5), new_pos),
+                                                      scale=scale)
+        assert all(torch.equal(a, b) for a, b in zip(given, stored))
     # nothing visible: out 0, lse -inf
     gen = torch.Generator().manual_seed(3)
     inputs, _, _ = _case(gen, 3, 4, 2, 16, 16, 16, 20)

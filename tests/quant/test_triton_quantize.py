@@ -41,6 +41,21 @@ _SCRIPT = textwrap.dedent("""
             for name in ("data", "scale", "minimum"):
                 assert torch.equal(getattr(want, name), getattr(got, name)), (t, h, d, g, dtype, name)
             assert got.shape == want.shape and got.config == config
+    # straight into a pool's tables at each token's slot: those rows hold quantize's bytes, the others stay
+    for heads, dim, group in [(2, 16, 8), (3, 64, 64)]:
+        config = QuantConfig(bits=4, group_size=group)
+        x = torch.randn(5, heads, dim, generator=gen).half()
+        tables = {"data": torch.full((9, heads * dim // 2), 7, dtype=torch.uint8),
+                  "scale": torch.full((9, heads * dim // group), 3.0, dtype=torch.float16)}
+        tables["minimum"] = tables["scale"].clone()
+        before = {name: table.clone() for name, table in tables.items()}
+        rows = torch.tensor([6, 0, 3, 8, 2])
+        assert triton_quantize.quantize_lines(x, config, into=(tables, rows)) is None
+        want = quantize(x, config)
+        for name, table in tables.items():
+            assert torch.equal(table[rows], getattr(want, name).view(5, -1)), name
+            kept = torch.tensor([r not in rows.tolist() for r in range(9)])
+            assert torch.equal(table[kept], before[name][kept]), name
     config = QuantConfig(bits=4, group_size=16)
     for bad in (float("nan"), float("inf"), 1e6):
         x = torch.randn(2, 2, 16)
