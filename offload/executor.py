@@ -251,8 +251,8 @@ class PassExecutor:
 
     def _pool_slots(self, batches: list[MicroBatch]) -> dict:
         """id(write or part) -> what indexes its pool: a plain pool's slots on its device, a compressed
-        pool's plan of a gather or of a decode read in the pool (offload/kv_plans.py). The same for every layer: on a GPU one upload per pass
-        instead of one per layer and step."""
+        pool's plan of a gather or of a decode read in the pool (offload/kv_plans.py). The same for
+        every layer: on a GPU one upload per pass instead of one per layer and step."""
         slots = {}
         for mb in batches:
             for write in mb.kv_writes:
@@ -268,10 +268,10 @@ class PassExecutor:
                         slots[id(part)] = to_device(part.kv_slots.reshape(-1), pool.device)  # [B * L]
                         continue
                     device = self.attention_device(part.tier, group)
-                    if not pool.attends_in_pool(group, part, device):
-                        slots[id(part)] = pool.plan_gather(part, device)
-                    elif pool.attends_with_triton():
+                    if self._read_by_triton(group, part):
                         slots[id(part)] = pool.plan_decode(group, part, self.model.config.sliding_window)
+                    elif not pool.attends_in_pool(group, part, device):
+                        slots[id(part)] = pool.plan_gather(part, device)
         return slots
 
     def _reads_new_rows(self, part) -> bool:
@@ -335,9 +335,13 @@ class PassExecutor:
     def _reads_v_back(self, mb: MicroBatch) -> bool:
         """Whether some part of the micro-batch reads its new V rows as they read back from a compressed
         pool: every part but a decode's read by the Triton kernel, which reads their codes."""
-        return any(not (self.kv_pools[part.tier].attends_with_triton() and not self._reads_new_rows(part)
-                        and self.kv_pools[part.tier].attends_in_pool(g, part, self.attention_device(part.tier, g)))
-                   for g in mb.groups for part in g.parts)
+        return not all(self._read_by_triton(g, part) for g in mb.groups for part in g.parts)
+
+    def _read_by_triton(self, group: AttentionGroup, part) -> bool:
+        """The part's decode rows are attended in its pool by the Triton kernel (KVPool.attend_decode_codes)."""
+        pool = self.kv_pools[part.tier]
+        return (pool.attends_with_triton() and not self._reads_new_rows(part)
+                and pool.attends_in_pool(group, part, self.attention_device(part.tier, group)))
 
     def _post_attention(self, w, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer after attention, in slices of POST_ATTENTION_ROWS rows where the micro-batch has

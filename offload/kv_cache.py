@@ -475,12 +475,13 @@ class KVPool:
         return out.to(q.dtype).unsqueeze(1), lse.unsqueeze(1)
 
     def attend_decode_codes(self, layer: int, q: torch.Tensor, plan: DecodePlan,
-                            new: tuple[torch.Tensor, QTensor] | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            new: tuple[torch.Tensor, QTensor | None] | None, scale: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """attend_decode where the pool attends_with_triton: one launch on the pool's device. q
         [B, 1, heads, d] there; plan: plan_decode's (every index, uploaded once per pass); new: the
         micro-batch's new K [T, kv_heads, d] and its V codes (quantize_v's; None: store_v_first wrote
-        them into the pool), the rows the plan names read in place, or None (both in the pool already). out [B, 1, heads, d] in q's dtype, lse
-        [B, 1, heads] fp32."""
+        them into the pool), the rows the plan names read in place, or None (both in the pool
+        already). out [B, 1, heads, d] in q's dtype, lse [B, 1, heads] fp32."""
         new_rows = None
         if new is not None:  # codes None: store_v_first put them in the pool
             k, codes = new

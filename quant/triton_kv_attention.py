@@ -147,7 +147,8 @@ def _decode_kernel(
     any_seen = total > 0
     out = acc / tl.where(any_seen, total, 1.0)[:, None]
     lse = tl.where(any_seen, m + tl.log(tl.where(any_seen, total, 1.0)), float("-inf"))
-    tl.store(out_ptr + rows[:, None] * DIM + c[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & c_ok[None, :])
+    tl.store(out_ptr + rows[:, None] * DIM + c[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & c_ok[None, :])
     tl.store(lse_ptr + rows, lse, mask=g_ok)
 
 

@@ -70,7 +70,8 @@ def constants(config: QuantConfig, heads: int, dim: int, into_rows: bool = False
     """The kernel's compile-time constants for lines of `dim` values, `heads` per row (into_rows: each
     token's lines go to the table row its `rows` entry names)."""
     half, groups = dim // 2, dim // config.group_size
-    return dict(INTO_ROWS=into_rows, HEADS=heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), GROUP=config.group_size, GROUPS=groups,
+    return dict(INTO_ROWS=into_rows, HEADS=heads, HALF=half, HALF_PAD=triton.next_power_of_2(half),
+                GROUP=config.group_size, GROUPS=groups,
                 GROUPS_PAD=triton.next_power_of_2(groups), MAX_CODE=config.max_code)
 
 
@@ -93,8 +94,8 @@ def _next_up(x):
 
 @triton.jit
 def _quantize_kernel(x_ptr, data_ptr, scale_ptr, minimum_ptr, flag_ptr, rows_ptr, stride_row, stride_head,
-                     INTO_ROWS: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
-                     GROUPS_PAD: tl.constexpr, MAX_CODE: tl.constexpr):
+                     INTO_ROWS: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                     GROUP: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, MAX_CODE: tl.constexpr):
     line = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, 2)[:, None]  # [2, 1] row 0: the line's first half, row 1: its second
     i = tl.arange(0, HALF_PAD)[None, :]  # [1, H]
@@ -116,7 +117,8 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, minimum_ptr, flag_ptr, rows_ptr
     nearest = step.to(tl.float16)
     scale = tl.where(nearest.to(tl.float32) < step, _fp16_step(nearest, True), nearest)
     g_ok = tl.arange(0, GROUPS_PAD) < GROUPS
-    bad = g_ok & ~(finite & (tl.abs(scale.to(tl.float32)) < float("inf")) & (tl.abs(minimum.to(tl.float32)) < float("inf")))
+    representable = (tl.abs(scale.to(tl.float32)) < float("inf")) & (tl.abs(minimum.to(tl.float32)) < float("inf"))
+    bad = g_ok & ~(finite & representable)
     tl.store(flag_ptr + tl.zeros([GROUPS_PAD], tl.int32), tl.full([GROUPS_PAD], 1, tl.uint8), mask=bad)
     if INTO_ROWS:  # token t's head h: line h of table row rows[t]
         out = tl.load(rows_ptr + line // HEADS).to(tl.int64) * HEADS + line % HEADS

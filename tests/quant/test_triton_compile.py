@@ -47,8 +47,8 @@ def test_the_quantize_kernel_compiles_with_ieee_division_and_no_fma(capability, 
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
-@pytest.mark.parametrize("heads,kv_heads,dim,bs,group,has_new", [(32, 32, 128, 64, 64, True), (32, 8, 128, 64, 64, True),
-                                                                 (56, 8, 128, 64, 64, False), (12, 4, 80, 16, 16, True)])
+@pytest.mark.parametrize("heads,kv_heads,dim,bs,group,has_new", [
+    (32, 32, 128, 64, 64, True), (32, 8, 128, 64, 64, True), (56, 8, 128, 64, 64, False), (12, 4, 80, 16, 16, True)])
 def test_the_decode_attention_kernel_compiles(capability, heads, kv_heads, dim, bs, group, has_new):
     from quant import triton_kv_attention
 
