@@ -123,15 +123,10 @@ def test_compressed_gather_on_the_cpu_equals_torchs_route_and_never_overwrites_a
     assert torch.equal(held[0], slow[1][0])
 
 
-@pytest.mark.parametrize("compression", [KVCompression(bits=4, block_size=BS, value_group=8), None],
-                         ids=["codes", "plain"])
-@pytest.mark.parametrize("lengths,window", [([11, 4, 7], None), ([1, 12, 8], None), ([11, 4, 7], 5)])
-def test_decode_attention_in_the_pool_equals_gather_then_attend(lengths, window, compression):
-    """KVPool.attend_decode (quant/cpu_kv_attention.py: from the codes, or a plain pool's slots in
-    place) against the route it replaces: gather_part, parts_to_attend (the new row patched in, V as
-    it will read back) and attention.attend, on a pool filled through store; a sliding window hides
-    the oldest keys."""
-    from flexsarathi.models import attention  # noqa: PLC0415
+def decode_case(compression, lengths: list[int], window: int | None, token_rows: torch.Tensor | None = None):
+    """(pool, generator, part, group): layer 1 of a pool filled through store with three sequences of
+    `lengths` keys in shuffled blocks, and one decode step of each (its new row at position
+    lengths[b]; token_rows: the group's rows of the micro-batch, default 0, 1, 2)."""
     from offload.micro_batch import AttentionGroup, KVPart  # noqa: PLC0415
 
     pool = _pool(compression)
@@ -146,7 +141,22 @@ def test_decode_attention_in_the_pool_equals_gather_then_attend(lengths, window,
     width = int(kv_len.max())
     part = KVPart("cpu", slots[:, :width], torch.zeros(3, dtype=torch.long), kv_len, torch.arange(3), torch.arange(3),
                   torch.tensor(lengths), torch.arange(3), torch.tensor([n // BS * BS for n in lengths]))
-    group = AttentionGroup(torch.arange(3), 1, torch.tensor(lengths)[:, None], [part])
+    rows = torch.arange(3) if token_rows is None else token_rows
+    return pool, gen, part, AttentionGroup(rows, 1, torch.tensor(lengths)[:, None], [part])
+
+
+@pytest.mark.parametrize("compression", [KVCompression(bits=4, block_size=BS, value_group=8), None],
+                         ids=["codes", "plain"])
+@pytest.mark.parametrize("lengths,window", [([11, 4, 7], None), ([1, 12, 8], None), ([11, 4, 7], 5)])
+def test_decode_attention_in_the_pool_equals_gather_then_attend(lengths, window, compression):
+    """KVPool.attend_decode (quant/cpu_kv_attention.py: from the codes, or a plain pool's slots in
+    place) against the route it replaces: gather_part, parts_to_attend (the new row patched in, V as
+    it will read back) and attention.attend, on a pool filled through store; a sliding window hides
+    the oldest keys."""
+    from flexsarathi.models import attention  # noqa: PLC0415
+
+    pool, gen, part, group = decode_case(compression, lengths, window)
+    kv_len = part.kv_len
     assert pool.attends_in_pool(group, part, torch.device("cpu"))
     q = torch.randn(3, 1, 2 * HEADS, DIM, generator=gen)  # GQA: two query heads per KV head
     new_k, new_v = torch.randn(3, HEADS, DIM, generator=gen), torch.randn(3, HEADS, DIM, generator=gen)

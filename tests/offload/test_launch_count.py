@@ -7,11 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -20,12 +15,12 @@ from flexsarathi.machine.launch_counter import LaunchCounter
 from offload.executor import PassExecutor
 from offload.kv_cache import gathered_plain_decodes
 from policy_search import Policy
+from tests.triton_interpreter import run_interpreted
 
 # OPT: LayerNorm, qkv, the K/V pair written, the context gathered, SDPA, o_proj, residual, LayerNorm,
 # fc1, ReLU, fc2, residual. LLaMA-family layers add RMSNorm's fp32 steps, RoPE and separate K and V
 # writes (the rotated K is no longer beside V).
 MOST = {"opt": 12, "llama_gqa_untied": 28}
-REPO = Path(__file__).resolve().parents[2]
 
 
 def decode_launches(folder: str, graphs: bool = False, device: str = "cpu") -> tuple[float, list]:
@@ -145,7 +140,7 @@ def test_a_compressed_decode_layer_step_is_two_triton_kernels_and_the_layer(tiny
     layer-step on the gather route; 12 now), and a pass's first layer-step also makes the pool's
     non-finite flag (one zeros per pass)."""
     folder, _ = tiny_checkpoint("opt")
-    script = textwrap.dedent(f"""
+    script = f"""
         import json
         from flexsarathi import LLM, SamplingParams
         from flexsarathi.machine.launch_counter import LaunchCounter, counting_triton_launches
@@ -171,11 +166,8 @@ def test_a_compressed_decode_layer_step_is_two_triton_kernels_and_the_layer(tiny
             llm.generate([[5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=4, ignore_eos=True),
                          use_tqdm=False)
         print(json.dumps(steps))
-    """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    steps = json.loads(result.stdout.strip().splitlines()[-1])
+    """
+    steps = json.loads(run_interpreted(script).strip().splitlines()[-1])
     layer = ["layer_norm", "linear", "_quantize_kernel", "_decode_kernel", "linear", "add", "layer_norm", "linear",
              "relu_", "linear", "add", "index_put_"]  # V went into the pool with its quantize; K's residual row
     assert len(steps) == 2 * 3  # 3 decode passes of the 2-layer OPT

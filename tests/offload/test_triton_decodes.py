@@ -7,28 +7,15 @@ through the same code (tests/offload/test_cuda.py)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpreter import run_interpreted
+
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
               pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernel "
                                  "(tests/offload/test_cuda.py); the interpreter stands in only without a GPU")]
-
-
-def _run(script: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
-                            timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout
 
 
 _COUNTED = """
@@ -46,29 +33,18 @@ def test_the_pool_attends_a_decode_as_the_gather_route_does():
     """KVPool.attend_decode_codes (its DecodePlan: visible range, sliding window, each sequence's
     row of the micro-batch) against gather_part + parts_to_attend + attention.attend on a pool filled
     through store; the group's rows are not the micro-batch's first ones."""
-    out = _run(_COUNTED + """
+    out = run_interpreted(_COUNTED + """
     import torch
     from flexsarathi.models import attention
     from offload.kv_cache import KVCompression, triton_decodes_on_cpu
-    from offload.micro_batch import AttentionGroup, KVPart
-    from tests.offload.test_kv_cache import BS, DIM, HEADS, _pool
+    from tests.offload.test_kv_cache import BS, DIM, HEADS, decode_case
 
     cpu = torch.device("cpu")
     for lengths, window in [([11, 4, 7], None), ([1, 12, 8], None), ([11, 4, 7], 5), ([15, 3, 9], 2)]:
-        pool = _pool(KVCompression(bits=4, block_size=BS, value_group=8))
-        gen = torch.Generator().manual_seed(sum(lengths) + (window or 0))
-        table = torch.randperm(12, generator=gen).view(3, 4)
-        slots = (table[:, :, None] * BS + torch.arange(BS)).flatten(1)  # [3, 16]
-        for row, length in enumerate(lengths):
-            for p in range(length):
-                kv = torch.randn(2, 1, HEADS, DIM, generator=gen) * 4
-                pool.store(1, slots[row, p:p + 1], kv[0], kv[1], torch.tensor([row]))
-        kv_len = torch.tensor(lengths) + 1  # the decode's new row at position lengths[b]
-        part = KVPart("cpu", slots[:, :int(kv_len.max())], torch.zeros(3, dtype=torch.long), kv_len, torch.arange(3),
-                      torch.arange(3), torch.tensor(lengths), torch.arange(3),
-                      torch.tensor([n // BS * BS for n in lengths]))
         token_rows = torch.tensor([4, 1, 2])  # the group's rows of a 5-row micro-batch
-        group = AttentionGroup(token_rows, 1, torch.tensor(lengths)[:, None], [part])
+        pool, gen, part, group = decode_case(KVCompression(bits=4, block_size=BS, value_group=8), lengths, window,
+                                             token_rows)
+        kv_len, slots = part.kv_len, part.kv_slots
         q = torch.randn(3, 1, 2 * HEADS, DIM, generator=gen)  # GQA: two query heads per KV head
         new_k, new_v = torch.randn(5, HEADS, DIM, generator=gen), torch.randn(5, HEADS, DIM, generator=gen)
         scale = DIM ** -0.5
@@ -97,7 +73,7 @@ def test_every_placement_gives_the_all_on_device_tokens():
     the Triton kernel for every decode over a compressed pool (its own parts; delegated CPU attention
     of host parts too, since every pool is on the CPU here): the same greedy tokens, and logprobs
     equal within fp32 rounding of a different summation order."""
-    out = _run(_COUNTED + """
+    out = run_interpreted(_COUNTED + """
     import tempfile, torch
     from conftest import build_hf_model
     from flexsarathi import LLM, SamplingParams

@@ -1,18 +1,14 @@
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from quant import QuantConfig, dequantize, quantize, quantized_linear
+from tests.triton_interpreter import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -82,9 +78,7 @@ def test_triton_kernel_in_the_interpreter():
             expected = F.linear(x.float(), dequantize(q, torch.float32), None if bias is None else bias.float())
             torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_interpreted(script, timeout=300)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")

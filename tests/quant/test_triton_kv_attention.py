@@ -7,22 +7,17 @@ without a GPU. tests/offload/test_cuda.py runs it compiled, end to end."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from quant import QuantConfig
+from tests.triton_interpreter import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 # Runs under TRITON_INTERPRET=1, which must be set before triton is imported: hence a subprocess.
-_SCRIPT = textwrap.dedent("""
+_SCRIPT = """
     import torch
     from quant import triton_kv_attention
     from tests.quant.test_cpu_kv_attention import _assert_exact, _case, _exact
@@ -92,17 +87,14 @@ _SCRIPT = textwrap.dedent("""
     assert torch.equal(out[[0, 2]], torch.zeros(2, 4, 16)) and bool(torch.isneginf(lse[[0, 2]]).all())
     assert bool(torch.isfinite(lse[1]).all())
     print("ok")
-""")
+"""
 
 
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernel itself "
                     "(tests/offload/test_cuda.py); the interpreter stands in for it only without a GPU")
 def test_equals_exact_attention_over_the_gathered_context_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300,
-                            cwd=REPO)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    assert run_interpreted(_SCRIPT).strip().endswith("ok")
 
 
 @needs_triton

@@ -6,21 +6,16 @@ without raising. A GPU runs the compiled kernel against torch's quantize (tests/
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from quant import QuantConfig
+from tests.triton_interpreter import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
-_SCRIPT = textwrap.dedent("""
+_SCRIPT = """
     import warnings
     import torch
     from quant import QuantConfig, quantize
@@ -72,17 +67,14 @@ _SCRIPT = textwrap.dedent("""
     triton_quantize.quantize_lines(torch.randn(3, 2, 16) * 1000, config, nonfinite=flag)
     assert not bool(flag)
     print("ok")
-""")
+"""
 
 
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernel itself "
                     "(tests/offload/test_cuda.py); the interpreter stands in for it only without a GPU")
 def test_the_same_bits_as_torchs_quantize_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300,
-                            cwd=REPO)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    assert run_interpreted(_SCRIPT).strip().endswith("ok")
 
 
 @needs_triton
