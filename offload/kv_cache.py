@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import importlib.util
 import os
 import threading
@@ -34,7 +35,7 @@ import torch
 
 from offload.micro_batch import AttentionGroup, KVPart, host_of
 from offload.host_buffer import RecycledBuffers, tier_zeros
-from offload.kv_plans import DecodePlan, GatherPlan, StorePlan, plan_decode, plan_gather, plan_store
+from offload.kv_plans import DecodePlan, GatherPlan, StorePlan, plan_decode, plan_gather, plan_store, visible_range
 from offload.streams import to_device, to_host, to_host_all
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, cpu_kv_attention, cpu_kv_dequant, dequantize, quantize
@@ -77,26 +78,18 @@ def triton_decodes_on_cpu():
         _triton_on_cpu[0] = before
 
 
-def _triton_kernel():
-    """quant.triton_kv_attention, or None where triton is not installed (imported on first use: it
-    imports triton, ~1 s, which a CPU engine never needs)."""
-    if not _triton_installed():
-        return None
-    from quant import triton_kv_attention
-    return triton_kv_attention
-
-
-def _triton_quantize():
-    """quant.triton_quantize, or None where triton is not installed (imported on first use)."""
-    if not _triton_installed():
-        return None
-    from quant import triton_quantize
-    return triton_quantize
-
-
 @functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def _triton(module: str):
+    """quant.<module> (triton_kv_attention, triton_quantize), or None where triton is not installed
+    (imported on first use: it imports triton, ~1 s, which a CPU engine never needs)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    return importlib.import_module(f"quant.{module}")
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    """The KV cache's Triton kernels serve this device: a GPU, or the CPU inside triton_decodes_on_cpu."""
+    return device.type == "cuda" or _triton_on_cpu[0]
 
 
 # (block_size, "before" | "same"): attend only keys in blocks before each query's own block, or in
@@ -203,7 +196,7 @@ class KVPool:
 
     # ---- compression helpers (pure functions of values: what a stored value reads back as) ---
     def _flag(self, device: torch.device) -> torch.Tensor | None:
-        if device.type != "cuda" and not _triton_on_cpu[0]:
+        if not _triton_runs_on(device):
             return None  # quantize checks at once on the CPU (inside triton_decodes_on_cpu: as on a GPU)
         key = (device, threading.get_ident())
         if key not in self._nonfinite:
@@ -227,7 +220,7 @@ class KVPool:
         they read back as, else None. The executor makes them once per micro-batch and layer, for its
         attention and its store. Where the Triton kernels run (a GPU; the CPU inside
         triton_decodes_on_cpu) one launch (quant/triton_quantize.py, the same bits) instead of ~30."""
-        kernel = _triton_quantize() if v.device.type == "cuda" or _triton_on_cpu[0] else None
+        kernel = _triton("triton_quantize") if _triton_runs_on(v.device) else None
         if kernel is not None and kernel.covers(self.v_config, self.head_dim):
             q = kernel.quantize_lines(v, self.v_config, nonfinite=self._flag(v.device))
         else:
@@ -298,7 +291,8 @@ class KVPool:
         (plan.slots) in one Triton launch, before attention reads them there (a pool that
         attends_with_triton); the store after attention then writes K only (store's v_stored)."""
         tables = {n: t[layer] for n, t in self.v_codes.items()}
-        _triton_quantize().quantize_lines(v, self.v_config, nonfinite=self._flag(v.device), into=(tables, plan.slots))
+        _triton("triton_quantize").quantize_lines(v, self.v_config, nonfinite=self._flag(v.device),
+                                                  into=(tables, plan.slots))
 
     def plan_store(self, slots: torch.Tensor, residual_ids: torch.Tensor) -> StorePlan:
         """Where a store of these slots puts its K and V in this (compressed) pool: offload/kv_plans.py."""
@@ -437,10 +431,10 @@ class KVPool:
     def attends_with_triton(self) -> bool:
         """Decode rows over this compressed pool take the Triton kernel: on a GPU, or on the CPU
         inside triton_decodes_on_cpu()."""
-        if self.compression is None or not (self.device.type == "cuda" or _triton_on_cpu[0]):
+        if self.compression is None or not _triton_runs_on(self.device):
             return False
         if self._triton_covers is None:  # both kernels: the decode attention and V's quantize
-            kernel, quantizer = _triton_kernel(), _triton_quantize()
+            kernel, quantizer = _triton("triton_kv_attention"), _triton("triton_quantize")
             self._triton_covers = (kernel is not None and kernel.covers(self.k_config, self.v_config, self.head_dim)
                                    and quantizer.covers(self.v_config, self.head_dim))
         return self._triton_covers
@@ -461,8 +455,7 @@ class KVPool:
         lse [B, 1, heads] fp32. (A pool that attends_with_triton: attend_decode_codes.)"""
         at, bs = host_of(part), self.block_size  # host tensors: the batch builder's, no sync
         q_pos = host_of(group).q_pos[:, 0]
-        hi = torch.minimum(at.kv_len, q_pos - at.kv_start + 1)
-        lo = (q_pos - at.kv_start - sliding_window + 1).clamp_min(0) if sliding_window else torch.zeros_like(hi)
+        lo, hi = visible_range(q_pos, at, sliding_window)
         new = self._new_rows(part, new_k, new_v, q.shape[0], v_read_back)
         if self.compression is None:
             out, lse = cpu_kv_attention.plain_decode_attention(self.kv_layers[layer], at.kv_slots, q[:, 0], (lo, hi),
@@ -488,7 +481,7 @@ class KVPool:
             tables = None if codes is None else {n: getattr(codes, n).view(codes.shape[0], -1)
                                                  for n in ("data", "scale", "minimum")}
             new_rows = (k, tables, plan.new_src, plan.new_pos)
-        out, lse = _triton_kernel().decode_attention(
+        out, lse = _triton("triton_kv_attention").decode_attention(
             {n: t[layer] for n, t in self.k_codes.items()}, plan.blocks, plan.complete_len, self.k_residual[layer],
             plan.residual_ids, {n: t[layer] for n, t in self.v_codes.items()}, plan.slots, self.v_config.group_size,
             q[:, 0], (plan.lo, plan.hi), new_rows, scale, out_dtype=q.dtype)

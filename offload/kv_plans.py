@@ -111,12 +111,17 @@ def plan_decode(q_pos: torch.Tensor, token_rows: torch.Tensor, part, block_size:
     """q_pos [B] (the decode rows' positions), token_rows [B] (their rows of the micro-batch) and `part`
     (a KVPart): the batch builder's host tensors."""
     kv_slots, batch = part.kv_slots.cpu(), q_pos.shape[0]
-    hi = torch.minimum(part.kv_len, q_pos - part.kv_start + 1)
-    lo = ((q_pos - part.kv_start - sliding_window + 1).clamp_min(0) if sliding_window
-          else torch.zeros_like(hi))
+    lo, hi = visible_range(q_pos, part, sliding_window)
     new_src, new_pos = torch.full((batch,), -1, dtype=torch.long), torch.full((batch,), -1, dtype=torch.long)
     new_src[part.patch_seq] = token_rows.cpu().long()[part.patch_src.cpu().long()]  # group rows -> micro-batch rows
     new_pos[part.patch_seq] = part.patch_pos.cpu().long()
     host = [kv_slots[:, ::block_size] // block_size, part.complete_len, part.residual_ids, kv_slots, lo, hi,
             new_src, new_pos]
     return DecodePlan(*upload_packed([t.cpu().contiguous() for t in host], device))
+
+
+def visible_range(q_pos: torch.Tensor, part, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) [B]: the keys [lo, hi) of `part` (a KVPart) each decode row at q_pos [B] sees (host tensors)."""
+    hi = torch.minimum(part.kv_len, q_pos - part.kv_start + 1)
+    lo = (q_pos - part.kv_start - sliding_window + 1).clamp_min(0) if sliding_window else torch.zeros_like(hi)
+    return lo, hi

@@ -54,11 +54,15 @@ class LaunchCounter(TorchDispatchMode):
         if name in SYNCS:
             self.syncs.append(name)
         if not func.is_view and name not in _NO_KERNEL:
-            self.launches += 1
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            self.ops.append((name, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors),
-                             tuple(t.untyped_storage().data_ptr() for t in tensors)))
+            self.record(name, (*args, *kwargs.values()))
         return func(*args, **kwargs)
+
+    def record(self, name: str, args) -> None:
+        """One launch of `name` with these arguments (their tensors' shapes, dtypes and storages)."""
+        self.launches += 1
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self.ops.append((name, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors),
+                         tuple(t.untyped_storage().data_ptr() for t in tensors)))
 
 
 
@@ -71,12 +75,9 @@ def launched_outside_aten(name: str, fn):
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
     def counted(*args, **kwargs):
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         for mode in _get_current_dispatch_mode_stack():
             if isinstance(mode, LaunchCounter):
-                mode.launches += 1
-                mode.ops.append((name, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors),
-                                 tuple(t.untyped_storage().data_ptr() for t in tensors)))
+                mode.record(name, (*args, *kwargs.values()))
         with _disable_current_modes():
             return fn(*args, **kwargs)
 
