@@ -3,13 +3,21 @@ CPU tensors): the variable must be set before triton is imported, so each script
 Python, with the repository (and tests/, for conftest's helpers) importable."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+# Where a GPU is, its compiled kernels are tested instead (tests/offload/test_cuda.py).
+without_a_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernel "
+                                   "itself (tests/offload/test_cuda.py); the interpreter stands in only without a GPU")
 
 
 def run_interpreted(script: str, timeout: int = 600) -> str:

@@ -5,7 +5,6 @@ launch (docs/DESIGN.md, "Decode passes on a GPU"); FlexGen's OPT layer issues ab
 PyTorch layer 11 (fused qkv, one KV write, SDPA)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -15,7 +14,7 @@ from flexsarathi.machine.launch_counter import LaunchCounter
 from offload.executor import PassExecutor
 from offload.kv_cache import gathered_plain_decodes
 from policy_search import Policy
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 # OPT: LayerNorm, qkv, the K/V pair written, the context gathered, SDPA, o_proj, residual, LayerNorm,
 # fc1, ReLU, fc2, residual. LLaMA-family layers add RMSNorm's fp32 steps, RoPE and separate K and V
@@ -131,7 +130,7 @@ def test_a_compressed_decode_quantizes_its_new_v_once(tiny_checkpoint, monkeypat
     assert layer_steps and all(len(v_quantized) == 1 for v_quantized in layer_steps), layer_steps
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")
+@needs_triton
 def test_a_compressed_decode_layer_step_is_two_triton_kernels_and_the_layer(tiny_checkpoint):
     """Over a 4-bit KV cache a GPU quantizes the new V rows straight into their pool slots in one
     Triton launch and attends the codes in another (quant/triton_quantize.py,

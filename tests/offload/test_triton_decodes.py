@@ -6,16 +6,9 @@ subprocess: TRITON_INTERPRET=1 must be set before triton is imported. A GPU runs
 through the same code (tests/offload/test_cuda.py)."""
 from __future__ import annotations
 
-import importlib.util
+from tests.triton_interpreter import needs_triton, run_interpreted, without_a_gpu
 
-import pytest
-import torch
-
-from tests.triton_interpreter import run_interpreted
-
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-              pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernel "
-                                 "(tests/offload/test_cuda.py); the interpreter stands in only without a GPU")]
+pytestmark = [needs_triton, without_a_gpu]
 
 
 _COUNTED = """

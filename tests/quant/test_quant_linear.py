@@ -1,4 +1,3 @@
-import importlib.util
 import textwrap
 
 import pytest
@@ -6,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from quant import QuantConfig, dequantize, quantize, quantized_linear
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import needs_triton, run_interpreted, without_a_gpu
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -54,9 +53,8 @@ def test_cuda_quantized_linear_matches_dequantize_then_linear(case, dtype):
     torch.testing.assert_close(quantized_linear(x, q, bias).float(), expected, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernel itself "
-                    "(tests/offload/test_cuda.py); the interpreter stands in for it only without a GPU")
+@needs_triton
+@without_a_gpu
 def test_triton_kernel_in_the_interpreter():
     # TRITON_INTERPRET=1 runs the kernel with numpy on CPU tensors: the kernel's indexing (the
     # split-half nibbles, the group of each tile, the masks) is checked without a GPU. It must be set
@@ -81,7 +79,7 @@ def test_triton_kernel_in_the_interpreter():
     run_interpreted(script, timeout=300)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@needs_triton
 def test_triton_grid_gives_every_sm_a_program_where_the_output_allows():
     from quant.triton_kernels import block_n_for
 

@@ -7,14 +7,14 @@ the compiler takes them as a GPU machine would, and that the quantize kernel div
 tests/offload/test_cuda.py."""
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
 
 from quant import QuantConfig
+from tests.triton_interpreter import needs_triton
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+pytestmark = needs_triton
 CAPABILITIES = [75, 80, 90]
 
 

@@ -6,15 +6,9 @@ the new rows at their source rows, the visible range, GQA, padded heads and tile
 without a GPU. tests/offload/test_cuda.py runs it compiled, end to end."""
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
-import torch
-
 from quant import QuantConfig
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import needs_triton, run_interpreted, without_a_gpu
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 # Runs under TRITON_INTERPRET=1, which must be set before triton is imported: hence a subprocess.
 _SCRIPT = """
@@ -91,8 +85,7 @@ _SCRIPT = """
 
 
 @needs_triton
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernel itself "
-                    "(tests/offload/test_cuda.py); the interpreter stands in for it only without a GPU")
+@without_a_gpu
 def test_equals_exact_attention_over_the_gathered_context_in_the_interpreter():
     assert run_interpreted(_SCRIPT).strip().endswith("ok")
 

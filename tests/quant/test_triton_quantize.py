@@ -5,15 +5,9 @@ groups, strided rows; and a non-finite or out-of-range group raises, or sets the
 without raising. A GPU runs the compiled kernel against torch's quantize (tests/offload/test_cuda.py)."""
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
-import torch
-
 from quant import QuantConfig
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import needs_triton, run_interpreted, without_a_gpu
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 _SCRIPT = """
     import warnings
@@ -71,8 +65,7 @@ _SCRIPT = """
 
 
 @needs_triton
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernel itself "
-                    "(tests/offload/test_cuda.py); the interpreter stands in for it only without a GPU")
+@without_a_gpu
 def test_the_same_bits_as_torchs_quantize_in_the_interpreter():
     assert run_interpreted(_SCRIPT).strip().endswith("ok")
 
