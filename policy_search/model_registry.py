@@ -6,6 +6,7 @@ Used by `dummy:<name>` (random weights of the real shape, for benchmarks) and by
 from __future__ import annotations
 
 import copy
+import re
 
 
 def _opt(hidden: int, layers: int, heads: int, ffn: int, proj_dim: int | None = None,
@@ -126,10 +127,18 @@ def _normalise(name: str) -> str:
 
 
 def known_config(name: str) -> dict:
-    """HF config dict of a registered model (`opt-30b`, `dummy:llama-2-7b`, ...); a copy."""
+    """HF config dict of a registered model (`opt-30b`, `dummy:llama-2-7b`, ...), or of one cut to
+    its first N layers (`llama-2-70b-2l`: the same shapes, fewer layers; a smoke run or a test of a
+    big model's layer); a copy."""
     key = _normalise(name)
+    cut = re.fullmatch(r"(.+)-([1-9][0-9]*)l", key)
+    if key not in KNOWN_MODELS and cut and cut[1] in KNOWN_MODELS:
+        # Resolved here, not only by register_variant: a CLI subprocess or a Ray actor given the
+        # name must find the same shapes as the process that chose it.
+        return {**copy.deepcopy(KNOWN_MODELS[cut[1]]), "num_hidden_layers": int(cut[2])}
     if key not in KNOWN_MODELS:
-        raise KeyError(f"unknown model name {name!r}; known: {', '.join(KNOWN_MODELS)}")
+        raise KeyError(f"unknown model name {name!r}; known: {', '.join(KNOWN_MODELS)} "
+                       f"(or one of them cut to its first N layers: <name>-<N>l)")
     return copy.deepcopy(KNOWN_MODELS[key])
 
 

@@ -374,6 +374,6 @@ class ModelSpec:
             config = known_config(name)
         except KeyError:
             raise SpecError(f"unknown model {name!r}: not a folder with config.json and not a "
-                            f"registered name ({', '.join(KNOWN_MODELS)})") from None
+                            f"registered name ({', '.join(KNOWN_MODELS)}; or <name>-<N>l, one cut to N layers)") from None
         short = name.strip().lower().split(":", 1)[-1].split("/")[-1]
         return cls.from_config(config, name=short, bytes_per_value=bytes_per_value)

@@ -50,10 +50,10 @@ def traced(call, where: str, at_line: int = 0) -> int:
 
 def main(folder: str, trials: int, seed: int) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    with LLM("dummy:opt-125m", dtype="float32", policy=ON_DISK, offload_dir=folder) as fresh:
+    with LLM("dummy:opt-125m-4l", dtype="float32", policy=ON_DISK, offload_dir=folder) as fresh:
         reference = [o.token_ids for o in fresh.generate(PROMPTS, GREEDY, use_tqdm=False)]
     rng, failures = random.Random(seed), 0
-    with LLM("dummy:opt-125m", dtype="float32", policy=ON_DISK, offload_dir=folder) as llm:
+    with LLM("dummy:opt-125m-4l", dtype="float32", policy=ON_DISK, offload_dir=folder) as llm:
         def generate():
             return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 

@@ -122,3 +122,15 @@ def test_register_variant_names_a_cut_or_small_copy_of_a_known_model(monkeypatch
     assert cut == "llama-2-7b-3l" and known_config(cut) == {**full, "num_hidden_layers": 3}
     small = model_registry.register_variant("llama-2-7b", 3, {"hidden_size": 64})
     assert small == "llama-2-7b-tiny" and known_config(small) == {**full, "hidden_size": 64}
+
+
+def test_a_cut_name_resolves_without_being_registered():
+    """`dummy:<name>-<N>l` in a fresh process (a CLI subprocess, a Ray actor): the known model's
+    shapes with N layers; a cut of an unknown name, or of zero layers, is the unknown-name error."""
+    from policy_search import model_registry  # noqa: PLC0415
+
+    assert "opt-125m-2l" not in model_registry.KNOWN_MODELS
+    assert known_config("dummy:OPT-125m-2l") == {**known_config("opt-125m"), "num_hidden_layers": 2}
+    for name in ("opt-124m-2l", "opt-125m-0l", "opt-125m-l", "opt-125m-2"):
+        with pytest.raises(KeyError, match="unknown model name"):
+            known_config(name)

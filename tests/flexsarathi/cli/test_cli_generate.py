@@ -232,7 +232,7 @@ def test_seeds_follow_the_request_id():
     assert request_seed(0, record_key_of("a", 1)) != request_seed(0, record_key_of("b", 1))
 
 
-DUMMY = "dummy:opt-125m"
+DUMMY = "dummy:opt-125m-2l"  # two of its layers: the store a disk policy writes is 54 MiB, not 324
 
 
 def test_policy_auto_with_a_prompt_beyond_the_context(stories_dir, stories_llm, tmp_path):

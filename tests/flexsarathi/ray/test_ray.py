@@ -162,7 +162,8 @@ def test_ray_dummy_model_with_disk_weights_on_a_local_instance(tmp_path):
                       + [{"id": "text", "prompt": "hello"}])  # no tokenizer: an error record
     policy = str(tmp_path / "policy.json")
     Policy(w_gpu=0.5, w_cpu=0.0, w_disk=0.5, kv_gpu=0.0, kv_cpu=1.0, cpu_attention=True).save(policy)
-    args = ["generate", "--model", "dummy:opt-125m", "--input", src, "--policy", policy, "--max-tokens", "5",
+    # Two of opt-125m's layers: three offload stores (the single process's, each actor's) of 54 MiB.
+    args = ["generate", "--model", "dummy:opt-125m-2l", "--input", src, "--policy", policy, "--max-tokens", "5",
             "--ignore-eos", *GREEDY]
     single_process(args + ["--output", str(tmp_path / "single.jsonl"), "--offload-dir", str(tmp_path / "o1")],
                    rc=1)
