@@ -8,6 +8,11 @@ A turn is held by a ticket that only the holding generate_iter's frame reference
 the turn back; a Ctrl-C can land anywhere in that Python code, before the give-back too, and a
 turn left taken would stop every later generate for good. So a turn whose ticket is gone (its
 generate_iter ended, whatever way) counts as free: nothing can leave the engine held.
+
+close() from another thread waits for a running generate's pass, but not for a generate_iter
+suspended at a yield: its caller may never resume it (an abandoned iterator that something still
+references), and close() would wait forever. It takes such a turn over (turn(take_suspended=True)),
+and the iterator, when resumed, first waits for that close() to finish (suspended()).
 """
 from __future__ import annotations
 
@@ -22,7 +27,11 @@ from offload.interrupts import DeferredInterrupts, raise_if_interrupted
 
 
 class _Ticket:
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "suspended", "closer")
+
+    def __init__(self) -> None:
+        self.suspended = False  # its generate_iter is at a yield, its caller holding it
+        self.closer: weakref.ref | None = None  # the ticket of the close() that took this turn over
 
 
 class BatchTurns:
@@ -36,16 +45,21 @@ class BatchTurns:
         holder = self._holder
         return holder is not None and holder[0] == threading.get_ident() and holder[1]() is not None
 
-    def _try_take(self, ticket: _Ticket) -> bool:
+    def _try_take(self, ticket: _Ticket, take_suspended: bool) -> bool:
         me = threading.get_ident()
         with self._mutex:
             holder = self._holder
-            if holder is None or holder[1]() is None:  # free, or its holder ended without giving it back
+            held = holder[1]() if holder is not None else None
+            if held is None:  # free, or its holder ended without giving it back
                 self._holder = (me, weakref.ref(ticket))
                 return True
             if holder[0] == me:
                 raise FlexSarathiError("this LLM's previous generate_iter in this thread is still being "
                                        "iterated: run it to its end or close() it before the next generate")
+            if take_suspended and held.suspended:
+                held.closer = weakref.ref(ticket)
+                self._holder = (me, weakref.ref(ticket))
+                return True
             return False
 
     def _give_back(self, ticket: _Ticket) -> None:
@@ -56,11 +70,12 @@ class BatchTurns:
             self._given_back.put(None)
 
     @contextlib.contextmanager
-    def turn(self) -> Iterator[None]:
-        """Wait for the turn (Ctrl-C is taken while waiting), hold it inside the block."""
+    def turn(self, take_suspended: bool = False) -> Iterator[None]:
+        """Wait for the turn (Ctrl-C is taken while waiting), hold it inside the block.
+        take_suspended: also take it from a holder suspended at a yield (close() does)."""
         ticket = _Ticket()
         with DeferredInterrupts():
-            while not self._try_take(ticket):
+            while not self._try_take(ticket, take_suspended):
                 raise_if_interrupted()
                 try:  # a turn given back wakes one waiter; one whose holder ended without it, the timeout
                     self._given_back.get(timeout=0.05)
@@ -70,3 +85,35 @@ class BatchTurns:
             yield
         finally:
             self._give_back(ticket)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Around a yield of the generate_iter holding the turn in this thread: meanwhile a close()
+        from another thread may take the turn over; on resuming, this waits until that close() has
+        given it back (the engine is closed then; the generate_iter's next engine call says so). A
+        thread that does not hold the turn (taken over already) marks nothing."""
+        me = threading.get_ident()
+        with self._mutex:
+            holder = self._holder
+            ticket = holder[1]() if holder is not None and holder[0] == me else None
+            if ticket is not None:
+                ticket.suspended = True
+        try:
+            yield
+        finally:
+            if ticket is not None:
+                self._resume(ticket)
+
+    def _resume(self, ticket: _Ticket) -> None:
+        while True:
+            with self._mutex:
+                if ticket.closer is None:  # not taken over: running again, close() waits for it
+                    ticket.suspended = False
+                    return
+                holder = self._holder
+                if holder is None or holder[1]() is None or holder[1]() is not ticket.closer():
+                    return  # the close() that took it over has given it back
+            try:
+                self._given_back.get(timeout=0.05)
+            except queue.Empty:
+                pass

@@ -88,12 +88,14 @@ class LLM:
         """Release the engine: I/O threads, disk-store files, KV pools, working buffers. Also
         called on leaving a `with LLM(...) as llm:` block. Idempotent. Called from another thread
         while a generate runs, it lets that pass end, the generate then raises FlexSarathiError
-        (what finished was given), and the engine closes."""
+        (what finished was given), and the engine closes. A generate_iter suspended at a yield
+        (its caller holding it, not iterating) does not hold it up: the engine closes at once, and
+        that iterator, resumed, gives the outputs of its last pass and raises the same error."""
         self._closing = True
         if self._turns.held_here():  # inside this thread's own generate_iter
             self.engine.close()
             return
-        with self._turns.turn():  # another thread's batch sees _closing after its pass and ends
+        with self._turns.turn(take_suspended=True):  # flexsarathi/batch_turns.py
             self.engine.close()
 
     def __enter__(self) -> "LLM":
@@ -131,8 +133,9 @@ class LLM:
             groups, refused = self._make_requests(prompts, params, on_error)
             self.last_stats["failed"] = len(refused)
             for index, error in refused:
-                yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
-                                           else None, prompt_token_ids=[], outputs=[], error=error)
+                with self._turns.suspended():  # close() from another thread may close the engine meanwhile
+                    yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
+                                               else None, prompt_token_ids=[], outputs=[], error=error)
             if groups:
                 yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
 
@@ -182,7 +185,8 @@ class LLM:
                         failed += 1
                         if on_error == "raise":
                             raise FlexSarathiError(f"prompt {i}: {output.error}")
-                    yield i, output
+                    with self._turns.suspended():  # as above; the loop's next turn sees _closing
+                        yield i, output
                 engine.raise_held_interrupt()  # a Ctrl-C as the step ended: after its finished requests
                 if stop is not None and stop():
                     break

@@ -268,6 +268,64 @@ def test_close_inside_this_threads_generate_iter_ends_it(tiny_checkpoint):
     assert index == 0 and llm.engine.closed
 
 
+def test_close_from_another_thread_does_not_wait_for_a_suspended_generate_iter(tiny_checkpoint):
+    """A generate_iter its caller holds without resuming (an abandoned iterator something still
+    references) held its turn, and close() from another thread waited for it forever. Now the engine
+    closes at once; resumed, the iterator waits for that close() to end (it never runs beside it),
+    then raises saying what did not finish; a later generate is refused, not left waiting."""
+    llm = LLM(tiny_checkpoint("opt")[0], dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=4))
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (1, 20)]
+    outputs = llm.generate_iter([[3, 4, 5], [6, 7, 8, 9, 10]], params, use_tqdm=False)
+    index, _ = next(outputs)  # suspended at a yield, holding the turn
+    entered, release, got = threading.Event(), threading.Event(), {}
+    engine_close = llm.engine.close
+
+    def slow_close():  # close() holds the turn until the test releases it
+        entered.set()
+        release.wait(timeout=120)
+        engine_close()
+
+    llm.engine.close = slow_close
+    closer = threading.Thread(target=llm.close, daemon=True)  # daemon: a hang fails, never blocks exit
+    closer.start()
+    assert entered.wait(timeout=60), "close() waited for the suspended generate_iter"
+
+    def resume():
+        try:
+            next(outputs)
+        except FlexSarathiError as exc:
+            got["error"] = str(exc)
+
+    resumer = threading.Thread(target=resume, daemon=True)
+    resumer.start()
+    deadline = time.monotonic() + 120  # a guard against a hang, not a budget
+    while _top_function(resumer) != "_resume":  # BatchTurns._resume: waiting for the close to end
+        assert resumer.is_alive() and time.monotonic() < deadline, f"resumed beside close(): {got}"
+        time.sleep(0.001)
+    release.set()
+    closer.join(timeout=60)
+    resumer.join(timeout=60)
+    assert index == 0 and llm.engine.closed and not closer.is_alive()
+    assert "closed while generate ran: 1 of its 2 prompts did not finish" in got["error"]
+    with pytest.raises(FlexSarathiError, match=r"closed \(LLM.close\(\) was called\)"):
+        llm.generate([[3, 4]], params[0], use_tqdm=False)
+
+
+def test_a_suspended_generate_iter_closed_after_its_engine_is_ended_quietly(tiny_checkpoint):
+    """The caller of a taken-over generate_iter closes it instead of resuming it: no error, nothing
+    left queued."""
+    llm = LLM(tiny_checkpoint("opt")[0], dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=4))
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (1, 20)]
+    outputs = llm.generate_iter([[3, 4, 5], [6, 7, 8, 9, 10]], params, use_tqdm=False)
+    next(outputs)
+    closer = threading.Thread(target=llm.close, daemon=True)  # daemon: a hang fails, never blocks exit
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive() and llm.engine.closed
+    outputs.close()
+    assert not llm.engine.has_unfinished()
+
+
 def test_a_batch_runs_alone_and_the_schedule_changes_only_between_batches(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("opt")[0], policy=Policy(gpu_batch_size=2, prefill_budget=4))
     engine = llm.engine
