@@ -117,6 +117,7 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
     `plain_round`'s (args.rounds of each), so both see the same machine: a busy neighbour's burst
     moves both medians, not their ratio."""
     from flexsarathi import LLM, SamplingParams
+    from flexsarathi.engine.llm_engine import LLMEngine
     from offload.executor import PassExecutor
     from offload.kv_cache import gathered_plain_decodes
     from policy_search import Policy
@@ -125,11 +126,11 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
                     compress_kv=args.compress_kv)
     prompts = [[(7 * i + j) % 500 + 2 for j in range(args.prompt_len)] for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)
-    counts = {"layer": 0, "pass": 0, "layer_s": 0.0, "pass_s": 0.0, "layer_steps": 0, "passes": 0,
+    counts = {"layer": 0, "pass": 0, "layer_s": 0.0, "pass_s": 0.0, "run_s": 0.0, "layer_steps": 0, "passes": 0,
               "timed_passes": 0}
     layer_counter, pass_counter = LaunchCounter(), LaunchCounter()  # nested: the pass's sees the layers' too
     layer_times: list[float] = []
-    run_layer, run_pass = PassExecutor._run_layer, PassExecutor.run
+    run_layer, run_pass, engine_step = PassExecutor._run_layer, PassExecutor.run, LLMEngine.step
 
     def is_decode(batches) -> bool:
         return all(g.is_decode for mb in batches for g in mb.groups)
@@ -172,7 +173,18 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
         sync()
         if is_decode(micro_batches):
             counts["timed_passes"] += 1
+            counts["run_s"] += time.perf_counter() - began
             counts["pass_s"] += time.perf_counter() - began - (counts["layer_s"] - before)
+        return result
+
+    step_times: list[float] = []  # per decode step: its host time outside the pass
+
+    def timed_step(self):
+        passes, run_s = counts["timed_passes"], counts["run_s"]
+        began = time.perf_counter()
+        result = engine_step(self)
+        if counts["timed_passes"] == passes + 1:  # a decode pass ran (not the prefill)
+            step_times.append(time.perf_counter() - began - (counts["run_s"] - run_s))
         return result
 
     # gathered_plain_decodes: decode attention as the GPU runs it (gather + SDPA), on the CPU too;
@@ -183,7 +195,7 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
         try:
             PassExecutor._run_layer, PassExecutor.run = counted_layer, counted_pass
             llm.generate(prompts, params, use_tqdm=False)
-            PassExecutor._run_layer, PassExecutor.run = timed_layer, timed_pass
+            PassExecutor._run_layer, PassExecutor.run, LLMEngine.step = timed_layer, timed_pass, timed_step
             plain_times, total = [], 0.0
             for _ in range(args.rounds):
                 began = time.perf_counter()
@@ -191,13 +203,14 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
                 total += time.perf_counter() - began
                 plain_times += plain_round()
         finally:
-            PassExecutor._run_layer, PassExecutor.run = run_layer, run_pass
+            PassExecutor._run_layer, PassExecutor.run, LLMEngine.step = run_layer, run_pass, engine_step
         graph_steps = llm.engine.stats.get("graph_passes", 0)
     steps = max(counts["layer_steps"], 1)
     return {"launches": counts["layer"] / steps, "host_us": 1e6 * statistics.median(layer_times) if layer_times else 0.0,
             "prompt_launches": counts.get("prompt_layer", 0) / max(counts.get("prompt_layer_steps", 0), 1),
             "outside_launches": counts["pass"] / max(counts["passes"], 1),
             "outside_us": 1e6 * counts["pass_s"] / max(counts["timed_passes"], 1),
+            "step_outside_us": 1e6 * statistics.median(step_times) if step_times else 0.0,
             "eager_layer_steps": counts["layer_steps"], "graph_passes": graph_steps, "generate_s": total / args.rounds,
             "plain_us": 1e6 * statistics.median(plain_times)}
 
@@ -298,6 +311,8 @@ def main() -> int:
     print(f"{'plain PyTorch, per layer':28}{plain_launches:>10.1f}{plain_us:>10.1f}")
     print(f"{'ours / plain':28}{ours['launches'] / plain_launches:>10.2f}{ours['host_us'] / plain_us:>10.2f}")
     print(f"outside the layers, per decode pass: {ours['outside_launches']:.1f} launches, {ours['outside_us']:.1f} us")
+    print(f"outside the pass, per decode step (schedule, build the micro-batch, sample): "
+          f"{ours['step_outside_us']:.1f} us (median)")
     print(f"per prompt layer-step (block prefill of {args.batch} prompts): {ours['prompt_launches']:.1f} launches")
     if args.graphs:
         print(f"decode passes replayed from a CUDA graph: {ours['graph_passes']}; "

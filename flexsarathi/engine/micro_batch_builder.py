@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from flexsarathi.engine.block_manager import BlockManager
 from flexsarathi.engine.scheduler import WorkItem
@@ -30,27 +31,43 @@ class _TierRun:
     tier: str
     start: int  # first position stored in this tier
     visible: int  # positions of this run inside the item's context [0, end)
-    slots: torch.Tensor  # [visible] local slots in the tier's pool
+    slots: torch.Tensor  # [visible] local slots in the tier's pool (a view of the slot map's)
 
 
-class _SeqView:
-    """One item's positions mapped to (tier, local slot)."""
+class SlotMap:
+    """Every position a sequence's block table covers as (tier, local slot), worked out once per
+    table: a decode step reuses it (one new block every block_size steps), where the view of each
+    item cost ~25 tensor operations over its whole context every step (2.8 ms of host time per
+    step at 32 sequences, as long as the pass itself). Valid while `table` is the sequence's table
+    at this length: the BlockManager only appends to a table in place or replaces it."""
 
-    def __init__(self, item: WorkItem, blocks: BlockManager):
+    def __init__(self, table: list[int], blocks: BlockManager):
         bs = blocks.block_size
-        table = item.seq.block_table
-        pos = torch.arange(item.end)
-        block_ids = torch.tensor(table, dtype=torch.long)[pos // bs]
-        tier_index = torch.tensor([TIERS.index(blocks.tier_of(b)) for b in table], dtype=torch.long)[pos // bs]
-        base = torch.tensor([blocks.base[t] for t in TIERS], dtype=torch.long)
-        self.tier_index = tier_index  # [end]
-        self.local = (block_ids - base[tier_index]) * bs + pos % bs  # [end]
-        self.runs: list[_TierRun] = []
-        for i, tier in enumerate(TIERS):
-            where = (tier_index == i).nonzero().flatten()
-            if where.numel():  # contiguous by construction (blocks are taken tier by tier)
-                first = int(where[0])
-                self.runs.append(_TierRun(tier, first, where.numel(), self.local[where]))
+        self.table, self.num_blocks = table, len(table)
+        tiers = [blocks.tier_of(b) for b in table]
+        local_blocks = [b - blocks.base[t] for b, t in zip(table, tiers)]
+        self.local = (torch.tensor(local_blocks, dtype=torch.long)[:, None] * bs
+                      + torch.arange(bs)).flatten()  # [blocks * bs]
+        # (tier, first position, positions) in TIERS order: a table takes its blocks tier by tier
+        self.tier_runs: list[tuple[str, int, int]] = []
+        for tier in TIERS:
+            where = [i for i, t in enumerate(tiers) if t == tier]
+            if where:
+                if where[-1] - where[0] + 1 != len(where):
+                    raise RuntimeError(f"block table {table} holds tier {tier!r} in two runs")
+                self.tier_runs.append((tier, where[0] * bs, len(where) * bs))
+
+    @staticmethod
+    def of(seq, blocks: BlockManager) -> "SlotMap":
+        cached = seq.slot_map
+        if cached is None or cached.table is not seq.block_table or cached.num_blocks != len(seq.block_table):
+            cached = seq.slot_map = SlotMap(seq.block_table, blocks)
+        return cached
+
+    def runs(self, end: int) -> list[_TierRun]:
+        """The tiers holding positions [0, end), each with its positions' local slots."""
+        return [_TierRun(tier, start, min(count, end - start), self.local[start:min(start + count, end)])
+                for tier, start, count in self.tier_runs if start < end]
 
 
 def build_micro_batch(items: list[WorkItem], blocks: BlockManager,
@@ -60,12 +77,12 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager,
     LLMEngine._prompts_grouped_upto), later prompt chunks alone."""
     token_ids, positions, logit_rows, spans, groups = [], [], [], [], []
     prompts: dict[tuple, list] = {}  # whole prompts by length and tier layout (_prompt_group_key)
-    writes: dict[str, tuple[list, list, list]] = {t: ([], [], []) for t in TIERS}
-    decodes: dict[tuple, list[tuple[WorkItem, int, _SeqView]]] = {}
+    writes: dict[str, tuple[list, list, list]] = {t: ([], [], []) for t in TIERS}  # rows, slot views, ids
+    decodes: dict[tuple, list[tuple[WorkItem, int, list[_TierRun]]]] = {}
     row = 0
     for item in items:
         seq, n = item.seq, item.num_tokens
-        view = _SeqView(item, blocks)
+        runs = SlotMap.of(seq, blocks).runs(item.end)
         token_ids += seq.token_ids(item.start, item.end)
         positions += range(item.start, item.end)
         if wants_prompt_logprobs(item):
@@ -74,87 +91,93 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager,
         elif item.samples:
             spans.append(LogitSpan(item, len(logit_rows), 1))
             logit_rows.append(row + n - 1)
-        new_tiers = view.tier_index[item.start:item.end]
-        for i, tier in enumerate(TIERS):
-            mask = new_tiers == i
-            if mask.any():
-                writes[tier][0].append(torch.arange(row, row + n)[mask])
-                writes[tier][1].append(view.local[item.start:item.end][mask])
-                writes[tier][2].append(torch.full((int(mask.sum()),), seq.residual_id, dtype=torch.long))
+        for run in runs:  # the new positions [start, end) that lie in each tier
+            lo, hi = max(item.start, run.start), min(item.end, run.start + run.visible)
+            if lo < hi:
+                rows, slots, ids = writes[run.tier]
+                rows += range(row + lo - item.start, row + hi - item.start)
+                slots.append(run.slots[lo - run.start:hi - run.start])
+                ids += [seq.residual_id] * (hi - lo)
         if n == 1:
-            decodes.setdefault(_decode_group_key(item, view), []).append((item, row, view))
+            decodes.setdefault(_decode_group_key(item, runs), []).append((item, row, runs))
         elif item.start == 0 and n <= group_prompts_upto:
-            prompts.setdefault(_prompt_group_key(item, view), []).append((item, row, view))
+            prompts.setdefault(_prompt_group_key(item, runs), []).append((item, row, runs))
         else:
-            groups.append(_group([(item, row, view)], n, blocks.block_size))
+            groups.append(_group([(item, row, runs)], n, blocks.block_size))
         row += n
     groups += [_group(members, members[0][0].num_tokens, blocks.block_size) for members in prompts.values()]
     groups += [_group(members, 1, blocks.block_size) for members in decodes.values()]
-    kv_writes = [_write(t, torch.cat(r), torch.cat(s), torch.cat(ids)) for t, (r, s, ids) in writes.items() if r]
+    kv_writes = [_write(t, rows, torch.cat(slots), torch.tensor(ids, dtype=torch.long))
+                 for t, (rows, slots, ids) in writes.items() if rows]
     batch = MicroBatch(token_ids=torch.tensor(token_ids), positions=torch.tensor(positions),
                        groups=groups, kv_writes=kv_writes,
                        logit_rows=torch.tensor(logit_rows, dtype=torch.long))
     return batch, spans
 
 
-def _write(tier: str, rows: torch.Tensor, slots: torch.Tensor, residual_ids: torch.Tensor) -> KVWrite:
+def _write(tier: str, rows: list[int], slots: torch.Tensor, residual_ids: torch.Tensor) -> KVWrite:
     """rows ascend (items in order, each item's rows in order), so they are consecutive exactly
     when they span as many rows as they count."""
-    consecutive = int(rows[-1]) - int(rows[0]) + 1 == rows.numel()
-    return KVWrite(tier, rows, slots, residual_ids, row_start=int(rows[0]) if consecutive else None)
+    consecutive = rows[-1] - rows[0] + 1 == len(rows)
+    return KVWrite(tier, torch.tensor(rows, dtype=torch.long), slots, residual_ids,
+                   row_start=rows[0] if consecutive else None)
 
 
-def _decode_group_key(item: WorkItem, view: _SeqView) -> tuple:
+def _decode_group_key(item: WorkItem, runs: list[_TierRun]) -> tuple:
     """Decodes attend as one padded batch per key: the tiers their contexts touch, and the context
     length rounded up to a power of two, so a long context does not pad every short one to its
     length (padded keys are gathered and scored like real ones; a group pads at most 2x)."""
-    return tuple(r.tier for r in view.runs), (item.end - 1).bit_length()
+    return tuple(r.tier for r in runs), (item.end - 1).bit_length()
 
 
-def _prompt_group_key(item: WorkItem, view: _SeqView) -> tuple:
+def _prompt_group_key(item: WorkItem, runs: list[_TierRun]) -> tuple:
     """Whole prompts (or first chunks) of one length whose positions lie in the same tiers alike
     attend as one batch: each sees only its own new rows, so one causal call serves them all
     (offload/executor.py one_causal_call) where a prompt each took a dozen launches."""
-    return item.num_tokens, tuple((r.tier, r.start, r.visible) for r in view.runs)
+    return item.num_tokens, tuple((r.tier, r.start, r.visible) for r in runs)
 
 
-def _group(members: list[tuple[WorkItem, int, _SeqView]], n: int, block_size: int) -> AttentionGroup:
+def _group(members: list[tuple[WorkItem, int, list[_TierRun]]], n: int, block_size: int) -> AttentionGroup:
     """Sequences that each bring n query rows, with one KV part per tier their contexts touch."""
-    batch = len(members)
-    token_rows = torch.cat([torch.arange(row, row + n) for _, row, _ in members])
-    q_pos = torch.stack([torch.arange(item.start, item.end) for item, _, _ in members])  # [B, n]
+    rows = [row for _, row, _ in members]
+    steps = torch.arange(n)
+    token_rows = (torch.tensor(rows, dtype=torch.long)[:, None] + steps).flatten()  # [B * n]
+    q_pos = torch.tensor([item.start for item, _, _ in members], dtype=torch.long)[:, None] + steps  # [B, n]
+    residual_ids = torch.tensor([item.seq.residual_id for item, _, _ in members], dtype=torch.long)
     parts = []
     for tier in TIERS:
-        runs = [next((r for r in view.runs if r.tier == tier), None) for _, _, view in members]
-        if all(r is None for r in runs):
-            continue
-        length = max(r.visible for r in runs if r is not None)
-        kv_slots = torch.zeros(batch, length, dtype=torch.long)  # padding -> slot 0, masked
-        kv_start = torch.zeros(batch, dtype=torch.long)
-        kv_len = torch.zeros(batch, dtype=torch.long)
-        complete_len = torch.zeros(batch, dtype=torch.long)
-        residual_ids = torch.tensor([item.seq.residual_id for item, _, _ in members], dtype=torch.long)
-        src, seq_index, pos_index = [], [], []
-        for b, ((item, _, _), run) in enumerate(zip(members, runs)):
-            if run is None:
-                continue
-            kv_slots[b, :run.visible] = run.slots
-            kv_start[b], kv_len[b] = run.start, run.visible
-            # Blocks complete before this pass (item.start tokens are cached): read from codes.
-            complete_len[b] = min(max(item.start // block_size * block_size - run.start, 0), run.visible)
-            for p in range(max(item.start, run.start), min(item.end, run.start + run.visible)):
-                src.append(b * n + p - item.start)
-                seq_index.append(b)
-                pos_index.append(p - run.start)
-        new_rows = None
-        starts = {run.start - item.start for (item, _, _), run in zip(members, runs) if run is not None}
-        if None not in runs and len(starts) == 1 and min(starts) >= 0 and len({r.visible for r in runs}) == 1:
-            lo = starts.pop()  # every key of this part is new, in each sequence's rows lo..
-            new_rows = (lo, lo + runs[0].visible)
-        parts.append(KVPart(tier, kv_slots, kv_start, kv_len, torch.tensor(src, dtype=torch.long),
-                            torch.tensor(seq_index, dtype=torch.long), torch.tensor(pos_index, dtype=torch.long),
-                            residual_ids, complete_len, new_rows))
-    rows = [row for _, row, _ in members]
+        runs = [next((r for r in item_runs if r.tier == tier), None) for _, _, item_runs in members]
+        if any(r is not None for r in runs):
+            parts.append(_part(tier, [item for item, _, _ in members], runs, n, block_size, residual_ids))
     contiguous = all(b - a == n for a, b in zip(rows, rows[1:]))
     return AttentionGroup(token_rows=token_rows, num_queries=n, q_pos=q_pos, parts=parts,
                           row_start=rows[0] if contiguous else None)
+
+
+def _part(tier: str, items: list[WorkItem], runs: list[_TierRun | None], n: int, block_size: int,
+          residual_ids: torch.Tensor) -> KVPart:
+    """The group's keys in one tier: each member's run there (None: it has no keys there)."""
+    empty = torch.empty(0, dtype=torch.long)
+    # [B, L] slots, padded with slot 0 (masked): one call, not a write per member
+    kv_slots = pad_sequence([empty if r is None else r.slots for r in runs], batch_first=True)
+    kv_start, kv_len, complete_len = [], [], []
+    src, seq_index, pos_index = [], [], []
+    for b, (item, run) in enumerate(zip(items, runs)):
+        if run is None:
+            kv_start.append(0), kv_len.append(0), complete_len.append(0)
+            continue
+        kv_start.append(run.start), kv_len.append(run.visible)
+        # Blocks complete before this pass (item.start tokens are cached): read from codes.
+        complete_len.append(min(max(item.start // block_size * block_size - run.start, 0), run.visible))
+        lo, hi = max(item.start, run.start), min(item.end, run.start + run.visible)
+        src += range(b * n + lo - item.start, b * n + hi - item.start)
+        seq_index += [b] * max(hi - lo, 0)
+        pos_index += range(lo - run.start, hi - run.start)
+    new_rows = None
+    starts = {run.start - item.start for item, run in zip(items, runs) if run is not None}
+    if None not in runs and len(starts) == 1 and min(starts) >= 0 and len({r.visible for r in runs}) == 1:
+        lo = starts.pop()  # every key of this part is new, in each sequence's rows lo..
+        new_rows = (lo, lo + runs[0].visible)
+    return KVPart(tier, kv_slots, *(torch.tensor(x, dtype=torch.long) for x in (kv_start, kv_len, src, seq_index,
+                                                                               pos_index)),
+                  residual_ids, torch.tensor(complete_len, dtype=torch.long), new_rows)

@@ -51,6 +51,9 @@ class Sequence:
     # Sibling completions of this prompt (SamplingParams.n) that join when this sequence's prompt
     # prefill ends, sharing its KV (Scheduler.add_group); empty once forked.
     forks: list["Sequence"] = field(default_factory=list)
+    # The micro-batch builder's slot map of block_table (micro_batch_builder.SlotMap), reused
+    # while the table only grows
+    slot_map: object | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

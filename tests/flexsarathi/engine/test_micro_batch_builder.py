@@ -54,6 +54,11 @@ def test_writes_and_context_slots_are_block_table_arithmetic():
     c = admitted(blocks, make_seq(2, 9, outputs=3), 16)  # cpu, disk, disk, disk
     items = [WorkItem(a, 0, 6), WorkItem(b, 3, 13), WorkItem(c, 11, 12)]
     mb, _ = build_micro_batch(items, blocks)
+    assert_slots_are_table_arithmetic(mb, items, blocks)
+
+
+def assert_slots_are_table_arithmetic(mb, items: list[WorkItem], blocks: BlockManager) -> None:
+    """Every written row and every key of every part at the slot its block table gives (local_slot)."""
     rows = row_positions(items)
     written = {}
     for write in mb.kv_writes:
@@ -69,6 +74,35 @@ def test_writes_and_context_slots_are_block_table_arithmetic():
                 for j in range(int(part.kv_len[b])):
                     pos = int(part.kv_start[b]) + j
                     assert local_slot(blocks, seq, pos) == (part.tier, int(part.kv_slots[b, j]))
+
+
+def test_slots_follow_a_table_that_grows_or_is_replaced():
+    """The builder reuses a sequence's slot map while its table only grows (SlotMap.of): a decode
+    past its table's last block, and the sequence readmitted (preempted) into other blocks with a
+    table of the same length, give their table's slots, not the cached ones."""
+    blocks = BlockManager(BS, {"gpu": 3, "cpu": 6}, num_residual=3)
+    seq = admitted(blocks, make_seq(0, 7, outputs=1), 8)  # gpu, gpu
+
+    def check():
+        items = [WorkItem(seq, seq.num_tokens - 1, seq.num_tokens)]
+        mb, _ = build_micro_batch(items, blocks)
+        assert_slots_are_table_arithmetic(mb, items, blocks)
+        assert [int(p.kv_len[0]) for p in mb.groups[0].parts] == [
+            sum(1 for pos in range(seq.num_tokens) if local_slot(blocks, seq, pos)[0] == tier)
+            for tier in dict.fromkeys(blocks.tier_of(b) for b in seq.block_table)]
+
+    check()
+    for _ in range(6):  # into a third gpu block at 9 tokens, then a cpu one at 13
+        seq.output_token_ids.append(7)
+        blocks.grow(seq, seq.num_tokens)
+        check()
+    assert [blocks.tier_of(b) for b in seq.block_table] == ["gpu", "gpu", "gpu", "cpu"]
+    table = list(seq.block_table)
+    blocks.free_blocks(seq)
+    admitted(blocks, make_seq(1, 5), 8)  # takes freed blocks first
+    admitted(blocks, seq, seq.num_tokens)
+    assert len(seq.block_table) == len(table) and seq.block_table != table
+    check()
 
 
 def test_logit_rows_follow_the_items_that_sample_or_want_prompt_logprobs():
