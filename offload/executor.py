@@ -66,6 +66,8 @@ class PassExecutor:
         self._whole: dict[int, bool] = {}
         self._reads_back: dict[int, bool] = {}  # id(micro-batch) -> _reads_v_back
         self._v_first: dict[int, bool] = {}  # id(micro-batch) -> _writes_v_first
+        self._routes: dict[int, object] = {}  # id(part) -> how its context reaches attention (_context_routes)
+        self._v_pool: KVPool | None = None  # the pool that quantizes new V rows, if one is compressed
         # the next layer's first micro-batch's contexts, gathered on the I/O thread while this layer's
         # last micro-batch computes (gathers_ahead): (layer, id(micro-batch)) -> contexts, and its future
         self._gathered: dict[tuple[int, int], list] = {}
@@ -137,6 +139,8 @@ class PassExecutor:
             self._threaded = {id(mb): self._io_worth_a_thread(mb) for mb in batches}
             self._first = {id(mb): self.writes_first(mb) for mb in batches}
             self._slots = self._pool_slots(batches)
+            self._routes = self._context_routes(batches)
+            self._v_pool = next((p for p in self.kv_pools.values() if p.compression is not None), None)
             self._reads_back = {id(mb): self._reads_v_back(mb) for mb in batches}
             self._v_first = {id(mb): self._writes_v_first(mb) for mb in batches}
             self._whole = {id(mb): _one_group_of_every_row(mb) for mb in batches}
@@ -239,15 +243,30 @@ class PassExecutor:
         return [[self._context(layer, group, part) for part in group.parts] for group in mb.groups]
 
     def _context(self, layer: int, group: AttentionGroup, part):
-        if self._reads_new_rows(part):
-            return None
-        device, pool = self.attention_device(part.tier, group), self.kv_pools[part.tier]
-        if pool.attends_in_pool(group, part, device):
-            return IN_POOL
-        slots = self._slots.get(id(part))
+        route = self._routes[id(part)]
+        if route is None or route is IN_POOL:
+            return route
+        pool, device, slots = route
         if pool.compression is None and slots is not None:  # its K/V pairs at the slots uploaded for the pass
             return pool.gather_pairs(layer, slots, part.kv_slots.shape, device)
         return pool.gather_part(layer, part, device, slots)  # a compressed pool: slots is its plan
+
+    def _context_routes(self, batches: list[MicroBatch]) -> dict:
+        """id(part) -> how its context reaches attention, the same in every layer of the pass (worked
+        out once, not per layer-step): None (its own new rows), IN_POOL (the pool attends it), or
+        (pool, device, slots) to gather it from."""
+        routes = {}
+        for mb in batches:
+            for group in mb.groups:
+                for part in group.parts:
+                    device, pool = self.attention_device(part.tier, group), self.kv_pools[part.tier]
+                    if self._reads_new_rows(part):
+                        routes[id(part)] = None
+                    elif pool.attends_in_pool(group, part, device):
+                        routes[id(part)] = IN_POOL
+                    else:
+                        routes[id(part)] = (pool, device, self._slots.get(id(part)))
+        return routes
 
     def _pool_slots(self, batches: list[MicroBatch]) -> dict:
         """id(write or part) -> what indexes its pool: a plain pool's slots on its device, a compressed
@@ -314,10 +333,9 @@ class PassExecutor:
         all: the first compressed pool makes them, its non-finite flag checked with the others' as the
         pass ends): the values as they read back where some part of the micro-batch reads them
         (read_back), else v as it is; where no pool is compressed (None, v, False)."""
-        pool = next((p for p in self.kv_pools.values() if p.compression is not None), None)
-        if pool is None:
+        if self._v_pool is None:
             return None, v, False
-        codes, back = pool.quantize_v(v, read_back)
+        codes, back = self._v_pool.quantize_v(v, read_back)
         return codes, (v if back is None else back), back is not None
 
     def _writes_v_first(self, mb: MicroBatch) -> bool:
