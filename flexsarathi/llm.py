@@ -90,7 +90,8 @@ class LLM:
         while a generate runs, it lets that pass end, the generate then raises FlexSarathiError
         (what finished was given), and the engine closes. A generate_iter suspended at a yield
         (its caller holding it, not iterating) does not hold it up: the engine closes at once, and
-        that iterator, resumed, gives the outputs of its last pass and raises the same error."""
+        that iterator, resumed, gives the rest of its last pass's outputs, then the same error
+        where prompts did not finish."""
         self._closing = True
         if self._turns.held_here():  # inside this thread's own generate_iter
             self.engine.close()
@@ -185,7 +186,7 @@ class LLM:
                         failed += 1
                         if on_error == "raise":
                             raise FlexSarathiError(f"prompt {i}: {output.error}")
-                    with self._turns.suspended():  # as above; the loop's next turn sees _closing
+                    with self._turns.suspended():  # as above; the loop's next check of _closing ends it
                         yield i, output
                 engine.raise_held_interrupt()  # a Ctrl-C as the step ended: after its finished requests
                 if stop is not None and stop():
