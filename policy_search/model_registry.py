@@ -135,7 +135,11 @@ def known_config(name: str) -> dict:
     if key not in KNOWN_MODELS and cut and cut[1] in KNOWN_MODELS:
         # Resolved here, not only by register_variant: a CLI subprocess or a Ray actor given the
         # name must find the same shapes as the process that chose it.
-        return {**copy.deepcopy(KNOWN_MODELS[cut[1]]), "num_hidden_layers": int(cut[2])}
+        base, layers = KNOWN_MODELS[cut[1]], int(cut[2])
+        if layers > base["num_hidden_layers"]:
+            raise KeyError(f"model name {name!r}: {cut[1]} has {base['num_hidden_layers']} layers, so "
+                           f"<name>-<N>l takes N from 1 to {base['num_hidden_layers']}")
+        return {**copy.deepcopy(base), "num_hidden_layers": layers}
     if key not in KNOWN_MODELS:
         raise KeyError(f"unknown model name {name!r}; known: {', '.join(KNOWN_MODELS)} "
                        f"(or one of them cut to its first N layers: <name>-<N>l)")

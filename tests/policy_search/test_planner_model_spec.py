@@ -126,7 +126,8 @@ def test_register_variant_names_a_cut_or_small_copy_of_a_known_model(monkeypatch
 
 def test_a_cut_name_resolves_without_being_registered():
     """`dummy:<name>-<N>l` in a fresh process (a CLI subprocess, a Ray actor): the known model's
-    shapes with N layers; a cut of an unknown name, or of zero layers, is the unknown-name error."""
+    shapes with N layers; a cut of an unknown name, or of zero layers, is the unknown-name error, and
+    one of more layers than the model has says so."""
     from policy_search import model_registry  # noqa: PLC0415
 
     assert "opt-125m-2l" not in model_registry.KNOWN_MODELS
@@ -134,3 +135,6 @@ def test_a_cut_name_resolves_without_being_registered():
     for name in ("opt-124m-2l", "opt-125m-0l", "opt-125m-l", "opt-125m-2"):
         with pytest.raises(KeyError, match="unknown model name"):
             known_config(name)
+    assert known_config("opt-125m-12l") == known_config("opt-125m")
+    with pytest.raises(KeyError, match="opt-125m has 12 layers, so <name>-<N>l takes N from 1 to 12"):
+        known_config("dummy:opt-125m-13l")
