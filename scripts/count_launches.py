@@ -2,7 +2,9 @@
 """Kernel launches and host time per decode layer-step, ours beside a plain-PyTorch layer (prints;
 asserts nothing; `tests/offload/test_launch_count.py` pins the count). Times are medians of every
 layer-step (ours: each layer of each decode pass; plain: as many repeats), ours and plain timed in
-alternating rounds, so a busy neighbour's burst moves them little and their ratio less.
+alternating rounds, so a busy neighbour's burst moves them little and their ratio less. Also the
+median host time of a decode step outside its eager pass: scheduling, building the micro-batch,
+sampling (it grows with --batch; a pass replayed from a CUDA graph prepares its inputs itself).
 
 An all-on-device decode pass moves nothing, so its speed on a GPU is host time: about 25 us per
 kernel launch (docs/DESIGN.md, "Decode passes on a GPU"). This counts the aten operators that launch
@@ -210,7 +212,7 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
             "prompt_launches": counts.get("prompt_layer", 0) / max(counts.get("prompt_layer_steps", 0), 1),
             "outside_launches": counts["pass"] / max(counts["passes"], 1),
             "outside_us": 1e6 * counts["pass_s"] / max(counts["timed_passes"], 1),
-            "step_outside_us": 1e6 * statistics.median(step_times) if step_times else 0.0,
+            "step_outside_us": 1e6 * statistics.median(step_times) if step_times else None,
             "eager_layer_steps": counts["layer_steps"], "graph_passes": graph_steps, "generate_s": total / args.rounds,
             "plain_us": 1e6 * statistics.median(plain_times)}
 
@@ -311,8 +313,9 @@ def main() -> int:
     print(f"{'plain PyTorch, per layer':28}{plain_launches:>10.1f}{plain_us:>10.1f}")
     print(f"{'ours / plain':28}{ours['launches'] / plain_launches:>10.2f}{ours['host_us'] / plain_us:>10.2f}")
     print(f"outside the layers, per decode pass: {ours['outside_launches']:.1f} launches, {ours['outside_us']:.1f} us")
-    print(f"outside the pass, per decode step (schedule, build the micro-batch, sample): "
-          f"{ours['step_outside_us']:.1f} us (median)")
+    if ours["step_outside_us"] is not None:  # None: every decode pass was replayed from a graph
+        print(f"outside the pass, per decode step (schedule, build the micro-batch, sample): "
+              f"{ours['step_outside_us']:.1f} us (median)")
     print(f"per prompt layer-step (block prefill of {args.batch} prompts): {ours['prompt_launches']:.1f} launches")
     if args.graphs:
         print(f"decode passes replayed from a CUDA graph: {ours['graph_passes']}; "
