@@ -138,8 +138,8 @@ class PassExecutor:
             # per micro-batch, fixed for the pass: its I/O on the thread, its K/V written first
             self._threaded = {id(mb): self._io_worth_a_thread(mb) for mb in batches}
             self._first = {id(mb): self.writes_first(mb) for mb in batches}
-            self._slots = self._pool_slots(batches)
             self._routes = self._context_routes(batches)
+            self._slots = self._pool_slots(batches)
             self._v_pool = next((p for p in self.kv_pools.values() if p.compression is not None), None)
             self._reads_back = {id(mb): self._reads_v_back(mb) for mb in batches}
             self._v_first = {id(mb): self._writes_v_first(mb) for mb in batches}
@@ -243,29 +243,29 @@ class PassExecutor:
         return [[self._context(layer, group, part) for part in group.parts] for group in mb.groups]
 
     def _context(self, layer: int, group: AttentionGroup, part):
-        route = self._routes[id(part)]
-        if route is None or route is IN_POOL:
-            return route
-        pool, device, slots = route
+        device = self._routes[id(part)]
+        if device is None or device is IN_POOL:
+            return device
+        pool, slots = self.kv_pools[part.tier], self._slots.get(id(part))
         if pool.compression is None and slots is not None:  # its K/V pairs at the slots uploaded for the pass
             return pool.gather_pairs(layer, slots, part.kv_slots.shape, device)
         return pool.gather_part(layer, part, device, slots)  # a compressed pool: slots is its plan
 
     def _context_routes(self, batches: list[MicroBatch]) -> dict:
-        """id(part) -> how its context reaches attention, the same in every layer of the pass (worked
-        out once, not per layer-step): None (its own new rows), IN_POOL (the pool attends it), or
-        (pool, device, slots) to gather it from."""
+        """id(part) -> how its context reaches attention, the same in every layer of the pass (decided
+        once, not per layer-step; the pass's index uploads and V read-back follow it): None (its own
+        new rows), IN_POOL (the pool attends it), or the device its context is gathered onto."""
         routes = {}
         for mb in batches:
             for group in mb.groups:
                 for part in group.parts:
-                    device, pool = self.attention_device(part.tier, group), self.kv_pools[part.tier]
+                    device = self.attention_device(part.tier, group)
                     if self._reads_new_rows(part):
                         routes[id(part)] = None
-                    elif pool.attends_in_pool(group, part, device):
+                    elif self.kv_pools[part.tier].attends_in_pool(group, part, device):
                         routes[id(part)] = IN_POOL
                     else:
-                        routes[id(part)] = (pool, device, self._slots.get(id(part)))
+                        routes[id(part)] = device
         return routes
 
     def _pool_slots(self, batches: list[MicroBatch]) -> dict:
@@ -280,17 +280,15 @@ class PassExecutor:
                                     else pool.plan_store(write.slots, write.residual_ids))
             for group in mb.groups:
                 for part in group.parts:
-                    pool = self.kv_pools[part.tier]
-                    if self._reads_new_rows(part):
+                    pool, route = self.kv_pools[part.tier], self._routes[id(part)]
+                    if route is None:
                         continue
                     if pool.compression is None:
                         slots[id(part)] = to_device(part.kv_slots.reshape(-1), pool.device)  # [B * L]
-                        continue
-                    device = self.attention_device(part.tier, group)
-                    if self._read_by_triton(group, part):
+                    elif self._read_by_triton(part):
                         slots[id(part)] = pool.plan_decode(group, part, self.model.config.sliding_window)
-                    elif not pool.attends_in_pool(group, part, device):
-                        slots[id(part)] = pool.plan_gather(part, device)
+                    elif route is not IN_POOL:
+                        slots[id(part)] = pool.plan_gather(part, route)
         return slots
 
     def _reads_new_rows(self, part) -> bool:
@@ -353,13 +351,11 @@ class PassExecutor:
     def _reads_v_back(self, mb: MicroBatch) -> bool:
         """Whether some part of the micro-batch reads its new V rows as they read back from a compressed
         pool: every part but a decode's read by the Triton kernel, which reads their codes."""
-        return not all(self._read_by_triton(g, part) for g in mb.groups for part in g.parts)
+        return not all(self._read_by_triton(part) for g in mb.groups for part in g.parts)
 
-    def _read_by_triton(self, group: AttentionGroup, part) -> bool:
+    def _read_by_triton(self, part) -> bool:
         """The part's decode rows are attended in its pool by the Triton kernel (KVPool.attend_decode_codes)."""
-        pool = self.kv_pools[part.tier]
-        return (pool.attends_with_triton() and not self._reads_new_rows(part)
-                and pool.attends_in_pool(group, part, self.attention_device(part.tier, group)))
+        return self._routes[id(part)] is IN_POOL and self.kv_pools[part.tier].attends_with_triton()
 
     def _post_attention(self, w, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer after attention, in slices of POST_ATTENTION_ROWS rows where the micro-batch has
