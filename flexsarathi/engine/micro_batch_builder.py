@@ -163,10 +163,13 @@ def _part(tier: str, items: list[WorkItem], runs: list[_TierRun | None], n: int,
     kv_start, kv_len, complete_len = [], [], []
     src, seq_index, pos_index = [], [], []
     for b, (item, run) in enumerate(zip(items, runs)):
-        if run is None:
-            kv_start.append(0), kv_len.append(0), complete_len.append(0)
+        if run is None:  # no keys in this tier: a row of zeros, masked
+            kv_start.append(0)
+            kv_len.append(0)
+            complete_len.append(0)
             continue
-        kv_start.append(run.start), kv_len.append(run.visible)
+        kv_start.append(run.start)
+        kv_len.append(run.visible)
         # Blocks complete before this pass (item.start tokens are cached): read from codes.
         complete_len.append(min(max(item.start // block_size * block_size - run.start, 0), run.visible))
         lo, hi = max(item.start, run.start), min(item.end, run.start + run.visible)
