@@ -23,7 +23,7 @@ from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import CheckpointError, FlexSarathiError
 from flexsarathi.models.model_config import parse_dtype
 from flexsarathi.engine.logprobs import Logprob, decode_logprobs, prompt_logprobs, top_logprobs
-from flexsarathi.engine.sampling import SamplingParams, process_logits, sample, sample_seed
+from flexsarathi.engine.sampling import SamplingParams, finite_rows, process_logits, sample, sample_seed
 from flexsarathi.engine.structured_output import (GrammarCompiler, GrammarState, advance_matchers,
                                                   fill_grammar_bitmask)
 from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
@@ -700,12 +700,10 @@ class LLMEngine:
         # bitmask while the pass it launched still runs.
         bitmask = fill_grammar_bitmask([seq for seq, _ in rows], self.config.vocab_size,
                                        pinned=self.device.type == "cuda")
-        live = self._finite_rows([(seq, row) for seq, row in rows if not seq.context_full])
+        seqs, logits = self._finite_rows([(seq, row) for seq, row in rows if not seq.context_full])
         tokens: dict[Sequence, int] = {}
-        if live:
-            seqs = [s for s, _ in live]
-            logits = torch.stack([row for _, row in live])  # [R, vocab]
-            if bitmask is not None and len(live) < len(rows):  # rows dropped: their bitmask rows too
+        if seqs:
+            if bitmask is not None and len(seqs) < len(rows):  # rows dropped: their bitmask rows too
                 position = {seq: i for i, (seq, _) in enumerate(rows)}
                 bitmask = bitmask[[position[s] for s in seqs]]
             sampled = sample(process_logits(logits, seqs, bitmask), [s.params for s in seqs],
@@ -720,20 +718,25 @@ class LLMEngine:
             tokens = dict(zip(seqs, sampled))
         return [seq for seq, _ in rows], [tokens.get(seq) for seq, _ in rows]
 
-    def _finite_rows(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[tuple[Sequence, torch.Tensor]]:
-        """The rows whose logits are all finite. A NaN or inf (a pass that overflowed its dtype)
-        would be sampled as some token, silently: its sequence fails instead (Sequence.error),
-        and only its request: the other rows of the pass were computed apart from it."""
+    def _finite_rows(self, rows: list[tuple[Sequence, torch.Tensor]]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """The sequences whose logits are all finite and those logits stacked ([R, vocab]; None
+        where no row is left). A NaN or inf (a pass that overflowed its dtype) would be sampled as
+        some token, silently: its sequence fails instead (Sequence.error), and only its request:
+        the other rows of the pass were computed apart from it."""
         if not rows:
-            return rows
-        finite = torch.isfinite(torch.stack([row for _, row in rows])).all(dim=1).tolist()  # [R]
+            return [], None
+        logits = torch.stack([row for _, row in rows])  # [R, vocab]
+        finite = finite_rows(logits).tolist()  # [R]
         for (seq, _), ok in zip(rows, finite):
             if not ok:
                 dtype = str(self.dtype).removeprefix("torch.")
                 hint = "; --dtype float32 may avoid it" if self.dtype != torch.float32 else ""
                 seq.error = (f"the model's logits for output token {len(seq.output_token_ids) + 1} are not finite "
                              f"(NaN or inf: the pass overflowed {dtype}){hint}")
-        return [item for item, ok in zip(rows, finite) if ok]
+        if all(finite):
+            return [seq for seq, _ in rows], logits
+        keep = [i for i, ok in enumerate(finite) if ok]
+        return [rows[i][0] for i in keep], (logits[keep] if keep else None)
 
     def _copy_prompt_tail(self, parent: Sequence) -> None:
         """Each fork of `parent` gets a copy of the KV of the prompt's last, partial block in its

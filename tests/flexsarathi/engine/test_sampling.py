@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexsarathi.engine.logits_processors import bar_stops
-from flexsarathi.engine.sampling import SamplingParams, filtered_logits, sample, sample_seed
+from flexsarathi.engine.sampling import SamplingParams, filtered_logits, finite_rows, sample, sample_seed
 from flexsarathi.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 64
@@ -109,3 +109,21 @@ def test_rows_with_different_filters_in_one_batch_each_keep_their_own_set():
     for row, p, kept in zip(batch, params, filtered_logits(batch, params)):
         assert {int(t) for t in torch.isfinite(kept).nonzero().flatten()} == reference_kept(
             row, p.temperature, p.top_k, p.top_p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_rows_is_isfinite_all_per_row(dtype):
+    """finite_rows (two reductions) says what isfinite(...).all(dim=1) says, for a NaN, +inf or
+    -inf anywhere in a row, alone or together, and for rows at the dtype's finite extremes."""
+    info = torch.finfo(dtype)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 257, generator=gen).to(dtype)
+    logits[1, 0], logits[2, 256], logits[3, 100] = math.nan, math.inf, -math.inf
+    logits[4, 7], logits[4, 9] = math.inf, -math.inf
+    logits[5, 3], logits[5, 4] = math.nan, math.inf
+    logits[6] = math.nan
+    logits[7, 5], logits[7, 6] = info.max, info.min  # finite extremes: a sum would overflow, not this
+    logits[8] = info.max
+    assert finite_rows(logits).tolist() == torch.isfinite(logits).all(dim=1).tolist()
+    assert finite_rows(logits).tolist() == [True, False, False, False, False, False, False, True, True,
+                                            True, True, True]
