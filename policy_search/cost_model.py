@@ -18,7 +18,9 @@ With overlap a pass lasts as long as its slowest chain (`time_terms`):
   compute  GPU + CPU: the pass loop runs a micro-batch's GPU work and its CPU attention in turn
   host     host->device copies + CPU attention: both stream host memory (FlexGen adds the weight
            copy to its decode time for the same reason: its fitted T4 runs show no overlap there)
-Without overlap every resource waits for the others: the sum.
+Without overlap every resource waits for the others: the sum. Either way the engine's step outside
+the pass (scheduling, micro-batches, sampling: HardwareSpec.step_overhead and sequence_overhead,
+`_step_seconds`) adds to every chain: the next pass starts after it.
 
 Without a GPU (`HardwareSpec.compute_on_host`: the compute device is the host CPU) the copies between
 the cpu tier and the "gpu" tier's working buffers are memcpys run by the very cores that compute, so
@@ -60,6 +62,7 @@ from policy_search.working_set import POST_ATTENTION_ROWS, QUERY_BLOCK, SCORE_BY
 
 RESOURCES = ("host->device", "device->host", "disk->host", "host->disk", "gpu", "cpu")
 ROUTED = "routed"  # routed_expert_reads' chain: compute before the experts, then their reads (not a resource)
+STEP = "step"  # the engine's host work outside the pass, serial with it: added to every chain (not a resource)
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,9 @@ def time_terms(resources: dict[str, np.ndarray], overlap: bool,
                on_host: bool = False) -> dict[str, np.ndarray]:
     """Expressions whose maximum is the pass time (see the module docstring)."""
     r = resources
+    step = r.get(STEP, 0.0)
     if not overlap:
-        return {"serial": sum(r[name] for name in RESOURCES)}
+        return {"serial": sum(r[name] for name in RESOURCES) + step}
     if on_host:
         chains = {
             "load": r["disk->host"],
@@ -91,7 +95,7 @@ def time_terms(resources: dict[str, np.ndarray], overlap: bool,
         }
     if ROUTED in r:
         chains[ROUTED] = r[ROUTED]
-    return chains
+    return {name: chain + step for name, chain in chains.items()}
 
 
 def pass_cost(shape: PassShape, run: RunShape, policy: Policy, model: ModelSpec,
@@ -107,8 +111,16 @@ def pass_cost(shape: PassShape, run: RunShape, policy: Policy, model: ModelSpec,
         resources[name] = resources[name] + expr
     if ROUTED in resources:  # the LM head runs after the last layer's experts
         resources[ROUTED] = resources[ROUTED] + head["gpu"]
+    resources[STEP] = const(_step_seconds(shape, hw))
     return PassCost(shape=shape, resources=resources, memory=_memory(shape, run, policy, model),
                     on_host=hw.compute_on_host)
+
+
+def _step_seconds(s: PassShape, hw: HardwareSpec) -> float:
+    """Host seconds of the engine's step around one pass: a fixed part and a part per sequence the
+    pass computes (each decoding sequence, each prompt or chunk: its rows / prompt_rows_per_sequence)."""
+    chunks = s.prompt_tokens / s.prompt_rows_per_sequence if s.prompt_rows_per_sequence > 0 else 0.0
+    return hw.step_overhead + hw.sequence_overhead * (s.decode_tokens + chunks)
 
 
 def _matmul_seconds(params: float, tokens: float, decode_tokens: float, micro_batches: int,

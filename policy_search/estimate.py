@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policy_search.cost_model import RESOURCES, PassCost, pass_cost, time_terms
+from policy_search.cost_model import RESOURCES, STEP, PassCost, pass_cost, time_terms
 from policy_search.graphs import graphs_refused
 from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTIONS, evaluate
@@ -27,8 +27,8 @@ class PassEstimate:
     decode_tokens: float
     prompt_tokens: float
     seconds: float  # one pass, all layers
-    resources: dict[str, float]  # seconds per pass each resource is busy
-    bound: str  # the busiest resource of the binding chain: what this pass waits on
+    resources: dict[str, float]  # seconds per pass each resource is busy, and "step": the host's step around it
+    bound: str  # the busiest resource of the binding chain (or the host's step): what this pass waits on
     memory: dict[str, float]  # bytes per tier while this pass runs
 
     @property
@@ -101,7 +101,7 @@ def estimate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     fractions = {name: getattr(policy, name) for name in FRACTIONS}
     passes = []
     for cost in costs:
-        resources = {name: evaluate(cost.resources[name], fractions) for name in RESOURCES}
+        resources = {name: evaluate(cost.resources[name], fractions) for name in (*RESOURCES, STEP)}
         chains = {name: evaluate(expr, fractions) for name, expr in
                   time_terms(cost.resources, policy.overlap, cost.on_host).items()}
         binding = max(chains, key=chains.get)
@@ -109,7 +109,7 @@ def estimate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
         passes.append(PassEstimate(
             kind=cost.shape.kind, count=cost.shape.count, decode_tokens=cost.shape.decode_tokens,
             prompt_tokens=cost.shape.prompt_tokens, seconds=chains[binding], resources=resources,
-            bound=max(members, key=resources.get),
+            bound=max((*members, STEP), key=resources.get),
             memory={t: evaluate(cost.memory[t], fractions) for t in TIERS}))
     total = sum(p.total_seconds for p in passes)
     peak = {t: max(p.memory[t] for p in passes) for t in TIERS}

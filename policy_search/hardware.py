@@ -17,11 +17,13 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "cpu_matmul_flops": ..., "cpu_attention_flops": ...,
      "gpu_dequant_values_per_s": ..., "cpu_dequant_values_per_s": ...,
      "compute_on_host": false, "layer_overhead_seconds": 0.0, "graph_layer_overhead_seconds": null,
+     "step_overhead_seconds": 0.0, "sequence_overhead_seconds": 0.0,
      "disk_read_cpu_seconds_per_byte": 0.0, "cpu_int4_matmul_flops": null,
      "cpu_memory_bandwidth_bytes_per_s": null}
 
 `memory_usable_fraction` (default 0.8), `compute_on_host` (default false),
-`layer_overhead_seconds`, `disk_read_cpu_seconds_per_byte` (default 0),
+`layer_overhead_seconds`, `step_overhead_seconds`, `sequence_overhead_seconds`,
+`disk_read_cpu_seconds_per_byte` (default 0),
 `graph_layer_overhead_seconds` (default null: decode passes priced as eager ones) and
 `cpu_int4_matmul_flops` (default null: no int4 kernel figure, 4-bit weights priced as
 dequantization + matmul) and `cpu_memory_bandwidth_bytes_per_s` (default null: see
@@ -63,12 +65,15 @@ _JSON_KEYS = {
     "compute_on_host": "compute_on_host",
     "layer_overhead_seconds": "layer_overhead",
     "graph_layer_overhead_seconds": "graph_layer_overhead",
+    "step_overhead_seconds": "step_overhead",
+    "sequence_overhead_seconds": "sequence_overhead",
     "disk_read_cpu_seconds_per_byte": "disk_read_cpu",
     "cpu_int4_matmul_flops": "cpu_int4_matmul_flops",
     "cpu_memory_bandwidth_bytes_per_s": "cpu_memory_bandwidth",
 }
 _OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds", "graph_layer_overhead_seconds",
-                  "disk_read_cpu_seconds_per_byte", "cpu_int4_matmul_flops", "cpu_memory_bandwidth_bytes_per_s")
+                  "step_overhead_seconds", "sequence_overhead_seconds", "disk_read_cpu_seconds_per_byte",
+                  "cpu_int4_matmul_flops", "cpu_memory_bandwidth_bytes_per_s")
 _NULLABLE = ("cpu_int4_matmul_flops", "cpu_memory_bandwidth", "graph_layer_overhead")
 
 
@@ -116,6 +121,12 @@ class HardwareSpec:
     # and activations all stay on the GPU: flexsarathi/engine/graph_passes.py); None: not measured,
     # such passes priced as eager ones. Profiles on CUDA measure it.
     graph_layer_overhead: float | None = None
+    # Host seconds an engine step costs outside its pass (scheduling, building the micro-batches,
+    # sampling, handing out outputs): step_overhead, plus sequence_overhead per sequence the pass
+    # computes. Serial with the pass: the next pass starts after it. Profiles measure both; presets
+    # carry the figures measured on the CPU path (STEP_OVERHEAD, SEQUENCE_OVERHEAD).
+    step_overhead: float = 0.0
+    sequence_overhead: float = 0.0
     # CPU seconds the host spends per byte read from disk (the store's reader threads: O_DIRECT
     # syscalls, page pinning, completions). Matters where those cores compute (compute_on_host);
     # presets leave it at 0, profiles measure it.
@@ -148,7 +159,7 @@ class HardwareSpec:
                 raise SpecError(f"HardwareSpec.{f.name} must be a finite number, got {value!r}")
             # a tier may be empty (no disk) and the overhead nil; rates and the GPU must not be
             may_be_zero = (f.name.endswith("_memory") and f.name != "gpu_memory") or f.name in (
-                "layer_overhead", "graph_layer_overhead", "disk_read_cpu")
+                "layer_overhead", "graph_layer_overhead", "step_overhead", "sequence_overhead", "disk_read_cpu")
             if value < 0 or (value == 0 and not may_be_zero):
                 raise SpecError(f"HardwareSpec.{f.name} must be {'>= 0' if may_be_zero else '> 0'}, "
                                 f"got {value!r}")
@@ -300,6 +311,14 @@ _DEQUANT_PER_HBM_BYTE = T4_DEQUANT / (320 * GB)
 # replaces it.
 GPU_LAYER_OVERHEAD = 0.545e-3
 GPU_GRAPH_LAYER_OVERHEAD = 0.0
+# The engine's host work around a pass (scheduling, micro-batches, sampling, outputs), per step and per
+# sequence: `flexsarathi profile`'s measurement (flexsarathi/machine/profiler.py _step_overhead) on a
+# 512-token vocabulary (../shared/models/stories260K, fp32, 1 and 32 sequences), where the sampler's
+# vocabulary-wide reductions cost next to nothing, as on a GPU that runs them; 2 Zen 5 cores (AMD EPYC
+# family 26 model 2), 2026-11-29, three runs: 79-81 us + 7.4-7.7 us per sequence. Not yet measured on
+# a GPU machine's host; a profile of the machine at hand replaces it.
+STEP_OVERHEAD = 80e-6
+SEQUENCE_OVERHEAD = 7.5e-6
 
 
 _T4 = HardwareSpec(
@@ -323,6 +342,7 @@ _T4 = HardwareSpec(
     # estimate: one Skylake socket's 6 DDR4-2666 channels (128 GB/s peak), a third achieved by a VM's matmuls
     cpu_memory_bandwidth=40 * GB,
     layer_overhead=GPU_LAYER_OVERHEAD, graph_layer_overhead=GPU_GRAPH_LAYER_OVERHEAD,
+    step_overhead=STEP_OVERHEAD, sequence_overhead=SEQUENCE_OVERHEAD,
     notes="FlexGen's T4 machine and fitted constants; disk read from GCP local-SSD docs (see source)",
 )
 
@@ -347,7 +367,7 @@ def _datacenter(name: str, *, gpu_gib: float, hbm_gbps: float, dense_tflops: flo
         gpu_dequant_rate=hbm_gbps * GB * _DEQUANT_PER_HBM_BYTE, cpu_dequant_rate=8e9,
         cpu_memory_bandwidth=cpu_memory_gbps * GB * 0.3,  # a third of the sockets' peak: rough
         layer_overhead=GPU_LAYER_OVERHEAD, graph_layer_overhead=GPU_GRAPH_LAYER_OVERHEAD,
-        notes=notes,
+        step_overhead=STEP_OVERHEAD, sequence_overhead=SEQUENCE_OVERHEAD, notes=notes,
     )
 
 

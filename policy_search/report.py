@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from policy_search.cost_model import RESOURCES, delegates_experts
+from policy_search.cost_model import RESOURCES, STEP, delegates_experts
 from policy_search.estimate import Estimate, estimate
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
@@ -62,9 +62,10 @@ def format_report(policy: Policy, est: Estimate, model: ModelSpec, hardware: Har
         lines.append(f"  {p.kind:<12}{p.count:>8.1f}{p.decode_tokens:>9.0f}{p.prompt_tokens:>9.0f}"
                      f"{p.seconds:>10.3f}{p.total_seconds:>10.1f}  {p.bound}")
     lines += ["", "Resource busy time per pass, seconds"]
-    lines.append(f"  {'':<12}" + "".join(f"{r:>14}" for r in RESOURCES))
+    columns = (*RESOURCES, STEP)  # the step: the engine's host work around the pass
+    lines.append(f"  {'':<12}" + "".join(f"{r:>14}" for r in columns))
     for p in est.passes:
-        lines.append(f"  {p.kind:<12}" + "".join(f"{p.resources[r]:>14.3f}" for r in RESOURCES))
+        lines.append(f"  {p.kind:<12}" + "".join(f"{p.resources[r]:>14.3f}" for r in columns))
     return "\n".join(lines)
 
 

@@ -286,42 +286,72 @@ def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype, busy_c
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _decode_step_times(llm, sequences: int, tokens: int) -> tuple[float, float]:
+    """(pass, between) median seconds of the decode steps of a run of `sequences` 8-token prompts,
+    after a warm-up run (with CUDA graphs: their capture): a pass from the engine's forward call to
+    its logits on the host (eager and replayed passes both end there); between, from one decode
+    pass's logits to the next pass's forward call (sampling, outputs, scheduling, building the
+    micro-batches)."""
+    from flexsarathi.engine.sampling import SamplingParams
+
+    engine = llm.engine
+    inner, marks = engine.forward, []
+
+    def timed(plan):
+        start = time.perf_counter()
+        out = inner(plan)
+        marks.append((start, time.perf_counter()))
+        return out
+
+    engine.forward = timed
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    prompts = [[10] * 8] * sequences
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up (and, with graphs, the capture)
+    marks.clear()
+    llm.generate(prompts, params, use_tqdm=False)
+    engine.forward = inner
+    decodes = marks[1:]  # the first pass computes the prompts
+    between = [b[0] - a[1] for a, b in zip(decodes, decodes[1:])]
+    return statistics.median(end - start for start, end in decodes), statistics.median(between)
+
+
 def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 12, graphs: bool = False) -> float:
     """Seconds a pass costs per layer and micro-batch beyond its math: the executor's bookkeeping,
     thread hand-offs, per-call costs of small ops (kernel launches on a GPU). Measured by running
     the engine itself on a small model (everything on the compute device, one decode token per
     pass, where the math is a small part) and subtracting the time of its layers' and LM head's
     matmuls measured alone. graphs: with decode passes replayed from CUDA graphs (the engine's
-    default on CUDA for such a policy), else eager passes. A pass is timed from the engine's
-    forward call to its logits on the host, which both kinds end with."""
+    default on CUDA for such a policy), else eager passes."""
     from flexsarathi.llm import LLM
-    from flexsarathi.engine.sampling import SamplingParams
     from policy_search.policy import Policy
 
-    llm = LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=1), cuda_graphs=graphs)
-    engine = llm.engine
-    inner, passes = engine.forward, []
-
-    def timed(plan):
-        start = time.perf_counter()
-        out = inner(plan)
-        passes.append(time.perf_counter() - start)
-        return out
-
-    engine.forward = timed
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate([[10] * 8], params, use_tqdm=False)  # warm-up (and, with graphs, the capture)
-    passes.clear()
-    llm.generate([[10] * 8], params, use_tqdm=False)
-    pass_seconds = statistics.median(passes[1:])  # the decode passes
-    config, g = engine.config, engine.weights.global_weights()
-    llm.close()
+    with LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=1), cuda_graphs=graphs) as llm:
+        pass_seconds, _ = _decode_step_times(llm, 1, tokens)
+        config, g = llm.engine.config, llm.engine.weights.global_weights()
     shapes = LayerShapes.of(ModelSpec.from_name(model))
     head = g.get("lm_head.weight", g["embed_tokens.weight"])
     x = torch.randn(1, head.shape[1], dtype=dtype, device=device)
     head_seconds = median_seconds(lambda: (linear(x, head), sync_device(device)), repeats=7)  # a QTensor too
     layer_seconds = layer_matmul_seconds(device, dtype, shapes, 1)
     return max(0.0, (pass_seconds - head_seconds) / config.num_layers - layer_seconds)
+
+
+def _step_overhead(device, dtype, model: str = "dummy:opt-125m", sequences: int = 16,
+                   tokens: int = 12) -> tuple[float, float]:
+    """(fixed, per sequence) host seconds of an engine step outside its pass
+    (HardwareSpec.step_overhead, sequence_overhead): the time between decode passes at 1 and at
+    `sequences` sequences (the engine's default graphs setting), a line through the two.
+    Sampling is part of it: its per-sequence cost grows with the vocabulary (opt-125m's 50272)
+    where the compute device is the CPU."""
+    from flexsarathi.llm import LLM
+    from policy_search.policy import Policy
+
+    between = {}
+    for n in (1, sequences):
+        with LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=n)) as llm:
+            between[n] = _decode_step_times(llm, n, tokens)[1]
+    per_sequence = max(0.0, (between[sequences] - between[1]) / (sequences - 1))
+    return max(0.0, between[1] - per_sequence), per_sequence
 
 
 def _host_memory() -> int:
@@ -433,8 +463,11 @@ def _measure_dequant_and_overhead(device, dtype, shapes, log) -> dict:
     log("  measuring the engine's own cost per layer (dummy:opt-125m, one decode token per pass) ...")
     overhead = _layer_overhead(device, dtype)
     graph_overhead = _layer_overhead(device, dtype, graphs=True) if device.type == "cuda" else None
+    step, per_sequence = _step_overhead(device, dtype)
     log(f"  engine overhead: {overhead * 1e3:.3f} ms per layer and micro-batch of a pass (beyond the math)"
         + (f"; {graph_overhead * 1e3:.3f} ms per layer of a decode pass replayed from a CUDA graph"
-           if graph_overhead is not None else ""))
+           if graph_overhead is not None else "")
+        + f"; outside a pass {step * 1e3:.3f} ms per step + {per_sequence * 1e6:.1f} us per sequence")
     return dict(gpu_dequant_rate=dequant, cpu_dequant_rate=cpu_dequant, layer_overhead=overhead,
-                graph_layer_overhead=graph_overhead, cpu_int4_matmul_flops=int4)
+                graph_layer_overhead=graph_overhead, step_overhead=step, sequence_overhead=per_sequence,
+                cpu_int4_matmul_flops=int4)

@@ -146,6 +146,32 @@ def test_layer_overhead_is_paid_per_layer_and_micro_batch(opt13, host):
         host.replace(layer_overhead=-1.0)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("on_host", [True, False])
+def test_the_step_around_a_pass_adds_to_every_chain(opt13, host, overlap, on_host):
+    """The engine's host step around a pass (scheduling, micro-batches, sampling) is serial with
+    it: each pass lasts step_overhead + sequence_overhead x its sequences longer, whichever chain
+    binds. A block run of 8: its prompt pass and each decode pass carry 8 sequences."""
+    wl = Workload(prompt_len=64, gen_len=8)
+    hw = host if on_host else HardwareSpec.preset("a100-80g")
+    hw = hw.replace(step_overhead=0.0, sequence_overhead=0.0)
+    policy = Policy(gpu_batch_size=8, scheduler="block", overlap=overlap,
+                    **(ALL_GPU | dict(w_gpu=0.5, w_cpu=0.5)))
+    plain = estimate(policy, opt13, hw, wl)
+    slow = estimate(policy, opt13, hw.replace(step_overhead=3e-3, sequence_overhead=2e-4), wl)
+    assert [p.prompt_tokens for p in plain.passes][:1] == [8 * 64] and plain.passes[1].decode_tokens == 8
+    for a, b in zip(plain.passes, slow.passes):
+        assert b.resources["step"] == pytest.approx(3e-3 + 8 * 2e-4) and a.resources["step"] == 0
+        assert b.seconds - a.seconds == pytest.approx(3e-3 + 8 * 2e-4)
+    added = sum(p.count for p in plain.passes) * (3e-3 + 8 * 2e-4)
+    assert slow.total_seconds - plain.total_seconds == pytest.approx(added)
+    # profiles carry it (the presets a measured one); older profiles have none
+    older = {k: v for k, v in hw.to_dict().items() if k not in ("step_overhead_seconds", "sequence_overhead_seconds")}
+    assert HardwareSpec.from_dict(older).step_overhead == HardwareSpec.from_dict(older).sequence_overhead == 0
+    with pytest.raises(SpecError, match="sequence_overhead"):
+        hw.replace(sequence_overhead=-1e-6)
+
+
 @pytest.mark.parametrize("placement, graphed", [
     (dict(), True),  # everything on the GPU: decode passes replay a graph
     (dict(kv_gpu=0.5, kv_cpu=0.5), False),  # KV off the GPU: eager (policy_search.graphs)
