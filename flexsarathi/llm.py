@@ -149,7 +149,9 @@ class LLM:
                 self.engine.validate_prompt(ids, i)
                 groups[i] = [self.engine.make_sequence(ids, p, text, k) for k in range(p.n)]
             except FlexSarathiError as exc:
-                if on_error == "raise":
+                if on_error == "raise":  # which of the prompts, where the message does not say
+                    if not str(exc).startswith(f"prompt {i}"):
+                        exc.args = (f"prompt {i}: {exc}",)
                     raise
                 refused.append((i, str(exc)))
         return groups, refused
@@ -257,6 +259,9 @@ def _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_op
         raise FlexSarathiError(f"LLM(seed=...) must be an integer, got {seed!r}")
     if kv_block_size is not None and (not _is_integer(kv_block_size) or kv_block_size < 1):
         raise FlexSarathiError(f"LLM(kv_block_size=...) must be None or an integer >= 1, got {kv_block_size!r}")
+    cap = engine_options.get("max_logprobs", -1)
+    if not _is_integer(cap) or cap < -1:
+        raise FlexSarathiError(f"LLM(max_logprobs=...) must be an integer >= -1 (-1: no limit), got {cap!r}")
     unknown = sorted(set(engine_options) - {f.name for f in dataclasses.fields(EngineConfig)})
     if unknown:
         raise FlexSarathiError(f"LLM() got unknown option(s) {unknown}: the options are LLM's own arguments and "

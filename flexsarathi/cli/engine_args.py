@@ -29,6 +29,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how passes are formed (default: the policy's)")
     p.add_argument("--offload-dir", default=None, help="folder for disk-tier weights / KV / activations "
                    "(default ~/.cache/flexsarathi/offload)")
+    p.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                   help="the most logprobs / prompt_logprobs alternatives a request may ask per token (default "
+                   "20, vLLM's and OpenAI's limit); -1: no limit (a request's -1 asks for the whole vocabulary)")
     add_compute_args(p)
 
 
@@ -97,7 +100,8 @@ def build_llm(args, workload, seed: int = 0, opened=None):
     llm = LLM(opened or args.model, dtype=args.dtype, device=args.device, policy=policy, hardware=hardware,
               offload_dir=args.offload_dir, seed=seed, cpu_matmul=getattr(args, "cpu_matmul", "auto"),
               compress_head=getattr(args, "compress_head", False),
-              cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None)
+              cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
+              max_logprobs=getattr(args, "max_logprobs", 20))
     return llm, policy
 
 

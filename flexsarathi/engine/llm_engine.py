@@ -223,6 +223,12 @@ class EngineConfig:
     # graph captured once per batch and context bucket (offload/decode_graphs.py): the host then
     # launches one graph instead of every kernel. None: on where the compute device is CUDA.
     cuda_graphs: bool | None = None
+    # The most alternatives a request's logprobs / prompt_logprobs may ask per token (vLLM's
+    # max_logprobs and its default: OpenAI's top_logprobs limit); -1: no limit (what a request's -1,
+    # the whole vocabulary, needs). Each alternative is a Python object: ~224 bytes (measured with
+    # tracemalloc on stories260K), so one request of a 128K vocabulary at -1 holds ~29 MB per token;
+    # a batch file or server refuses it by default.
+    max_logprobs: int = 20
 
 
 HEAD = "lm_head.weight"
@@ -399,6 +405,7 @@ class LLMEngine:
             raise FlexSarathiError(f"{'stop strings' if params.stop else 'bad_words'} need a model folder with "
                                    "tokenizer.json (use stop_token_ids / logit_bias with token-id prompts)")
         self._check_token_ids(params)
+        self._check_logprobs(params)
         seq = Sequence(
             seq_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
             max_len=min(len(prompt_token_ids) + (params.max_tokens or self.config.max_position_embeddings),
@@ -418,6 +425,18 @@ class LLMEngine:
         if outside:
             raise FlexSarathiError(f"SamplingParams.logit_bias names token ids {outside[:5]} outside the "
                                    f"vocabulary [0, {vocab})")
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        cap = self.engine_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if cap == -1 or asked is None:
+                continue
+            alternatives = self.config.vocab_size if asked == -1 else asked
+            if alternatives > cap:
+                raise FlexSarathiError(
+                    f"SamplingParams.{name}={asked} asks for {alternatives} alternatives per token, more than "
+                    f"this engine's max_logprobs={cap} (LLM(max_logprobs=...), --max-logprobs; -1: no limit)")
 
     def _bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """Each bad word as token ids as it would appear at the start of a text and after a space

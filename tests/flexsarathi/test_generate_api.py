@@ -31,7 +31,8 @@ def stories(stories_dir):
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint):
     folder, hf = tiny_checkpoint("llama_gqa_untied")
-    with LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=4, prefill_budget=8)) as llm:
+    # no cap on logprobs: tests here ask for the whole vocabulary
+    with LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=4, prefill_budget=8), max_logprobs=-1) as llm:
         yield llm, hf
 
 
@@ -196,6 +197,24 @@ def test_vllms_prompt_dicts_and_numpy_token_ids_are_the_prompts_they_hold(storie
     assert stories.generate({"prompt": text}, greedy, use_tqdm=False)[0].token_ids == plain[0].token_ids
     with pytest.raises(FlexSarathiError, match=r"prompt 1 is not valid Unicode text \(surrogates not allowed at character 4\)"):
         stories.generate(["fine", "bad \ud800"], greedy, use_tqdm=False)
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_by_name(stories):
+    """By default (max_logprobs=20, vLLM's) a request may ask 20 alternatives per token, not 21, and
+    not the whole vocabulary (-1); prompt_logprobs likewise. A refused request names the field and
+    the option that lifts it; within the cap the outputs carry what was asked."""
+    assert stories.engine.engine_config.max_logprobs == 20
+    ok = stories.generate(["Once"], SamplingParams(max_tokens=2, temperature=0, logprobs=20, prompt_logprobs=20),
+                          use_tqdm=False)[0]
+    assert [len(step) for step in ok.outputs[0].logprobs] == [20, 20]  # greedy: the sampled token is in the top 20
+    assert ok.prompt_logprobs[0] is None and 20 <= len(ok.prompt_logprobs[1]) <= 21  # + the prompt token
+    for field, asked, count in (("logprobs", 21, 21), ("prompt_logprobs", 21, 21), ("logprobs", -1, 512)):
+        with pytest.raises(FlexSarathiError, match=(
+                rf"prompt 0: SamplingParams\.{field}={asked} asks for {count} alternatives per token, more than "
+                r"this engine's max_logprobs=20 \(LLM\(max_logprobs=\.\.\.\), --max-logprobs; -1: no limit\)")):
+            stories.generate(["Once"], SamplingParams(max_tokens=2, **{field: asked}), use_tqdm=False)
+    with pytest.raises(FlexSarathiError, match=r"LLM\(max_logprobs=\.\.\.\) must be an integer >= -1"):
+        LLM("dummy:opt-125m-1l", max_logprobs=-2)
 
 
 def test_vllms_other_spellings_mean_what_they_mean_there(tiny):

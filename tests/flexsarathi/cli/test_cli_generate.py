@@ -91,12 +91,13 @@ def test_jsonl_bad_lines_become_error_records(stories_dir, stories_llm, tmp_path
     bad = [{"id": "chat", "messages": [{"role": "user", "content": "hi"}]},  # no chat template
            "{not json", {"id": "none"}, {"id": "long", "prompt_token_ids": [5] * 600},
            {"id": "temp", "prompt": "x", "temperature": -1}, {"id": "typo", "prompt": "x", "max_token": 3},
-           {"id": "sur", "prompt": "bad \ud800"}]  # a lone surrogate, as JSON can carry one
+           {"id": "sur", "prompt": "bad \ud800"},  # a lone surrogate, as JSON can carry one
+           {"id": "lp", "prompt": "x", "logprobs": 21}]  # over --max-logprobs (default 20)
     src = write_lines(tmp_path / "in.jsonl", good + bad)
     cli("generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"), *GREEDY,
         check_rc=1)
     got = {r.get("id", r.get("line")): r for r in records(tmp_path / "o.jsonl")}
-    assert len(got) == 10
+    assert len(got) == 11
     ref_a, = greedy(stories_llm, ["Once upon a time"])
     ref_7, = greedy(stories_llm, [[1, 403, 407]], max_tokens=3)
     assert got["a"]["token_ids"] == ref_a.token_ids and got["a"]["text"] == ref_a.text
@@ -107,7 +108,9 @@ def test_jsonl_bad_lines_become_error_records(stories_dir, stories_llm, tmp_path
     messages = {"chat": "no chat template", 5: "line 5 is not valid JSON", "none": "needs exactly one of",
                 "long": "600 tokens, more than the model's context of 512",
                 "temp": "temperature must be a finite number", "typo": "unknown field(s) ['max_token']",
-                "sur": "line 10: the text is not valid Unicode (surrogates not allowed at character 4)"}
+                "sur": "line 10: the text is not valid Unicode (surrogates not allowed at character 4)",
+                "lp": "line 11: SamplingParams.logprobs=21 asks for 21 alternatives per token, more than this "
+                      "engine's max_logprobs=20 (LLM(max_logprobs=...), --max-logprobs; -1: no limit)"}
     for key, text in messages.items():
         assert text in got[key]["error"]["message"], got[key]
     assert got[5] == {"line": 5, "error": got[5]["error"]}
@@ -297,6 +300,15 @@ def test_inspect_names_the_dtype_generate_runs_in(stories_dir, tmp_path, capsys)
     kinds = [line for line in lines if line.startswith("  ") and "[" in line]
     assert len(kinds) == 4 and all(f": float32 -> {ran} (" in line for line in kinds), lines
     assert lines[-2].endswith(f"({ran})")  # the engine stores line
+
+
+def test_max_logprobs_lifts_the_cap(stories_dir, tmp_path):
+    """--max-logprobs N: a line may ask up to N alternatives per token (-1: the whole vocabulary)."""
+    src = write_lines(tmp_path / "in.jsonl", [{"id": "lp", "prompt": "Once", "logprobs": -1, "max_tokens": 2}])
+    cli("generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"), *GREEDY,
+        "--max-logprobs", "-1", check_rc=0)
+    record, = records(tmp_path / "o.jsonl")
+    assert [len(step) for step in record["logprobs"]] == [512, 512]  # stories260K's vocabulary
 
 
 def test_openai_logprobs_read_as_the_text(stories_dir, stories_llm, tmp_path):
