@@ -37,6 +37,7 @@ from offload.micro_batch import AttentionGroup, KVPart, host_of
 from offload.host_buffer import RecycledBuffers, tier_zeros
 from offload.kv_plans import DecodePlan, GatherPlan, StorePlan, plan_decode, plan_gather, plan_store, visible_range
 from offload.streams import to_device, to_host, to_host_all
+from policy_search.policy import TIERS
 from policy_search.quant_format import KV_FORMAT
 from quant import QTensor, QuantConfig, cpu_kv_attention, cpu_kv_dequant, dequantize, quantize
 
@@ -92,6 +93,35 @@ def _triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or _triton_on_cpu[0]
 
 
+@functools.cache
+def _triton_covers(compression: "KVCompression", head_dim: int) -> bool:
+    """Both Triton kernels (the decode attention and V's quantize) cover this format and head size."""
+    k_config, v_config = compression.k_config(), compression.v_config(head_dim)
+    kernel, quantizer = _triton("triton_kv_attention"), _triton("triton_quantize")
+    return (kernel is not None and kernel.covers(k_config, v_config, head_dim)
+            and quantizer.covers(v_config, head_dim))
+
+
+def decode_in_pool_tiers(device: torch.device, dtype: torch.dtype, head_dim: int,
+                         compression: "KVCompression | None") -> tuple[str, ...]:
+    """The tiers whose pools attend a decode row in place when attention runs on `device` (the
+    compute device, or the CPU for delegated decodes): no context is gathered for them (the working
+    set charges their slot indices, not K/V copies: policy_search/working_set.py). A plain pool in
+    memory on the CPU (quant/cpu_kv_attention.py; not on disk: gathered ahead by the I/O thread); a
+    compressed pool on the CPU (the C kernel, or Triton's interpreter inside triton_decodes_on_cpu)
+    in any tier; on a GPU, the gpu tier's compressed pool (quant/triton_kv_attention.py): a pool on
+    another device than attention's is gathered there."""
+    if compression is None:
+        covered = device.type == "cpu" and _plain_in_place[0] and cpu_kv_attention.covers_plain(dtype, head_dim)
+        return ("gpu", "cpu") if covered else ()
+    if _triton_runs_on(device) and _triton_covers(compression, head_dim):
+        return TIERS if device.type == "cpu" else ("gpu",)
+    if device.type != "cpu":
+        return ()
+    covered = cpu_kv_attention.covers(compression.k_config(), compression.v_config(head_dim), head_dim, dtype)
+    return TIERS if covered else ()
+
+
 # (block_size, "before" | "same"): attend only keys in blocks before each query's own block, or in
 # its own block (flexsarathi.models.attention.attend's key_blocks); None: every visible key.
 KeyRule = tuple[int, str] | None
@@ -140,7 +170,6 @@ class KVPool:
         self.device = torch.device(device)
         self.kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.compression = compression
-        self._triton_covers: bool | None = None  # attends_with_triton's kernel check, made once
         self._contexts = RecycledBuffers(min_bytes=1 << 20)  # what gathers onto the CPU return (see _context_buffer)
         # CUDA: "a value quantized here was not finite", one flag per (device, thread), set without a
         # host sync and checked by check_finite() after the pass (quantize's `nonfinite`).
@@ -411,33 +440,17 @@ class KVPool:
 
     # ---- decode attention read in the pool (its codes, or a plain pool's slots) -------------------
     def attends_in_pool(self, group: AttentionGroup, part: KVPart, device: torch.device) -> bool:
-        """Whether the group's decode rows attend this part straight from the pool (attend_decode):
-        from a compressed pool's 4-bit codes, with no gathered context, on the CPU
-        (quant/cpu_kv_attention.py) or on a GPU (quant/triton_kv_attention.py, one launch per layer);
-        from a plain pool's slots in memory on the CPU, with no gathered context at all (a plain
-        pool on the disk tier is gathered: the executor reads the next layer's ahead, on its I/O
-        thread, while this one computes)."""
-        if not (group.is_decode and device.type == self.device.type and part.new_rows is None):
-            return False
-        if self.attends_with_triton():
-            return True
-        if device.type != "cpu":
-            return False
-        if self.compression is None:
-            return (_plain_in_place[0] and self.tier != "disk"
-                    and cpu_kv_attention.covers_plain(self.dtype, self.head_dim))
-        return cpu_kv_attention.covers(self.k_config, self.v_config, self.head_dim, self.dtype)
+        """Whether the group's decode rows attend this part straight from the pool (attend_decode,
+        attend_decode_codes), with no gathered context: where its tier is one decode_in_pool_tiers
+        names for a pass attending on `device` (the pool's device type)."""
+        return (group.is_decode and device.type == self.device.type and part.new_rows is None
+                and self.tier in decode_in_pool_tiers(device, self.dtype, self.head_dim, self.compression))
 
     def attends_with_triton(self) -> bool:
         """Decode rows over this compressed pool take the Triton kernel: on a GPU, or on the CPU
         inside triton_decodes_on_cpu()."""
-        if self.compression is None or not _triton_runs_on(self.device):
-            return False
-        if self._triton_covers is None:  # both kernels: the decode attention and V's quantize
-            kernel, quantizer = _triton("triton_kv_attention"), _triton("triton_quantize")
-            self._triton_covers = (kernel is not None and kernel.covers(self.k_config, self.v_config, self.head_dim)
-                                   and quantizer.covers(self.v_config, self.head_dim))
-        return self._triton_covers
+        return (self.compression is not None and _triton_runs_on(self.device)
+                and _triton_covers(self.compression, self.head_dim))
 
     def plan_decode(self, group: AttentionGroup, part: KVPart, sliding_window: int | None) -> DecodePlan:
         """What attend_decode_codes reads for this part, on the pool's device (made once per pass)."""

@@ -56,7 +56,7 @@ from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTION_EXPRS as f, const
 from policy_search.model_spec import ModelSpec
 from policy_search.pass_shape import PassShape, RunShape
-from policy_search.policy import Policy
+from policy_search.policy import TIERS, Policy
 from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS
 from policy_search.working_set import POST_ATTENTION_ROWS, QUERY_BLOCK, SCORE_BYTES, PassTokens, working_set
 
@@ -362,10 +362,15 @@ def working_tokens(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec
     per micro-batch, the sequences' contexts the executor gathers onto the compute device."""
     k, longest = s.micro_batches, s.max_context
     decoders = s.decode_tokens / k
+    in_pool = model.in_pool_tiers(policy.compress_kv)  # attended in place: indexed, not gathered
     if policy.cpu_attention:  # only the gpu tier's part: min(longest, gpu pool) <= gpu pool
-        decode = f.kv_gpu * run.kv_tokens
-    else:  # every tier's part; one context per sequence (tiers split alike: docs/DESIGN.md)
-        decode = const(longest)
+        gpu_part = f.kv_gpu * run.kv_tokens
+        decode, pooled = (const(0.0), gpu_part) if "gpu" in in_pool else (gpu_part, const(0.0))
+    elif not in_pool:  # every tier's part; one context per sequence (tiers split alike: docs/DESIGN.md)
+        decode, pooled = const(longest), const(0.0)
+    else:  # each tier's share of it by the fractions (non-negative coefficients: policy_search/bounds.py)
+        pooled = sum((longest * getattr(f, f"kv_{t}") for t in in_pool), const(0.0))
+        decode = sum((longest * getattr(f, f"kv_{t}") for t in TIERS if t not in in_pool), const(0.0))
     chunks = s.prompt_tokens / k / max(s.prompt_rows_per_sequence, 1) if s.prior_kv_tokens > 0 else 0.0
     prompt_call = longest if s.prompt_tokens > 0 else 0.0  # keys of one prompt chunk's call
     # Every field that working_set adds up is an expression (a float would add to every coefficient).
@@ -375,7 +380,7 @@ def working_tokens(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec
                       attention_slots=decoders * decode + const(prompt_call),
                       attention_cells=decoders * decode + const(
                           prompt_call * min(s.prompt_rows_per_sequence, QUERY_BLOCK)),
-                      logit_rows=const(s.sampled))
+                      logit_rows=const(s.sampled), in_pool_keys=decoders * pooled)
 
 
 def working_bytes(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> np.ndarray:

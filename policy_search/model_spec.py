@@ -48,6 +48,10 @@ class ModelSpec:
     weight_format: WeightFormat = WEIGHT_FORMAT  # compressed weights (the engine's weight_quant)
     kv_format: KVFormat = KV_FORMAT  # compressed KV cache (the engine's kv_bits, block, kv_value_group)
     compressed_head: bool = False  # the engine's compress_head: an untied LM head held in weight_format
+    # The tiers whose decode rows the engine attends in the pool, no context gathered (plain KV, 4-bit
+    # KV): its kernels on the device it runs on (offload/kv_cache.py decode_in_pool_tiers); the
+    # working set charges their slot indices instead of K/V copies. () by default: every tier gathered.
+    decode_in_pool: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     # the checkpoint's own 4-bit codes (a GGUF's Q4_0 token embedding / untied head), held as they are
     coded_embedding: bool = False
     coded_head: bool = False
@@ -267,6 +271,10 @@ class ModelSpec:
         ffn = max(self.dense_ffn_params if self.sparse_layers < self.num_layers else 0,
                   sparse if self.num_experts else 0)
         return (self.attention_params + ffn) * self.matrix_bytes_per_value(compressed)
+
+    def in_pool_tiers(self, compress_kv: bool) -> tuple[str, ...]:
+        """decode_in_pool's tiers for a plain or a 4-bit KV cache."""
+        return self.decode_in_pool[1 if compress_kv else 0]
 
     def kv_bytes_per_token(self, compressed: bool) -> float:
         """Bytes one token's K and V take in one layer's cache (kv_format when compressed)."""

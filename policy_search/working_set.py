@@ -12,8 +12,11 @@ offload/executor.py holds on the compute device at once (docs/DESIGN.md, "Workin
     ModelSpec.ffn_buffers wide, the MLP's output), and the next micro-batch's input being loaded;
   * the K/V context gathered onto the compute device for the micro-batch computing and the next
     one (the executor loads k+1 before computing k). Not gathered: decode context attended on the
-    CPU (cpu_attention, KV off the gpu tier) and a prompt chunk whose keys are all its own new rows;
+    CPU (cpu_attention, KV off the gpu tier), decode context its pool attends in place
+    (ModelSpec.decode_in_pool) and a prompt chunk whose keys are all its own new rows;
   * the fp32 K/V copies and fp32 scores of the largest decode and the largest prompt attention call;
+    for the largest decode call attended in its pool, per key its int64 slot index and an fp32 score
+    per head (the kernels' index copy and per-thread score rows, threads <= sequences);
   * every micro-batch's fp32 logits (the pass returns them together).
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from policy_search.policy import TIERS, Policy
 LOGIT_BYTES = 4  # logits are kept in fp32
 SCORE_BYTES = 4  # attention scores and the K/V copies they are computed from are fp32
 QUERY_BLOCK = 256  # query rows per score buffer (flexsarathi/models/attention.py _QUERY_BLOCK)
+INDEX_BYTES = 8  # a slot index as the in-pool decode kernels read it (int64)
 # Rows of a micro-batch the layer after attention computes at once (offload/executor.py
 # _post_attention): bounds the MLP's [rows, ffn] intermediates of a long prompt pass. Large enough
 # that the matmuls run at full speed on a GPU and a CPU (4096 x hidden x ffn).
@@ -43,6 +47,7 @@ class PassTokens:
     attention_slots: int  # keys of the largest decode call + the largest prompt call on the device
     attention_cells: int  # (query row, key) pairs of one score buffer of each of those two calls
     logit_rows: int  # rows of the LM head's output, all micro-batches
+    in_pool_keys: int = 0  # keys of the largest decode call its pool attends in place (nothing gathered)
 
 
 @dataclass(frozen=True)
@@ -72,30 +77,35 @@ def working_set(model: ModelSpec, tokens: PassTokens, compress_kv: bool) -> Work
     context = (3 if compress_kv else 2) * tokens.context_slots * model.kv_dim * item
     attention = (tokens.attention_slots * 2 * model.kv_dim
                  + tokens.attention_cells * 2 * model.num_heads) * SCORE_BYTES  # scores and probs
+    attention = attention + tokens.in_pool_keys * (INDEX_BYTES + model.num_heads * SCORE_BYTES)
     return WorkingSet(tokens=tokens.total, hidden_bytes=h * item,
                       compute=layer + context + attention + tokens.logit_rows * model.vocab_size * LOGIT_BYTES)
 
 
 def gathered_tiers(policy: Policy, decode: bool) -> tuple[str, ...]:
-    """KV tiers whose context the executor gathers onto the compute device (offload/executor.py
-    attention_device): decodes attend off-gpu tiers on the CPU under cpu_attention."""
+    """KV tiers whose context is attended on the compute device (offload/executor.py
+    attention_device): decodes attend off-gpu tiers on the CPU under cpu_attention. A decode's is
+    gathered there unless its pool attends it in place (ModelSpec.decode_in_pool)."""
     return ("gpu",) if decode and policy.cpu_attention else TIERS
 
 
-def decode_context(policy: Policy, max_len: int, pool_slots: Mapping[str, int]) -> int:
-    """Upper bound on the slots one decoding sequence gathers onto the compute device. A decode
-    group is padded per tier to its longest member's part there, so a group whose members split
-    their context differently across tiers can pad to one max_len per tier; a part never exceeds
-    its tier's pool."""
-    return sum(min(max_len, pool_slots.get(t, 0)) for t in gathered_tiers(policy, decode=True))
+def decode_context(policy: Policy, max_len: int, pool_slots: Mapping[str, int],
+                   in_pool: tuple[str, ...] = (), pooled: bool = False) -> int:
+    """Upper bound on the slots one decoding sequence gathers onto the compute device (pooled: that
+    its pools attend in place there instead; in_pool: those tiers). A decode group is padded per
+    tier to its longest member's part there, so a group whose members split their context
+    differently across tiers can pad to one max_len per tier; a part never exceeds its tier's pool."""
+    return sum(min(max_len, pool_slots.get(t, 0)) for t in gathered_tiers(policy, decode=True)
+               if (t in in_pool) == pooled)
 
 
 def worst_passes(policy: Policy, running: int, prompt_lens: Sequence[int], max_lens: Sequence[int],
-                 pool_slots: Mapping[str, int], all_logits: bool = False) -> list[PassTokens]:
+                 pool_slots: Mapping[str, int], all_logits: bool = False,
+                 in_pool: tuple[str, ...] = ()) -> list[PassTokens]:
     """The largest pass of each kind the scheduler forms for a batch of requests (prompt_lens /
     max_lens: each request's prompt and prompt + max_tokens; pool_slots: KV slots per tier);
-    all_logits: every row's logits are kept. Recomputes after a preemption (on-demand admission)
-    prefill up to max_len - 1 tokens.
+    all_logits: every row's logits are kept; in_pool: ModelSpec.in_pool_tiers. Recomputes after a
+    preemption (on-demand admission) prefill up to max_len - 1 tokens.
 
     * block (FlexGen's lockstep): a pass of whole prompts (their keys are all new: nothing is
       gathered; a compressed pool's, grouped, are held as gathered keys, LLMEngine._pass_tokens),
@@ -103,11 +113,10 @@ def worst_passes(policy: Policy, running: int, prompt_lens: Sequence[int], max_l
     * decode-maximal: every running sequence decoding beside a prompt chunk of the whole budget
       (any prompt may be cut where a pass's budget runs out: a later chunk gathers its prefix).
     Micro-batches are balanced by tokens (the scheduler's _split, largest items first, each to the
-    lightest: a micro-batch holds at most its share plus one item), and the executor holds two
-    micro-batches' gathered context at a time."""
+    lightest: at most its share plus one item); the executor holds two micro-batches' contexts."""
     max_len, k = max(max_lens), policy.num_gpu_batches
     lengths = max_lens if policy.kv_admission == "on-demand" else prompt_lens
-    decode = decode_context(policy, max_len, pool_slots)
+    decode, pooled = (decode_context(policy, max_len, pool_slots, in_pool, p) for p in (False, True))
     # One micro-batch gathers the next layer's context while this layer computes where its loads
     # leave the compute device (offload/executor.py gathers_ahead): any KV or activations off it.
     ahead = policy.kv_gpu < 1.0 or policy.act_gpu < 1.0
@@ -128,7 +137,7 @@ def worst_passes(policy: Policy, running: int, prompt_lens: Sequence[int], max_l
                           context_slots=held * per_seq + grouped,
                           attention_slots=decoders * min(decode, max_len) + prompt_keys,
                           attention_cells=decoders * min(decode, max_len) + min(longest_prompt, QUERY_BLOCK) * prompt_keys,
-                          logit_rows=total if all_logits else running)
+                          logit_rows=total if all_logits else running, in_pool_keys=decoders * min(pooled, max_len))
 
     if policy.scheduler == "block":
         longest = max(lengths)
@@ -159,5 +168,6 @@ def worst_pass_bytes(model: ModelSpec, policy: Policy, running: int, prompt_lens
                      max_lens: Sequence[int], pool_slots: Mapping[str, int], all_logits: bool = False) -> int:
     """The working set of the largest pass a batch can form (worst_passes), as the engine's
     fail-early check reserves it and the planner prices it."""
+    in_pool = model.in_pool_tiers(policy.compress_kv)
     return max(working_set(model, tokens, policy.compress_kv).nbytes(policy.act_gpu)
-               for tokens in worst_passes(policy, running, prompt_lens, max_lens, pool_slots, all_logits))
+               for tokens in worst_passes(policy, running, prompt_lens, max_lens, pool_slots, all_logits, in_pool))

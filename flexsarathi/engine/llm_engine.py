@@ -33,7 +33,7 @@ from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
 from offload.interrupts import DeferredInterrupts
-from offload.kv_cache import KVCompression, KVPool
+from offload.kv_cache import KVCompression, KVPool, decode_in_pool_tiers
 from offload.memory import MemoryTracker, TierBudget, dequant_scratch_bytes
 from offload.errors import UnquantizableWeight
 from offload.placement import quantized_on_placement, weight_layout_tag
@@ -659,6 +659,7 @@ class LLMEngine:
         held = []  # per micro-batch: K/V slots gathered onto the compute device
         keys_max = {True: 0, False: 0}  # is_decode -> the largest call's keys, and its score cells
         cells_max = {True: 0, False: 0}
+        in_pool = 0  # the largest decode call its pool attends in place: keys indexed, nothing gathered
         for mb in batches:
             slots = 0
             for g in mb.groups:
@@ -668,10 +669,11 @@ class LLMEngine:
                         if self.kv_compression is not None:  # compressed pool's keys are held as gathered
                             slots += g.num_seqs * g.num_queries
                         continue
-                    # a decode attended on the CPU where it lives is not charged; one attended in place
-                    # (KVPool.attends_in_pool) is: the planner's working set prices the gather
                     if p.new_rows is None and p.tier not in on_device:
                         continue  # attended on the CPU, where it lives
+                    if self.kv_pools[p.tier].attends_in_pool(g, p, self.device):
+                        in_pool = max(in_pool, p.kv_slots.numel())
+                        continue
                     if p.new_rows is None:
                         slots += p.kv_slots.numel()
                     keys = g.num_seqs * (p.new_rows[1] - p.new_rows[0] if p.new_rows else p.kv_slots.shape[1])
@@ -685,7 +687,7 @@ class LLMEngine:
                           context_slots=max(a + b for a, b in zip(held, held[1:] + [held[0] if ahead else 0])),
                           attention_slots=keys_max[True] + keys_max[False],
                           attention_cells=cells_max[True] + cells_max[False],
-                          logit_rows=sum(mb.logit_rows.numel() for mb in batches))
+                          logit_rows=sum(mb.logit_rows.numel() for mb in batches), in_pool_keys=in_pool)
 
     def _working_bytes(self, tokens: PassTokens) -> int:
         """Compute-device bytes a pass needs beyond weights and KV pools: the planner's formula
@@ -698,8 +700,9 @@ class LLMEngine:
         fit the gpu tier next to the weights and KV pools."""
         all_logits = any(s.params.prompt_logprobs is not None for s in seqs)
         pool_slots = {tier: n * self.block_size for tier, n in blocks.items()}  # what the blocks can hold
+        in_pool = decode_in_pool_tiers(self.device, self.dtype, self.config.head_dim, self.kv_compression)
         kinds = worst_passes(self.policy, running, [s.num_prompt_tokens for s in seqs],
-                             [s.max_len for s in seqs], pool_slots, all_logits)
+                             [s.max_len for s in seqs], pool_slots, all_logits, in_pool)
         self.worst_pass_bytes = worst = max(self._working_bytes(tokens) for tokens in kinds)
         with self.memory.reservation("gpu", worst, "largest pass (activations)"):
             pass

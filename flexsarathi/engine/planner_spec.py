@@ -13,6 +13,7 @@ import torch
 from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
 from flexsarathi.formats.checkpoint import DUMMY_PREFIX, WeightSource
 from flexsarathi.formats.opened_model import OpenedModel, open_model
+from offload.kv_cache import KVCompression, decode_in_pool_tiers
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT, KVFormat, WeightFormat
 from quant.config import WEIGHT_QUANT
@@ -42,9 +43,11 @@ def planned_model(model: str | OpenedModel, dtype=None, device=None, kv_block_si
         opened = model if isinstance(model, OpenedModel) else open_model(model)
         spec = ModelSpec.from_hf(opened.source.config, _short_name(opened.name), bytes_per_value=compute.itemsize)
         stored, coded = stored_weight_format(opened.source), opened.source.coded_globals()
+    kv_format = KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group)
+    compressed = KVCompression(kv_format.bits, kv_format.block_size, kv_format.value_group)
     spec = dataclasses.replace(
-        spec, weight_format=stored or WeightFormat(weight_quant.bits, weight_quant.group_size),
-        kv_format=KVFormat(kv_bits, kv_block_size or KV_FORMAT.block_size, kv_value_group),
+        spec, weight_format=stored or WeightFormat(weight_quant.bits, weight_quant.group_size), kv_format=kv_format,
+        decode_in_pool=tuple(decode_in_pool_tiers(device, compute, spec.head_dim, c) for c in (None, compressed)),
         compressed_head=compress_head and not spec.tie_embeddings,
         coded_embedding="embed_tokens.weight" in coded, coded_head="lm_head.weight" in coded)
     return PlannedModel(spec, stored is not None)

@@ -2,10 +2,12 @@
 store order (one token at a time, chunks crossing block boundaries, interleaved sequences)."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-from offload.kv_cache import KVCompression, KVPool
+from offload.kv_cache import KVCompression, KVPool, decode_in_pool_tiers, gathered_plain_decodes
 from policy_search.model_spec import ModelSpec
 from policy_search.working_set import PassTokens, working_set
 from tests.live_bytes import LiveBytes
@@ -168,3 +170,23 @@ def test_decode_attention_in_the_pool_equals_gather_then_attend(lengths, window,
     assert out.shape == want_out.shape and lse.shape == want_lse.shape
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_which_tiers_attend_a_decode_in_their_pool():
+    """decode_in_pool_tiers, the one rule KVPool.attends_in_pool and the working set (engine and
+    planner) read: on the CPU a plain pool in memory (a head size the kernel reads: a multiple of 8;
+    not on disk: gathered ahead; not inside gathered_plain_decodes), a compressed pool in any tier;
+    on a GPU only the gpu tier's compressed pool, where Triton is installed; never a plain one."""
+    cpu, cuda, codes = torch.device("cpu"), torch.device("cuda"), KVCompression(bits=4, block_size=BS, value_group=8)
+    assert decode_in_pool_tiers(cpu, torch.float32, 64, None) == ("gpu", "cpu")
+    assert decode_in_pool_tiers(cpu, torch.bfloat16, 60, None) == ()
+    with gathered_plain_decodes():
+        assert decode_in_pool_tiers(cpu, torch.float32, 64, None) == ()
+    assert decode_in_pool_tiers(cpu, torch.float32, 64, codes) == ("gpu", "cpu", "disk")
+    assert decode_in_pool_tiers(cuda, torch.float16, 64, None) == ()
+    triton = importlib.util.find_spec("triton") is not None
+    assert decode_in_pool_tiers(cuda, torch.float16, 64, codes) == (("gpu",) if triton else ())
+    pool, _, part, group = decode_case(None, [11, 4, 7], None)  # a plain cpu-tier pool, as the rule says
+    assert pool.attends_in_pool(group, part, cpu)
+    with gathered_plain_decodes():
+        assert not pool.attends_in_pool(group, part, cpu)

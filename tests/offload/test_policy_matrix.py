@@ -137,13 +137,15 @@ def test_gpu_budget_is_enforced_before_any_work(references, tmp_path):
 
 
 def test_auto_policy_runs_the_searched_placement(references, tmp_path):
-    from policy_search import ModelSpec, Workload, search
+    from flexsarathi.engine.planner_spec import planner_model_spec
+    from policy_search import Workload, search
 
     folder, prompts, ref_outputs, _, ref_weight_bytes = references("opt_deep", False)
     hardware = HardwareSpec.preset("t4").with_memory(gpu=ref_weight_bytes * 8, cpu=1 << 30)
     workload = Workload(prompt_len=12, gen_len=6)
     llm = LLM(folder, dtype="float32", policy="auto", hardware=hardware, offload_dir=str(tmp_path), workload=workload)
-    expected, est = search(ModelSpec.from_name(folder, bytes_per_value=4), hardware, workload)
+    # the model as the engine runs it here (its dtype, the tiers its decodes attend in the pool)
+    expected, est = search(planner_model_spec(folder, "float32", device="cpu"), hardware, workload)
     assert llm.engine.policy == expected and est.fits
     outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     if not (expected.compress_weight or expected.compress_kv):

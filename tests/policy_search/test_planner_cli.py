@@ -82,7 +82,13 @@ def test_dtype_sets_the_bytes_per_value(tmp_path, capsys):
     where bf16 is slow: AVX2-only CPUs). Reference: the planner's estimate at those bytes."""
     import dataclasses
 
+    import torch
+
     from flexsarathi.machine.dtype_choice import cpu_compute_dtype
+    from offload.kv_cache import KVCompression, decode_in_pool_tiers
+
+    def in_pool_tiers(device, dtype):  # opt-125m's head size, the default 4-bit KV format
+        return tuple(decode_in_pool_tiers(device, dtype, 64, c) for c in (None, KVCompression()))
 
     fixed = tmp_path / "fixed.json"
     Policy(gpu_batch_size=4).save(fixed)
@@ -100,7 +106,11 @@ def test_dtype_sets_the_bytes_per_value(tmp_path, capsys):
                           "--policy", str(fixed), "--json", str(out_path)] + (["--dtype", dtype] if dtype else []),
                          capsys)
         assert rc == 0, err
-        expected = estimate(Policy.load(fixed), ModelSpec.from_name("opt-125m", bytes_per_value=nbytes), spec, workload)
+        # as the engine runs it there: on the CPU, decodes over a plain pool attend it in place
+        in_pool = (in_pool_tiers(torch.device("cpu"), {2: torch.bfloat16, 4: torch.float32}[nbytes])
+                   if spec.compute_on_host else ((), ()))
+        model = dataclasses.replace(ModelSpec.from_name("opt-125m", bytes_per_value=nbytes), decode_in_pool=in_pool)
+        expected = estimate(Policy.load(fixed), model, spec, workload)
         got = json.loads(out_path.read_text())["estimate"]["peak_memory_bytes"]
         assert got["gpu"] == pytest.approx(expected.peak_memory["gpu"]), (hardware, dtype)
         out_path.unlink()

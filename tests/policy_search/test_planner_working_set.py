@@ -1,6 +1,8 @@
 """One working-set formula (policy_search/working_set.py) for the planner and the engine: the
 planner's gpu working set of a pass equals the engine's reservation for the same pass, and the
 K/V context the executor really gathers onto the compute device stays within what is charged."""
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,8 +72,10 @@ def test_planner_working_set_equals_the_engines_reservation(tiny_checkpoint, tmp
     planned = [evaluate(working_bytes(s, run, policy, spec), fractions) for s in (prefill, decode)]
     prompt_call = (6 * 2 * spec.kv_dim + 6 * 6 * 2 * spec.num_heads) * SCORE_BYTES  # K/V copies, scores, probs
     assert reserved[:2] == pytest.approx([planned[0] - prompt_call, planned[1]], rel=0, abs=0.5)
-    # the cpu-attended decode context is not charged on the compute device
-    assert (reserved[1] < planned_uncharged(spec, policy, run, decode)) == policy.cpu_attention
+    # decode context attended where it lives is not charged as a gather: on the CPU under
+    # cpu_attention, else read in its pool by the CPU kernel (plain pools in memory, on the CPU)
+    assert spec.in_pool_tiers(False) == ("gpu", "cpu")
+    assert reserved[1] < planned_uncharged(spec, policy, run, decode)
 
 
 def _record_charges(monkeypatch, engine, gathered: list) -> list:
@@ -90,8 +94,8 @@ def _record_charges(monkeypatch, engine, gathered: list) -> list:
 
 def planned_uncharged(spec, policy, run, shape):
     """What the same decode pass would charge were its context gathered onto the compute device."""
-    on_device = policy.replace(cpu_attention=False)
-    return evaluate(working_bytes(shape, run, on_device, spec), {n: getattr(policy, n) for n in FRACTIONS})
+    on_device, gathered = policy.replace(cpu_attention=False), dataclasses.replace(spec, decode_in_pool=((), ()))
+    return evaluate(working_bytes(shape, run, on_device, gathered), {n: getattr(policy, n) for n in FRACTIONS})
 
 
 @pytest.mark.parametrize("compress_kv", [False, True])

@@ -85,3 +85,22 @@ def test_slices_after_attention_give_one_calls_tokens(tiny_checkpoint, tmp_path,
                 _slice_rows(patch, rows)
                 tokens.append(_measured_passes(folder, tmp_path, patch, scheduler)[1])
         assert tokens[0] == tokens[1] == tokens[2]
+
+
+@pytest.mark.parametrize("kind", ["opt_blocks64", "llama_blocks64"])
+def test_a_decode_attended_in_its_pool_is_charged_its_indices(tiny_checkpoint, tmp_path, monkeypatch, kind):
+    """Decodes over 120-token contexts attended in their plain pool on the CPU (the kernel reads the
+    slots: nothing gathered) are charged the keys' slot indices and a score row per head, not a
+    gathered K/V and its fp32 copies; with the gather forced (gathered_plain_decodes, a GPU's
+    route) the same passes are charged the gather. Both hold at most their charge."""
+    from offload.kv_cache import gathered_plain_decodes
+
+    folder, _ = tiny_checkpoint(kind)
+    in_place, tokens = _measured_passes(folder, tmp_path, monkeypatch, "block", prompt_len=120)
+    with gathered_plain_decodes():
+        gathered, gathered_tokens = _measured_passes(folder, tmp_path, monkeypatch, "block", prompt_len=120)
+    assert tokens == gathered_tokens
+    assert all(peak <= charged for peak, charged in in_place + gathered), (in_place, gathered)
+    assert in_place[0] == gathered[0]  # the prompt pass: its keys are its own rows either way
+    for (peak, charged), (_, gathered_charge) in zip(in_place[1:], gathered[1:]):
+        assert charged < 0.1 * gathered_charge and peak > 0.5 * charged, (in_place, gathered)
