@@ -29,10 +29,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how passes are formed (default: the policy's)")
     p.add_argument("--offload-dir", default=None, help="folder for disk-tier weights / KV / activations "
                    "(default ~/.cache/flexsarathi/offload)")
-    p.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+    p.add_argument("--max-logprobs", type=_logprobs_cap, default=20, metavar="N",
                    help="the most logprobs / prompt_logprobs alternatives a request may ask per token (default "
                    "20, vLLM's and OpenAI's limit); -1: no limit (a request's -1 asks for the whole vocabulary)")
     add_compute_args(p)
+
+
+def _logprobs_cap(text: str) -> int:
+    """--max-logprobs: an integer >= -1 (argparse names the flag in the error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < -1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= -1 (-1: no limit), got {text!r}")
+    return value
 
 
 def add_compute_args(p: argparse.ArgumentParser) -> None:

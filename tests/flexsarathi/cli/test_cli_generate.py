@@ -227,6 +227,11 @@ def test_mismatch_duplicates_and_bad_jobs_exit_2(stories_dir, tmp_path, capsys):
         argv = ["generate", *[x for kv in (options | {flag: value}).items() for x in kv], "--quiet", "--overwrite"]
         assert main(argv) == 2, flag
         assert capsys.readouterr().err.startswith("error: ")
+    argv = ["generate", *[x for kv in options.items() for x in kv], "--max-logprobs", "-2", "--overwrite"]
+    with pytest.raises(SystemExit) as exited:  # argparse's own exit, its error line first
+        main(argv)
+    assert exited.value.code == 2
+    assert "argument --max-logprobs: must be an integer >= -1 (-1: no limit), got '-2'" in capsys.readouterr().err
 
 
 def test_seeds_follow_the_request_id():
