@@ -43,8 +43,10 @@ from quant import QTensor, QuantConfig, cpu_kv_attention, cpu_kv_dequant, dequan
 
 
 # Plain pools in memory are attended in place by decodes on the CPU (KVPool.attends_in_pool); off
-# inside gathered_plain_decodes().
+# inside gathered_plain_decodes(). Every pool's in-place decodes (plain and compressed, CPU and GPU
+# kernels): off inside gathered_decodes().
 _plain_in_place = [True]
+_in_place = [True]
 # Compressed pools on the CPU attend decodes with the Triton kernel (in Triton's interpreter) inside
 # triton_decodes_on_cpu(): the code path a GPU's pool takes, tested and counted on the CPU.
 _triton_on_cpu = [False]
@@ -61,6 +63,20 @@ def gathered_plain_decodes():
         yield
     finally:
         _plain_in_place[0] = before
+
+
+@contextlib.contextmanager
+def gathered_decodes():
+    """Inside: every decode gathers its context and attends it with SDPA (the route a GPU without
+    Triton takes), whatever kernels could read its pool in place: the reference the in-place routes
+    are tested against, and scripts/count_launches.py --gather-kv. Process-wide, like
+    gathered_plain_decodes."""
+    before = _in_place[0]
+    _in_place[0] = False
+    try:
+        yield
+    finally:
+        _in_place[0] = before
 
 
 @contextlib.contextmanager
@@ -110,7 +126,9 @@ def decode_in_pool_tiers(device: torch.device, dtype: torch.dtype, head_dim: int
     memory on the CPU (quant/cpu_kv_attention.py; not on disk: gathered ahead by the I/O thread); a
     compressed pool on the CPU (the C kernel, or Triton's interpreter inside triton_decodes_on_cpu)
     in any tier; on a GPU, the gpu tier's compressed pool (quant/triton_kv_attention.py): a pool on
-    another device than attention's is gathered there."""
+    another device than attention's is gathered there. None inside gathered_decodes()."""
+    if not _in_place[0]:
+        return ()
     if compression is None:
         covered = device.type == "cpu" and _plain_in_place[0] and cpu_kv_attention.covers_plain(dtype, head_dim)
         return ("gpu", "cpu") if covered else ()

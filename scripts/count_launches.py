@@ -226,19 +226,14 @@ def triton_decodes(args, device: torch.device):
         yield
         return
     from flexsarathi.machine.launch_counter import counting_triton_launches
-    from offload.kv_cache import KVPool, triton_decodes_on_cpu
+    from offload.kv_cache import gathered_decodes, triton_decodes_on_cpu
     from quant import triton_kv_attention, triton_quantize
 
     interpreted = device.type == "cpu" and not args.gather_kv
-    attends_with_triton = KVPool.attends_with_triton
-    if args.gather_kv:
-        KVPool.attends_with_triton = lambda self: False
-    try:
-        with counting_triton_launches((triton_kv_attention, "_decode_kernel"), (triton_quantize, "_quantize_kernel")), \
-                triton_decodes_on_cpu() if interpreted else contextlib.nullcontext():
-            yield
-    finally:
-        KVPool.attends_with_triton = attends_with_triton
+    with counting_triton_launches((triton_kv_attention, "_decode_kernel"), (triton_quantize, "_quantize_kernel")), \
+            triton_decodes_on_cpu() if interpreted else contextlib.nullcontext(), \
+            gathered_decodes() if args.gather_kv else contextlib.nullcontext():
+        yield
 
 
 def profiler_kernels(args, folder: str, dtype, device) -> float:

@@ -344,7 +344,7 @@ def test_compressed_decodes_read_in_the_pool_give_the_gather_routes_tokens(tiny_
     """A gpu-tier compressed pool's decode rows attended by quant/triton_kv_attention.py (one launch,
     the codes read in place) against the gather route (dequantized context, SDPA) on the same GPU:
     the same greedy tokens, logprobs within the rounding of the two summation orders."""
-    from offload.kv_cache import KVPool
+    from offload.kv_cache import KVPool, gathered_decodes
 
     folder = tiny_checkpoint(model)[0]
     policy = Policy(**{**BASE, "compress_kv": True, "num_gpu_batches": 2})
@@ -360,8 +360,10 @@ def test_compressed_decodes_read_in_the_pool_give_the_gather_routes_tokens(tiny_
     monkeypatch.setattr(KVPool, "attend_decode_codes", lambda self, *a, **kw: calls.append(1) or kernel(self, *a, **kw))
     tokens, logprobs = run()
     assert calls
-    monkeypatch.setattr(KVPool, "attends_with_triton", lambda self: False)
-    gathered, gathered_logprobs = run()
+    read_in_pool = len(calls)
+    with gathered_decodes():  # the route a GPU without Triton takes
+        gathered, gathered_logprobs = run()
+    assert len(calls) == read_in_pool  # none read in the pool
     assert tokens == gathered
     tolerance = 1e-4 if dtype == "float32" else 2e-2
     assert max(abs(a - b) for x, y in zip(logprobs, gathered_logprobs) for a, b in zip(x, y)) < tolerance

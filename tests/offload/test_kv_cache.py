@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from offload.kv_cache import KVCompression, KVPool, decode_in_pool_tiers, gathered_plain_decodes
+from offload.kv_cache import (KVCompression, KVPool, decode_in_pool_tiers, gathered_decodes,
+                              gathered_plain_decodes)
 from policy_search.model_spec import ModelSpec
 from policy_search.working_set import PassTokens, working_set
 from tests.live_bytes import LiveBytes
@@ -186,6 +187,8 @@ def test_which_tiers_attend_a_decode_in_their_pool():
     assert decode_in_pool_tiers(cuda, torch.float16, 64, None) == ()
     triton = importlib.util.find_spec("triton") is not None
     assert decode_in_pool_tiers(cuda, torch.float16, 64, codes) == (("gpu",) if triton else ())
+    with gathered_decodes():  # none: every decode gathers
+        assert [decode_in_pool_tiers(d, torch.float16, 64, c) for d in (cpu, cuda) for c in (None, codes)] == [()] * 4
     pool, _, part, group = decode_case(None, [11, 4, 7], None)  # a plain cpu-tier pool, as the rule says
     assert pool.attends_in_pool(group, part, cpu)
     with gathered_plain_decodes():

@@ -227,7 +227,7 @@ def test_decode_attention_in_the_pool_gives_the_gather_routes_tokens(references,
     """Decode rows attended in the pool on the CPU (KVPool.attend_decode: from a 4-bit pool's codes,
     from a plain pool's slots in place, the compute device's own pool included) give the greedy
     tokens of gathering the context, then attending it."""
-    from offload.kv_cache import KVPool  # noqa: PLC0415
+    from offload.kv_cache import KVPool, gathered_decodes  # noqa: PLC0415
 
     folder, prompts, _, _, _ = references(model, True)
     policy = Policy(**{**BASE, **(CASES[placement] if placement else {}), "compress_kv": compress_kv})
@@ -236,8 +236,10 @@ def test_decode_attention_in_the_pool_gives_the_gather_routes_tokens(references,
     monkeypatch.setattr(KVPool, "attend_decode", lambda self, *a: calls.append(1) or attend_decode(self, *a))
     from_codes, logits, _ = _run(folder, policy, prompts, tmp_path / "codes")
     assert calls, "no decode row was attended in the pool"
-    monkeypatch.setattr(KVPool, "attends_in_pool", lambda self, *a: False)
-    gathered, gathered_logits, _ = _run(folder, policy, prompts, tmp_path / "gathered")
+    in_pool = len(calls)
+    with gathered_decodes():  # every decode gathers its context, then attends it
+        gathered, gathered_logits, _ = _run(folder, policy, prompts, tmp_path / "gathered")
+    assert len(calls) == in_pool  # none attended in the pool
     assert from_codes == gathered
     for got, ref in zip(logits, gathered_logits):  # prompt logits: no decode row in them
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
