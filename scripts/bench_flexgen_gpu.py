@@ -4,8 +4,11 @@
     python scripts/bench_flexgen_gpu.py                       # every case below
     python scripts/bench_flexgen_gpu.py --cases opt-6.7b      # the cases of one model
     python scripts/bench_flexgen_gpu.py --cases opt-6.7b/all-gpu --skip-flexgen
+    python scripts/bench_flexgen_gpu.py --plan-only --cpu-gib 108   # no GPU: what the planner expects
 
-Needs a CUDA GPU and, for the baseline, the `flexgen` package (pip install flexgen==0.1.8: FlexGen's
+--plan-only needs no GPU: each of our runs' policy (FlexGen's, the searched one), the planner's
+predicted tok/s and its memory check, on the hardware the run would get (--cpu-gib: the GPU
+machine's CPU tier; --profile: its measured rates). Otherwise needs a CUDA GPU and, for the baseline, the `flexgen` package (pip install flexgen==0.1.8: FlexGen's
 own `flexgen.flex_opt`). Each run is its own process (a clean CUDA context and pinned-memory state),
 FlexGen's and ours one after the other for each case, so the ratio is taken on the same machine
 minutes apart. The table's last column is ours / FlexGen; every figure is FlexGen's definition:
@@ -166,13 +169,8 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
     from flexsarathi.engine.planner_spec import planned_model
     from policy_search import HardwareSpec, Workload, estimate
 
-    # The planner sees this machine's measured rates (a profile) or the preset's, with the preset's memory.
-    caps = HardwareSpec.preset(preset)
-    base = HardwareSpec.load(profile) if profile != "-" else caps
-    hardware = base.with_memory(gpu=caps.gpu_memory, cpu=min(cpu_mem_gib * GiB, caps.cpu_memory))
+    hardware = planned_hardware(preset, profile, cpu_mem_gib)
     workload = Workload(prompt_len=prompt_len, gen_len=gen_len, num_requests=requests or None)
-    if preset == "t4":  # the whole T4, for FlexGen's policies and the search alike (see the docstring)
-        hardware = hardware.replace(memory_usable_fraction=1.0).with_memory(gpu=T4_CUDA_GIB * GiB)
     if policy == "auto-4bit":
         policy = LLM.search_policy(f"dummy:{model}", hardware, workload, "float16", device=device,
                                    compress_weight=True)
@@ -202,6 +200,48 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
                               "graph_passes": engine.stats["graph_passes"], "warm_up_capture_s": capture_s}), flush=True)
 
 
+def planned_hardware(preset: str, profile: str, cpu_mem_gib: float):
+    """What our engine and planner run under: this machine's measured rates (a profile; "-": the
+    preset's) with the preset's memory, the CPU's capped at cpu_mem_gib; on t4 the whole T4, for
+    FlexGen's policies and the search alike (see the docstring)."""
+    from policy_search import HardwareSpec
+
+    caps = HardwareSpec.preset(preset)
+    base = HardwareSpec.load(profile) if profile != "-" else caps
+    hardware = base.with_memory(gpu=caps.gpu_memory, cpu=min(cpu_mem_gib * GiB, caps.cpu_memory))
+    if preset == "t4":
+        hardware = hardware.replace(memory_usable_fraction=1.0).with_memory(gpu=T4_CUDA_GIB * GiB)
+    return hardware
+
+
+def plan_case(case: Case, lengths: tuple[int, int], cpu_mem_gib: float, profile: str | None) -> list[dict]:
+    """--plan-only: what the planner predicts for each of our runs of the case (FlexGen's policy per
+    scheduler, the searched one) on the hardware they would run under, and whether its memory model
+    fits them there: arithmetic only, no GPU (run before a GPU session to see what it will measure)."""
+    from flexsarathi import LLM
+    from flexsarathi.cli.engine_args import describe_policy
+    from flexsarathi.engine.planner_spec import planned_model
+    from policy_search import Workload, estimate
+
+    hardware = planned_hardware(case.hardware, profile or "-", cpu_mem_gib)
+    workload = Workload(prompt_len=lengths[0], gen_len=lengths[1], num_requests=case.requests or None)
+    spec = planned_model(f"dummy:{case.model}", "float16", device="cuda").spec
+    runs = [(f"ours, FlexGen's policy, {s}", case.policy.replace(scheduler=s))
+            for s in (case.schedulers if case.policy is not None else ())]
+    if case.ours_auto:
+        constraints = {"compress_weight": True} if case.auto_4bit else {}
+        runs.append((f"ours, searched for {case.hardware}", LLM.search_policy(
+            f"dummy:{case.model}", hardware, workload, "float16", device="cuda", **constraints)))
+    out = []
+    for who, policy in runs:
+        est = estimate(policy, spec, hardware, workload)
+        out.append({"case": case.name, "who": who, "predicted_tok_s": est.throughput, "fits": est.fits,
+                    "over_budget": est.over_budget,
+                    "peak_gpu_gib": est.peak_memory["gpu"] / GiB, "gpu_budget_gib": est.budgets["gpu"] / GiB,
+                    "bound": est.bound, "policy": describe_policy(policy), "planned_with": hardware.name})
+    return out
+
+
 def _run(argv: list[str], timeout: float) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     try:
@@ -225,6 +265,11 @@ def main() -> int:
     parser.add_argument("--profile", default=None, help="a `flexsarathi profile` JSON of this machine: our "
                         "planner searches and predicts with its measured rates (host overhead per layer, eager and "
                         "graph, included), held to each case's preset memory (T4's); default: the preset itself")
+    parser.add_argument("--plan-only", action="store_true", help="no runs (no GPU needed): the planner's "
+                        "prediction and memory check of each of our runs, on the hardware they would run under")
+    parser.add_argument("--cpu-gib", type=float, default=None, help="our CPU tier's cap in GiB (default: the "
+                        "t4 preset's 208 or 85%% of this machine's RAM, the smaller); with --plan-only, the GPU "
+                        "machine's (its 85%%)")
     parser.add_argument("--ours-run", nargs="+", help=argparse.SUPPRESS)  # internal: one engine's runs
     harness.add_json_option(parser, __file__)
     args = parser.parse_args()
@@ -234,13 +279,15 @@ def main() -> int:
         ours_run(device, model, policy, preset, profile, float(cpu_mem_gib), offload_dir, int(prompt_len), int(gen_len),
                  int(requests), schedulers)
         return 0
+    if args.plan_only:
+        return plan_only(args)
     import torch
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     cases = [c for c in CASES if not args.cases or c.name in args.cases or c.model in args.cases]
-    cpu_mem = min(208.0, 0.85 * (_host_memory() / GiB))
+    cpu_mem = args.cpu_gib or min(208.0, 0.85 * (_host_memory() / GiB))
     print(f"GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / GiB:.0f} GiB), "
           f"torch {torch.__version__}; {cpu_line()}; RAM {(_host_memory() / GiB):.0f} GiB")
     print(f"ours: T4 caps (GPU {T4_CUDA_GIB:.0f} GiB whole, for FlexGen's policies and the searched one alike; "
@@ -266,6 +313,24 @@ def main() -> int:
                 _report(results, case, searched, result, flexgen)
     harness.write_result(args, results, {f"{r['case']}: {r['who']} / FlexGen": r["over_flexgen"]
                                          for r in results if r.get("over_flexgen")})
+    return 0
+
+
+def plan_only(args) -> int:
+    """--plan-only: plan_case for every chosen case, a line each, and the JSON result."""
+    cases = [c for c in CASES if not args.cases or c.name in args.cases or c.model in args.cases]
+    cpu_mem = args.cpu_gib or min(208.0, 0.85 * (_host_memory() / GiB))
+    print(f"planned, not run: {cpu_line()}; CPU capped at {cpu_mem:.0f} GiB; prompt {args.prompt_len}, "
+          f"output {args.gen_len}; rates: {args.profile or 'each case preset'}\n")
+    results = []
+    for case in cases:
+        for r in plan_case(case, (args.prompt_len, args.gen_len), cpu_mem, args.profile):
+            results.append(r)
+            over = "".join(f" ({tier} over by {excess / GiB:.2f} GiB)" for tier, excess in r["over_budget"].items())
+            print(f"{case.name:<20} {r['who']:<36} predicted {r['predicted_tok_s']:9.2f} tok/s  gpu "
+                  f"{r['peak_gpu_gib']:6.2f} of {r['gpu_budget_gib']:.2f} GiB{over}  bound {r['bound']}  "
+                  f"[{r['policy']}]", flush=True)
+    harness.write_result(args, results, {})
     return 0
 
 

@@ -5,6 +5,7 @@ still imports and parses its arguments (`--help`), CUDA-only ones included."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +75,25 @@ def test_every_bench_script_imports_and_parses_its_arguments():
         if proc.returncode != 0 or "--json PATH" not in out:
             failed[name] = out[-600:]
     assert not failed, failed
+
+
+def test_bench_flexgen_gpu_plans_without_a_gpu(tmp_path):
+    """bench_flexgen_gpu.py --plan-only, before a GPU session: for each of our runs of a case
+    (FlexGen's policy with each scheduler, the policy searched under the same T4 caps), the planner's
+    prediction and memory check, with no GPU. FlexGen's all-GPU and 4-bit batch-72 policies fit a
+    T4's 15 GiB in the planner's model; the searched policy fits by construction."""
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent), OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_flexgen_gpu.py"), "--plan-only", "--cases", "opt-6.7b",
+                           "--cpu-gib", "100", "--json", str(out)], cwd=SCRIPTS.parent, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    flexgen = [(r["case"], r["who"]) for r in rows if "FlexGen's policy" in r["who"]]
+    assert flexgen == [(case, f"ours, FlexGen's policy, {s}") for case in ("opt-6.7b/all-gpu", "opt-6.7b/4bit")
+                       for s in ("block", "decode-maximal")]
+    assert [r["case"] for r in rows if r["who"] == "ours, searched for t4"] == ["opt-6.7b/all-gpu"]
+    for r in rows:
+        assert r["fits"] and not r["over_budget"] and r["predicted_tok_s"] > 0, r
+        assert r["gpu_budget_gib"] == 15.0 and r["peak_gpu_gib"] <= 15.0
+    assert done.stdout.startswith("planned, not run: CPU: ")
