@@ -134,11 +134,11 @@ class PassExecutor:
             keep_freed_host_memory()  # once per process; see offload/host_malloc.py
         with device_guard(self.device), cpu_matmul_mode(self.cpu_matmul):
             batches = [mb.to(self.device) for mb in micro_batches]
+            self._routes = self._context_routes(batches)
             self._biases = self._decode_biases(batches)
             # per micro-batch, fixed for the pass: its I/O on the thread, its K/V written first
             self._threaded = {id(mb): self._io_worth_a_thread(mb) for mb in batches}
             self._first = {id(mb): self.writes_first(mb) for mb in batches}
-            self._routes = self._context_routes(batches)
             self._slots = self._pool_slots(batches)
             self._v_pool = next((p for p in self.kv_pools.values() if p.compression is not None), None)
             self._reads_back = {id(mb): self._reads_v_back(mb) for mb in batches}
@@ -432,11 +432,12 @@ class PassExecutor:
 
     def _decode_biases(self, batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
         """id(part) -> its attention mask, for each decode group of one part attended on the compute
-        device (_attend's fused call): the same for every layer, so built once per pass."""
+        device (_attend's fused call) and not read in its pool (the pass's routes, _context_routes):
+        the same for every layer, so built once per pass."""
         return {id(part): self._new_bias(g, part, part.kv_slots.shape[1], self.dtype)
                 for mb in batches for g in mb.groups if g.is_decode and len(g.parts) == 1
                 for part in g.parts if self.attention_device(part.tier, g).type == self.device.type
-                and not self.kv_pools[part.tier].attends_in_pool(g, part, self.device)}
+                and self._routes[id(part)] is not IN_POOL}
 
     def _decode_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype) -> torch.Tensor:
         """The part's mask from _decode_biases (built here for a part it did not foresee)."""
