@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from flexsarathi.batch_turns import BatchTurns
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from flexsarathi.engine.running_fit import default_policy
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.formats.hub import resolve_model
 from flexsarathi.formats.opened_model import OpenedModel, open_model
@@ -36,7 +37,8 @@ class LLM:
         repo (`org/name`, `org/name@revision`, `org/name:Q4_K_M` for a GGUF in it: flexsarathi/formats/hub.py)
         or `dummy:<name>`, or one already opened (`open_model`). policy: a Policy, a policy JSON file,
         "auto" (searched by policy_search for `hardware` and `workload`, a policy_search.Workload,
-        default prompt 512 / output 32), or None (everything on the compute device). hardware: a HardwareSpec, a preset name (`t4`,
+        default prompt 512 / output 32), or None (everything on the compute device, each batch running as many
+        sequences as its memory holds, up to 256: flexsarathi/engine/running_fit.py). hardware: a HardwareSpec, a preset name (`t4`,
         `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
         enforces. offload_dir: where disk-tier weights, KV and activations live (default
         ~/.cache/flexsarathi/offload; placed weights are reused across runs). engine_options
@@ -58,7 +60,9 @@ class LLM:
             policy = self.search_policy(opened or model, spec, workload, dtype, device=device, formats=formats)
         elif isinstance(policy, str):
             policy = Policy.load(policy)
-        policy = policy or Policy()
+        if policy is None:  # everything on the device, as many running as its memory holds (running_fit.py)
+            policy = default_policy()
+            engine_options.setdefault("fit_running", True)
         overrides = {k: v for k, v in (("compress_weight", compress_weight), ("compress_kv", compress_kv))
                      if v is not None}
         if overrides:
@@ -204,7 +208,7 @@ class LLM:
             self.last_stats = _stats(len(groups), failed, progress.prompt_tokens, progress.generated,
                                      passes, progress.elapsed, engine.memory.report())
             self.last_stats.update(prefill_tokens_computed=scheduler.num_prefill_tokens - prefilled,
-                                   preemptions=scheduler.num_preemptions - preempted)
+                                   preemptions=scheduler.num_preemptions - preempted, running=engine.batch_running)
 
     def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
         """(token ids, text or None) of a prompt: a string, a list of token ids, or vLLM's prompt

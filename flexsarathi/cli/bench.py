@@ -63,7 +63,9 @@ def _measure(llm, policy, args) -> dict:
     if args.prompt_len + args.gen_len > context:
         raise FlexSarathiError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} exceeds the "
                                f"model's context of {context}")
-    count = args.num_prompts or policy.max_running
+    # FlexGen's protocol: a batch of every running sequence (a default engine's: as many as fit)
+    count = args.num_prompts or engine.fitted_running([args.prompt_len] * policy.max_running,
+                                                      [args.prompt_len + args.gen_len] * policy.max_running)
     vocab = engine.config.vocab_size
     if not args.no_warmup:
         llm.generate(_prompts(count, min(WARMUP_PROMPT_LEN, args.prompt_len), vocab, args.seed + 1),
@@ -73,7 +75,7 @@ def _measure(llm, policy, args) -> dict:
     s = llm.last_stats
     return {"model": args.model, "device": device_name(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."), "hardware": args.hardware,
-            "policy": describe_policy(policy), "num_prompts": count, "prompt_len": args.prompt_len,
+            "policy": describe_policy(policy, engine.engine_config.fit_running), "num_prompts": count, "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "prompt_tokens": s["prompt_tokens"], "generated_tokens": s["generated_tokens"],
             "passes": s["passes"], "seconds": s["seconds"], "throughput_tok_s": s["tokens_per_s"],
             "total_tok_s": (s["prompt_tokens"] + s["generated_tokens"]) / s["seconds"],

@@ -7,6 +7,7 @@ import os
 import platform
 
 from flexsarathi.errors import FlexSarathiError
+from flexsarathi.engine.running_fit import default_policy
 from policy_search.hardware import PRESETS
 from policy_search.policy import Policy
 from policy_search.units import GiB
@@ -19,7 +20,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "(random weights: measure throughput, not text quality)")
     p.add_argument("--gguf-file", default=None, metavar="FILE", help="with a repo --model: this GGUF file in it")
     p.add_argument("--policy", default=None, help="'auto' (searched for --hardware and this job's "
-                   "lengths) or a policy JSON (`flexsarathi policy --json`); default: all on the device")
+                   "lengths) or a policy JSON (`flexsarathi policy --json`); default: all on the device, each batch "
+                   "running as many requests at once as its memory holds (up to 256)")
     p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(PRESETS)}) or a profile JSON "
                    "(`flexsarathi profile`): its memory limits cap what the engine may use")
     for tier in ("gpu", "cpu"):
@@ -97,7 +99,7 @@ def resolve_policy(args, hardware, workload) -> Policy:
                                    "written by `flexsarathi profile`)")
         return LLM.search_policy(args.model, hardware, workload, args.dtype,
                                  formats={"compress_head": getattr(args, "compress_head", False)}, **constraints)
-    policy = Policy.load(args.policy) if args.policy else Policy()
+    policy = Policy.load(args.policy) if args.policy else default_policy()  # default: fitted to memory (build_llm)
     return policy.replace(**constraints)
 
 
@@ -112,15 +114,18 @@ def build_llm(args, workload, seed: int = 0, opened=None):
               offload_dir=args.offload_dir, seed=seed, cpu_matmul=getattr(args, "cpu_matmul", "auto"),
               compress_head=getattr(args, "compress_head", False),
               cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
-              max_logprobs=getattr(args, "max_logprobs", 20))
+              max_logprobs=getattr(args, "max_logprobs", 20), fit_running=not args.policy)
     return llm, policy
 
 
-def describe_policy(p: Policy) -> str:
+def describe_policy(p: Policy, fitted: bool = False) -> str:
+    """fitted: the engine fits each batch's running set to memory (EngineConfig.fit_running)."""
     def split(a, b, c):
         return f"{a:.0%}/{b:.0%}/{c:.0%}"
 
-    text = (f"{p.scheduler}, {p.gpu_batch_size} x {p.num_gpu_batches} running, prefill budget "
+    running = (f"up to {p.max_running} running (as many as memory holds)" if fitted
+               else f"{p.gpu_batch_size} x {p.num_gpu_batches} running")
+    text = (f"{p.scheduler}, {running}, prefill budget "
             f"{p.prefill_budget}; gpu/cpu/disk: weights {split(p.w_gpu, p.w_cpu, p.w_disk)}, KV "
             f"{split(p.kv_gpu, p.kv_cpu, p.kv_disk)}, activations {split(p.act_gpu, p.act_cpu, p.act_disk)}")
     extras = [name for name, on in (("4-bit weights", p.compress_weight), ("4-bit KV", p.compress_kv),

@@ -187,14 +187,14 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dic
         stats, policy, failed_here = run(args, runnable, params, record, say, opened)
         failed += failed_here
     _summary(say, len(pending) - failed, failed, out.errors, stats, args.output,
-             describe_policy(policy) if stats else None)
+             _ran(policy, stats, fitted=not args.policy) if stats else None)
     return 1 if failed + out.errors else 0
 
 
 def _run_here(args, runnable: list[BatchRequest], params: dict, record, say, opened):
     """(stats, policy, error records written): the requests on one LLM in this process."""
     llm, policy = build_llm(args, _workload(args, runnable, params), opened=opened)
-    say(f"policy: {describe_policy(policy)}")
+    say(f"policy: {describe_policy(policy, fitted=not args.policy)}")
     say(f"device: {llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')}")
     try:
         failed = 0
@@ -216,9 +216,10 @@ def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say, o
 
     hardware = hardware_of(args)
     policy = resolve_policy(args, hardware, _workload(args, runnable, params))
-    say(f"policy: {describe_policy(policy)}")
+    say(f"policy: {describe_policy(policy, fitted=not args.policy)}")
     spec = EngineSpec.of(args.model, policy, hardware=hardware, dtype=args.dtype, device=args.device,
-                         offload_dir=args.offload_dir, cpu_matmul=args.cpu_matmul, compress_head=args.compress_head)
+                         offload_dir=args.offload_dir, cpu_matmul=args.cpu_matmul, compress_head=args.compress_head,
+                         fit_running=not args.policy)
     options = RayOptions(address=args.ray_address, actors=args.ray_actors or 1,
                          gpus_per_actor=args.ray_gpus_per_actor or 0, cpus_per_actor=args.ray_cpus_per_actor or 1,
                          batch_size=args.ray_batch_size)
@@ -303,6 +304,13 @@ def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
         return 0
 
     return record
+
+
+def _ran(policy, stats: dict, fitted: bool) -> str:
+    """The policy as it ran: a fitted running set's size as the batch had it (one process; Ray's
+    actors fit their own)."""
+    running = stats.get("running")
+    return describe_policy(policy, fitted) + (f"; {running} running" if fitted and running else "")
 
 
 def _summary(say, ok: int, failed: int, earlier_errors: int, stats: dict | None, output: str,

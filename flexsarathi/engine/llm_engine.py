@@ -18,6 +18,7 @@ from flexsarathi.models.attention import release_host_buffers
 from flexsarathi.engine.micro_batch_builder import build_micro_batch, wants_prompt_logprobs
 from flexsarathi.engine.block_manager import BlockManager
 from flexsarathi.engine.graph_passes import GraphPasses
+from flexsarathi.engine.running_fit import FIT_FRACTION, largest_fitting
 from flexsarathi.formats.opened_model import OpenedModel, open_model
 from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import CheckpointError, FlexSarathiError
@@ -32,6 +33,7 @@ from flexsarathi.formats.tokenizer import IncrementalDetokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
 from offload.executor import PassExecutor
+from offload.free_memory import free_bytes
 from offload.interrupts import DeferredInterrupts
 from offload.kv_cache import KVCompression, KVPool, decode_in_pool_tiers
 from offload.memory import MemoryTracker, TierBudget, dequant_scratch_bytes
@@ -229,6 +231,17 @@ class EngineConfig:
     # tracemalloc on stories260K), so one request of a 128K vocabulary at -1 holds ~29 MB per token;
     # a batch file or server refuses it by default.
     max_logprobs: int = 20
+    # The policy's max_running is a ceiling: each batch of requests runs as many sequences as the
+    # compute device's memory holds (its budget, else what it can still allocate; running_fit.py).
+    # LLM(policy=None) sets it with running_fit.default_policy(); it needs everything on the device.
+    fit_running: bool = False
+
+    def __post_init__(self) -> None:
+        p = self.policy
+        if self.fit_running and (p.w_gpu, p.kv_gpu, p.act_gpu) != (1, 1, 1):
+            raise FlexSarathiError("EngineConfig.fit_running sizes the running set to the compute device's memory: "
+                                   "it needs a policy with weights, KV cache and activations all there "
+                                   f"(got w_gpu={p.w_gpu:g}, kv_gpu={p.kv_gpu:g}, act_gpu={p.act_gpu:g})")
 
 
 HEAD = "lm_head.weight"
@@ -298,7 +311,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
         self._rng = random.Random(e.seed)
         self._next_id = 0
-        self.worst_pass_bytes = 0  # the largest pass of the current batch of requests (_check_worst_pass)
+        self.worst_pass_bytes = self.batch_running = 0  # the batch's largest pass and running count (_add_requests)
         self.graph_passes = self._graph_passes()
         self.closed = False
         self.stats = {"graph_passes": 0}  # decode passes replayed from a CUDA graph
@@ -481,12 +494,14 @@ class LLMEngine:
         seqs = [seq for group in groups for seq in group]
         if not seqs:
             return
-        running = min(self.policy.max_running, len(seqs))
+        running = self._batch_running(seqs)
+        if self.engine_config.fit_running:  # the running set fitted to this batch
+            self.scheduler.set_max_running(running)
         blocks = self._kv_blocks(seqs, running)
-        # decode graphs: one gpu block more than the block manager hands out, for padding rows
-        self._ensure_pools({**blocks, "gpu": blocks.get("gpu", 0) + 1} if self.graph_passes else blocks, running)
+        self._ensure_pools(self._pool_blocks(blocks), running)
         self.blocks.resize(blocks, num_residual=running)
         self._check_worst_pass(seqs, running, blocks)
+        self.batch_running = running
         for group in groups:
             self.scheduler.add_group(group)
 
@@ -515,11 +530,45 @@ class LLMEngine:
         self.policy = self.policy.replace(**changes)
         self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
 
+    def fitted_running(self, prompt_lens: list[int], max_lens: list[int], all_logits: bool = False) -> int:
+        """Sequences a batch of requests with these prompt and prompt + max_tokens lengths runs at
+        once: the policy's max_running (or fewer requests); with fit_running the most of those
+        whose KV pool and largest pass fit the compute tier (_room_for_batch)."""
+        ceiling = min(self.policy.max_running, len(max_lens))
+        if not self.engine_config.fit_running:
+            return ceiling
+        lengths = (prompt_lens, max_lens, all_logits)
+        return largest_fitting(ceiling, lambda running: self._batch_bytes(lengths, running), self._room_for_batch())
+
+    def _batch_running(self, seqs: list[Sequence]) -> int:
+        return self.fitted_running(*_lengths(seqs))
+
+    def _batch_bytes(self, lengths: tuple, running: int) -> int:
+        """Compute-tier bytes of a batch (_lengths) at `running`: its KV pool and its largest pass."""
+        blocks = _split_by_fractions(self._kv_total_blocks(max(lengths[1]), running), self.policy.kv_fractions)
+        c, slots = self.config, self._pool_blocks(blocks).get("gpu", 0) * self.block_size
+        pool = KVPool.nbytes_for(c.num_layers, slots, c.num_kv_heads, c.head_dim, self.dtype, self.kv_compression,
+                                 running)
+        return pool + self._worst_pass_bytes(lengths, running, blocks)
+
+    def _room_for_batch(self) -> int:
+        """Compute-tier bytes a batch may take: the tier's budget less what is reserved there, else
+        FIT_FRACTION of what the device can still allocate; plus the KV pool there now (a batch
+        reuses or replaces it)."""
+        held = self.kv_pools["gpu"].nbytes if "gpu" in self.kv_pools else 0
+        capacity = self.memory.capacity("gpu")
+        if capacity is not None:
+            return capacity - self.memory.in_use("gpu") + held
+        return int(free_bytes(self.device) * FIT_FRACTION) + held
+
+    def _pool_blocks(self, blocks: dict[str, int]) -> dict[str, int]:
+        """The KV blocks each tier's pool holds: decode graphs add one gpu block, for padding rows."""
+        return {**blocks, "gpu": blocks.get("gpu", 0) + 1} if self.graph_passes else blocks
+
     def _kv_blocks(self, seqs: list[Sequence], running: int) -> dict[str, int]:
         """KV blocks per tier; every request must fit the cache alone (else it could never run)."""
         p, longest = self.policy, max(s.max_len for s in seqs)
-        per_seq = math.ceil(longest / self.block_size)
-        total = per_seq * running if p.kv_cache_tokens is None else p.kv_cache_tokens // self.block_size
+        per_seq, total = math.ceil(longest / self.block_size), self._kv_total_blocks(longest, running)
         if per_seq > total:
             index = next(i for i, s in enumerate(seqs) if s.max_len == longest)
             raise FlexSarathiError(
@@ -527,6 +576,11 @@ class LLMEngine:
                 f"Policy.kv_cache_tokens={p.kv_cache_tokens} holds {total * self.block_size} "
                 f"({self.block_size}-token blocks); raise kv_cache_tokens or lower max_tokens")
         return _split_by_fractions(total, p.kv_fractions)
+
+    def _kv_total_blocks(self, longest: int, running: int) -> int:
+        """The policy's KV capacity in blocks, or without one every running lifetime of the longest."""
+        tokens = self.policy.kv_cache_tokens
+        return math.ceil(longest / self.block_size) * running if tokens is None else tokens // self.block_size
 
     def _ensure_pools(self, blocks_per_tier: dict[str, int], num_residual: int) -> None:
         c = self.config
@@ -698,14 +752,17 @@ class LLMEngine:
     def _check_worst_pass(self, seqs: list[Sequence], running: int, blocks: dict[str, int]) -> None:
         """Fail before any work when the largest pass this batch of requests can form would not
         fit the gpu tier next to the weights and KV pools."""
-        all_logits = any(s.params.prompt_logprobs is not None for s in seqs)
-        pool_slots = {tier: n * self.block_size for tier, n in blocks.items()}  # what the blocks can hold
-        in_pool = decode_in_pool_tiers(self.device, self.dtype, self.config.head_dim, self.kv_compression)
-        kinds = worst_passes(self.policy, running, [s.num_prompt_tokens for s in seqs],
-                             [s.max_len for s in seqs], pool_slots, all_logits, in_pool)
-        self.worst_pass_bytes = worst = max(self._working_bytes(tokens) for tokens in kinds)
+        self.worst_pass_bytes = worst = self._worst_pass_bytes(_lengths(seqs), running, blocks)
         with self.memory.reservation("gpu", worst, "largest pass (activations)"):
             pass
+
+    def _worst_pass_bytes(self, lengths: tuple, running: int, blocks: dict[str, int]) -> int:
+        """The largest pass a batch (_lengths) forms at `running` with these KV blocks per tier."""
+        prompt_lens, max_lens, all_logits = lengths
+        pool_slots = {tier: n * self.block_size for tier, n in blocks.items()}  # what the blocks can hold
+        in_pool = decode_in_pool_tiers(self.device, self.dtype, self.config.head_dim, self.kv_compression)
+        kinds = worst_passes(self.policy, running, prompt_lens, max_lens, pool_slots, all_logits, in_pool)
+        return max(self._working_bytes(tokens) for tokens in kinds)
 
     def sample(self, outputs: list[tuple[WorkItem, torch.Tensor]]) -> tuple[list[Sequence], list[int | None]]:
         """The sequences that sample after this pass with their tokens (None where the context is
@@ -810,6 +867,13 @@ class LLMEngine:
         return CompletionOutput(index=index, text=text, token_ids=list(seq.output_token_ids),
                                 finish_reason=seq.finish_reason, stop_reason=stop_reason,
                                 cumulative_logprob=cumulative, logprobs=logprobs)
+
+
+def _lengths(seqs: list[Sequence]) -> tuple[list[int], list[int], bool]:
+    """(prompt lengths, prompt + max_tokens lengths, whether any keeps every row's logits): what
+    sizes a batch's KV cache and passes."""
+    return ([s.num_prompt_tokens for s in seqs], [s.max_len for s in seqs],
+            any(s.params.prompt_logprobs is not None for s in seqs))
 
 
 def _split_by_fractions(total: int, fractions: tuple[float, float, float]) -> dict[str, int]:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flexsarathi.engine.block_manager import BlockManager
 from flexsarathi.engine.sequence import Sequence, SequenceStatus
@@ -110,6 +110,13 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens sent through passes as prefill (prompts, recomputes)
+
+    def set_max_running(self, max_running: int) -> None:
+        """Another ceiling on the sequences running at once, set between batches (an engine that
+        fits its running set to memory does so for each batch: EngineConfig.fit_running)."""
+        if self.has_unfinished():
+            raise RuntimeError("set_max_running while requests run")
+        self.config = replace(self.config, max_running=max_running)
 
     @property
     def _watermark(self) -> int:

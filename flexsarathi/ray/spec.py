@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexsarathi.engine.running_fit import default_policy
 from policy_search.policy import Policy
 
 
@@ -30,7 +31,10 @@ class EngineSpec:
     @classmethod
     def of(cls, model: str, policy: Policy | None, hardware=None, dtype=None, device=None,
            offload_dir: str | None = None, seed: int = 0, **options) -> "EngineSpec":
-        return cls(model=model, policy=(policy or Policy()).to_dict(),
+        if policy is None:  # LLM(policy=None)'s: on each actor, as many running as its device's memory holds
+            policy = default_policy()
+            options.setdefault("fit_running", True)
+        return cls(model=model, policy=policy.to_dict(),
                    hardware=hardware.to_dict() if hardware is not None else None,
                    dtype=None if dtype is None else str(dtype).removeprefix("torch."), device=device,
                    offload_dir=offload_dir, seed=seed, options=options)

@@ -124,7 +124,7 @@ def build_engine(args):
     dtype = resolve_dtype(args.dtype, opened.source.config.checkpoint_dtype, resolve_device(args.device))
     args.dtype = str(dtype).removeprefix("torch.")
     llm, policy = build_llm(args, None, opened=opened)  # --policy auto: planned for the default workload
-    print(f"policy: {describe_policy(policy)}; device: {llm.engine.device}, {args.dtype}", file=sys.stderr)
+    print(f"policy: {describe_policy(policy, llm.engine.engine_config.fit_running)}; device: {llm.engine.device}, {args.dtype}", file=sys.stderr)
     name = os.path.realpath(args.model) if os.path.isdir(args.model) else args.model
     meta = {"job": "flexsarathi serve", "format": "openai", "model": name, "weights": opened.source.fingerprint,
             "dtype": args.dtype, "seed": args.seed, "sampling": sampling}

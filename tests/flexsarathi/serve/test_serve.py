@@ -117,7 +117,8 @@ def test_two_queued_batches_complete_in_order(server, client, tmp_path):
 
 
 def test_cancel_in_the_middle_keeps_finished_records(server, client, stories_dir, tmp_path):
-    lines = [completion(f"c{i}", f"Once upon a time, number {i}") for i in range(24)]
+    # lengths apart: a default server runs all 24 at once, so they finish in different passes
+    lines = [completion(f"c{i}", f"Once upon a time, number {i}", max_tokens=2 + i) for i in range(24)]
     src = write_lines(tmp_path / "c.jsonl", lines)
     hold, held = server.data_dir / "hold", server.data_dir / "held"
     hold.touch()
@@ -194,8 +195,8 @@ def test_a_stopped_server_leaves_its_batch_to_resume_and_refuses_another_configu
     data = tmp_path / "data"
     srv = Server(data, "--model", stories_dir, "--dtype", "float32").start()
     (data / "hold").touch()
-    batch = submit(srv.client(), write_lines(tmp_path / "s.jsonl", [completion(f"s{i}", "Once upon a time", max_tokens=8)
-                                                                     for i in range(20)]))
+    batch = submit(srv.client(), write_lines(tmp_path / "s.jsonl", [completion(f"s{i}", "Once upon a time", max_tokens=2 + i)
+                                                                     for i in range(20)]))  # they end apart
     wait_for_file(data / "held")
     srv.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 60
