@@ -54,3 +54,11 @@ def test_largest_fitting_is_the_largest_count_within_the_room():
     assert [largest_fitting(5, need.__getitem__, room) for room in (9, 10, 24, 25, 54, 70, 1000)] == [1, 1, 1, 2, 3, 5, 5]
     assert largest_fitting(1, need.__getitem__, 0) == 1
     assert default_policy().max_running == DEFAULT_MAX_RUNNING
+
+
+def test_ray_actors_of_a_job_without_a_policy_fit_their_own_running_sets():
+    from flexsarathi.ray.spec import EngineSpec
+
+    spec = EngineSpec.of("dummy:opt-125m", None)
+    assert spec.options == {"fit_running": True} and Policy.from_dict(spec.policy) == default_policy()
+    assert EngineSpec.of("dummy:opt-125m", Policy()).options == {}  # an explicit policy runs as it says
