@@ -6,6 +6,7 @@ math, and this file only glues them and turns logits into tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -36,7 +37,7 @@ from offload.executor import PassExecutor
 from offload.free_memory import free_bytes
 from offload.interrupts import DeferredInterrupts
 from offload.kv_cache import KVCompression, KVPool, decode_in_pool_tiers
-from offload.memory import MemoryTracker, TierBudget, dequant_scratch_bytes
+from offload.memory import MemoryBudgetError, MemoryTracker, TierBudget, dequant_scratch_bytes
 from offload.errors import UnquantizableWeight
 from offload.placement import quantized_on_placement, weight_layout_tag
 from offload.tiered_weights import TieredWeights
@@ -270,12 +271,7 @@ class LLMEngine:
         """opened: the model already opened by the caller (open_model(config.model)), else opened here."""
         self.engine_config = e = config
         self.device = resolve_device(e.device)
-        drawn = e.weight_quant if e.dummy_weight_codes and e.policy.compress_weight else None
-        if opened is None:
-            opened = open_model(e.model, codes=drawn)
-        elif (opened.name, opened.codes) != (e.model, drawn):
-            raise FlexSarathiError(f"the opened model ({opened.name}, codes {opened.codes}) is not the one "
-                                   f"this engine is configured for ({e.model}, codes {drawn})")
+        opened = _opened_for(e, opened)
         self.source, self.tokenizer = opened.source, opened.tokenizer
         self.source.use_for(compress_weight=e.policy.compress_weight, weights_on_disk=e.policy.w_disk > 0)
         self.config, self.model = self.source.config, self.source.model
@@ -287,13 +283,15 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, list(self.eos_token_ids))
-        self.memory = MemoryTracker(e.budget, self.device)
+        self.memory = MemoryTracker(_fitted_budget(e.budget, e.fit_running, self.device), self.device)
         self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
                                              value_group=e.kv_value_group) if p.compress_kv else None)
         try:
             self.weights = self._place_weights()
         except UnquantizableWeight as refused:
             raise self._unquantizable(refused) from None
+        except MemoryBudgetError as short:
+            raise self._weights_do_not_fit(short) from None
         if self.device.type == "cuda" and (p.compress_weight or e.compress_head):  # quant/fused.py's one dequantized weight
             shapes = {**(self.model.weight_kinds() if p.compress_weight else {}),
                       **({HEAD: self.model.global_shapes()[HEAD]} if e.compress_head else {})}
@@ -392,6 +390,22 @@ class LLMEngine:
         self.source.layer_weights(refused.layer, self.dtype)
         return CheckpointError(f"{refused}; its values are finite in {str(self.dtype).removeprefix('torch.')}, but "
                                "beyond what 4-bit groups' fp16 scales hold: run it with uncompressed weights")
+
+    def _weights_do_not_fit(self, short: MemoryBudgetError) -> Exception:
+        """A policy-less engine (fit_running) whose weights do not fit the compute device: the
+        arithmetic and what to do; an explicit policy's shortfall as it is."""
+        e = self.engine_config
+        if not e.fit_running or short.tier != "gpu":
+            return short
+        where = ("its budget" if e.budget is not None and e.budget.gpu is not None else
+                 f"{FIT_FRACTION:.0%} of what the {self.device.type} can still allocate (memory cgroups included)")
+        shared = ("; --gpu-mem + --cpu-mem at most this machine's memory: here both tiers are its RAM"
+                  if self.device.type == "cpu" else "")
+        return FlexSarathiError(
+            f"{e.model} does not fit on the {self.device.type} without offloading: with everything on the device "
+            f"the engine is held to {where} ({short}). Offload part of it with a policy: --policy auto --hardware "
+            f"PROFILE (`flexsarathi profile -o PROFILE` measures this machine once{shared}), or a policy file "
+            "placing weights on the cpu or disk tier (w_cpu, w_disk); from Python LLM(model, policy=..., hardware=...)")
 
     def _moe_flag(self, name: str) -> bool:
         value = getattr(self.engine_config, name)
@@ -552,14 +566,11 @@ class LLMEngine:
         return pool + self._worst_pass_bytes(lengths, running, blocks)
 
     def _room_for_batch(self) -> int:
-        """Compute-tier bytes a batch may take: the tier's budget less what is reserved there, else
-        FIT_FRACTION of what the device can still allocate; plus the KV pool there now (a batch
-        reuses or replaces it)."""
+        """Compute-tier bytes a batch may take: the tier's budget (given, or _fitted_budget's: what
+        the device could allocate as the engine was built) less what is reserved there, plus the KV
+        pool there now (a batch reuses or replaces it)."""
         held = self.kv_pools["gpu"].nbytes if "gpu" in self.kv_pools else 0
-        capacity = self.memory.capacity("gpu")
-        if capacity is not None:
-            return capacity - self.memory.in_use("gpu") + held
-        return int(free_bytes(self.device) * FIT_FRACTION) + held
+        return self.memory.capacity("gpu") - self.memory.in_use("gpu") + held  # fit_running: _fitted_budget's
 
     def _pool_blocks(self, blocks: dict[str, int]) -> dict[str, int]:
         """The KV blocks each tier's pool holds: decode graphs add one gpu block, for padding rows."""
@@ -867,6 +878,26 @@ class LLMEngine:
         return CompletionOutput(index=index, text=text, token_ids=list(seq.output_token_ids),
                                 finish_reason=seq.finish_reason, stop_reason=stop_reason,
                                 cumulative_logprob=cumulative, logprobs=logprobs)
+
+
+def _opened_for(e: EngineConfig, opened: OpenedModel | None) -> OpenedModel:
+    """The engine's model: the caller's (checked to be the configured one) or opened here."""
+    drawn = e.weight_quant if e.dummy_weight_codes and e.policy.compress_weight else None
+    if opened is None:
+        return open_model(e.model, codes=drawn)
+    if (opened.name, opened.codes) != (e.model, drawn):
+        raise FlexSarathiError(f"the opened model ({opened.name}, codes {opened.codes}) is not the one "
+                               f"this engine is configured for ({e.model}, codes {drawn})")
+    return opened
+
+
+def _fitted_budget(budget: TierBudget | None, fit_running: bool, device: torch.device) -> TierBudget | None:
+    """A policy-less engine (fit_running) without a compute-tier budget holds itself to FIT_FRACTION
+    of what the device can allocate now: a model that does not fit fails before anything is
+    loaded, with the arithmetic, instead of meeting the OOM killer (or CUDA's) halfway through."""
+    if not fit_running or (budget is not None and budget.gpu is not None):
+        return budget
+    return dataclasses.replace(budget or TierBudget(), gpu=int(free_bytes(device) * FIT_FRACTION))
 
 
 def _lengths(seqs: list[Sequence]) -> tuple[list[int], list[int], bool]:

@@ -31,22 +31,24 @@ with LLM("dummy:opt-125m", dtype="bfloat16", device="cpu") as llm:
 """
 
 
-def _in_cgroup(limit: int | None, tmp_name: str) -> dict:
-    """CHILD's answer, run in a fresh cgroup-v1 memory group of `limit` bytes (None: where this runs)."""
+def _in_cgroup(code: str, limit: int | None, tmp_name: str = "") -> subprocess.CompletedProcess:
+    """`python -c code`, in a fresh cgroup-v1 memory group of `limit` bytes (None: where this runs)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     if limit is None:
-        done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
-    else:
-        group = os.path.join(_current_v1_group(), tmp_name)
-        os.mkdir(group)
-        try:
-            with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-                f.write(str(limit))
-            join = f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1"'
-            done = subprocess.run(["sh", "-c", join, sys.executable, CHILD], env=env, capture_output=True, text=True,
-                                  timeout=300)
-        finally:
-            os.rmdir(group)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    group = os.path.join(_current_v1_group(), tmp_name)
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+        join = f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1"'
+        return subprocess.run(["sh", "-c", join, sys.executable, code], env=env, capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        os.rmdir(group)
+
+
+def _answer(done: subprocess.CompletedProcess) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -69,12 +71,33 @@ def test_a_default_engine_in_a_memory_cgroup_runs_what_the_group_holds(tmp_path)
     home = _current_v1_group()
     if not os.access(home, os.W_OK):
         pytest.skip(f"cannot create a memory cgroup under {home} (root needed)")
-    unlimited = _in_cgroup(None, "")
+    unlimited = _answer(_in_cgroup(CHILD, None))
     assert unlimited["running"] == 64
     limit = 3 * GiB // 2
-    limited = _in_cgroup(limit, f"flexsarathi_test_{os.getpid()}")
+    limited = _answer(_in_cgroup(CHILD, limit, f"flexsarathi_test_{os.getpid()}"))
     assert limited["free"] < limit
     assert 1 <= limited["running"] < 64 and limited["running"] * limited["kv_per_seq"] < limit
+
+
+TOO_LARGE = """
+from flexsarathi import LLM
+from flexsarathi.errors import FlexSarathiError
+try:
+    LLM("dummy:opt-1.3b", dtype="bfloat16", device="cpu")
+except FlexSarathiError as exc:
+    print(exc)
+"""
+
+
+def test_a_default_engine_too_large_for_its_memory_cgroup_says_so_instead_of_being_killed(tmp_path):
+    """opt-1.3b's 2.4 GiB of bf16 weights in a 1.5 GiB group: refused before loading, by name."""
+    home = _current_v1_group()
+    if not os.access(home, os.W_OK):
+        pytest.skip(f"cannot create a memory cgroup under {home} (root needed)")
+    done = _in_cgroup(TOO_LARGE, 3 * GiB // 2, f"flexsarathi_test_big_{os.getpid()}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dummy:opt-1.3b does not fit on the cpu without offloading" in done.stdout
+    assert "memory cgroups included" in done.stdout and "--policy auto" in done.stdout
 
 
 def test_free_bytes_on_this_machine_is_at_most_mem_available():

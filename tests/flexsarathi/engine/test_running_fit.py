@@ -62,3 +62,14 @@ def test_ray_actors_of_a_job_without_a_policy_fit_their_own_running_sets():
     spec = EngineSpec.of("dummy:opt-125m", None)
     assert spec.options == {"fit_running": True} and Policy.from_dict(spec.policy) == default_policy()
     assert EngineSpec.of("dummy:opt-125m", Policy()).options == {}  # an explicit policy runs as it says
+
+
+def test_weights_beyond_a_default_engines_memory_fail_before_loading_and_say_what_to_do(stories_dir):
+    from offload.memory import MemoryBudgetError
+
+    small = HardwareSpec.preset("t4").replace(memory_usable_fraction=1.0).with_memory(gpu=100 << 10)
+    with pytest.raises(FlexSarathiError, match=r"does not fit on the cpu without offloading: .* held to its budget "
+                       r"\(gpu memory budget exceeded reserving 'weights \(gpu tier\)'.*--policy auto --hardware"):
+        LLM(stories_dir, dtype="float32", device="cpu", hardware=small)
+    with pytest.raises(MemoryBudgetError):  # an explicit policy's shortfall stays the arithmetic alone
+        LLM(stories_dir, dtype="float32", device="cpu", hardware=small, policy=Policy())
