@@ -67,7 +67,9 @@ class LLM:
                      if v is not None}
         if overrides:
             policy = policy.replace(**overrides)
-        budget = TierBudget(**{tier: int(b) for tier, b in spec.budgets().items()}) if spec else None
+        budget = None if spec is None else TierBudget(
+            **{tier: int(b) for tier, b in spec.budgets().items()},
+            host=None if spec.host_budget is None else int(spec.host_budget))
         self.engine = LLMEngine(EngineConfig(model, dtype=dtype, device=device, policy=policy, seed=seed,
                                              kv_block_size=kv_block_size, budget=budget, offload_dir=offload_dir,
                                              direct_io=direct_io, **engine_options), opened)

@@ -55,14 +55,16 @@ class MemoryBudgetError(RuntimeError):
 
 @dataclass(frozen=True)
 class TierBudget:
-    """Capacity of each tier in bytes; None means unlimited."""
+    """Capacity of each tier in bytes; None means unlimited. host: the gpu and cpu tiers together,
+    where both are the host's RAM (HardwareSpec.host_budget: a CPU-only machine's profile)."""
 
     gpu: int | None = None
     cpu: int | None = None
     disk: int | None = None
+    host: int | None = None
 
     def __post_init__(self) -> None:
-        for tier in TIERS:
+        for tier in (*TIERS, "host"):
             capacity = getattr(self, tier)
             if capacity is not None and capacity < 0:
                 raise ValueError(f"capacity of tier {tier!r} must be >= 0 or None, got {capacity}")
@@ -114,6 +116,7 @@ class MemoryTracker:
             in_use = self._in_use[tier]
             if capacity is not None and in_use + nbytes > capacity:
                 raise self._budget_error(tier, nbytes, what, in_use, capacity)
+            self._check_host(tier, nbytes, what)
             by_what = self._in_use_by_what[tier]
             by_what[what] = by_what.get(what, 0) + nbytes
             peaks = self._peak_by_what[tier]
@@ -163,9 +166,14 @@ class MemoryTracker:
             return self._peak[tier]
 
     def available(self, tier: str) -> int | None:
-        """Bytes still reservable on `tier`; None when the tier is unlimited."""
-        capacity = self.capacity(tier)
-        return None if capacity is None else capacity - self.in_use(tier)
+        """Bytes still reservable on `tier` (within the host budget too, for gpu and cpu); None when
+        nothing limits it."""
+        capacity, host = self.capacity(tier), self.budget.host
+        with self._lock:
+            rooms = [] if capacity is None else [capacity - self._in_use[tier]]
+            if host is not None and tier in _HOST_TIERS:
+                rooms.append(host - sum(self._in_use[t] for t in _HOST_TIERS))
+        return min(rooms) if rooms else None
 
     def in_use_by_what(self, tier: str) -> dict[str, int]:
         _check_tier(tier)
@@ -208,7 +216,8 @@ class MemoryTracker:
         return report
 
     def format_report(self) -> str:
-        lines = []
+        lines = [] if self.budget.host is None else [
+            f"host: gpu + cpu tiers within {human_bytes(self.budget.host)} (both this machine's RAM)"]
         for tier, entry in self.report().items():
             capacity = entry["capacity"]
             capacity_text = "unlimited" if capacity is None else human_bytes(capacity)
@@ -225,6 +234,21 @@ class MemoryTracker:
         return "\n".join(lines)
 
     __str__ = format_report
+
+    def _check_host(self, tier: str, nbytes: int, what: str) -> None:
+        """With the lock held: the gpu and cpu tiers together within the host budget."""
+        host = self.budget.host
+        if host is None or tier not in _HOST_TIERS:
+            return
+        used = {t: self._in_use[t] for t in _HOST_TIERS}
+        if sum(used.values()) + nbytes > host:
+            needed = sum(used.values()) + nbytes
+            raise MemoryBudgetError(
+                f"host memory budget exceeded reserving {what!r} on the {tier} tier (the gpu and cpu tiers are "
+                f"both this machine's RAM): gpu {_bytes_with_exact(used['gpu'])} + cpu "
+                f"{_bytes_with_exact(used['cpu'])} + {_bytes_with_exact(nbytes)} = {_bytes_with_exact(needed)} "
+                f"> host capacity {_bytes_with_exact(host)}, short by {_bytes_with_exact(needed - host)}",
+                tier=tier, what=what, requested=nbytes, in_use=sum(used.values()), capacity=host)
 
     def _budget_error(self, tier: str, nbytes: int, what: str, in_use: int,
                       capacity: int) -> MemoryBudgetError:
@@ -243,6 +267,9 @@ class MemoryTracker:
         )
         return MemoryBudgetError(message, tier=tier, what=what, requested=nbytes, in_use=in_use,
                                  capacity=capacity)
+
+
+_HOST_TIERS = ("gpu", "cpu")  # the tiers TierBudget.host caps together
 
 
 def _checked_nbytes(nbytes: int) -> int:

@@ -51,16 +51,22 @@ class Estimate:
     passes: tuple[PassEstimate, ...]
     peak_memory: dict[str, float]  # bytes per tier, the largest over the run's passes
     budgets: dict[str, float]  # bytes per tier the hardware allows (usable fraction applied)
+    # HardwareSpec.host_budget (the gpu and cpu tiers are both host RAM: their sum within it) and
+    # the largest such sum over the passes; None on a GPU machine
+    host_budget: float | None = None
+    peak_host: float = 0.0
 
     @property
     def fits(self) -> bool:
-        return all(self.peak_memory[t] <= self.budgets[t] * (1 + _FIT_TOLERANCE) + 1 for t in TIERS)
+        return not self.over_budget
 
     @property
     def over_budget(self) -> dict[str, float]:
-        """Bytes by which each tier that does not fit exceeds its budget."""
-        return {t: self.peak_memory[t] - self.budgets[t] for t in TIERS
-                if self.peak_memory[t] > self.budgets[t] * (1 + _FIT_TOLERANCE) + 1}
+        """Bytes by which each tier that does not fit exceeds its budget ("gpu+cpu": the two tiers
+        together beyond host_budget)."""
+        limits = {**self.budgets, **({} if self.host_budget is None else {"gpu+cpu": self.host_budget})}
+        peaks = {**self.peak_memory, "gpu+cpu": self.peak_host}
+        return {t: peaks[t] - limit for t, limit in limits.items() if peaks[t] > limit * (1 + _FIT_TOLERANCE) + 1}
 
     @property
     def bound(self) -> str:
@@ -82,6 +88,7 @@ class Estimate:
                 "generated_tokens": self.generated_tokens, "requests": self.requests,
                 "steady_state": self.steady_state, "fits": self.fits, "bound": self.bound,
                 "peak_memory_bytes": self.peak_memory, "budget_bytes": self.budgets,
+                "host_budget_bytes": self.host_budget, "peak_host_bytes": self.peak_host,
                 "passes": [p.to_dict() for p in self.passes]}
 
 
@@ -116,7 +123,8 @@ def estimate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     return Estimate(throughput=run.generated_tokens / total if total > 0 else float("inf"),
                     total_seconds=total, generated_tokens=run.generated_tokens, requests=run.requests,
                     steady_state=run.steady_state, passes=tuple(passes), peak_memory=peak,
-                    budgets=hardware.budgets())
+                    budgets=hardware.budgets(), host_budget=hardware.host_budget,
+                    peak_host=max(p.memory["gpu"] + p.memory["cpu"] for p in passes))
 
 
 _CHAIN_MEMBERS = {

@@ -19,9 +19,10 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "compute_on_host": false, "layer_overhead_seconds": 0.0, "graph_layer_overhead_seconds": null,
      "step_overhead_seconds": 0.0, "sequence_overhead_seconds": 0.0,
      "disk_read_cpu_seconds_per_byte": 0.0, "cpu_int4_matmul_flops": null,
-     "cpu_memory_bandwidth_bytes_per_s": null}
+     "cpu_memory_bandwidth_bytes_per_s": null, "host_memory_bytes": null}
 
-`memory_usable_fraction` (default 0.8), `compute_on_host` (default false),
+`memory_usable_fraction` (default 0.8), `compute_on_host` (default false), `host_memory_bytes`
+(default null; with compute_on_host the RAM the gpu and cpu tiers share: `host_budget`),
 `layer_overhead_seconds`, `step_overhead_seconds`, `sequence_overhead_seconds`,
 `disk_read_cpu_seconds_per_byte` (default 0),
 `graph_layer_overhead_seconds` (default null: decode passes priced as eager ones) and
@@ -70,11 +71,12 @@ _JSON_KEYS = {
     "disk_read_cpu_seconds_per_byte": "disk_read_cpu",
     "cpu_int4_matmul_flops": "cpu_int4_matmul_flops",
     "cpu_memory_bandwidth_bytes_per_s": "cpu_memory_bandwidth",
+    "host_memory_bytes": "host_memory",
 }
 _OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds", "graph_layer_overhead_seconds",
                   "step_overhead_seconds", "sequence_overhead_seconds", "disk_read_cpu_seconds_per_byte",
-                  "cpu_int4_matmul_flops", "cpu_memory_bandwidth_bytes_per_s")
-_NULLABLE = ("cpu_int4_matmul_flops", "cpu_memory_bandwidth", "graph_layer_overhead")
+                  "cpu_int4_matmul_flops", "cpu_memory_bandwidth_bytes_per_s", "host_memory_bytes")
+_NULLABLE = ("cpu_int4_matmul_flops", "cpu_memory_bandwidth", "graph_layer_overhead", "host_memory")
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,10 @@ class HardwareSpec:
     # Bytes/s the CPU's matmuls stream weights from host memory at (cpu_experts: a decode micro-batch
     # routes a few rows to each expert, so reading the expert bounds it). None: `cpu_read_bandwidth`.
     cpu_memory_bandwidth: float | None = None
+    # The host's RAM, where it is also the compute device's memory (compute_on_host): the gpu and
+    # cpu tiers then share it, held together within host_budget. `flexsarathi profile` writes it
+    # without CUDA; None (presets, older profiles, a GPU machine): each tier's capacity alone.
+    host_memory: float | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -192,6 +198,20 @@ class HardwareSpec:
     def budgets(self) -> dict[str, float]:
         return {"gpu": self.gpu_budget, "cpu": self.cpu_budget, "disk": self.disk_budget}
 
+    @property
+    def host_budget(self) -> float | None:
+        """Where the compute device is the host (compute_on_host) and its RAM is known (host_memory),
+        the gpu and cpu tiers are both that RAM: together they stay within its usable fraction
+        (each also within its own budget). None otherwise: each tier's budget alone."""
+        if not self.compute_on_host or self.host_memory is None:
+            return None
+        return self.host_memory * self.memory_usable_fraction
+
+    def total_budget(self) -> float:
+        """Bytes every tier together may hold (the gpu and cpu tiers' sum capped by host_budget)."""
+        ram = self.gpu_budget + self.cpu_budget
+        return (ram if self.host_budget is None else min(ram, self.host_budget)) + self.disk_budget
+
     def replace(self, **changes) -> "HardwareSpec":
         return dataclasses.replace(self, **changes)
 
@@ -204,7 +224,9 @@ class HardwareSpec:
 
     def describe(self) -> str:
         return (f"{self.name}: GPU {fmt_bytes(self.gpu_memory)}, CPU {fmt_bytes(self.cpu_memory)}, "
-                f"disk {fmt_bytes(self.disk_memory)} (planned at {self.memory_usable_fraction:.0%}); "
+                f"disk {fmt_bytes(self.disk_memory)} (planned at {self.memory_usable_fraction:.0%}"
+                + ("" if self.host_budget is None else f"; GPU + CPU one {fmt_bytes(self.host_memory)} RAM")
+                + "); "
                 f"h2d {self.host_to_device / GB:.2f} GB/s, d2h {self.device_to_host / GB:.2f} GB/s, "
                 f"disk read {self.disk_to_host / GB:.2f} GB/s, write {self.host_to_disk / GB:.2f} GB/s; "
                 f"{'compute (host CPU)' if self.compute_on_host else 'GPU'} "

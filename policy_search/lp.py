@@ -51,6 +51,8 @@ class PlacementLP:
     # Memory rows from other costs than the time rows (the search's interval bounds: the time of the
     # interval's top with the memory of its bottom). None: the same costs.
     memory_costs: tuple[PassCost, ...] | None = None
+    # HardwareSpec.host_budget: the gpu and cpu tiers together within it (both the host's RAM)
+    host_budget: float | None = None
 
 
 @dataclass(frozen=True)
@@ -91,10 +93,18 @@ def _budget_rows(problem: PlacementLP) -> list[tuple[np.ndarray, float]]:
             if key in seen:
                 continue
             seen.add(key)
-            budget = problem.budgets[tier]
-            margin = min(budget, MARGIN_BYTES + MARGIN_RELATIVE * budget)
-            rows.append((expr, budget - margin))
+            rows.append((expr, _less_margin(problem.budgets[tier])))
+        if problem.host_budget is not None:  # the two tiers in the host's RAM, together
+            expr = cost.memory["gpu"] + cost.memory["cpu"]
+            key = ("host", expr.tobytes())
+            if key not in seen:
+                seen.add(key)
+                rows.append((expr, _less_margin(problem.host_budget)))
     return rows
+
+
+def _less_margin(budget: float) -> float:
+    return budget - min(budget, MARGIN_BYTES + MARGIN_RELATIVE * budget)
 
 
 def _affine(expr: np.ndarray, xs: dict, scale: float = 1.0, extra=()) -> tuple[pulp.LpAffineExpression, float]:

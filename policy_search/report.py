@@ -45,6 +45,9 @@ def format_report(policy: Policy, est: Estimate, model: ModelSpec, hardware: Har
     lines.append(f"  {'peak memory':<12}" + "".join(f"{fmt_bytes(est.peak_memory[t]):>12}" for t in TIERS))
     lines.append(f"  {'budget':<12}" + "".join(f"{fmt_bytes(est.budgets[t]):>12}" for t in TIERS)
                  + f"   ({hardware.memory_usable_fraction:.0%} of capacity)")
+    if est.host_budget is not None:  # a CPU-only machine: the GPU and CPU columns are both its RAM
+        lines.append(f"  {'GPU + CPU':<12}{fmt_bytes(est.peak_host):>12} of {fmt_bytes(est.host_budget)} "
+                     "(both tiers are host RAM here)")
     if not est.fits:
         over = ", ".join(f"{t} by {fmt_bytes(b)}" for t, b in est.over_budget.items())
         lines.append(f"  DOES NOT FIT: over budget on {over}")

@@ -197,7 +197,7 @@ class _Searcher:
     def running_cap(self, combo: Combo) -> int:
         """Largest B whose weights and KV cache alone fit in all tiers together (a necessary condition)."""
         m = self.model
-        total = sum(self.hardware.budgets().values()) - m.weight_bytes(combo.compress_weight)
+        total = self.hardware.total_budget() - m.weight_bytes(combo.compress_weight)
         per_sequence = self.workload.max_total_len * m.num_layers * m.kv_bytes_per_token(combo.compress_kv)
         return max(0, min(self.max_running, int(total // per_sequence)))
 
@@ -285,7 +285,8 @@ class _Searcher:
             memory = self.costs(chain, lo + 1)[2]
             problems.append(lp.PlacementLP(costs=tuple(costs), generated_tokens=run.generated_tokens,
                                            overlap=policy.overlap, budgets=self.budgets,
-                                           fixed=self.fixed_fractions, memory_costs=tuple(memory)))
+                                           fixed=self.fixed_fractions, memory_costs=tuple(memory),
+                                           host_budget=self.hardware.host_budget))
         self.solved += len(problems)
         for (chain, lo, hi), solution in zip(items, lp.solve(problems)):
             bound = 1.0 / solution.seconds_per_token * self.bound_factor if solution.fits else 0.0
@@ -354,7 +355,7 @@ class _Searcher:
         # anything but ties.
         problems = [lp.PlacementLP(costs=tuple(costs), generated_tokens=run.generated_tokens,
                                    overlap=policy.overlap, budgets=self.budgets, fixed=self.fixed_fractions,
-                                   tie_break=TIE_BREAK / bound)
+                                   tie_break=TIE_BREAK / bound, host_budget=self.hardware.host_budget)
                     for _, _, policy, run, costs, bound in to_solve]
         solutions = lp.solve(problems)
         self.solved += len(problems)
@@ -416,11 +417,12 @@ class _Searcher:
         head = f"no policy fits {m.name} ({wl.describe()}) on {hw.name}"
         weights = m.weight_bytes(True)
         kv = wl.max_total_len * m.num_layers * m.kv_bytes_per_token(True)
-        if weights + kv > sum(budgets.values()):
+        shared = "" if hw.host_budget is None else f", gpu + cpu within {fmt_bytes(hw.host_budget)} (both host RAM)"
+        if weights + kv > hw.total_budget():
             return (f"{head}: it needs at least {fmt_bytes(weights + kv)} (weights "
                     f"{fmt_bytes(weights)} in 4-bit, {fmt_bytes(m.weight_bytes(False))} in fp16, plus "
                     f"one sequence's 4-bit KV cache {fmt_bytes(kv)}) but all tiers together hold "
-                    f"{fmt_bytes(sum(budgets.values()))}: {have}")
+                    f"{fmt_bytes(hw.total_budget())}: {have}{shared}")
         frugal = self.knobs(Combo("block", True, True, False), 1, 1)
         _, costs = pass_costs(frugal, m, hw, wl)
         off_gpu = {n: (1.0 if n.endswith("_cpu") else 0.0) for n in FRACTIONS}

@@ -399,12 +399,10 @@ class LLMEngine:
             return short
         where = ("its budget" if e.budget is not None and e.budget.gpu is not None else
                  f"{FIT_FRACTION:.0%} of what the {self.device.type} can still allocate (memory cgroups included)")
-        shared = ("; --gpu-mem + --cpu-mem at most this machine's memory: here both tiers are its RAM"
-                  if self.device.type == "cpu" else "")
         return FlexSarathiError(
             f"{e.model} does not fit on the {self.device.type} without offloading: with everything on the device "
             f"the engine is held to {where} ({short}). Offload part of it with a policy: --policy auto --hardware "
-            f"PROFILE (`flexsarathi profile -o PROFILE` measures this machine once{shared}), or a policy file "
+            "PROFILE (`flexsarathi profile -o PROFILE` measures this machine once), or a policy file "
             "placing weights on the cpu or disk tier (w_cpu, w_disk); from Python LLM(model, policy=..., hardware=...)")
 
     def _moe_flag(self, name: str) -> bool:
@@ -570,7 +568,7 @@ class LLMEngine:
         the device could allocate as the engine was built) less what is reserved there, plus the KV
         pool there now (a batch reuses or replaces it)."""
         held = self.kv_pools["gpu"].nbytes if "gpu" in self.kv_pools else 0
-        return self.memory.capacity("gpu") - self.memory.in_use("gpu") + held  # fit_running: _fitted_budget's
+        return self.memory.available("gpu") + held  # fit_running: a budget (_fitted_budget's at least)
 
     def _pool_blocks(self, blocks: dict[str, int]) -> dict[str, int]:
         """The KV blocks each tier's pool holds: decode graphs add one gpu block, for padding rows."""

@@ -387,6 +387,7 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     return HardwareSpec(
         name=f"profile-{os.uname().nodename}", gpu_memory=gpu_memory, cpu_memory=_host_memory(),
         disk_memory=shutil.disk_usage(offload_dir).free, compute_on_host=not cuda, **figures,
+        host_memory=None if cuda else _host_memory(),  # no GPU: the gpu and cpu tiers share the RAM
         notes=f"measured by flexsarathi profile on {device} with {dtype}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, layer of {model.name if model else 'opt-1.3b'}, attention "
               f"on a {prompt_len}-token prompt and {decode_seqs} x {decode_context} decode tokens"

@@ -101,7 +101,8 @@ def test_a_default_engine_too_large_for_its_memory_cgroup_says_so_instead_of_bei
 
 
 def test_free_bytes_on_this_machine_is_at_most_mem_available():
-    assert 0 < free_bytes(torch.device("cpu")) <= mem_available()
+    # two reads of a machine whose memory moves (the suite's other worker): within 256 MiB
+    assert 0 < free_bytes(torch.device("cpu")) <= mem_available() + (256 << 20)
 
 
 def _write(path, text: str) -> None:

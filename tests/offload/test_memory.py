@@ -148,3 +148,25 @@ def test_threads_reserving_and_releasing_end_at_zero():
     assert tracker.in_use_by_what("cpu") == {}
     assert 0 < tracker.peak("cpu") <= capacity
     assert refused == []  # 8 threads x < 4 MiB each never reach 64 MiB
+
+
+def test_a_host_budget_caps_the_gpu_and_cpu_tiers_together():
+    """TierBudget.host (a CPU-only machine: both tiers are its RAM): each tier within its own
+    capacity and the two together within host; the disk tier is apart."""
+    t = MemoryTracker(TierBudget(gpu=8000, cpu=8000, disk=100, host=10000))
+    t.reserve("gpu", 6000, "weights")
+    t.reserve("cpu", 3000, "kv")
+    t.reserve("disk", 100, "weights")  # not host memory
+    assert t.available("gpu") == 10000 - 9000 and t.available("cpu") == 1000 and t.available("disk") == 0
+    with pytest.raises(MemoryBudgetError, match=r"host memory budget exceeded reserving 'more' on the cpu tier .* "
+                       r"gpu 5\.86 KiB \(6000 bytes\) \+ cpu 2\.93 KiB \(3000 bytes\) \+ 1001 B = .*short by 1 B"):
+        t.reserve("cpu", 1001, "more")
+    assert (t.in_use("gpu"), t.in_use("cpu")) == (6000, 3000)  # nothing changed
+    t.reserve("gpu", 1000, "more")  # exactly the host budget
+    t.release("cpu", 3000, "kv")
+    t.reserve("gpu", 1000, "again")  # its own capacity binds now: 8000
+    with pytest.raises(MemoryBudgetError, match="gpu memory budget exceeded"):
+        t.reserve("gpu", 1, "over")
+    assert t.available("gpu") == 0 and t.available("cpu") == 2000
+    assert MemoryTracker(TierBudget(gpu=5)).available("cpu") is None
+    assert "host: gpu + cpu tiers within 9.77 KiB" in t.format_report()

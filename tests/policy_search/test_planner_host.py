@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from policy_search import HardwareSpec, Policy, SpecError, Workload, estimate
+from policy_search import HardwareSpec, ModelSpec, Policy, SpecError, Workload, estimate, search
 from policy_search.units import GB
 
 from tests.policy_search.conftest import ALL_GPU, host_profile
@@ -194,3 +194,27 @@ def test_a_decode_pass_replayed_from_a_graph_pays_the_graphs_overhead(opt13, pla
     older = {k: v for k, v in gpu.replace(graph_layer_overhead=5e-4).to_dict().items()
              if k != "graph_layer_overhead_seconds"}
     assert HardwareSpec.from_dict(older).graph_layer_overhead is None  # optional: a profile without it
+
+
+def test_the_gpu_and_cpu_tiers_share_the_hosts_ram(host):
+    """Without a GPU both tiers are the host's RAM (a profile's host_memory): a placement is held to
+    both tiers together within its usable fraction (host_budget), not to each budget apart (which
+    would plan up to twice the RAM); a GPU machine's separate memories keep separate budgets."""
+    host = host.replace(host_memory=host.cpu_memory)  # as `flexsarathi profile` writes it: the RAM
+    assert host.host_budget == host.cpu_budget and "GPU + CPU one 24.00 GiB RAM" in host.describe()
+    opt13b = ModelSpec.from_name("dummy:opt-13b", bytes_per_value=2)
+    wl = Workload(prompt_len=128, gen_len=32)
+    weights = opt13b.num_layers * opt13b.layer_placed_bytes(False)
+    # 55% of the layers on the gpu tier, 40% on the cpu tier: each within its 19.2 GiB, together not
+    policy = Policy(gpu_batch_size=4, scheduler="block", **(ALL_GPU | dict(w_gpu=0.55, w_cpu=0.4, w_disk=0.05)))
+    assert 0.55 * weights < host.gpu_budget and 0.4 * weights < host.cpu_budget < 0.95 * weights
+    est = estimate(policy, opt13b, host, wl)
+    assert not est.fits and set(est.over_budget) == {"gpu+cpu"}
+    assert est.over_budget["gpu+cpu"] == pytest.approx(est.peak_host - host.host_budget)
+    assert est.peak_host == max(p.memory["gpu"] + p.memory["cpu"] for p in est.passes) >= 0.95 * weights
+    assert estimate(policy, opt13b, host.replace(compute_on_host=False), wl).fits
+    searched = search(opt13b, host, wl)[0]
+    best = estimate(searched, opt13b, host, wl)
+    assert best.fits and best.peak_host <= host.host_budget and searched.w_disk > 0
+    assert host.total_budget() == host.cpu_budget + host.disk_budget
+

@@ -10,6 +10,7 @@ from flexsarathi.engine.llm_engine import EngineConfig
 from flexsarathi.engine.running_fit import DEFAULT_MAX_RUNNING, default_policy, largest_fitting
 from flexsarathi.errors import FlexSarathiError
 from policy_search import HardwareSpec, Policy
+from tests.policy_search.conftest import host_profile
 
 PROMPTS = [[(7 * i + j) % 500 + 2 for j in range(6 + i % 5)] for i in range(40)]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -73,3 +74,12 @@ def test_weights_beyond_a_default_engines_memory_fail_before_loading_and_say_wha
         LLM(stories_dir, dtype="float32", device="cpu", hardware=small)
     with pytest.raises(MemoryBudgetError):  # an explicit policy's shortfall stays the arithmetic alone
         LLM(stories_dir, dtype="float32", device="cpu", hardware=small, policy=Policy())
+
+
+def test_a_cpu_profiles_budget_caps_the_engines_two_ram_tiers_together(stories_dir):
+    host = host_profile(dequant_rate=5e9, host_memory=24 << 30)
+    with LLM(stories_dir, dtype="float32", device="cpu", hardware=host) as llm:
+        budget = llm.engine.memory.budget
+        assert budget.host == int(host.cpu_budget) and budget.gpu == int(host.gpu_budget)
+    with LLM(stories_dir, dtype="float32", device="cpu", hardware=host.replace(compute_on_host=False)) as llm:
+        assert llm.engine.memory.budget.host is None

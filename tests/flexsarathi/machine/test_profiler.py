@@ -8,6 +8,12 @@ from policy_search.hardware import HardwareSpec
 from tests.conftest import REPO
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def test_profile_writes_a_loadable_hardware_json(tmp_path):
     """`flexsarathi profile --model opt-125m`: the layer timed is that model's (the smallest registered
     one keeps the test short; the default, opt-1.3b's, takes 2-3x longer)."""
@@ -23,6 +29,9 @@ def test_profile_writes_a_loadable_hardware_json(tmp_path):
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
     assert spec.cpu_memory == total
+    # without CUDA the gpu and cpu tiers are that one RAM: planned together within its usable share
+    cuda = torch_cuda_available()
+    assert spec.host_memory == (None if cuda else total) and spec.compute_on_host is not cuda
     assert "disk read" in result.stderr or "disk:" in result.stderr
     # Measured in the engine's own dtype (LLM(dtype=None): on the CPU what dtype auto picks), each step announced
     # before it runs, so a slow step is visible while it runs.
