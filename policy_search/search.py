@@ -55,6 +55,10 @@ MAX_RUNNING = 1 << 16
 # search would probe every num_gpu_batches. The result is within this factor of the best policy of the
 # enumeration, so "more memory is never slower" also holds up to it.
 TOLERANCE = 0.02
+# 4-bit weights or KV cache the caller left open are chosen only for at least this much more
+# throughput than the best exact policy (their quality cost: docs/BENCHMARKS.md, bench_quant)
+LOSSY_MIN_SPEEDUP = 1.2
+_LOSSY_KNOBS = ("compress_weight", "compress_kv")
 TIE_BREAK = 1e-6
 ROUND = 48  # points probed per branch-and-bound round (one stacked LP)
 NARROW = 2.0  # intervals with hi <= NARROW x lo get an LP bound before being split
@@ -119,6 +123,23 @@ def search(model: ModelSpec, hardware: HardwareSpec, workload: Workload,
 
 def search_detailed(model: ModelSpec, hardware: HardwareSpec, workload: Workload,
                     **constraints) -> SearchResult:
+    """The best policy; where it compresses weights or KV to 4 bits (lossy) without the constraints
+    asking for it, only if that is at least LOSSY_MIN_SPEEDUP x the best policy without compression
+    (or nothing fits without): a 4-bit model answers differently, not worth a few percent."""
+    result = _search_detailed(model, hardware, workload, constraints)
+    free = [k for k in _LOSSY_KNOBS if k not in constraints]
+    if not any(getattr(result.policy, k) for k in free):
+        return result
+    try:
+        exact = _search_detailed(model, hardware, workload, {**constraints, **{k: False for k in free}})
+    except InfeasibleError:
+        return result
+    chosen = result if result.estimate.throughput >= LOSSY_MIN_SPEEDUP * exact.estimate.throughput else exact
+    return replace(chosen, lps_solved=result.lps_solved + exact.lps_solved,
+                   seconds=result.seconds + exact.seconds, complete=result.complete and exact.complete)
+
+
+def _search_detailed(model: ModelSpec, hardware: HardwareSpec, workload: Workload, constraints: dict) -> SearchResult:
     started = time.perf_counter()
     _check_constraints(constraints)
     _check_lengths(model, workload)

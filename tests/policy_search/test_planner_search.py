@@ -143,3 +143,28 @@ def test_infeasible_workloads_state_needed_against_available_memory():
     tiny_gpu = HardwareSpec.preset("t4").with_memory(gpu=0.25 * GiB)
     with pytest.raises(InfeasibleError, match="GPU working memory"):
         search(model, tiny_gpu, workload)
+
+
+def test_4_bit_compression_left_open_is_chosen_only_for_a_clear_gain():
+    """compress_weight / compress_kv left to the search are lossy: taken only where they beat the best
+    exact policy by LOSSY_MIN_SPEEDUP (t4 rates). OPT-13B, 4 requests: 4-bit KV would be ~2% faster,
+    so the exact policy is returned; OPT-30B with 32 GiB of CPU memory: 4-bit KV keeps the cache off
+    the disk, ~2.8x, so it is taken; asked for, compression is used whatever it gains."""
+    from policy_search.search import LOSSY_MIN_SPEEDUP, _search_detailed
+
+    t4 = HardwareSpec.preset("t4")
+    small = (ModelSpec.from_name("dummy:opt-13b", bytes_per_value=2), t4, Workload(prompt_len=128, gen_len=32,
+                                                                                    num_requests=4))
+    large = (ModelSpec.from_name("dummy:opt-30b", bytes_per_value=2), t4.with_memory(cpu=32 * GiB),
+             Workload(prompt_len=512, gen_len=32))
+    for (model, hw, wl), clear in ((small, False), (large, True)):
+        unrestricted = _search_detailed(model, hw, wl, {})  # the fastest, lossy or not
+        exact = _search_detailed(model, hw, wl, {"compress_weight": False, "compress_kv": False})
+        lossy = unrestricted.policy.compress_weight or unrestricted.policy.compress_kv
+        gain = unrestricted.estimate.throughput / exact.estimate.throughput
+        assert lossy and (gain >= LOSSY_MIN_SPEEDUP) == clear and gain > 1.0
+        chosen, est = search(model, hw, wl)
+        assert chosen == (unrestricted.policy if clear else exact.policy)
+        assert est.throughput == (unrestricted if clear else exact).estimate.throughput
+    forced, _ = search(*small, compress_kv=True)
+    assert forced.compress_kv
