@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from flexsarathi.batch_turns import BatchTurns
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from flexsarathi.engine.running_fit import default_policy
+from flexsarathi.machine.this_machine import this_machine_hardware
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.formats.hub import resolve_model
 from flexsarathi.formats.opened_model import OpenedModel, open_model
@@ -36,8 +37,8 @@ class LLM:
         """model: a checkpoint folder, a `.gguf` file (single or any part of a split one), a Hugging Face
         repo (`org/name`, `org/name@revision`, `org/name:Q4_K_M` for a GGUF in it: flexsarathi/formats/hub.py)
         or `dummy:<name>`, or one already opened (`open_model`). policy: a Policy, a policy JSON file,
-        "auto" (searched by policy_search for `hardware` and `workload`, a policy_search.Workload,
-        default prompt 512 / output 32), or None (everything on the compute device, each batch running as many
+        "auto" (searched by policy_search for `hardware`, without one this machine measured once and
+        cached, and `workload`, a policy_search.Workload, default prompt 512 / output 32), or None (everything on the compute device, each batch running as many
         sequences as its memory holds, up to 256: flexsarathi/engine/running_fit.py). hardware: a HardwareSpec, a preset name (`t4`,
         `a100-80g`, ...) or a profile JSON: its memory limits are the tier budgets the engine
         enforces. offload_dir: where disk-tier weights, KV and activations live (default
@@ -52,6 +53,7 @@ class LLM:
         if hardware is not None:
             spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
         if policy == "auto":
+            spec = spec or this_machine_hardware(LLM, dtype, device, offload_dir)  # no hardware: this machine's
             if opened is None and os.path.exists(model):
                 opened = open_model(model)  # once: the search reads its config, the engine its weights
             formats = {k: v for k, v in engine_options.items()

@@ -118,7 +118,7 @@ def load_profile(args, spec) -> HardwareSpec:
     from flexsarathi.machine.profiler import profile_machine
 
     say("profile: measuring this machine" + (f" (saved to {args.profile})" if args.profile else ""))
-    profile = profile_machine(args.offload_dir, dtype=args.dtype, model=spec, prompt_len=args.prompt_len,
+    profile = profile_machine(args.offload_dir, LLM, dtype=args.dtype, model=spec, prompt_len=args.prompt_len,
                               decode_context=args.prompt_len + args.gen_len, decode_seqs=args.num_requests,
                               log=lambda line: say("  " + line))
     if args.profile:

@@ -96,7 +96,7 @@ def load_or_measure_profile(args, model: ModelSpec) -> HardwareSpec:
         return HardwareSpec.load(path)
     say("profile: measuring this machine (use --profile PATH to keep it)")
     # The model's layer shapes in the run's dtype, attention on this workload's prompt and decode context.
-    spec = profile_machine(args.offload_dir, dtype=args.torch_dtype, model=model, log=lambda line: say("  " + line),
+    spec = profile_machine(args.offload_dir, LLM, dtype=args.torch_dtype, model=model, log=lambda line: say("  " + line),
                            prompt_len=args.prompt_len, decode_context=args.prompt_len + args.gen_len // 2,
                            decode_seqs=args.gpu_batch_size)
     if path:

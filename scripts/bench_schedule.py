@@ -289,7 +289,7 @@ def load_profile(args, model: ModelSpec) -> HardwareSpec | None:
     from flexsarathi.machine.profiler import profile_machine
 
     say("profile: measuring this machine" + (f" (saved to {args.profile})" if args.profile else ""))
-    spec = profile_machine(args.offload_dir, dtype=args.torch_dtype, model=model, log=lambda line: say("  " + line))
+    spec = profile_machine(args.offload_dir, LLM, dtype=args.torch_dtype, model=model, log=lambda line: say("  " + line))
     if args.profile:
         spec.save(args.profile)
     return spec

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.engine.running_fit import default_policy
@@ -19,7 +20,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "org/name:Q4_K_M for a GGUF in it; HF_HOME's cache, HF_HUB_OFFLINE=1 honoured) or dummy:<name> "
                    "(random weights: measure throughput, not text quality)")
     p.add_argument("--gguf-file", default=None, metavar="FILE", help="with a repo --model: this GGUF file in it")
-    p.add_argument("--policy", default=None, help="'auto' (searched for --hardware and this job's "
+    p.add_argument("--policy", default=None, help="'auto' (searched for --hardware, or without it for this "
+                   "machine, measured once and cached, and this job's "
                    "lengths) or a policy JSON (`flexsarathi policy --json`); default: all on the device, each batch "
                    "running as many requests at once as its memory holds (up to 256)")
     p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(PRESETS)}) or a profile JSON "
@@ -77,14 +79,23 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
 
 
 def hardware_of(args):
-    """The HardwareSpec of --hardware with the memory overrides, or None."""
-    if args.hardware is None:
-        if args.gpu_mem is not None or args.cpu_mem is not None:
-            raise FlexSarathiError("--gpu-mem / --cpu-mem need --hardware (the rest of the machine's figures)")
-        return None
-    from policy_search import HardwareSpec
+    """The HardwareSpec of --hardware with the memory overrides; for --policy auto without one, this
+    machine (measured once and cached: flexsarathi/machine/this_machine.py); else None."""
+    if args.hardware is None and getattr(args, "policy", None) == "auto":
+        from flexsarathi.llm import LLM
+        from flexsarathi.machine.this_machine import this_machine_hardware
 
-    spec = HardwareSpec.resolve(args.hardware)
+        spec = this_machine_hardware(LLM, args.dtype, args.device, args.offload_dir,
+                                     say=lambda line: print(line, file=sys.stderr, flush=True))
+    elif args.hardware is None:
+        if args.gpu_mem is not None or args.cpu_mem is not None:
+            raise FlexSarathiError("--gpu-mem / --cpu-mem need --hardware or --policy auto (the rest of the "
+                                   "machine's figures)")
+        return None
+    else:
+        from policy_search import HardwareSpec
+
+        spec = HardwareSpec.resolve(args.hardware)
     return spec.with_memory(gpu=None if args.gpu_mem is None else args.gpu_mem * GiB,
                             cpu=None if args.cpu_mem is None else args.cpu_mem * GiB)
 

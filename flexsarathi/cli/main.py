@@ -79,6 +79,7 @@ def _cmd_profile(args) -> int:
     from flexsarathi.machine.dtype_choice import is_auto
     from flexsarathi.engine.llm_engine import DEFAULT_OFFLOAD_DIR
     from flexsarathi.models.model_config import parse_dtype
+    from flexsarathi.llm import LLM
     from flexsarathi.machine.profiler import profile_machine
 
     check_output_file(args.output, "--output")
@@ -92,7 +93,7 @@ def _cmd_profile(args) -> int:
         from flexsarathi.engine.planner_spec import planner_model_spec
 
         model = planner_model_spec(args.model, dtype)
-    spec = profile_machine(offload_dir, dtype=dtype, disk_bytes=args.disk_mib << 20, model=model,
+    spec = profile_machine(offload_dir, LLM, dtype=dtype, disk_bytes=args.disk_mib << 20, model=model,
                            log=lambda line: print(line, file=sys.stderr, flush=True))
     spec.save(args.output)
     print(f"wrote {args.output}: {spec.describe()}")

@@ -401,9 +401,9 @@ class LLMEngine:
                  f"{FIT_FRACTION:.0%} of what the {self.device.type} can still allocate (memory cgroups included)")
         return FlexSarathiError(
             f"{e.model} does not fit on the {self.device.type} without offloading: with everything on the device "
-            f"the engine is held to {where} ({short}). Offload part of it with a policy: --policy auto --hardware "
-            "PROFILE (`flexsarathi profile -o PROFILE` measures this machine once), or a policy file "
-            "placing weights on the cpu or disk tier (w_cpu, w_disk); from Python LLM(model, policy=..., hardware=...)")
+            f"the engine is held to {where} ({short}). Offload part of it with a policy: --policy auto (searched "
+            "for this machine, measured once and cached; --hardware names another), or a policy file placing "
+            "weights on the cpu or disk tier (w_cpu, w_disk); from Python LLM(model, policy=\"auto\")")
 
     def _moe_flag(self, name: str) -> bool:
         value = getattr(self.engine_config, name)

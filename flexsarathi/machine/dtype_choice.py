@@ -18,14 +18,12 @@ measured again and rewritten.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 import time
 
 import torch
 
+from flexsarathi.machine.cache_file import cache_path, keep_others, read_entries, write_entries
 from flexsarathi.machine.cpu_info import cpu_description
 
 HALF_SPEEDUP = 1.3  # a half dtype must be this many times faster than fp32 at both row counts
@@ -100,16 +98,10 @@ def machine_key() -> dict:
             "threads": torch.get_num_threads()}
 
 
-def cache_path() -> str:
-    folder = os.environ.get("FLEXSARATHI_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                      "flexsarathi")
-    return os.path.join(folder, CACHE_FILE)
-
-
 def cpu_compute_dtype() -> torch.dtype:
     """This machine's CPU compute dtype: the cached choice for its key, else measured and cached."""
-    path, key = cache_path(), machine_key()
-    entries = _read_entries(path)
+    path, key = cache_path(CACHE_FILE), machine_key()
+    entries = read_entries(path)
     cached = _lookup(entries, key)
     if cached is not None:
         return cached
@@ -123,26 +115,12 @@ def cpu_compute_dtype() -> torch.dtype:
     log.info("CPU compute dtype %s, measured in %.1f s: %s TFLOP/s (cached in %s)", entry["dtype"],
              entry["measured_s"], {n: [round(r / 1e12, 3) for r in rs] for n, rs in entry["rates_flops"].items()},
              path)
-    others = [e for e in entries if e.get("key") != key][-(MAX_CACHE_ENTRIES - 1):]
-    _write_entries(path, others + [entry])
+    write_entries(path, keep_others(entries, key, MAX_CACHE_ENTRIES) + [entry], "CPU dtype")
     return chosen
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _read_entries(path: str) -> list[dict]:
-    """The cache's entries; [] for a missing, unreadable or malformed file (then rewritten)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError, UnicodeDecodeError):
-        return []
-    entries = data.get("entries") if isinstance(data, dict) else None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        return []
-    return entries
 
 
 def _lookup(entries: list[dict], key: dict) -> torch.dtype | None:
@@ -152,20 +130,3 @@ def _lookup(entries: list[dict], key: dict) -> torch.dtype | None:
             names = {_name(dt): dt for dt in candidate_dtypes(key["flags"])}
             return names.get(entry.get("dtype"))
     return None
-
-
-def _write_entries(path: str, entries: list[dict]) -> None:
-    """Replace the cache atomically; a folder that cannot be written only costs a re-measurement
-    next time (warned once here), never the run."""
-    tmp = None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".cpu_dtype.", dir=os.path.dirname(path))
-        with os.fdopen(fd, "w") as f:
-            json.dump({"entries": entries}, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("could not write the CPU dtype cache %s: %s (the choice is measured again next run)",
-                    path, exc)
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)

@@ -315,17 +315,17 @@ def _decode_step_times(llm, sequences: int, tokens: int) -> tuple[float, float]:
     return statistics.median(end - start for start, end in decodes), statistics.median(between)
 
 
-def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 12, graphs: bool = False) -> float:
+def _layer_overhead(llm_class, device, dtype, model: str = "dummy:opt-125m", tokens: int = 12,
+                    graphs: bool = False) -> float:
     """Seconds a pass costs per layer and micro-batch beyond its math: the executor's bookkeeping,
     thread hand-offs, per-call costs of small ops (kernel launches on a GPU). Measured by running
     the engine itself on a small model (everything on the compute device, one decode token per
     pass, where the math is a small part) and subtracting the time of its layers' and LM head's
     matmuls measured alone. graphs: with decode passes replayed from CUDA graphs (the engine's
-    default on CUDA for such a policy), else eager passes."""
-    from flexsarathi.llm import LLM
+    default on CUDA for such a policy), else eager passes. llm_class: profile_machine's."""
     from policy_search.policy import Policy
 
-    with LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=1), cuda_graphs=graphs) as llm:
+    with llm_class(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=1), cuda_graphs=graphs) as llm:
         pass_seconds, _ = _decode_step_times(llm, 1, tokens)
         config, g = llm.engine.config, llm.engine.weights.global_weights()
     shapes = LayerShapes.of(ModelSpec.from_name(model))
@@ -336,19 +336,18 @@ def _layer_overhead(device, dtype, model: str = "dummy:opt-125m", tokens: int = 
     return max(0.0, (pass_seconds - head_seconds) / config.num_layers - layer_seconds)
 
 
-def _step_overhead(device, dtype, model: str = "dummy:opt-125m", sequences: int = 16,
+def _step_overhead(llm_class, device, dtype, model: str = "dummy:opt-125m", sequences: int = 16,
                    tokens: int = 12) -> tuple[float, float]:
     """(fixed, per sequence) host seconds of an engine step outside its pass
     (HardwareSpec.step_overhead, sequence_overhead): the time between decode passes at 1 and at
     `sequences` sequences (the engine's default graphs setting), a line through the two.
     Sampling is part of it: its per-sequence cost grows with the vocabulary (opt-125m's 50272)
-    where the compute device is the CPU."""
-    from flexsarathi.llm import LLM
+    where the compute device is the CPU. llm_class: profile_machine's."""
     from policy_search.policy import Policy
 
     between = {}
     for n in (1, sequences):
-        with LLM(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=n)) as llm:
+        with llm_class(model, dtype=dtype, device=device, policy=Policy(gpu_batch_size=n)) as llm:
             between[n] = _decode_step_times(llm, n, tokens)[1]
     per_sequence = max(0.0, (between[sequences] - between[1]) / (sequences - 1))
     return max(0.0, between[1] - per_sequence), per_sequence
@@ -362,10 +361,11 @@ def _host_memory() -> int:
     raise RuntimeError("cannot read MemTotal from /proc/meminfo")
 
 
-def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_bytes: int = 512 << 20,
+def profile_machine(offload_dir: str, llm_class, dtype: torch.dtype | None = None, disk_bytes: int = 512 << 20,
                     log=print, model: ModelSpec | None = None, prompt_len: int = 128,
                     decode_context: int = 256, decode_seqs: int = 16) -> HardwareSpec:
-    """Measure this machine, logging each step before it runs. dtype: the engine's compute dtype
+    """Measure this machine, logging each step before it runs. llm_class: flexsarathi.llm.LLM, whose
+    engine's own costs are timed (passed in: LLM(policy="auto") measures this machine through here). dtype: the engine's compute dtype
     (default: what the engine computes in, fp16 on CUDA and on the CPU the dtype measured fastest there, flexsarathi/machine/dtype_choice.py); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
     rates are measured on a whole prompt of `prompt_len` tokens and on `decode_seqs` sequences
     decoding against `decode_context` cached tokens: on a CPU the rate per pair depends on the shape
@@ -382,7 +382,7 @@ def profile_machine(offload_dir: str, dtype: torch.dtype | None = None, disk_byt
     figures = {**_measure_transfers(device, dtype, shapes, offload_dir, disk_bytes, log),
                **_measure_matmuls(device, dtype, shapes, log),
                **_measure_attention(device, dtype, shapes, prompt_len, decode_context, decode_seqs, log),
-               **_measure_dequant_and_overhead(device, dtype, shapes, log)}
+               **_measure_dequant_and_overhead(llm_class, device, dtype, shapes, log)}
     gpu_memory = _free_device_memory(device) if cuda else _host_memory()
     return HardwareSpec(
         name=f"profile-{os.uname().nodename}", gpu_memory=gpu_memory, cpu_memory=_host_memory(),
@@ -454,7 +454,7 @@ def _measure_attention(device, dtype, shapes, prompt_len: int, decode_context: i
                 cpu_attention_flops=cpu_attn)
 
 
-def _measure_dequant_and_overhead(device, dtype, shapes, log) -> dict:
+def _measure_dequant_and_overhead(llm_class, device, dtype, shapes, log) -> dict:
     log("  measuring 4-bit dequantization and the CPU int4 kernel ...")
     dequant = _dequant_rate(device, dtype)
     cpu_dequant = dequant if device.type != "cuda" else _dequant_rate(torch.device("cpu"), torch.bfloat16)
@@ -462,9 +462,9 @@ def _measure_dequant_and_overhead(device, dtype, shapes, log) -> dict:
     log(f"  dequantize: {dequant / 1e9:.2f} G values/s; int4 kernel: "
         + (f"{int4 / 1e12:.3f} TFLOP/s ({INT4_KERNEL_ROWS} rows)" if int4 else "not used here (bf16 on the CPU only)"))
     log("  measuring the engine's own cost per layer (dummy:opt-125m, one decode token per pass) ...")
-    overhead = _layer_overhead(device, dtype)
-    graph_overhead = _layer_overhead(device, dtype, graphs=True) if device.type == "cuda" else None
-    step, per_sequence = _step_overhead(device, dtype)
+    overhead = _layer_overhead(llm_class, device, dtype)
+    graph_overhead = _layer_overhead(llm_class, device, dtype, graphs=True) if device.type == "cuda" else None
+    step, per_sequence = _step_overhead(llm_class, device, dtype)
     log(f"  engine overhead: {overhead * 1e3:.3f} ms per layer and micro-batch of a pass (beyond the math)"
         + (f"; {graph_overhead * 1e3:.3f} ms per layer of a decode pass replayed from a CUDA graph"
            if graph_overhead is not None else "")

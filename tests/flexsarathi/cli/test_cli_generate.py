@@ -223,7 +223,7 @@ def test_mismatch_duplicates_and_bad_jobs_exit_2(stories_dir, tmp_path, capsys):
     assert not (tmp_path / "d.jsonl").exists()  # refused before any work
     options = {"--model": stories_dir, "--input": src, "--output": out}
     for flag, value in (("--model", str(tmp_path / "nope")), ("--input", str(tmp_path / "missing.txt")),
-                        ("--policy", "auto"), ("--policy", str(tmp_path / "no_policy.json"))):
+                        ("--gpu-mem", "4"), ("--policy", str(tmp_path / "no_policy.json"))):
         argv = ["generate", *[x for kv in (options | {flag: value}).items() for x in kv], "--quiet", "--overwrite"]
         assert main(argv) == 2, flag
         assert capsys.readouterr().err.startswith("error: ")

@@ -70,7 +70,7 @@ def test_weights_beyond_a_default_engines_memory_fail_before_loading_and_say_wha
 
     small = HardwareSpec.preset("t4").replace(memory_usable_fraction=1.0).with_memory(gpu=100 << 10)
     with pytest.raises(FlexSarathiError, match=r"does not fit on the cpu without offloading: .* held to its budget "
-                       r"\(gpu memory budget exceeded reserving 'weights \(gpu tier\)'.*--policy auto --hardware"):
+                       r"\(gpu memory budget exceeded reserving 'weights \(gpu tier\)'.*--policy auto \(searched for this machine"):
         LLM(stories_dir, dtype="float32", device="cpu", hardware=small)
     with pytest.raises(MemoryBudgetError):  # an explicit policy's shortfall stays the arithmetic alone
         LLM(stories_dir, dtype="float32", device="cpu", hardware=small, policy=Policy())
