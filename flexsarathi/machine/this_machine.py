@@ -5,7 +5,8 @@ capacities read afresh on every use.
 What is cached are the rates (copies, disk, matmuls, attention, the engine's overheads), which
 belong to the machine; what is not are its capacities (free GPU memory, RAM, free disk in the
 offload folder), which change between runs: a profile measured with 40 GB free on the disk must not
-plan 40 GB there a week later. The key: the CPU as torch uses it (model, cores, flags, capability),
+plan 40 GB there a week later. RAM is what this process can still allocate (MemAvailable under its
+memory cgroups' limits: offload/free_memory.py), so a job in a container plans for the container. The key: the CPU as torch uses it (model, cores, flags, capability),
 the GPU's name and its memory where there is one, torch's version and threads, and the compute
 dtype the rates were measured in. The cache is a small JSON file (`$FLEXSARATHI_CACHE_DIR` or
 ~/.cache/flexsarathi, `hardware_profiles.json`); delete it to measure again (after measuring on a
@@ -21,6 +22,7 @@ import torch
 
 from flexsarathi.machine.cache_file import cache_path, keep_others, read_entries, write_entries
 from flexsarathi.machine.cpu_info import cpu_description
+from offload.free_memory import free_bytes
 from policy_search.hardware import HardwareSpec
 
 CACHE_FILE = "hardware_profiles.json"
@@ -43,8 +45,9 @@ def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, say=log.warnin
     """This machine as the planner sees it: the cached rates for its key (measured now, and cached,
     where there are none) with its capacities as they are now. say: where the one-time measurement
     is announced (it takes tens of seconds)."""
-    from flexsarathi.machine.profiler import _host_memory, profile_machine  # noqa: PLC0415 - torch-heavy
+    from flexsarathi.machine.profiler import profile_machine  # noqa: PLC0415 - torch-heavy
 
+    os.makedirs(offload_dir, exist_ok=True)  # the profile measures its disk; the capacity is its free space
     path, key = cache_path(CACHE_FILE), machine_key(dtype)
     entries = read_entries(path)
     cached = next((e for e in entries if e.get("key") == key), None)
@@ -57,12 +60,11 @@ def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, say=log.warnin
     if spec is None:
         say(f"no --hardware given: measuring this machine once for the planner (as `flexsarathi profile` does; "
             f"cached in {path})")
-        os.makedirs(offload_dir, exist_ok=True)
         spec = profile_machine(offload_dir, llm_class, dtype=dtype, log=say)
         write_entries(path, keep_others(entries, key, MAX_CACHE_ENTRIES) + [{"key": key, "profile": spec.to_dict()}],
                       "hardware profile")
     cuda = torch.cuda.is_available()
-    ram = _host_memory()
+    ram = free_bytes(torch.device("cpu"))  # what the engine may still take of the RAM: cgroup limits included
     return spec.replace(gpu_memory=torch.cuda.mem_get_info()[0] if cuda else ram, cpu_memory=ram,
                         host_memory=None if cuda else ram, disk_memory=shutil.disk_usage(offload_dir).free)
 
