@@ -40,9 +40,12 @@ def test_auto_without_hardware_plans_for_this_machine_measured_once_and_cached(s
     assert len(counted_profiles) == 1 and out.token_ids
     entries = json.load(open(cache_path(CACHE_FILE)))["entries"]
     assert len(entries) == 1 and entries[0]["key"]["dtype"] == "float32"
-    # the budgets are this machine's: its RAM for both RAM tiers (together too), the folder's free disk
+    # the budgets are this machine's as it was: the free RAM for both RAM tiers (together too), the
+    # folder's free disk, each at the usable fraction
     spec = this_machine(LLM, offload, torch.float32)
-    assert budget.gpu == int(spec.gpu_budget) and budget.host == int(spec.host_budget)
+    usable = spec.memory_usable_fraction
+    assert budget.gpu == budget.cpu == budget.host <= usable * (mem_available() + (1 << 30))
+    assert abs(budget.disk - usable * shutil.disk_usage(offload).free) < 1 << 30
     assert spec.host_memory == spec.cpu_memory <= mem_available() + (256 << 20)  # what is free, not MemTotal
     with LLM(stories_dir, dtype="float32", device="cpu", policy="auto", offload_dir=offload, workload=short):
         pass
