@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 
 from flexsarathi.cli.engine_args import add_model_args, build_llm, describe_policy, device_name
 from flexsarathi.errors import FlexSarathiError
@@ -27,7 +28,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="default: the policy's running sequences (gpu_batch_size x num_gpu_batches)")
+                   help="default: the policy's running sequences (gpu_batch_size x num_gpu_batches; without "
+                   "--policy as many as memory holds, up to 256)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")
     p.set_defaults(func=run_bench)
@@ -67,6 +69,9 @@ def _measure(llm, policy, args) -> dict:
     count = args.num_prompts or engine.fitted_running([args.prompt_len] * policy.max_running,
                                                       [args.prompt_len + args.gen_len] * policy.max_running)
     vocab = engine.config.vocab_size
+    print(f"bench: {count} prompts x {args.prompt_len} tokens -> {args.gen_len} each, "
+          f"{describe_policy(policy, engine.engine_config.fit_running)} (--num-prompts N for another count)",
+          file=sys.stderr, flush=True)
     if not args.no_warmup:
         llm.generate(_prompts(count, min(WARMUP_PROMPT_LEN, args.prompt_len), vocab, args.seed + 1),
                      SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
