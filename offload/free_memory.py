@@ -30,11 +30,16 @@ def free_bytes(device: torch.device) -> int:
 
 def mem_available() -> int:
     """/proc/meminfo's MemAvailable in bytes."""
+    return meminfo_bytes("MemAvailable")
+
+
+def meminfo_bytes(field: str) -> int:
+    """A /proc/meminfo field (MemTotal, MemAvailable, ...) in bytes."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+    raise RuntimeError(f"cannot read {field} from /proc/meminfo")
 
 
 def _cgroup_dirs(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT):

@@ -395,7 +395,7 @@ class LLMEngine:
         """A policy-less engine (fit_running) whose weights do not fit the compute device: the
         arithmetic and what to do; an explicit policy's shortfall as it is."""
         e = self.engine_config
-        if not e.fit_running or short.tier != "gpu":
+        if not e.fit_running or short.tier == "disk":
             return short
         where = ("its budget" if e.budget is not None and e.budget.gpu is not None else
                  f"{FIT_FRACTION:.0%} of what the {self.device.type} can still allocate (memory cgroups included)")
@@ -506,13 +506,14 @@ class LLMEngine:
         seqs = [seq for group in groups for seq in group]
         if not seqs:
             return
-        running = self._batch_running(seqs)
+        lengths = _lengths(seqs)
+        running = self.fitted_running(*lengths)
         if self.engine_config.fit_running:  # the running set fitted to this batch
             self.scheduler.set_max_running(running)
         blocks = self._kv_blocks(seqs, running)
         self._ensure_pools(self._pool_blocks(blocks), running)
         self.blocks.resize(blocks, num_residual=running)
-        self._check_worst_pass(seqs, running, blocks)
+        self._check_worst_pass(lengths, running, blocks)
         self.batch_running = running
         for group in groups:
             self.scheduler.add_group(group)
@@ -551,9 +552,6 @@ class LLMEngine:
             return ceiling
         lengths = (prompt_lens, max_lens, all_logits)
         return largest_fitting(ceiling, lambda running: self._batch_bytes(lengths, running), self._room_for_batch())
-
-    def _batch_running(self, seqs: list[Sequence]) -> int:
-        return self.fitted_running(*_lengths(seqs))
 
     def _batch_bytes(self, lengths: tuple, running: int) -> int:
         """Compute-tier bytes of a batch (_lengths) at `running`: its KV pool and its largest pass."""
@@ -758,10 +756,10 @@ class LLMEngine:
         spec = ModelSpec.from_hf(self.config, "engine", self.dtype.itemsize)
         return working_set(spec, tokens, self.kv_compression is not None).nbytes(self.policy.act_gpu)
 
-    def _check_worst_pass(self, seqs: list[Sequence], running: int, blocks: dict[str, int]) -> None:
+    def _check_worst_pass(self, lengths: tuple, running: int, blocks: dict[str, int]) -> None:
         """Fail before any work when the largest pass this batch of requests can form would not
         fit the gpu tier next to the weights and KV pools."""
-        self.worst_pass_bytes = worst = self._worst_pass_bytes(_lengths(seqs), running, blocks)
+        self.worst_pass_bytes = worst = self._worst_pass_bytes(lengths, running, blocks)
         with self.memory.reservation("gpu", worst, "largest pass (activations)"):
             pass
 
@@ -892,10 +890,12 @@ def _opened_for(e: EngineConfig, opened: OpenedModel | None) -> OpenedModel:
 def _fitted_budget(budget: TierBudget | None, fit_running: bool, device: torch.device) -> TierBudget | None:
     """A policy-less engine (fit_running) without a compute-tier budget holds itself to FIT_FRACTION
     of what the device can allocate now: a model that does not fit fails before anything is
-    loaded, with the arithmetic, instead of meeting the OOM killer (or CUDA's) halfway through."""
+    loaded, with the arithmetic, instead of meeting the OOM killer (or CUDA's) halfway through. On
+    the CPU the cpu tier (a load's layers in flight) is that same RAM: both held to it together."""
     if not fit_running or (budget is not None and budget.gpu is not None):
         return budget
-    return dataclasses.replace(budget or TierBudget(), gpu=int(free_bytes(device) * FIT_FRACTION))
+    room = int(free_bytes(device) * FIT_FRACTION)
+    return dataclasses.replace(budget or TierBudget(), gpu=room, host=room if device.type == "cpu" else None)
 
 
 def _lengths(seqs: list[Sequence]) -> tuple[list[int], list[int], bool]:

@@ -4,7 +4,7 @@ device's memory holds, up to DEFAULT_MAX_RUNNING (vLLM's default max_num_seqs).
 A throughput engine's default should not leave the device idle: a fixed small running set (the
 Policy dataclass's gpu_batch_size of 8) ran dummy opt-125m at 276 generated tok/s on 2 Zen 5
 cores where 64 running gave 611 (docs/BENCHMARKS.md, "Smaller measurements"). Each batch of
-requests is sized when it is added (LLMEngine._batch_running): the largest running count whose
+requests is sized when it is added (LLMEngine.fitted_running): the largest running count whose
 KV cache (every running lifetime of the batch's longest request, as without kv_cache_tokens: no
 preemption) and largest pass fit the compute tier's budget, or without one FIT_FRACTION of what
 the device can still allocate (offload/free_memory.py: cgroup limits included).

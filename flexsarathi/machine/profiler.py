@@ -32,6 +32,7 @@ from flexsarathi.machine.layer_timing import LayerShapes, layer_matmul_seconds, 
 from flexsarathi.models.attention import attend
 from flexsarathi.models.layers import linear
 from offload.disk_store import DiskStore
+from offload.free_memory import meminfo_bytes
 from offload.host_buffer import aligned_empty
 from policy_search.hardware import HardwareSpec
 from policy_search.model_spec import ModelSpec
@@ -354,11 +355,7 @@ def _step_overhead(llm_class, device, dtype, model: str = "dummy:opt-125m", sequ
 
 
 def _host_memory() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemTotal from /proc/meminfo")
+    return meminfo_bytes("MemTotal")
 
 
 def profile_machine(offload_dir: str, llm_class, dtype: torch.dtype | None = None, disk_bytes: int = 512 << 20,

@@ -19,6 +19,9 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 def run(stories_dir, policy=None, hardware=None):
     """(outputs, last_stats, peak gpu-tier bytes) of PROMPTS on stories260K in fp32 on the CPU."""
     with LLM(stories_dir, dtype="float32", device="cpu", policy=policy, hardware=hardware) as llm:
+        budget = llm.engine.memory.budget
+        if policy is None and hardware is None:  # free RAM for the compute tier, and for both RAM tiers together
+            assert budget.gpu == budget.host and budget.cpu is None
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         return [o.token_ids for o in outputs], llm.last_stats, llm.engine.memory.peak("gpu")
 
