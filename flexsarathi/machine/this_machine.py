@@ -23,6 +23,7 @@ import torch
 from flexsarathi.machine.cache_file import cache_path, keep_others, read_entries, write_entries
 from flexsarathi.machine.cpu_info import cpu_description
 from offload.free_memory import free_bytes
+from policy_search.errors import SpecError
 from policy_search.hardware import HardwareSpec
 
 CACHE_FILE = "hardware_profiles.json"
@@ -37,14 +38,18 @@ def this_machine_hardware(llm_class, dtype, device, offload_dir: str | None, say
     profiler times its engine; passed in, since LLM calls this)."""
     from flexsarathi.engine.llm_engine import DEFAULT_OFFLOAD_DIR, resolve_device, resolve_dtype
 
-    compute = resolve_dtype(dtype, torch.float16, resolve_device(device))
-    return this_machine(llm_class, offload_dir or DEFAULT_OFFLOAD_DIR, compute, **({"say": say} if say else {}))
+    device = resolve_device(device)
+    compute = resolve_dtype(dtype, torch.float16, device)
+    return this_machine(llm_class, offload_dir or DEFAULT_OFFLOAD_DIR, compute, device,
+                        **({"say": say} if say else {}))
 
 
-def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, say=log.warning) -> HardwareSpec:
+def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, device: torch.device | None = None,
+                 say=log.warning) -> HardwareSpec:
     """This machine as the planner sees it: the cached rates for its key (measured now, and cached,
-    where there are none) with its capacities as they are now. say: where the one-time measurement
-    is announced (it takes tens of seconds)."""
+    where there are none) with its capacities as they are now (device: the CUDA device whose free
+    memory is the gpu tier's; default the current one). say: where the one-time measurement is
+    announced (it takes tens of seconds)."""
     from flexsarathi.machine.profiler import profile_machine  # noqa: PLC0415 - torch-heavy
 
     os.makedirs(offload_dir, exist_ok=True)  # the profile measures its disk; the capacity is its free space
@@ -55,7 +60,7 @@ def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, say=log.warnin
     if cached is not None:
         try:
             spec = HardwareSpec.from_dict(cached["profile"], source=f"{path} (this machine's entry)")
-        except Exception:  # noqa: BLE001 - a damaged entry is measured again, never trusted
+        except (SpecError, KeyError, TypeError, ValueError):  # a damaged entry: measured again, never trusted
             spec = None
     if spec is None:
         say(f"no --hardware given: measuring this machine once for the planner (as `flexsarathi profile` does; "
@@ -65,7 +70,8 @@ def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, say=log.warnin
                       "hardware profile")
     cuda = torch.cuda.is_available()
     ram = free_bytes(torch.device("cpu"))  # what the engine may still take of the RAM: cgroup limits included
-    return spec.replace(gpu_memory=torch.cuda.mem_get_info()[0] if cuda else ram, cpu_memory=ram,
+    gpu = device if device is not None and device.type == "cuda" else None
+    return spec.replace(gpu_memory=torch.cuda.mem_get_info(gpu)[0] if cuda else ram, cpu_memory=ram,
                         host_memory=None if cuda else ram, disk_memory=shutil.disk_usage(offload_dir).free)
 
 
