@@ -367,3 +367,19 @@ def test_compressed_decodes_read_in_the_pool_give_the_gather_routes_tokens(tiny_
     assert tokens == gathered
     tolerance = 1e-4 if dtype == "float32" else 2e-2
     assert max(abs(a - b) for x, y in zip(logprobs, gathered_logprobs) for a, b in zip(x, y)) < tolerance
+
+
+def test_a_default_engine_on_cuda_fits_its_running_set_and_replays_graphs(stories_dir):
+    """LLM(policy=None) on a GPU (flexsarathi/engine/running_fit.py): every request runs at once
+    within 90% of the free GPU memory, the tokens are an explicit policy's of that size, and its
+    decode passes still replay CUDA graphs beside the fitted KV cache (their pools are reserved
+    in the same budget: a bucket that does not fit runs eagerly)."""
+    prompts = [[(7 * i + j) % 500 + 2 for j in range(6 + i % 5)] for i in range(24)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(stories_dir, dtype="float32", device="cuda") as llm:
+        fitted = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        free = torch.cuda.mem_get_info()[0]
+        assert llm.last_stats["running"] == len(prompts) and llm.engine.stats["graph_passes"] > 0
+        assert llm.engine.memory.budget.gpu <= 0.9 * (free + llm.engine.memory.in_use("gpu") + (1 << 30))
+    with LLM(stories_dir, dtype="float32", device="cuda", policy=Policy(gpu_batch_size=len(prompts))) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == fitted
