@@ -48,6 +48,7 @@ class SlotMap:
         local_blocks = [b - blocks.base[t] for b, t in zip(table, tiers)]
         self.local = (torch.tensor(local_blocks, dtype=torch.long)[:, None] * bs
                       + torch.arange(bs)).flatten()  # [blocks * bs]
+        self.local_list = self.local.tolist()  # the same as ints: a write's few slots without a tensor op
         # (tier, first position, positions) in TIERS order: a table takes its blocks tier by tier
         self.tier_runs: list[tuple[str, int, int]] = []
         for tier in TIERS:
@@ -77,12 +78,13 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager,
     LLMEngine._prompts_grouped_upto), later prompt chunks alone."""
     token_ids, positions, logit_rows, spans, groups = [], [], [], [], []
     prompts: dict[tuple, list] = {}  # whole prompts by length and tier layout (_prompt_group_key)
-    writes: dict[str, tuple[list, list, list]] = {t: ([], [], []) for t in TIERS}  # rows, slot views, ids
+    writes: dict[str, tuple[list, list, list]] = {t: ([], [], []) for t in TIERS}  # rows, slots, ids
     decodes: dict[tuple, list[tuple[WorkItem, int, list[_TierRun]]]] = {}
     row = 0
     for item in items:
         seq, n = item.seq, item.num_tokens
-        runs = SlotMap.of(seq, blocks).runs(item.end)
+        slot_map = SlotMap.of(seq, blocks)
+        runs = slot_map.runs(item.end)
         token_ids += seq.token_ids(item.start, item.end)
         positions += range(item.start, item.end)
         if wants_prompt_logprobs(item):
@@ -96,7 +98,7 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager,
             if lo < hi:
                 rows, slots, ids = writes[run.tier]
                 rows += range(row + lo - item.start, row + hi - item.start)
-                slots.append(run.slots[lo - run.start:hi - run.start])
+                slots += slot_map.local_list[lo:hi]  # positions lo..hi-1: the map covers every position
                 ids += [seq.residual_id] * (hi - lo)
         if n == 1:
             decodes.setdefault(_decode_group_key(item, runs), []).append((item, row, runs))
@@ -107,7 +109,7 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager,
         row += n
     groups += [_group(members, members[0][0].num_tokens, blocks.block_size) for members in prompts.values()]
     groups += [_group(members, 1, blocks.block_size) for members in decodes.values()]
-    kv_writes = [_write(t, rows, torch.cat(slots), torch.tensor(ids, dtype=torch.long))
+    kv_writes = [_write(t, rows, torch.tensor(slots, dtype=torch.long), torch.tensor(ids, dtype=torch.long))
                  for t, (rows, slots, ids) in writes.items() if rows]
     batch = MicroBatch(token_ids=torch.tensor(token_ids), positions=torch.tensor(positions),
                        groups=groups, kv_writes=kv_writes,

@@ -260,8 +260,11 @@ class Scheduler:
         """The decoding sequences (admission order) once each has a KV slot for its next token:
         while one lacks a block, the most recently admitted running sequence is preempted (it
         may be that sequence itself)."""
-        kept = []
+        kept, block_size = [], self.blocks.block_size
         for seq in decoding:
+            if len(seq.block_table) * block_size >= seq.num_tokens:  # its table holds the next token already
+                kept.append(seq)  # (most steps: a block is taken once per block_size tokens)
+                continue
             while seq.status is SequenceStatus.RUNNING and not self.blocks.can_grow(seq, seq.num_tokens):
                 # Alone and still short: its table ends in a tier whose blocks (and the slower
                 # ones') are spent while faster ones are free. Readmitted alone, fastest tier

@@ -92,7 +92,9 @@ class Sequence:
         n = self.num_prompt_tokens
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n:  # outputs only (a decode step): no copy of the whole context
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def may_stop(self) -> bool:
