@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from flexsarathi.batch_turns import BatchTurns
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from flexsarathi.engine.running_fit import default_policy
+from flexsarathi.engine.running_fit import policy_or_default
 from flexsarathi.machine.this_machine import this_machine_hardware
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.formats.hub import resolve_model
@@ -62,9 +62,7 @@ class LLM:
             policy = self.search_policy(opened or model, spec, workload, dtype, device=device, formats=formats)
         elif isinstance(policy, str):
             policy = Policy.load(policy)
-        if policy is None:  # everything on the device, as many running as its memory holds (running_fit.py)
-            policy = default_policy()
-            engine_options.setdefault("fit_running", True)
+        policy = policy_or_default(policy, engine_options)  # None: as many running as memory holds
         overrides = {k: v for k, v in (("compress_weight", compress_weight), ("compress_kv", compress_kv))
                      if v is not None}
         if overrides:

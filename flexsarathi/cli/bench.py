@@ -68,10 +68,9 @@ def _measure(llm, policy, args) -> dict:
     # FlexGen's protocol: a batch of every running sequence (a default engine's: as many as fit)
     count = args.num_prompts or engine.fitted_running([args.prompt_len] * policy.max_running,
                                                       [args.prompt_len + args.gen_len] * policy.max_running)
-    vocab = engine.config.vocab_size
-    print(f"bench: {count} prompts x {args.prompt_len} tokens -> {args.gen_len} each, "
-          f"{describe_policy(policy, engine.engine_config.fit_running)} (--num-prompts N for another count)",
-          file=sys.stderr, flush=True)
+    vocab, described = engine.config.vocab_size, describe_policy(policy, engine.engine_config.fit_running)
+    print(f"bench: {count} prompts x {args.prompt_len} tokens -> {args.gen_len} each, {described} "
+          "(--num-prompts N for another count)", file=sys.stderr, flush=True)
     if not args.no_warmup:
         llm.generate(_prompts(count, min(WARMUP_PROMPT_LEN, args.prompt_len), vocab, args.seed + 1),
                      SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -80,7 +79,7 @@ def _measure(llm, policy, args) -> dict:
     s = llm.last_stats
     return {"model": args.model, "device": device_name(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."), "hardware": args.hardware,
-            "policy": describe_policy(policy, engine.engine_config.fit_running), "num_prompts": count, "prompt_len": args.prompt_len,
+            "policy": described, "num_prompts": count, "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "prompt_tokens": s["prompt_tokens"], "generated_tokens": s["generated_tokens"],
             "passes": s["passes"], "seconds": s["seconds"], "throughput_tok_s": s["tokens_per_s"],
             "total_tok_s": (s["prompt_tokens"] + s["generated_tokens"]) / s["seconds"],

@@ -27,6 +27,15 @@ def default_policy(**changes) -> Policy:
     return Policy(gpu_batch_size=DEFAULT_MAX_RUNNING, **changes)
 
 
+def policy_or_default(policy: Policy | None, options: dict) -> Policy:
+    """The policy an LLM gets: the one given, or without one default_policy() with fit_running set
+    in `options` (EngineConfig fields) unless they say otherwise."""
+    if policy is not None:
+        return policy
+    options.setdefault("fit_running", True)
+    return default_policy()
+
+
 def largest_fitting(ceiling: int, need: Callable[[int], int], room: int) -> int:
     """The largest r in [1, ceiling] with need(r) <= room, need growing with r; 1 where not even
     one fits (the batch then runs, or fails, as it would with one running)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexsarathi.engine.running_fit import default_policy
+from flexsarathi.engine.running_fit import policy_or_default
 from policy_search.policy import Policy
 
 
@@ -31,9 +31,7 @@ class EngineSpec:
     @classmethod
     def of(cls, model: str, policy: Policy | None, hardware=None, dtype=None, device=None,
            offload_dir: str | None = None, seed: int = 0, **options) -> "EngineSpec":
-        if policy is None:  # LLM(policy=None)'s: on each actor, as many running as its device's memory holds
-            policy = default_policy()
-            options.setdefault("fit_running", True)
+        policy = policy_or_default(policy, options)  # None: on each actor, as many running as its memory holds
         return cls(model=model, policy=policy.to_dict(),
                    hardware=hardware.to_dict() if hardware is not None else None,
                    dtype=None if dtype is None else str(dtype).removeprefix("torch."), device=device,
