@@ -59,7 +59,12 @@ PROBE = r"""
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 #define MAD(acc) __asm__ volatile("vpmaddubsw %1, %0, %0" : "+x"(acc) : "x"(b))
 #define PAIR(acc, tmp) __asm__ volatile("vpmaddubsw %2, %3, %1\n\tvpaddw %1, %0, %0" : "+x"(acc), "=&x"(tmp) : "x"(b), "x"(c))
+/* AVX-VNNI is the VEX form; AVX-512 VNNI + VL alone (Zen 4) has only the EVEX one */
+#ifdef DP256_EVEX
+#define DP256(acc) __asm__ volatile("%{evex%} vpdpbusd %1, %2, %0" : "+x"(acc) : "x"(b), "x"(c))
+#else
 #define DP256(acc) __asm__ volatile("%{vex%} vpdpbusd %1, %2, %0" : "+x"(acc) : "x"(b), "x"(c))
+#endif
 #define DP512(acc) __asm__ volatile("vpdpbusd %1, %2, %0" : "+v"(acc) : "v"(wb), "v"(wc))
 #define EIGHT(OP) OP(a0); OP(a1); OP(a2); OP(a3); OP(a4); OP(a5); OP(a6); OP(a7)
 #define EIGHTW(OP) OP(w0); OP(w1); OP(w2); OP(w3); OP(w4); OP(w5); OP(w6); OP(w7)
@@ -129,8 +134,10 @@ def probe() -> Ceiling | str:
         return "no C compiler (cc, gcc or $CC)"
     flags = cpu_flags() or frozenset()
     extra = []
-    if "avx_vnni" in flags or {"avx512_vnni", "avx512vl"} <= flags:
+    if "avx_vnni" in flags:
         extra += ["-DDP256_TOO"]
+    elif {"avx512_vnni", "avx512vl"} <= flags:
+        extra += ["-DDP256_TOO", "-DDP256_EVEX"]
     if {"avx512_vnni", "avx512f", "avx512bw"} <= flags:
         extra += ["-DDP512_TOO", "-mavx512f", "-mavx512bw"]
     with tempfile.TemporaryDirectory() as folder:
@@ -142,6 +149,8 @@ def probe() -> Ceiling | str:
             return f"the probe did not build: {built.stderr.strip()[:200]}"
         ran = subprocess.run([str(binary)], capture_output=True, text=True)
         values = [float(v) for v in ran.stdout.split()]
+        if ran.returncode != 0 or len(values) != 5:
+            return f"the probe failed (exit {ran.returncode}; printed {ran.stdout.strip()[:80]!r})"
     return Ceiling(*[v if math.isfinite(v) and v > 1e-6 else 0.0 for v in values])
 
 
