@@ -25,6 +25,8 @@ llama.cpp
   result row gives the prompt and generation times.
 
 `--gguf FILE`: both engines run a user's own llama GGUF instead (its config read from the file).
+`--avx2-only`: an AVX2 machine emulated on a wider one (llama.cpp built without GGML_NATIVE; ours with
+torch, oneDNN and the int8 kernel held to AVX2): the header's capability line says so.
 
 Ours: `LLM(<the GGUF>, compress_head=True)`, the same file loaded as it is (its Q4_0 layers, token
 embedding and output matrix kept as their codes); `--ours-weights dummy`: `LLM("dummy:<model>",
@@ -97,6 +99,8 @@ TARGET = "llama-batched-bench"
 RESIDENT_7B = 0.25
 PREFILL_BUDGET = 512  # ours: prompt tokens per pass; llama.cpp: its default micro-batch (-ub 512)
 RATE_TOKENS = (1, 8, 32, 128, 512)
+# --avx2-only: set before torch is imported (cpu_info.ISA_OVERRIDES) and before the int8 kernel loads
+AVX2_ONLY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FLEXSARATHI_INT8_ISA": "avx2"}
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # weights per block; fp16 scale + 16 bytes of nibbles
 # --quick: a llama-2 proportioned model small enough to build, write and run both engines in ~1 minute
 TINY = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1376,
@@ -130,9 +134,11 @@ def missing_build_tools() -> list[str]:
     return [tool for tool in ("cmake", "c++", "cc") if shutil.which(tool) is None]
 
 
-def build_llama_cpp(cache: str) -> str:
-    """Path of llama-batched-bench, built into `cache/build` unless it is there already."""
-    binary = os.path.join(cache, "build", "bin", TARGET)
+def build_llama_cpp(cache: str, avx2_only: bool = False) -> str:
+    """Path of llama-batched-bench, built into `cache/build` (for this CPU) or `cache/build-avx2`
+    (AVX2, FMA, F16C and BMI2 alone: an AVX2 machine's build) unless it is there already."""
+    build = os.path.join(cache, "build-avx2" if avx2_only else "build")
+    binary = os.path.join(build, "bin", TARGET)
     if os.access(binary, os.X_OK):
         return binary
     missing = missing_build_tools()
@@ -140,13 +146,16 @@ def build_llama_cpp(cache: str) -> str:
         say(f"bench_llamacpp: cannot build llama.cpp: {', '.join(missing)} not found (install cmake and a C++ compiler)")
         raise SystemExit(3)
     os.makedirs(cache, exist_ok=True)
-    tree, build = llama_cpp_tree(cache), os.path.join(cache, "build")
-    options = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+    tree = llama_cpp_tree(cache)
+    # GGML_NATIVE=OFF turns on ggml's x86 baseline (SSE4.2, AVX, AVX2, BMI2, FMA, F16C) and leaves every
+    # AVX-512 and VNNI option off
+    isa = ["-DGGML_NATIVE=OFF"] if avx2_only else ["-DGGML_NATIVE=ON"]
+    options = ["-DCMAKE_BUILD_TYPE=Release", *isa, "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
     start = time.perf_counter()
-    say(f"llama.cpp: building {TARGET} from {tree} (cmake, GGML_NATIVE=ON; minutes on 2 cores)")
-    with open(os.path.join(cache, "build.log"), "w") as log:
+    say(f"llama.cpp: building {TARGET} from {tree} (cmake, {isa[0][2:]}; minutes on 2 cores)")
+    with open(os.path.join(build + ".log"), "w") as log:
         for cmd in (["cmake", "-S", tree, "-B", build, *options],
                     ["cmake", "--build", build, "-j", str(os.cpu_count() or 1), "--target", TARGET]):
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
@@ -589,6 +598,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-weights", choices=("gguf", "dummy"), default="gguf",
                    help="ours loads the GGUF as it is (default), or dummy:<model> with random 4-bit codes")
     p.add_argument("--quick", action="store_true", help="smoke test: a tiny llama, 2 layers, 4 x 32 -> 4, 1 GiB group")
+    p.add_argument("--avx2-only", action="store_true",
+                   help="an AVX2 machine emulated on a wider one: llama.cpp built without GGML_NATIVE (AVX2, no "
+                        "AVX-512 or VNNI); ours with torch and oneDNN held to AVX2 and the int8 kernel's AVX2 path "
+                        f"({', '.join(f'{k}={v}' for k, v in AVX2_ONLY_ENV.items())}: the script runs itself "
+                        "again with them set)")
     harness.add_json_option(p, __file__)
     args = p.parse_args(argv)
     if args.quick:
@@ -604,6 +618,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    if args.avx2_only and any(os.environ.get(k) != v for k, v in AVX2_ONLY_ENV.items()):
+        # torch has read its CPU capability at import: only a fresh process runs on AVX2 alone
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ONLY_ENV})
     t0 = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -615,7 +632,7 @@ def main() -> int:
     w = Workload(args.num_prompts, args.prompt_len, args.gen_len)
     say(f"model: {model} ({shapes.layers} layers, hidden {shapes.hidden}); workload {w.prompts} x {w.prompt_len} "
         f"-> {w.gen_len}; {threads} threads both engines")
-    binary = build_llama_cpp(args.cache_dir)
+    binary = build_llama_cpp(args.cache_dir, args.avx2_only)
     os.makedirs(args.work_dir, exist_ok=True)  # the logs and our store (the GGUF too, unless --gguf)
     b = Bench(model, cfg, shapes, w, dtype, binary, args.gguf or gguf_file(args.work_dir, model, cfg), args.work_dir,
               threads, args.cpu_matmul, args.resident_weights, args.ours_weights == "gguf")
