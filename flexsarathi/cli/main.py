@@ -77,12 +77,13 @@ def _cmd_perplexity(args) -> int:
 
 def _cmd_profile(args) -> int:
     from flexsarathi.machine.dtype_choice import is_auto
-    from flexsarathi.engine.llm_engine import DEFAULT_OFFLOAD_DIR
+    from flexsarathi.engine.llm_engine import DEFAULT_OFFLOAD_DIR, resolve_device
     from flexsarathi.models.model_config import parse_dtype
     from flexsarathi.llm import LLM
     from flexsarathi.machine.profiler import profile_machine
 
     check_output_file(args.output, "--output")
+    device = resolve_device(args.device)
     offload_dir = args.offload_dir or DEFAULT_OFFLOAD_DIR
     check_folder(offload_dir, "--offload-dir")
     dtype = None if is_auto(args.dtype) else parse_dtype(args.dtype, "--dtype")  # None: the engine's
@@ -94,7 +95,7 @@ def _cmd_profile(args) -> int:
 
         model = planner_model_spec(args.model, dtype)
     spec = profile_machine(offload_dir, LLM, dtype=dtype, disk_bytes=args.disk_mib << 20, model=model,
-                           log=lambda line: print(line, file=sys.stderr, flush=True))
+                           log=lambda line: print(line, file=sys.stderr, flush=True), device=device)
     spec.save(args.output)
     print(f"wrote {args.output}: {spec.describe()}")
     return 0
@@ -141,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--model", default=None, help="whose layer shapes the matmuls and attention are measured "
                       "on: a registered name (llama-2-7b), a checkpoint folder or a .gguf file (default: opt-1.3b's)")
     add_dtype_arg(prof)  # measured in the dtype the engine computes in
+    prof.add_argument("--device", default=None, help="the engine's compute device: cpu or cuda (default: cuda when "
+                      "available); cpu profiles the host as the compute tier even where there is a GPU")
     prof.set_defaults(func=_cmd_profile)
 
     add_policy_parser(sub)

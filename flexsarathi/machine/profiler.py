@@ -360,17 +360,22 @@ def _host_memory() -> int:
 
 def profile_machine(offload_dir: str, llm_class, dtype: torch.dtype | None = None, disk_bytes: int = 512 << 20,
                     log=print, model: ModelSpec | None = None, prompt_len: int = 128,
-                    decode_context: int = 256, decode_seqs: int = 16) -> HardwareSpec:
+                    decode_context: int = 256, decode_seqs: int = 16,
+                    device: torch.device | None = None) -> HardwareSpec:
     """Measure this machine, logging each step before it runs. llm_class: flexsarathi.llm.LLM, whose
-    engine's own costs are timed (passed in: LLM(policy="auto") measures this machine through here). dtype: the engine's compute dtype
-    (default: what the engine computes in, fp16 on CUDA and on the CPU the dtype measured fastest there, flexsarathi/machine/dtype_choice.py); model: whose layer shapes the matmuls and attention use (default OPT-1.3B's). Attention
-    rates are measured on a whole prompt of `prompt_len` tokens and on `decode_seqs` sequences
-    decoding against `decode_context` cached tokens: on a CPU the rate per pair depends on the shape
-    (per-call costs weigh on short prompts), so a benchmark passes its workload's."""
-    from flexsarathi.engine.llm_engine import resolve_dtype
+    engine's own costs are timed (passed in: LLM(policy="auto") measures this machine through here).
+    dtype: the engine's compute dtype (default: what the engine computes in, fp16 on CUDA and on the CPU
+    the dtype measured fastest there, flexsarathi/machine/dtype_choice.py); model: whose layer shapes
+    the matmuls and attention use (default OPT-1.3B's). Attention rates are measured on a whole prompt
+    of `prompt_len` tokens and on `decode_seqs` sequences decoding against `decode_context` cached
+    tokens: on a CPU the rate per pair depends on the shape (per-call costs weigh on short prompts), so
+    a benchmark passes its workload's. device: the engine's compute device (default the GPU where there
+    is one); "cpu" profiles the host as the compute tier even on a machine with a GPU, which is then
+    left alone."""
+    from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    device = resolve_device(device)
+    cuda = device.type == "cuda"
     dtype = dtype or resolve_dtype(None, torch.float16, device)  # what LLM(dtype=None) computes in
     shapes = LayerShapes.of(model)
     os.makedirs(offload_dir, exist_ok=True)

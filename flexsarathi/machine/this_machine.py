@@ -6,11 +6,13 @@ What is cached are the rates (copies, disk, matmuls, attention, the engine's ove
 belong to the machine; what is not are its capacities (free GPU memory, RAM, free disk in the
 offload folder), which change between runs: a profile measured with 40 GB free on the disk must not
 plan 40 GB there a week later. RAM is what this process can still allocate (MemAvailable under its
-memory cgroups' limits: offload/free_memory.py), so a job in a container plans for the container. The key: the CPU as torch uses it (model, cores, flags, capability),
-the GPU's name and its memory where there is one, torch's version and threads, and the compute
-dtype the rates were measured in. The cache is a small JSON file (`$FLEXSARATHI_CACHE_DIR` or
-~/.cache/flexsarathi, `hardware_profiles.json`); delete it to measure again (after measuring on a
-machine busy with other work, say). A file that cannot be read is measured again and rewritten.
+memory cgroups' limits: offload/free_memory.py), so a job in a container plans for the container.
+The key: the compute device's kind (an engine on the CPU of a machine with a GPU plans for the CPU),
+the CPU as torch uses it (model, cores, flags, capability), the GPU's name and its memory where
+there is one, torch's version and threads, and the compute dtype the rates were measured in. The
+cache is a small JSON file (`$FLEXSARATHI_CACHE_DIR` or ~/.cache/flexsarathi,
+`hardware_profiles.json`); delete it to measure again (after measuring on a machine busy with other
+work, say). A file that cannot be read is measured again and rewritten.
 """
 from __future__ import annotations
 
@@ -44,16 +46,25 @@ def this_machine_hardware(llm_class, dtype, device, offload_dir: str | None, say
                         **({"say": say} if say else {}))
 
 
+def _compute_device(device: torch.device | None) -> torch.device:
+    """The engine's compute device (default: the current GPU where there is one)."""
+    if device is not None:
+        return device
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, device: torch.device | None = None,
                  say=log.warning) -> HardwareSpec:
     """This machine as the planner sees it: the cached rates for its key (measured now, and cached,
-    where there are none) with its capacities as they are now (device: the CUDA device whose free
-    memory is the gpu tier's; default the current one). say: where the one-time measurement is
+    where there are none) with its capacities as they are now (device: the engine's compute device;
+    a CUDA one's free memory is the gpu tier's; on the CPU the gpu and cpu tiers are one RAM, a GPU
+    there or not; default the current GPU, else the CPU). say: where the one-time measurement is
     announced (it takes tens of seconds)."""
     from flexsarathi.machine.profiler import profile_machine  # noqa: PLC0415 - torch-heavy
 
     os.makedirs(offload_dir, exist_ok=True)  # the profile measures its disk; the capacity is its free space
-    path, key = cache_path(CACHE_FILE), machine_key(dtype)
+    device = _compute_device(device)
+    path, key = cache_path(CACHE_FILE), machine_key(dtype, device)
     entries = read_entries(path)
     cached = next((e for e in entries if e.get("key") == key), None)
     spec = None
@@ -65,20 +76,21 @@ def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, device: torch.
     if spec is None:
         say(f"no --hardware given: measuring this machine once for the planner (as `flexsarathi profile` does; "
             f"cached in {path})")
-        spec = profile_machine(offload_dir, llm_class, dtype=dtype, log=say)
+        spec = profile_machine(offload_dir, llm_class, dtype=dtype, log=say, device=device)
         write_entries(path, keep_others(entries, key, MAX_CACHE_ENTRIES) + [{"key": key, "profile": spec.to_dict()}],
                       "hardware profile")
-    cuda = torch.cuda.is_available()
+    cuda = device.type == "cuda"
     ram = free_bytes(torch.device("cpu"))  # what the engine may still take of the RAM: cgroup limits included
-    gpu = device if device is not None and device.type == "cuda" else None
-    return spec.replace(gpu_memory=torch.cuda.mem_get_info(gpu)[0] if cuda else ram, cpu_memory=ram,
+    return spec.replace(gpu_memory=torch.cuda.mem_get_info(device)[0] if cuda else ram, cpu_memory=ram,
                         host_memory=None if cuda else ram, disk_memory=shutil.disk_usage(offload_dir).free)
 
 
-def machine_key(dtype: torch.dtype) -> dict:
-    """What the measured rates depend on."""
+def machine_key(dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """What the measured rates depend on (device: the engine's compute device, default as
+    _compute_device)."""
     gpu = None
     if torch.cuda.is_available():
         gpu = {"name": torch.cuda.get_device_name(), "memory": torch.cuda.get_device_properties(0).total_memory}
-    return {"version": CACHE_VERSION, **cpu_description(), "gpu": gpu, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch.")}
+    return {"version": CACHE_VERSION, "compute": _compute_device(device).type, **cpu_description(), "gpu": gpu,
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "dtype": str(dtype).removeprefix("torch.")}

@@ -52,6 +52,8 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                                              "--offload-dir /etc/passwd/off cannot be created"),
         "profile bad dtype": (["profile", "--dtype", "int3", "-o", f"{tmp}/hw.json"], "unsupported dtype 'int3'"),
         "profile unknown model": (["profile", "--model", "opt-7", "-o", f"{tmp}/hw.json"], "unknown model 'opt-7'"),
+        "profile bad device": (["profile", "--device", "gpu", "-o", f"{tmp}/hw.json"],
+                               "device 'gpu' is not one FlexSarathi computes on"),
         "demo compress head of a tied model": (["demo", "--compress-head"], "compress_head: dummy:opt-125m has no "
                                                "LM head of its own"),
         "perplexity compress head of a tied model": (["perplexity", "--model", str(STORIES), "--text", f"{tmp}/ok.txt",

@@ -10,8 +10,8 @@ import torch
 
 from flexsarathi import LLM
 from flexsarathi.machine import profiler
-from flexsarathi.machine.cache_file import cache_path
-from flexsarathi.machine.this_machine import CACHE_FILE, this_machine
+from flexsarathi.machine.cache_file import cache_path, write_entries
+from flexsarathi.machine.this_machine import CACHE_FILE, machine_key, this_machine
 from offload.free_memory import mem_available
 from policy_search import Workload
 
@@ -50,6 +50,14 @@ def test_auto_without_hardware_plans_for_this_machine_measured_once_and_cached(s
     with LLM(stories_dir, dtype="float32", device="cpu", policy="auto", offload_dir=offload, workload=short):
         pass
     assert len(counted_profiles) == 1  # cached
+    # the rates are the compute device's: an entry measured for a GPU engine of this machine (first in
+    # the file) is not what a CPU engine plans with
+    cpu_entry = json.load(open(cache_path(CACHE_FILE)))["entries"][0]
+    assert cpu_entry["key"]["compute"] == "cpu"
+    gpu_profile = dict(cpu_entry["profile"], host_to_device_bytes_per_s=1.0)
+    write_entries(cache_path(CACHE_FILE), [{"key": machine_key(torch.float32, torch.device("cuda")),
+                                            "profile": gpu_profile}, cpu_entry], "test")
+    assert this_machine(LLM, offload, torch.float32, torch.device("cpu")).host_to_device == spec.host_to_device > 1
     # the cache keeps rates, not capacities; a damaged file is measured again
     first, path = spec, cache_path(CACHE_FILE)
     data = json.load(open(path))
@@ -95,3 +103,23 @@ def test_auto_in_a_memory_cgroup_plans_for_the_group_and_runs_there(tmp_path):
     answer = _answer(done)
     assert answer["w_disk"] > 0.5 and answer["tokens"] == [8] * 4
     assert answer["host"] < 1 << 30 and answer["peak"] <= answer["host"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_auto_engine_on_the_cpu_of_a_machine_with_a_gpu_plans_for_the_cpu(stories_dir, tmp_path, monkeypatch):
+    """device="cpu" where CUDA is there: the planner's machine is the host (its rates cached under
+    the CPU's key, its RAM both tiers), not the GPU beside it."""
+    from tests.policy_search.conftest import host_profile
+
+    monkeypatch.setenv("FLEXSARATHI_CACHE_DIR", str(tmp_path / "cache"))
+    write_entries(cache_path(CACHE_FILE), [{"key": machine_key(torch.float32, torch.device("cpu")),
+                                            "profile": host_profile(dequant_rate=5e9).to_dict()}], "test")
+    spec = this_machine(LLM, str(tmp_path / "offload"), torch.float32, torch.device("cpu"))
+    assert spec.compute_on_host and spec.host_memory == spec.gpu_memory == spec.cpu_memory
+    assert spec.gpu_memory <= mem_available() + (256 << 20)  # the RAM that is free, not the GPU's memory
+    short = Workload(prompt_len=64, gen_len=16)
+    with LLM(stories_dir, dtype="float32", device="cpu", policy="auto", offload_dir=str(tmp_path / "offload"),
+             workload=short) as llm:
+        assert llm.engine.memory.budget.host is not None  # planned as one RAM
+        assert llm.generate("Once upon a time", use_tqdm=False)[0].token_ids
