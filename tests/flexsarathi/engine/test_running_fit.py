@@ -61,6 +61,7 @@ def test_largest_fitting_is_the_largest_count_within_the_room():
 
 
 def test_ray_actors_of_a_job_without_a_policy_fit_their_own_running_sets():
+    pytest.importorskip("ray.data", reason="flexsarathi.ray needs Ray Data (make test installs the ray extra)")
     from flexsarathi.ray.spec import EngineSpec
 
     spec = EngineSpec.of("dummy:opt-125m", None)
