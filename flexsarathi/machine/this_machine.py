@@ -46,12 +46,6 @@ def this_machine_hardware(llm_class, dtype, device, offload_dir: str | None, say
                         **({"say": say} if say else {}))
 
 
-def _compute_device(device: torch.device | None) -> torch.device:
-    """The engine's compute device (default: the current GPU where there is one)."""
-    if device is not None:
-        return device
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
 
 def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, device: torch.device | None = None,
                  say=log.warning) -> HardwareSpec:
@@ -60,10 +54,11 @@ def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, device: torch.
     a CUDA one's free memory is the gpu tier's; on the CPU the gpu and cpu tiers are one RAM, a GPU
     there or not; default the current GPU, else the CPU). say: where the one-time measurement is
     announced (it takes tens of seconds)."""
+    from flexsarathi.engine.llm_engine import resolve_device
     from flexsarathi.machine.profiler import profile_machine  # noqa: PLC0415 - torch-heavy
 
     os.makedirs(offload_dir, exist_ok=True)  # the profile measures its disk; the capacity is its free space
-    device = _compute_device(device)
+    device = resolve_device(device)
     path, key = cache_path(CACHE_FILE), machine_key(dtype, device)
     entries = read_entries(path)
     cached = next((e for e in entries if e.get("key") == key), None)
@@ -86,11 +81,13 @@ def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, device: torch.
 
 
 def machine_key(dtype: torch.dtype, device: torch.device | None = None) -> dict:
-    """What the measured rates depend on (device: the engine's compute device, default as
-    _compute_device)."""
+    """What the measured rates depend on (device: the engine's compute device; default the GPU
+    where there is one)."""
+    from flexsarathi.engine.llm_engine import resolve_device
+
     gpu = None
     if torch.cuda.is_available():
         gpu = {"name": torch.cuda.get_device_name(), "memory": torch.cuda.get_device_properties(0).total_memory}
-    return {"version": CACHE_VERSION, "compute": _compute_device(device).type, **cpu_description(), "gpu": gpu,
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "dtype": str(dtype).removeprefix("torch.")}
+    compute = resolve_device(device, check_available=False).type
+    return {"version": CACHE_VERSION, "compute": compute, **cpu_description(), "gpu": gpu, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch.")}
