@@ -155,7 +155,7 @@ def build_llama_cpp(cache: str, avx2_only: bool = False) -> str:
                "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
     start = time.perf_counter()
     say(f"llama.cpp: building {TARGET} from {tree} (cmake, {isa[0][2:]}; minutes on 2 cores)")
-    with open(os.path.join(build + ".log"), "w") as log:
+    with open(build + ".log", "w") as log:
         for cmd in (["cmake", "-S", tree, "-B", build, *options],
                     ["cmake", "--build", build, "-j", str(os.cpu_count() or 1), "--target", TARGET]):
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:

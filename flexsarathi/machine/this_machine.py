@@ -46,7 +46,6 @@ def this_machine_hardware(llm_class, dtype, device, offload_dir: str | None, say
                         **({"say": say} if say else {}))
 
 
-
 def this_machine(llm_class, offload_dir: str, dtype: torch.dtype, device: torch.device | None = None,
                  say=log.warning) -> HardwareSpec:
     """This machine as the planner sees it: the cached rates for its key (measured now, and cached,
