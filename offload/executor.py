@@ -25,6 +25,7 @@ The model is injected (offload/ never imports flexsarathi/): any object with `em
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -67,6 +68,9 @@ class PassExecutor:
         self._reads_back: dict[int, bool] = {}  # id(micro-batch) -> _reads_v_back
         self._v_first: dict[int, bool] = {}  # id(micro-batch) -> _writes_v_first
         self._routes: dict[int, object] = {}  # id(part) -> how its context reaches attention (_context_routes)
+        self._order = PassOrder(threaded=(), compute_stream=None, gathers_ahead=False)  # per pass (_order_pass)
+        # id(micro-batch) -> its ResidentDecode where it is one (_resident_decode): the decided step
+        self._resident_decodes: dict[int, ResidentDecode] = {}
         self._v_pool: KVPool | None = None  # the pool that quantizes new V rows, if one is compressed
         # the next layer's first micro-batch's contexts, gathered on the I/O thread while this layer's
         # last micro-batch computes (gathers_ahead): (layer, id(micro-batch)) -> contexts, and its future
@@ -144,6 +148,8 @@ class PassExecutor:
             self._reads_back = {id(mb): self._reads_v_back(mb) for mb in batches}
             self._v_first = {id(mb): self._writes_v_first(mb) for mb in batches}
             self._whole = {id(mb): _one_group_of_every_row(mb) for mb in batches}
+            self._order = self._order_pass(batches)
+            self._resident_decodes = {id(mb): plan for mb in batches if (plan := self._resident_decode(mb)) is not None}
             self._gathered, self._ahead = {}, None
             g = self.weights.global_weights()
             for k, mb in enumerate(batches):
@@ -157,32 +163,35 @@ class PassExecutor:
             return [self.model.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
 
     def _run_layer(self, layer: int, batches: list[MicroBatch], start) -> None:
-        """Layer `layer` on every micro-batch: k computes while k + 1 loads and k - 1 stores."""
-        num_layers, compute = self.weights.num_layers, self._compute_stream()
-        threaded = [self._threaded[id(mb)] for mb in batches]
+        """Layer `layer` on every micro-batch: k computes while k + 1 loads and k - 1 stores. What is
+        the same for every layer of the pass (threads, streams, gathering ahead) was decided in
+        `run` (_order_pass): an all-resident decode pass on a GPU is host-bound."""
+        order, num_layers = self._order, self.weights.num_layers
         w = self.weights.get(layer)
         # The next layers, wrapping to the next pass's first: their loads overlap this layer
         # (and after the last, the LM head and the scheduling between passes).
         for ahead in range(1, self.weights.prefetch_depth + 1):
             self.weights.prefetch((layer + ahead) % num_layers)
-        loading = self._submit(self._load, start, layer, batches[0], 0, threaded=threaded[0])
+        loading = self._submit(self._load, start, layer, batches[0], 0, threaded=order.threaded[0])
         if self._ahead is not None:  # done before the load (one I/O worker); its error surfaces here
             wait_for(self._ahead.result()[1], self.device)
             self._ahead = None
         storing = []
         for k, mb in enumerate(batches):
             (hidden, contexts), loaded = loading.result()
-            wait_for(loaded, self.device)
-            if compute is not None:
-                used_on([hidden, *(t for parts in contexts or () for kv in parts if kv is not None for t in kv)], compute)
+            if loaded is not None:
+                wait_for(loaded, self.device)
+            if order.compute_stream is not None:
+                used_on([hidden, *(t for parts in contexts or () for kv in parts if kv is not None for t in kv)],
+                        order.compute_stream)
             if k + 1 < len(batches):
-                loading = self._submit(self._load, start, layer, batches[k + 1], k + 1, threaded=threaded[k + 1])
-            elif layer + 1 < num_layers and self.gathers_ahead(batches):
+                loading = self._submit(self._load, start, layer, batches[k + 1], k + 1, threaded=order.threaded[k + 1])
+            elif order.gathers_ahead and layer + 1 < num_layers:
                 # FlexGen's order: the next layer's first KV load overlaps this layer's last compute
                 # (with one micro-batch, too: else its load and compute would add up)
                 self._ahead = self._submit(self._gather_ahead, start, layer + 1, batches[0])
             hidden, new_k, new_v, v_codes = self._compute(layer, w, mb, hidden, contexts)
-            if threaded[k]:
+            if order.threaded[k]:
                 codes = () if v_codes is None else (v_codes.data, v_codes.scale, v_codes.minimum)
                 used_on([hidden, new_k, new_v, *codes], self._io_stream.stream)
                 storing.append(self._submit(self._store, record_event(self.device), layer, mb, k, hidden, new_k, new_v,
@@ -192,6 +201,11 @@ class PassExecutor:
         for future in storing:
             wait_for(future.result()[1], self.device)
         self.weights.release(layer)
+
+    def _order_pass(self, batches: list[MicroBatch]) -> "PassOrder":
+        """What _run_layer does the same in every layer of the pass (after _threaded and _first)."""
+        return PassOrder(threaded=tuple(self._threaded[id(mb)] for mb in batches),
+                         compute_stream=self._compute_stream(), gathers_ahead=self.gathers_ahead(batches))
 
     def _compute_stream(self):
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -300,6 +314,8 @@ class PassExecutor:
         """Layer `layer` on the micro-batch; contexts None: it writes first (writes_first), so its new
         K/V go into the pool here and the contexts are gathered from the pool after them."""
         q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
+        if id(mb) in self._resident_decodes:  # decided for the pass: what the steps below do, without their tests
+            return self._post_attention(w, hidden, self._attend_resident(layer, mb, q, k, v)), k, v, None
         if self._v_first[id(mb)]:  # V's codes straight into the pool, where attention reads them
             write = mb.kv_writes[0]
             self.kv_pools[write.tier].store_v_first(layer, v, self._slots[id(write)])
@@ -325,6 +341,49 @@ class PassExecutor:
             else:
                 attn[rows] = merged.flatten(0, 1)
         return self._post_attention(w, hidden, attn.flatten(1)), k, v, v_codes  # hidden: [T, hidden]
+
+    def _resident_decode(self, mb: MicroBatch) -> "ResidentDecode | None":
+        """The micro-batch's attention decided once for the pass where it is the common resident
+        decode (a GPU's all-on-device pass: host-bound, every test per layer-step costs): decode
+        rows only, written first, every row in order, into a plain pool, each group attending one
+        part gathered from that pool on the compute device with the pass's mask; else None. Its
+        step (_attend_resident) is the general one's, in the same order: store, gather from the
+        pool, one fused attention call per group."""
+        if not self._first[id(mb)] or self._v_pool is not None or len(mb.kv_writes) != 1:
+            return None
+        write = mb.kv_writes[0]
+        pool = self.kv_pools[write.tier]
+        if pool.compression is not None or write.row_start != 0 or write.rows.shape[0] != mb.num_tokens:
+            return None
+        groups = []
+        for group in mb.groups:
+            part = group.parts[0]
+            route = self._routes[id(part)]
+            if (not group.is_decode or len(group.parts) != 1 or self.kv_pools[part.tier] is not pool or route is None
+                    or route is IN_POOL or route.type != self.device.type or id(part) not in self._biases):
+                return None
+            rows = _rows(group.row_start, group.num_seqs, group.token_rows)
+            groups.append(ResidentGroup(rows, self._slots[id(part)], part.kv_slots.shape, self._biases[id(part)],
+                                        group.num_seqs))
+        return ResidentDecode(pool, self._slots[id(write)], tuple(groups), self._whole[id(mb)])
+
+    def _attend_resident(self, layer: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
+        """A resident decode micro-batch's attention output [T, heads * d]: its new K/V stored, each
+        group's context gathered from the pool after them, attended with the pass's mask."""
+        decode = self._resident_decodes[id(mb)]
+        pool = decode.pool
+        pool.store(layer, decode.write_slots, k, v)
+        if decode.whole:  # one group of every row, in order: its output is the layer's (a view)
+            group = decode.groups[0]
+            keys, values = pool.gather_pairs(layer, group.context_slots, group.context_shape, self.device)
+            out = self.model.attend_decode(q.view(group.num_seqs, 1, *q.shape[1:]), keys, values, group.bias)
+            return out.view(q.shape[0], -1)
+        attn = torch.empty_like(q)  # [T, heads, d]
+        for group in decode.groups:
+            keys, values = pool.gather_pairs(layer, group.context_slots, group.context_shape, self.device)
+            q_group = q[group.rows].view(group.num_seqs, 1, *q.shape[1:])
+            attn[group.rows] = self.model.attend_decode(q_group, keys, values, group.bias).flatten(0, 1)
+        return attn.flatten(1)
 
     def _v_read_back(self, v: torch.Tensor, read_back: bool):
         """(codes, values, read back?) of the new V rows where the pools are compressed (one format for
@@ -469,6 +528,41 @@ class PassExecutor:
             else:
                 pool.store(layer, write.slots, k, v, write.residual_ids, v_codes=codes, plan=indices,
                            v_stored=self._v_first.get(id(mb), False))
+
+
+@dataclass(frozen=True)
+class PassOrder:
+    """Per micro-batch of a pass, whether its I/O runs on the thread; the compute stream (CUDA) whose
+    use of loaded tensors is recorded, else None; whether layer j + 1's first contexts are gathered
+    during layer j (PassExecutor.gathers_ahead)."""
+
+    threaded: tuple[bool, ...]
+    compute_stream: "torch.cuda.Stream | None"
+    gathers_ahead: bool
+
+
+@dataclass(frozen=True)
+class ResidentGroup:
+    """One decode group of a ResidentDecode: its rows of the micro-batch (a slice where consecutive),
+    its context's slots [B * L] in the pool (context_shape (B, L)) and the pass's mask [B, 1, 1, L]."""
+
+    rows: "slice | torch.Tensor"
+    context_slots: torch.Tensor
+    context_shape: torch.Size
+    bias: torch.Tensor
+    num_seqs: int
+
+
+@dataclass(frozen=True)
+class ResidentDecode:
+    """A resident decode micro-batch's attention for one pass (PassExecutor._resident_decode): its
+    K/V written into `pool` at write_slots [T], then each group attended from there; whole: its one
+    group is every row, in order."""
+
+    pool: KVPool
+    write_slots: torch.Tensor
+    groups: tuple[ResidentGroup, ...]
+    whole: bool
 
 
 class _Done:

@@ -167,16 +167,19 @@ def _qtensor_shapes(config: QuantConfig, values_per_row: int) -> dict[str, tuple
 
 def kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """k, v [T, kv_heads, head_dim] as one [T, 2, kv_heads, head_dim] view where each token's v
-    follows its k in memory (the fused qkv projection's output), else None."""
+    follows its k in memory (the fused qkv projection's output), else None. The cheap tests first,
+    and few attribute reads: every decode layer-step asks, and on a GPU it is host-bound."""
     if k.dim() != 3:
         return None
-    width = k.shape[1] * k.shape[2]
+    tokens, heads, dim = k.shape
+    width = heads * dim
     if v.data_ptr() - k.data_ptr() != width * k.element_size():
-        return None  # the cheap test first: v does not start where k's first row ends
-    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device or k.stride() != v.stride() \
-            or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
+        return None  # v does not start where k's first row ends
+    stride = k.stride()
+    if stride[2] != 1 or stride[1] != dim or stride != v.stride() or k.shape != v.shape or k.dtype != v.dtype \
+            or k.device != v.device:
         return None
-    return k.as_strided((k.shape[0], 2, *k.shape[1:]), (k.stride(0), width, k.shape[2], 1))
+    return k.as_strided((tokens, 2, heads, dim), (stride[0], width, dim, 1))
 
 
 class KVPool:

@@ -11,7 +11,8 @@ kernel launch (docs/DESIGN.md, "Decode passes on a GPU"). This counts the aten o
 a kernel (views and bare allocations do not) inside the layer loop of decode passes, on any device:
 on the CPU the GPU code path runs with a half-precision model (decode attention is the same SDPA
 call there), so the count is measurable without a GPU. Beside it, the same count and host time for
-a plain PyTorch OPT decode layer (fused qkv, one KV write, SDPA: the floor) in the same process.
+a plain PyTorch OPT decode layer (fused qkv, one KV write, SDPA: the floor) in the same process,
+one per layer of the model, through the same context lengths as our decode passes.
 
     python scripts/count_launches.py                         # tiny OPT, fp16, batch 2, on the CPU
     python scripts/count_launches.py --device cuda           # the same on a GPU (also its profiler's count)
@@ -89,25 +90,32 @@ class PlainLayer:
 
 def plain_measurer(args, dtype, device, sync):
     """(launches per layer of the plain layer, a function that times as many layer-steps as one of
-    our timed generates makes and returns their host seconds)."""
-    layer = PlainLayer(args.hidden, args.heads, args.batch, args.prompt_len + args.steps + 1, dtype, device)
+    our timed generates makes and returns their host seconds). The floor decodes as ours does: a
+    model of args.layers layers (each its own weights, as ours has), through the same context
+    lengths as our decode passes (prompt + 1 up to prompt + steps keys)."""
+    context = args.prompt_len + args.steps + 1
+    layers = [PlainLayer(args.hidden, args.heads, args.batch, context, dtype, device) for _ in range(args.layers)]
     x = torch.randn(args.batch, args.hidden, dtype=dtype, device=device)
-    slots = torch.arange(args.batch, device=device) * layer.context + args.prompt_len
+    rows = torch.arange(args.batch, device=device) * context  # each sequence's first slot
     with torch.inference_mode():
+        first = rows + args.prompt_len  # the first decode pass's slots (made outside the count)
         for _ in range(3):
-            layer.step(x, slots, args.prompt_len + 1)
+            layers[0].step(x, first, args.prompt_len + 1)
         with LaunchCounter() as counter:
-            layer.step(x, slots, args.prompt_len + 1)
+            layers[0].step(x, first, args.prompt_len + 1)
 
     @torch.inference_mode()
     def timed() -> list[float]:
         times = []
-        for _ in range(args.layers * args.steps):
-            sync()
-            start = time.perf_counter()
-            layer.step(x, slots, args.prompt_len + 1)
-            sync()
-            times.append(time.perf_counter() - start)
+        for step in range(args.steps):
+            length = args.prompt_len + 1 + step  # this pass's keys, its new token the last
+            slots = rows + length - 1
+            for layer in layers:
+                sync()
+                start = time.perf_counter()
+                layer.step(x, slots, length)
+                sync()
+                times.append(time.perf_counter() - start)
         return times
 
     return counter.launches, timed
