@@ -73,13 +73,15 @@ def decode_attention(k_codes: dict[str, torch.Tensor], blocks: torch.Tensor, com
     k_new, v_new, new_src, new_pos = new_rows if has_new else (q, v_codes, complete_len, complete_len)  # unread
     new_v = has_new and v_new is not None
     v_new = v_new if new_v else v_codes  # unread
-    q, k_open = q.contiguous(), k_open.contiguous()
+    # rows of q, K may be strided (a view of the fused qkv output: no copy launched), heads within a row not
+    q = q if q.stride(-1) == 1 and q.stride(-2) == dim else q.contiguous()
     k_new = k_new if k_new.stride(-1) == 1 and k_new.stride(-2) == dim else k_new.contiguous()
+    k_open = k_open.contiguous()
     _decode_kernel[(batch, kv_heads)](
         k_codes["data"], k_codes["scale"], k_codes["minimum"], blocks, complete_len, k_open, residual_ids,
         v_codes["data"], v_codes["scale"], v_codes["minimum"], slots, visible[0], visible[1],
         k_new, v_new["data"], v_new["scale"], v_new["minimum"], new_src, new_pos, q, out, lse, blocks.stride(0),
-        slots.stride(0), k_new.stride(0), scale,
+        slots.stride(0), k_new.stride(0), q.stride(0), scale,
         **constants(heads, kv_heads, dim, bs, value_group, has_new, new_v),
     )
     return out, lse
@@ -104,7 +106,7 @@ def _decode_kernel(
     kd_ptr, ks_ptr, km_ptr, blocks_ptr, complete_ptr, open_ptr, residual_ptr,
     vd_ptr, vs_ptr, vm_ptr, slots_ptr, lo_ptr, hi_ptr,
     k_new_ptr, new_vd_ptr, new_vs_ptr, new_vm_ptr, new_src_ptr, new_pos_ptr, q_ptr, out_ptr, lse_ptr,
-    stride_blocks, stride_slots, stride_k_new, scale,
+    stride_blocks, stride_slots, stride_k_new, stride_q, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     KV_HEADS: tl.constexpr, BS: tl.constexpr, VG: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NEW: tl.constexpr,
     NEW_V: tl.constexpr,
@@ -112,8 +114,8 @@ def _decode_kernel(
     b, h = tl.program_id(0), tl.program_id(1)
     g, c = tl.arange(0, GROUP_PAD), tl.arange(0, DIM_PAD)  # [G] query heads of this KV head, [D] channels
     g_ok, c_ok = g < GROUP, c < DIM
-    rows = b * KV_HEADS * GROUP + h * GROUP + g  # [G] rows of q [B * heads, d]
-    q = tl.load(q_ptr + rows[:, None] * DIM + c[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    heads, tile = h * GROUP + g, g_ok[:, None] & c_ok[None, :]  # [G] sequence b's query heads of KV head h
+    q = tl.load(q_ptr + b * stride_q + heads[:, None] * DIM + c[None, :], mask=tile, other=0.0).to(tl.float32)
     lo, hi = tl.load(lo_ptr + b), tl.load(hi_ptr + b)
     complete, residual_row = tl.load(complete_ptr + b), tl.load(residual_ptr + b)
     if HAS_NEW:
@@ -147,8 +149,8 @@ def _decode_kernel(
     any_seen = total > 0
     out = acc / tl.where(any_seen, total, 1.0)[:, None]
     lse = tl.where(any_seen, m + tl.log(tl.where(any_seen, total, 1.0)), float("-inf"))
-    tl.store(out_ptr + rows[:, None] * DIM + c[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & c_ok[None, :])
+    rows = b * KV_HEADS * GROUP + heads  # [G] rows of out [B * heads, d]
+    tl.store(out_ptr + rows[:, None] * DIM + c[None, :], out.to(out_ptr.dtype.element_ty), mask=tile)
     tl.store(lse_ptr + rows, lse, mask=g_ok)
 
 

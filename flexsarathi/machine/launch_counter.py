@@ -3,9 +3,10 @@
 A decode pass that keeps everything on a GPU is bound by host time per kernel launch, not by bytes
 (docs/DESIGN.md, "Decode passes on a GPU"). Under a dispatch mode every aten operator reaches us
 after autograd and composite decomposition, as a GPU would run it: an operator that computes or
-copies is one launch; a view (`transpose`, `slice`, `view`, ...) and a bare allocation (`empty`)
-are none. The same code path run on the CPU therefore gives the GPU's count, which
-`scripts/count_launches.py` checks against the CUDA profiler where a GPU is at hand.
+copies is one launch; a view (`transpose`, `slice`, `view`, ...) and a bare allocation (`empty`) are
+none; an operator that may alias (`to`) counts where it made new memory. The same code path run on
+the CPU therefore gives the GPU's count, which `scripts/count_launches.py` checks against the CUDA
+profiler where a GPU is at hand.
 
 `LaunchCounter` also records each launch as (operator, input shapes, input dtypes, the address of
 each input's storage): two steady decode steps of a pass that a CUDA graph can replay issue the same
@@ -35,6 +36,16 @@ def _op_name(func) -> str:
     return func._schema.name.split("::")[-1]
 
 
+def _copied(out, inputs) -> bool:
+    """Whether an operator that may alias its input (under inference mode `x.float()` and `.to(dtype)`
+    reach a dispatch mode as `aten::to`, not decomposed to `_to_copy`) made new memory: a copy
+    kernel. A true view shares its input's storage."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    return any(isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in storages
+               for t in outs)
+
+
 class LaunchCounter(TorchDispatchMode):
     """with LaunchCounter() as c: ...; c.launches, c.ops (name, shapes, dtypes, storage addresses)
     per launch, c.syncs."""
@@ -53,9 +64,11 @@ class LaunchCounter(TorchDispatchMode):
         name = _op_name(func)
         if name in SYNCS:
             self.syncs.append(name)
-        if not func.is_view and name not in _NO_KERNEL:
-            self.record(name, (*args, *kwargs.values()))
-        return func(*args, **kwargs)
+        inputs = (*args, *kwargs.values())
+        out = func(*args, **kwargs)
+        if name not in _NO_KERNEL and (not func.is_view or _copied(out, inputs)):
+            self.record(name, inputs)
+        return out
 
     def record(self, name: str, args) -> None:
         """One launch of `name` with these arguments (their tensors' shapes, dtypes and storages)."""

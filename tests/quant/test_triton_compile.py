@@ -57,7 +57,7 @@ def test_the_decode_attention_kernel_compiles(capability, heads, kv_heads, dim, 
                 "slots_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i64", "k_new_ptr": "*fp16", "new_vd_ptr": "*u8",
                 "new_vs_ptr": "*fp16", "new_vm_ptr": "*fp16", "new_src_ptr": "*i64", "new_pos_ptr": "*i64",
                 "q_ptr": "*fp16", "out_ptr": "*fp16", "lse_ptr": "*fp32"}
-    scalars = {"stride_blocks": "i64", "stride_slots": "i64", "stride_k_new": "i64", "scale": "fp32"}
+    scalars = {"stride_blocks": "i64", "stride_slots": "i64", "stride_k_new": "i64", "stride_q": "i64", "scale": "fp32"}
     kernel = _compile(triton_kv_attention._decode_kernel, {**pointers, **scalars},
                       triton_kv_attention.constants(heads, kv_heads, dim, bs, group, has_new, has_new), capability)
     assert kernel.asm["cubin"]

@@ -49,8 +49,14 @@ _SCRIPT = """
             out, lse = triton_kv_attention.decode_attention(**inputs, new_rows=None, scale=scale)
             _assert_exact(out, lse, _exact(inputs["q"], context_k, context_v, *inputs["visible"], scale), (5, heads, d))
             continue
-        new_rows, v_rows = as_rows(inputs, gen, dtype, strided=n % 3 == 0)
+        strided = n % 3 == 0
+        new_rows, v_rows = as_rows(inputs, gen, dtype, strided)
         inputs["k_open"], inputs["q"] = inputs["k_open"].to(dtype), inputs["q"].to(dtype)
+        if strided:  # q as the fused qkv output's: its rows further apart than its heads (read in place)
+            wide = torch.randn(5, heads + 2 * kv_heads, d, generator=gen).to(dtype)
+            wide[:, :heads] = inputs["q"]
+            inputs["q"] = wide[:, :heads]
+            assert not inputs["q"].is_contiguous()
         # the reference reads the same numbers: open keys and new rows as rounded to dtype
         opened = (j[None, :] >= inputs["complete_len"][:, None])[..., None, None]
         context_k = torch.where(opened, inputs["k_open"].float()[inputs["residual_ids"]][:, j % bs], context_k)
@@ -61,6 +67,10 @@ _SCRIPT = """
         out, lse = triton_kv_attention.decode_attention(**inputs, new_rows=new_rows, scale=scale)
         _assert_exact(out, lse, _exact(inputs["q"].float(), context_k, context_v, *inputs["visible"], scale),
                       (5, heads, d))
+        if strided:  # the same bits as from a contiguous copy of q
+            packed = triton_kv_attention.decode_attention(**{**inputs, "q": inputs["q"].contiguous()},
+                                                          new_rows=new_rows, scale=scale)
+            assert torch.equal(out, packed[0]) and torch.equal(lse, packed[1])
         # new values the pool holds already (stored before attention): read from the pool at their slot, the
         # same bits as the same codes given as the pass's rows
         slot = inputs["slots"][torch.arange(5), new_pos.clamp_min(0)]
