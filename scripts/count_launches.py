@@ -2,7 +2,8 @@
 """Kernel launches and host time per decode layer-step, ours beside a plain-PyTorch layer (prints;
 asserts nothing; `tests/offload/test_launch_count.py` pins the count). Times are medians of every
 layer-step (ours: each layer of each decode pass; plain: as many repeats), ours and plain timed in
-alternating rounds, so a busy neighbour's burst moves them little and their ratio less. Also the
+alternating rounds; their ratio is the median over rounds of each round's ratio (ours, then the plain
+steps right after), so a busy neighbour's burst moves the times little and the ratio less. Also the
 median host time of a decode step outside its eager pass: scheduling, building the micro-batch,
 sampling (it grows with --batch; a pass replayed from a CUDA graph prepares its inputs itself).
 
@@ -206,12 +207,14 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
             PassExecutor._run_layer, PassExecutor.run = counted_layer, counted_pass
             llm.generate(prompts, params, use_tqdm=False)
             PassExecutor._run_layer, PassExecutor.run, LLMEngine.step = timed_layer, timed_pass, timed_step
-            plain_times, total = [], 0.0
+            plain_times, ratios, total = [], [], 0.0
             for _ in range(args.rounds):
-                began = time.perf_counter()
+                began, first = time.perf_counter(), len(layer_times)
                 llm.generate(prompts, params, use_tqdm=False)
                 total += time.perf_counter() - began
-                plain_times += plain_round()
+                plain_times += (plain := plain_round())
+                if len(layer_times) > first:  # this round's ours against the plain steps right after it
+                    ratios.append(statistics.median(layer_times[first:]) / statistics.median(plain))
         finally:
             PassExecutor._run_layer, PassExecutor.run, LLMEngine.step = run_layer, run_pass, engine_step
         graph_steps = llm.engine.stats.get("graph_passes", 0)
@@ -222,7 +225,7 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
             "outside_us": 1e6 * counts["pass_s"] / max(counts["timed_passes"], 1),
             "step_outside_us": 1e6 * statistics.median(step_times) if step_times else None,
             "eager_layer_steps": counts["layer_steps"], "graph_passes": graph_steps, "generate_s": total / args.rounds,
-            "plain_us": 1e6 * statistics.median(plain_times)}
+            "plain_us": 1e6 * statistics.median(plain_times), "ratio": statistics.median(ratios) if ratios else 0.0}
 
 
 @contextlib.contextmanager
@@ -314,7 +317,7 @@ def main() -> int:
     print(f"{'':28}{'launches':>10}{'host us':>10}")
     print(f"{'ours, per layer-step':28}{ours['launches']:>10.1f}{ours['host_us']:>10.1f}")
     print(f"{'plain PyTorch, per layer':28}{plain_launches:>10.1f}{plain_us:>10.1f}")
-    print(f"{'ours / plain':28}{ours['launches'] / plain_launches:>10.2f}{ours['host_us'] / plain_us:>10.2f}")
+    print(f"{'ours / plain':28}{ours['launches'] / plain_launches:>10.2f}{ours['ratio']:>10.2f}")
     print(f"outside the layers, per decode pass: {ours['outside_launches']:.1f} launches, {ours['outside_us']:.1f} us")
     if ours["step_outside_us"] is not None:  # None: every decode pass was replayed from a graph
         print(f"outside the pass, per decode step (schedule, build the micro-batch, sample): "
