@@ -276,6 +276,7 @@ class LLMEngine:
         self.source.use_for(compress_weight=e.policy.compress_weight, weights_on_disk=e.policy.w_disk > 0)
         self.config, self.model = self.source.config, self.source.model
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
+        self._spec: ModelSpec | None = None  # the planner's view of this model and dtype (_working_bytes)
         self.policy = p = e.policy
         # A compressed K is grouped per channel over one block (KVFormat.block_size).
         self.block_size = e.kv_block_size or (KV_FORMAT.block_size if p.compress_kv else PLAIN_KV_BLOCK)
@@ -753,8 +754,9 @@ class LLMEngine:
     def _working_bytes(self, tokens: PassTokens) -> int:
         """Compute-device bytes a pass needs beyond weights and KV pools: the planner's formula
         (policy_search/working_set.py) on this engine's shapes and dtype."""
-        spec = ModelSpec.from_hf(self.config, "engine", self.dtype.itemsize)
-        return working_set(spec, tokens, self.kv_compression is not None).nbytes(self.policy.act_gpu)
+        if self._spec is None:  # once per engine: every pass asks (its config and dtype never change)
+            self._spec = ModelSpec.from_hf(self.config, "engine", self.dtype.itemsize)
+        return working_set(self._spec, tokens, self.kv_compression is not None).nbytes(self.policy.act_gpu)
 
     def _check_worst_pass(self, lengths: tuple, running: int, blocks: dict[str, int]) -> None:
         """Fail before any work when the largest pass this batch of requests can form would not
