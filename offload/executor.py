@@ -357,10 +357,12 @@ class PassExecutor:
             return None
         groups = []
         for group in mb.groups:
+            if not group.is_decode or len(group.parts) != 1:
+                return None
             part = group.parts[0]
             route = self._routes[id(part)]
-            if (not group.is_decode or len(group.parts) != 1 or self.kv_pools[part.tier] is not pool or route is None
-                    or route is IN_POOL or route.type != self.device.type or id(part) not in self._biases):
+            if (self.kv_pools[part.tier] is not pool or route is None or route is IN_POOL
+                    or route.type != self.device.type or id(part) not in self._biases):
                 return None
             rows = _rows(group.row_start, group.num_seqs, group.token_rows)
             groups.append(ResidentGroup(rows, self._slots[id(part)], part.kv_slots.shape, self._biases[id(part)],
