@@ -10,10 +10,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-def storages_alive() -> set[int]:
-    """Data pointers of every tensor alive now (weights, pools, buffers made before a measurement)."""
+def storages_alive() -> dict[int, torch.UntypedStorage]:
+    """Every tensor's storage alive now (weights, pools, buffers made before a measurement), by data
+    pointer. LiveBytes holds them while it measures: one freed meanwhile (the last step's logits)
+    would let a new allocation take its address and pass for it (not counted; peaks that varied run
+    to run with the allocator's choices)."""
     gc.collect()
-    return {o.untyped_storage().data_ptr() for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -22,6 +26,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, existing):
         super().__init__()
+        self._held = existing  # storages_alive()'s storages stay alive (their addresses taken) meanwhile
         self.existing, self.storages, self.peak = set(existing), {}, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
