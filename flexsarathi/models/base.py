@@ -108,10 +108,19 @@ class ModelMath(ABC):
     def merge_attention(parts):
         return attention.merge_partial_attention(parts)
 
-    def _split_qkv(self, qkv: torch.Tensor):
+    def _qkv_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused projection's output [T, (h + 2 kvh) * d] as heads [T, h + 2 kvh, d] (a view of
+        a contiguous output)."""
         c = self.config
-        # one reshape into heads [T, h + 2 kvh, d], then one call for the three views:
-        # split_with_sizes is a single dispatch (three `heads[:, a:b]` index calls cost 3x its host
-        # time; Tensor.split's Python wrapper more again), and a decode layer on a GPU is host-bound
-        heads = qkv.reshape(qkv.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        return qkv.reshape(qkv.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+
+    def _split_heads(self, heads: torch.Tensor):
+        """_qkv_heads' heads as q [T, h, d], k, v [T, kvh, d] (views)."""
+        c = self.config
+        # one call for the three views: split_with_sizes is a single dispatch (three `heads[:, a:b]`
+        # index calls cost 3x its host time; Tensor.split's Python wrapper more again), and a
+        # decode layer on a GPU is host-bound
         return heads.split_with_sizes((c.num_heads, c.num_kv_heads, c.num_kv_heads), 1)
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        return self._split_heads(self._qkv_heads(qkv))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from flexsarathi.models.base import ModelMath, Weights
-from flexsarathi.models.layers import apply_rope, embedding, linear, rms_norm, rope_inv_freq, rope_tables, swiglu
+from flexsarathi.models.layers import (apply_rope, apply_rope_, embedding, linear, rms_norm, rope_inv_freq, rope_tables,
+                                       swiglu)
 
 
 ROPE_REMEMBERED = 4  # micro-batches of one pass whose rope tables are kept (FlexGen policies use 1-4)
@@ -98,13 +99,19 @@ class LlamaMath(ModelMath):
         return embedding(token_ids, g["embed_tokens.weight"])  # [T, hidden]
 
     def qkv(self, w: Weights, hidden, positions):
-        x = rms_norm(hidden, w["attn_norm.weight"], self.config.norm_eps)
-        q, k, v = self._split_qkv(linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")))
+        c = self.config
+        x = rms_norm(hidden, w["attn_norm.weight"], c.norm_eps)
+        heads = self._qkv_heads(linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")))  # [T, h + 2 kvh, d]
         if "q_norm.weight" in w:  # qwen3: per head, over head_dim
-            eps = self.config.norm_eps
-            q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
-        cos, sin = self.rope_on(positions, q.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            q, k, v = self._split_heads(heads)
+            q, k = rms_norm(q, w["q_norm.weight"], c.norm_eps), rms_norm(k, w["k_norm.weight"], c.norm_eps)
+            cos, sin = self.rope_on(positions, q.dtype)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # q's and k's heads lie side by side: rotated together, in place, so K stays beside V (the
+        # pool writes the pair at once)
+        cos, sin = self.rope_on(positions, heads.dtype)
+        apply_rope_(heads.narrow(1, 0, c.num_heads + c.num_kv_heads), cos, sin)
+        return self._split_heads(heads)
 
     def rope_on(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """rope_tables for these positions, computed once per pass: every layer of a pass gets the
