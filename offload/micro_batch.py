@@ -18,10 +18,18 @@ from offload.streams import to_device
 POOL_INDEX_FIELDS = frozenset({"kv_slots", "residual_ids", "complete_len", "slots"})
 
 
-def _move(obj, device: torch.device):
-    changes = {f.name: to_device(getattr(obj, f.name), device) for f in fields(obj)
+def _move(obj, move):
+    changes = {f.name: move(getattr(obj, f.name)) for f in fields(obj)
                if f.name not in POOL_INDEX_FIELDS and isinstance(getattr(obj, f.name), torch.Tensor)}
     return replace(obj, **changes, host=host_of(obj))
+
+
+def view_in(moved: torch.Tensor, packed: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+    """The view of `moved` (a contiguous copy of `packed` elsewhere) that `t` is of `packed`, or None
+    where t is not a view of packed."""
+    if t.untyped_storage().data_ptr() != packed.untyped_storage().data_ptr():
+        return None
+    return moved.as_strided(t.shape, t.stride(), t.storage_offset() - packed.storage_offset())
 
 
 def host_of(obj):
@@ -90,6 +98,9 @@ class MicroBatch:
     groups: list[AttentionGroup]
     kv_writes: list[KVWrite]
     logit_rows: torch.Tensor  # [R] rows whose next-token logits are wanted
+    # the contiguous int64 host tensor that the index fields are views of (the batch builder's):
+    # moved to a device in one copy; None: each field moves on its own
+    packed: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +108,18 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         """On `device` for compute; pool indices stay on the host (POOL_INDEX_FIELDS), and every
-        moved group, part and write keeps its host original (host_of)."""
-        groups = [replace(_move(g, device), parts=[_move(p, device) for p in g.parts]) for g in self.groups]
-        return MicroBatch(to_device(self.token_ids, device), to_device(self.positions, device), groups,
-                          [_move(w, device) for w in self.kv_writes], to_device(self.logit_rows, device))
+        moved group, part and write keeps its host original (host_of). On the CPU: itself. The
+        fields that are views of `packed` go up in its one copy (on a GPU each copy of a pageable
+        tensor is a pinning and a copy: ~11 per decode micro-batch otherwise)."""
+        if torch.device(device).type == "cpu":
+            return self
+        packed = self.packed
+        moved = None if packed is None else to_device(packed, device)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            view = None if moved is None else view_in(moved, packed, t)
+            return to_device(t, device) if view is None else view
+
+        groups = [replace(_move(g, move), parts=[_move(p, move) for p in g.parts]) for g in self.groups]
+        return MicroBatch(move(self.token_ids), move(self.positions), groups, [_move(w, move) for w in self.kv_writes],
+                          move(self.logit_rows))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.micro_batch import POOL_INDEX_FIELDS, AttentionGroup, KVPart, KVWrite, MicroBatch, host_of
+import offload.micro_batch
+from offload.micro_batch import POOL_INDEX_FIELDS, AttentionGroup, KVPart, KVWrite, MicroBatch, host_of, view_in
 from offload.disk_store import DiskStore
 from offload.memory import MemoryTracker
 from offload.streams import IOStream, indexed, record_event, to_host, used_on
@@ -39,6 +40,55 @@ def test_moving_a_micro_batch_leaves_pool_indices_on_the_host_and_keeps_the_host
     assert host_of(group) is built.groups[0] and host_of(part) is built.groups[0].parts[0]
     assert host_of(write) is built.kv_writes[0] and host_of(built.groups[0]) is built.groups[0]
     assert host_of(part).kv_len.device.type == "cpu" and host_of(group).q_pos.device.type == "cpu"
+
+
+def _packed_micro_batch() -> MicroBatch:
+    """_micro_batch's fields as views of one int64 tensor (as the batch builder makes them), itself a
+    view at an offset into a larger one."""
+    built = _micro_batch()
+    tensors = _index_fields(built)
+    backing = torch.full((3 + sum(t.numel() for _, t in tensors),), -1, dtype=torch.long)
+    packed, start = backing[3:], 0
+    views = {}
+    for key, t in tensors:
+        views[key] = packed[start:start + t.numel()].view(t.shape).copy_(t)
+        start += t.numel()
+    group, part, write = built.groups[0], built.groups[0].parts[0], built.kv_writes[0]
+    part = KVPart(**{f: views.get(("part", f), getattr(part, f)) for f in vars(part) if f != "host"})
+    group = AttentionGroup(token_rows=views["group", "token_rows"], num_queries=1, q_pos=views["group", "q_pos"],
+                           parts=[part], row_start=0)
+    write = KVWrite(**{f: views.get(("write", f), getattr(write, f)) for f in vars(write) if f != "host"})
+    return MicroBatch(views["mb", "token_ids"], views["mb", "positions"], [group], [write], views["mb", "logit_rows"],
+                      packed=packed)
+
+
+def _index_fields(mb: MicroBatch) -> list[tuple[tuple[str, str], torch.Tensor]]:
+    """((which object, field), tensor) of every int64 tensor of a one-group, one-part, one-write batch."""
+    objects = {"mb": mb, "group": mb.groups[0], "part": mb.groups[0].parts[0], "write": mb.kv_writes[0]}
+    return [((name, f), t) for name, obj in objects.items() for f, t in vars(obj).items()
+            if isinstance(t, torch.Tensor)]
+
+
+def test_a_packed_micro_batch_goes_up_in_one_copy_and_its_views_map_onto_it(monkeypatch):
+    """A micro-batch whose index fields are views of `packed` moves it in one copy (a pinning and a
+    copy per field on a GPU otherwise) and its fields are the same views of the copy; on the CPU it
+    is itself."""
+    mb = _packed_micro_batch()
+    assert mb.to(torch.device("cpu")) is mb
+    copies = []
+    real = offload.micro_batch.to_device
+    monkeypatch.setattr(offload.micro_batch, "to_device", lambda t, device: copies.append(t) or real(t, device))
+    moved = mb.to(META)
+    assert len(copies) == 1 and copies[0] is mb.packed
+    for (name, f), t in _index_fields(moved):
+        assert t.device == (torch.device("cpu") if f in POOL_INDEX_FIELDS else META), (name, f)
+    # the views' values, where a copy has data: every field of the copy equals the original
+    copy = mb.packed.clone()
+    for key, t in _index_fields(mb):
+        view = view_in(copy, mb.packed, t)
+        assert view.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr(), key
+        assert view.shape == t.shape and torch.equal(view, t), key
+    assert view_in(copy, mb.packed, torch.zeros(2, dtype=torch.long)) is None  # not of the pack: moved alone
 
 
 @pytest.mark.parametrize("shape", [(0, 64), (3, 0), (0,)])

@@ -348,3 +348,29 @@ def test_attending_the_parts_and_merging_equals_the_whole_reference_context(tmp_
                 ref = reference_attention(q_group[b], group.q_pos[b].tolist(), passes.k[seq.seq_id],
                                           passes.v[seq.seq_id], compression is not None)
                 torch.testing.assert_close(merged[b], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_every_index_but_the_padded_context_slots_is_a_view_of_one_packed_tensor():
+    """The builder makes one int64 tensor per micro-batch (IndexPack) and every index field a view of
+    it, so a GPU takes them in one copy (MicroBatch.to); only each part's [B, L] context slots,
+    padded from the slot maps' tensors, are their own. Whole prompts, a chunk across tiers and a
+    decode, as in the tests above."""
+    blocks = BlockManager(BS, {"gpu": 3, "cpu": 6, "disk": 4}, num_residual=6)
+    a = admitted(blocks, make_seq(0, 6), 8)
+    b = admitted(blocks, make_seq(1, 13), 16)
+    c = admitted(blocks, make_seq(2, 9, outputs=3), 16)
+    d = admitted(blocks, make_seq(3, 6), 8)
+    items = [WorkItem(a, 0, 6), WorkItem(b, 3, 13), WorkItem(c, 11, 12), WorkItem(d, 0, 6)]
+    mb, _ = build_micro_batch(items, blocks, group_prompts_upto=8)
+    storage = mb.packed.untyped_storage().data_ptr()
+    fields = [(mb, f) for f in ("token_ids", "positions", "logit_rows")]
+    fields += [(w, f) for w in mb.kv_writes for f in ("rows", "slots", "residual_ids")]
+    for g in mb.groups:
+        fields += [(g, "token_rows"), (g, "q_pos")]
+        fields += [(p, f) for p in g.parts for f in ("kv_start", "kv_len", "patch_src", "patch_seq", "patch_pos",
+                                                      "residual_ids", "complete_len")]
+    assert sorted(g.num_queries for g in mb.groups) == [1, 6, 6, 10] and len(mb.kv_writes) == 3  # every tier
+    for obj, f in fields:
+        t = getattr(obj, f)
+        assert t.dtype == torch.long and t.untyped_storage().data_ptr() == storage, (type(obj).__name__, f)
+    assert_slots_are_table_arithmetic(mb, items, blocks)
