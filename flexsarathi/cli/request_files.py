@@ -10,6 +10,7 @@ A line that cannot become a request keeps its error; it becomes an error record,
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -25,6 +26,10 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "min_tokens", "n", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty",
                    "logit_bias", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
                    "prompt_logprobs", "structured_outputs")
+JSONL_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS)
+# What an OpenAI request body names otherwise, as a JSONL record names it.
+_OPENAI_NAMES = {"response_format": "structured_outputs", "max_completion_tokens": "max_tokens",
+                 "top_logprobs": "logprobs"}
 COMPLETIONS_URL, CHAT_URL = "/v1/completions", "/v1/chat/completions"
 # Line ends: \n, \r\n or \r only. str.splitlines() also splits at U+2028, U+2029 and U+0085, which
 # JSON allows raw inside a string (json.dumps(..., ensure_ascii=False) writes them): one request
@@ -121,13 +126,28 @@ def _jsonl_request(line: int, text: str) -> BatchRequest:
         return BatchRequest(line=line, error=f"line {line}: \"id\" must be a string or an integer, "
                                              f"got {request_id!r}")
     req = BatchRequest(line=line, id=request_id)
-    unknown = set(obj) - {"id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS}
+    unknown = set(obj) - set(JSONL_FIELDS)
     if unknown:
-        req.error = f"line {line}: unknown field(s) {sorted(unknown)}"
+        req.error = f"line {line}: unknown field(s) {sorted(unknown)}{_unknown_hint(sorted(unknown))}"
         return req
     req.sampling = {k: obj[k] for k in (*SAMPLING_FIELDS, "logprobs") if k in obj}
     req.error = _set_prompt(req, obj, ("prompt", "prompt_token_ids", "messages"))
     return req
+
+
+def _unknown_hint(unknown: list[str]) -> str:
+    """What an unknown field of a JSONL record may have meant: the record's name for an OpenAI body
+    field, or the nearest field name (a typo); else the fields a record takes."""
+    hints = []
+    for name in unknown:
+        if name in _OPENAI_NAMES:
+            hints.append(f"{name!r} is an OpenAI request body's field: a JSONL record takes {_OPENAI_NAMES[name]!r} "
+                         "(or write the file in OpenAI's Batch format)")
+        elif close := difflib.get_close_matches(name, JSONL_FIELDS, n=1):
+            hints.append(f"did you mean {close[0]!r} for {name!r}?")
+    if hints:
+        return "; " + "; ".join(hints)
+    return f"; a record takes {', '.join(JSONL_FIELDS)}"
 
 
 def _set_prompt(req: BatchRequest, obj: dict, allowed: tuple[str, ...]) -> str | None:
