@@ -42,6 +42,10 @@ from quant.cpu_int8_matmul import cpu_matmul_mode
 
 CPU = torch.device("cpu")
 IN_POOL = "in pool"  # a part's context, not gathered: the pool attends it (KVPool.attend_decode)
+# How a part is attended (PassExecutor._attend_kind), besides IN_POOL: in its compressed pool by the
+# Triton kernel; in one fused call with the pass's mask (a decode alone, its context gathered beside its
+# new rows); in one causal call (prompts attending their own rows); gathered and patched, then `attend`.
+IN_POOL_TRITON, FUSED, CAUSAL, GENERAL = "in pool, triton", "fused", "causal", "general"
 
 
 class PassExecutor:
@@ -62,15 +66,14 @@ class PassExecutor:
         self._threaded: dict[int, bool] = {}
         self._first: dict[int, bool] = {}
         # per pass: id(write or part) -> its slots on its plain pool's device (uploaded once per pass,
-        # not per layer: _pool_slots); id(micro-batch) -> whether its one group is every row, in order
+        # not per layer: _pool_slots)
         self._slots: dict[int, torch.Tensor] = {}
-        self._whole: dict[int, bool] = {}
         self._reads_back: dict[int, bool] = {}  # id(micro-batch) -> _reads_v_back
         self._v_first: dict[int, bool] = {}  # id(micro-batch) -> _writes_v_first
         self._routes: dict[int, object] = {}  # id(part) -> how its context reaches attention (_context_routes)
         self._order = PassOrder(threaded=(), compute_stream=None, gathers_ahead=False)  # per pass (_order_pass)
-        # id(micro-batch) -> its ResidentDecode where it is one (_resident_decode): the decided step
-        self._resident_decodes: dict[int, ResidentDecode] = {}
+        # id(micro-batch) -> its groups' attention as decided for the pass (_group_steps)
+        self._groups: dict[int, tuple[GroupStep, ...]] = {}
         self._v_pool: KVPool | None = None  # the pool that quantizes new V rows, if one is compressed
         # the next layer's first micro-batch's contexts, gathered on the I/O thread while this layer's
         # last micro-batch computes (gathers_ahead): (layer, id(micro-batch)) -> contexts, and its future
@@ -147,9 +150,8 @@ class PassExecutor:
             self._v_pool = next((p for p in self.kv_pools.values() if p.compression is not None), None)
             self._reads_back = {id(mb): self._reads_v_back(mb) for mb in batches}
             self._v_first = {id(mb): self._writes_v_first(mb) for mb in batches}
-            self._whole = {id(mb): _one_group_of_every_row(mb) for mb in batches}
             self._order = self._order_pass(batches)
-            self._resident_decodes = {id(mb): plan for mb in batches if (plan := self._resident_decode(mb)) is not None}
+            self._groups = {id(mb): self._group_steps(mb) for mb in batches}
             self._gathered, self._ahead = {}, None
             g = self.weights.global_weights()
             for k, mb in enumerate(batches):
@@ -312,10 +314,9 @@ class PassExecutor:
 
     def _compute(self, layer: int, w, mb: MicroBatch, hidden: torch.Tensor, contexts):
         """Layer `layer` on the micro-batch; contexts None: it writes first (writes_first), so its new
-        K/V go into the pool here and the contexts are gathered from the pool after them."""
+        K/V go into the pool here and the contexts are gathered from the pool after them. How each
+        group and part is attended was decided for the pass (_group_steps)."""
         q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
-        if id(mb) in self._resident_decodes:  # decided for the pass: what the steps below do, without their tests
-            return self._post_attention(w, hidden, self._attend_resident(layer, mb, q, k, v)), k, v, None
         if self._v_first[id(mb)]:  # V's codes straight into the pool, where attention reads them
             write = mb.kv_writes[0]
             self.kv_pools[write.tier].store_v_first(layer, v, self._slots[id(write)])
@@ -326,66 +327,47 @@ class PassExecutor:
         if written:
             self._store_kv(layer, mb, k, v, v_codes)
             contexts = self._contexts(layer, mb)
-        whole = self._whole[id(mb)]
+        steps = self._groups[id(mb)]
+        whole = steps[0].rows is _EVERY_ROW  # one group of every row, in order: its output is the layer's
         attn = None if whole else torch.empty_like(q)
-        for group, group_contexts in zip(mb.groups, contexts):
-            rows = _EVERY_ROW if whole else _rows(group.row_start, group.num_seqs * group.num_queries, group.token_rows)
-            q_group = (q if whole else q[rows]).view(group.num_seqs, group.num_queries, *q.shape[1:])
-            q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
-            outs = [out for part, context in zip(group.parts, group_contexts)
-                    for out in self._attend_part(layer, q_on, group, part, context, k, v_seen, rows, written,
-                                                 read_back, v_codes)]
-            merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
-            if whole:  # the one group is every row, in order: its output is the attention output
-                attn = merged.reshape(mb.num_tokens, -1)  # [T, heads * d]: one view
+        for step, group_contexts in zip(steps, contexts):
+            q_group = (q if whole else q[step.rows]).view(*step.shape, *q.shape[1:])
+            if step.bias is not None:  # one part, gathered beside its new rows: one fused call, the pass's mask
+                keys, values = group_contexts[0]
+                merged = self.model.attend_decode(q_group, keys, values, step.bias)
             else:
-                attn[rows] = merged.flatten(0, 1)
+                q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
+                outs = [out for kind, part, context in zip(step.kinds, step.group.parts, group_contexts)
+                        for out in self._attend_part(layer, kind, q_on, step.group, part, context, k, v_seen,
+                                                     step.rows, written, read_back, v_codes)]
+                merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
+            if whole:
+                attn = merged.reshape(mb.num_tokens, -1)  # [T, heads * d]: a view where the layout allows
+            else:
+                attn[step.rows] = merged.flatten(0, 1)
         return self._post_attention(w, hidden, attn.flatten(1)), k, v, v_codes  # hidden: [T, hidden]
 
-    def _resident_decode(self, mb: MicroBatch) -> "ResidentDecode | None":
-        """The micro-batch's attention decided once for the pass where it is the common resident
-        decode (a GPU's all-on-device pass: host-bound, every test per layer-step costs): decode
-        rows only, written first, every row in order, into a plain pool, each group attending one
-        part gathered from that pool on the compute device with the pass's mask; else None. Its
-        step (_attend_resident) is the general one's, in the same order: store, gather from the
-        pool, one fused attention call per group."""
-        if not self._first[id(mb)] or self._v_pool is not None or len(mb.kv_writes) != 1:
-            return None
-        write = mb.kv_writes[0]
-        pool = self.kv_pools[write.tier]
-        if pool.compression is not None or write.row_start != 0 or write.rows.shape[0] != mb.num_tokens:
-            return None
-        groups = []
+    def _group_steps(self, mb: MicroBatch) -> tuple["GroupStep", ...]:
+        """Per group of the micro-batch, what its attention does in every layer of the pass: its rows,
+        and per part the route _attend_part takes (_attend_kind); where the group is one decode part
+        gathered beside its new rows (written first) with the pass's mask, one fused call (bias)."""
+        whole, written = _one_group_of_every_row(mb), self._first[id(mb)]
+        steps = []
         for group in mb.groups:
-            if not group.is_decode or len(group.parts) != 1:
-                return None
-            part = group.parts[0]
-            route = self._routes[id(part)]
-            if (self.kv_pools[part.tier] is not pool or route is None or route is IN_POOL
-                    or route.type != self.device.type or id(part) not in self._biases):
-                return None
-            rows = _rows(group.row_start, group.num_seqs, group.token_rows)
-            groups.append(ResidentGroup(rows, self._slots[id(part)], part.kv_slots.shape, self._biases[id(part)],
-                                        group.num_seqs))
-        return ResidentDecode(pool, self._slots[id(write)], tuple(groups), self._whole[id(mb)])
+            rows = _EVERY_ROW if whole else _rows(group.row_start, group.num_seqs * group.num_queries, group.token_rows)
+            kinds = tuple(self._attend_kind(group, part, written) for part in group.parts)
+            bias = self._biases[id(group.parts[0])] if kinds == (FUSED,) else None
+            steps.append(GroupStep(group, rows, (group.num_seqs, group.num_queries), kinds, bias))
+        return tuple(steps)
 
-    def _attend_resident(self, layer: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
-        """A resident decode micro-batch's attention output [T, heads * d]: its new K/V stored, each
-        group's context gathered from the pool after them, attended with the pass's mask."""
-        decode = self._resident_decodes[id(mb)]
-        pool = decode.pool
-        pool.store(layer, decode.write_slots, k, v)
-        if decode.whole:  # one group of every row, in order: its output is the layer's (a view)
-            group = decode.groups[0]
-            keys, values = pool.gather_pairs(layer, group.context_slots, group.context_shape, self.device)
-            out = self.model.attend_decode(q.view(group.num_seqs, 1, *q.shape[1:]), keys, values, group.bias)
-            return out.view(q.shape[0], -1)
-        attn = torch.empty_like(q)  # [T, heads, d]
-        for group in decode.groups:
-            keys, values = pool.gather_pairs(layer, group.context_slots, group.context_shape, self.device)
-            q_group = q[group.rows].view(group.num_seqs, 1, *q.shape[1:])
-            attn[group.rows] = self.model.attend_decode(q_group, keys, values, group.bias).flatten(0, 1)
-        return attn.flatten(1)
+    def _attend_kind(self, group: AttentionGroup, part, written: bool) -> str:
+        """How the part is attended in every layer of the pass (after _context_routes and _decode_biases)."""
+        route, pool = self._routes[id(part)], self.kv_pools[part.tier]
+        if route is IN_POOL:
+            return IN_POOL_TRITON if pool.attends_with_triton() else IN_POOL
+        if written and route is not None and id(part) in self._biases:
+            return FUSED  # a decode part alone on the compute device, its new rows in the gathered context
+        return CAUSAL if self.one_causal_call(group, part) else GENERAL
 
     def _v_read_back(self, v: torch.Tensor, read_back: bool):
         """(codes, values, read back?) of the new V rows where the pools are compressed (one format for
@@ -432,30 +414,25 @@ class PassExecutor:
             out[start:stop] = self.model.post_attention(w, hidden[start:stop], attn[start:stop])
         return out
 
-    def _attend_part(self, layer: int, q_on: dict, group: AttentionGroup, part, context, k, v, rows,
+    def _attend_part(self, layer: int, kind: str, q_on: dict, group: AttentionGroup, part, context, k, v, rows,
                      written: bool, v_read_back: bool = False, v_codes=None):
         """(out, lse) pairs of the group's queries against one part's keys, on the compute device
-        (lse None where the part is the group's only one: nothing to merge). k, v: the micro-batch's
-        new K/V, the group's at `rows` (v_read_back: V as it reads back from a compressed pool);
-        written: they are in the pool already, so a gathered context holds them; v_codes: the micro-batch's
-        V codes (compressed pools)."""
+        (lse None where the part is the group's only one: nothing to merge), the way `kind`
+        (_attend_kind) says. k, v: the micro-batch's new K/V, the group's at `rows` (v_read_back: V as
+        it reads back from a compressed pool); written: they are in the pool already, so a gathered
+        context holds them; v_codes: the micro-batch's V codes (compressed pools)."""
         pool = self.kv_pools[part.tier]
-        if context is IN_POOL and pool.attends_with_triton():  # on the pool's device: the compute device
+        if kind is IN_POOL_TRITON:  # on the pool's device: the compute device
             new = None if written else (k, v_codes)  # every row of the micro-batch: the plan names each's
             q = self._q_on(q_on, self.attention_device(part.tier, group))  # the compute device's q, as it is
             return [pool.attend_decode_codes(layer, q, self._slots[id(part)], new, self.model.scale)]
-        if context is IN_POOL:  # new rows None where they are in the pool already
+        if kind is IN_POOL:  # new rows None where they are in the pool already
             q = self._q_on(q_on, CPU)
             new_k, new_v = (None, None) if written else (k[rows], v[rows])
             out, lse = pool.attend_decode(layer, group, part, q, new_k, new_v, self.model.scale,
                                           self.model.config.sliding_window, v_read_back)
             return [(to_device(out, self.device), to_device(lse, self.device))]
-        if written and context is not None and id(part) in self._biases:
-            # a decode part alone on the compute device, its new rows in the gathered context: one
-            # fused call with the pass's mask (what _attend does for it, without its tests per layer)
-            q = next(iter(q_on.values()))  # the compute device's: where this part's context was gathered
-            return [(self.model.attend_decode(q, context[0], context[1], self._biases[id(part)]), None)]
-        if self.one_causal_call(group, part):
+        if kind is CAUSAL:
             triples = pool.parts_to_attend(group, part, None, k[rows], v[rows], v_read_back)
             q = self._q_on(q_on, self.device)
             if len(triples) == 1:  # a plain pool: views of k, v
@@ -544,27 +521,17 @@ class PassOrder:
 
 
 @dataclass(frozen=True)
-class ResidentGroup:
-    """One decode group of a ResidentDecode: its rows of the micro-batch (a slice where consecutive),
-    its context's slots [B * L] in the pool (context_shape (B, L)) and the pass's mask [B, 1, 1, L]."""
+class GroupStep:
+    """One attention group of a micro-batch as attended in every layer of a pass (_group_steps): its
+    rows of the micro-batch (_EVERY_ROW: it is every row, in order; a slice where consecutive), its
+    q's shape (B, n), per part how it is attended (_attend_kind); bias: the pass's mask [B, 1, 1, L]
+    where the group is one FUSED part, else None."""
 
+    group: AttentionGroup
     rows: "slice | torch.Tensor"
-    context_slots: torch.Tensor
-    context_shape: torch.Size
-    bias: torch.Tensor
-    num_seqs: int
-
-
-@dataclass(frozen=True)
-class ResidentDecode:
-    """A resident decode micro-batch's attention for one pass (PassExecutor._resident_decode): its
-    K/V written into `pool` at write_slots [T], then each group attended from there; whole: its one
-    group is every row, in order."""
-
-    pool: KVPool
-    write_slots: torch.Tensor
-    groups: tuple[ResidentGroup, ...]
-    whole: bool
+    shape: tuple[int, int]
+    kinds: tuple[str, ...]
+    bias: "torch.Tensor | None"
 
 
 class _Done:

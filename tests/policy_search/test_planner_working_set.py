@@ -12,7 +12,7 @@ from flexsarathi.engine.planner_spec import planner_model_spec
 from flexsarathi.engine.sampling import SamplingParams
 from offload import executor as executor_module
 from offload.executor import PassExecutor
-from offload.kv_cache import KVPool, gathered_plain_decodes
+from offload.kv_cache import gathered_plain_decodes
 from policy_search.cost_model import working_bytes
 from policy_search.linear import FRACTIONS, evaluate
 from policy_search.pass_shape import PassShape, RunShape
@@ -109,8 +109,7 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
     micro-batches (k computes while k+1 loads) is at most the engine's charged context, and exactly
     it for uncompressed pools (the charge counts the gathered slots themselves). Decodes gather
     plain pools here (gathered_plain_decodes): attended in place they gather nothing, under the
-    same charge. A resident decode micro-batch's step gathers group by group (_attend_resident):
-    counted as all its groups' contexts at once, what the general step holds."""
+    same charge."""
     folder, _ = tiny_checkpoint(KIND)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=3, prefill_budget=8, compress_kv=compress_kv,
                     kv_admission="reserve", **placement)
@@ -132,25 +131,7 @@ def test_charged_context_bounds_what_the_executor_gathers(tiny_checkpoint, tmp_p
         gathered.append((layer, id(mb.token_ids), nbytes))  # moved to the compute device (the CPU): the same tensor
         return contexts
 
-    attend_resident = PassExecutor._attend_resident
-
-    def observed_resident(self, layer, mb, q, k, v):  # a resident decode's step gathers from its pool itself
-        gather_pairs, contexts = KVPool.gather_pairs, []
-
-        def observed_gather(pool, *args):
-            contexts.append(gather_pairs(pool, *args))
-            return contexts[-1]
-
-        monkeypatch.setattr(KVPool, "gather_pairs", observed_gather)
-        try:
-            out = attend_resident(self, layer, mb, q, k, v)
-        finally:
-            monkeypatch.setattr(KVPool, "gather_pairs", gather_pairs)
-        gathered.append((layer, id(mb.token_ids), sum(t.nbytes for pair in contexts for t in pair)))
-        return out
-
     monkeypatch.setattr(PassExecutor, "_contexts", observed_contexts)
-    monkeypatch.setattr(PassExecutor, "_attend_resident", observed_resident)
     try:
         with gathered_plain_decodes():
             _generate(engine, [[1 + i] * n for i, n in enumerate((5, 9, 3, 12, 7, 10))], max_tokens=5)
