@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.activations import ActivationStore
-from offload.micro_batch import AttentionGroup, MicroBatch, host_of
+from offload.micro_batch import AttentionGroup, KVWrite, MicroBatch, host_of
 from offload.host_malloc import keep_freed_host_memory
 from offload.interrupts import raise_if_interrupted
 from offload.kv_cache import KVPool
@@ -72,8 +72,9 @@ class PassExecutor:
         self._v_first: dict[int, bool] = {}  # id(micro-batch) -> _writes_v_first
         self._routes: dict[int, object] = {}  # id(part) -> how its context reaches attention (_context_routes)
         self._order = PassOrder(threaded=(), compute_stream=None, gathers_ahead=False)  # per pass (_order_pass)
-        # id(micro-batch) -> its groups' attention as decided for the pass (_group_steps)
-        self._groups: dict[int, tuple[GroupStep, ...]] = {}
+        # id(micro-batch) -> its groups' attention and its KV writes as decided for the pass
+        self._groups: dict[int, tuple[GroupStep, ...]] = {}  # _group_steps
+        self._writes: dict[int, tuple[WriteStep, ...]] = {}  # _write_steps
         self._v_pool: KVPool | None = None  # the pool that quantizes new V rows, if one is compressed
         # the next layer's first micro-batch's contexts, gathered on the I/O thread while this layer's
         # last micro-batch computes (gathers_ahead): (layer, id(micro-batch)) -> contexts, and its future
@@ -152,6 +153,7 @@ class PassExecutor:
             self._v_first = {id(mb): self._writes_v_first(mb) for mb in batches}
             self._order = self._order_pass(batches)
             self._groups = {id(mb): self._group_steps(mb) for mb in batches}
+            self._writes = {id(mb): self._write_steps(mb) for mb in batches}
             self._gathered, self._ahead = {}, None
             g = self.weights.global_weights()
             for k, mb in enumerate(batches):
@@ -256,16 +258,21 @@ class PassExecutor:
         return hidden, gathered if gathered is not None else self._contexts(layer, mb)
 
     def _contexts(self, layer: int, mb: MicroBatch) -> list[list]:
-        return [[self._context(layer, group, part) for part in group.parts] for group in mb.groups]
+        """Per group and part, its context for this layer as its source says (_context_source)."""
+        return [[source if source is None or source is IN_POOL else source[0](layer, *source[1])
+                 for source in step.sources] for step in self._groups[id(mb)]]
 
-    def _context(self, layer: int, group: AttentionGroup, part):
+    def _context_source(self, part):
+        """Where the part's context comes from in every layer of the pass: its route where nothing is
+        gathered (None: its own new rows; IN_POOL), else (the pool's gather, its arguments after the
+        layer)."""
         device = self._routes[id(part)]
         if device is None or device is IN_POOL:
             return device
         pool, slots = self.kv_pools[part.tier], self._slots.get(id(part))
         if pool.compression is None and slots is not None:  # its K/V pairs at the slots uploaded for the pass
-            return pool.gather_pairs(layer, slots, part.kv_slots.shape, device)
-        return pool.gather_part(layer, part, device, slots)  # a compressed pool: slots is its plan
+            return pool.gather_pairs, (slots, part.kv_slots.shape, device)
+        return pool.gather_part, (part, device, slots)  # a compressed pool: slots is its plan
 
     def _context_routes(self, batches: list[MicroBatch]) -> dict:
         """id(part) -> how its context reaches attention, the same in every layer of the pass (decided
@@ -331,7 +338,7 @@ class PassExecutor:
         whole = steps[0].rows is _EVERY_ROW  # one group of every row, in order: its output is the layer's
         attn = None if whole else torch.empty_like(q)
         for step, group_contexts in zip(steps, contexts):
-            q_group = (q if whole else q[step.rows]).view(*step.shape, *q.shape[1:])
+            q_group = (q if whole else q[step.rows]).view(step.shape)  # [B, n, heads, d]
             if step.bias is not None:  # one part, gathered beside its new rows: one fused call, the pass's mask
                 keys, values = group_contexts[0]
                 merged = self.model.attend_decode(q_group, keys, values, step.bias)
@@ -345,7 +352,8 @@ class PassExecutor:
                 attn = merged.reshape(mb.num_tokens, -1)  # [T, heads * d]: a view where the layout allows
             else:
                 attn[step.rows] = merged.flatten(0, 1)
-        return self._post_attention(w, hidden, attn.flatten(1)), k, v, v_codes  # hidden: [T, hidden]
+        attn = attn if whole else attn.flatten(1)  # [T, heads * d]
+        return self._post_attention(w, hidden, attn), k, v, v_codes  # hidden: [T, hidden]
 
     def _group_steps(self, mb: MicroBatch) -> tuple["GroupStep", ...]:
         """Per group of the micro-batch, what its attention does in every layer of the pass: its rows,
@@ -357,7 +365,21 @@ class PassExecutor:
             rows = _EVERY_ROW if whole else _rows(group.row_start, group.num_seqs * group.num_queries, group.token_rows)
             kinds = tuple(self._attend_kind(group, part, written) for part in group.parts)
             bias = self._biases[id(group.parts[0])] if kinds == (FUSED,) else None
-            steps.append(GroupStep(group, rows, (group.num_seqs, group.num_queries), kinds, bias))
+            sources = tuple(self._context_source(part) for part in group.parts)
+            shape = (group.num_seqs, group.num_queries, self.model.config.num_heads, self.model.config.head_dim)
+            steps.append(GroupStep(group, rows, shape, kinds, bias, sources))
+        return tuple(steps)
+
+    def _write_steps(self, mb: MicroBatch) -> tuple["WriteStep", ...]:
+        """Per KV write of the micro-batch, its store in every layer of the pass (_store_kv)."""
+        steps = []
+        for write in mb.kv_writes:
+            count = write.rows.shape[0]
+            every_row = write.row_start == 0 and count == mb.num_tokens  # in order: no slicing
+            rows = None if every_row else _rows(write.row_start, count, write.rows)
+            pool, index = self.kv_pools[write.tier], self._slots.get(id(write))
+            steps.append(WriteStep(write, pool, rows, write.slots if index is None and pool.compression is None
+                                   else index, self._v_first.get(id(mb), False)))
         return tuple(steps)
 
     def _attend_kind(self, group: AttentionGroup, part, written: bool) -> str:
@@ -494,19 +516,18 @@ class PassExecutor:
 
     def _store_kv(self, layer: int, mb: MicroBatch, new_k, new_v, v_codes=None) -> None:
         """v_codes: _v_read_back's codes of new_v (compressed pools), else None."""
-        for write in mb.kv_writes:
-            k, v, codes, count = new_k, new_v, v_codes, write.rows.shape[0]
-            if write.row_start != 0 or count != new_k.shape[0]:  # else every row, in order: no slicing
-                rows = _rows(write.row_start, count, write.rows)
+        for step in self._writes[id(mb)]:
+            k, v, codes, rows = new_k, new_v, v_codes, step.rows
+            if rows is not None:
                 k, v = new_k[rows], new_v[rows]
                 if v_codes is not None:  # the codes' rows alike (QTensor: a view of a slice)
                     codes = v_codes.rows(rows.start, rows.stop) if isinstance(rows, slice) else v_codes.take_rows(rows)
-            pool, indices = self.kv_pools[write.tier], self._slots.get(id(write))
-            if pool.compression is None:
-                pool.store(layer, write.slots if indices is None else indices, k, v)
+            if step.pool.compression is None:
+                step.pool.store(layer, step.index, k, v)
             else:
-                pool.store(layer, write.slots, k, v, write.residual_ids, v_codes=codes, plan=indices,
-                           v_stored=self._v_first.get(id(mb), False))
+                write = step.write
+                step.pool.store(layer, write.slots, k, v, write.residual_ids, v_codes=codes, plan=step.index,
+                                v_stored=step.v_stored)
 
 
 @dataclass(frozen=True)
@@ -524,14 +545,28 @@ class PassOrder:
 class GroupStep:
     """One attention group of a micro-batch as attended in every layer of a pass (_group_steps): its
     rows of the micro-batch (_EVERY_ROW: it is every row, in order; a slice where consecutive), its
-    q's shape (B, n), per part how it is attended (_attend_kind); bias: the pass's mask [B, 1, 1, L]
-    where the group is one FUSED part, else None."""
+    q's shape (B, n, heads, d), per part how it is attended (_attend_kind); bias: the pass's mask
+    [B, 1, 1, L] where the group is one FUSED part, else None."""
 
     group: AttentionGroup
     rows: "slice | torch.Tensor"
-    shape: tuple[int, int]
+    shape: tuple[int, int, int, int]
     kinds: tuple[str, ...]
     bias: "torch.Tensor | None"
+    sources: tuple  # per part, where its context comes from (PassExecutor._context_source)
+
+
+@dataclass(frozen=True)
+class WriteStep:
+    """One KV write of a micro-batch as stored in every layer of a pass (_write_steps): its rows of the
+    micro-batch (None: every row, in order), its pool, what indexes it there (plain: slots on the
+    pool's device; compressed: the store plan) and whether store_v_first put V in already."""
+
+    write: KVWrite
+    pool: KVPool
+    rows: "slice | torch.Tensor | None"
+    index: object
+    v_stored: bool
 
 
 class _Done:
