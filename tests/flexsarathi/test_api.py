@@ -329,7 +329,7 @@ def test_a_suspended_generate_iter_closed_after_its_engine_is_ended_quietly(tiny
 def test_a_batch_runs_alone_and_the_schedule_changes_only_between_batches(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("opt")[0], policy=Policy(gpu_batch_size=2, prefill_budget=4))
     engine = llm.engine
-    seqs = [engine.make_sequence([3, 4, 5], SamplingParams(max_tokens=4)) for _ in range(2)]
+    seqs = [engine.make_sequence([3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True)) for _ in range(2)]
     engine.add_requests([[seq] for seq in seqs])
     engine.step()
     with pytest.raises(FlexSarathiError, match="one batch of requests at a time"):

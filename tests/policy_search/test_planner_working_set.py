@@ -24,7 +24,7 @@ KV_CPU = dict(kv_gpu=0.0, kv_cpu=1.0, kv_disk=0.0)
 
 
 def _generate(engine, prompts, max_tokens):
-    engine.add_requests([[engine.make_sequence(p, SamplingParams(max_tokens=max_tokens))] for p in prompts])
+    engine.add_requests([[engine.make_sequence(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))] for p in prompts])
     while engine.has_unfinished():
         engine.step()
 
