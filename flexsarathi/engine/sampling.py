@@ -100,14 +100,16 @@ def _top_cut(scaled: torch.Tensor, width: int, ks: list[int], top_p: torch.Tenso
     values, order = scaled.topk(width, dim=-1)  # [R, width], the most likely first
     top_k = torch.tensor(ks, device=device)[:, None]
     values = values.masked_fill(torch.arange(width, device=device) >= top_k, float("-inf"))
-    wide = [k > width for k in ks]  # rows whose top_k keeps tokens past `width`: normalised over the whole row
+    # rows whose top_k keeps tokens past `width` (no top_k): normalised over the whole row
+    wide = torch.tensor([k > width for k in ks], device=device) if max(ks) > width else None
     norm = values.logsumexp(-1, keepdim=True)
-    if any(wide):
-        norm = torch.where(torch.tensor(wide, device=device)[:, None], scaled.logsumexp(-1, keepdim=True), norm)
+    if wide is not None:
+        norm = torch.where(wide[:, None], scaled.logsumexp(-1, keepdim=True), norm)
     probs = (values - norm).exp()
-    before = probs.cumsum(-1) - probs  # probability of the more likely tokens kept
-    if any(wide) and not bool((before[:, -1:] + probs[:, -1:] >= top_p)[torch.tensor(wide, device=device)].all()):
+    cumulative = probs.cumsum(-1)
+    if wide is not None and not bool((cumulative[:, -1:] >= top_p)[wide].all()):
         return None
+    before = cumulative - probs  # probability of the more likely tokens kept
     kept = values.masked_fill(before >= top_p, float("-inf"))  # the smallest prefix whose probability reaches top_p
     return torch.full_like(scaled, float("-inf")).scatter_(1, order, kept)
 
@@ -115,8 +117,8 @@ def _top_cut(scaled: torch.Tensor, width: int, ks: list[int], top_p: torch.Tenso
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """logits: [R, vocab] already processed (process_logits); one row, params and generator per
     sequence. Greedy rows: the argmax; others: a draw from their filtered distribution."""
-    tokens = logits.argmax(dim=-1).tolist()
     drawn = [i for i, p in enumerate(params) if not p.greedy]
+    tokens = logits.argmax(dim=-1).tolist() if len(drawn) < len(params) else [0] * len(params)  # greedy rows'
     if drawn:
         probs = filtered_logits(logits[drawn], [params[i] for i in drawn]).softmax(-1)  # [D, vocab]
         for i, token in zip(drawn, draw(probs, [generators[i] for i in drawn])):
