@@ -96,7 +96,7 @@ def _top_cut(scaled: torch.Tensor, width: int, ks: list[int], top_p: torch.Tenso
     prefix of those whose probability reaches top_p[i], worked out on each row's `width` most likely
     tokens; None where that cannot decide it: a row that keeps more than `width` by top_k whose
     `width` most likely tokens hold less than top_p of its probability (a token past them is kept)."""
-    vocab, device = scaled.shape[1], scaled.device
+    device = scaled.device
     values, order = scaled.topk(width, dim=-1)  # [R, width], the most likely first
     top_k = torch.tensor(ks, device=device)[:, None]
     values = values.masked_fill(torch.arange(width, device=device) >= top_k, float("-inf"))
