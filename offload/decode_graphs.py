@@ -51,6 +51,7 @@ class _Bucket:
         self.no_rows = torch.zeros(0, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output [batch, vocab]
+        self._uploaded: torch.cuda.Event | None = None  # CUDA: recorded after the last copy up from `host`
 
     def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         start, stop = self._offsets[name]
@@ -61,6 +62,11 @@ class _Bucket:
         context_slots: [rows, keys] gpu-pool slots of positions 0..keys-1 of each row (int64, host)."""
         rows = len(token_ids)
         host = self.host
+        if self._uploaded is not None:
+            # the last step's copy up may still be reading `host` (non-blocking, from pinned memory):
+            # nothing else orders it before this rewrite (a step whose rows all finish without
+            # sampling makes no host sync between two fills)
+            self._uploaded.synchronize()
         self.view(host, "token_ids").zero_()[:rows] = torch.tensor(token_ids)
         position = self.view(host, "positions").zero_()
         position[:rows] = torch.tensor(positions)
@@ -70,6 +76,9 @@ class _Bucket:
         write = self.view(host, "write_slots").fill_(scratch_slot)
         write[:rows] = slots[:rows].gather(1, position[:rows, None]).squeeze(1)
         self.inputs.copy_(host, non_blocking=True)
+        if self.inputs.is_cuda:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record(torch.cuda.current_stream(self.inputs.device))
 
     def micro_batch(self) -> MicroBatch:
         """A micro-batch of fresh views into the device buffer (fresh objects: a table cached by a

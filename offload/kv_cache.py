@@ -322,7 +322,7 @@ class KVPool:
                 k, data, scale, minimum = to_host_all(k, v_codes.data, v_codes.scale, v_codes.minimum)
                 v_codes = dataclasses.replace(v_codes, data=data, scale=scale, minimum=minimum)
             else:
-                k, v = to_host(k), to_host(v)
+                k, v = to_host_all(k, v)  # one event wait for both
         if self.compression is None:
             slots = to_device(slots, self.device)
             self.k[layer].index_copy_(0, slots, k.to(self.device, self.dtype))
@@ -596,7 +596,7 @@ class KVPool:
             return k
         k_prior = k.clone()
         for (lo, hi), members in spans.items():  # one round trip per span (grouped prompts: one in all)
-            seqs = slice(None) if len(members) == group.num_seqs else torch.tensor(members, device=k.device)
+            seqs = slice(None) if len(members) == group.num_seqs else to_device(torch.tensor(members), k.device)
             stored = self.round_trip_k_blocks(k[seqs, lo:hi].flatten(0, 1))  # whole blocks of each sequence
             k_prior[seqs, lo:hi] = stored.unflatten(0, (-1, hi - lo))
         return k_prior

@@ -37,6 +37,7 @@ from offload.executor import PassExecutor
 from offload.free_memory import free_bytes
 from offload.interrupts import DeferredInterrupts
 from offload.kv_cache import KVCompression, KVPool, decode_in_pool_tiers
+from offload.streams import indexed
 from offload.memory import MemoryBudgetError, MemoryTracker, TierBudget, dequant_scratch_bytes
 from offload.errors import UnquantizableWeight
 from offload.placement import quantized_on_placement, weight_layout_tag
@@ -270,7 +271,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, opened: OpenedModel | None = None):
         """opened: the model already opened by the caller (open_model(config.model)), else opened here."""
         self.engine_config = e = config
-        self.device = resolve_device(e.device)
+        # "cuda" as "cuda:<index>": a tensor's device is always indexed, and the executor and pools
+        # compare theirs with it (a bare "cuda" never equals "cuda:0": a needless .to each layer-step)
+        self.device = indexed(resolve_device(e.device))
         opened = _opened_for(e, opened)
         self.source, self.tokenizer = opened.source, opened.tokenizer
         self.source.use_for(compress_weight=e.policy.compress_weight, weights_on_disk=e.policy.w_disk > 0)

@@ -19,7 +19,7 @@ from flexsarathi.engine.sampling_params import SamplingParams, StructuredOutputs
 from flexsarathi.engine.structured_output import apply_grammar_masks
 
 __all__ = ["SamplingParams", "StructuredOutputsParams", "sample_seed", "process_logits", "filtered_logits", "sample",
-           "draw"]
+           "draw", "inverse_cdf"]
 
 
 TOP_CANDIDATES = 1024  # a top_k / top_p row is cut from its most likely this many first (filtered_logits)
@@ -130,12 +130,40 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
     """One token per row of probs [D, vocab] (fp32, on any device; consumed: its rows become their
     cumulative sums), by the inverse of the cumulative distribution: row i takes one uniform u in
     [0, 1) from generators[i] (so a seeded request draws the same tokens whatever shares its batch)
-    and the first token whose cumulative probability exceeds u x the row's total. A token of
-    probability 0 is never drawn (the sum does not rise there), and u x total < total in fp32 (u
-    <= 1 - 2**-24), so some token always is. One batched cumsum, in place, and one search, where
-    torch.multinomial, a call per row, took 16.7 ms for 16 rows of a 50272-token vocabulary (this:
-    0.58) and 182.3 ms for 64 rows of 128256 (this: 4.63) on 2 Zen 4 cores."""
+    and the first token whose cumulative probability exceeds u x the row's total (inverse_cdf). One
+    batched cumsum, in place, and one search, where torch.multinomial, a call per row, took 16.7 ms
+    for 16 rows of a 50272-token vocabulary (this: 0.58) and 182.3 ms for 64 rows of 128256 (this:
+    4.63) on 2 Zen 4 cores."""
     u = torch.cat([torch.rand(1, generator=g) for g in generators])  # [D] fp32, on the host
-    cumulative = probs.cumsum_(dim=-1)  # [D, vocab]
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, ordered_scan: bool | None = None) -> list[int]:
+    """Per row of probs [D, vocab] (consumed), the first token whose cumulative probability exceeds
+    u[i] x the row's total. A token of probability 0 is never drawn, and u x total < total in fp32
+    (u <= 1 - 2**-24), so some token always is; both need sums that never fall and do not rise at a
+    zero. The CPU's cumsum adds each row in order (ordered_scan; default: on the CPU), which gives
+    both. CUDA's parallel scans sum a prefix in other orders than the prefix before it (CUB's, for a
+    single row: a zero after a thread's boundary can come out an ulp above its predecessor, a sliver
+    of u that would draw a token top_k, a grammar or min_tokens barred): there the sums are made flat
+    at zeros and non-decreasing first (three cheap passes on a GPU)."""
+    cumulative = cumulative_sums(probs, ordered_scan)
     target = u.to(cumulative.device) * cumulative[:, -1]
     return torch.searchsorted(cumulative, target[:, None], right=True).flatten().tolist()
+
+
+def cumulative_sums(probs: torch.Tensor, ordered_scan: bool | None = None) -> torch.Tensor:
+    """probs [D, vocab] (consumed) -> each row's cumulative sums, non-decreasing and flat at zeros
+    (inverse_cdf's ordered_scan)."""
+    if ordered_scan is None:
+        ordered_scan = probs.device.type == "cpu"
+    zero = None if ordered_scan else probs == 0  # [D, vocab], before the scan overwrites probs
+    cumulative = _scan(probs)  # [D, vocab]
+    if zero is not None:
+        cumulative = cumulative.masked_fill_(zero, 0.0).cummax(dim=-1).values
+    return cumulative
+
+
+def _scan(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's cumulative sums, in place."""
+    return probs.cumsum_(dim=-1)

@@ -383,3 +383,72 @@ def test_a_default_engine_on_cuda_fits_its_running_set_and_replays_graphs(storie
         assert llm.engine.memory.budget.gpu <= 0.9 * (free + llm.engine.memory.in_use("gpu") + (1 << 30))
     with LLM(stories_dir, dtype="float32", device="cuda", policy=Policy(gpu_batch_size=len(prompts))) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == fitted
+
+
+# ---- small CUDA rules --------------------------------------------------------------------------
+def test_an_engine_on_bare_cuda_computes_on_an_indexed_device(tiny_checkpoint, tmp_path):
+    """LLM(device="cuda"): the engine's device is "cuda:<current>", equal to its tensors' devices,
+    so the executor's and pools' device checks hold (a bare "cuda" never equals "cuda:0": a store
+    re-uploaded slots already uploaded, every layer-step)."""
+    from offload.kv_cache import KVPool
+
+    folder = tiny_checkpoint("opt_deep")[0]
+    llm = _llm(folder, Policy(**BASE), tmp_path)
+    assert llm.engine.device == torch.device("cuda", torch.cuda.current_device())
+    moved = []
+    store_pair = KVPool.store_pair
+
+    def counting_store_pair(self, layer, slots, pair):
+        moved.append(slots.device != self.device)
+        return store_pair(self, layer, slots, pair)
+
+    KVPool.store_pair = counting_store_pair
+    try:
+        _tokens(llm, _prompts(128))
+    finally:
+        KVPool.store_pair = store_pair
+    assert moved and not any(moved)
+
+
+def test_a_graph_buckets_input_upload_reads_the_rows_it_was_given():
+    """_Bucket.fill rewrites its pinned host buffer while the last step's copy up may still be
+    queued (held back here by a GPU-side sleep): the copy must read the rows of its own fill."""
+    from offload.decode_graphs import _Bucket
+
+    bucket = _Bucket(2, 16, torch.device("cuda"))
+    slots = torch.arange(32).view(2, 16)
+    torch.cuda._sleep(50_000_000)  # the stream busy for a while: the first copy waits behind it
+    bucket.fill([5, 6], [3, 4], slots, scratch_slot=99)
+    first = bucket.inputs.clone()  # queued after the first copy, before the second
+    bucket.fill([7, 8], [9, 10], slots + 100, scratch_slot=99)
+    torch.cuda.synchronize()
+    assert bucket.view(first, "token_ids").tolist() == [5, 6]
+    assert bucket.view(first, "positions").tolist() == [3, 4]
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_cuda_cumulative_sums_never_rise_at_a_zero(rows):
+    """The sampler's inverse CDF on CUDA: one row (CUB's scan) and several, 90% of each row's
+    tokens at probability 0 after 50272 tokens of random mass: the sums it searches are
+    non-decreasing and equal to their predecessor's at every zero, so no barred token can be drawn;
+    the search gives the host's float64 inverse CDF for 500 u per row except where u x total falls
+    within 1e-6 of a boundary."""
+    from flexsarathi.engine.sampling import cumulative_sums, inverse_cdf
+
+    gen = torch.Generator().manual_seed(rows)
+    probs = torch.rand(rows, 50272, generator=gen)
+    probs[torch.rand(rows, 50272, generator=gen) < 0.9] = 0
+    probs /= probs.sum(-1, keepdim=True)
+    sums = cumulative_sums(probs.cuda()).cpu()
+    zero = probs == 0
+    assert (sums[:, 1:] >= sums[:, :-1]).all()
+    assert (sums[:, 1:][zero[:, 1:]] == sums[:, :-1][zero[:, 1:]]).all()
+    exact = probs.double().cumsum(-1)
+    for u in torch.rand(500, 1, generator=gen):
+        tokens = inverse_cdf(probs.cuda(), u.expand(rows))
+        for r, token in enumerate(tokens):
+            assert not zero[r, token]
+            target = u.item() * exact[r, -1].item()
+            expected = int(torch.searchsorted(exact[r], torch.tensor([target], dtype=torch.float64), right=True))
+            near = (exact[r] - target).abs().min().item() < 1e-6
+            assert token == expected or near

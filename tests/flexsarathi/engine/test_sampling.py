@@ -12,7 +12,9 @@ import torch
 
 from flexsarathi.engine import sampling
 from flexsarathi.engine.logits_processors import bar_stops
-from flexsarathi.engine.sampling import SamplingParams, draw, filtered_logits, finite_rows, sample, sample_seed
+from flexsarathi.engine import sampling
+from flexsarathi.engine.sampling import (SamplingParams, draw, filtered_logits, finite_rows, inverse_cdf, sample,
+                                          sample_seed)
 from flexsarathi.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 64
@@ -135,6 +137,49 @@ def test_draw_frequencies_are_the_probabilities_and_zeros_are_never_drawn():
         np.add.at(counts, draw(probs.expand(100, VOCAB).clone(), gens), 1)
     assert counts[zero.numpy()].sum() == 0
     assert np.abs(counts / counts.sum() - probs.numpy()).max() < 0.01
+
+
+def test_the_unordered_scan_route_draws_what_the_ordered_scan_draws():
+    """inverse_cdf as it runs off the CPU (ordered_scan=False: sums made flat at zeros and
+    non-decreasing) gives the CPU route's tokens where the scan is exact: rows with zeros first,
+    last and between, and every u from 0 up to the largest below 1."""
+    probs = torch.rand(6, VOCAB, generator=torch.Generator().manual_seed(5))
+    probs[:, ::3] = 0
+    probs[:, -1] = 0
+    probs /= probs.sum(-1, keepdim=True)
+    for u in (torch.zeros(6), torch.rand(6, generator=torch.Generator().manual_seed(6)),
+              torch.full((6,), 1 - 2 ** -24)):
+        assert (inverse_cdf(probs.clone(), u, ordered_scan=False)
+                == inverse_cdf(probs.clone(), u, ordered_scan=True))
+
+
+def test_a_scan_that_rises_at_a_zero_never_draws_that_token(monkeypatch):
+    """The fault a parallel scan can make (CUDA's, one row): a zero-probability token's sum an ulp
+    above its predecessor's, and a token's sum an ulp below its predecessor's. Injected here: off
+    the CPU the draw still never lands on the zero (nor past the total); the ordered route, which
+    trusts its scan, would (the fault is real)."""
+    probs = torch.tensor([[0.5, 0.0, 0.25, 0.25]])
+    ulp = float(np.spacing(np.float32(0.5)))
+
+    def parallel_scan(p):  # exact sums, then the fault at the zero (index 1)
+        out = torch.cumsum(p, dim=-1)
+        out[0, 1] += ulp
+        return out
+
+    monkeypatch.setattr(sampling, "_scan", parallel_scan)
+    u = torch.tensor([0.5])  # target 0.5 x total: inside the zero's false sliver (0.5, 0.5 + ulp]
+    assert inverse_cdf(probs.clone(), u, ordered_scan=True) == [1]  # the fault, trusted
+    assert inverse_cdf(probs.clone(), u, ordered_scan=False) == [2]
+
+    def dipping_scan(p):  # a token's sum below its predecessor's (non-monotone)
+        out = torch.cumsum(p, dim=-1)
+        out[0, 2] = out[0, 0] - ulp
+        return out
+
+    monkeypatch.setattr(sampling, "_scan", dipping_scan)
+    for v in (0.0, 0.4999, 0.5, 0.74, 0.75, 1 - 2 ** -24):
+        token = inverse_cdf(probs.clone(), torch.tensor([v]), ordered_scan=False)[0]
+        assert token in (0, 2, 3) and token != 1
 
 
 def test_sample_seed_keeps_index_zero_and_differs_per_index():
