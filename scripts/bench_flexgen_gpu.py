@@ -43,6 +43,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,7 +124,7 @@ flex_opt.run_flexgen(parser.parse_args(sys.argv[1:]))
 """
 
 
-def run_flexgen(case: Case, lengths: tuple[int, int], work: Path, timeout: float) -> dict:
+def run_flexgen(case: Case, lengths: tuple[int, int], work: Path, *, timeout: float) -> dict:
     log = work / f"flexgen-{case.name.replace('/', '-')}.log"
     log.unlink(missing_ok=True)
     argv = [sys.executable, "-c", FLEXGEN_MAIN, "--model", f"facebook/{case.model}", "--path", "_DUMMY_",
@@ -142,7 +143,7 @@ def run_flexgen(case: Case, lengths: tuple[int, int], work: Path, timeout: float
 
 
 def run_ours(case: Case, policy: str, schedulers: tuple[str, ...], lengths: tuple[int, int], work: Path,
-             cpu_mem_gib: float, timeout: float, profile: str | None = None) -> list[dict]:
+             cpu_mem_gib: float, *, timeout: float, profile: str | None = None) -> list[dict]:
     """One process: the engine is built once (weights made once) and measured with each scheduler in
     turn (LLMEngine.set_schedule; placement unchanged). policy: a policy file or "auto"."""
     if policy == "auto" and case.auto_4bit:
@@ -214,7 +215,8 @@ def planned_hardware(preset: str, profile: str, cpu_mem_gib: float):
     return hardware
 
 
-def plan_case(case: Case, lengths: tuple[int, int], cpu_mem_gib: float, profile: str | None) -> list[dict]:
+def plan_case(case: Case, lengths: tuple[int, int], cpu_mem_gib: float, profile: str | None,
+              schedulers: tuple[str, ...]) -> list[dict]:
     """--plan-only: what the planner predicts for each of our runs of the case (FlexGen's policy per
     scheduler, the searched one) on the hardware they would run under, and whether its memory model
     fits them there: arithmetic only, no GPU (run before a GPU session to see what it will measure)."""
@@ -227,7 +229,7 @@ def plan_case(case: Case, lengths: tuple[int, int], cpu_mem_gib: float, profile:
     workload = Workload(prompt_len=lengths[0], gen_len=lengths[1], num_requests=case.requests or None)
     spec = planned_model(f"dummy:{case.model}", "float16", device="cuda").spec
     runs = [(f"ours, FlexGen's policy, {s}", case.policy.replace(scheduler=s))
-            for s in (case.schedulers if case.policy is not None else ())]
+            for s in (schedulers if case.policy is not None else ())]
     if case.ours_auto:
         constraints = {"compress_weight": True} if case.auto_4bit else {}
         runs.append((f"ours, searched for {case.hardware}", LLM.search_policy(
@@ -240,6 +242,18 @@ def plan_case(case: Case, lengths: tuple[int, int], cpu_mem_gib: float, profile:
                     "peak_gpu_gib": est.peak_memory["gpu"] / GiB, "gpu_budget_gib": est.budgets["gpu"] / GiB,
                     "bound": est.bound, "policy": describe_policy(policy), "planned_with": hardware.name})
     return out
+
+
+def chosen_cases(names: list[str] | None) -> list[Case]:
+    """The cases named (a case's name or its model's), in the order named: a short GPU lease runs
+    the first first. None: every case."""
+    if not names:
+        return list(CASES)
+    chosen = [c for name in names for c in CASES if name in (c.name, c.model)]
+    unknown = [name for name in names if not any(name in (c.name, c.model) for c in CASES)]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}: choose from {[c.name for c in CASES]} or their models")
+    return list(dict.fromkeys(chosen))
 
 
 def _run(argv: list[str], timeout: float) -> dict:
@@ -256,11 +270,16 @@ def _run(argv: list[str], timeout: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=None, help="case names or model names (default: all)")
+    parser.add_argument("--cases", nargs="+", default=None, help="case names or model names, run in this order "
+                        "(default: all)")
     parser.add_argument("--skip-flexgen", action="store_true")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole script: no run starts "
+                        "after it, and each run's timeout is cut to what is left (a GPU lease is short)")
+    parser.add_argument("--schedulers", nargs="+", default=None, choices=("block", "decode-maximal"),
+                        help="our runs of FlexGen's policies with these schedulers only (default: both)")
     parser.add_argument("--work", default=None, help="folder for offload files (default: a temporary one)")
     parser.add_argument("--profile", default=None, help="a `flexsarathi profile` JSON of this machine: our "
                         "planner searches and predicts with its measured rates (host overhead per layer, eager and "
@@ -286,45 +305,56 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    cases = [c for c in CASES if not args.cases or c.name in args.cases or c.model in args.cases]
+    cases = chosen_cases(args.cases)
     cpu_mem = args.cpu_gib or min(208.0, 0.85 * (_host_memory() / GiB))
     print(f"GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / GiB:.0f} GiB), "
           f"torch {torch.__version__}; {cpu_line()}; RAM {(_host_memory() / GiB):.0f} GiB")
     print(f"ours: T4 caps (GPU {T4_CUDA_GIB:.0f} GiB whole, for FlexGen's policies and the searched one alike; "
           f"CPU {cpu_mem:.0f} GiB), fp16; prompt {args.prompt_len}, output {args.gen_len}\n")
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench_flexgen_gpu_"))
-    lengths = (args.prompt_len, args.gen_len)
-    results = []
-    for case in cases:
-        flexgen = {"error": "no FlexGen run (FlexGen runs OPT only)"}
-        if case.flexgen_args is not None:
-            flexgen = {"error": "skipped"} if args.skip_flexgen else run_flexgen(case, lengths, work, args.timeout)
-            _report(results, case, "FlexGen (flexgen.flex_opt)", flexgen, flexgen)
-        if case.policy is not None:
-            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-                policy_file = f.name
-            case.policy.save(policy_file)
-            for result in run_ours(case, policy_file, case.schedulers, lengths, work, cpu_mem, args.timeout,
-                                   args.profile):
-                _report(results, case, f"ours, FlexGen's policy, {result.get('scheduler', '?')}", result, flexgen)
-        if case.ours_auto:
-            searched = f"ours, searched for {case.hardware}" + (" (4-bit weights)" if case.auto_4bit else "")
-            for result in run_ours(case, "auto", (), lengths, work, cpu_mem, args.timeout, args.profile):
-                _report(results, case, searched, result, flexgen)
+    results = run_cases(args, cases, cpu_mem)
     harness.write_result(args, results, {f"{r['case']}: {r['who']} / FlexGen": r["over_flexgen"]
                                          for r in results if r.get("over_flexgen")})
     return 0
 
 
+def run_cases(args, cases: list[Case], cpu_mem: float) -> list[dict]:
+    """Per case, FlexGen's run, ours with its policy (per scheduler), ours searched: a line each as it
+    ends (the results so far are in the log when a lease ends mid-way)."""
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_flexgen_gpu_"))
+    lengths = (args.prompt_len, args.gen_len)
+    results = []
+    timeout = _Timeouts(args.timeout, args.deadline)
+    for case in cases:
+        flexgen = {"error": "no FlexGen run (FlexGen runs OPT only)"}
+        if case.flexgen_args is not None:
+            flexgen = {"error": "skipped"} if args.skip_flexgen else timeout.run(run_flexgen, case, lengths, work)
+            _report(results, case, "FlexGen (flexgen.flex_opt)", flexgen, flexgen)
+        schedulers = tuple(s for s in case.schedulers if not args.schedulers or s in args.schedulers)
+        if case.policy is not None and schedulers:
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                policy_file = f.name
+            case.policy.save(policy_file)
+            for result in timeout.run(run_ours, case, policy_file, schedulers, lengths, work, cpu_mem,
+                                      profile=args.profile, many=True):
+                _report(results, case, f"ours, FlexGen's policy, {result.get('scheduler', '?')}", result, flexgen)
+        if case.ours_auto:
+            searched = f"ours, searched for {case.hardware}" + (" (4-bit weights)" if case.auto_4bit else "")
+            for result in timeout.run(run_ours, case, "auto", (), lengths, work, cpu_mem, profile=args.profile,
+                                      many=True):
+                _report(results, case, searched, result, flexgen)
+    return results
+
+
 def plan_only(args) -> int:
     """--plan-only: plan_case for every chosen case, a line each, and the JSON result."""
-    cases = [c for c in CASES if not args.cases or c.name in args.cases or c.model in args.cases]
+    cases = chosen_cases(args.cases)
     cpu_mem = args.cpu_gib or min(208.0, 0.85 * (_host_memory() / GiB))
     print(f"planned, not run: {cpu_line()}; CPU capped at {cpu_mem:.0f} GiB; prompt {args.prompt_len}, "
           f"output {args.gen_len}; rates: {args.profile or 'each case preset'}\n")
     results = []
     for case in cases:
-        for r in plan_case(case, (args.prompt_len, args.gen_len), cpu_mem, args.profile):
+        schedulers = tuple(s for s in case.schedulers if not args.schedulers or s in args.schedulers)
+        for r in plan_case(case, (args.prompt_len, args.gen_len), cpu_mem, args.profile, schedulers):
             results.append(r)
             over = "".join(f" ({tier} over by {excess / GiB:.2f} GiB)" for tier, excess in r["over_budget"].items())
             print(f"{case.name:<20} {r['who']:<36} predicted {r['predicted_tok_s']:9.2f} tok/s  gpu "
@@ -334,10 +364,31 @@ def plan_only(args) -> int:
     return 0
 
 
+class _Timeouts:
+    """Each run's timeout: `per_run` seconds, cut to what is left of `deadline` seconds from now
+    (None: no deadline); a run that would start with under a minute left is skipped, said so. Each
+    result gets the run's wall seconds (process start and weight set-up included), to plan leases."""
+
+    def __init__(self, per_run: float, deadline: float | None):
+        self.per_run, self.ends = per_run, None if deadline is None else time.monotonic() + deadline
+
+    def run(self, fn, *args, many: bool = False, **kwargs):
+        left = self.per_run if self.ends is None else min(self.per_run, self.ends - time.monotonic())
+        if left < 60:
+            skipped = {"error": "skipped: the --deadline is (nearly) spent"}
+            return [skipped] if many else skipped
+        started = time.monotonic()
+        out = fn(*args, timeout=left, **kwargs)
+        wall = round(time.monotonic() - started, 1)
+        for result in out if many else [out]:
+            result["wall_s"] = wall
+        return out
+
+
 def _report(results: list, case: Case, who: str, result: dict, flexgen: dict) -> None:
     results.append({"case": case.name, "who": who, **result})
     if result.get("error"):
-        print(f"{case.name:<20} {who:<42} FAILED: {result['error']}", flush=True)
+        print(f"{case.name:<20} {who:<42} FAILED: {result['error']} (wall {result.get('wall_s', 0):.0f} s)", flush=True)
         return
     ratio = ""
     if "tok_s" in flexgen and flexgen is not result:
@@ -347,8 +398,8 @@ def _report(results: list, case: Case, who: str, result: dict, flexgen: dict) ->
     if "predicted_tok_s" in result:  # the planner's estimate of the same run, and how far off it is
         extra = (f"  predicted {result['predicted_tok_s']:.2f} ({result['planned_with']}; measured / predicted "
                  f"{result['tok_s'] / result['predicted_tok_s']:.2f})" + extra)
-    print(f"{case.name:<20} {who:<42} {result['tok_s']:9.2f} tok/s  {result['seconds']:8.2f} s  {ratio:>6}{extra}",
-          flush=True)
+    print(f"{case.name:<20} {who:<42} {result['tok_s']:9.2f} tok/s  {result['seconds']:8.2f} s  {ratio:>6}{extra}"
+          f"  (wall {result.get('wall_s', 0):.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@
 # triton:  scripts/bench_triton_gpu.py (the kernel against dequantize + matmul, 70B / 30B shapes).
 # flexgen: scripts/bench_flexgen_gpu.py (ours against FlexGen itself under T4 caps), with the planner's
 #          predicted tok/s beside each of ours; FLEXGEN_PROFILE=1 plans with this GPU's profile (measured
-#          first) instead of the t4 preset's rates.
+#          first) instead of the t4 preset's rates; FLEXGEN_SCHEDULERS="decode-maximal" runs FlexGen's
+#          policies with that scheduler only; no run starts after FLEXGEN_DEADLINE s (570), each
+#          line (with its wall seconds) is in flexgen.log as it ends.
 # stress:  the CUDA tests that a stream-ordering race fails (test_cuda.py: no_host_sync, held_back,
 #          closed_or_dropped) in STRESS_PROCS (12) processes at once, twice: one GPU and the cores
 #          shared, as a suite under xdist shares them (a race seen there once failed 9 of 25 such runs).
@@ -25,6 +27,7 @@
 #          OPT and an OPT-6.7B-shaped one (hidden 4096, 32 heads, prompt 512).
 # profile: scripts/profile_passes.py (host time per layer-step of an all-on-GPU batch, cProfile and
 #          torch.profiler tables), block then decode-maximal.
+# scripts/gpu_prepare.sh lays .whl and .shared_copy for WHEELS and SHARED (run it here, before the lease).
 # WHEELS=dir installs the wheels in dir first (a machine without a package index); SHARED=dir is
 # copied to ../shared when that is absent (the stories260K checkpoint the suite reads).
 set -u
@@ -68,6 +71,7 @@ for step in $STEPS; do
         # shellcheck disable=SC2086
         timeout "${FLEXGEN_TIMEOUT:-600}" $PY scripts/bench_flexgen_gpu.py ${FLEXGEN_CASES:+--cases $FLEXGEN_CASES} \
             ${FLEXGEN_PROFILE:+--profile "$OUT/profile.json"} --timeout "${FLEXGEN_RUN_TIMEOUT:-300}" \
+            ${FLEXGEN_SCHEDULERS:+--schedulers $FLEXGEN_SCHEDULERS} --deadline "${FLEXGEN_DEADLINE:-570}" \
             --json "$OUT/flexgen.json" >> "$OUT/flexgen.log" 2>&1 ;;
     stress)
         : > "$OUT/stress.log"

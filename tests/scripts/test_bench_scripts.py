@@ -97,3 +97,18 @@ def test_bench_flexgen_gpu_plans_without_a_gpu(tmp_path):
         assert r["fits"] and not r["over_budget"] and r["predicted_tok_s"] > 0, r
         assert r["gpu_budget_gib"] == 15.0 and r["peak_gpu_gib"] <= 15.0
     assert done.stdout.startswith("planned, not run: CPU: ")
+
+
+def test_bench_flexgen_gpu_runs_the_cases_in_the_order_named(tmp_path):
+    """A short GPU lease runs the first case named first: --plan-only lists them in that order, and
+    --schedulers keeps only those runs of FlexGen's policies."""
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent), OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_flexgen_gpu.py"), "--plan-only", "--cases",
+                           "opt-30b/cpu-weights", "opt-6.7b/4bit", "--schedulers", "decode-maximal", "--cpu-gib", "100",
+                           "--json", str(out)], cwd=SCRIPTS.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [(r["case"], r["who"]) for r in json.loads(out.read_text())["rows"]]
+    assert rows == [("opt-30b/cpu-weights", "ours, FlexGen's policy, decode-maximal"),
+                    ("opt-30b/cpu-weights", "ours, searched for t4"),
+                    ("opt-6.7b/4bit", "ours, FlexGen's policy, decode-maximal")]
