@@ -185,7 +185,7 @@ class PassExecutor:
             (hidden, contexts), loaded = loading.result()
             if loaded is not None:
                 wait_for(loaded, self.device)
-            if order.compute_stream is not None:
+            if order.compute_stream is not None and order.threaded[k]:  # made on the I/O stream: used here too
                 used_on([hidden, *(t for parts in contexts or () for kv in parts if kv is not None for t in kv)],
                         order.compute_stream)
             if k + 1 < len(batches):

@@ -189,8 +189,9 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
         capture_s = engine.graph_passes.graphs.capture_seconds if engine.graph_passes else 0.0
         for scheduler in schedulers or [engine.policy.scheduler]:
             engine.set_schedule(scheduler=scheduler)
-            llm.generate(_prompts(count, prompt_len, vocab, 0),
-                         SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True), use_tqdm=False)
+            with harness.StepPhases(engine) as phases:  # where the run's time goes, by phase
+                llm.generate(_prompts(count, prompt_len, vocab, 0),
+                             SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True), use_tqdm=False)
             s = llm.last_stats
             predicted = estimate(engine.policy, planned_model(f"dummy:{model}", "float16", device=device).spec,
                                  hardware, workload).throughput
@@ -198,7 +199,8 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
                               "predicted_tok_s": predicted, "planned_with": hardware.name,
                               "policy": describe_policy(engine.policy), "device": device_name(engine.device),
                               "num_prompts": count, "peak_gpu": s["memory"]["gpu"]["peak"],
-                              "graph_passes": engine.stats["graph_passes"], "warm_up_capture_s": capture_s}), flush=True)
+                              "graph_passes": engine.stats["graph_passes"], "warm_up_capture_s": capture_s,
+                              "phases": phases.summary()}), flush=True)
 
 
 def planned_hardware(preset: str, profile: str, cpu_mem_gib: float):
@@ -400,6 +402,9 @@ def _report(results: list, case: Case, who: str, result: dict, flexgen: dict) ->
                  f"{result['tok_s'] / result['predicted_tok_s']:.2f})" + extra)
     print(f"{case.name:<20} {who:<42} {result['tok_s']:9.2f} tok/s  {result['seconds']:8.2f} s  {ratio:>6}{extra}"
           f"  (wall {result.get('wall_s', 0):.0f} s)", flush=True)
+    if result.get("phases"):  # ours: where the measured run's time went
+        print(" " * 22 + "phases: " + "; ".join(f"{name} {p['calls']} x {p['ms_each']:.2f} ms"
+                                                for name, p in result["phases"].items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What every benchmark script does besides its own workload: name the machine and the commit, time
 engines side by side, hold a run in a memory cgroup, drop files' page cache, count disk bytes and CPU
-seconds, print a ratio table, and write the run's JSON result beside the printed table.
+seconds, split an engine's steps into phases, print a ratio table, and write the run's JSON result
+beside the printed table.
 
 A script imports it as `import harness` (the script's folder is on sys.path when it runs); importing
 it puts the repository root on sys.path too, so the packages import from a checkout. Nothing here
@@ -129,6 +130,69 @@ def timed_into(totals: dict, key: str, fn: Callable) -> Callable:
         finally:
             totals[key] += time.perf_counter() - start
     return call
+
+
+class StepPhases:
+    """Where an engine's steps spend their wall time: `with StepPhases(llm.engine) as phases:` times
+    each step's parts (the scheduler's schedule and postprocess, the engine's forward and sample) on
+    that engine object alone (its class is untouched; restored on exit), then `phases.summary()`.
+    Passes are told apart: replayed from a CUDA graph, decode (every item one generated token), or
+    with prompt tokens. On a GPU, forward ends with a device sync, so a pass's GPU time is its own
+    (the sampler syncs right after it anyway, reading its tokens: the run's speed is unchanged)."""
+
+    PHASES = ("schedule", "graph pass", "decode pass", "prompt pass", "sample", "postprocess")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.counts = dict.fromkeys(self.PHASES, 0)
+
+    def __enter__(self) -> "StepPhases":
+        import torch
+
+        e, s = self.engine, self.engine.scheduler
+        schedule, forward, sample, postprocess = s.schedule, e.forward, e.sample, s.postprocess
+        sync = torch.cuda.synchronize if e.device.type == "cuda" else (lambda: None)
+
+        def timed_forward(plan):
+            replays, start = e.stats["graph_passes"], time.perf_counter()
+            out = forward(plan)
+            sync()
+            decode = all(item.start >= item.seq.num_prompt_tokens for item in plan.items)
+            kind = ("graph pass" if e.stats["graph_passes"] > replays else
+                    "decode pass" if decode else "prompt pass")
+            self._add(kind, time.perf_counter() - start)
+            return out
+
+        s.schedule = self._timed("schedule", schedule)
+        e.forward = timed_forward
+        e.sample = self._timed("sample", sample)
+        s.postprocess = self._timed("postprocess", postprocess)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name in ((self.engine.scheduler, "schedule"), (self.engine, "forward"), (self.engine, "sample"),
+                            (self.engine.scheduler, "postprocess")):
+            vars(owner).pop(name, None)  # the class's method again
+
+    def _timed(self, phase: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(phase, time.perf_counter() - start)
+        return call
+
+    def _add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+        self.counts[phase] += 1
+
+    def summary(self) -> dict:
+        """Per phase: calls, seconds and ms per call (phases never entered left out)."""
+        return {phase: {"calls": self.counts[phase], "s": round(self.seconds[phase], 4),
+                        "ms_each": round(1e3 * self.seconds[phase] / self.counts[phase], 3)}
+                for phase in self.PHASES if self.counts[phase]}
 
 
 def disk_read_bytes() -> int:

@@ -294,3 +294,27 @@ def test_timed_into_adds_each_calls_seconds_however_it_ends(monkeypatch):
     with pytest.raises(ValueError, match="boom"):
         timed(1, fail=True)
     assert totals["work"] == 3.5
+
+
+def test_step_phases_counts_every_step_by_its_pass_and_leaves_the_engine_as_it_was(tiny_checkpoint):
+    """StepPhases on a real engine, block schedule: one prompt pass (every prompt at once), then one
+    decode pass per further token; schedule, sample and postprocess once per step; the phases' seconds
+    lie within the run's; afterwards the engine's methods are its class's again."""
+    from flexsarathi import LLM, SamplingParams
+    from policy_search import Policy
+
+    with LLM(tiny_checkpoint("opt")[0], policy=Policy(gpu_batch_size=3, scheduler="block")) as llm:
+        engine = llm.engine
+        began = time.perf_counter()
+        with harness.StepPhases(engine) as phases:
+            llm.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]],
+                         SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
+        took = time.perf_counter() - began
+        summary = phases.summary()
+        assert {name: p["calls"] for name, p in summary.items()} == {
+            "schedule": 5, "prompt pass": 1, "decode pass": 4, "sample": 5, "postprocess": 5}
+        assert 0 < sum(p["s"] for p in summary.values()) <= took
+        assert all(name not in vars(engine) for name in ("forward", "sample"))
+        assert all(name not in vars(engine.scheduler) for name in ("schedule", "postprocess"))
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)  # the class's methods, untimed
+        assert phases.counts["schedule"] == 5
