@@ -799,6 +799,7 @@ class LLMEngine:
                 bitmask = bitmask[[position[s] for s in seqs]]
             sampled = sample(process_logits(logits, seqs, bitmask), [s.params for s in seqs],
                              [s.generator for s in seqs])
+            seqs, sampled, logits = _drop_unsampled(seqs, sampled, logits)
             advance_matchers(seqs, sampled)
             wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
             if wanted:  # of the model's distribution, as vLLM's raw logprobs
@@ -917,6 +918,21 @@ def _split_by_fractions(total: int, fractions: tuple[float, float, float]) -> di
     for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[:total - sum(counts)]:
         counts[i] += 1
     return {tier: n for tier, n in zip(TIERS, counts) if n > 0}
+
+
+def _drop_unsampled(seqs: list[Sequence], sampled: list[int | None],
+                    logits: torch.Tensor) -> tuple[list[Sequence], list[int], torch.Tensor]:
+    """The rows that sampled a token (seqs, tokens, their logits rows); a sequence whose processed
+    row allowed no token fails (Sequence.error), and only its request, rather than take a token
+    none of its rules allow."""
+    if all(token is not None for token in sampled):
+        return seqs, sampled, logits
+    for seq, token in zip(seqs, sampled):
+        if token is None:
+            seq.error = (f"no token may follow output token {len(seq.output_token_ids)}: its structured output, "
+                         "bad_words, stop rules (before min_tokens) and logit_bias leave none")
+    keep = [i for i, token in enumerate(sampled) if token is not None]
+    return [seqs[i] for i in keep], [sampled[i] for i in keep], logits[keep]
 
 
 def _record_prompt_logprobs(seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:

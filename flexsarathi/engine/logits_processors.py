@@ -73,8 +73,19 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts:
                                        device=device)[:, None]
     output_counts = token_counts(outputs, vocab, device)  # [R, vocab]
     seen = (token_counts(prompts, vocab, device) > 0) | (output_counts > 0)
-    repetition = column("repetition_penalty")
+    # a penalty at the edges of float (1e-300 is 0 in fp32; 1e300 is inf) held to its finite range:
+    # no 0 * inf (NaN); a logit that overflows to +inf is taken to its limit below
+    finite = torch.finfo(logits.dtype)
+    repetition = column("repetition_penalty").clamp(finite.tiny, finite.max)
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalized, logits)
-    return (logits - column("frequency_penalty") * output_counts
-            - column("presence_penalty") * (output_counts > 0).to(logits.dtype))
+    logits = (logits - column("frequency_penalty") * output_counts
+              - column("presence_penalty") * (output_counts > 0).to(logits.dtype))
+    return at_infinity(logits)
+
+
+def at_infinity(logits: torch.Tensor) -> torch.Tensor:
+    """Rows of logits [R, vocab] holding +inf (a penalty's overflow) as their limit: every +inf
+    token equally likely (0), every other impossible (-inf); other rows as they are."""
+    top = logits == float("inf")
+    return torch.where(top.any(dim=-1, keepdim=True), top.to(logits.dtype).log(), logits)

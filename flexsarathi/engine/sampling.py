@@ -110,20 +110,23 @@ def _top_cut(scaled: torch.Tensor, width: int, ks: list[int], top_p: torch.Tenso
     if wide is not None and not bool((cumulative[:, -1:] >= top_p)[wide].all()):
         return None
     before = cumulative - probs  # probability of the more likely tokens kept
-    kept = values.masked_fill(before >= top_p, float("-inf"))  # the smallest prefix whose probability reaches top_p
+    # the smallest prefix whose probability reaches top_p, never empty (a tiny top_p is 0 in fp32)
+    kept = values.masked_fill((before >= top_p) & (torch.arange(width, device=device) > 0), float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter_(1, order, kept)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int | None]:
     """logits: [R, vocab] already processed (process_logits); one row, params and generator per
-    sequence. Greedy rows: the argmax; others: a draw from their filtered distribution."""
+    sequence. Greedy rows: the argmax; others: a draw from their filtered distribution. None where
+    the row allows no token at all (every logit -inf: a grammar whose tokens bad_words bar, say)."""
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     tokens = logits.argmax(dim=-1).tolist() if len(drawn) < len(params) else [0] * len(params)  # greedy rows'
     if drawn:
         probs = filtered_logits(logits[drawn], [params[i] for i in drawn]).softmax(-1)  # [D, vocab]
         for i, token in zip(drawn, draw(probs, [generators[i] for i in drawn])):
             tokens[i] = token
-    return tokens
+    allowed = (logits.amax(dim=-1) > float("-inf")).tolist()  # NaN: not allowed either
+    return [token if ok else None for token, ok in zip(tokens, allowed)]
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from flexsarathi.errors import FlexSarathiError
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value (vLLM clamps to it too)
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
+# The most completions one request asks: each is a sequence with its own blocks and host state (n of
+# 100 million ran the host out of memory); OpenAI's API takes 128, HumanEval's pass@100 wants 200.
+MAX_N = 1024
 
 
 def _is_int(value) -> bool:
@@ -92,7 +96,7 @@ class StructuredOutputsParams:
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16  # None: until the model's context ends
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (below SAMPLING_EPS) = greedy
     top_k: int = -1  # -1 (or 0, vLLM's spelling now) = whole vocabulary
     top_p: float = 1.0
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after temperature)
@@ -163,8 +167,8 @@ class SamplingParams:
         most = math.inf if self.max_tokens is None else self.max_tokens
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= most:
             self._bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
-        if not _is_int(self.n) or self.n < 1:
-            self._bad("n", "must be an integer >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            self._bad("n", f"must be an integer in [1, {MAX_N}]")
         for name, what in (("logprobs", "top alternatives per token"),
                            ("prompt_logprobs", "top candidates per prompt position; 0 = the prompt token only")):
             value = getattr(self, name)
@@ -182,7 +186,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """The argmax: temperature 0, or below SAMPLING_EPS (vLLM's rule: logits / 1e-38 overflow)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def penalized(self) -> bool:
@@ -195,7 +200,8 @@ def _logit_bias(params: SamplingParams, bias) -> dict[int, float]:
         params._bad("logit_bias", "must be a {token id: bias} object")
     out = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        # ASCII digits only: str.isdigit() also takes '²' or '①', which int() refuses
+        token = int(key) if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit() else key
         if not _is_int(token) or token < 0:
             params._bad("logit_bias", f"has key {key!r}: keys must be token ids (integers >= 0)")
         if not _is_number(value) or not math.isfinite(value):

@@ -103,7 +103,9 @@ class Sequence:
 
     def append(self, token: int) -> None:
         self.output_token_ids.append(token)
-        if token in self.stop_ids and self.may_stop:
+        # a grammar that took its end allows nothing more: its EOS stops the sequence even before
+        # min_tokens (the sampler lets only EOS through there: sampling.process_logits)
+        if token in self.stop_ids and (self.may_stop or (self.grammar is not None and self.grammar.complete)):
             self.status = SequenceStatus.FINISHED_STOPPED
             self.stop_reason = token
         elif self.context_full:

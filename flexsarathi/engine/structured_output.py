@@ -110,6 +110,11 @@ class GrammarState:
         self.matcher(kept_outputs)
         self._accept(token)
 
+    @property
+    def complete(self) -> bool:
+        """The matcher took the grammar's end (EOS): no token may follow."""
+        return self._matcher is not None and self._matcher.is_terminated()
+
     def _accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):
             raise RuntimeError(f"token {token} is outside the grammar the mask allowed: a sampler bug")

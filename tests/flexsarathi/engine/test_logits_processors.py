@@ -144,9 +144,11 @@ def test_top_logprobs_are_vllms_shape_with_float64_ranks():
 
 @pytest.mark.parametrize("field,value", [("repetition_penalty", 0), ("presence_penalty", 2.5),
                                          ("frequency_penalty", -3), ("min_p", 1.5), ("logit_bias", {"a": 1}),
+                                         ("logit_bias", {"\u00b2": 5}), ("logit_bias", {"\u2460": 1}),
                                          ("logit_bias", {1: float("nan")}), ("bad_words", [""]),
                                          ("prompt_logprobs", True), ("prompt_logprobs", -2),
-                                         ("include_stop_str_in_output", 1), ("skip_special_tokens", "no")])
+                                         ("include_stop_str_in_output", 1), ("skip_special_tokens", "no"),
+                                         ("n", 0), ("n", 1025), ("n", 100_000_000)])
 def test_bad_values_are_one_error_naming_the_field(field, value):
     with pytest.raises(FlexSarathiError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})

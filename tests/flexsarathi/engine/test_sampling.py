@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from flexsarathi.engine import sampling
-from flexsarathi.engine.logits_processors import bar_stops
-from flexsarathi.engine import sampling
+from flexsarathi.engine.logits_processors import apply_penalties, bar_stops
 from flexsarathi.engine.sampling import (SamplingParams, draw, filtered_logits, finite_rows, inverse_cdf, sample,
                                           sample_seed)
 from flexsarathi.engine.sequence import Sequence, SequenceStatus
@@ -231,3 +230,53 @@ def test_finite_rows_is_isfinite_all_per_row(dtype):
     assert finite_rows(logits).tolist() == torch.isfinite(logits).all(dim=1).tolist()
     assert finite_rows(logits).tolist() == [True, False, False, False, False, False, False, True, True,
                                             True, True, True]
+
+
+def test_controls_at_the_edges_of_float_still_draw_a_token_they_allow():
+    """A top_p below fp32's smallest number (0 there) keeps the most likely token; a temperature
+    below SAMPLING_EPS is greedy (logits / 1e-38 overflow); each row, 200 draws: always the argmax."""
+    logits = rows(4, seed=9)
+    argmax = logits.argmax(-1).tolist()
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    for params in (SamplingParams(top_p=1e-300), SamplingParams(temperature=1e-38),
+                   SamplingParams(temperature=1e-6, top_k=3)):
+        assert params.greedy == (params.temperature < 1e-5)
+        for _ in range(50):
+            assert sample(logits, [params] * 4, gens) == argmax
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_a_repetition_penalty_that_overflows_draws_among_the_overflowed_tokens():
+    """repetition_penalty 1e-300 (0 in fp32, held to its smallest normal) sends seen tokens' large
+    positive logits to +inf: the limit is uniform over those tokens (no NaN, no token outside the
+    vocabulary); 1e300 (inf in fp32, held to its largest) keeps a seen logit of exactly 0 at 0, not
+    NaN, and sends negative ones to -3.4e38."""
+    logits = rows(1, seed=4).clamp(-3, 3)  # unseen tokens: finite after any penalty
+    seen = [i for i in range(VOCAB) if i % 5 == 0]
+    logits[0, seen] = -1.0
+    logits[0, seen[0]] = 0.0
+    logits[0, seen[1:4]] = torch.tensor([5.0, 6.0, 7.0])  # / fp32's smallest normal (1.2e-38): over 3.4e38
+    overflowed = set(seen[1:4])
+    gen = torch.Generator().manual_seed(1)
+    tiny = SamplingParams(repetition_penalty=1e-300, seed=1)
+    processed = apply_penalties(logits, [tiny], [seen], [[]])
+    assert set(torch.isfinite(processed[0]).nonzero().flatten().tolist()) == overflowed
+    drawn = [sample(processed, [tiny], [gen])[0] for _ in range(300)]
+    assert set(drawn) == overflowed  # each about equally likely: 300 draws of 3
+    huge = SamplingParams(repetition_penalty=1e300)
+    processed = apply_penalties(logits, [huge], [seen], [[]])
+    assert not processed.isnan().any() and processed[0, seen[0]] == 0
+    assert all(processed[0, i] <= -1e38 for i in seen if logits[0, i] < 0)  # x fp32's largest
+    assert 0 <= sample(processed, [huge], [gen])[0] < VOCAB
+
+
+def test_a_row_that_allows_no_token_samples_none_and_the_others_are_untouched():
+    """Every logit -inf (a grammar whose last tokens bad_words bar): None for that row, greedy or
+    drawn; the other rows sample what they sample alone."""
+    logits = rows(3, seed=6)
+    dead = logits.clone()
+    dead[1] = -math.inf
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.7)):
+        alone = [sample(logits[i:i + 1], [params], [torch.Generator().manual_seed(i)])[0] for i in (0, 2)]
+        got = sample(dead, [params] * 3, [torch.Generator().manual_seed(i) for i in range(3)])
+        assert got[1] is None and [got[0], got[2]] == alone

@@ -88,6 +88,33 @@ def test_a_schema_that_cannot_compile_is_that_requests_error(stories):
         stories.generate(PROMPTS[0], bad[1], use_tqdm=False)
 
 
+def test_a_grammar_that_ends_before_min_tokens_stops_there(stories):
+    """min_tokens past what the grammar allows (a one-word choice, a one-letter regex): the grammar
+    wins, as its EOS is the only token it allows: the sequence stops with its complete output
+    (an xgrammar matcher asked for a mask after its end failed the whole batch)."""
+    params = [SamplingParams(max_tokens=8, min_tokens=6, temperature=t, seed=1, structured_outputs=s)
+              for t in (0, 0.9) for s in ({"choice": ["no"]}, {"regex": "a"})]
+    outs = stories.generate(PROMPTS[:4], params, use_tqdm=False)
+    eos = stories.tokenizer.eos_token_id
+    assert [o.text for o in outs] == ["no", "a", "no", "a"]
+    for out in outs:
+        assert out.finish_reason == "stop" and out.token_ids[-1] == eos
+
+
+def test_a_request_whose_rules_leave_no_token_fails_alone(stories):
+    """A choice whose end (EOS) bad_words bar: after "no" nothing is allowed. That request fails
+    with an error saying so (it took token 0 and failed the batch in the grammar matcher before);
+    its neighbour gives the tokens it gives alone."""
+    plain = SamplingParams(max_tokens=6, temperature=0)
+    alone = stories.generate(PROMPTS[1], plain, use_tqdm=False)[0]
+    for temperature in (0, 0.9):
+        stuck = SamplingParams(max_tokens=6, temperature=temperature, seed=2, structured_outputs={"choice": ["no"]},
+                               bad_words=["</s>"])
+        outs = stories.generate(PROMPTS[:2], [stuck, plain], use_tqdm=False, on_error="record")
+        assert outs[0].error and "no token may follow output token 2" in outs[0].error
+        assert outs[1].error is None and outs[1].token_ids == alone.token_ids
+
+
 def test_eos_only_where_the_grammar_is_complete_and_a_kept_prefix_is_rematched(stories):
     out = stories.generate(PROMPTS[0], constrained(temperature=0), use_tqdm=False)[0]
     engine, eos = stories.engine, stories.tokenizer.eos_token_id
