@@ -1,6 +1,6 @@
-"""The FastAPI application: the routes of routes.py behind a bearer-token check, request bodies
-size-limited (413), every error in OpenAI's shape, and the batch runner started and stopped with
-the application."""
+"""The FastAPI application: the routes of routes.py behind a bearer-token check (401) and request
+bodies size-limited (413), both checked before a body is read, every error in OpenAI's shape, and
+the batch runner started and stopped with the application."""
 from __future__ import annotations
 
 import hmac
@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -32,11 +32,11 @@ def create_app(store: Store, engine: ServeEngine, api_key: str | None, max_file_
     app.state.store, app.state.engine, app.state.api_key = store, engine, api_key
     app.state.runner = BatchRunner(store, engine)
     app.state.max_file_bytes, app.state.started = max_file_bytes, int(time.time())
-    router = APIRouter(dependencies=[Depends(require_api_key)])
+    router = APIRouter()
     for method, path, endpoint in ROUTES:
         router.add_api_route(path, endpoint, methods=[method])
     app.include_router(router)
-    app.add_middleware(BodyLimit, max_file_bytes=max_file_bytes)
+    app.add_middleware(RequestGate, api_key=api_key, max_file_bytes=max_file_bytes)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -44,21 +44,29 @@ def create_app(store: Store, engine: ServeEngine, api_key: str | None, max_file_
     return app
 
 
-class BodyLimit:
-    """Request bodies over their limit (an upload's: the file plus its multipart framing; any
-    other: MAX_JSON_BYTES) get one 413 in OpenAI's shape: at once when Content-Length declares
-    one, nothing read, else as the bytes read pass it. (FastAPI's own max_body_size answers a
-    declared one in plain text, which the openai client cannot read.)"""
+class RequestGate:
+    """A request without the server's key gets one 401, before any of its body is read (as a route's
+    dependency, the check came after FastAPI had read and parsed the body: an unauthenticated upload
+    of --max-file-mib was spooled to disk whole before its 401). Bodies over their limit (an
+    upload's: the file plus its multipart framing; any other: MAX_JSON_BYTES) get one 413 in
+    OpenAI's shape: at once when Content-Length declares one, nothing read, else as the bytes read
+    pass it. (FastAPI's own max_body_size answers a declared one in plain text, which the openai
+    client cannot read.)"""
 
-    def __init__(self, app, max_file_bytes: int):
-        self.app, self.max_file_bytes = app, max_file_bytes
+    def __init__(self, app, api_key: str | None, max_file_bytes: int):
+        self.app, self.api_key, self.max_file_bytes = app, api_key, max_file_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if not _authorized(headers.get("authorization", ""), self.api_key):
+            return await _error_body(401, "Incorrect or missing API key: send the server's key as 'Authorization: "
+                                     "Bearer KEY' (the openai client's api_key)", code="invalid_api_key")(
+                scope, receive, send)
         upload = _is_upload(scope["method"], scope["path"])
         limit = self.max_file_bytes + MULTIPART_SLACK if upload else MAX_JSON_BYTES
-        declared = Headers(scope=scope).get("content-length", "")
+        declared = headers.get("content-length", "")
         if declared.isdecimal() and int(declared) > limit:
             return await _too_large(upload, self.max_file_bytes)(scope, receive, send)
         received = 0
@@ -92,15 +100,12 @@ async def _lifespan(app: FastAPI):
         await run_in_threadpool(app.state.runner.shutdown)
 
 
-async def require_api_key(request: Request) -> None:
+def _authorized(authorization: str, key: str | None) -> bool:
     """Bearer-token auth, as the openai client sends its api_key (when the server has a key)."""
-    key = request.app.state.api_key
     if key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise ApiError(401, "Incorrect or missing API key: send the server's key as 'Authorization: Bearer KEY' "
-                       "(the openai client's api_key)", code="invalid_api_key")
+        return True
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -114,9 +119,14 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    """Framework errors: unknown paths (404), wrong methods (405), bodies over the limit (413)."""
+    """Framework errors: unknown paths (404), wrong methods (405), bodies over the limit (413), bodies
+    that cannot be parsed (400)."""
     if exc.status_code == 413:
         return _too_large(_is_upload(request.method, request.url.path), request.app.state.max_file_bytes)
+    cause = exc.__cause__  # FastAPI's "There was an error parsing the body": JSON that json.loads gave up on
+    if exc.status_code == 400 and isinstance(cause, (RecursionError, ValueError)):
+        why = "it nests deeper than the reader allows" if isinstance(cause, RecursionError) else str(cause)
+        return _error_body(400, f"the request body is not JSON this server can read: {why.split(';')[0]}")
     return _error_body(exc.status_code, str(exc.detail))
 
 
@@ -126,6 +136,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         return _error_body(400, f"the request body is not valid JSON: {first['ctx']['error']} "
                                 f"(at character {first['loc'][-1]})")
     where = ".".join(str(part) for part in first["loc"] if part not in ("body", "query", "path"))
+    if not where and first["type"] == "string_unicode":  # a field's name (its loc is empty: no field to name)
+        return _error_body(400, "a field name of the request body holds a lone surrogate: text must be valid "
+                                "Unicode (in JSON, a \\ud800-\\udfff escape only as half of a pair)")
     if not where:  # the body itself: none at all, or JSON that is not an object
         return _error_body(400, "the request body must be a JSON object sent as application/json: "
                                 f"{first['msg']}")

@@ -7,13 +7,15 @@ least time taken from the engine's thread while clients poll); those that read o
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from typing import Literal
-from urllib.parse import quote
+from urllib.parse import quote, unquote_to_bytes
 
 from fastapi import File, Form, Query, Request, UploadFile
 from fastapi.responses import Response, StreamingResponse
+from python_multipart.multipart import parse_options_header
 
 from flexsarathi.serve.batch_job import InputFileError, validate_input
 from flexsarathi.serve.schemas import (FINAL_STATUSES, Batch, BatchCreate, BatchErrors, BatchList, FileDeleted,
@@ -34,15 +36,58 @@ class ApiError(Exception):
 
 
 # ---- files --------------------------------------------------------------------------------------
-def upload_file(request: Request, file: UploadFile = File(...), purpose: str = Form(...)) -> FileObject:
+def upload_file(request: Request, file: UploadFile | str = File(...), purpose: str = Form(...)) -> FileObject:
+    if isinstance(file, str):  # a part without filename="...": the multipart parser made it a text field
+        raise ApiError(400, "file must be a file part: its Content-Disposition needs filename=\"NAME\" (UTF-8); "
+                       "this one has none, or only RFC 5987's filename*=, which multipart/form-data does not "
+                       "use (RFC 7578, section 4.2): send the name as filename=\"NAME\"", "file")
     if purpose != "batch":
         raise ApiError(400, f"purpose must be 'batch' (this server runs batches), got {purpose!r}", "purpose")
     limit = request.app.state.max_file_bytes
     try:
-        return request.app.state.store.add_upload(file.file, file.filename or "upload.jsonl", purpose, limit)
+        return request.app.state.store.add_upload(file.file, _upload_name(file), purpose, limit)
     except FileTooLarge:
         raise ApiError(413, f"the file is over this server's limit of {limit} bytes (--max-file-mib)",
                        "file", "file_too_large") from None
+
+
+def _upload_name(file: UploadFile) -> str:
+    """The upload's name as its client wrote it, read from the part's own header: filename="..." as
+    UTF-8 (what RFC 7578, browsers, curl and the openai client send), or RFC 5987's filename*= where a
+    client sends one beside it (a plain ASCII fallback and the real name). The multipart parser reads
+    the name in the charset the request declares, Latin-1 where it does not decode: mojibake, or with
+    charset=utf-7 a lone surrogate that made every later listing of files a 500."""
+    disposition = file.headers.getlist("content-disposition")[-1].encode("latin-1")  # the parser's, as sent
+    extended = _extended_filename(disposition)
+    if extended is not None:
+        return extended
+    name = parse_options_header(disposition)[1].get(b"filename", b"")
+    try:
+        return name.decode("utf-8") or "upload.jsonl"
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the file name {name[:60]!r} is not UTF-8 (byte {exc.start}): send it UTF-8 "
+                       "encoded", "file") from None
+
+
+def _extended_filename(disposition: bytes) -> str | None:
+    """The name in a filename*=CHARSET'LANG'PERCENT-ENCODED parameter (RFC 5987: UTF-8 or ISO-8859-1),
+    None without one."""
+    unquoted = re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', disposition)  # a quoted name may hold "; filename*="
+    found = re.search(rb"(?:^|;)\s*filename\*\s*=\s*([^;\s]*)", unquoted, re.IGNORECASE)
+    if found is None:
+        return None
+    charset, _, rest = found[1].partition(b"'")
+    _, quote_seen, encoded = rest.partition(b"'")
+    name = ""
+    if quote_seen and charset.lower() in (b"utf-8", b"iso-8859-1"):
+        try:
+            name = unquote_to_bytes(encoded).decode(charset.decode())
+        except UnicodeDecodeError:
+            pass
+    if not name:
+        raise ApiError(400, f"filename*={found[1][:80].decode('latin-1')!r} is not RFC 5987's UTF-8''NAME "
+                       "(NAME: UTF-8, percent-encoded) or ISO-8859-1''NAME", "file")
+    return name
 
 
 async def list_files(request: Request, purpose: str | None = None, order: Literal["asc", "desc"] = "desc",

@@ -2,6 +2,7 @@
 official `openai` client sends and parses)."""
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -12,6 +13,9 @@ BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "comp
 # A batch in one of these has reached its end: the runner never picks it again.
 FINAL_STATUSES = ("failed", "completed", "expired", "cancelled")
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
+# A UTF-16 surrogate in a str: what a JSON \ud800-\udfff escape that is not half of a pair becomes
+# (json.loads keeps it); UTF-8 cannot encode it, so no record or answer could be written with it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class FileObject(BaseModel):
@@ -83,6 +87,20 @@ class BatchCreate(BaseModel):
     completion_window: Literal["24h"]  # the one window OpenAI accepts
     metadata: dict[str, str] | None = None
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: object) -> object:
+        """Every field is stored or echoed: a lone surrogate in one (a string, or a key or value of
+        metadata) is refused before anything is saved. (It was a 500 with the batch saved anyway, and
+        every later listing of batches a 500.)"""
+        if isinstance(value, dict):
+            for key, text in value.items():
+                _refuse_lone_surrogate(key, f"key {_shown(key)}")
+                _refuse_lone_surrogate(text, f"the value of key {_shown(key)}")
+        else:
+            _refuse_lone_surrogate(value, "the value")
+        return value
+
     @field_validator("metadata")
     @classmethod
     def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
@@ -95,6 +113,20 @@ class BatchCreate(BaseModel):
                 raise ValueError(f"key {key[:20]!r}...: keys are at most {MAX_METADATA_KEY} characters, "
                                  f"values at most {MAX_METADATA_VALUE}")
         return value
+
+
+def _refuse_lone_surrogate(text: object, what: str) -> None:
+    found = LONE_SURROGATE.search(text) if isinstance(text, str) else None
+    if found:
+        raise ValueError(f"{what} holds a lone surrogate ({ascii(found[0])} at character {found.start()}): "
+                         "text must be valid Unicode (in JSON, a \\ud800-\\udfff escape only as half of a pair)")
+
+
+def _shown(text: object) -> str:
+    """A client's string in an error message: quoted, escaped (a lone surrogate as \\udc00), at most 40
+    characters of it."""
+    shown = repr(text[:40] if isinstance(text, str) else text)
+    return shown + "..." if isinstance(text, str) and len(text) > 40 else shown
 
 
 class ModelCard(BaseModel):

@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -183,8 +184,24 @@ class Store:
                 except (OSError, ValueError, KeyError, TypeError) as exc:
                     raise FlexSarathiError(f"--data-dir: {path} is not a record this server wrote ({exc}); "
                                            "move it away to start") from None
+                if not _answerable(record, path):
+                    continue
                 target[record.id] = record
                 self._order[record.id] = int(saved["order"])
+
+
+def _answerable(record: FileObject | Batch, path: str) -> bool:
+    """Whether a record can be answered. One a server before the check on every field kept with a
+    client's lone surrogate in it (a batch's metadata; a file name sent with charset=utf-7) cannot
+    be: left out, with a line on stderr, so that it makes no listing fail for every client (it stays
+    on disk, and a batch of it that has not ended does not run)."""
+    try:
+        record.model_dump_json()
+        return True
+    except ValueError as exc:  # pydantic's serialization error
+        print(f"--data-dir: {path} left out (not listed, not run): it holds text that is not valid Unicode, "
+              f"which no answer can hold ({exc})", file=sys.stderr, flush=True)
+        return False
 
 
 def _stamp_field(status: str) -> str:

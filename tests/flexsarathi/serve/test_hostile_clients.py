@@ -68,6 +68,30 @@ def test_a_body_declared_over_the_limit_gets_one_413_in_openai_shape(server, dec
     assert error["code"] == "request_too_large" and "limit of 1048576 bytes" in error["message"]
 
 
+@pytest.mark.parametrize("body, said", [
+    (b"[" * 100_000 + b"]" * 100_000, "it nests deeper than the reader allows"),
+    (b'{"input_file_id": ' + b"1" * 5000 + b"}", "Exceeds the limit (4300 digits) for integer string conversion")],
+    ids=["deep", "long-number"])
+def test_json_the_reader_gives_up_on_is_named(server, body, said):
+    """Both were 'There was an error parsing the body': no what, no where."""
+    status, answer = post(server, "/v1/batches", body)
+    assert status == 400 and answer["error"]["message"].startswith("the request body is not JSON this server "
+                                                                   "can read: " + said), answer
+
+
+@pytest.mark.parametrize("authorization", ["", "Authorization: Bearer wrong-key\r\n"], ids=["none", "wrong"])
+def test_an_upload_without_the_key_gets_401_before_its_body_is_read(server, authorization):
+    """The key was checked by a route dependency, after FastAPI had read the body: an unauthenticated
+    upload of --max-file-mib was received and spooled to disk whole before its 401."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(f"POST /v1/files HTTP/1.1\r\nHost: x\r\n{authorization}Content-Type: multipart/form-data; "
+                     f"boundary=BB\r\nContent-Length: {4 << 20}\r\n\r\n--BB\r\n".encode())
+        answer = http.client.HTTPResponse(conn)
+        answer.begin()  # none of the body's 4 MiB sent: this waited for them
+        assert answer.status == 401 and answer.getheader("WWW-Authenticate") == "Bearer"
+        assert json.loads(answer.read())["error"]["code"] == "invalid_api_key"
+
+
 def test_a_body_that_is_not_a_json_object_is_named(server):
     """Invalid JSON was '1: JSON decode error' with param '1' (the character offset)."""
     status, answer = post(server, "/v1/batches", b"{not json")
@@ -125,3 +149,82 @@ def test_an_input_file_deleted_while_its_batch_is_created(server, client, tmp_pa
     assert isinstance(created[0], openai.BadRequestError), created
     assert f"No such File object {file_id}" in created[0].message
     assert file_id not in [b.input_file_id for b in client.batches.list(limit=100).data]
+
+
+SURROGATE = "\\udc00"  # as JSON writes it: the escape reaches the server, which json.loads turns into U+DC00
+
+
+@pytest.mark.parametrize("field, value, param, said", [
+    ("metadata", '{"k": "%s"}' % SURROGATE, "metadata", "the value of key 'k' holds a lone surrogate"),
+    ("metadata", '{"k%s": "v"}' % SURROGATE, "metadata", "key 'k\\udc00' holds a lone surrogate"),
+    ("endpoint", '"/v1/completions%s"' % SURROGATE, "endpoint", "the value holds a lone surrogate"),
+    ("input_file_id", '"FILE%s"' % SURROGATE, "input_file_id", "the value holds a lone surrogate"),
+    ("x%s" % SURROGATE, "1", None, "a field name of the request body holds a lone surrogate")],
+    ids=["metadata-value", "metadata-key", "endpoint", "input_file_id", "field-name"])
+def test_a_lone_surrogate_in_a_batch_create_is_refused_and_nothing_is_saved(server, client, field, value, param,
+                                                                           said):
+    """Metadata {"k": "\\udc00"} was a 500 with the batch saved and run, and every later GET
+    /v1/batches (and GET of that batch) a 500: UTF-8 cannot hold the text."""
+    file_id = client.files.create(file=("s.jsonl", (json.dumps(completion("s", "Hi")) + "\n").encode()),
+                                  purpose="batch").id
+    fields = {"input_file_id": f'"{file_id}"', "endpoint": '"/v1/completions"', "completion_window": '"24h"'}
+    fields[field] = value.replace("FILE", file_id)
+    body = "{" + ", ".join(f'"{name}": {text}' for name, text in fields.items()) + "}"
+    status, answer = post(server, "/v1/batches", body.encode())
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert said in answer["error"]["message"] and "text must be valid Unicode" in answer["error"]["message"]
+    assert file_id not in [b.input_file_id for b in client.batches.list(limit=100).data]  # the list answers
+
+
+def multipart(disposition: bytes, data: bytes, charset: str = "") -> tuple[bytes, str]:
+    """An upload's body as a client writes it, the file part's Content-Disposition parameters as given."""
+    body = (b'--BB\r\nContent-Disposition: form-data; name="file"' + disposition + b"\r\n\r\n" + data +
+            b'\r\n--BB\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--BB--\r\n')
+    return body, f"multipart/form-data; {charset}boundary=BB"
+
+
+@pytest.mark.parametrize("disposition, charset, name", [
+    ('; filename="résumé.jsonl"'.encode(), "", "résumé.jsonl"),  # what curl -F file=@résumé.jsonl sends
+    ('; filename="résumé.jsonl"'.encode(), "charset=latin-1; ", "résumé.jsonl"),
+    (b"; filename=\"resume.jsonl\"; filename*=UTF-8''r%C3%A9sum%C3%A9.jsonl", "", "résumé.jsonl"),
+    (b"; filename=\"r.jsonl\"; filename*=iso-8859-1'fr'r%E9sum%E9.jsonl", "", "résumé.jsonl"),
+    (b'; filename="a; filename*=UTF-8\'\'b.jsonl"', "", "a; filename*=UTF-8''b.jsonl"),
+    (b'; filename="a+3AA-.jsonl"', "charset=utf-7; ", "a+3AA-.jsonl")],
+    ids=["utf8", "declared-latin1", "rfc5987-utf8", "rfc5987-latin1", "quoted-lookalike", "declared-utf7"])
+def test_an_upload_keeps_its_name_as_the_client_wrote_it(server, client, disposition, charset, name):
+    """The name was read in the charset the request declares (Latin-1 gave 'rÃ©sumÃ©.jsonl'; UTF-7 a
+    lone surrogate that made every later GET /v1/files a 500), and filename*= was never read."""
+    data = (json.dumps(completion("n", "Hi")) + "\n").encode()
+    status, answer = post(server, "/v1/files", *multipart(disposition, data, charset))
+    assert status == 200 and answer["filename"] == name, answer
+    assert client.files.retrieve(answer["id"]).filename == name
+    assert name in [f.filename for f in client.files.list().data]
+    assert client.files.content(answer["id"]).content == data
+
+
+@pytest.mark.parametrize("disposition, said", [
+    (b"; filename*=UTF-8''r%C3%A9sum%C3%A9.jsonl", "file must be a file part: its Content-Disposition needs "
+                                                    "filename=\"NAME\""),
+    (b"", "file must be a file part"),
+    (b'; filename="r\xe9sum\xe9.jsonl"', "the file name b'r\\xe9sum\\xe9.jsonl' is not UTF-8 (byte 1)"),
+    (b"; filename=\"r.jsonl\"; filename*=UTF-8''r%E9sum%E9.jsonl", "is not RFC 5987's UTF-8''NAME"),
+    (b"; filename=\"r.jsonl\"; filename*=UTF-8''%ED%B3%80.jsonl", "is not RFC 5987's UTF-8''NAME"),
+    (b"; filename=\"r.jsonl\"; filename*=koi8-r''%C1.jsonl", "is not RFC 5987's UTF-8''NAME")],
+    ids=["rfc5987-alone", "no-filename", "not-utf8", "rfc5987-not-utf8", "rfc5987-surrogate", "rfc5987-charset"])
+def test_an_upload_whose_name_cannot_be_read_is_refused(server, client, disposition, said):
+    """filename*= alone was 'file: Value error, Expected UploadFile, received: <class 'str'>'."""
+    before = len(client.files.list().data)
+    status, answer = post(server, "/v1/files", *multipart(disposition, b"{}\n"))
+    assert status == 400 and answer["error"]["param"] == "file" and said in answer["error"]["message"], answer
+    assert len(client.files.list().data) == before  # nothing kept
+
+
+def test_a_custom_id_holding_a_lone_surrogate_is_its_lines_error_record(client, tmp_path):
+    """Its record could not be written: the whole batch failed (1 of 3 completed), every other line lost."""
+    lines = [completion("a", "Once upon a time"),
+             json.dumps(completion("b", "Lily wanted to")).replace('"b"', '"b%s"' % SURROGATE),
+             completion("c", "The little dog")]
+    batch = wait_until_ended(client, submit(client, write_lines(tmp_path / "ids.jsonl", lines)).id)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    assert sorted(r["custom_id"] for r in downloaded(client, batch.output_file_id)) == ["a", "c"]
+    assert "line 2: \"custom_id\" 'b\\udc00' is not valid Unicode" in errors_by_line(client, batch)[2]

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("pydantic")
 
 from flexsarathi.errors import FlexSarathiError  # noqa: E402
-from flexsarathi.serve.schemas import Batch  # noqa: E402
+from flexsarathi.serve.schemas import Batch, BatchList  # noqa: E402
 from flexsarathi.serve.store import FileTooLarge, Store  # noqa: E402
 
 
@@ -52,3 +52,22 @@ def test_a_record_not_written_by_the_server_is_named(tmp_path):
     (tmp_path / "batches" / "batch_x.json").write_text("{not json")
     with pytest.raises(FlexSarathiError, match="batch_x.json is not a record this server wrote"):
         Store(str(tmp_path))
+
+
+def test_a_record_holding_a_lone_surrogate_is_left_out_and_the_rest_listed(tmp_path, capsys):
+    """A server before the check kept metadata {"k": "\\udc00"} (json writes it as that escape): every
+    GET /v1/batches was a 500 from then on, restarts included. Now that record is left out, said on
+    stderr, and the others are listed and answerable."""
+    store = Store(str(tmp_path))
+    upload = store.add_upload(io.BytesIO(b'{"a": 1}\n'), "in.jsonl", "batch", max_bytes=100)
+    kept, bad = _batch(store, upload.id), _batch(store, upload.id)
+    store._save_batch(store.batches[bad.id].model_copy(update={"metadata": {"k": "\udc00"}}))
+    store._lock_file.close()
+    assert '"\\udc00"' in (tmp_path / "batches" / f"{bad.id}.json").read_text()
+
+    again = Store(str(tmp_path))
+    assert [b.id for b in again.list_batches()] == [kept.id] and again.get_batch(bad.id) is None
+    BatchList(data=again.list_batches()).model_dump_json()  # what GET /v1/batches answers
+    assert f"{bad.id}.json left out (not listed, not run): it holds text that is not valid Unicode" in \
+        capsys.readouterr().err
+    assert again.next_batch(skip=set()).id == kept.id
