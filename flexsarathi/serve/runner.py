@@ -72,10 +72,21 @@ class BatchRunner:
             if batch is None:
                 self._wake.wait()
                 continue
-            try:
-                self._advance(batch)
-            finally:
+            if self._advanced(batch):
                 self._release(batch.id)
+
+    def _advanced(self, batch: Batch) -> bool:
+        """_advance; False where even the batch's end could not be recorded (its store write failed:
+        a full disk, say). That batch stays as the store has it, claimed, so this process does not
+        pick it again at once (the next start does); the thread goes on with the others."""
+        try:
+            self._advance(batch)
+        except Exception:  # noqa: BLE001 - the runner thread must outlive one batch's store failure
+            traceback.print_exc()
+            self.log(f"batch {batch.id}: its end could not be recorded (the traceback above); it stays as it "
+                     "is until the server restarts, and the other batches run")
+            return False
+        return True
 
     def _claim_next(self) -> Batch | None:
         with self.store.lock:
