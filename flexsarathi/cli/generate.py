@@ -2,12 +2,13 @@
 requests) and write one record per request, as requests finish.
 
 Crash-safe and resumable: rerun the same command after Ctrl-C or kill -9 and it skips the
-requests already in --output (a torn last line is redone). A bad line becomes an error record and
-the job goes on. --ray runs the requests on a pool of engines (Ray Data actors, one LLM each; this
-machine or a cluster) and writes the same records to the same file. Exit code: 0 every line
-succeeded, 1 some lines are error records, 2 the job could not start (bad model, policy, arguments,
-input file, or an --output of another job), 3 the Ray cluster failed partway (the finished records
-are kept: rerun to resume).
+requests already in --output (a torn last line is redone); a record answers the request it was
+written for (an input changed under its id is refused). A bad line becomes an error record and
+the job goes on; --retry-errors redoes them. --ray runs the requests on a pool of engines (Ray Data
+actors, one LLM each; this machine or a cluster) and writes the same records to the same file.
+Exit code: 0 every line succeeded, 1 some lines are error records, 2 the job could not start (bad
+model, policy, arguments, input file, or an --output of another job), 3 the Ray cluster failed
+partway (the finished records are kept: rerun to resume), 70 an unexpected failure (a bug).
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     fix.add_argument("--overwrite", action="store_true", help="start --output afresh")
     fix.add_argument("--repair", action="store_true", help="move --output's damaged lines to OUTPUT.rejected "
                      "and redo their requests (the good records are kept)")
+    p.add_argument("--retry-errors", action="store_true", help="take --output's error records out and redo their "
+                   "requests (after fixing the input, say); the finished records are kept")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, policy or summary")
     g = p.add_argument_group("sampling defaults (a request's own fields win)")
     g.add_argument("--max-tokens", type=int, default=16)
@@ -109,6 +112,8 @@ class PartialJobError(FlexSarathiError):
 def run_generate(args) -> int:
     defaults = _sampling_defaults(args)
     _check_ray_args(args)
+    if args.retry_errors and args.overwrite:
+        raise FlexSarathiError("--retry-errors and --overwrite: pass one (--overwrite redoes every request)")
     input_path = _input_path(args.input)
     check_not_the_input(input_path, args.output)
     fmt, requests = read_requests(input_path, args.input_format)
@@ -128,7 +133,8 @@ def run_generate(args) -> int:
         args.dtype = str(dtype).removeprefix("torch.")
     meta = {"job": "flexsarathi generate", "format": fmt, "model": _model_name(args.model),
             "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults}
-    out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite, repair=args.repair)
+    out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite, repair=args.repair, requests=requests,
+                     retry_errors=args.retry_errors)
     try:
         return _run_job(args, fmt, requests, opened, defaults, out)
     except KeyboardInterrupt:
@@ -170,7 +176,8 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dic
     pending = [r for r in requests if r.key not in out.done]
     say(f"{len(requests)} requests ({fmt}) in {args.input}: {len(requests) - len(pending)} already in "
         f"{args.output}{' (a torn last line was cut off and is redone)' if out.torn else ''}"
-        f"{f' ({out.rejected} damaged or duplicate lines moved to {out.rejected_path})' if out.rejected else ''}, "
+        f"{f' ({out.rejected} damaged or duplicate lines moved to {out.rejected_path})' if out.rejected else ''}"
+        f"{f' ({out.retried} error records taken out to be redone)' if out.retried else ''}, "
         f"{len(pending)} to run")
     tokenizer = opened.tokenizer
     params = {r.key: _prepare(r, tokenizer, defaults, args.seed) for r in pending}
@@ -279,7 +286,7 @@ def _workload(args, requests: list[BatchRequest], params: dict):
             # n completions share one prefill and the prompt's KV: the others are planned as
             # 1-token prompts (their own KV is about their outputs; their decode attention,
             # over the shared prompt too, is undercounted).
-            gen = min(p.max_tokens, context - prompt)
+            gen = context - prompt if p.max_tokens is None else min(p.max_tokens, context - prompt)  # None: to the end
             pairs += [(prompt, gen)] + [(1, gen)] * (p.n - 1)
     if not pairs:
         return None
@@ -293,10 +300,12 @@ def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
 
     def record(req: BatchRequest, output) -> int:
         if output.error is not None:
-            # "prompt N ...": refused before any work (the request's fault); else it failed in a pass
-            refused = re.match(r"prompt \d+", output.error) is not None
-            message = re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error) if refused \
-                else f"line {req.line}: {output.error}"
+            # Refused before any pass (the request's fault: its prompt, a sampling value the model
+            # cannot take, a grammar that does not compile): LLM.generate_iter gives those outputs
+            # request_id -1; else it failed in a pass (non-finite logits).
+            refused = output.request_id < 0
+            message = re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error) \
+                if re.match(r"prompt \d+", output.error) else f"line {req.line}: {output.error}"
             out.append(error_record(fmt, req, message, "invalid_request" if refused else "generation_failed"))
             return 1
         output.prompt = req.prompt

@@ -10,7 +10,7 @@ from flexsarathi.cli.bench import add_bench_parser
 from flexsarathi.cli.engine_args import add_compute_args, add_dtype_arg
 from flexsarathi.cli.generate import add_generate_parser
 from flexsarathi.cli.inspect_model import add_inspect_parser
-from flexsarathi.cli.console import show_warnings_as_lines, silence_stdout, stdout_is_closed
+from flexsarathi.cli.console import quiet_stderr_when_gone, show_warnings_as_lines, silence_stdout, stdout_is_closed
 from flexsarathi.cli.file_checks import check_folder, check_output_file, positive_int, read_text_file
 from flexsarathi.formats.hub import resolve_model
 from flexsarathi.cli.policy import add_policy_parser
@@ -158,10 +158,20 @@ USER_ERRORS = (FlexSarathiError, PolicyError, SpecError, InfeasibleError, Solver
                OffloadError)
 
 
+# An unexpected failure (a bug): sysexits.h's EX_SOFTWARE, apart from 1 (`generate`: some requests
+# got error records, the job ran to its end) and 2 (bad input), so a script can tell them apart.
+EXIT_CRASH = 70
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every failure ends in one `error: ...` line on stderr: exit 2 for bad input and for files
-    or folders that cannot be used, 1 for an unexpected failure (its traceback only with
-    FLEXSARATHI_TRACEBACK=1), 130 when interrupted."""
+    or folders that cannot be used, EXIT_CRASH for an unexpected failure (its traceback only with
+    FLEXSARATHI_TRACEBACK=1), 130 when interrupted. A stderr whose reader is gone ends nothing."""
+    with quiet_stderr_when_gone():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     try:  # from the parsing on: a Ctrl-C while the parser is built is "interrupted" too
         args = build_parser().parse_args(argv)
         show_warnings_as_lines()
@@ -184,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FLEXSARATHI_TRACEBACK"):
             raise
         return _fail(f"error: unexpected {type(exc).__name__}: {_one_line(exc)} (a bug: rerun with "
-                     f"FLEXSARATHI_TRACEBACK=1 and report the traceback)", 1)
+                     f"FLEXSARATHI_TRACEBACK=1 and report the traceback)", EXIT_CRASH)
 
 
 def _one_line(exc: BaseException) -> str:

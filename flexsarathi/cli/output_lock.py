@@ -1,4 +1,6 @@
-"""One writer per result file: an exclusive OS file lock (flock) on `<output>.lock`, beside it.
+"""One writer per result file: an exclusive OS file lock (flock) on `<output>.lock`, beside it,
+where `<output>` is the file's real path (symbolic links resolved: two names of one file are one
+output).
 
 The kernel drops a flock when its holder exits in any way (kill -9 included), so a crashed job
 never leaves a stale lock; a second job on the same output fails at once with one line naming
@@ -16,7 +18,7 @@ from flexsarathi.errors import FlexSarathiError
 
 class OutputLock:
     def __init__(self, output: str):
-        self.path = output + ".lock"
+        self.path = os.path.realpath(output) + ".lock"
         self._fd = self._acquire(output)
 
     def _acquire(self, output: str) -> int:

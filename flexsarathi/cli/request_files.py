@@ -7,6 +7,9 @@ Formats, detected from the content (the first non-blank line starting with `{` m
 - openai: OpenAI Batch API requests `{"custom_id", "method", "url", "body"}` for
   `/v1/completions` (body.prompt) and `/v1/chat/completions` (body.messages).
 A line that cannot become a request keeps its error; it becomes an error record, not a failed job.
+A JSON array (`[{...}, ...]`) is refused as a whole. Every request gets a fingerprint of what it
+asks, and its record carries it (`request_fingerprint`): a resume tells a changed line from the one
+a record answers (result_file.py).
 """
 from __future__ import annotations
 
@@ -36,7 +39,22 @@ COMPLETIONS_URL, CHAT_URL = "/v1/completions", "/v1/chat/completions"
 # would become two broken lines and every later line number would be off.
 _LINE_END = re.compile(r"\r\n|\r|\n")
 # OpenAI body fields we cannot honour: refused when set to anything but their neutral value.
-_UNSUPPORTED_OPENAI = {"best_of": 1, "echo": False, "suffix": None, "stream": False, "tools": None}
+_UNSUPPORTED_OPENAI = {"best_of": 1, "echo": False, "suffix": None, "stream": False, "tools": None,
+                       "tool_choice": "none", "functions": None, "function_call": "none", "modalities": ["text"],
+                       "audio": None, "prediction": None, "web_search_options": None, "reasoning_effort": None,
+                       "verbosity": None}
+# OpenAI's body fields that do not change what is generated (who asks, how it is billed or stored):
+# accepted and ignored. `parallel_tool_calls` and `stream_options` only act with tools or streaming.
+_IGNORED_OPENAI = ("model", "user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+                   "prompt_cache_retention", "stream_options", "parallel_tool_calls")
+# The fields each url's body takes (SAMPLING_FIELDS: vLLM's extras, as vLLM's server takes them).
+OPENAI_BODY_FIELDS = {
+    url: frozenset((prompt, "logprobs", *extra, "max_completion_tokens", "response_format", *SAMPLING_FIELDS,
+                    *_UNSUPPORTED_OPENAI, *_IGNORED_OPENAI))
+    for url, prompt, extra in ((COMPLETIONS_URL, "prompt", ()), (CHAT_URL, "messages", ("top_logprobs",)))}
+# The record's "request_fingerprint": a hash of the request it answers, so a resume can tell a
+# changed input line from the one its record answers.
+FINGERPRINT = "request_fingerprint"
 
 
 @dataclass
@@ -52,6 +70,7 @@ class BatchRequest:
     chat: bool = False  # OpenAI chat completion (the output is a chat.completion object)
     logprobs_style: str | None = None  # "completions" / "chat" when OpenAI logprobs were asked
     error: str | None = None
+    fingerprint: str | None = None  # of what it asks (request_fingerprint): set by read_requests
 
     @property
     def key(self) -> str:
@@ -79,10 +98,52 @@ def detect_format(lines: list[str]) -> str:
 
 def read_requests(path: str, fmt: str = "auto") -> tuple[str, list[BatchRequest]]:
     """(format, one request per non-blank line). Raises FlexSarathiError when the file cannot be read."""
-    lines = _LINE_END.split(read_text_file(path, "--input"))
+    text = read_text_file(path, "--input")
+    if fmt != "text":
+        _refuse_json_array(path, text, fmt)
+    lines = _LINE_END.split(text)
     fmt = detect_format(lines) if fmt == "auto" else fmt
     parse = {"text": _text_request, "jsonl": _jsonl_request, "openai": _openai_request}[fmt]
-    return fmt, [parse(number, ln) for number, ln in enumerate(lines, 1) if ln.strip()]
+    requests = []
+    for number, ln in enumerate(lines, 1):
+        if ln.strip():
+            req = parse(number, ln)
+            req.fingerprint = request_fingerprint(req, ln)
+            requests.append(req)
+    return fmt, requests
+
+
+def _refuse_json_array(path: str, text: str, fmt: str) -> None:
+    """A JSON array of requests (`[{...}, {...}]`, often pretty-printed over many lines) is no batch
+    file: read as lines it would become prompts like `  {"id": 1,` (plain text) or broken lines."""
+    first = next((ln.strip() for ln in _LINE_END.split(text) if ln.strip()), "")
+    if not first.startswith("["):
+        return
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, list) and first != "[" and not re.match(r"\[\s*\{", first):
+        return
+    what = f"a JSON array of {len(value)} items" if isinstance(value, list) else "a JSON array"
+    forced = "; if its lines are plain-text prompts, pass --input-format text" if fmt == "auto" else ""
+    # The path once, where the server puts its file id instead (flexsarathi/serve/batch_job.py).
+    raise FlexSarathiError(f"--input {path} is {what}: --input takes JSON lines (one JSON object per line) or "
+                           f"plain text (one prompt per line); convert it with `jq -c '.[]' FILE > FILE.jsonl`"
+                           f"{forced}")
+
+
+def request_fingerprint(req: BatchRequest, line: str) -> str:
+    """A short hash of what the request asks: its prompt and every field of its own that changes
+    the output, as read (so an OpenAI body's max_completion_tokens and max_tokens hash alike); a
+    line that cannot become a request hashes its text. The command's defaults are not in it: the
+    output's meta.json holds those."""
+    if req.error is not None:
+        basis = json.dumps(["line", line.strip()])
+    else:
+        basis = json.dumps([req.prompt, req.prompt_token_ids, req.messages, req.sampling, req.chat,
+                            req.logprobs_style], sort_keys=True)
+    return hashlib.sha256(basis.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def check_unique_ids(requests: list[BatchRequest]) -> None:
@@ -117,6 +178,17 @@ def _readable_id(value) -> bool:
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
+def _not_unicode(line: int, name: str, value: str) -> str | None:
+    """Why `value` (a string the request's record repeats) cannot be written as UTF-8: a lone
+    surrogate, which a JSON escape such as "\\udc00" can carry; None when it can."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"line {line}: {name} {value!r} is not valid Unicode (a lone surrogate at character {exc.start}): "
+                "its record could not be written; give it an id of real characters")
+    return None
+
+
 def _jsonl_request(line: int, text: str) -> BatchRequest:
     obj, error = _json_object(line, text)
     if error:
@@ -125,6 +197,8 @@ def _jsonl_request(line: int, text: str) -> BatchRequest:
     if not _readable_id(request_id):
         return BatchRequest(line=line, error=f"line {line}: \"id\" must be a string or an integer, "
                                              f"got {request_id!r}")
+    if isinstance(request_id, str) and (error := _not_unicode(line, '"id"', request_id)):
+        return BatchRequest(line=line, error=error)
     req = BatchRequest(line=line, id=request_id)
     unknown = set(obj) - set(JSONL_FIELDS)
     if unknown:
@@ -177,6 +251,8 @@ def _openai_request(line: int, text: str) -> BatchRequest:
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return BatchRequest(line=line, error=f"line {line}: \"custom_id\" must be a non-empty string")
+    if error := _not_unicode(line, '"custom_id"', custom_id):
+        return BatchRequest(line=line, error=error)
     req = BatchRequest(line=line, id=custom_id)
     req.error = _openai_body(req, obj)
     return req
@@ -193,14 +269,36 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
     body = obj.get("body")
     if not isinstance(body, dict):
         return f"{where}: \"body\" must be an object"
+    if error := _unknown_body_fields(req, body):
+        return error
     for name, neutral in _UNSUPPORTED_OPENAI.items():
         if body.get(name, neutral) not in (neutral, None):
             return f"{where}: body.{name} is not supported"
     req.sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body}
-    if req.chat and "max_completion_tokens" in body:
+    if "max_completion_tokens" in body:  # chat's name for max_tokens (vLLM takes it on both urls)
         req.sampling["max_tokens"] = body["max_completion_tokens"]
     error = _openai_logprobs(req, body) or _openai_response_format(req, body)
     return error or _set_prompt(req, body, ("messages",) if req.chat else ("prompt",))
+
+
+def _unknown_body_fields(req: BatchRequest, body: dict) -> str | None:
+    """An error naming the body's fields that its url's requests do not take, with what each may
+    have meant: the other url's field (`messages` in a completion), the nearest name (a typo)."""
+    url, other = (CHAT_URL, COMPLETIONS_URL) if req.chat else (COMPLETIONS_URL, CHAT_URL)
+    known = OPENAI_BODY_FIELDS[url]
+    unknown = sorted(set(body) - known)
+    if not unknown:
+        return None
+    hints = []
+    for name in unknown:
+        if name in OPENAI_BODY_FIELDS[other]:
+            hints.append(f"{name!r} belongs to a {other} body, and this line's url is {url}")
+        elif close := difflib.get_close_matches(name, sorted(known), n=1):
+            hints.append(f"did you mean {close[0]!r} for {name!r}?")
+    honoured = sorted(known - set(_UNSUPPORTED_OPENAI) - set(_IGNORED_OPENAI))
+    hint = "; ".join(hints) or (f"a {url} body takes {', '.join(honoured)} (and OpenAI's fields that change "
+                                "nothing, such as user or metadata)")
+    return f"line {req.line}: unknown body field(s) {unknown}; {hint}"
 
 
 def _openai_response_format(req: BatchRequest, body: dict) -> str | None:
@@ -263,16 +361,24 @@ def result_record(fmt: str, req: BatchRequest, output, model: str, decode) -> di
     if len(output.outputs) > 1:
         record["outputs"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                               "finish_reason": c.finish_reason} for c in output.outputs]
-    return record
+    return _fingerprinted(record, req)
 
 
 def error_record(fmt: str, req: BatchRequest, message: str, code: str = "invalid_request") -> dict:
-    error = {"code": code, "message": message}
+    # A message may quote the request (a stop string, a word) and with it a lone surrogate that
+    # UTF-8 cannot write: escaped, so the record is written and the job goes on.
+    error = {"code": code, "message": message.encode("utf-8", "backslashreplace").decode("utf-8")}
     ident = {"line": req.line} if req.id is None else {}
     if fmt == "openai":
-        return {"id": _stable_id("batch_req_", req.key), "custom_id": req.id, **ident,
-                "response": None, "error": error}
-    return {**({"id": req.id} if req.id is not None else ident), "error": error}
+        return _fingerprinted({"id": _stable_id("batch_req_", req.key), "custom_id": req.id, **ident,
+                               "response": None, "error": error}, req)
+    return _fingerprinted({**({"id": req.id} if req.id is not None else ident), "error": error}, req)
+
+
+def _fingerprinted(record: dict, req: BatchRequest) -> dict:
+    if req.fingerprint is not None:
+        record[FINGERPRINT] = req.fingerprint
+    return record
 
 
 def record_key(fmt: str, record: dict) -> str | None:
@@ -305,9 +411,9 @@ def _openai_result(req: BatchRequest, output, model: str, decode) -> dict:
     body = {"id": _stable_id("chatcmpl-" if req.chat else "cmpl-", req.key),
             "object": "chat.completion" if req.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage(output)}
-    return {"id": _stable_id("batch_req_", req.key), "custom_id": req.id,
-            "response": {"status_code": 200, "request_id": _stable_id("req_", req.key), "body": body},
-            "error": None}
+    return _fingerprinted({"id": _stable_id("batch_req_", req.key), "custom_id": req.id,
+                           "response": {"status_code": 200, "request_id": _stable_id("req_", req.key),
+                                        "body": body}, "error": None}, req)
 
 
 CONTEXT_TOKENS = 8  # tokens before a token that decide how it reads (a leading space, a multi-byte character)

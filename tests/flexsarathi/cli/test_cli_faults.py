@@ -92,7 +92,7 @@ def test_non_finite_logits_fail_only_their_request(stories_dir, tmp_path):
     assert got["a"] == ref["a"] and got["c"] == ref["c"]
     assert got["bad"] == {"id": "bad", "error": {"code": "generation_failed", "message": (
         "line 2: the model's logits for output token 3 are not finite (NaN or inf: the pass overflowed "
-        "float32)")}}
+        "float32)")}, "request_fingerprint": ref["bad"]["request_fingerprint"]}
     assert len(ref["bad"]["token_ids"]) == 6  # the clean run did sample there
 
 

@@ -113,7 +113,7 @@ def test_jsonl_bad_lines_become_error_records(stories_dir, stories_llm, tmp_path
                       "engine's max_logprobs=20 (LLM(max_logprobs=...), --max-logprobs; -1: no limit)"}
     for key, text in messages.items():
         assert text in got[key]["error"]["message"], got[key]
-    assert got[5] == {"line": 5, "error": got[5]["error"]}
+    assert got[5] == {"line": 5, "error": got[5]["error"], "request_fingerprint": got[5]["request_fingerprint"]}
 
 
 def test_openai_batch_with_chat(chat_dir, tmp_path):

@@ -91,6 +91,32 @@ def test_two_jobs_on_one_output_then_a_rerun(reference, tmp_path):
     assert by_id(out) == by_id(full)
 
 
+def test_two_names_of_one_output_are_one_output(reference, tmp_path):
+    """A symbolic link to the output is the output: its lock (and meta.json) are the real file's, so a
+    job through the link is refused while one writes the file (both used to run and write every
+    record twice), and a rerun through the link resumes the file."""
+    args, full = reference
+    out, link = str(tmp_path / "o.jsonl"), str(tmp_path / "link.jsonl")
+    (tmp_path / "o.jsonl").touch()
+    os.symlink(out, link)
+    first = _start([*args, "--output", out])
+    _wait_for_lock(first, out + ".lock")
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = cli(*args, "--output", link, check_rc=2)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert second.stderr.splitlines() == [
+        f"error: --output {link} is being written by another job (pid {first.pid}, holding {out}.lock); "
+        "wait for it to end or give another --output"]
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert by_id(out) == by_id(full) and os.path.islink(link)
+    rerun = cli(*[a for a in args if a != "--quiet"], "--output", link, check_rc=0)
+    assert f"12 already in {link}, 0 to run" in rerun.stdout
+    assert not os.path.exists(link + ".meta.json") and not os.path.exists(link + ".lock")
+
+
 def test_a_lock_holder_killed_with_sigkill_releases_the_lock(reference, tmp_path):
     args, full = reference
     out = str(tmp_path / "o.jsonl")
