@@ -170,7 +170,7 @@ def test_api_misuse_names_the_argument(tiny, call, message):
     ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
     ({"stop": 5}, "stop must be a list"),
     ({"stop": [""]}, "stop must be a non-empty string"),
-    ({"n": 0}, "n must be an integer >= 1"),
+    ({"n": 0}, r"n must be an integer in \[1, 1024\]"),
     ({"min_tokens": 20, "max_tokens": 16}, r"min_tokens must be an integer in \[0, max_tokens=16\]"),
     ({"logprobs": -2}, r"logprobs must be None, -1 \(the whole vocabulary\) or an integer >= 0"),
     ({"seed": 1 << 64}, r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\)"),

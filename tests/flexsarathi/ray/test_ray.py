@@ -149,7 +149,9 @@ def test_ray_output_equals_single_process(stories_dir, cluster, tmp_path):
     assert sum('"error": {' in r for r in expected) == len(bad)
     assert_same_records(sorted_records(tmp_path / "ray.jsonl"), expected)
     # The summary lines of a single-process run, plus where the batches ran.
-    assert "on 2 actor(s)" in proc.stdout, proc.stdout
+    # both actors started; how the batches spread over them is Ray's (one may take every batch while
+    # the other starts, on a busy machine)
+    assert "ray: 2 actor(s) x" in proc.stdout and " batches on " in proc.stdout, proc.stdout
     assert f"done: {len(good)} ok, {len(bad)} failed" in proc.stdout and "generated tok/s" in proc.stdout
 
 
