@@ -11,7 +11,9 @@ configs written by transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) 
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -120,7 +122,7 @@ class HFConfig:
             raise SpecError(f"{source}: model_type {model_type!r} is not supported; supported: "
                             f"{', '.join(FAMILIES)}")
         need = _integer_fields(cfg, source)
-        eos = cfg.get("eos_token_id")
+        bos, eos = _token_ids(cfg, source)
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         family = FAMILIES[model_type]
         family_fields = (_opt_fields if family == "opt" else _llama_fields)(cfg, need, source, hidden, heads)
@@ -129,20 +131,65 @@ class HFConfig:
             num_layers=need("num_hidden_layers"), num_heads=heads,
             max_position_embeddings=need("max_position_embeddings"),
             dtype_name=dtype_name(cfg.get("torch_dtype") or cfg.get("dtype") or "float32", f"{source}: dtype"),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),)),
+            bos_token_id=bos, eos_token_ids=eos,
             **family_fields)
+
+
+_REQUIRED = object()
+
+
+def typed(cfg: dict, key: str, source: str, kind: type, default=_REQUIRED, low=None, high=None, above=None):
+    """cfg[key] as a JSON `kind` (int, float or bool), in [low, high] and > above; `default` when absent or null
+    (a SpecError when required); anything else a SpecError naming the source and the field."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise SpecError(f"{source}: required field {key!r} is missing")
+        return default
+    return typed_value(value, key, source, kind, low, high, above)
+
+
+def typed_value(value, key: str, source: str, kind: type, low=None, high=None, above=None):
+    """`value` checked as `typed` does."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise SpecError(f"{source}: {key} must be true or false, got {value!r}")
+        return value
+    what = "an integer" if kind is int else "a finite number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not math.isfinite(value)) or (kind is int and int(value) != value):
+        raise SpecError(f"{source}: {key} must be {what}, got {value!r}")
+    value = kind(value)
+    if (low is not None and value < low) or (high is not None and value > high) or (
+            above is not None and value <= above):
+        bounds = [f">= {low}" if low is not None else None, f"> {above}" if above is not None else None,
+                  f"<= {high}" if high is not None else None]
+        raise SpecError(f"{source}: {key} must be {what} {' and '.join(b for b in bounds if b)}, got {value!r}")
+    return value
+
+
+# The fields every family has, with their ranges (num_hidden_layers bounded: each layer's shapes are built)
+_SIZE_RANGES = {"vocab_size": (1, None), "hidden_size": (1, None), "num_hidden_layers": (1, 10000),
+                "num_attention_heads": (1, None), "max_position_embeddings": (1, None),
+                "intermediate_size": (1, None), "ffn_dim": (1, None), "num_experts": (1, None),
+                "num_local_experts": (1, None), "num_experts_per_tok": (1, None), "moe_intermediate_size": (1, None),
+                "shared_expert_intermediate_size": (0, None), "decoder_sparse_step": (1, None)}
 
 
 def _integer_fields(cfg: dict, source: str):
     def need(key: str) -> int:
-        value = cfg.get(key)
-        if value is None:
-            raise SpecError(f"{source}: required field {key!r} is missing")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise SpecError(f"{source}: field {key!r} must be an integer, got {value!r}")
-        return int(value)
+        low, high = _SIZE_RANGES.get(key, (None, None))
+        return typed(cfg, key, source, int, low=low, high=high)
     return need
+
+
+def _token_ids(cfg: dict, source: str) -> tuple[int | None, tuple[int, ...]]:
+    """(bos_token_id, eos_token_ids): eos_token_id is one id or a list of ids."""
+    bos = typed(cfg, "bos_token_id", source, int, None, low=0)
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        return bos, tuple(typed_value(e, f"eos_token_id[{i}]", source, int, low=0) for i, e in enumerate(eos))
+    return bos, () if eos is None else (typed_value(eos, "eos_token_id", source, int, low=0),)
 
 
 def _opt_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict:
@@ -150,36 +197,40 @@ def _opt_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict:
         raise SpecError(f"{source}: OPT activation {cfg['activation_function']!r} is not supported (only relu)")
     if cfg.get("layer_norm_elementwise_affine", True) is False:
         raise SpecError(f"{source}: OPT without LayerNorm affine weights is not supported")
-    pre_norm = bool(cfg.get("do_layer_norm_before", True))
-    proj = cfg.get("word_embed_proj_dim")
+    flag = functools.partial(typed, cfg, source=source, kind=bool)
+    pre_norm = flag(key="do_layer_norm_before", default=True)
+    proj = typed(cfg, "word_embed_proj_dim", source, int, None, low=1)
     return dict(num_kv_heads=heads, head_dim=hidden // heads, intermediate_size=need("ffn_dim"),
-                norm_eps=1e-5, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                pre_norm=pre_norm, word_embed_proj_dim=None if proj in (None, hidden) else int(proj),
-                final_norm=pre_norm and not cfg.get("_remove_final_layer_norm", False),
-                linear_bias=bool(cfg.get("enable_bias", True)))
+                norm_eps=1e-5, tie_word_embeddings=flag(key="tie_word_embeddings", default=True),
+                pre_norm=pre_norm, word_embed_proj_dim=None if proj in (None, hidden) else proj,
+                final_norm=pre_norm and not flag(key="_remove_final_layer_norm", default=False),
+                linear_bias=flag(key="enable_bias", default=True))
 
 
 def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise SpecError(f"{source}: hidden_act {act!r} is not supported (only silu)")
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    kv_heads = typed(cfg, "num_key_value_heads", source, int, heads, low=1)
     if heads % kv_heads:
         raise SpecError(f"{source}: num_heads={heads} (num_attention_heads) is not a multiple of "
                         f"num_kv_heads={kv_heads} (num_key_value_heads)")
     model_type = cfg.get("model_type")
-    attention_bias = bool(cfg.get("attention_bias", False))
-    window = cfg.get("sliding_window")
-    if model_type in _QWEN_TYPES and not cfg.get("use_sliding_window", False):
-        window = None
+    flag = functools.partial(typed, cfg, source=source, kind=bool)
+    attention_bias = flag(key="attention_bias", default=False)
+    if model_type in _QWEN_TYPES and not flag(key="use_sliding_window", default=False):
+        window = None  # qwen: sliding_window is read only with use_sliding_window
+    else:
+        window = typed(cfg, "sliding_window", source, int, None, low=1)  # null: none
     # qwen2 and qwen2_moe bias q, k and v (transformers 5 writes it as qkv_bias); qwen3 does not
-    qkv_bias = bool(cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))) or attention_bias
-    return dict(num_kv_heads=kv_heads, head_dim=int(cfg.get("head_dim") or hidden // heads),
-                intermediate_size=need("intermediate_size"), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    qkv_bias = flag(key="qkv_bias", default=model_type in ("qwen2", "qwen2_moe")) or attention_bias
+    return dict(num_kv_heads=kv_heads, head_dim=typed(cfg, "head_dim", source, int, hidden // heads, low=1),
+                intermediate_size=need("intermediate_size"),
+                norm_eps=typed(cfg, "rms_norm_eps", source, float, 1e-6, above=0.0),
+                tie_word_embeddings=flag(key="tie_word_embeddings", default=False),
                 qkv_bias=qkv_bias, o_bias=attention_bias,
-                mlp_bias=bool(cfg.get("mlp_bias", False)), rope=_parse_rope(cfg, source),
-                sliding_window=int(window) if window else None,
+                mlp_bias=flag(key="mlp_bias", default=False), rope=_parse_rope(cfg, source),
+                sliding_window=window,
                 qk_norm=model_type in QK_NORM_MODEL_TYPES,
                 moe=_parse_moe(cfg, need, source) if model_type in MOE_MODEL_TYPES else None)
 
@@ -196,8 +247,7 @@ def _check_router(cfg: dict, source: str) -> None:
         if cfg.get(key) is not None and cfg[key] != plain:
             raise SpecError(f"{source}: router option {key}={cfg[key]!r} is not supported for "
                             f"{cfg['model_type']} (routing is softmax over the experts, then top-k)")
-    if not isinstance(cfg.get("norm_topk_prob", False), bool):
-        raise SpecError(f"{source}: norm_topk_prob must be true or false, got {cfg['norm_topk_prob']!r}")
+    typed(cfg, "norm_topk_prob", source, bool, False)
 
 
 def _parse_moe(cfg: dict, need, source: str) -> MoEConfig:
@@ -221,23 +271,31 @@ def _parse_moe(cfg: dict, need, source: str) -> MoEConfig:
         raise SpecError(f"{source}: mlp_only_layers must list layer indices in [0, {layers}), got {dense!r}")
     shared = need("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
     return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=need("moe_intermediate_size"),
-                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_ffn_size=shared,
+                     norm_topk_prob=typed(cfg, "norm_topk_prob", source, bool, False), shared_expert_ffn_size=shared,
                      decoder_sparse_step=step, mlp_only_layers=tuple(sorted(set(dense))))
 
 
 def _parse_rope(cfg: dict, source: str) -> RopeConfig:
     # transformers 5 writes {"rope_parameters": {"rope_type": ..., "rope_theta": ..., ...}};
     # transformers 4 writes "rope_theta" and an optional "rope_scaling" dict.
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(cfg.get(key) or {}, dict):
+            raise SpecError(f"{source}: {key} must be an object or null, got {cfg[key]!r}")
     merged = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     kind = merged.get("rope_type") or merged.get("type") or "default"
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise SpecError(f"{source}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    prefix = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+
+    def param(key: str, kind: type, default, **bounds):
+        return typed({f"{prefix}.{key}": merged.get(key)}, f"{prefix}.{key}", source, kind, default, **bounds)
+    theta = cfg.get("rope_theta") if merged.get("rope_theta") is None else merged["rope_theta"]
     return RopeConfig(
-        theta=float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0))), kind=kind,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        theta=typed({"rope_theta": theta}, "rope_theta", source, float, 10000.0, above=0.0), kind=kind,
+        factor=param("factor", float, 1.0, above=0.0),
+        low_freq_factor=param("low_freq_factor", float, 1.0, above=0.0),
+        high_freq_factor=param("high_freq_factor", float, 4.0, above=0.0),
+        original_max_position_embeddings=param("original_max_position_embeddings", int, 8192, low=1),
     )
 
 
@@ -249,7 +307,9 @@ def read_config_json(folder: str | os.PathLike) -> tuple[dict, str]:
     if not os.path.isfile(path):
         raise SpecError(f"model folder {folder} has no config.json (a checkpoint folder needs one)")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f), path
     except json.JSONDecodeError as exc:
         raise SpecError(f"{path} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None

@@ -271,8 +271,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, opened: OpenedModel | None = None):
         """opened: the model already opened by the caller (open_model(config.model)), else opened here."""
         self.engine_config = e = config
-        # "cuda" as "cuda:<index>": a tensor's device is always indexed, and the executor and pools
-        # compare theirs with it (a bare "cuda" never equals "cuda:0": a needless .to each layer-step)
+        # "cuda" as "cuda:<index>", as tensors' devices are (a bare "cuda" never equals "cuda:0")
         self.device = indexed(resolve_device(e.device))
         opened = _opened_for(e, opened)
         self.source, self.tokenizer = opened.source, opened.tokenizer
@@ -284,8 +283,7 @@ class LLMEngine:
         # A compressed K is grouped per channel over one block (KVFormat.block_size).
         self.block_size = e.kv_block_size or (KV_FORMAT.block_size if p.compress_kv else PLAIN_KV_BLOCK)
         self.offload_dir = e.offload_dir or DEFAULT_OFFLOAD_DIR
-        eos = self.tokenizer.eos_token_id if self.tokenizer else None
-        self.eos_token_ids = frozenset(self.config.eos_token_ids) | ({eos} if eos is not None else set())
+        self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, list(self.eos_token_ids))
         self.memory = MemoryTracker(_fitted_budget(e.budget, e.fit_running, self.device), self.device)
         self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
@@ -918,6 +916,12 @@ def _split_by_fractions(total: int, fractions: tuple[float, float, float]) -> di
     for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[:total - sum(counts)]:
         counts[i] += 1
     return {tier: n for tier, n in zip(TIERS, counts) if n > 0}
+
+
+def _eos_ids(config, tokenizer) -> frozenset[int]:
+    """config.json's EOS ids and every one the tokenizer knows (generation_config.json may list
+    several: Llama-3-Instruct's <|end_of_text|> and <|eot_id|>)."""
+    return frozenset(config.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
 
 
 def _drop_unsampled(seqs: list[Sequence], sampled: list[int | None],

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import zlib
 from abc import ABC, abstractmethod
 
@@ -27,6 +28,41 @@ from quant.layout import GroupLayout
 
 DUMMY_PREFIX = "dummy:"
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_FLOAT_KINDS = ("F64", "F32", "F16", "BF16")  # safetensors dtypes a plain checkpoint's weights may have
+# Tensors a checkpoint may hold that no model reads: the RoPE table older HF llama checkpoints saved.
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def require_float_kind(kind: str, name: str, path: str) -> None:
+    """One CheckpointError unless a plain (not pre-quantized) weight's safetensors dtype is a float
+    the engine casts exactly: integers or bools cast as they are give garbage, fp8 needs its scales."""
+    if kind in _FLOAT_KINDS:
+        return
+    if str(kind).startswith("F8"):
+        raise CheckpointError(f"{path}: tensor {name} is stored as {kind}: fp8 checkpoints (with their "
+                              "*.weight_scale tensors) are not supported; use a float16/bfloat16 checkpoint")
+    raise CheckpointError(f"{path}: tensor {name} is stored as {kind}, not as floats ({', '.join(_FLOAT_KINDS)}): "
+                          "a checkpoint without a quantization_config in config.json must hold float weights")
+
+
+def file_identity(path: str) -> str:
+    """What tells a weight file's bytes apart between runs, as git's index does: name, size, mtime,
+    and ctime, inode and device, which a rewrite keeping size and mtime (cp -p, rsync -a, os.utime)
+    still changes (utime cannot set ctime back). A copied or moved folder rebuilds its store once."""
+    st = os.stat(path)
+    return f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
+
+
+def require_regular_file(path: str) -> str:
+    """`path` when it is a regular file (or a link to one); else one CheckpointError: reading a FIFO
+    or a device would block or never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise CheckpointError(f"cannot read weight file {path}: {exc}") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"weight file {path} is not a regular file (a FIFO, device or folder): refused")
+    return path
 
 
 def require_finite(values: torch.Tensor, name: str, where: str, read: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,38 +199,57 @@ class SafetensorsCheckpoint(WeightSource):
         self._pread = PreadReader()  # tensors' bytes: read into fresh memory, not mapped (safetensors_pread.py)
         self._file_of = self._index_tensors()  # HF tensor name -> file path
         self._validate_shapes()
+        self._refuse_unused()
 
     @property
     def fingerprint(self) -> str:
+        """Each weight file's `file_identity` (a rewrite keeping size and mtime is noticed; a copied or
+        moved folder, new inodes, rebuilds its offload store once, from the same bytes)."""
         digest = hashlib.sha256()
         for path in sorted(set(self._file_of.values())):
-            st = os.stat(path)
-            digest.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+            digest.update(file_identity(path).encode())
         return f"ckpt-{digest.hexdigest()[:16]}"
 
     def _index_tensors(self) -> dict[str, str]:
         index_path = os.path.join(self.folder, "model.safetensors.index.json")
         single = os.path.join(self.folder, "model.safetensors")
         if os.path.isfile(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index_path} is not a valid safetensors index: {exc}") from None
-            files = {name: os.path.join(self.folder, shard) for name, shard in weight_map.items()}
+            files = {name: os.path.join(self.folder, shard) for name, shard in self._weight_map(index_path).items()}
             for shard in sorted(set(files.values())):
-                if not os.path.isfile(shard):
+                if not os.path.lexists(shard):
                     raise CheckpointError(f"{index_path} lists shard {os.path.basename(shard)}, "
                                           f"which is missing from {self.folder}")
+                keys = set(self._open(require_regular_file(shard)).keys())
+                wrong = sorted(name for name, path in files.items() if path == shard and name not in keys)
+                if wrong:
+                    raise CheckpointError(f"{index_path}: weight_map puts tensor {wrong[0]} in shard "
+                                          f"{os.path.basename(shard)}, which does not contain it")
             return files
-        if os.path.isfile(single):
-            return {name: single for name in self._open(single).keys()}
+        if os.path.lexists(single):
+            return {name: single for name in self._open(require_regular_file(single)).keys()}
         found = sorted(f for f in os.listdir(self.folder) if f.endswith(".safetensors"))
         if len(found) == 1:
-            path = os.path.join(self.folder, found[0])
+            path = require_regular_file(os.path.join(self.folder, found[0]))
             return {name: path for name in self._open(path).keys()}
         raise CheckpointError(f"no weights in {self.folder}: expected model.safetensors or "
                               "model.safetensors.index.json (only safetensors checkpoints are read)")
+
+    @staticmethod
+    def _weight_map(index_path: str) -> dict[str, str]:
+        """The index's weight_map {tensor name: shard file name}, or one CheckpointError naming the entry."""
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path} is not a valid safetensors index: {exc}") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: weight_map must be an object {{tensor: shard file}}, "
+                                  f"got {type(weight_map).__name__}")
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise CheckpointError(f"{index_path}: weight_map entry {name!r} names shard {shard!r}, "
+                                      "not a file name")
+        return weight_map
 
     def _open(self, path: str):
         if path not in self._handles:
@@ -222,7 +277,9 @@ class SafetensorsCheckpoint(WeightSource):
                 for hf_name in parts:
                     name = self._resolve(hf_name)
                     path = self._file_of[name]
-                    shape = tuple(self._open(path).get_slice(name).get_shape())
+                    info = self._open(path).get_slice(name)
+                    require_float_kind(info.get_dtype(), name, path)
+                    shape = tuple(info.get_shape())
                     want = list(shapes[canonical])
                     if len(shape) != len(want) or list(shape[1:]) != want[1:]:
                         raise CheckpointError(
@@ -234,6 +291,32 @@ class SafetensorsCheckpoint(WeightSource):
                     raise CheckpointError(
                         f"tensor(s) {', '.join(parts)} in {self.folder} have {rows} rows in total, but "
                         f"config.json implies {shapes[canonical][0]} ({canonical})")
+
+    def _read_names(self) -> set[str]:
+        """The HF names of every tensor the model reads (before `_resolve`'s prefix fallback)."""
+        groups = [self.model.hf_global_names(), *(self.model.hf_layer_names(i) for i in range(self.config.num_layers))]
+        return {hf for names in groups for parts in names.values() for hf in parts}
+
+    def _refuse_unused(self) -> None:
+        """One CheckpointError when the files hold tensors the model config.json describes does not
+        read (from the headers' names only): transformers warns of them; here they mean config.json
+        and the weights disagree (more layers, biases it says there are none of), and the model run
+        without them would be another model."""
+        wanted = self._read_names()
+        ignorable = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        unused = sorted(n for n in self._file_of if n not in wanted and f"model.{n}" not in wanted
+                        and n not in ignorable and not n.endswith(_IGNORABLE_SUFFIXES))
+        if not unused:
+            return
+        layers = [int(p) for n in unused for a, p in zip(n.split("."), n.split(".")[1:])
+                  if a == "layers" and p.isdigit()]
+        cause = (f"config.json's num_hidden_layers is {self.config.num_layers}, but the files hold layer {max(layers)}"
+                 if layers and max(layers) >= self.config.num_layers else
+                 "config.json's attention_bias / mlp_bias say there are no biases" if all(
+                     n.endswith(".bias") for n in unused) else "config.json does not describe these weights")
+        raise CheckpointError(f"{self.folder}: {len(unused)} tensor(s) in the checkpoint are not used by the model "
+                              f"config.json describes ({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}): "
+                              f"{cause}; refusing to run a model other than the one saved")
 
     def _read(self, names: dict[str, list[str]], dtype: torch.dtype, unchecked: frozenset[str] = frozenset()) -> Weights:
         out = {}

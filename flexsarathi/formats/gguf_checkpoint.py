@@ -25,7 +25,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from flexsarathi.formats.checkpoint import WeightSource, require_finite
+from flexsarathi.formats.checkpoint import WeightSource, file_identity, require_finite
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.formats.prequantized import SourceDescription, TensorKind, concat_rows
@@ -74,9 +74,8 @@ class GGUFCheckpoint(WeightSource):
     @property
     def fingerprint(self) -> str:
         digest = hashlib.sha256()
-        for part in self.gguf.paths:
-            st = os.stat(part)
-            digest.update(f"{os.path.basename(part)}:{st.st_size}:{st.st_mtime_ns}".encode())
+        for part in self.gguf.paths:  # size, mtime, ctime, inode: a rewrite keeping size and mtime noticed
+            digest.update(file_identity(part).encode())
         return f"gguf-{digest.hexdigest()[:16]}"
 
     def _raw(self, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:

@@ -32,8 +32,14 @@ SUPPORTED_MODELS = ("llama", "gpt2")
 def load_gguf_tokenizer(path: str):
     """The tokenizer of a GGUF file (None when it carries no vocabulary)."""
     from flexsarathi.formats.gguf_file import open_gguf
+    from flexsarathi.formats.tokenizer import check_vocab_fits
 
-    return build_gguf_tokenizer(open_gguf(path).metadata, path)
+    gguf = open_gguf(path)
+    tokenizer = build_gguf_tokenizer(gguf.metadata, path)
+    if tokenizer is not None and "token_embd.weight" in gguf.tensors:
+        check_vocab_fits(tokenizer, gguf.tensor("token_embd.weight").shape[0], f"{path}: tokenizer.ggml.tokens",
+                         "token_embd.weight rows")
+    return tokenizer
 
 
 def build_gguf_tokenizer(meta: dict, where: str):
@@ -41,18 +47,22 @@ def build_gguf_tokenizer(meta: dict, where: str):
     from flexsarathi.formats.tokenizer import Tokenizer
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind is None or "tokenizer.ggml.tokens" not in meta:
+    if kind in (None, "none"):  # llama.cpp's "none": a model without a vocabulary
         return None
+    if not meta.get("tokenizer.ggml.tokens"):
+        raise CheckpointError(f"{where}: tokenizer.ggml.model is {kind!r} but tokenizer.ggml.tokens is missing or "
+                              f"empty (a GGUF vocabulary needs at least one token)")
     if kind not in SUPPORTED_MODELS:
         raise CheckpointError(f"{where}: tokenizer.ggml.model {kind!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_MODELS)}")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    backend = _spm_backend(meta, tokens) if kind == "llama" else _byte_level_backend(meta, tokens)
+    tokens = _checked_vocabulary(meta, where)
+    build = _spm_backend if kind == "llama" else _byte_level_backend
+    backend = build(meta, tokens, where)
     _add_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or [])
 
     def token(key: str):
         index = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+        return tokens[index] if index is not None else None
 
     specials = {name: token(key) for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                                                    ("unk_token", "unknown_token_id"),
@@ -63,9 +73,60 @@ def build_gguf_tokenizer(meta: dict, where: str):
                      meta.get("tokenizer.chat_template") or None, specials)
 
 
-def _spm_backend(meta: dict, tokens: list[str]) -> HFTokenizer:
+_TOKEN_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator", "cls", "mask")
+
+
+def _checked_vocabulary(meta: dict, where: str) -> list[str]:
+    """tokenizer.ggml.tokens (distinct strings), its per-token arrays and token ids, checked; CheckpointError
+    naming the key otherwise."""
+    key = "tokenizer.ggml.tokens"
+    tokens = meta[key]
+    if not isinstance(tokens, (list, tuple)) or not tokens:
+        raise CheckpointError(f"{where}: {key} is empty (a GGUF vocabulary needs at least one token)")
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if not isinstance(t, str):
+            raise CheckpointError(f"{where}: {key}[{i}] must be a string, got {t!r}")
+        if seen.setdefault(t, i) != i:
+            raise CheckpointError(f"{where}: {key} has {t!r} twice (ids {seen[t]} and {i})")
+    for name, kind in (("token_type", int), ("scores", (int, float))):
+        values = meta.get(f"tokenizer.ggml.{name}")
+        if values is None:
+            continue
+        if not isinstance(values, (list, tuple)) or len(values) != len(tokens) or not all(
+                isinstance(v, kind) and not isinstance(v, bool) for v in values):
+            raise CheckpointError(f"{where}: tokenizer.ggml.{name} must list one {kind_name(kind)} per token "
+                                  f"({len(tokens)})")
+    for name in _TOKEN_ID_KEYS:
+        index = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int)
+                                  or not 0 <= index < len(tokens)):
+            raise CheckpointError(f"{where}: tokenizer.ggml.{name}_token_id must be a token id in "
+                                  f"[0, {len(tokens)}), got {index!r}")
+    return list(tokens)
+
+
+def kind_name(kind) -> str:
+    return "integer" if kind is int else "number"
+
+
+def _check_merges(meta: dict, vocab: dict, where: str) -> None:
+    """Each of tokenizer.ggml.merges is "left right" with left, right and left+right in the vocabulary."""
+    for i, merge in enumerate(meta.get("tokenizer.ggml.merges") or []):
+        parts = merge.split(" ", 1) if isinstance(merge, str) else []
+        if len(parts) != 2:
+            raise CheckpointError(f"{where}: tokenizer.ggml.merges[{i}] must be two tokens separated by a space, "
+                                  f"got {merge!r}")
+        unknown = [t for t in (*parts, "".join(parts)) if t not in vocab]
+        if unknown:
+            raise CheckpointError(f"{where}: tokenizer.ggml.merges[{i}] {merge!r} names {unknown[0]!r}, "
+                                  f"which is not in tokenizer.ggml.tokens")
+
+
+def _spm_backend(meta: dict, tokens: list[str], where: str) -> HFTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = _file_merges(meta) or spm_merges(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    merges = _file_merges(meta, vocab, where) or spm_merges(tokens, scores)
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
                                      unk_token=tokens[unk] if unk is not None else None))
@@ -93,14 +154,14 @@ def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     return [(left, right) for _, left, right in merges]
 
 
-def _byte_level_backend(meta: dict, tokens: list[str]) -> HFTokenizer:
+def _byte_level_backend(meta: dict, tokens: list[str], where: str) -> HFTokenizer:
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     spell = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     # Tokens the file writes as plain text (some added tokens) get the byte-level spelling the
     # merges and the pre-tokenizer produce.
     vocab = {t if set(t) <= alphabet else "".join(p for p, _ in spell.pre_tokenize_str(t)): i
              for i, t in enumerate(tokens)}
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=_file_merges(meta) or [], fuse_unk=False,
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=_file_merges(meta, vocab, where) or [], fuse_unk=False,
                                      continuing_subword_prefix="", end_of_word_suffix=""))
     split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
     if split is None:
@@ -113,7 +174,8 @@ def _byte_level_backend(meta: dict, tokens: list[str]) -> HFTokenizer:
     return backend
 
 
-def _file_merges(meta: dict) -> list[tuple[str, str]]:
+def _file_merges(meta: dict, vocab: dict, where: str) -> list[tuple[str, str]]:
+    _check_merges(meta, vocab, where)
     return [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
 
 

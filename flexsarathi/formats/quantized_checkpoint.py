@@ -18,7 +18,7 @@ import os
 import torch
 from safetensors import SafetensorError
 
-from flexsarathi.formats.checkpoint import SafetensorsCheckpoint, require_finite
+from flexsarathi.formats.checkpoint import SafetensorsCheckpoint, require_finite, require_float_kind
 from flexsarathi.errors import CheckpointError
 from flexsarathi.formats.prequantized import (ConversionLog, SourceDescription, TensorKind, codes_to_qtensor,
                                              concat_rows, reference_values, requantize)
@@ -26,6 +26,9 @@ from flexsarathi.formats.safetensors_pread import PreadReader
 from flexsarathi.formats.quantized_formats import TENSORS, ModuleCodes, QuantMethod, Scheme, packed_shape, \
     parse_quantization_config
 from quant import QuantConfig
+
+_SCALE_KINDS = ("F16", "BF16", "F32")  # the float dtypes a checkpoint's scales may have
+_INT_KINDS = ("I8", "I16", "I32", "I64", "U8")  # compressed-tensors: unpacked zero points, weight_shape
 
 
 def read_quantization_config(folder: str) -> dict | None:
@@ -125,13 +128,57 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         scheme = self._scheme(hf_name)
         if scheme is None:
             name = self._resolve(hf_name)
-            return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
+            info = self._open(self._file_of[name]).get_slice(name)
+            require_float_kind(info.get_dtype(), name, self._file_of[name])
+            return tuple(info.get_shape())
         module = hf_name.removesuffix(".weight")
         out_features, in_features = packed_shape(self.method.name, self._module_tensors(module, True), scheme.bits)
         if self.method.name == "compressed-tensors":  # the packed width is rounded up to whole words
             name = self._resolve(f"{module}.weight_shape")  # read alone: its module's codes are not needed here
             out_features, in_features = (int(v) for v in self._reader.get(self._file_of[name], name).tolist())
+        self._check_components(module, scheme, out_features, in_features)
         return out_features, in_features
+
+    def _component_specs(self, scheme, out_features: int, in_features: int) -> dict[str, tuple]:
+        """suffix -> (allowed safetensors dtypes, shape or None: not checked) of a packed module's tensors."""
+        groups = 1 if scheme.group_size <= 0 else -(-in_features // scheme.group_size)
+        words = -(-out_features * scheme.bits // 32)
+        if self.method.name == "gptq":
+            return {"qweight": (("I32",), [in_features * scheme.bits // 32, out_features]),
+                    "qzeros": (("I32",), [groups, words]), "scales": (_SCALE_KINDS, [groups, out_features]),
+                    "g_idx": (("I32",), [in_features])}
+        if self.method.name == "awq":
+            return {"qweight": (("I32",), None), "qzeros": (("I32",), [groups, words]),
+                    "scales": (_SCALE_KINDS, [groups, out_features])}
+        zero = (("I32",), [words, groups]) if not scheme.symmetric else (("I32",) + _INT_KINDS, None)
+        return {"weight_packed": (("I32",), None), "weight_scale": (_SCALE_KINDS, [out_features, groups]),
+                "weight_shape": (_INT_KINDS, [2]), "weight_g_idx": (("I32",), [in_features]),
+                "weight_zero_point": zero}
+
+    def _check_components(self, module: str, scheme, out_features: int, in_features: int) -> None:
+        """Each packed tensor's dtype and shape from its header, before a byte is read: one CheckpointError
+        naming the tensor and its file (a wrong one would be misread or fail deep in unpacking)."""
+        for suffix, (kinds, shape) in self._component_specs(scheme, out_features, in_features).items():
+            name = f"{module}.{suffix}"
+            if name not in self._file_of and name.removeprefix("model.") not in self._file_of:
+                continue
+            path, _, _, kind, got = self._extent(name)
+            if kind not in kinds:
+                raise CheckpointError(f"{path}: tensor {self._resolve(name)} is stored as {kind}; "
+                                      f"{self.method.name} stores {suffix} as {' or '.join(kinds)}")
+            if suffix == "weight_zero_point" and kind != "I32":
+                shape = None  # stored unpacked and signed: any integer kind, read as it is
+            if shape is not None and got != shape:
+                raise CheckpointError(f"{path}: tensor {self._resolve(name)} has shape {got}, but its module's "
+                                      f"{out_features}x{in_features} {scheme.describe()} weight "
+                                      f"(quantization_config bits={scheme.bits}) needs {shape}")
+
+    def _read_names(self) -> set[str]:
+        """Every HF name the model reads, with each Linear module's packed tensors."""
+        required, optional, _ = TENSORS[self.method.name]
+        names = super()._read_names()
+        modules = {hf.removesuffix(".weight") for hf in names if hf.endswith(".weight")}
+        return names | {f"{m}.{s}" for m in modules for s in required + optional}
 
     # ---- formats per tensor kind --------------------------------------------------------------
     def _kind_formats(self) -> tuple[dict[str, QuantConfig | None], set[str]]:
@@ -177,6 +224,10 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             return False
         name = self._resolve(key)
         g_idx = self._reader.get(self._file_of[name], name)
+        groups = -(-g_idx.numel() // group)
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise CheckpointError(f"{self._file_of[name]}: tensor {name} holds group {int(g_idx.min())}..."
+                                  f"{int(g_idx.max())}, outside the {groups} groups of its {g_idx.numel()} columns")
         return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group)
 
     # ---- reading ---------------------------------------------------------------------------

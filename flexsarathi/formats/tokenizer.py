@@ -9,41 +9,47 @@ import os
 from tokenizers import Tokenizer as HFTokenizer
 
 from flexsarathi.errors import CheckpointError, FlexSarathiError
+from policy_search.errors import SpecError
+from policy_search.hf_config import typed_value
 
 
 class Tokenizer:
     def __init__(self, path: str | HFTokenizer, add_bos: bool | None, add_eos: bool, bos_id: int | None,
-                 eos_id: int | None, chat_template: str | None = None, special_tokens: dict | None = None):
-        """path: a tokenizer.json, or a built `tokenizers.Tokenizer` (a GGUF file's: formats/gguf_tokenizer.py)."""
+                 eos_id: int | None, chat_template: str | None = None, special_tokens: dict | None = None,
+                 eos_ids: tuple[int, ...] = ()):
+        """path: a tokenizer.json, or a built `tokenizers.Tokenizer` (a GGUF file's: formats/gguf_tokenizer.py).
+        eos_id: the EOS that add_eos appends; eos_ids: the other ids that end generation too."""
         try:
             self._tok = path if isinstance(path, HFTokenizer) else HFTokenizer.from_file(path)
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad JSON
             raise CheckpointError(f"cannot read tokenizer {path}: {exc}") from None
         self.add_bos, self.add_eos = add_bos, add_eos
         self.bos_token_id, self.eos_token_id = bos_id, eos_id
+        # every id generation stops at (generation_config.json's list: Llama-3-Instruct's <|eot_id|> too)
+        self.eos_token_ids = tuple(dict.fromkeys(([] if eos_id is None else [eos_id]) + list(eos_ids)))
         self.chat_template = chat_template
         self.special_tokens = special_tokens or {}  # bos_token, eos_token, ... as strings
         self._compiled_template = None
 
     @classmethod
     def from_folder(cls, folder: str, bos_id: int | None = None,
-                    eos_id: int | None = None) -> "Tokenizer | None":
-        """None when the folder has no tokenizer.json (prompts must then be token ids)."""
+                    eos_id: int | tuple[int, ...] | None = None) -> "Tokenizer | None":
+        """None when the folder has no tokenizer.json (prompts must then be token ids). bos_id / eos_id
+        (config.json's: one id or several) where generation_config.json names none."""
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
             return None
-        tok_cfg = _read_json(os.path.join(folder, "tokenizer_config.json"))
-        gen_cfg = _read_json(os.path.join(folder, "generation_config.json"))
-        bos = gen_cfg.get("bos_token_id", bos_id)
-        eos = gen_cfg.get("eos_token_id", eos_id)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        tok_path = os.path.join(folder, "tokenizer_config.json")
+        gen_path = os.path.join(folder, "generation_config.json")
+        tok_cfg, gen_cfg = _read_json(tok_path), _read_json(gen_path)
+        bos = _token_ids(gen_cfg, "bos_token_id", gen_path, bos_id, single=True)
+        eos = _token_ids(gen_cfg, "eos_token_id", gen_path, eos_id)
         # None: follow tokenizer.json's own post-processor.
-        add_bos = tok_cfg.get("add_bos_token") if "add_bos_token" in tok_cfg else None
+        add_bos = _flag(tok_cfg, "add_bos_token", tok_path, None)
         specials = {key: _token_text(tok_cfg[key]) for key in ("bos_token", "eos_token", "unk_token", "pad_token")
                     if tok_cfg.get(key) is not None}
-        return cls(path, add_bos, bool(tok_cfg.get("add_eos_token", False)), bos, eos,
-                   _chat_template(folder, tok_cfg), specials)
+        return cls(path, add_bos, _flag(tok_cfg, "add_eos_token", tok_path, False), bos, eos[0] if eos else None,
+                   _chat_template(folder, tok_cfg, tok_path), specials, eos_ids=eos)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -125,15 +131,17 @@ def _token_text(value) -> str:
     return value.get("content", "") if isinstance(value, dict) else str(value)
 
 
-def _chat_template(folder: str, tok_cfg: dict) -> str | None:
+def _chat_template(folder: str, tok_cfg: dict, tok_path: str) -> str | None:
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     jinja_file = os.path.join(folder, "chat_template.jinja")
     if template is None and os.path.isfile(jinja_file):
-        with open(jinja_file, encoding="utf-8") as f:
-            template = f.read()
+        template = _read_text(jinja_file)
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{tok_path}: chat_template must be a string or a list of named templates, "
+                              f"got {type(template).__name__}")
     return template if isinstance(template, str) and template else None
 
 
@@ -161,14 +169,48 @@ def _check_messages(messages) -> None:
             raise FlexSarathiError(f"messages[{i}] must be an object with string \"role\" and \"content\"")
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                              f"at offset {exc.start})") from None
+
+
 def _read_json(path: str) -> dict:
+    """The JSON object in `path` ({} when there is no such file); CheckpointError naming the file."""
     if not os.path.isfile(path):
         return {}
     try:
-        with open(path) as f:
-            return json.load(f)
+        data = json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    return data
+
+
+def _flag(cfg: dict, key: str, path: str, default):
+    value = cfg.get(key, default)
+    if value is not default and not isinstance(value, bool):
+        raise CheckpointError(f"{path}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _token_ids(cfg: dict, key: str, path: str, default, single: bool = False):
+    """cfg[key] (else `default`) as one token id (single) or a tuple of them; CheckpointError naming the field."""
+    value = cfg[key] if cfg.get(key) is not None else default
+    try:
+        if value is None:
+            return None if single else ()
+        if single or not isinstance(value, (list, tuple)):
+            ids = (typed_value(value, key, path, int, low=0),)
+        else:
+            ids = tuple(typed_value(v, f"{key}[{i}]", path, int, low=0) for i, v in enumerate(value))
+    except SpecError as exc:
+        raise CheckpointError(str(exc)) from None
+    return ids[0] if single else ids
 
 
 def load_tokenizer(model: str, config) -> Tokenizer | None:
@@ -176,4 +218,15 @@ def load_tokenizer(model: str, config) -> Tokenizer | None:
     config (a ModelConfig) gives the BOS/EOS ids where the tokenizer's files do not."""
     if not os.path.isdir(model):
         return None
-    return Tokenizer.from_folder(model, config.bos_token_id, (config.eos_token_ids or (None,))[0])
+    tokenizer = Tokenizer.from_folder(model, config.bos_token_id, tuple(config.eos_token_ids))
+    if tokenizer is not None:
+        check_vocab_fits(tokenizer, config.vocab_size, os.path.join(model, "tokenizer.json"))
+    return tokenizer
+
+
+def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int, where: str, field: str = "config.json vocab_size") -> None:
+    """CheckpointError when the tokenizer has ids the model has no embedding row for."""
+    top = max(tokenizer.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise CheckpointError(f"{where}: the tokenizer has token id {top}, outside the model's vocabulary "
+                              f"({field}={vocab_size})")

@@ -152,3 +152,49 @@ def test_f32_gguf_of_stories260k_runs_as_its_checkpoint_folder(stories_dir, stor
     with LLM(str(path), dtype="float32") as ours, LLM(stories_dir, dtype="float32") as ref:
         for a, b in zip(ours.generate(prompts, params, use_tqdm=False), ref.generate(prompts, params, use_tqdm=False)):
             assert (a.prompt_token_ids, a.token_ids, a.text) == (b.prompt_token_ids, b.token_ids, b.text)
+
+
+def _spm_meta(stories_dir) -> dict:
+    from pathlib import Path
+
+    return spm_tokenizer_metadata(Path(stories_dir) / "tokenizer.json")
+
+
+def _bad_vocabularies(meta: dict) -> list:
+    tokens, types, n = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"], 512
+    return [
+        ({"tokenizer.ggml.merges": ["abc"]}, r"tokenizer\.ggml\.merges\[0\] must be two tokens separated by a space, "
+                                             r"got 'abc'"),
+        ({"tokenizer.ggml.merges": ["zzz qqq"]}, r"tokenizer\.ggml\.merges\[0\] 'zzz qqq' names 'zzz', which is not in "
+                                                 r"tokenizer\.ggml\.tokens"),
+        ({"tokenizer.ggml.tokens": [tokens[301] if i == 300 else t for i, t in enumerate(tokens)]},
+         rf"tokenizer\.ggml\.tokens has '{tokens[301]}' twice \(ids 300 and 301\)"),
+        ({"tokenizer.ggml.tokens": list(range(n))}, r"tokenizer\.ggml\.tokens\[0\] must be a string, got 0"),
+        ({"tokenizer.ggml.tokens": None, "tokenizer.ggml.token_type": None, "tokenizer.ggml.scores": None},
+         r"tokenizer\.ggml\.model is 'llama' but tokenizer\.ggml\.tokens is missing or empty"),
+        ({"tokenizer.ggml.unknown_token_id": 99999}, r"tokenizer\.ggml\.unknown_token_id must be a token id in "
+                                                     r"\[0, 512\), got 99999"),
+        ({"tokenizer.ggml.eot_token_id": "2"}, r"tokenizer\.ggml\.eot_token_id must be a token id in \[0, 512\), "
+                                               r"got '2'"),
+        ({"tokenizer.ggml.token_type": ["x"] * n}, r"tokenizer\.ggml\.token_type must list one integer per token "
+                                                   r"\(512\)"),
+        ({"tokenizer.ggml.token_type": types[:100]}, r"tokenizer\.ggml\.token_type must list one integer per token"),
+        ({"tokenizer.ggml.scores": [0.5] * 100}, r"tokenizer\.ggml\.scores must list one number per token"),
+        ({"tokenizer.ggml.tokens": tokens + [f"extra{i}" for i in range(100)], "tokenizer.ggml.token_type":
+          types + [4] * 100, "tokenizer.ggml.scores": meta["tokenizer.ggml.scores"] + [0.0] * 100},
+         r"tokenizer\.ggml\.tokens: the tokenizer has token id 611, outside the model's vocabulary "
+         r"\(token_embd\.weight rows=512\)"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_a_bad_gguf_vocabulary_is_one_error_naming_the_key(case, stories_dir, stories_hf, tmp_path):
+    from flexsarathi.errors import CheckpointError
+
+    meta = _spm_meta(stories_dir)
+    edit, message = _bad_vocabularies(meta)[case]
+    # None: the key left out (gguf writes no empty array)
+    tokenizer = {key: value for key, value in {**meta, **edit}.items() if value is not None}
+    write_gguf(stories_hf, tmp_path / "bad.gguf", tokenizer=tokenizer)
+    with pytest.raises(CheckpointError, match=r"bad\.gguf: " + message):
+        load_gguf_tokenizer(str(tmp_path / "bad.gguf"))

@@ -398,6 +398,56 @@ def test_compressed_tensors_codes_on_disk_are_linked_not_copied(tmp_path, bits, 
         f.seek(offset)
         f.write(bytes(b ^ 0x11 for b in row))
     os.utime(checkpoint, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    with pytest.warns(RuntimeWarning, match="linked file changed.*rebuilding the store"):
-        changed, _ = tokens(tmp_path / "off", w_gpu=0.0, w_cpu=0.0, w_disk=1.0)
+    changed, again = tokens(tmp_path / "off", w_gpu=0.0, w_cpu=0.0, w_disk=1.0)
+    # size and mtime kept: the fingerprint's ctime and inode notice the rewrite, so another store
+    # (the store's own check of linked extents: tests/offload/test_disk_store.py)
+    assert again.engine.weights.store.key != llm.engine.weights.store.key
     assert changed == tokens(tmp_path / "off1")[0]  # a fresh engine on the file as it is now
+
+
+GPTQ_Q = "model.layers.0.self_attn.q_proj"
+
+
+def _edit_tensors(folder: str, edit) -> str:
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    return path
+
+
+@pytest.mark.parametrize("suffix, edit, message", [
+    ("qweight", lambda t: t.long(), "is stored as I64; gptq stores qweight as I32"),
+    ("qzeros", lambda t: t.long(), "is stored as I64; gptq stores qzeros as I32"),
+    ("scales", lambda t: t.int(), "is stored as I32; gptq stores scales as F16 or BF16 or F32"),
+    ("g_idx", lambda t: t.float(), "is stored as F32; gptq stores g_idx as I32"),
+    ("scales", lambda t: t[:, :-1], r"has shape \[\d+, \d+\], but its module's .* needs \[\d+, \d+\]"),
+    ("qzeros", lambda t: t[:, :-1], r"has shape \[\d+, \d+\], but its module's .* needs \[\d+, \d+\]"),
+    ("g_idx", lambda t: torch.cat([t[:-1], torch.tensor([99], dtype=t.dtype)]), "holds group 0...99, outside"),
+])
+def test_a_damaged_gptq_component_is_one_clear_error(tmp_path, suffix, edit, message):
+    folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 4, 32, False)
+    name = f"{GPTQ_Q}.{suffix}"
+    path = _edit_tensors(folder, lambda t: t.update({name: edit(t[name])}))
+    with pytest.raises(CheckpointError, match=f"{path}: tensor {name} {message}"):
+        LLM(folder, dtype="float32", device="cpu")
+
+
+def test_gptq_bits_that_disagree_with_the_data_name_a_stored_tensor(tmp_path):
+    folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 8, -1, False)
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    config["quantization_config"]["bits"] = 4
+    json.dump(config, open(path, "w"))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor model\.layers\.0\.\S+\.qzeros has shape "
+                                              r".*quantization_config bits=4\) needs"):
+        LLM(folder, dtype="float32", device="cpu")
+
+
+def test_a_plain_weight_of_a_quantized_checkpoint_must_be_floats(tmp_path):
+    folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 4, 32, False)
+    name = "model.layers.0.input_layernorm.weight"
+    path = _edit_tensors(folder, lambda t: t.update({name: t[name].to(torch.int8)}))
+    with pytest.raises(CheckpointError, match=f"{path}: tensor {name} is stored as I8, not as floats"):
+        LLM(folder, dtype="float32", device="cpu")

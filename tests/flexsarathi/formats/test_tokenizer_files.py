@@ -1,0 +1,96 @@
+"""A checkpoint folder's tokenizer files (generation_config.json, tokenizer_config.json,
+chat_template.jinja, tokenizer.json): every EOS id generation_config.json lists ends generation as
+in transformers, and a bad file or field is one CheckpointError naming them, at load."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexsarathi.errors import CheckpointError
+from flexsarathi.formats.tokenizer import Tokenizer, load_tokenizer
+from flexsarathi.models.model_config import ModelConfig
+
+PROMPT = "Once upon a time"
+BASELINE = [432, 383, 286, 261, 376, 298, 315, 421]  # stories260K's greedy continuation of PROMPT
+
+
+def _folder(stories_dir: str, tmp_path: Path, files: dict | None = None) -> Path:
+    """stories260K copied into tmp_path, each of `files` (name -> JSON object, or bytes) written over it."""
+    folder = tmp_path / "stories"
+    shutil.copytree(stories_dir, folder)
+    for name, content in (files or {}).items():
+        data = content if isinstance(content, bytes) else json.dumps(content).encode()
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def _stories_json(stories_dir: str, name: str, **edit) -> dict:
+    return {**json.loads((Path(stories_dir) / name).read_text()), **edit}
+
+
+def test_every_generation_config_eos_id_is_an_eos_id(stories_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _folder(stories_dir, tmp_path, {"generation_config.json": {"bos_token_id": 1, "eos_token_id": [2, 383]}})
+    ours = load_tokenizer(str(folder), ModelConfig.from_folder(folder))
+    assert ours.eos_token_ids == (2, 383) and ours.eos_token_id == 2
+    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(folder)(PROMPT)["input_ids"]
+    assert ids == ours.encode(PROMPT)
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert out == BASELINE[:2]  # transformers stops at 383, the second id
+    assert out[-1] in ours.eos_token_ids and not set(out[:-1]) & set(ours.eos_token_ids)
+
+
+def test_generation_stops_at_any_generation_config_eos_id(stories_dir, tmp_path):
+    from flexsarathi import LLM, SamplingParams
+
+    folder = _folder(stories_dir, tmp_path, {"generation_config.json": {"bos_token_id": 1, "eos_token_id": [2, 383]}})
+    with LLM(str(folder), dtype="float32") as llm:
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert out.token_ids == BASELINE[:2]
+
+
+BAD = [
+    ("generation_config.json", {"eos_token_id": "2"}, r"generation_config\.json: eos_token_id must be an integer, "
+                                                      r"got '2'"),
+    ("generation_config.json", {"eos_token_id": [2, "383"]}, r"generation_config\.json: eos_token_id\[1\] must be "
+                                                             r"an integer, got '383'"),
+    ("generation_config.json", {"eos_token_id": -2}, r"generation_config\.json: eos_token_id must be an integer "
+                                                     r">= 0, got -2"),
+    ("generation_config.json", {"bos_token_id": "1"}, r"generation_config\.json: bos_token_id must be an integer, "
+                                                      r"got '1'"),
+    ("generation_config.json", [1], r"generation_config\.json: expected a JSON object, got a list"),
+    ("tokenizer_config.json", [1], r"tokenizer_config\.json: expected a JSON object, got a list"),
+    ("tokenizer_config.json", b'{"eos_token": "caf\xe9"}', r"tokenizer_config\.json is not UTF-8 text "
+                                                           r"\(byte 0xe9 at offset 18\)"),
+    ("tokenizer_config.json", {"add_bos_token": "false"}, r"tokenizer_config\.json: add_bos_token must be true or "
+                                                          r"false, got 'false'"),
+    ("tokenizer_config.json", {"add_eos_token": 1}, r"tokenizer_config\.json: add_eos_token must be true or false, "
+                                                    r"got 1"),
+    ("tokenizer_config.json", {"chat_template": 5}, r"tokenizer_config\.json: chat_template must be a string or a "
+                                                    r"list of named templates, got int"),
+    ("chat_template.jinja", b"{{ messages }} caf\xe9", r"chat_template\.jinja is not UTF-8 text \(byte 0xe9 at "
+                                                      r"offset 18\)"),
+]
+
+
+@pytest.mark.parametrize("name, content, message", BAD, ids=[f"{n}-{c!r}" for n, c, _ in BAD])
+def test_a_bad_tokenizer_file_is_one_load_error(stories_dir, tmp_path, name, content, message):
+    folder = _folder(stories_dir, tmp_path, {name: content})
+    with pytest.raises(CheckpointError, match=message):
+        Tokenizer.from_folder(str(folder), 1, 2)
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_a_load_error(stories_dir, tmp_path):
+    spec = _stories_json(stories_dir, "tokenizer.json")
+    spec["added_tokens"].append({"id": 512, "content": "<extra>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    folder = _folder(stories_dir, tmp_path, {"tokenizer.json": spec})
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: the tokenizer has token id 512, outside the "
+                                              r"model's vocabulary \(config\.json vocab_size=512\)"):
+        load_tokenizer(str(folder), ModelConfig.from_folder(folder))
