@@ -192,8 +192,10 @@ def _read_json(path: str) -> dict:
 
 
 def _flag(cfg: dict, key: str, path: str, default):
-    value = cfg.get(key, default)
-    if value is not default and not isinstance(value, bool):
+    value = cfg.get(key)
+    if value is None:  # absent, or null as some tokenizer_config.json files write it: the default
+        return default
+    if not isinstance(value, bool):
         raise CheckpointError(f"{path}: {key} must be true or false, got {value!r}")
     return value
 

@@ -94,3 +94,14 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_a_load_error(stories_di
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: the tokenizer has token id 512, outside the "
                                               r"model's vocabulary \(config\.json vocab_size=512\)"):
         load_tokenizer(str(folder), ModelConfig.from_folder(folder))
+
+
+def test_null_flags_in_tokenizer_config_are_the_defaults(stories_dir, tmp_path):
+    """"add_bos_token": null (as some tokenizer_config.json files write absent values) is the
+    default, not an error: the same ids as the untouched folder's tokenizer."""
+    from flexsarathi.formats.tokenizer import Tokenizer
+
+    edited = _stories_json(stories_dir, "tokenizer_config.json", add_bos_token=None, add_eos_token=None)
+    folder = _folder(stories_dir, tmp_path, {"tokenizer_config.json": edited})
+    assert Tokenizer.from_folder(str(folder)).encode("Once upon a time") == \
+        Tokenizer.from_folder(stories_dir).encode("Once upon a time")
