@@ -67,18 +67,24 @@ def _wait_for_lock(proc: subprocess.Popen, lock: str) -> None:
     raise AssertionError("the job never took the lock")
 
 
+def _second_while_first_holds(args: list[str], held: str, output: str):
+    """(first, second): a job writing `held`, stopped while it holds its lock (for as long as the
+    second job takes to start), and a second job on `output`, which must exit 2."""
+    first = _start([*args, "--output", held])
+    _wait_for_lock(first, held + ".lock")
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        return first, cli(*args, "--output", output, check_rc=2)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+
+
 def test_two_jobs_on_one_output_then_a_rerun(reference, tmp_path):
     """The second job started while the first holds the output fails at once, naming the file and
     the first job's pid; the first ends as if alone; a rerun has nothing to do."""
     args, full = reference
     out = str(tmp_path / "o.jsonl")
-    first = _start([*args, "--output", out])
-    _wait_for_lock(first, out + ".lock")
-    os.kill(first.pid, signal.SIGSTOP)  # holds the lock for as long as the second job takes to start
-    try:
-        second = cli(*args, "--output", out, check_rc=2)
-    finally:
-        os.kill(first.pid, signal.SIGCONT)
+    first, second = _second_while_first_holds(args, out, out)
     assert second.stderr.splitlines() == [
         f"error: --output {out} is being written by another job (pid {first.pid}, holding {out}.lock); "
         "wait for it to end or give another --output"]
@@ -99,13 +105,7 @@ def test_two_names_of_one_output_are_one_output(reference, tmp_path):
     out, link = str(tmp_path / "o.jsonl"), str(tmp_path / "link.jsonl")
     (tmp_path / "o.jsonl").touch()
     os.symlink(out, link)
-    first = _start([*args, "--output", out])
-    _wait_for_lock(first, out + ".lock")
-    os.kill(first.pid, signal.SIGSTOP)
-    try:
-        second = cli(*args, "--output", link, check_rc=2)
-    finally:
-        os.kill(first.pid, signal.SIGCONT)
+    first, second = _second_while_first_holds(args, out, link)
     assert second.stderr.splitlines() == [
         f"error: --output {link} is being written by another job (pid {first.pid}, holding {out}.lock); "
         "wait for it to end or give another --output"]
