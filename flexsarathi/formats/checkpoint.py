@@ -47,10 +47,12 @@ def require_float_kind(kind: str, name: str, path: str) -> None:
 
 def file_identity(path: str) -> str:
     """What tells a weight file's bytes apart between runs, as git's index does: name, size, mtime,
-    and ctime, inode and device, which a rewrite keeping size and mtime (cp -p, rsync -a, os.utime)
-    still changes (utime cannot set ctime back). A copied or moved folder rebuilds its store once."""
+    and ctime and inode, which a rewrite keeping size and mtime (cp -p, rsync -a, os.utime) still
+    changes (utime cannot set ctime back). A copied folder rebuilds its store once. Not the device
+    number: it can change across reboots and mounts (containers, network file systems), and a 70B
+    model's store takes long to rebuild."""
     st = os.stat(path)
-    return f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
+    return f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
 
 
 def require_regular_file(path: str) -> str:
