@@ -95,6 +95,23 @@ class GGUFCheckpoint(WeightSource):
         for names, shapes in expected:
             for canonical, hf_names in names.items():
                 self._check_parts(canonical, self._parts(hf_names), tuple(shapes[canonical]))
+        self._refuse_unused([hf for names, _ in expected for parts in names.values() for hf in parts])
+
+    def _refuse_unused(self, hf_names: list[str]) -> None:
+        """One CheckpointError when the file holds tensors the model its metadata describes does not
+        read (names only): e.g. {arch}.block_count 3 over 5 blocks would run as another model."""
+        read = {t.name for t, _ in self._parts(hf_names)} | {"rope_freqs.weight"}
+        unused = sorted(n for n in self.gguf.tensors if n not in read)
+        if not unused:
+            return
+        blocks = [int(n.split(".")[1]) for n in unused if n.startswith("blk.") and n.split(".")[1].isdigit()]
+        key = f"{self.gguf.architecture}.block_count"
+        cause = (f"metadata {key} is {self.config.num_layers}, but the file holds block {max(blocks)}"
+                 if blocks and max(blocks) >= self.config.num_layers else
+                 "the metadata does not describe these tensors")
+        raise CheckpointError(f"{self.path}: {len(unused)} tensor(s) in the file are not used by the model its "
+                              f"metadata describes ({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}): "
+                              f"{cause}; refusing to run a model other than the one saved")
 
     def _check_parts(self, canonical: str, parts, want: tuple[int, ...]) -> None:
         experts = self.config.moe.num_experts if self.config.moe else 0

@@ -74,8 +74,8 @@ class GGUFFile:
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
                 self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, shape, t.data.dtype,
                                                   tuple(t.data.shape), int(t.data_offset), part)
-        count = self.metadata.get("split.count")
-        if count is not None and int(count) != len(self.paths):
+        count = metadata_value(self, "split.count", self.metadata.get("split.count"), int)
+        if count is not None and count != len(self.paths):
             raise CheckpointError(f"{self.path} says the model is split in {count} files, "
                                   f"found {len(self.paths)}")
 
@@ -119,11 +119,36 @@ def split_parts(path: str) -> list[str]:
     return parts
 
 
-def _open_reader(path: str):
-    from gguf import GGUFReader
+@functools.cache
+def _checked_reader():
+    """GGUFReader that first checks each tensor's data lies within the file, naming the first that does not
+    (the reader itself fails on a short one with a reshape error naming none)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+    class CheckedReader(GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                try:
+                    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                except (ValueError, KeyError):
+                    continue  # an unknown type: the reader's own error
+                end = int(start_offs) + int(offset[0]) + int(np.prod(dims.astype(object))) * size // block
+                if end > len(self.data):
+                    tensor = bytes(name).decode(errors="replace")
+                    raise CheckpointError(f"{self.data.filename} is not a readable GGUF file: truncated, "
+                                          f"tensor {tensor} ends at byte {end}, past the end of the file "
+                                          f"({len(self.data)} bytes)")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
+def _open_reader(path: str):
     try:
-        return GGUFReader(path)
+        return _checked_reader()(path)
+    except CheckpointError:
+        raise
     except Exception as exc:  # bad magic, truncated header or data, unknown version: all ValueError-ish
         raise CheckpointError(f"{path} is not a readable GGUF file (corrupt or truncated?): "
                               f"{type(exc).__name__}: {exc}") from None
@@ -147,31 +172,35 @@ def hf_config(gguf: GGUFFile) -> dict:
     arch, meta = gguf.architecture, gguf.metadata
     model_type = gguf_model_type(gguf)
 
-    def get(key: str, default=None):
+    def get(key: str, default=None, kind=int):
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
             raise CheckpointError(f"{gguf.path}: metadata {arch}.{key} is missing")
-        return value
+        return metadata_value(gguf, f"{arch}.{key}", value, kind)
 
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+    hidden, heads, layers = get("embedding_length"), get("attention.head_count"), get("block_count")
+    for key, value in (("attention.head_count", heads), ("block_count", layers)):
+        if value < 1:
+            raise CheckpointError(f"{gguf.path}: metadata {arch}.{key} is {value}; it must be at least 1")
+    head_dim = get("attention.key_length", 0) or get("rope.dimension_count", 0)
+    token = {k: metadata_value(gguf, f"tokenizer.ggml.{k}_token_id", meta.get(f"tokenizer.ggml.{k}_token_id"), int)
+             for k in ("bos", "eos", "eot", "eom")}
     cfg = {
         "model_type": model_type,
         "vocab_size": gguf.tensor("token_embd.weight").shape[0],
-        "hidden_size": hidden, "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(head_dim or hidden // heads),
-        "max_position_embeddings": int(get("context_length")),
-        "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _decimal(get("rope.freq_base", 10000.0)),
+        "hidden_size": hidden, "num_hidden_layers": layers,
+        "intermediate_size": get("feed_forward_length"),
+        "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim or hidden // heads,
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon", 1e-5, float)),
+        "rope_theta": _decimal(get("rope.freq_base", 10000.0, float)),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in gguf.tensors,
         "torch_dtype": _checkpoint_dtype(gguf),
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "bos_token_id": token["bos"],
         # end of generation: EOS, and the end-of-turn tokens chat models stop at (llama-3's <|eot_id|>)
-        "eos_token_id": list(dict.fromkeys(meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom")
-                                           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None)),
+        "eos_token_id": list(dict.fromkeys(token[k] for k in ("eos", "eot", "eom") if token[k] is not None)),
     }
     cfg.update(_rope_scaling(gguf, arch))
     if model_type in MOE_TYPES:
@@ -179,12 +208,29 @@ def hf_config(gguf: GGUFFile) -> dict:
     return cfg
 
 
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+def metadata_value(gguf: GGUFFile, key: str, value, kind):
+    """`value` of metadata `key` (None: absent, passed through) checked to be of `kind` (int, float, bool,
+    str); one CheckpointError naming the file and the key where it is not."""
+    if value is None:
+        return None
+    numeric = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    ok = {int: numeric, float: numeric or isinstance(value, (float, np.floating)),
+          bool: isinstance(value, (bool, np.bool_)), str: isinstance(value, str)}[kind]
+    if not ok:
+        raise CheckpointError(f"{gguf.path}: metadata {key} is {value!r} ({type(value).__name__}), "
+                              f"not {_KIND_NAMES[kind]}")
+    return kind(value)
+
+
 def gguf_model_type(gguf: GGUFFile) -> str:
     arch = gguf.architecture
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
                               f"{', '.join(ARCHITECTURES)} (llama with experts: mixtral)")
-    if arch == "llama" and int(gguf.metadata.get("llama.expert_count") or 0) > 0:
+    if arch == "llama" and metadata_value(gguf, "llama.expert_count", gguf.metadata.get("llama.expert_count"), int):
         return "mixtral"
     return ARCHITECTURES[arch]
 
@@ -198,21 +244,22 @@ def _moe_fields(gguf: GGUFFile, arch: str, get) -> dict:
     """The experts as the HF config has them. A layer is sparse where it has a router; the dense
     ones become `mlp_only_layers` (decoder_sparse_step 1), so the engine plans each layer as the
     file has it. Widths from the metadata llama.cpp writes, else from the tensors."""
-    experts, layers = int(get("expert_count")), int(get("block_count"))
+    experts, layers = get("expert_count"), get("block_count")
     sparse = sparse_layers(gguf, layers)
     if experts < 1 or not sparse:
         raise CheckpointError(f"{gguf.path}: metadata {arch}.expert_count={experts} but no layer has experts "
                               f"(tensors blk.N.ffn_gate_inp.weight, blk.N.ffn_*_exps.weight)")
-    gating = gguf.metadata.get(f"{arch}.expert_gating_func", SOFTMAX_GATING)
+    gating = get("expert_gating_func", SOFTMAX_GATING)
     if gating != SOFTMAX_GATING:
         raise CheckpointError(f"{gguf.path}: metadata {arch}.expert_gating_func={gating} is not supported "
                               f"(only {SOFTMAX_GATING}: softmax over the experts, then top-k)")
     first = sparse[0]
-    width = gguf.metadata.get(f"{arch}.expert_feed_forward_length")
+    width = metadata_value(gguf, f"{arch}.expert_feed_forward_length",
+                           gguf.metadata.get(f"{arch}.expert_feed_forward_length"), int)
     if width is None:  # a 3-D stack [experts, width, hidden], or expert 0's own [width, hidden] (older files)
         width = resolve_part(gguf, GGUFPart(f"blk.{first}.ffn_gate_exps.weight", 0))[0].shape[-2]
     width = int(width)
-    fields = {"num_experts_per_tok": int(get("expert_used_count"))}
+    fields = {"num_experts_per_tok": get("expert_used_count")}
     if arch == "llama":  # Mixtral: every layer sparse, the experts as wide as intermediate_size
         if len(sparse) != layers:
             raise CheckpointError(f"{gguf.path}: mixtral (llama with experts) needs experts in every layer; "
@@ -220,9 +267,9 @@ def _moe_fields(gguf: GGUFFile, arch: str, get) -> dict:
         return {**fields, "num_local_experts": experts, "intermediate_size": width}
     shexp = gguf.tensors.get(f"blk.{first}.ffn_up_shexp.weight")
     return {**fields, "num_experts": experts, "moe_intermediate_size": width,
-            "norm_topk_prob": bool(gguf.metadata.get(f"{arch}.expert_weights_norm", NORM_TOPK[arch])),
-            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length",
-                                                       shexp.shape[0] if shexp else 0)),
+            "norm_topk_prob": get("expert_weights_norm", NORM_TOPK[arch], bool),
+            "shared_expert_intermediate_size": get("expert_shared_feed_forward_length",
+                                                   shexp.shape[0] if shexp else 0),
             "decoder_sparse_step": 1, "mlp_only_layers": sorted(set(range(layers)) - set(sparse))}
 
 
@@ -234,12 +281,16 @@ def _decimal(value) -> float:
 
 def _rope_scaling(gguf: GGUFFile, arch: str) -> dict:
     meta = gguf.metadata
-    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    kind = metadata_value(gguf, f"{arch}.rope.scaling.type", meta.get(f"{arch}.rope.scaling.type", "none"), str)
     if kind == "none":
         return {}
     if kind != "linear":
         raise CheckpointError(f"{gguf.path}: rope scaling {kind!r} is not supported (none or linear)")
-    return {"rope_scaling": {"rope_type": "linear", "factor": _decimal(meta[f"{arch}.rope.scaling.factor"])}}
+    factor = metadata_value(gguf, f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scaling.factor"), float)
+    if factor is None:
+        raise CheckpointError(f"{gguf.path}: metadata {arch}.rope.scaling.type is linear but "
+                              f"{arch}.rope.scaling.factor is missing")
+    return {"rope_scaling": {"rope_type": "linear", "factor": _decimal(factor)}}
 
 
 def _checkpoint_dtype(gguf: GGUFFile) -> str:

@@ -12,6 +12,7 @@ BOS/EOS and whether to add them, and the chat template, come from the metadata t
 """
 from __future__ import annotations
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -67,8 +68,8 @@ def build_gguf_tokenizer(meta: dict, where: str):
     specials = {name: token(key) for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                                                    ("unk_token", "unknown_token_id"),
                                                    ("pad_token", "padding_token_id")) if token(key) is not None}
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))  # llama.cpp's defaults
-    return Tokenizer(backend, add_bos, bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    add_bos = _flag(meta, "tokenizer.ggml.add_bos_token", kind == "llama", where)  # llama.cpp's defaults
+    return Tokenizer(backend, add_bos, _flag(meta, "tokenizer.ggml.add_eos_token", False, where),
                      meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
                      meta.get("tokenizer.chat_template") or None, specials)
 
@@ -106,6 +107,17 @@ def _checked_vocabulary(meta: dict, where: str) -> list[str]:
     return list(tokens)
 
 
+def _flag(meta: dict, key: str, default: bool, where: str) -> bool:
+    """Metadata `key` as a bool (absent: `default`); one CheckpointError naming it where it is not one
+    (bool("false") would be True)."""
+    value = meta.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (bool, np.bool_)):
+        raise CheckpointError(f"{where}: metadata {key} is {value!r} ({type(value).__name__}), not true or false")
+    return bool(value)
+
+
 def kind_name(kind) -> str:
     return "integer" if kind is int else "number"
 
@@ -130,7 +142,7 @@ def _spm_backend(meta: dict, tokens: list[str], where: str) -> HFTokenizer:
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
                                      unk_token=tokens[unk] if unk is not None else None))
-    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    prefix = _flag(meta, "tokenizer.ggml.add_space_prefix", True, where)
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
                                                      split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]

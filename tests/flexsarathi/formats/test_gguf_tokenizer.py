@@ -184,10 +184,13 @@ def _bad_vocabularies(meta: dict) -> list:
           types + [4] * 100, "tokenizer.ggml.scores": meta["tokenizer.ggml.scores"] + [0.0] * 100},
          r"tokenizer\.ggml\.tokens: the tokenizer has token id 611, outside the model's vocabulary "
          r"\(token_embd\.weight rows=512\)"),
+        # bool("false") is True: a flag written as a string was read as set
+        *(({f"tokenizer.ggml.{flag}": "false"}, rf"metadata tokenizer\.ggml\.{flag} is 'false' \(str\), not true "
+           r"or false") for flag in ("add_bos_token", "add_eos_token", "add_space_prefix")),
     ]
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(14))
 def test_a_bad_gguf_vocabulary_is_one_error_naming_the_key(case, stories_dir, stories_hf, tmp_path):
     from flexsarathi.errors import CheckpointError
 
