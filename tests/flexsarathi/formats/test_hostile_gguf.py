@@ -8,8 +8,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from flexsarathi.errors import CheckpointError  # noqa: E402
 from flexsarathi.formats.gguf_checkpoint import GGUFCheckpoint  # noqa: E402
+from tests.flexsarathi.formats.test_gguf_file import _one_line_error  # noqa: E402
 from tests.gguf_files import build_model, write_gguf  # noqa: E402
 
 T = gguf.GGUFValueType
@@ -43,14 +43,6 @@ def _rewrite(src, dst, changes: dict) -> None:
     writer.close()
 
 
-def _error(path) -> str:
-    with pytest.raises(CheckpointError) as info:
-        GGUFCheckpoint(str(path))
-    message = str(info.value)
-    assert "\n" not in message and str(path) in message
-    return message
-
-
 def test_the_unchanged_rewrite_opens(good_file, tmp_path):
     _rewrite(good_file, tmp_path / "same.gguf", {})
     GGUFCheckpoint(str(tmp_path / "same.gguf"))
@@ -60,7 +52,7 @@ def test_block_count_below_the_files_blocks_is_refused(good_file, tmp_path):
     layers = build_model("llama").config.num_hidden_layers
     bad = tmp_path / "fewer.gguf"
     _rewrite(good_file, bad, {"llama.block_count": (layers - 1, T.UINT32)})
-    message = _error(bad)
+    message = _one_line_error(bad)
     assert f"blk.{layers - 1}.attn_k.weight" in message
     assert f"llama.block_count is {layers - 1}, but the file holds block {layers - 1}" in message
 
@@ -79,7 +71,7 @@ def test_a_tensor_nothing_reads_is_refused(good_file, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert "blk.0.mystery.weight" in _error(bad)
+    assert "blk.0.mystery.weight" in _one_line_error(bad)
 
 
 @pytest.mark.parametrize("key, change, words", [
@@ -96,7 +88,7 @@ def test_a_tensor_nothing_reads_is_refused(good_file, tmp_path):
 def test_metadata_of_the_wrong_type_names_the_key(good_file, tmp_path, key, change, words):
     bad = tmp_path / "bad.gguf"
     _rewrite(good_file, bad, {key: change})
-    assert words in _error(bad)
+    assert words in _one_line_error(bad)
 
 
 @pytest.mark.parametrize("cut", [4, 1000])
@@ -105,6 +97,6 @@ def test_data_cut_short_names_the_first_tensor_past_the_end(good_file, tmp_path,
     bad = tmp_path / "short.gguf"
     bad.write_bytes(data[:-cut])
     last = gguf.GGUFReader(str(good_file)).tensors[-1].name
-    message = _error(bad)
+    message = _one_line_error(bad)
     assert "truncated" in message and f"tensor {last} ends at byte" in message
 
