@@ -255,6 +255,9 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         pieces, into = [], self._fused_buffers(parts) if canonical not in self.act_order else [None] * len(parts)
         for hf_name, buffers in zip(parts, into):
             m = self._codes(hf_name, self._scheme(hf_name), buffers)
+            if not bool(torch.isfinite(m.scale).all()):  # small ([rows, groups]): every pass would give NaN
+                raise CheckpointError(f"{self.folder}: the scales of {hf_name.removesuffix('.weight')} hold a NaN or "
+                                      "inf: the checkpoint's values are damaged (no dtype computes with them)")
             if canonical in self.act_order:
                 q, error = requantize(reference_values(m.unpacked(), m.scale, m.zero, m.g_idx), config, dtype)
                 how = f"requantized from act-order groups to {config.bits}-bit groups of {config.group_size}"

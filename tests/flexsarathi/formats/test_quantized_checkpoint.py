@@ -434,6 +434,23 @@ def test_a_damaged_gptq_component_is_one_clear_error(tmp_path, suffix, edit, mes
         LLM(folder, dtype="float32", device="cpu")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_scale_that_is_not_finite_is_refused_at_load(tmp_path, value):
+    """A NaN scale made every request fail with "the pass overflowed <dtype>; --dtype float32 may avoid
+    it": a load error naming the module instead."""
+    folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 4, 32, False)
+    name = f"{GPTQ_Q}.scales"
+
+    def damage(t):
+        scales = t[name].clone()
+        scales[0, 0] = value
+        t[name] = scales
+
+    _edit_tensors(folder, damage)
+    with pytest.raises(CheckpointError, match=f"the scales of {GPTQ_Q} hold a NaN or inf"):
+        LLM(folder, dtype="float32", device="cpu")
+
+
 def test_gptq_bits_that_disagree_with_the_data_name_a_stored_tensor(tmp_path):
     folder, _ = packed_checkpoint(tmp_path / "ckpt", "llama", "gptq", 8, -1, False)
     path = os.path.join(folder, "config.json")
