@@ -67,16 +67,22 @@ def _wait_for_lock(proc: subprocess.Popen, lock: str) -> None:
     raise AssertionError("the job never took the lock")
 
 
-def _second_while_first_holds(args: list[str], held: str, output: str):
-    """(first, second): a job writing `held`, stopped while it holds its lock (for as long as the
-    second job takes to start), and a second job on `output`, which must exit 2."""
+def _refused_while_first_holds(args: list[str], held: str, output: str) -> None:
+    """A job writing `held`, stopped while it holds its lock (for as long as a second job takes to
+    start): the second job, on `output`, fails at once naming `output`, the first job's pid and
+    `held`'s lock; the first, resumed, ends as if alone."""
     first = _start([*args, "--output", held])
     _wait_for_lock(first, held + ".lock")
     os.kill(first.pid, signal.SIGSTOP)
     try:
-        return first, cli(*args, "--output", output, check_rc=2)
+        second = cli(*args, "--output", output, check_rc=2)
     finally:
         os.kill(first.pid, signal.SIGCONT)
+    assert second.stderr.splitlines() == [
+        f"error: --output {output} is being written by another job (pid {first.pid}, holding {held}.lock); "
+        "wait for it to end or give another --output"]
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
 
 
 def test_two_jobs_on_one_output_then_a_rerun(reference, tmp_path):
@@ -84,12 +90,7 @@ def test_two_jobs_on_one_output_then_a_rerun(reference, tmp_path):
     the first job's pid; the first ends as if alone; a rerun has nothing to do."""
     args, full = reference
     out = str(tmp_path / "o.jsonl")
-    first, second = _second_while_first_holds(args, out, out)
-    assert second.stderr.splitlines() == [
-        f"error: --output {out} is being written by another job (pid {first.pid}, holding {out}.lock); "
-        "wait for it to end or give another --output"]
-    _, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err
+    _refused_while_first_holds(args, out, out)
     assert by_id(out) == by_id(full)
     assert not os.path.exists(out + ".lock")  # removed by the holder as it ended
     rerun = cli(*[a for a in args if a != "--quiet"], "--output", out, check_rc=0)
@@ -105,12 +106,7 @@ def test_two_names_of_one_output_are_one_output(reference, tmp_path):
     out, link = str(tmp_path / "o.jsonl"), str(tmp_path / "link.jsonl")
     (tmp_path / "o.jsonl").touch()
     os.symlink(out, link)
-    first, second = _second_while_first_holds(args, out, link)
-    assert second.stderr.splitlines() == [
-        f"error: --output {link} is being written by another job (pid {first.pid}, holding {out}.lock); "
-        "wait for it to end or give another --output"]
-    _, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err
+    _refused_while_first_holds(args, out, link)
     assert by_id(out) == by_id(full) and os.path.islink(link)
     rerun = cli(*[a for a in args if a != "--quiet"], "--output", link, check_rc=0)
     assert f"12 already in {link}, 0 to run" in rerun.stdout
