@@ -115,6 +115,19 @@ def test_seeded_sampling_follows_its_own_generator_whatever_shares_the_batch():
     assert [sample(logits[:1], [p], [gen])[0] for _ in range(20)] == first
 
 
+def test_greedy_and_drawn_rows_in_one_batch_each_get_their_own_token():
+    """Rows 0, 3 and 4 greedy, rows 1, 2 and 5 drawn (a different temperature each): every row's token
+    is its own reference (the argmax; the float64 inverse CDF on its own generator), in its place."""
+    logits = rows(6, seed=5)
+    temperatures = [0, 0.7, 1.3, 0, 0, 0.9]
+    params = [SamplingParams(temperature=t) for t in temperatures]
+    tokens = sample(logits, params, [torch.Generator().manual_seed(200 + i) for i in range(6)])
+    ref = [int(logits[i].argmax()) if t == 0 else
+           _inverse_cdf((logits[i] / t).softmax(-1), torch.Generator().manual_seed(200 + i))
+           for i, t in enumerate(temperatures)]
+    assert tokens == ref
+
+
 def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> int:
     u = torch.rand(1, generator=generator).item()
     cumulative = np.cumsum(probs.double().numpy())
