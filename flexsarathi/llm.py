@@ -142,7 +142,8 @@ class LLM:
             for index, error in refused:
                 with self._turns.suspended():  # close() from another thread may close the engine meanwhile
                     yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
-                                               else None, prompt_token_ids=[], outputs=[], error=error)
+                                               else None, prompt_token_ids=[], outputs=[], error=error,
+                                               refused=True)
             if groups:
                 yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
 

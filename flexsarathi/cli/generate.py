@@ -300,10 +300,9 @@ def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
 
     def record(req: BatchRequest, output) -> int:
         if output.error is not None:
-            # Refused before any pass (the request's fault: its prompt, a sampling value the model
-            # cannot take, a grammar that does not compile): LLM.generate_iter gives those outputs
-            # request_id -1; else it failed in a pass (non-finite logits).
-            refused = output.request_id < 0
+            # refused: before any pass (the request's fault: its prompt, a sampling value the model
+            # cannot take, a grammar that does not compile); else it failed in a pass (non-finite logits)
+            refused = output.refused
             message = re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error) \
                 if re.match(r"prompt \d+", output.error) else f"line {req.line}: {output.error}"
             out.append(error_record(fmt, req, message, "invalid_request" if refused else "generation_failed"))

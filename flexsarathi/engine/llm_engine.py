@@ -73,8 +73,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """One request's result (vLLM's RequestOutput). `error` is set instead of outputs when the
-    request was refused under `generate(..., on_error="record")`."""
+    """One request's result (vLLM's RequestOutput). Under `generate(..., on_error="record")`,
+    `error` is set instead of outputs where the request did not finish: `refused` where it was
+    turned away before any pass (its prompt or sampling values; request_id is then -1), else it
+    failed in a pass (non-finite logits)."""
 
     request_id: int
     prompt: str | None
@@ -84,6 +86,7 @@ class RequestOutput:
     # the top `prompt_logprobs` candidates
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
+    refused: bool = False
 
     @property
     def finished(self) -> bool:

@@ -138,6 +138,7 @@ def test_on_error_record_keeps_the_batch_going(tiny):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     outs = llm.generate([[1, 2], [], [1] * 65, "text", [3, 4]], params, use_tqdm=False, on_error="record")
     assert [o.error is None for o in outs] == [True, False, False, False, True]
+    assert [o.refused for o in outs] == [False, True, True, True, False]  # turned away before any pass
     assert "prompt 1 is empty" in outs[1].error and "context of 64" in outs[2].error
     assert "no tokenizer.json" in outs[3].error and outs[1].outputs == [] and outs[1].text == ""
     assert llm.last_stats["requests"] == 2 and llm.last_stats["failed"] == 3

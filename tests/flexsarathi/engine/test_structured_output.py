@@ -112,6 +112,7 @@ def test_a_request_whose_rules_leave_no_token_fails_alone(stories):
                                bad_words=["</s>"])
         outs = stories.generate(PROMPTS[:2], [stuck, plain], use_tqdm=False, on_error="record")
         assert outs[0].error and "no token may follow output token 2" in outs[0].error
+        assert not outs[0].refused  # it failed in a pass, not before
         assert outs[1].error is None and outs[1].token_ids == alone.token_ids
 
 
