@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 
+from flexsarathi.cli.file_checks import gib, positive_gib
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.engine.running_fit import default_policy
 from policy_search.hardware import PRESETS
@@ -27,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(PRESETS)}) or a profile JSON "
                    "(`flexsarathi profile`): its memory limits cap what the engine may use")
     for tier in ("gpu", "cpu"):
-        p.add_argument(f"--{tier}-mem", type=float, default=None, metavar="GIB",
+        p.add_argument(f"--{tier}-mem", type=positive_gib if tier == "gpu" else gib, default=None, metavar="GIB",
                        help=f"{tier} tier capacity in GiB (overrides --hardware's)")
     p.add_argument("--scheduler", choices=("decode-maximal", "block"), default=None,
                    help="how passes are formed (default: the policy's)")

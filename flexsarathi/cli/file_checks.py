@@ -4,6 +4,7 @@ measurement."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -18,6 +19,26 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def gib(text: str) -> float:
+    """argparse type: a memory size in GiB, a finite number >= 0 (a tier may be given none)."""
+    return _gib(text, positive=False)
+
+
+def positive_gib(text: str) -> float:
+    """argparse type: a memory size in GiB, a finite number > 0 (the compute device's)."""
+    return _gib(text, positive=True)
+
+
+def _gib(text: str, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB {'>' if positive else '>='} 0, got {text}")
     return value
 
 

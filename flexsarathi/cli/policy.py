@@ -11,7 +11,7 @@ import sys
 
 from flexsarathi.cli.engine_args import add_compress_head_arg, add_dtype_arg
 from flexsarathi.cli.console import say
-from flexsarathi.cli.file_checks import check_output_file
+from flexsarathi.cli.file_checks import check_output_file, gib, positive_gib
 from policy_search import (HardwareSpec, InfeasibleError, Policy, PolicyError, SpecError,
                            Workload, estimate, format_report, search_detailed, write_policy_file)
 from policy_search.hardware import PRESETS
@@ -34,7 +34,7 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests in the run (default: an unbounded stream, steady state)")
     for tier in ("gpu", "cpu", "disk"):
-        p.add_argument(f"--{tier}-mem", type=float, default=None, metavar="GIB",
+        p.add_argument(f"--{tier}-mem", type=positive_gib if tier == "gpu" else gib, default=None, metavar="GIB",
                        help=f"{tier.upper() if tier != 'disk' else 'disk'} capacity in GiB "
                             "(overrides the hardware's)")
     p.add_argument("--scheduler", choices=("decode-maximal", "block"), default=None,
