@@ -29,6 +29,7 @@ from quant import QuantConfig
 
 _SCALE_KINDS = ("F16", "BF16", "F32")  # the float dtypes a checkpoint's scales may have
 _INT_KINDS = ("I8", "I16", "I32", "I64", "U8")  # compressed-tensors: unpacked zero points, weight_shape
+_SCALES = {"gptq": "scales", "awq": "scales", "compressed-tensors": "weight_scale"}  # each method's scales tensor
 
 
 def read_quantization_config(folder: str) -> dict | None:
@@ -102,8 +103,27 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
         return out
 
     def _codes(self, hf_name: str, scheme: Scheme, into: dict | None = None) -> ModuleCodes:
+        """A packed module's codes, its scales checked finite (on every path that reads them: placed
+        layers and a dequantized lm_head) and a symmetric scheme's stored zero points checked to be 0."""
         module = hf_name.removesuffix(".weight")
-        return TENSORS[self.method.name][2](self._module_tensors(module, into=into), scheme)
+        tensors = self._module_tensors(module, into=into)
+        zero_point = tensors.get("weight_zero_point")
+        if scheme.symmetric and zero_point is not None and bool(zero_point.any()):
+            path, name = self._located(f"{module}.weight_zero_point")
+            raise CheckpointError(f"{path}: tensor {name} holds zero points other than 0, but quantization_config "
+                                  f"makes {module} symmetric ({scheme.describe()}), which reads none (the "
+                                  "compressed-tensors package would subtract them): the file and config disagree")
+        m = TENSORS[self.method.name][2](tensors, scheme)
+        if not bool(torch.isfinite(m.scale).all()):  # small ([rows, groups]): every pass would give NaN
+            path, name = self._located(f"{module}.{_SCALES[self.method.name]}")
+            raise CheckpointError(f"{path}: the scales of {module} hold a NaN or inf (tensor {name}): the "
+                                  "checkpoint's values are damaged (no dtype computes with them)")
+        return m
+
+    def _located(self, hf_name: str) -> tuple[str, str]:
+        """(file, name in it) of a tensor."""
+        name = self._resolve(hf_name)
+        return self._file_of[name], name
 
     def _validate_shapes(self) -> None:
         """Every weight's [out, in] from the headers (packed or not) against config.json."""
@@ -116,8 +136,9 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
                 for hf_name in parts:
                     shape = self._part_shape(hf_name)
                     if len(shape) != len(want) or list(shape[1:]) != want[1:]:
-                        raise CheckpointError(f"{self.folder}: {hf_name} has shape {list(shape)}, which does "
-                                              f"not match config.json ([rows, {', '.join(map(str, want[1:]))}] "
+                        origin = f" (read from {self._origin(hf_name)})" if self._scheme(hf_name) else ""
+                        raise CheckpointError(f"{self.folder}: {hf_name}{origin} has shape {list(shape)}, which "
+                                              f"does not match config.json ([rows, {', '.join(map(str, want[1:]))}] "
                                               f"for {canonical} {want})")
                     rows += shape[0]
                 if rows != want[0]:
@@ -132,12 +153,27 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             require_float_kind(info.get_dtype(), name, self._file_of[name])
             return tuple(info.get_shape())
         module = hf_name.removesuffix(".weight")
-        out_features, in_features = packed_shape(self.method.name, self._module_tensors(module, True), scheme.bits)
+        shapes = self._module_tensors(module, True)  # a required tensor missing: one error naming it
         if self.method.name == "compressed-tensors":  # the packed width is rounded up to whole words
-            name = self._resolve(f"{module}.weight_shape")  # read alone: its module's codes are not needed here
-            out_features, in_features = (int(v) for v in self._reader.get(self._file_of[name], name).tolist())
+            self._check_component(module, "weight_shape", _INT_KINDS, [2], "the compressed-tensors format")
+            path, name = self._located(f"{module}.weight_shape")  # read alone: its module's codes are not needed here
+            out_features, in_features = (int(v) for v in self._reader.get(path, name).tolist())
+        else:
+            packed = TENSORS[self.method.name][0][0]
+            self._check_component(module, packed, ("I32",), [-1, -1], f"the {self.method.name} format")
+            out_features, in_features = packed_shape(self.method.name, shapes, scheme.bits)
         self._check_components(module, scheme, out_features, in_features)
         return out_features, in_features
+
+    def _origin(self, hf_name: str) -> str:
+        """Where a packed module's [out, in] comes from, for messages: its packed codes' header (GPTQ,
+        AWQ) or its weight_shape tensor (compressed-tensors)."""
+        module = hf_name.removesuffix(".weight")
+        if self.method.name == "compressed-tensors":
+            path, name = self._located(f"{module}.weight_shape")
+            return f"{name} = {self._reader.get(path, name).tolist()}"
+        path, name = self._located(f"{module}.{TENSORS[self.method.name][0][0]}")
+        return f"{name} of shape {self._extent(name)[4]}"
 
     def _component_specs(self, scheme, out_features: int, in_features: int) -> dict[str, tuple]:
         """suffix -> (allowed safetensors dtypes, shape or None: not checked) of a packed module's tensors."""
@@ -151,9 +187,9 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             return {"qweight": (("I32",), None), "qzeros": (("I32",), [groups, words]),
                     "scales": (_SCALE_KINDS, [groups, out_features])}
         zero = (("I32",), [words, groups]) if not scheme.symmetric else (("I32",) + _INT_KINDS, None)
-        return {"weight_packed": (("I32",), None), "weight_scale": (_SCALE_KINDS, [out_features, groups]),
-                "weight_shape": (_INT_KINDS, [2]), "weight_g_idx": (("I32",), [in_features]),
-                "weight_zero_point": zero}
+        return {"weight_packed": (("I32",), [out_features, -(-in_features * scheme.bits // 32)]),
+                "weight_scale": (_SCALE_KINDS, [out_features, groups]), "weight_shape": (_INT_KINDS, [2]),
+                "weight_g_idx": (("I32",), [in_features]), "weight_zero_point": zero}
 
     def _check_components(self, module: str, scheme, out_features: int, in_features: int) -> None:
         """Each packed tensor's dtype and shape from its header, before a byte is read: one CheckpointError
@@ -162,16 +198,23 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
             name = f"{module}.{suffix}"
             if name not in self._file_of and name.removeprefix("model.") not in self._file_of:
                 continue
-            path, _, _, kind, got = self._extent(name)
-            if kind not in kinds:
-                raise CheckpointError(f"{path}: tensor {self._resolve(name)} is stored as {kind}; "
-                                      f"{self.method.name} stores {suffix} as {' or '.join(kinds)}")
-            if suffix == "weight_zero_point" and kind != "I32":
-                shape = None  # stored unpacked and signed: any integer kind, read as it is
-            if shape is not None and got != shape:
-                raise CheckpointError(f"{path}: tensor {self._resolve(name)} has shape {got}, but its module's "
-                                      f"{out_features}x{in_features} {scheme.describe()} weight "
-                                      f"(quantization_config bits={scheme.bits}) needs {shape}")
+            self._check_component(module, suffix, kinds, shape,
+                                  lambda: f"its module's {out_features}x{in_features} {scheme.describe()} weight "
+                                          f"(read from {self._origin(module)}; quantization_config "
+                                          f"bits={scheme.bits})")
+
+    def _check_component(self, module: str, suffix: str, kinds: tuple, shape: list[int] | None, needs) -> None:
+        """One tensor's dtype and shape (-1: any size) from its header; `needs` (a string, or a callable
+        giving one on failure) says what needs that shape."""
+        path, _, _, kind, got = self._extent(f"{module}.{suffix}")
+        name = self._resolve(f"{module}.{suffix}")
+        if kind not in kinds:
+            raise CheckpointError(f"{path}: tensor {name} is stored as {kind}; "
+                                  f"{self.method.name} stores {suffix} as {' or '.join(kinds)}")
+        if shape is not None and (len(got) != len(shape) or any(w not in (-1, g) for g, w in zip(got, shape))):
+            want = "a matrix" if shape == [-1, -1] else str(shape)
+            raise CheckpointError(f"{path}: tensor {name} has shape {got}, but "
+                                  f"{needs() if callable(needs) else needs} needs {want}")
 
     def _read_names(self) -> set[str]:
         """Every HF name the model reads, with each Linear module's packed tensors."""
@@ -254,10 +297,7 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
     def _read_quantized(self, canonical: str, parts: list[str], config: QuantConfig, dtype: torch.dtype):
         pieces, into = [], self._fused_buffers(parts) if canonical not in self.act_order else [None] * len(parts)
         for hf_name, buffers in zip(parts, into):
-            m = self._codes(hf_name, self._scheme(hf_name), buffers)
-            if not bool(torch.isfinite(m.scale).all()):  # small ([rows, groups]): every pass would give NaN
-                raise CheckpointError(f"{self.folder}: the scales of {hf_name.removesuffix('.weight')} hold a NaN or "
-                                      "inf: the checkpoint's values are damaged (no dtype computes with them)")
+            m = self._codes(hf_name, self._scheme(hf_name), buffers)  # scales checked finite
             if canonical in self.act_order:
                 q, error = requantize(reference_values(m.unpacked(), m.scale, m.zero, m.g_idx), config, dtype)
                 how = f"requantized from act-order groups to {config.bits}-bit groups of {config.group_size}"

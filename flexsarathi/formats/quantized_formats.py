@@ -232,13 +232,11 @@ TENSORS = {
 
 
 def packed_shape(method: str, shapes: dict[str, tuple[int, ...]], bits: int) -> tuple[int, int]:
-    """[out, in] of a module's weight from its packed tensors' shapes (header only)."""
+    """[out, in] of a GPTQ or AWQ module's weight from its packed codes' shape (header only; a
+    compressed-tensors module says its own in weight_shape: its packed width is rounded up)."""
     per_word = 32 // bits
     if method == "gptq":
         words, out_features = shapes["qweight"]
         return out_features, words * per_word
-    if method == "awq":
-        in_features, words = shapes["qweight"]
-        return words * per_word, in_features
-    out_features, words = shapes["weight_packed"]
-    return out_features, words * per_word
+    in_features, words = shapes["qweight"]  # awq
+    return words * per_word, in_features

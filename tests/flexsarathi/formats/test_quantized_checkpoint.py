@@ -295,6 +295,12 @@ def _ct_reference(folder, kind: str, bits: int, sym: bool, dtype: torch.dtype) -
 @pytest.mark.parametrize("kind,bits,group,sym", CT_CASES)
 def test_compressed_tensors_equal_the_packages_decompression(tmp_path, kind, bits, group, sym):
     folder, _ = ct_checkpoint(tmp_path / "ckpt", kind, bits, group, sym)
+    check_against_the_package(folder, kind, bits, sym, tmp_path / "off")
+
+
+def check_against_the_package(folder, kind: str, bits: int, sym: bool, offload_dir) -> None:
+    """A compressed-tensors folder of `ct_checkpoint`: the engine's weights are the package's own
+    decompression (scales in fp32 and fp16), its logits and greedy tokens transformers' on them."""
     ref32 = _ct_reference(folder, kind, bits, sym, torch.float32)
     ref16 = _ct_reference(folder, kind, bits, sym, torch.float16)
     source = open_weight_source(folder)
@@ -311,7 +317,7 @@ def test_compressed_tensors_equal_the_packages_decompression(tmp_path, kind, bit
                 for n, m in zip(names, modules):
                     layer.get_submodule(m).weight.copy_(ref32[n])
     _fp16_rest_from(folder, reference)
-    _check_logits_and_tokens(folder, reference, tmp_path / "off")
+    _check_logits_and_tokens(folder, reference, offload_dir)
 
 
 def _fp16_rest_from(folder, model) -> None:
