@@ -201,11 +201,17 @@ class ResultFile:
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            self.sync()
-            self._file.close()
-        self._lock.release()
+        """Flush, fsync, close; the file closed and the lock released even where the flush fails
+        (a full disk), so that the job, or a server's retry of it, can open the file again."""
+        try:
+            if not self._file.closed:
+                try:
+                    self._file.flush()
+                    self.sync()
+                finally:
+                    self._file.close()
+        finally:
+            self._lock.release()
 
 
 def _parse(raw: bytes) -> dict | None:

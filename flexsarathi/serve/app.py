@@ -1,6 +1,6 @@
 """The FastAPI application: the routes of routes.py behind a bearer-token check (401) and request
-bodies size-limited (413), both checked before a body is read, every error in OpenAI's shape, and
-the batch runner started and stopped with the application."""
+bodies size-limited (413), both checked before a body is read, every error in OpenAI's shape (a
+full disk a 507), and the batch runner started and stopped with the application."""
 from __future__ import annotations
 
 import hmac
@@ -16,10 +16,11 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from flexsarathi.errors import FlexSarathiError
 from flexsarathi.serve.batch_job import ServeEngine
 from flexsarathi.serve.routes import ROUTES, ApiError
 from flexsarathi.serve.runner import BatchRunner
-from flexsarathi.serve.store import Store
+from flexsarathi.serve.store import Store, disk_full
 
 # Bodies other than uploads (a batch's creation) are small JSON objects.
 MAX_JSON_BYTES = 1 << 20
@@ -40,6 +41,8 @@ def create_app(store: Store, engine: ServeEngine, api_key: str | None, max_file_
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    for failure in (OSError, FlexSarathiError):
+        app.add_exception_handler(failure, _disk_full_or_unexpected)
     app.add_exception_handler(Exception, _unexpected_error)
     return app
 
@@ -124,6 +127,8 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     if exc.status_code == 413:
         return _too_large(_is_upload(request.method, request.url.path), request.app.state.max_file_bytes)
     cause = exc.__cause__  # FastAPI's "There was an error parsing the body": JSON that json.loads gave up on
+    if exc.status_code == 400 and disk_full(cause):  # an upload spooled to a full temporary folder
+        return _disk_full_body(disk_full(cause))
     if exc.status_code == 400 and isinstance(cause, (RecursionError, ValueError)):
         why = "it nests deeper than the reader allows" if isinstance(cause, RecursionError) else str(cause)
         return _error_body(400, f"the request body is not JSON this server can read: {why.split(';')[0]}")
@@ -143,6 +148,22 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         return _error_body(400, "the request body must be a JSON object sent as application/json: "
                                 f"{first['msg']}")
     return _error_body(400, f"{where}: {first['msg']}", where)
+
+
+async def _disk_full_or_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """A full disk (ENOSPC, EDQUOT) under a request: 507, the server's condition, not a bug (no
+    traceback). Any other failure goes on to _unexpected_error."""
+    full = disk_full(exc)
+    if full is None:
+        raise exc
+    return _disk_full_body(full)
+
+
+def _disk_full_body(full: OSError) -> JSONResponse:
+    return _error_body(507, f"the server's disk is full: {full.strerror or full}; this request could not be "
+                            "completed (nothing of an upload or a new batch is kept). Delete files you no longer "
+                            "need (DELETE /v1/files/{file_id}) or ask the server's operator to free space, then "
+                            "retry", code="disk_full")
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

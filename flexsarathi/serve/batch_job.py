@@ -80,7 +80,9 @@ def validate_input(path: str, file_id: str, endpoint: str) -> int:
 
 def run_batch(engine: ServeEngine, store: Store, batch: Batch, stop: Callable[[], bool]) -> bool:
     """Run the batch's requests that its result file lacks; True when every one has a record,
-    False when `stop` ended it at a pass boundary (the finished records are kept)."""
+    False when `stop` ended it at a pass boundary (the finished records are kept). A record that
+    cannot be written (a full disk) raises: the engine's run is closed, nothing left queued, and
+    the records before it stay whole (a torn last line is cut off when the file is opened again)."""
     requests = read_batch_requests(store.file_path(batch.input_file_id), batch.input_file_id)
     out = open_results(engine, store, batch.id)
     try:

@@ -47,6 +47,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    f"(kept across restarts; default {DEFAULT_DATA_DIR})")
     g.add_argument("--max-file-mib", type=positive_int, default=200,
                    help="largest upload in MiB (default 200, OpenAI's batch file limit); larger ones get 413")
+    g.add_argument("--max-storage-mib", type=positive_int, default=None,
+                   help="most MiB the stored files (uploads and batch outputs) may take: an upload that would "
+                   "pass it gets 413 (batch outputs are always written; default: no limit)")
     g = p.add_argument_group("requests")
     g.add_argument("--max-tokens", type=positive_int, default=16,
                    help="max_tokens of a request body without one (default 16, OpenAI's completions default)")
@@ -86,11 +89,14 @@ def run_serve(args) -> int:
     from flexsarathi.serve.store import Store
 
     sock = _bind(args.host, args.port)  # before the model loads: a taken port fails at once
-    store = Store(os.path.expanduser(args.data_dir))
+    max_stored = args.max_storage_mib << 20 if args.max_storage_mib else None
+    store = Store(os.path.expanduser(args.data_dir), max_stored)
     engine = build_engine(args)
     app = create_app(store, engine, api_key, args.max_file_mib << 20)
-    print(f"serving {engine.model_name} on http://{args.host}:{args.port}/v1 (data in {store.data_dir}; "
-          f"{'bearer key required' if api_key else 'no key'})", file=sys.stderr, flush=True)
+    limit = f"limit {max_stored}" if max_stored else "no limit"
+    print(f"serving {engine.model_name} on http://{args.host}:{args.port}/v1 (data in {store.data_dir}: "
+          f"{store.stored_bytes} bytes stored, {limit}; {'bearer key required' if api_key else 'no key'})",
+          file=sys.stderr, flush=True)
     try:
         Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
     finally:
@@ -124,7 +130,8 @@ def build_engine(args):
     dtype = resolve_dtype(args.dtype, opened.source.config.checkpoint_dtype, resolve_device(args.device))
     args.dtype = str(dtype).removeprefix("torch.")
     llm, policy = build_llm(args, None, opened=opened)  # --policy auto: planned for the default workload
-    print(f"policy: {describe_policy(policy, llm.engine.engine_config.fit_running)}; device: {llm.engine.device}, {args.dtype}", file=sys.stderr)
+    print(f"policy: {describe_policy(policy, llm.engine.engine_config.fit_running)}; device: {llm.engine.device}, "
+          f"{args.dtype}", file=sys.stderr)
     name = os.path.realpath(args.model) if os.path.isdir(args.model) else args.model
     meta = {"job": "flexsarathi serve", "format": "openai", "model": name, "weights": opened.source.fingerprint,
             "dtype": args.dtype, "seed": args.seed, "sampling": sampling}

@@ -20,7 +20,7 @@ from python_multipart.multipart import parse_options_header
 from flexsarathi.serve.batch_job import InputFileError, validate_input
 from flexsarathi.serve.schemas import (FINAL_STATUSES, Batch, BatchCreate, BatchErrors, BatchList, FileDeleted,
                                        FileList, FileObject, ModelCard, ModelList, RequestCounts)
-from flexsarathi.serve.store import FileTooLarge
+from flexsarathi.serve.store import FileTooLarge, StorageFull
 
 
 SMALL_FILE_BYTES = 1 << 20  # downloads up to this size are answered from one read
@@ -49,6 +49,19 @@ def upload_file(request: Request, file: UploadFile | str = File(...), purpose: s
     except FileTooLarge:
         raise ApiError(413, f"the file is over this server's limit of {limit} bytes (--max-file-mib)",
                        "file", "file_too_large") from None
+    except StorageFull as full:
+        raise _storage_full(full) from None
+
+
+def _storage_full(full: StorageFull) -> ApiError:
+    """413, a client's to fix as an oversized file is (and not retried, as the openai client retries 5xx):
+    the files it keeps here fill the server's quota, and deleting some makes room."""
+    pending = f", and {full.pending} more are being uploaded" if full.pending else ""
+    return ApiError(413, f"the server's storage limit is {full.limit} bytes (--max-storage-mib): "
+                    f"{full.stored} bytes are stored in {full.files} file{'s' * (full.files != 1)} (uploads and "
+                    f"batch outputs){pending}, "
+                    f"and this file needs at least {full.needed}; nothing was kept. Delete files you no longer "
+                    "need (DELETE /v1/files/{file_id}) and upload it again", "file", "storage_limit_exceeded")
 
 
 def _upload_name(file: UploadFile) -> str:
@@ -140,6 +153,7 @@ def delete_file(request: Request, file_id: str) -> FileDeleted:
             raise ApiError(409, f"file {file_id} is the input of batch {user.id} ({user.status}): cancel it "
                            "or let it end first", "file_id")
         store.delete_file(file_id)
+    request.app.state.runner.retry_paused()  # space freed: batches a full disk paused go on
     return FileDeleted(id=file_id)
 
 

@@ -9,9 +9,17 @@ Every JSON record is replaced atomically (written aside, fsynced, renamed), so a
 old record or the new one, never half of one. Request counts change in memory as requests finish
 and are written with the batch's next status change: on a restart they are recounted from the
 batch's result file, which is the truth about finished requests.
+
+Storage: `stored_bytes` is the total size of the files (uploads and batch outputs), counted from the
+records on start. With a limit (--max-storage-mib), an upload reserves its bytes chunk by chunk as
+they stream in, under the lock, so two uploads at once cannot both pass it (StorageFull: nothing
+kept); a batch's output files are always written (refusing them would lose finished work) and
+counted, so they may take the total past the limit. A full disk (ENOSPC, EDQUOT) in an upload
+leaves nothing behind: the OSError goes on to the caller (disk_full names it).
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -26,17 +34,40 @@ from flexsarathi.errors import FlexSarathiError
 from flexsarathi.serve.schemas import FINAL_STATUSES, Batch, FileObject
 
 COPY_CHUNK = 1 << 20
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class FileTooLarge(Exception):
     """An upload over the server's limit (its bytes are not kept)."""
 
 
+class StorageFull(Exception):
+    """An upload that would take the stored files past the storage limit (its bytes are not kept)."""
+
+    def __init__(self, limit: int, stored: int, files: int, pending: int, needed: int):
+        super().__init__(f"{needed} bytes would pass the storage limit of {limit} ({stored} stored)")
+        self.limit, self.stored, self.files, self.pending, self.needed = limit, stored, files, pending, needed
+
+
+def disk_full(exc: BaseException | None) -> OSError | None:
+    """The full-disk OSError (ENOSPC, EDQUOT) behind an exception, itself or one it was raised
+    from or during (a FlexSarathiError raised `from None` in an `except OSError` keeps it as its
+    context); None when no full disk is behind it."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class Store:
     """Files and batches in memory and on disk; every method is safe to call from any thread (one
     lock, held only for dictionary work and small JSON writes, never across a pass)."""
 
-    def __init__(self, data_dir: str):
+    def __init__(self, data_dir: str, max_stored_bytes: int | None = None):
+        """max_stored_bytes: the storage limit for uploads (None: none)."""
         self.data_dir = os.path.abspath(data_dir)
         self.files_dir = os.path.join(self.data_dir, "files")
         self.batches_dir = os.path.join(self.data_dir, "batches")
@@ -50,28 +81,57 @@ class Store:
         self.files: dict[str, FileObject] = {}
         self.batches: dict[str, Batch] = {}
         self._order: dict[str, int] = {}  # id -> creation order (created_at is whole seconds)
+        self.max_stored_bytes = max_stored_bytes
+        self.stored_bytes = 0  # the files' bytes (their records'), under the lock
+        self._reserved_bytes = 0  # bytes of uploads in flight, under the lock
         self._load()
 
     # ---- files --------------------------------------------------------------------------------
     def add_upload(self, source: BinaryIO, filename: str, purpose: str, max_bytes: int) -> FileObject:
-        """Copy an upload into the store; FileTooLarge past max_bytes (nothing is kept)."""
+        """Copy an upload into the store; FileTooLarge past max_bytes, StorageFull past the storage
+        limit, OSError where the disk fails (full: see disk_full). Nothing is kept but a whole file."""
         file_id = "file-" + uuid.uuid4().hex[:24]
         data_path = self.file_path(file_id)
+        size = self._copy_in(source, data_path, max_bytes)
+        try:
+            return self._add_file(FileObject(id=file_id, bytes=size, created_at=int(time.time()),
+                                             filename=filename, purpose=purpose), reserved=size)
+        except BaseException:  # its record not written (a full disk): the data goes, and its reservation
+            _remove(data_path)
+            self._reserve(-size)
+            raise
+
+    def _copy_in(self, source: BinaryIO, data_path: str, max_bytes: int) -> int:
+        """The upload's bytes to data_path, each chunk reserved before it is written; its size (still
+        reserved). On any failure nothing is written and nothing stays reserved."""
         size = 0
         try:
             with open(data_path + ".tmp", "wb") as out:
                 while chunk := source.read(COPY_CHUNK):
+                    if size + len(chunk) > max_bytes:
+                        raise FileTooLarge(size + len(chunk))
+                    self._reserve(len(chunk), size)
                     size += len(chunk)
-                    if size > max_bytes:
-                        raise FileTooLarge(size)
                     out.write(chunk)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(data_path + ".tmp", data_path)
+            return size
+        except BaseException:
+            self._reserve(-size)
+            raise
         finally:
             _remove(data_path + ".tmp")
-        return self._add_file(FileObject(id=file_id, bytes=size, created_at=int(time.time()),
-                                         filename=filename, purpose=purpose))
+
+    def _reserve(self, count: int, already: int = 0) -> None:
+        """Reserve `count` more bytes for an upload that has `already` reserved (a negative count
+        returns them); StorageFull, nothing reserved, where they would pass the limit."""
+        with self.lock:
+            total = self.stored_bytes + self._reserved_bytes + count
+            if count > 0 and self.max_stored_bytes is not None and total > self.max_stored_bytes:
+                raise StorageFull(self.max_stored_bytes, self.stored_bytes, len(self.files),
+                                  self._reserved_bytes - already, already + count)
+            self._reserved_bytes += count
 
     def add_output(self, batch_id: str, kind: str, data: bytes) -> FileObject:
         """A batch's output or error file. Its id is derived from the batch, so writing it again
@@ -81,11 +141,16 @@ class Store:
         return self._add_file(FileObject(id=file_id, bytes=len(data), created_at=int(time.time()),
                                          filename=f"{batch_id}_{kind}.jsonl", purpose="batch_output"))
 
-    def _add_file(self, record: FileObject) -> FileObject:
+    def _add_file(self, record: FileObject, reserved: int = 0) -> FileObject:
+        """Write the file's record and count its bytes (those of the record it replaces, an output
+        written again, no longer; `reserved` bytes of an upload, now stored, no longer reserved)."""
         with self.lock:
             self._order.setdefault(record.id, self._next_order())
             _write_json(self._file_record_path(record.id), {"order": self._order[record.id],
                                                             "file": record.model_dump()})
+            replaced = self.files.get(record.id)
+            self.stored_bytes += record.bytes - (replaced.bytes if replaced else 0)
+            self._reserved_bytes -= reserved
             self.files[record.id] = record
             return record
 
@@ -101,7 +166,7 @@ class Store:
 
     def delete_file(self, file_id: str) -> None:
         with self.lock:
-            del self.files[file_id]
+            self.stored_bytes -= self.files.pop(file_id).bytes
             _remove(self._file_record_path(file_id))  # the record first: a crash leaves no listed file without data
             _remove(self.file_path(file_id))
 
@@ -188,6 +253,18 @@ class Store:
                     continue
                 target[record.id] = record
                 self._order[record.id] = int(saved["order"])
+        self.stored_bytes = sum(f.bytes for f in self.files.values())
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """What a server killed mid-write left in files/ (this one holds the folder's lock): an
+        upload's partial `.tmp`, and data whose record was never written (an upload killed between
+        the two, or an output, which its batch's finalizing writes again)."""
+        names = set(os.listdir(self.files_dir))
+        for name in names:
+            orphan = name.endswith(".data") and name.removesuffix(".data") + ".json" not in names
+            if name.endswith(".tmp") or orphan:
+                _remove(os.path.join(self.files_dir, name))
 
 
 def _answerable(record: FileObject | Batch, path: str) -> bool:
@@ -234,13 +311,18 @@ def _write_json(path: str, value) -> None:
 
 
 def _write_atomically(path: str, data: bytes) -> None:
+    """The file at `path` replaced by `data` whole, or (a full disk) left as it was, no `.tmp` left."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 def _remove(path: str) -> None:

@@ -24,15 +24,34 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 # `held`), as a long pass would, so a test can act while a batch is surely running. After a batch's
 # create call has read its input file: while `hold-create` exists the call waits (`held-create`).
 # After a lookup finds file ID: if `vanish-ID` exists, the file is deleted there (the marker too),
-# as a client's delete landing between a download's lookup and its read would.
+# as a client's delete landing between a download's lookup and its read would. A full disk
+# (full_disk.py): while `enospc-upload` exists, uploads' data is written to a full disk; while
+# `enospc-record` exists, the store's JSON records are; while `enospc-results` exists, batches'
+# result files are; while `enospc-spool` exists, the temporary files request bodies are spooled to are.
 SERVE_WITH_HOOKS = """
-import os, signal, sys, time
+import errno, os, signal, sys, time
+from starlette import formparsers
 from flexsarathi.cli import result_file
 from flexsarathi.cli.main import main
 from flexsarathi.serve import routes, store
+from tests.flexsarathi.serve.full_disk import full_disk_open, full_disk_writer
 data = sys.argv[sys.argv.index("--data-dir") + 1]
 append, validate, written = result_file.ResultFile.append, routes.validate_input, []
-get_file = store.Store.get_file
+get_file, open_results = store.Store.get_file, result_file.ResultFile._open
+
+def marked(name):
+    return lambda: os.path.exists(os.path.join(data, name))
+
+class SpoolWithHook(formparsers.SpooledTemporaryFile):
+    def write(self, data):
+        if marked("enospc-spool")():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+def open_results_with_hook(self, *args):
+    open_results(self, *args)
+    self._file.close()
+    self._file = full_disk_writer(self.real_path, "ab", marked("enospc-results"))
 
 def wait_while(hold, held):
     if os.path.exists(os.path.join(data, hold)):
@@ -66,6 +85,9 @@ def get_file_with_hook(self, file_id):
 result_file.ResultFile.append = append_with_hooks
 routes.validate_input = validate_with_hook
 store.Store.get_file = get_file_with_hook
+store.open = full_disk_open({".data.tmp": marked("enospc-upload"), ".json.tmp": marked("enospc-record")})
+result_file.ResultFile._open = open_results_with_hook
+formparsers.SpooledTemporaryFile = SpoolWithHook
 sys.exit(main(sys.argv[1:]))
 """
 

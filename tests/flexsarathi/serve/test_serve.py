@@ -195,8 +195,8 @@ def test_a_stopped_server_leaves_its_batch_to_resume_and_refuses_another_configu
     data = tmp_path / "data"
     srv = Server(data, "--model", stories_dir, "--dtype", "float32").start()
     (data / "hold").touch()
-    batch = submit(srv.client(), write_lines(tmp_path / "s.jsonl", [completion(f"s{i}", "Once upon a time", max_tokens=2 + i)
-                                                                     for i in range(20)]))  # they end apart
+    lines = [completion(f"s{i}", "Once upon a time", max_tokens=2 + i) for i in range(20)]  # they end apart
+    batch = submit(srv.client(), write_lines(tmp_path / "s.jsonl", lines))
     wait_for_file(data / "held")
     srv.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 60
