@@ -12,6 +12,8 @@ row's host generator; the cumulative sum and the search over it run where the pr
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flexsarathi.engine.logits_processors import add_logit_bias, apply_penalties, bad_word_bans, bar_stops, bar_tokens
@@ -23,6 +25,7 @@ __all__ = ["SamplingParams", "StructuredOutputsParams", "sample_seed", "process_
 
 
 TOP_CANDIDATES = 1024  # a top_k / top_p row is cut from its most likely this many first (filtered_logits)
+WIDER = 8  # a row its candidates cannot decide is cut again from this many times as many (_cut_widening)
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -78,24 +81,42 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         return scaled
     ks, top_p = [ks[i] for i in cut], column([params[i].top_p for i in cut])
     # Only a row's most likely tokens can be kept: cut first from its TOP_CANDIDATES most likely (a
-    # top-k selection), from the whole sorted row only where some row keeps more. Sampling 64 rows of
-    # a 128256-token vocabulary with top_p 0.9: 63.6 ms, where sorting every row took 414 (2 Zen 4 cores).
+    # top-k selection), from more only for the rows that keep more. Sampling 64 rows of a
+    # 128256-token vocabulary with top_p 0.9: 63.6 ms, where sorting every row took 414 (2 Zen 4 cores).
     width = min(vocab, max([TOP_CANDIDATES] + [k for k in ks if k < vocab]))
     rows = scaled if len(cut) == len(params) else scaled[cut]
-    kept = _top_cut(rows, width, ks, top_p) if width < vocab else None
-    if kept is None:
-        kept = _top_cut(rows, vocab, ks, top_p)
+    kept = _cut_widening(rows, width, ks, top_p)
     if len(cut) == len(params):
         return kept
     scaled[cut] = kept
     return scaled
 
 
-def _top_cut(scaled: torch.Tensor, width: int, ks: list[int], top_p: torch.Tensor) -> torch.Tensor | None:
-    """scaled [R, vocab] with -inf outside each row's top ks[i] and outside the smallest most-likely
+def _cut_widening(scaled: torch.Tensor, width: int, ks: list[int], top_p: torch.Tensor) -> torch.Tensor:
+    """_top_cut of every row, worked out on its `width` most likely tokens; the rows those cannot
+    decide (a flat distribution's nucleus reaches past them) are cut again, alone, from WIDER times as
+    many, or as many as the smallest of their nuclei holds at least, or (past a quarter of the row)
+    from the whole row (a row still undecided goes on widening, alone): a top-k of a quarter of a
+    50272-token row costs 0.29 of its sort (36.0 ms against 125.3 for 16 rows; of 128256: 86.3
+    against 269.9), and a nucleus that reaches past it may well reach past the next width too."""
+    kept, undecided, need = _top_cut(scaled, width, ks, top_p)
+    if undecided:
+        vocab = scaled.shape[1]
+        wider = max(width * WIDER, need)
+        kept[undecided] = _cut_widening(scaled[undecided], vocab if 4 * wider > vocab else wider,
+                                        [ks[i] for i in undecided], top_p[undecided])
+    return kept
+
+
+def _top_cut(scaled: torch.Tensor, width: int, ks: list[int],
+             top_p: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
+    """(scaled [R, vocab] with -inf outside each row's top ks[i] and outside the smallest most-likely
     prefix of those whose probability reaches top_p[i], worked out on each row's `width` most likely
-    tokens; None where that cannot decide it: a row that keeps more than `width` by top_k whose
-    `width` most likely tokens hold less than top_p of its probability (a token past them is kept)."""
+    tokens; the rows that cannot decide: each keeps more than `width` by top_k and its `width` most
+    likely tokens hold less than top_p of its probability, so a token past them is kept (their rows
+    of the first are not the cut); the fewest most-likely tokens that may decide any of them: no
+    token past the `width` is likelier than the last of them, so the probability a row still misses
+    takes at least that many more)."""
     device = scaled.device
     values, order = scaled.topk(width, dim=-1)  # [R, width], the most likely first
     top_k = torch.tensor(ks, device=device)[:, None]
@@ -107,12 +128,17 @@ def _top_cut(scaled: torch.Tensor, width: int, ks: list[int], top_p: torch.Tenso
         norm = torch.where(wide[:, None], scaled.logsumexp(-1, keepdim=True), norm)
     probs = (values - norm).exp()
     cumulative = probs.cumsum(-1)
-    if wide is not None and not bool((cumulative[:, -1:] >= top_p)[wide].all()):
-        return None
+    undecided, need = [], width
+    if wide is not None:
+        short = wide & (cumulative[:, -1] < top_p[:, 0])  # [R]
+        undecided = short.nonzero().flatten().tolist()
+        if undecided:  # the missing probability over the last candidate's (inf where that is 0: the whole row)
+            more = ((top_p[:, 0] - cumulative[:, -1]) / probs[:, -1])[short].min().item()
+            need = width + math.ceil(min(more, scaled.shape[1]))
     before = cumulative - probs  # probability of the more likely tokens kept
     # the smallest prefix whose probability reaches top_p, never empty (a tiny top_p is 0 in fp32)
     kept = values.masked_fill((before >= top_p) & (torch.arange(width, device=device) > 0), float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter_(1, order, kept)
+    return torch.full_like(scaled, float("-inf")).scatter_(1, order, kept), undecided, need
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int | None]:

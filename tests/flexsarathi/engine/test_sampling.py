@@ -55,31 +55,42 @@ def test_top_k_top_p_keep_the_float64_reference_set(top_k, top_p, temperature):
         torch.testing.assert_close(kept[finite], row[finite] / temperature, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("wider", [2, 8])
 @pytest.mark.parametrize("candidates", [4, 12])
 @pytest.mark.parametrize("which", ["peaked", "flat", "both"])
-def test_cutting_from_the_most_likely_candidates_keeps_the_reference_set(monkeypatch, candidates, which):
-    """filtered_logits cuts top_k / top_p rows from their `TOP_CANDIDATES` most likely tokens, from the
-    whole sorted row where a top_p row's candidates hold less than top_p: peaked rows (their nucleus
-    inside the candidates: cut from them), flat ones (past them: from the whole row) and both in one
-    batch, with top_k under and over the candidate count and rows nothing cuts (left as they are),
-    each against the float64 reference set."""
+def test_cutting_from_the_most_likely_candidates_keeps_the_reference_set(monkeypatch, candidates, which, wider):
+    """filtered_logits cuts top_k / top_p rows from their `TOP_CANDIDATES` most likely tokens, and the
+    rows whose candidates hold less than top_p again, alone, from WIDER times as many or as many as
+    the smallest of their nuclei holds at least (never more), or past a quarter of the row from all of it:
+    peaked rows (their nucleus inside the candidates: cut from them), flatter ones (past them) and
+    both in one batch, with top_k under and over the candidate count and rows nothing cuts (left as
+    they are), each against the float64 reference set."""
+    vocab = 512
     monkeypatch.setattr(sampling, "TOP_CANDIDATES", candidates)
-    widths, top_cut = [], sampling._top_cut
+    monkeypatch.setattr(sampling, "WIDER", wider)
+    calls, top_cut = [], sampling._top_cut
 
     def observed(scaled, width, ks, top_p):
-        kept = top_cut(scaled, width, ks, top_p)
-        widths.append((width, kept is not None))
-        return kept
+        kept, undecided, need = top_cut(scaled, width, ks, top_p)
+        nuclei = [len(reference_kept(scaled[i], 1.0, ks[i], float(top_p[i]))) for i in undecided]
+        calls.append((width, scaled.shape[0], need, nuclei))
+        return kept, undecided, need
 
     monkeypatch.setattr(sampling, "_top_cut", observed)
-    batch = {"peaked": rows(6, seed=21) * 6, "flat": rows(6, seed=22) / 3}
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(21))
+    spread = torch.tensor([12.0, 9, 7, 6, 8, 10, 1.5, 3, 0.4, 1.6, 0.9, 0.3])[:, None]  # peaked, then flatter
+    batch = {"peaked": logits[:6] * spread[:6], "flat": logits[6:] * spread[6:]}
     batch["both"] = torch.cat([batch["peaked"], batch["flat"]])
     batch = batch[which]
-    settings = [dict(top_p=0.5), dict(top_p=0.9), dict(top_k=3), dict(top_k=10, top_p=0.8), dict(), dict(top_k=2)]
+    settings = [dict(top_p=0.5), dict(top_p=0.9), dict(top_k=3), dict(top_k=10, top_p=0.8), dict(), dict(top_p=0.95)]
     params = [SamplingParams(temperature=0.9, **kw) for kw in settings * (len(batch) // 6)]
     cut = filtered_logits(batch, params)
-    assert widths[0][0] == max(candidates, 10) < VOCAB  # the candidates first
-    assert widths[0][1] == (which == "peaked") and (widths[-1] == (VOCAB, True) or which == "peaked")
+    assert calls[0][0] == max(candidates, 10) < vocab  # the candidates first
+    assert (not calls[0][3]) == (which == "peaked") and not calls[-1][3]  # the last cut decides every row left
+    for (width, _, need, nuclei), (wider_width, count, _, _) in zip(calls, calls[1:]):
+        assert need <= min(nuclei)  # the least any undecided row's nucleus holds: a true lower bound
+        step = max(width * wider, need)
+        assert wider_width == (vocab if 4 * step > vocab else step) and count == len(nuclei)  # undecided rows alone
     for row, kept, p in zip(batch, cut, params):
         if p.top_k == -1 and p.top_p >= 1.0:
             torch.testing.assert_close(kept, row / 0.9, atol=0, rtol=0)
