@@ -146,6 +146,15 @@ def known_config(name: str) -> dict:
     return copy.deepcopy(KNOWN_MODELS[key])
 
 
+def is_registered(name: str) -> bool:
+    """Whether `name` is a registered model (known_config gives its config)."""
+    try:
+        known_config(name)
+    except KeyError:
+        return False
+    return True
+
+
 def register_variant(base: str, layers: int | None = None, small: dict | None = None) -> str:
     """The registered name of `base` cut to its first `layers` layers (`<base>-<N>l`), or with the
     config overrides `small` (`<base>-tiny`: a benchmark's smoke run); `base` itself where neither

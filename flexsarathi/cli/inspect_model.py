@@ -22,7 +22,8 @@ from policy_search.units import fmt_bytes
 def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("inspect", help="what a checkpoint is: format, quantization, bytes, what is stored",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint folder, .gguf file or dummy:<name>")
+    p.add_argument("--model", required=True, help="checkpoint folder, .gguf file, dummy:<name> or a Hugging Face repo "
+                   "(org/name[@revision], org/name:QUANT)")
     add_dtype_arg(p)
     p.set_defaults(func=run_inspect)
     return p

@@ -19,6 +19,7 @@ from flexsarathi.serve.command import add_serve_parser
 from offload.disk_store import OffloadError
 from offload.memory import MemoryBudgetError
 from policy_search.errors import InfeasibleError, SolverMissingError, SpecError
+from policy_search.model_registry import is_registered
 from policy_search.policy import PolicyError
 
 
@@ -114,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="generate from a few prompts and print tokens/s")
-    demo.add_argument("--model", default="dummy:opt-125m", help="checkpoint folder or dummy:<name>")
+    demo.add_argument("--model", default="dummy:opt-125m", help="checkpoint folder, dummy:<name> or a Hugging Face "
+                      "repo")
     demo.add_argument("--num-prompts", type=positive_int, default=8)
     demo.add_argument("--prompt-len", type=positive_int, default=None,
                       help=f"random token-id prompts of this length (default: text prompts where the model has a "
@@ -124,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     ppl = sub.add_parser("perplexity", help="perplexity of a text file (JSON line)")
-    ppl.add_argument("--model", required=True, help="checkpoint folder with tokenizer.json")
+    ppl.add_argument("--model", required=True, help="checkpoint folder with tokenizer.json, or a Hugging Face repo")
     ppl.add_argument("--text", required=True, help="UTF-8 text file")
     ppl.add_argument("--separator", default=None, help="document separator, e.g. '<|endoftext|>'")
     ppl.add_argument("--stride", type=positive_int, default=None,
@@ -140,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--offload-dir", default=None, help="folder whose disk is measured")
     prof.add_argument("--disk-mib", type=positive_int, default=512, help="size of the disk test file")
     prof.add_argument("--model", default=None, help="whose layer shapes the matmuls and attention are measured "
-                      "on: a registered name (llama-2-7b), a checkpoint folder or a .gguf file (default: opt-1.3b's)")
+                      "on: a registered name (llama-2-7b), a checkpoint folder, a .gguf file or a Hugging Face repo "
+                      "(default: opt-1.3b's)")
     add_dtype_arg(prof)  # measured in the dtype the engine computes in
     prof.add_argument("--device", default=None, help="the engine's compute device: cpu or cuda (default: cuda when "
                       "available); cpu profiles the host as the compute tier even where there is a GPU")
@@ -152,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_parser(sub)
     add_serve_parser(sub)
     return parser
+
+
+PLANNING_COMMANDS = ("policy", "profile")  # they read a model's shapes, not its weights
+
+
+def _local_model(args) -> str:
+    """args.model as a local path: a Hugging Face repo name resolved into its cache (fetched where
+    missing). The planning commands take a registered name (`opt-30b`, `facebook/opt-30b`) as it is
+    and fetch of a repo only what decides the plan (a full-precision checkpoint's config.json)."""
+    plans = args.command in PLANNING_COMMANDS
+    if plans and is_registered(args.model):
+        return args.model
+    return resolve_model(args.model, getattr(args, "gguf_file", None), config_only=plans)
 
 
 USER_ERRORS = (FlexSarathiError, PolicyError, SpecError, InfeasibleError, SolverMissingError, MemoryBudgetError,
@@ -175,8 +191,8 @@ def _main(argv: list[str] | None) -> int:
     try:  # from the parsing on: a Ctrl-C while the parser is built is "interrupted" too
         args = build_parser().parse_args(argv)
         show_warnings_as_lines()
-        if hasattr(args, "gguf_file"):  # engine commands: a Hugging Face repo -> its local folder or GGUF file
-            args.model = resolve_model(args.model, args.gguf_file)
+        if getattr(args, "model", None) is not None:  # a Hugging Face repo -> its local folder or GGUF file
+            args.model = _local_model(args)
         return args.func(args)
     except USER_ERRORS as exc:
         return _fail(f"error: {_one_line(exc)}", 2)

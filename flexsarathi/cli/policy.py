@@ -24,7 +24,9 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
         "policy", help="search the best offloading policy and print its estimate",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
-                   help="checkpoint folder with config.json, a registered name (opt-30b) or dummy:<name>")
+                   help="checkpoint folder with config.json, a registered name (opt-30b), dummy:<name> or a "
+                        "Hugging Face repo (org/name[@revision]; of a full-precision one only its JSON files "
+                        "are fetched)")
     p.add_argument("--hardware", default="t4",
                    help=f"a preset ({', '.join(PRESETS)}) or a JSON profile from `flexsarathi profile`")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")

@@ -14,6 +14,8 @@ from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
 from flexsarathi.formats.checkpoint import DUMMY_PREFIX, WeightSource
 from flexsarathi.formats.opened_model import OpenedModel, open_model
 from offload.kv_cache import KVCompression, decode_in_pool_tiers
+from policy_search.errors import SpecError
+from policy_search.hf_config import read_config_json
 from policy_search.model_spec import ModelSpec
 from policy_search.quant_format import KV_FORMAT, KVFormat, WeightFormat
 from quant.config import WEIGHT_QUANT
@@ -39,6 +41,8 @@ def planned_model(model: str | OpenedModel, dtype=None, device=None, kv_block_si
     compute = resolve_dtype(dtype, torch.float16, device)  # either half dtype: 2 bytes
     if isinstance(model, str) and not os.path.exists(model):  # a registered shape: nothing to open
         spec, stored, coded = ModelSpec.from_name(model, bytes_per_value=compute.itemsize), None, frozenset()
+    elif isinstance(model, str) and _config_only(model):  # a hub repo's JSON files alone (flexsarathi policy)
+        spec, stored, coded = _spec_of_config(model, compute.itemsize), None, frozenset()
     else:
         opened = model if isinstance(model, OpenedModel) else open_model(model)
         spec = ModelSpec.from_hf(opened.source.config, _short_name(opened.name), bytes_per_value=compute.itemsize)
@@ -77,6 +81,32 @@ def _streamed_without_minimum(source: WeightSource, name: str) -> bool:
     return linked is not None and linked.format.minimum_at is None
 
 
+def _config_only(folder: str) -> bool:
+    """A folder holding config.json and no weights: what `flexsarathi policy` fetches of a hub repo
+    (formats/hub.py, CONFIG_PATTERNS)."""
+    return (os.path.isdir(folder) and os.path.isfile(os.path.join(folder, "config.json"))
+            and not any(name.endswith(".safetensors") for name in os.listdir(folder)))
+
+
+def _spec_of_config(folder: str, bytes_per_value: int) -> ModelSpec:
+    """The shapes of a full-precision checkpoint from its config.json alone; a pre-quantized one
+    cannot be priced so (which modules it packs, and how, is in its files' headers)."""
+    config, where = read_config_json(folder)
+    if isinstance(config.get("quantization_config"), dict):
+        raise SpecError(f"{where} names a quantization ({config['quantization_config'].get('quant_method', '?')}): "
+                        "its plan reads which modules are packed from the checkpoint's .safetensors files, and "
+                        f"{folder} holds none")
+    return ModelSpec.from_config(config, name=_short_name(folder), bytes_per_value=bytes_per_value)
+
+
 def _short_name(model: str) -> str:
-    return model.removeprefix(DUMMY_PREFIX) if model.startswith(DUMMY_PREFIX) else os.path.basename(
-        os.path.normpath(model))
+    """A model's name in a plan: a dummy's registered name, a hub snapshot folder's repo (`org/name`),
+    or a folder's or file's own name."""
+    if model.startswith(DUMMY_PREFIX):
+        return model.removeprefix(DUMMY_PREFIX)
+    path = os.path.normpath(model)
+    snapshots = os.path.dirname(path)
+    repo = os.path.basename(os.path.dirname(snapshots))
+    if os.path.isdir(path) and os.path.basename(snapshots) == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")  # huggingface_hub's layout
+    return os.path.basename(path)

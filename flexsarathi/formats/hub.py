@@ -14,6 +14,8 @@ from flexsarathi.errors import CheckpointError
 # A safetensors checkpoint's files (the weights, configs, tokenizer, chat template), not the
 # .bin / .pt / .gguf copies a repo may also hold.
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]
+# What a plan of a full-precision checkpoint reads: config.json (the shapes, the dtype).
+CONFIG_PATTERNS = ["*.json"]
 _HUB_NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+?))?(?::(?P<quant>[\w.-]+))?$")
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # llama.cpp's split files
 
@@ -30,10 +32,12 @@ class HubName:
         return cls(match["repo"], match["revision"], match["quant"]) if match else None
 
 
-def resolve_model(model: str, gguf_file: str | None = None) -> str:
+def resolve_model(model: str, gguf_file: str | None = None, config_only: bool = False) -> str:
     """A local path for `model`: itself when it is a path here or `dummy:<name>`, else the
     checkpoint folder (or GGUF file) of the hub repo it names. CheckpointError saying where it
-    looked when there is none."""
+    looked when there is none. config_only (a plan, not a run): of a full-precision checkpoint
+    only its JSON files are fetched (the weights of a 70B model are not needed to plan it); a
+    pre-quantized one is fetched whole (which modules it packs is read from its files' headers)."""
     if model.startswith("dummy:") or os.path.exists(model):
         if gguf_file is not None:
             raise CheckpointError(f"--gguf-file names a file inside a Hugging Face repo; {model} is not a repo name")
@@ -42,8 +46,19 @@ def resolve_model(model: str, gguf_file: str | None = None) -> str:
     if name is None:
         return model  # neither a path nor a hub name: the checkpoint loader says it does not exist
     if name.quant is None and gguf_file is None:
+        if config_only:
+            folder = _download(name, model, CONFIG_PATTERNS)
+            if not _quantized(folder):
+                return folder
         return _download(name, model, CHECKPOINT_PATTERNS)
     return _gguf(name, model, gguf_file)
+
+
+def _quantized(folder: str) -> bool:
+    """Whether the checkpoint's config.json names a quantization (GPTQ, AWQ, compressed-tensors)."""
+    from flexsarathi.formats.quantized_checkpoint import read_quantization_config
+
+    return read_quantization_config(folder) is not None
 
 
 def hub_cache() -> str:

@@ -160,3 +160,78 @@ def test_cli_gguf_in_a_repo_by_quantization_and_by_file_offline(hub, tmp_path):
         with LLM(str(files[quant]), dtype="float32") as local:
             expected = local.generate([[3, 9, 27, 81, 5]], GREEDY, use_tqdm=False)[0].token_ids
         assert json.loads(out.read_text())["token_ids"] == expected
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from flexsarathi.cli.main import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_policy_of_a_repo_reads_its_config_alone_and_plans_the_registered_shape(hub, tmp_path, capsys, monkeypatch):
+    """`flexsarathi policy --model org/name` of a full-precision repo whose cache holds config.json
+    alone: only its JSON files are asked of the hub (no weights: all a plan reads), and the policy
+    and estimate are the registered shape's with that config, the repo's name in the plan; a
+    registered name spelled as a repo (meta-llama/Llama-2-7b-hf) is not looked up; a pre-quantized
+    repo is asked whole, and without its files it is one error saying why (its packed modules are
+    read from the files)."""
+    import json
+
+    import huggingface_hub
+
+    from flexsarathi.formats.hub import CHECKPOINT_PATTERNS, CONFIG_PATTERNS
+    from policy_search.model_registry import known_config
+
+    asked, download = [], huggingface_hub.snapshot_download
+
+    def recorded(repo_id, **kwargs):  # the real download (offline: the cache), what was asked noted
+        asked.append((repo_id, kwargs["allow_patterns"]))
+        return download(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recorded)
+    cache, _ = hub
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(known_config("llama-2-7b")))
+    add_repo(cache, "some-org/Llama-7B-like", {"config.json": config})
+    search = ["--hardware", "t4", "--scheduler", "block", "--gpu-batch-size", "8", "--num-gpu-batches", "1",
+              "--prompt-len", "256", "--gen-len", "16"]
+    plans = {}
+    for model in ("some-org/Llama-7B-like", "llama-2-7b", "meta-llama/Llama-2-7b-hf"):
+        code, out, err = _cli(capsys, "policy", "--model", model, *search, "--json", str(tmp_path / "p.json"))
+        assert code == 0, err
+        plans[model] = (json.loads((tmp_path / "p.json").read_text()), out)
+    (repo_plan, repo_out), (registered_plan, _), (alias_plan, _) = plans.values()
+    assert [p.pop("model") for p in (repo_plan, registered_plan, alias_plan)] == [
+        "some-org/Llama-7B-like", "llama-2-7b", "llama-2-7b-hf"]
+    assert repo_plan == registered_plan == alias_plan and "some-org/Llama-7B-like" in repo_out
+    assert asked == [("some-org/Llama-7B-like", CONFIG_PATTERNS)]
+    quantized = {**known_config("llama-2-7b"), "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    config.write_text(json.dumps(quantized))
+    add_repo(cache, "some-org/Llama-7B-GPTQ", {"config.json": config})
+    code, _, err = _cli(capsys, "policy", "--model", "some-org/Llama-7B-GPTQ", *search)
+    assert code == 2 and "names a quantization (gptq)" in err and ".safetensors" in err
+    assert asked[1:] == [("some-org/Llama-7B-GPTQ", CONFIG_PATTERNS), ("some-org/Llama-7B-GPTQ", CHECKPOINT_PATTERNS)]
+
+
+def test_perplexity_and_inspect_take_a_repo_name(hub, tmp_path, capsys, stories_dir):
+    """The commands that read weights (perplexity, inspect) resolve a repo name as generate does:
+    the local folder's figures."""
+    import json
+
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a little girl named Lily. She loved to play outside.\n")
+    scores = []
+    for model in ("tiny-org/stories", stories_dir):
+        code, out, err = _cli(capsys, "perplexity", "--model", model, "--text", str(text), "--quiet",
+                              "--dtype", "float32")
+        assert code == 0, err
+        scores.append({k: v for k, v in json.loads(out).items() if k != "model"})
+    assert scores[0] == scores[1]
+    shown = []
+    for model in ("tiny-org/stories", stories_dir):
+        code, out, err = _cli(capsys, "inspect", "--model", model)
+        assert code == 0, err
+        shown.append(out.replace(str(hub[1]), "MODEL").replace(str(stories_dir), "MODEL"))
+    assert shown[0] == shown[1]
