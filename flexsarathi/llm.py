@@ -25,6 +25,7 @@ from flexsarathi.engine.sampling import SamplingParams
 from offload.memory import TierBudget
 from policy_search.hardware import HardwareSpec
 from policy_search.policy import Policy
+from policy_search.workload import Workload
 
 Prompt = str | list[int] | dict  # dict: vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
 
@@ -47,6 +48,7 @@ class LLM:
         self._turns = BatchTurns()  # one batch at a time: a call from another thread waits for the one running
         self._closing = False  # close() was called: a running generate ends after its pass
         model, policy, hardware = _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_options)
+        _check_workload(workload, policy)
         opened = model if isinstance(model, OpenedModel) else None
         model = opened.name if opened else resolve_model(model)  # "org/name" -> its folder in the HF cache
         spec = None
@@ -269,11 +271,27 @@ def _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_op
     cap = engine_options.get("max_logprobs", -1)
     if not _is_integer(cap) or cap < -1:
         raise FlexSarathiError(f"LLM(max_logprobs=...) must be an integer >= -1 (-1: no limit), got {cap!r}")
-    unknown = sorted(set(engine_options) - {f.name for f in dataclasses.fields(EngineConfig)})
+    unknown = sorted(set(engine_options) - {f.name for f in dataclasses.fields(EngineConfig)} - {"budget"})
     if unknown:
         raise FlexSarathiError(f"LLM() got unknown option(s) {unknown}: the options are LLM's own arguments and "
                                "EngineConfig's fields (flexsarathi/engine/llm_engine.py)")
+    if "budget" in engine_options:  # EngineConfig's, but LLM makes it from hardware=
+        raise FlexSarathiError("LLM() takes no budget=: the tier budgets are hardware='s (a HardwareSpec, a preset "
+                               "or a profile JSON; HardwareSpec.with_memory sets capacities)")
     return model, policy, hardware
+
+
+def _check_workload(workload, policy) -> None:
+    """LLM(workload=...) is what policy="auto" searches for: a Workload, and only with "auto" (else
+    it would be ignored)."""
+    if workload is None:
+        return
+    if not isinstance(workload, Workload):
+        raise FlexSarathiError("LLM(workload=...) must be a policy_search.Workload or None, "
+                               f"got {type(workload).__name__}")
+    if policy != "auto":
+        raise FlexSarathiError('LLM(workload=...) is what policy="auto" searches a policy for; with policy='
+                               f'{policy!r} it would change nothing: leave it out, or pass policy="auto"')
 
 
 def _check_arguments(prompts, sampling_params, on_error: str) -> tuple[list, list[SamplingParams]]:

@@ -39,6 +39,7 @@ import os
 from dataclasses import dataclass, fields
 
 from policy_search.errors import SpecError
+from policy_search.json_file import read_json_file, unknown_keys
 from policy_search.units import GB, GiB, TFLOPS, fmt_bytes
 
 FORMAT = "flexsarathi-hardware"
@@ -76,6 +77,7 @@ _JSON_KEYS = {
 _OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds", "graph_layer_overhead_seconds",
                   "step_overhead_seconds", "sequence_overhead_seconds", "disk_read_cpu_seconds_per_byte",
                   "cpu_int4_matmul_flops", "cpu_memory_bandwidth_bytes_per_s", "host_memory_bytes")
+_NOT_RATES = ("gpu_memory", "memory_usable_fraction")  # the positive fields that are no rate per second
 _NULLABLE = ("cpu_int4_matmul_flops", "cpu_memory_bandwidth", "graph_layer_overhead", "host_memory")
 
 
@@ -150,6 +152,8 @@ class HardwareSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise SpecError(f"HardwareSpec.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.notes, str):
+            raise SpecError(f"HardwareSpec.notes must be a string, got {self.notes!r}")
         for f in fields(self):
             if f.name in ("name", "notes"):
                 continue
@@ -161,7 +165,7 @@ class HardwareSpec:
                                     f"{self.compute_on_host!r}")
                 continue
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
                 raise SpecError(f"HardwareSpec.{f.name} must be a finite number, got {value!r}")
             # a tier may be empty (no disk) and the overhead nil; rates and the GPU must not be
             may_be_zero = (f.name.endswith("_memory") and f.name != "gpu_memory") or f.name in (
@@ -169,6 +173,10 @@ class HardwareSpec:
             if value < 0 or (value == 0 and not may_be_zero):
                 raise SpecError(f"HardwareSpec.{f.name} must be {'>= 0' if may_be_zero else '> 0'}, "
                                 f"got {value!r}")
+            # a rate below one unit a second (5e-324 bytes/s) turns a pass's bytes into inf seconds,
+            # the estimate into NaN and the search's LP into a solver failure
+            if f.name not in _NOT_RATES and not may_be_zero and value < 1:
+                raise SpecError(f"HardwareSpec.{f.name} must be >= 1 (a rate per second), got {value!r}")
         if not 0 < self.memory_usable_fraction <= 1:
             raise SpecError("HardwareSpec.memory_usable_fraction must be in (0, 1], got "
                             f"{self.memory_usable_fraction!r}")
@@ -271,7 +279,7 @@ class HardwareSpec:
         known = set(_JSON_KEYS) | {"format", "version", "name", "notes"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise SpecError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
+            raise SpecError(f"{source}: unknown field(s) {unknown_keys(unknown, known)}; known: {sorted(known)}")
         missing = sorted(k for k in _JSON_KEYS if k not in data and k not in _OPTIONAL_KEYS)
         if missing:
             raise SpecError(f"{source}: missing field(s) {missing}")
@@ -280,7 +288,7 @@ class HardwareSpec:
             return cls(name=data.get("name") or os.path.basename(source), notes=data.get("notes", ""),
                        **kwargs)
         except SpecError as exc:
-            raise SpecError(f"{source}: {exc}") from None
+            raise SpecError(f"{source}: {_json_named(str(exc))}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         tmp = f"{path}.tmp"
@@ -291,14 +299,25 @@ class HardwareSpec:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "HardwareSpec":
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise SpecError(f"hardware profile {path} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"hardware profile {path} is not valid JSON: {exc}") from None
+        data = read_json_file(path, "hardware profile", SpecError)
         return cls.from_dict(data, source=f"hardware profile {path}")
+
+
+def _finite(value: int | float) -> bool:
+    """A finite float, or an int a float holds (json reads 1e400 as inf, but 10**400 as an int)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _json_named(message: str) -> str:
+    """A field's error as a profile names it: "HardwareSpec.host_to_device must ..." ->
+    "field 'host_to_device_bytes_per_s' (HardwareSpec.host_to_device) must ..."."""
+    for key, attr in _JSON_KEYS.items():
+        if message.startswith(f"HardwareSpec.{attr} "):
+            return f"field {key!r} (HardwareSpec.{attr}){message[len('HardwareSpec.' + attr):]}"
+    return message
 
 
 # ---------------------------------------------------------------------------------------------

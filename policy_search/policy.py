@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, fields
 
 from policy_search.errors import FlexSarathiError
+from policy_search.json_file import read_json_file, unknown_keys
 
 TIERS = ("gpu", "cpu", "disk")  # where a tensor can live, fastest first; fractions follow this order
 SCHEDULERS = ("decode-maximal", "block")
@@ -22,6 +23,9 @@ _FRACTION_KINDS = {
     "activations": ("act_gpu", "act_cpu", "act_disk"),  # (hg, hc, hd)
 }
 _TOL = 1e-6
+# The largest count a policy field may hold: beyond any machine's sequences, tokens or layers, and
+# within what tensor sizes and floats (the estimate's arithmetic) represent.
+MAX_COUNT = 2**31 - 1
 
 
 class PolicyError(FlexSarathiError):
@@ -72,6 +76,8 @@ class Policy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PolicyError(f"Policy.{name} must be a positive integer, got {value!r}")
+            if value > MAX_COUNT:
+                raise PolicyError(f"Policy.{name} must be at most {MAX_COUNT}, got {value!r}")
         for kind, names in _FRACTION_KINDS.items():
             for name in names:
                 value = getattr(self, name)
@@ -90,8 +96,8 @@ class Policy:
         if self.kv_admission not in KV_ADMISSIONS:
             raise PolicyError(f"Policy.kv_admission must be one of {KV_ADMISSIONS}, got {self.kv_admission!r}")
         if self.kv_cache_tokens is not None and (isinstance(self.kv_cache_tokens, bool) or not isinstance(
-                self.kv_cache_tokens, int) or self.kv_cache_tokens < 1):
-            raise PolicyError(f"Policy.kv_cache_tokens must be a positive integer or null, "
+                self.kv_cache_tokens, int) or not 1 <= self.kv_cache_tokens <= MAX_COUNT):
+            raise PolicyError(f"Policy.kv_cache_tokens must be a positive integer (at most {MAX_COUNT}) or null, "
                               f"got {self.kv_cache_tokens!r}")
         if self.scheduler not in SCHEDULERS:
             raise PolicyError(f"Policy.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
@@ -133,7 +139,8 @@ class Policy:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise PolicyError(f"{source}: unknown policy field(s) {unknown}; known fields: {sorted(known)}")
+            raise PolicyError(f"{source}: unknown policy field(s) {unknown_keys(unknown, known)}; "
+                              f"known fields: {sorted(known)}")
         try:
             return cls(**data)
         except PolicyError as exc:
@@ -148,14 +155,8 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Policy":
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise PolicyError(f"policy file {path} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise PolicyError(f"policy file {path} is not valid JSON: {exc}") from None
+        data = read_json_file(path, "policy file", PolicyError)
         # A file written by `flexsarathi policy --json` holds {"policy": {...}, "estimate": {...}}.
-        if isinstance(data, dict) and "policy" in data and isinstance(data["policy"], dict):
-            data = data["policy"]
+        if isinstance(data, dict) and "policy" in data:
+            return cls.from_dict(data["policy"], source=f"policy file {path}, field 'policy'")
         return cls.from_dict(data, source=f"policy file {path}")

@@ -49,7 +49,7 @@ from policy_search.quant_format import KV_FORMAT
 from policy_search.working_set import (POST_ATTENTION_ROWS, QUERY_BLOCK, PassTokens, gathered_tiers, working_set,
                                        worst_passes)
 from quant import QuantConfig, cpu_int8_matmul
-from quant.config import WEIGHT_QUANT
+from quant.config import ALLOWED_BITS, WEIGHT_QUANT
 
 PLAIN_KV_BLOCK = 16  # tokens per block of an uncompressed KV pool
 STORE_FORMAT = 3  # bump whenever what the weight store holds changes (2: 4-bit packed per row; 3: + norms, biases)
@@ -242,11 +242,33 @@ class EngineConfig:
     fit_running: bool = False
 
     def __post_init__(self) -> None:
+        _check_engine_fields(self)
         p = self.policy
         if self.fit_running and (p.w_gpu, p.kv_gpu, p.act_gpu) != (1, 1, 1):
             raise FlexSarathiError("EngineConfig.fit_running sizes the running set to the compute device's memory: "
                                    "it needs a policy with weights, KV cache and activations all there "
                                    f"(got w_gpu={p.w_gpu:g}, kv_gpu={p.kv_gpu:g}, act_gpu={p.act_gpu:g})")
+
+
+def _check_engine_fields(e: EngineConfig) -> None:
+    """FlexSarathiError naming an EngineConfig field (an LLM(...) option) of the wrong kind: a string
+    for a flag would read as true ("no" turning direct_io on), a kv_bits the format has not."""
+    for name in ("direct_io", "dummy_weight_codes", "compress_head", "fit_running"):
+        if not isinstance(getattr(e, name), bool):
+            raise FlexSarathiError(f"EngineConfig.{name} must be True or False, got {getattr(e, name)!r}")
+    for name in ("routed_expert_reads", "cpu_experts", "cuda_graphs"):
+        if getattr(e, name) is not None and not isinstance(getattr(e, name), bool):
+            raise FlexSarathiError(f"EngineConfig.{name} must be True, False or None, got {getattr(e, name)!r}")
+    if not isinstance(e.policy, Policy):
+        raise FlexSarathiError(f"EngineConfig.policy must be a Policy, got {type(e.policy).__name__}")
+    if e.offload_dir is not None and not isinstance(e.offload_dir, (str, os.PathLike)):
+        raise FlexSarathiError(f"EngineConfig.offload_dir must be a folder path or None, got {e.offload_dir!r}")
+    if isinstance(e.kv_bits, bool) or e.kv_bits not in ALLOWED_BITS:
+        raise FlexSarathiError(f"EngineConfig.kv_bits must be one of {ALLOWED_BITS}, got {e.kv_bits!r}")
+    if isinstance(e.kv_value_group, bool) or not isinstance(e.kv_value_group, int) or e.kv_value_group < 1:
+        raise FlexSarathiError(f"EngineConfig.kv_value_group must be a positive integer, got {e.kv_value_group!r}")
+    if not isinstance(e.weight_quant, QuantConfig):
+        raise FlexSarathiError(f"EngineConfig.weight_quant must be a quant.QuantConfig, got {e.weight_quant!r}")
 
 
 HEAD = "lm_head.weight"
@@ -348,6 +370,9 @@ class LLMEngine:
         if e.compress_head and HEAD not in self.model.global_shapes():
             raise FlexSarathiError(f"compress_head: {e.model} has no LM head of its own (tie_word_embeddings: "
                                    f"its head is the input embeddings), so there is nothing to compress")
+        if p.weight_prefetch > self.config.num_layers:  # each is a layer buffer: 10**9 of them never end
+            raise FlexSarathiError(f"Policy.weight_prefetch={p.weight_prefetch} loads more layers ahead than "
+                                   f"{e.model} has ({self.config.num_layers}); use at most {self.config.num_layers}")
         quant = e.weight_quant if p.compress_weight else None
         # A pre-quantized checkpoint's codes are stored in its own formats, whatever the policy says.
         quant = self.source.quantized_formats() or quant

@@ -18,8 +18,8 @@ __all__ = ["ModelConfig", "RopeConfig", "parse_dtype"]
 
 
 def parse_dtype(value, where: str = "dtype") -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
+    """float32, float16 or bfloat16 from any of their spellings, a torch.dtype among them (torch.int8 is
+    refused here, not by the first layer norm)."""
     try:
         return getattr(torch, dtype_name(value, where))
     except SpecError as exc:

@@ -14,7 +14,7 @@ import torch
 from flexsarathi import LLM, FlexSarathiError, SamplingParams
 from flexsarathi.engine.sampling import sample_seed
 from flexsarathi.formats.tokenizer import IncrementalDetokenizer
-from policy_search import Policy
+from policy_search import Policy, Workload
 
 PROMPTS = ["Once upon a time", "Lily wanted to", "The little dog", "One day, a big bird"]
 # A ChatML-style template as checkpoints ship them (rendered by transformers for the reference).
@@ -248,6 +248,19 @@ def test_vllms_other_spellings_mean_what_they_mean_there(tiny):
     ({"seed": "a"}, r"LLM\(seed=\.\.\.\) must be an integer, got 'a'"),
     ({"kv_block_size": 0}, r"LLM\(kv_block_size=\.\.\.\) must be None or an integer >= 1, got 0"),
     ({"kv_blocksize": 16}, r"LLM\(\) got unknown option\(s\) \['kv_blocksize'\]"),
+    # a string flag read as true ("no" turned O_DIRECT on), and options that failed deep or were ignored
+    ({"direct_io": "no"}, r"^EngineConfig.direct_io must be True or False, got 'no'$"),
+    ({"cuda_graphs": "off"}, r"^EngineConfig.cuda_graphs must be True, False or None, got 'off'$"),
+    ({"offload_dir": 5}, r"^EngineConfig.offload_dir must be a folder path or None, got 5$"),
+    ({"kv_bits": 3}, r"^EngineConfig.kv_bits must be one of \(4, 8\), got 3$"),
+    ({"kv_value_group": 0}, r"^EngineConfig.kv_value_group must be a positive integer, got 0$"),
+    ({"weight_quant": "q4"}, r"^EngineConfig.weight_quant must be a quant.QuantConfig, got 'q4'$"),
+    ({"dtype": torch.int8}, r"^LLM\(dtype=\.\.\.\): unsupported dtype torch.int8; use float32"),
+    ({"budget": 5}, r"^LLM\(\) takes no budget=: the tier budgets are hardware='s"),
+    ({"workload": 5, "policy": "auto", "hardware": "t4"},
+     r"^LLM\(workload=\.\.\.\) must be a policy_search.Workload or None, got int$"),
+    ({"workload": Workload(prompt_len=8, gen_len=4)}, r'^LLM\(workload=\.\.\.\) is what policy="auto" searches'),
+    ({"policy": Policy(weight_prefetch=10**6)}, r"^Policy.weight_prefetch=1000000 loads more layers ahead than "),
 ])
 def test_llm_arguments_of_the_wrong_kind_are_one_error_naming_them(tiny_checkpoint, options, message):
     """Each used to fail deeper with an AttributeError or TypeError (or, for seed and kv_block_size 0,

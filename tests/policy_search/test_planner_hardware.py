@@ -65,3 +65,38 @@ def test_load_errors_name_the_field(tmp_path):
         HardwareSpec.resolve("v100")
     # a CPU-only profile may have no disk, but never a zero-size GPU tier
     HardwareSpec.from_dict({**data, "disk_memory_bytes": 0})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"gpu_memory_bytes": 10**400}, r"field 'gpu_memory_bytes' \(HardwareSpec.gpu_memory\) must be a finite number"),
+    ({"host_to_device_bytes_per_s": 5e-324},
+     r"field 'host_to_device_bytes_per_s' \(HardwareSpec.host_to_device\) must be >= 1 \(a rate per second\)"),
+    ({"cpu_attention_flops": 0.5}, r"field 'cpu_attention_flops' \(HardwareSpec.cpu_attention_flops\) must be >= 1"),
+    ({"disk_to_host_bytes_per_s": float("nan")}, r"field 'disk_to_host_bytes_per_s' \(HardwareSpec.disk_to_host\) must "
+                                                r"be a finite number, got nan"),
+    ({"notes": [1]}, r"HardwareSpec.notes must be a string, got \[1\]"),
+    ({"gpu_memory_byte": 1}, r"unknown field\(s\) \['gpu_memory_byte'\]; did you mean 'gpu_memory_bytes' for "
+                             r"'gpu_memory_byte'\?; known"),
+])
+def test_a_bad_profile_field_is_named_as_the_file_names_it(tmp_path, changes, message):
+    """A huge int escaped as an OverflowError; a subnormal rate gave an inf/NaN estimate and a CBC
+    failure in the search; fields were named by the dataclass, not the profile's key."""
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({**HardwareSpec.preset("t4").to_dict(), **changes}))
+    with pytest.raises(SpecError, match=f"^hardware profile {path}: {message}"):
+        HardwareSpec.load(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    (b'{"name": "\xfe"}', r"is not UTF-8 text \(byte 0xfe at offset 10\)"),
+    (b"[" * 100_000, "is not valid JSON: nested too deeply"),
+    (None, "is a folder, not a JSON file"),
+], ids=["not-utf8", "deep", "folder"])
+def test_an_unreadable_profile_is_one_error_naming_it(tmp_path, text, message):
+    path = tmp_path / "hw.json"
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_bytes(text)
+    with pytest.raises(SpecError, match=f"^hardware profile {path} {message}"):
+        HardwareSpec.resolve(str(path))

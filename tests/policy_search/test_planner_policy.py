@@ -42,6 +42,43 @@ def test_json_round_trip_and_a_bad_file_names_itself(tmp_path):
     assert Policy.from_dict(old).weight_prefetch == 1
 
 
+@pytest.mark.parametrize("text, message", [
+    (b"{", "is not valid JSON: Expecting property name"),
+    (b"", "is not valid JSON: Expecting value"),
+    (b'{"scheduler": "\xff"}', r"is not UTF-8 text \(byte 0xff at offset 15\)"),
+    (b"[" * 100_000, "is not valid JSON: nested too deeply"),
+    (b'{"a": "' + b"x" * (1 << 20) + b'"}', r"is 1048585 bytes, larger than any policy file \(1048576 at most\)"),
+    (b"[1]", ": expected a JSON object of policy fields, got list"),
+    (b'{"policy": [1], "estimate": {}}', r", field 'policy': expected a JSON object of policy fields, got list"),
+    (b'{"policy": {"gpu_batch_size": 0}, "estimate": {}}', ", field 'policy': Policy.gpu_batch_size must be a positive"),
+    (b'{"gpu_batchsize": 4}', r"unknown policy field\(s\) \['gpu_batchsize'\]; did you mean 'gpu_batch_size' for "
+                            r"'gpu_batchsize'\?; known fields"),
+    (b'{"gpu_batch_size": 1e400}', "Policy.gpu_batch_size must be a positive integer, got inf"),
+    (b'{"gpu_batch_size": 1' + b"0" * 400 + b"}", "Policy.gpu_batch_size must be at most 2147483647, got 1000"),
+    (b'{"kv_cache_tokens": 100000000000000000000}', "Policy.kv_cache_tokens must be a positive integer "
+                                                  r"\(at most 2147483647\) or null, got 100000000000000000000"),
+], ids=["malformed", "empty", "not-utf8", "deep", "huge", "array", "wrapped-array", "wrapped-bad", "typo",
+        "inf", "huge-int", "huge-kv-tokens"])
+def test_a_bad_policy_file_is_one_error_naming_it(tmp_path, text, message):
+    """Each used to escape as a UnicodeDecodeError, RecursionError, a file read whole into memory, a
+    misleading 'unknown field policy', or an int that overflowed later (the estimate's floats, torch)."""
+    path = tmp_path / "p.json"
+    path.write_bytes(text)
+    with pytest.raises(PolicyError, match=f"^policy file {path}.*{message}"):
+        Policy.load(path)
+
+
+def test_a_folder_is_no_policy_file(tmp_path):
+    with pytest.raises(PolicyError, match=f"^policy file {tmp_path} is a folder, not a JSON file$"):
+        Policy.load(tmp_path)
+
+
+def test_the_file_policy_json_writes_loads(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"policy": Policy(gpu_batch_size=4).to_dict(), "estimate": {"tokens_per_s": 1.0}}))
+    assert Policy.load(path) == Policy(gpu_batch_size=4)
+
+
 @pytest.mark.parametrize("overlap, prefetch, buffers", [(True, 1, 2), (True, 2, 3), (False, 2, 1)])
 def test_weight_buffers(overlap, prefetch, buffers):
     policy = Policy(overlap=overlap, weight_prefetch=prefetch)
