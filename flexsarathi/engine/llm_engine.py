@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import random
+import shutil
 import sys
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ from offload.free_memory import free_bytes
 from offload.interrupts import DeferredInterrupts
 from offload.kv_cache import KVCompression, KVPool, decode_in_pool_tiers
 from offload.streams import indexed
-from offload.memory import MemoryBudgetError, MemoryTracker, TierBudget, dequant_scratch_bytes
+from offload.memory import MemoryBudgetError, MemoryTracker, TierBudget, dequant_scratch_bytes, human_bytes
 from offload.errors import UnquantizableWeight
 from offload.placement import quantized_on_placement, weight_layout_tag
 from offload.tiered_weights import TieredWeights
@@ -634,6 +635,7 @@ class LLMEngine:
             slots = blocks * self.block_size
             nbytes = KVPool.nbytes_for(c.num_layers, slots, c.num_kv_heads, c.head_dim, self.dtype,
                                        self.kv_compression, num_residual)
+            self._check_room(tier, nbytes, slots)
             self.memory.reserve(tier, nbytes, "KV cache")
             device = self.device if tier == "gpu" else torch.device("cpu")
             self.kv_pools[tier] = KVPool(
@@ -641,6 +643,24 @@ class LLMEngine:
                 block_size=self.block_size, compression=self.kv_compression, num_residual=num_residual,
                 pin_memory=tier == "cpu" and self.device.type == "cuda",
                 folder=self._offload_folder() if tier == "disk" else None)
+
+    def _check_room(self, tier: str, nbytes: int, slots: int) -> None:
+        """A tier no budget caps (no hardware=) still has the machine's room: a KV pool larger than
+        what its memory (or the offload folder's disk) can give now is one MemoryBudgetError saying
+        so, not torch's "can't allocate memory" or a kill by the OOM killer as its pages are touched."""
+        if self.memory.available(tier) is not None:
+            return  # the tracker's budget decides (MemoryTracker.reserve)
+        if tier == "disk":
+            where, room = f"free disk space in {self.offload_dir}", shutil.disk_usage(self._offload_folder()).free
+        else:
+            device = self.device if tier == "gpu" else torch.device("cpu")
+            where, room = f"what {device} can allocate now", free_bytes(device)
+        if nbytes > room:
+            raise MemoryBudgetError(
+                f"the {tier} tier's KV cache ({slots} token slots of Policy.kv_cache_tokens="
+                f"{self.policy.kv_cache_tokens}) needs {human_bytes(nbytes)}, more than {where}: "
+                f"{human_bytes(room)}; lower kv_cache_tokens or gpu_batch_size, or give hardware= budgets",
+                tier=tier, what="KV cache", requested=nbytes, in_use=0, capacity=room)
 
     # ---- lifetime ------------------------------------------------------------------------
     def close(self) -> None:
