@@ -53,7 +53,7 @@ class LLM:
         model = opened.name if opened else resolve_model(model)  # "org/name" -> its folder in the HF cache
         spec = None
         if hardware is not None:
-            spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
+            spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware, "hardware=")
         if policy == "auto":
             spec = spec or this_machine_hardware(LLM, dtype, device, offload_dir)  # no hardware: this machine's
             if opened is None and os.path.exists(model):

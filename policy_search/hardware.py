@@ -252,13 +252,14 @@ class HardwareSpec:
         return PRESETS[key]
 
     @classmethod
-    def resolve(cls, name_or_path: str) -> "HardwareSpec":
-        """A preset name or a JSON profile path (what `--hardware` accepts)."""
+    def resolve(cls, name_or_path: str, what: str = "--hardware") -> "HardwareSpec":
+        """A preset name or a JSON profile path (what `--hardware` accepts); `what` names the argument
+        in the error (`hardware=` in the API)."""
         if name_or_path.strip().lower() in PRESETS:
             return cls.preset(name_or_path)
         if os.path.exists(name_or_path) or name_or_path.endswith(".json"):
             return cls.load(name_or_path)
-        raise SpecError(f"--hardware {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+        raise SpecError(f"{what} {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
                         "nor an existing JSON profile")
 
     def to_dict(self) -> dict:

@@ -57,7 +57,7 @@ def build_processor(model: str, *, sampling: SamplingParams | dict | None = None
     from flexsarathi.formats.opened_model import open_model
 
     dtype = job_dtype(dtype, open_model(model).source.config.checkpoint_dtype, device, num_gpus)  # one for all actors
-    spec_hw = hardware if hardware is None or isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware)
+    spec_hw = hardware if hardware is None or isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware, "hardware=")
     if policy == "auto":
         policy = LLM.search_policy(model, spec_hw, workload, dtype)
     elif isinstance(policy, str):

@@ -257,6 +257,7 @@ def test_vllms_other_spellings_mean_what_they_mean_there(tiny):
     ({"weight_quant": "q4"}, r"^EngineConfig.weight_quant must be a quant.QuantConfig, got 'q4'$"),
     ({"dtype": torch.int8}, r"^LLM\(dtype=\.\.\.\): unsupported dtype torch.int8; use float32"),
     ({"budget": 5}, r"^LLM\(\) takes no budget=: the tier budgets are hardware='s"),
+    ({"hardware": "t4x"}, r"^hardware= 't4x' is neither a preset \(t4, "),  # not "--hardware", a flag
     ({"workload": 5, "policy": "auto", "hardware": "t4"},
      r"^LLM\(workload=\.\.\.\) must be a policy_search.Workload or None, got int$"),
     ({"workload": Workload(prompt_len=8, gen_len=4)}, r'^LLM\(workload=\.\.\.\) is what policy="auto" searches'),
