@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +20,12 @@ from flexsarathi.serve.schemas import Batch, BatchError, BatchErrors, RequestCou
 from flexsarathi.serve.store import Store
 
 MAX_REQUESTS = 50_000  # per batch, OpenAI's limit
+# A batch's creation reads its input file whole, and the parsed requests hold about 4x the file's
+# bytes (44.2 MiB of requests: 187 MiB; a 200 MiB upload, --max-file-mib's default: ~850 MiB).
+# Creates run in FastAPI's thread pool (40 threads): at most this many read at once, the others wait
+# their turn, so many parallel creates of large files cannot exhaust the server's memory together.
+READING_AT_ONCE = 2
+_reading = threading.BoundedSemaphore(READING_AT_ONCE)
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,12 @@ def read_batch_requests(path: str, file_id: str) -> list[BatchRequest]:
 def validate_input(path: str, file_id: str, endpoint: str) -> int:
     """The number of requests in a batch's input file; InputFileError with every line that makes
     it unusable (OpenAI's batch `errors`): no request, too many, a custom_id used twice, a line
-    for another endpoint than the batch's."""
-    requests = read_batch_requests(path, file_id)
+    for another endpoint than the batch's. At most READING_AT_ONCE run at once."""
+    with _reading:
+        return _count_requests(read_batch_requests(path, file_id), file_id, endpoint)
+
+
+def _count_requests(requests: list[BatchRequest], file_id: str, endpoint: str) -> int:
     errors = []
     if not requests:
         errors.append(BatchError(code="empty_file", message=f"input file {file_id} has no request"))
