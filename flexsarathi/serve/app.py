@@ -13,6 +13,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from python_multipart.exceptions import MultipartParseError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
@@ -129,14 +130,38 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     cause = exc.__cause__  # FastAPI's "There was an error parsing the body": JSON that json.loads gave up on
     if exc.status_code == 400 and disk_full(cause):  # an upload spooled to a full temporary folder
         return _disk_full_body(disk_full(cause))
+    reason = _multipart_reason(exc)
+    if exc.status_code == 400 and reason is not None:  # the framework says only "Invalid multipart data."
+        return _error_body(400, f"the request body is not valid multipart/form-data: {reason} (offsets count "
+                                "bytes of the body, characters are their byte values)")
     if exc.status_code == 400 and isinstance(cause, (RecursionError, ValueError)):
         why = "it nests deeper than the reader allows" if isinstance(cause, RecursionError) else str(cause)
         return _error_body(400, f"the request body is not JSON this server can read: {why.split(';')[0]}")
     return _error_body(exc.status_code, str(exc.detail))
 
 
+def _multipart_reason(exc: BaseException) -> str | None:
+    """python-multipart's own reason ("Expected boundary character 45, got 104 at index 2") where a
+    multipart body could not be parsed, from the chain of exceptions under the framework's 400."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, MultipartParseError):
+            return str(exc)
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0]
+    if _is_upload(request.method, request.url.path):
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "multipart/form-data":  # else every such body is "file: Field required"
+            return _error_body(400, "POST /v1/files takes multipart/form-data (a `file` part with a filename and "
+                                    f"a `purpose` field, as the openai client sends); got Content-Type {kind!r}")
+        if first["type"] == "missing" and first["loc"][-1] == "file":
+            return _error_body(400, "file: Field required: the multipart body has no complete `file` part (a "
+                                    "body cut short before a part's closing boundary loses that part)", "file")
     if first["type"] == "json_invalid":  # its loc is ("body", character offset): no field to name
         return _error_body(400, f"the request body is not valid JSON: {first['ctx']['error']} "
                                 f"(at character {first['loc'][-1]})")

@@ -219,6 +219,26 @@ def test_an_upload_whose_name_cannot_be_read_is_refused(server, client, disposit
     assert len(client.files.list().data) == before  # nothing kept
 
 
+@pytest.mark.parametrize("body, content_type, said", [
+    (b"hello world", "multipart/form-data; boundary=BB", "the request body is not valid multipart/form-data: "
+                                                         "Expected boundary character 45, got 104 at index 2"),
+    (b'--BB\r\nContent-Disposition form-data\r\n\r\nx\r\n--BB--\r\n', "multipart/form-data; boundary=BB",
+     "not valid multipart/form-data: Found invalid character 32 in header at 25"),
+    (b'--BB\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}\n',
+     "multipart/form-data; boundary=BB", "file: Field required: the multipart body has no complete `file` part"),
+    (b"purpose=batch", "application/x-www-form-urlencoded",
+     "POST /v1/files takes multipart/form-data (a `file` part with a filename and a `purpose` field, as the "
+     "openai client sends); got Content-Type 'application/x-www-form-urlencoded'"),
+    (b"{}", "application/json", "takes multipart/form-data (a `file` part"),
+], ids=["garbage", "bad-part-header", "cut-short", "urlencoded", "json"])
+def test_an_upload_that_is_no_multipart_body_says_why(server, client, body, content_type, said):
+    """Each was python-multipart's "Invalid multipart data." or "file: Field required"."""
+    before = len(client.files.list().data)
+    status, answer = post(server, "/v1/files", body, content_type)
+    assert status == 400 and said in answer["error"]["message"], answer
+    assert len(client.files.list().data) == before  # nothing kept
+
+
 def test_a_custom_id_holding_a_lone_surrogate_is_its_lines_error_record(client, tmp_path):
     """Its record could not be written: the whole batch failed (1 of 3 completed), every other line lost."""
     lines = [completion("a", "Once upon a time"),
