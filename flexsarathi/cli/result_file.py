@@ -23,6 +23,7 @@
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -75,6 +76,19 @@ class ResultFile:
             self._file = open(self.real_path, "ab")
         except OSError as exc:
             raise FlexSarathiError(f"cannot write --output {self.path}: {exc.strerror}") from None
+        self._hold_file()
+
+    def _hold_file(self) -> None:
+        """The file itself locked while it is appended to: a hard link names it under another path,
+        whose lock file (OutputLock: the real path + .lock) is another, and two jobs appending to one
+        file would interleave their records. (A rewrite replaces the file: the link then names the
+        old one, no longer this output.) Dropped when the file is closed."""
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise FlexSarathiError(f"--output {self.path} is being written by another job under another name (a "
+                                   "hard link to the same file); wait for it to end or give another --output") from None
 
     def _check_meta(self, meta: dict) -> None:
         try:

@@ -220,3 +220,28 @@ def test_a_rerun_of_error_records_says_why_it_exits_1(stories_dir, tmp_path):
     assert f"done: 0 ok, 2 failed -> {out}" in first.stdout
     rerun = cli(*argv, check_rc=1)
     assert f"done: 0 ok, 0 failed; the file also holds 2 error records of earlier runs -> {out}" in rerun.stdout
+
+
+def test_a_hard_link_to_an_output_being_written_is_refused(tmp_path):
+    """A hard link names the same file under another path, whose lock file is another: the second
+    writer is refused by the lock on the file itself (both used to append, interleaving records),
+    its own lock released; once the first has closed, the link's job runs."""
+    from flexsarathi.cli.result_file import ResultFile
+    from flexsarathi.errors import FlexSarathiError
+
+    out, hard = tmp_path / "o.jsonl", tmp_path / "hard.jsonl"
+    out.touch()
+    os.link(out, hard)
+    meta = {"model": "m"}
+    first = ResultFile(str(out), "jsonl", meta)
+    try:
+        with pytest.raises(FlexSarathiError, match=rf"^--output {hard} is being written by another job under "
+                                                   r"another name \(a hard link to the same file\)"):
+            ResultFile(str(hard), "jsonl", meta)
+        assert not os.path.exists(f"{hard}.lock")  # released
+        first.append({"id": "a", "text": "x"})
+    finally:
+        first.close()
+    second = ResultFile(str(hard), "jsonl", meta)
+    assert len(second.done) == 1  # the first job's record, resumed through the link
+    second.close()
