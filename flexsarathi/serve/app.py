@@ -17,7 +17,7 @@ from python_multipart.exceptions import MultipartParseError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from flexsarathi.errors import FlexSarathiError
+from flexsarathi.errors import FlexSarathiError, in_chain
 from flexsarathi.serve.batch_job import ServeEngine
 from flexsarathi.serve.routes import ROUTES, ApiError
 from flexsarathi.serve.runner import BatchRunner
@@ -143,13 +143,8 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 def _multipart_reason(exc: BaseException) -> str | None:
     """python-multipart's own reason ("Expected boundary character 45, got 104 at index 2") where a
     multipart body could not be parsed, from the chain of exceptions under the framework's 400."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, MultipartParseError):
-            return str(exc)
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
+    found = in_chain(exc, lambda e: isinstance(e, MultipartParseError))
+    return None if found is None else str(found)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import BinaryIO
 
-from flexsarathi.errors import FlexSarathiError
+from flexsarathi.errors import FlexSarathiError, in_chain
 from flexsarathi.serve.schemas import FINAL_STATUSES, Batch, FileObject
 
 COPY_CHUNK = 1 << 20
@@ -53,13 +53,7 @@ def disk_full(exc: BaseException | None) -> OSError | None:
     """The full-disk OSError (ENOSPC, EDQUOT) behind an exception, itself or one it was raised
     from or during (a FlexSarathiError raised `from None` in an `except OSError` keeps it as its
     context); None when no full disk is behind it."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return in_chain(exc, lambda e: isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS)
 
 
 class Store:
