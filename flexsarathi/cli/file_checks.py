@@ -57,6 +57,8 @@ def check_output_file(path: str, flag: str) -> None:
 
 def check_folder(path: str, flag: str) -> None:
     """`path` is (or can be made) a writable folder."""
+    if os.path.exists(path) and not os.path.isdir(path):  # makedirs would say "File exists"
+        raise FlexSarathiError(f"{flag} {path} is a file, not a folder")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -80,15 +82,21 @@ def check_not_the_input(input_path: str, output: str) -> None:
 
 def read_text_file(path: str, flag: str) -> str:
     """The UTF-8 text of `path`, or an error that says which file and what is wrong with it. A
-    leading byte-order mark (what Windows tools and Excel write) is no part of the text."""
+    leading byte-order mark (what Windows tools and Excel write) is no part of the text; a NUL byte
+    is refused (a file of them is valid UTF-8, and would be scored or prompted as text)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         raise FlexSarathiError(f"cannot read {flag} {path}: {exc.strerror}") from None
     try:
-        return data.decode("utf-8").removeprefix("\ufeff")
+        text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise FlexSarathiError(f"{flag} {path} is not UTF-8 text: byte {data[exc.start]:#04x} at offset "
                                f"{exc.start} ({exc.reason})") from None
+    nul = data.find(b"\0")  # valid UTF-8, but no text has NUL bytes: UTF-16 without a BOM ("\0O\0n"), binary
+    if nul >= 0:
+        raise FlexSarathiError(f"{flag} {path} is not UTF-8 text: a NUL byte at offset {nul} (UTF-16 text or a "
+                               "binary file?)")
+    return text
 

@@ -46,7 +46,10 @@ def _cmd_demo(args) -> int:
 
     print(f"loading {args.model} ...", flush=True)
     llm = _engine_llm(args)
-    vocab = llm.engine.config.vocab_size
+    vocab, context = llm.engine.config.vocab_size, llm.engine.config.max_position_embeddings
+    if (args.prompt_len or 0) >= context:  # the engine would name "prompt 0", not the flag
+        raise FlexSarathiError(f"--prompt-len {args.prompt_len} leaves no room to generate in the model's context "
+                               f"of {context} tokens")
     rng = random.Random(0)
     if llm.tokenizer is not None and args.prompt_len is None:  # text prompts, as many as asked
         texts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a bird"]

@@ -26,9 +26,10 @@ MODEL_FORMS = "a checkpoint folder (config.json + safetensors), a .gguf file or 
 
 
 def open_model(model: str, codes: QuantConfig | None = None) -> OpenedModel:
-    if not model.startswith(DUMMY_PREFIX) and not os.path.isdir(model):
+    is_folder = os.path.isdir(model)
+    if not model.startswith(DUMMY_PREFIX) and not is_folder:
         _refuse_path(model)
-    if model.endswith(".gguf") and codes is None:  # llama.cpp's file: weights and tokenizer in one
+    if model.endswith(".gguf") and codes is None and not is_folder:  # llama.cpp's file: weights and tokenizer in one
         from flexsarathi.formats.gguf_checkpoint import GGUFCheckpoint
         from flexsarathi.formats.gguf_tokenizer import load_gguf_tokenizer
         return OpenedModel(model, GGUFCheckpoint(model), load_gguf_tokenizer(model))

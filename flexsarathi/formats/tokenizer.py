@@ -89,7 +89,7 @@ class Tokenizer:
         if not self.chat_template:
             raise FlexSarathiError("this checkpoint has no chat template (no chat_template in "
                                    "tokenizer_config.json): give a prompt instead of messages")
-        _check_messages(messages)
+        messages = chat_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
         try:
@@ -161,12 +161,43 @@ def _compile_template(source: str):
         raise FlexSarathiError(f"the checkpoint's chat template is not valid jinja2: {exc}") from None
 
 
-def _check_messages(messages) -> None:
+def chat_messages(messages) -> list[dict]:
+    """The messages as a template reads them (vLLM's "string" content format): a content that is a
+    list of text parts becomes their texts joined by newlines, an assistant's null content (a
+    message of tool calls) the empty string; other fields (name, tool_calls, ...) pass as they are.
+    FlexSarathiError naming the first message, and the field of it, that is not so."""
     if not isinstance(messages, list) or not messages:
         raise FlexSarathiError("messages must be a non-empty list of {\"role\", \"content\"} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise FlexSarathiError(f"messages[{i}] must be an object with string \"role\" and \"content\"")
+    return [_chat_message(m, i) for i, m in enumerate(messages)]
+
+
+def _chat_message(message, i: int) -> dict:
+    if not isinstance(message, dict):
+        raise FlexSarathiError(f"messages[{i}] must be an object with \"role\" and \"content\", "
+                               f"got {type(message).__name__}")
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not role:
+        raise FlexSarathiError(f"messages[{i}].role must be a non-empty string, got {role!r}")
+    if content is None and role == "assistant":  # OpenAI's assistant message of tool calls
+        content = ""
+    elif isinstance(content, list):
+        content = "\n".join(_text_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content))
+    elif not isinstance(content, str):
+        raise FlexSarathiError(f"messages[{i}].content must be a string or a list of text parts, "
+                               f"got {'null' if content is None else type(content).__name__}")
+    return {**message, "content": content}
+
+
+def _text_part(part, where: str) -> str:
+    """The text of an OpenAI content part {"type": "text", "text": ...}; this engine reads no images or audio."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text":
+        got = f"a part of type {kind!r}" if isinstance(kind, str) else f"{part!r:.60}"
+        raise FlexSarathiError(f"{where} must be a text part {{\"type\": \"text\", \"text\": ...}} "
+                               f"(this engine reads text only), got {got}")
+    if not isinstance(part.get("text"), str):
+        raise FlexSarathiError(f"{where}.text must be a string, got {type(part.get('text')).__name__}")
+    return part["text"]
 
 
 def _read_text(path: str) -> str:

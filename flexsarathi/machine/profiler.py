@@ -247,7 +247,7 @@ def _scratch_store(folder: str, nbytes: int, shapes: LayerShapes, dtype) -> tupl
     rate in bytes/s (fsync'd)."""
     store = DiskStore(folder, "profile", direct_io=True)
     layer_bytes = shapes.params * dtype.itemsize
-    layers = max(2, -(-nbytes // layer_bytes))
+    layers = disk_test_bytes(nbytes, shapes, dtype) // layer_bytes
     data = [torch.randint(0, 255, (o * i * dtype.itemsize,), dtype=torch.uint8) for o, i in shapes.matrices]
     start = time.perf_counter()
     writer = store.begin_write(total_bytes=layers * layer_bytes)
@@ -258,6 +258,25 @@ def _scratch_store(folder: str, nbytes: int, shapes: LayerShapes, dtype) -> tupl
     write = layers * layer_bytes / (time.perf_counter() - start)
     store.drop_page_cache()
     return store, write
+
+
+def disk_test_bytes(nbytes: int, shapes: LayerShapes, dtype) -> int:
+    """What the disk test writes when asked for `nbytes`: whole layers of matrices, two at least."""
+    layer_bytes = shapes.params * dtype.itemsize
+    return max(2, -(-nbytes // layer_bytes)) * layer_bytes
+
+
+def _check_disk_room(folder: str, nbytes: int, asked: int, layer: str) -> None:
+    """FlexSarathiError before any measuring when the disk test cannot fit in `folder` (the store would
+    find it out only after the other measurements, in an offload store's words)."""
+    from flexsarathi.errors import FlexSarathiError
+    from offload.memory import human_bytes
+
+    free = shutil.disk_usage(folder).free
+    if free < nbytes:
+        raise FlexSarathiError(f"the disk test writes {human_bytes(nbytes)} in {folder} ({human_bytes(asked)} asked "
+                               f"for, whole layers of {layer}, two at least), and it has {human_bytes(free)} free: "
+                               "ask for a smaller test or measure a folder on a disk with room")
 
 
 def _disk_bandwidth(folder: str, nbytes: int, shapes: LayerShapes, dtype, busy_cores: bool,
@@ -379,9 +398,11 @@ def profile_machine(offload_dir: str, llm_class, dtype: torch.dtype | None = Non
     dtype = dtype or resolve_dtype(None, torch.float16, device)  # what LLM(dtype=None) computes in
     shapes = LayerShapes.of(model)
     os.makedirs(offload_dir, exist_ok=True)
+    test_bytes = disk_test_bytes(disk_bytes, shapes, dtype)
+    _check_disk_room(offload_dir, test_bytes, disk_bytes, model.name if model else "opt-1.3b")
     log(f"profiling: compute device {device} ({dtype}), offload folder {offload_dir}, layer of "
         f"{model.name if model else 'opt-1.3b'} ({shapes.params / 1e6:.1f}M matrix parameters)")
-    figures = {**_measure_transfers(device, dtype, shapes, offload_dir, disk_bytes, log),
+    figures = {**_measure_transfers(device, dtype, shapes, offload_dir, test_bytes, log),
                **_measure_matmuls(device, dtype, shapes, log),
                **_measure_attention(device, dtype, shapes, prompt_len, decode_context, decode_seqs, log),
                **_measure_dequant_and_overhead(llm_class, device, dtype, shapes, log)}
@@ -410,7 +431,7 @@ def _measure_transfers(device, dtype, shapes, offload_dir: str, disk_bytes: int,
     h2d = _copy_bandwidth(cpu, device, 256 << 20, pin=cuda)
     d2h = _copy_bandwidth(device, cpu, 256 << 20, pin=cuda)
     log(f"  copies: host->device {h2d / 1e9:.2f} GB/s, device->host {d2h / 1e9:.2f} GB/s")
-    log(f"  measuring the disk: writing and reading {disk_bytes >> 20} MiB in {offload_dir} ...")
+    log(f"  measuring the disk: writing and reading {disk_bytes / 2**20:.0f} MiB in {offload_dir} ...")
     disk_read, disk_write, read_cpu = _disk_bandwidth(offload_dir, disk_bytes, shapes, dtype, busy_cores=not cuda)
     log(f"  disk: read {disk_read / 1e9:.2f} GB/s (O_DIRECT as the engine reads"
         + ("" if cuda else ", while the cores compute") + f"; {read_cpu * 1e9:.3f} CPU s/GB), "

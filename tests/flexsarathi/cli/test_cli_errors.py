@@ -74,6 +74,19 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                                 ".gguf file or dummy:<name>"),
         "inspect missing model": (["inspect", "--model", f"{tmp}/none"], f"model {tmp}/none does not exist; a model "
                                   "is a checkpoint folder"),
+        "perplexity utf-16 text": (["perplexity", "--model", str(STORIES), "--text", f"{tmp}/utf16.txt"],
+                                   f"--text {tmp}/utf16.txt is not UTF-8 text: a NUL byte at offset 0 (UTF-16 text "
+                                   "or a binary file?)"),
+        "profile offload dir is a file": (["profile", "-o", f"{tmp}/hw.json", "--offload-dir", f"{tmp}/ok.txt"],
+                                          f"--offload-dir {tmp}/ok.txt is a file, not a folder"),
+        "profile disk test larger than the disk": (["profile", "-o", f"{tmp}/hw.json", "--offload-dir", f"{tmp}/off",
+                                                    "--disk-mib", "100000000"],
+                                                   f"the disk test writes 95.37 TiB in {tmp}/off (95.37 TiB asked for"),
+        "inspect a folder named .gguf": (["inspect", "--model", f"{tmp}/folder.gguf"],
+                                         f"model folder {tmp}/folder.gguf has no config.json"),
+        "demo prompt length of the context": (["demo", "--prompt-len", "2048", "--num-prompts", "1"],
+                                              "--prompt-len 2048 leaves no room to generate in the model's context "
+                                              "of 2048 tokens"),
         "generate safetensors file": (["generate", "--model", f"{STORIES}/model.safetensors", "-i", "pkg:dummy_opt.jsonl", "-o",
                                        f"{tmp}/o.jsonl"], "is one safetensors file: give the folder that holds it"),
     }
@@ -104,6 +117,8 @@ def cli_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "not_utf8.txt").write_bytes(NOT_UTF8)
     (tmp / "ok.txt").write_text("Once upon a time there was a cat.")
+    (tmp / "utf16.txt").write_bytes("Once upon a time".encode("utf-16-be"))  # no BOM: valid UTF-8, NUL bytes
+    (tmp / "folder.gguf").mkdir()
     return tmp, {name: (run_in_process(argv), message) for name, (argv, message) in _cases(str(tmp)).items()}
 
 

@@ -354,4 +354,4 @@ def test_demo_honours_its_prompt_flags(stories_dir, capsys):
     assert len(shown) == 2 and all(" prompt 20 tokens -> " in ln for ln in shown)
     assert main(["demo", "--model", stories_dir, "--num-prompts", "2", "--prompt-len", "600"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "error: prompt 0 has 600 tokens, more than the model's context of 512"]
+        "error: --prompt-len 600 leaves no room to generate in the model's context of 512 tokens"]

@@ -105,3 +105,51 @@ def test_null_flags_in_tokenizer_config_are_the_defaults(stories_dir, tmp_path):
     folder = _folder(stories_dir, tmp_path, {"tokenizer_config.json": edited})
     assert Tokenizer.from_folder(str(folder)).encode("Once upon a time") == \
         Tokenizer.from_folder(stories_dir).encode("Once upon a time")
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture
+def chat_folder(stories_dir, tmp_path) -> Path:
+    return _folder(stories_dir, tmp_path, {"tokenizer_config.json": _stories_json(
+        stories_dir, "tokenizer_config.json", chat_template=CHAT_TEMPLATE)})
+
+
+def test_openai_content_parts_render_as_their_joined_text(chat_folder):
+    """OpenAI's content forms, as vLLM's "string" content format renders them: a list of text parts
+    is their texts joined by newlines; an assistant message of tool calls has null content (its
+    other fields reach the template). Reference: transformers on the plain-string messages."""
+    from transformers import AutoTokenizer
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "A story"}, {"type": "text", "text": "of a dog"}]},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+             {"role": "tool", "content": "ok", "tool_call_id": "1"}]
+    plain = [{"role": "user", "content": "A story\nof a dog"}, {"role": "assistant", "content": ""},
+             {"role": "tool", "content": "ok"}]
+    ref = AutoTokenizer.from_pretrained(chat_folder).apply_chat_template(plain, add_generation_prompt=True,
+                                                                         tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref  # a BatchEncoding in newer transformers
+    assert Tokenizer.from_folder(str(chat_folder)).apply_chat_template(parts) == list(ref)
+
+
+@pytest.mark.parametrize("message, error", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+     r"messages\[1\]\.content\[0\] must be a text part .* \(this engine reads text only\), got a part of type "
+     r"'image_url'"),
+    ({"role": "user", "content": ["hi"]}, r"messages\[1\]\.content\[0\] must be a text part .*got 'hi'"),
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, r"messages\[1\]\.content\[0\]\.text must be a "
+                                                                 r"string, got int"),
+    ({"role": "user", "content": None}, r"messages\[1\]\.content must be a string or a list of text parts, "
+                                        r"got null"),
+    ({"role": "user", "content": 3}, r"messages\[1\]\.content must be a string .*, got int"),
+    ({"content": "hi"}, r"messages\[1\]\.role must be a non-empty string, got None"),
+    ("hi", r"messages\[1\] must be an object with \"role\" and \"content\", got str"),
+])
+def test_a_bad_chat_message_names_the_message_and_its_field(chat_folder, message, error):
+    from flexsarathi.errors import FlexSarathiError
+
+    tokenizer = Tokenizer.from_folder(str(chat_folder))
+    with pytest.raises(FlexSarathiError, match=error):
+        tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, message])

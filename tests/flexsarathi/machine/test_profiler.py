@@ -4,8 +4,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+import torch
+
+from flexsarathi.errors import FlexSarathiError
+from flexsarathi.llm import LLM
+from flexsarathi.machine.profiler import profile_machine
 from policy_search.hardware import HardwareSpec
-from tests.conftest import REPO
+from tests.conftest import REPO, mounted_tmpfs
 
 
 def torch_cuda_available() -> bool:
@@ -42,8 +48,15 @@ def test_profile_writes_a_loadable_hardware_json(tmp_path):
     engine_dtype = resolve_dtype(None, torch.float16, resolve_device(None))
     assert f"with {engine_dtype}" in spec.notes and "layer of opt-125m" in spec.notes
     assert "layer of opt-125m (" in result.stderr.splitlines()[0]
+    # what the disk test writes: --disk-mib in whole layers, two at least (two of opt-125m's: more than 16 MiB)
+    from flexsarathi.engine.planner_spec import planner_model_spec
+    from flexsarathi.machine.layer_timing import LayerShapes
+    from flexsarathi.machine.profiler import disk_test_bytes
+
+    written = disk_test_bytes(16 << 20, LayerShapes.of(planner_model_spec("opt-125m", engine_dtype)), engine_dtype)
+    assert written > 16 << 20
     lines = result.stderr.splitlines()
-    assert lines.index("  measuring the disk: writing and reading 16 MiB in "
+    assert lines.index(f"  measuring the disk: writing and reading {written / 2**20:.0f} MiB in "
                        f"{tmp_path / 'off'} ...") < next(i for i, line in enumerate(lines) if "disk: read" in line)
 
 
@@ -64,3 +77,18 @@ def test_int4_kernel_rate_where_a_kernel_covers_the_machine():
         assert (rate is not None and rate > 0) if covered else rate is None
     odd = LayerShapes(((128, 96),), heads=2, kv_heads=2, head_dim=64)  # K = 96: neither kernel covers it
     assert _int4_kernel_rate(torch.device("cpu"), torch.float32, odd) is None
+
+
+def test_a_disk_test_that_cannot_fit_is_refused_before_measuring(tmp_path):
+    """--disk-mib 1 writes two whole layers (192 MiB of OPT-1.3B's, bf16): on a 1 MiB filesystem that
+    is one error naming the real size, before the copies and matmuls are measured (it came after
+    them, in an offload store's words, and the log said 1 MiB)."""
+    logged = []
+    with mounted_tmpfs(tmp_path / "tiny", "size=1m", "a filesystem smaller than the disk test") as mount:
+        with pytest.raises(FlexSarathiError) as err:
+            profile_machine(str(mount), LLM, dtype=torch.bfloat16, disk_bytes=1 << 20, log=logged.append,
+                            device=torch.device("cpu"))
+    assert str(err.value) == (f"the disk test writes 192.00 MiB in {mount} (1.00 MiB asked for, whole layers of "
+                              "opt-1.3b, two at least), and it has 1.00 MiB free: ask for a smaller test or "
+                              "measure a folder on a disk with room")
+    assert logged == []  # nothing measured
