@@ -12,8 +12,6 @@ median of several repeats after a warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -75,9 +73,9 @@ def bench_speed(args: argparse.Namespace) -> list[Row]:
     x = torch.randn(WEIGHT_SHAPE, dtype=torch.float16)
     gb = x.numel() * x.element_size() / 1e9
     dst = torch.empty_like(x)
-    copy_s = median_seconds(lambda: dst.copy_(x), args.repeats)
+    copy_s = harness.median_seconds(lambda: dst.copy_(x), args.repeats)
     rows = [Row("speed", f"fp16 copy {list(WEIGHT_SHAPE)}", f"{gb / copy_s:6.2f} GB/s", f"1.00x copy  ({copy_s * 1e3:.2f} ms)")]
-    clone_s = median_seconds(lambda: x.clone(), args.repeats)  # what a fresh result costs by itself
+    clone_s = harness.median_seconds(lambda: x.clone(), args.repeats)  # what a fresh result costs by itself
     rows.append(Row("speed", "fp16 clone (allocates)", f"{gb / clone_s:6.2f} GB/s",
                     f"{copy_s / clone_s:.2f}x copy  ({clone_s * 1e3:.2f} ms)"))
     for config_name, config in CONFIGS.items():
@@ -88,7 +86,7 @@ def bench_speed(args: argparse.Namespace) -> list[Row]:
             "dequantize": lambda: dequantize(q),  # + allocating (page-faulting) a fresh 32 MiB result
         }
         for op, fn in timings.items():
-            seconds = median_seconds(fn, args.repeats)
+            seconds = harness.median_seconds(fn, args.repeats)
             rows.append(Row("speed", f"{op} {config_name}", f"{gb / seconds:6.2f} GB/s",
                             f"{copy_s / seconds:.2f}x copy  ({seconds * 1e3:.2f} ms)"))
     return rows
@@ -168,17 +166,6 @@ def _fake_quantized_perplexity(model: Path, docs: list[str], config: QuantConfig
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {
     "size": bench_size, "speed": bench_speed, "quality": bench_quality}
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def print_table(rows: list[Row]) -> None:

@@ -16,8 +16,6 @@ cannot decide from more, so one flat row no longer sends the whole batch to a so
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
@@ -50,16 +48,6 @@ def batches(rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
             "every row flat": torch.randn(rows, vocab, generator=g) / 3}
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return 1e3 * statistics.median(times)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=64)
@@ -80,8 +68,9 @@ def main() -> int:
         for name, logits in batches(args.rows, vocab, seed=0).items():
             differ = (torch.isfinite(filtered_logits(logits, params)) != torch.isfinite(
                 sorted_cut(logits, args.temperature, args.top_k, args.top_p))).sum(-1)  # [rows]
-            sort_ms = median_ms(lambda: sorted_cut(logits, args.temperature, args.top_k, args.top_p), args.repeats)
-            ours_ms = median_ms(lambda: filtered_logits(logits, params), args.repeats)
+            sort_ms = 1e3 * harness.median_seconds(lambda: sorted_cut(logits, args.temperature, args.top_k, args.top_p),
+                                                  args.repeats, warmup=1)
+            ours_ms = 1e3 * harness.median_seconds(lambda: filtered_logits(logits, params), args.repeats, warmup=1)
             print(f"{vocab:>7} {name:<20} {sort_ms:>10.1f} {ours_ms:>9.1f} {sort_ms / ours_ms:>13.2f}x  "
                   f"{int((differ > 0).sum())} ({int(differ.max())})")
             rows.append({"vocab": vocab, "batch": name, "sorted_ms": sort_ms, "ours_ms": ours_ms,

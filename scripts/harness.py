@@ -132,6 +132,18 @@ def timed_into(totals: dict, key: str, fn: Callable) -> Callable:
     return call
 
 
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """The median wall seconds of `repeats` calls of fn, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 class StepPhases:
     """Where an engine's steps spend their wall time: `with StepPhases(llm.engine) as phases:` times
     each step's parts (the scheduler's schedule and postprocess, the engine's forward and sample) on
