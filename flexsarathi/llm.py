@@ -128,6 +128,42 @@ class LLM:
         results = dict(self.generate_iter(prompts, sampling_params, use_tqdm, on_error))
         return [results[i] for i in range(len(results))]
 
+    def chat(self, messages: list[dict] | Seq[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, on_error: str = "raise") -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of OpenAI chat messages) or a list of them,
+        each rendered by the checkpoint's chat template with these options (Tokenizer.render_chat)
+        and generated as `generate` does; one RequestOutput per conversation, its `prompt` the
+        rendered text. on_error="record": a conversation that cannot render is an output whose
+        `.error` says why (refused), the others run; "raise": it raises, naming the conversation."""
+        if self.tokenizer is None:
+            raise FlexSarathiError("LLM.chat needs the checkpoint's tokenizer (tokenizer.json) and chat template")
+        conversations = [messages] if _one_conversation(messages) else list(messages)
+        params = _per_conversation(sampling_params, len(conversations))
+        texts, refused = {}, {}
+        for i, conversation in enumerate(conversations):
+            try:
+                texts[i] = self.tokenizer.render_chat(conversation, add_generation_prompt, continue_final_message,
+                                                      chat_template_kwargs)
+            except FlexSarathiError as exc:
+                if on_error != "record":
+                    raise FlexSarathiError(f"conversation {i}: {exc}") from None
+                refused[i] = str(exc)
+        rendered = sorted(texts)
+        outputs = iter(self.generate(
+            [{"prompt_token_ids": self.tokenizer.encode(texts[i], add_special_tokens=False)} for i in rendered],
+            params if not isinstance(params, list) else [params[i] for i in rendered], use_tqdm, on_error)
+            if rendered else [])
+        results = []
+        for i in range(len(conversations)):
+            if i in refused:
+                results.append(RequestOutput(request_id=-1, prompt=None, prompt_token_ids=[], outputs=[],
+                                             error=refused[i], refused=True))
+            else:
+                results.append(dataclasses.replace(next(outputs), prompt=texts[i]))
+        return results
+
     def generate_iter(self, prompts: Prompt | Seq[Prompt],
                       sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                       use_tqdm: bool = True, on_error: str = "raise",
@@ -279,6 +315,22 @@ def _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_op
         raise FlexSarathiError("LLM() takes no budget=: the tier budgets are hardware='s (a HardwareSpec, a preset "
                                "or a profile JSON; HardwareSpec.with_memory sets capacities)")
     return model, policy, hardware
+
+
+def _one_conversation(messages) -> bool:
+    """Whether LLM.chat's `messages` is one conversation (a list of message objects) rather than a
+    list of conversations."""
+    return not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], (list, tuple))
+
+
+def _per_conversation(sampling_params, count: int):
+    """LLM.chat's sampling_params as generate takes them: one for all, or a list of one per conversation."""
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != count:
+            raise FlexSarathiError(f"LLM.chat(sampling_params=...) holds {len(sampling_params)} entries for "
+                                   f"{count} conversations: give one, or one per conversation")
+        return list(sampling_params)
+    return sampling_params
 
 
 def _check_workload(workload, policy) -> None:

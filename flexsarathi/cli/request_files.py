@@ -29,7 +29,9 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "min_tokens", "n", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty",
                    "logit_bias", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
                    "prompt_logprobs", "structured_outputs")
-JSONL_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS)
+# vLLM's chat options (LLM.chat's and its server's): how the chat template renders the messages.
+CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+JSONL_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS, *CHAT_OPTIONS)
 # What an OpenAI request body names otherwise, as a JSONL record names it.
 _OPENAI_NAMES = {"response_format": "structured_outputs", "max_completion_tokens": "max_tokens",
                  "top_logprobs": "logprobs"}
@@ -51,7 +53,8 @@ _IGNORED_OPENAI = ("model", "user", "store", "metadata", "service_tier", "safety
 OPENAI_BODY_FIELDS = {
     url: frozenset((prompt, "logprobs", *extra, "max_completion_tokens", "response_format", *SAMPLING_FIELDS,
                     *_UNSUPPORTED_OPENAI, *_IGNORED_OPENAI))
-    for url, prompt, extra in ((COMPLETIONS_URL, "prompt", ()), (CHAT_URL, "messages", ("top_logprobs",)))}
+    for url, prompt, extra in ((COMPLETIONS_URL, "prompt", ()),
+                               (CHAT_URL, "messages", ("top_logprobs", *CHAT_OPTIONS)))}
 # The record's "request_fingerprint": a hash of the request it answers, so a resume can tell a
 # changed input line from the one its record answers.
 FINGERPRINT = "request_fingerprint"
@@ -66,6 +69,7 @@ class BatchRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list | None = None
+    chat_options: dict = field(default_factory=dict)  # CHAT_OPTIONS given with messages
     sampling: dict = field(default_factory=dict)  # per-request SamplingParams fields
     chat: bool = False  # OpenAI chat completion (the output is a chat.completion object)
     logprobs_style: str | None = None  # "completions" / "chat" when OpenAI logprobs were asked
@@ -141,8 +145,9 @@ def request_fingerprint(req: BatchRequest, line: str) -> str:
     if req.error is not None:
         basis = json.dumps(["line", line.strip()])
     else:
-        basis = json.dumps([req.prompt, req.prompt_token_ids, req.messages, req.sampling, req.chat,
-                            req.logprobs_style], sort_keys=True)
+        asked = [req.prompt, req.prompt_token_ids, req.messages, req.sampling, req.chat, req.logprobs_style]
+        # chat options only where given: the fingerprints of records written before they existed stay
+        basis = json.dumps(asked + ([req.chat_options] if req.chat_options else []), sort_keys=True)
     return hashlib.sha256(basis.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
@@ -230,9 +235,12 @@ def _set_prompt(req: BatchRequest, obj: dict, allowed: tuple[str, ...]) -> str |
     if len(given) != 1:
         return f"line {req.line}: needs exactly one of {', '.join(repr(k) for k in allowed)}"
     value = obj[given[0]]
+    req.chat_options = {k: obj[k] for k in CHAT_OPTIONS if k in obj}
     if given[0] == "messages":
         req.messages = value
         return None if isinstance(value, list) and value else f"line {req.line}: \"messages\" must be a non-empty list"
+    if req.chat_options:
+        return f"line {req.line}: {', '.join(req.chat_options)} apply to \"messages\" only"
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]  # OpenAI allows a list of prompts; one per request is what a batch line means
     if isinstance(value, str):

@@ -83,23 +83,65 @@ class Tokenizer:
             return full[len(prompt_text):]
         return self.decode(output_ids, skip_special_tokens)  # the prompt's last bytes merged with the output's: rare
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of `messages` rendered with the checkpoint's chat template (as transformers'
-        apply_chat_template: the template writes the special tokens, so none are added)."""
+        apply_chat_template: the template writes the special tokens, so none are added); the
+        options as render_chat takes them."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, continue_final_message,
+                                            template_kwargs), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        """`messages` as the chat template writes them (vLLM's and transformers' options):
+        add_generation_prompt opens the assistant's turn; continue_final_message leaves the last
+        message open, its text the end of the prompt (a reply to continue); template_kwargs: more
+        variables the template reads (enable_thinking, ...)."""
         if not self.chat_template:
             raise FlexSarathiError("this checkpoint has no chat template (no chat_template in "
                                    "tokenizer_config.json): give a prompt instead of messages")
         messages = chat_messages(messages)
+        variables = self._template_variables(add_generation_prompt, continue_final_message, template_kwargs)
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
         try:
-            text = self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                  **self.special_tokens)
+            text = self._compiled_template.render(messages=messages, **variables)
         except FlexSarathiError:
             raise
         except Exception as exc:  # jinja2's errors: a template that cannot render these messages
             raise FlexSarathiError(f"the chat template cannot render these messages: {exc}") from None
-        return self.encode(text, add_special_tokens=False)
+        return _cut_after_final(text, messages[-1]["content"]) if continue_final_message else text
+
+    def _template_variables(self, add_generation_prompt, continue_final_message, template_kwargs) -> dict:
+        """What the template is rendered with besides the messages; FlexSarathiError for options it cannot take."""
+        for name, value in (("add_generation_prompt", add_generation_prompt),
+                            ("continue_final_message", continue_final_message)):
+            if not isinstance(value, bool):
+                raise FlexSarathiError(f"{name} must be true or false, got {value!r}")
+        if add_generation_prompt and continue_final_message:
+            raise FlexSarathiError("continue_final_message continues the last message, add_generation_prompt opens "
+                                   "a new one: set add_generation_prompt to false to continue")
+        template_kwargs = {} if template_kwargs is None else template_kwargs
+        if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
+            raise FlexSarathiError(f"chat_template_kwargs must be an object of named values, got {template_kwargs!r}")
+        own = {"add_generation_prompt": add_generation_prompt, **self.special_tokens}
+        taken = sorted(set(template_kwargs) & ({"messages"} | set(own)))
+        if taken:
+            raise FlexSarathiError(f"chat_template_kwargs may not set {taken}: the engine passes them itself")
+        return {**own, **template_kwargs}
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """The rendered chat up to the end of the final message's content, as transformers cuts it for
+    continue_final_message (the template's end-of-turn after it dropped)."""
+    if not final.strip():
+        raise FlexSarathiError("continue_final_message: the final message is empty, so there is nothing to continue")
+    for content in (final, final.strip()):
+        at = text.rfind(content)
+        if at >= 0:
+            return text[:at + len(content)]
+    raise FlexSarathiError("continue_final_message: the chat template does not write the final message's content "
+                           "as it is given, so the prompt cannot end inside it")
 
 
 class IncrementalDetokenizer:

@@ -288,3 +288,48 @@ def test_empty_generate_resets_last_stats(tiny):
     assert llm.last_stats["requests"] == 1
     assert llm.generate([], use_tqdm=False) == []
     assert llm.last_stats["requests"] == 0 and llm.last_stats["generated_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def chat_llm(stories_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chat") / "stories"
+    shutil.copytree(stories_dir, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with LLM(str(folder), dtype="float32", policy=Policy(gpu_batch_size=4, prefill_budget=64)) as llm:
+        yield llm
+
+
+def test_chat_generates_what_generate_gives_the_rendered_conversation(chat_llm):
+    """LLM.chat (vLLM's): one conversation or several, one SamplingParams or one each, the options
+    of the template (continue_final_message: the last message left open): the tokens generate gives
+    the token ids the template renders, each output's prompt the rendered text."""
+    story = [{"role": "user", "content": "Tell a story"}]
+    open_reply = [*story, {"role": "assistant", "content": "Once upon a time"}]
+    greedy, sampled = SamplingParams(max_tokens=6, temperature=0), SamplingParams(max_tokens=6, temperature=0.8, seed=3)
+    one = chat_llm.chat(story, greedy, use_tqdm=False)
+    many = chat_llm.chat([story, open_reply], [greedy, sampled], use_tqdm=False, add_generation_prompt=False,
+                         continue_final_message=True)
+    tok = chat_llm.tokenizer
+    expected = [(story, greedy, True, False), (story, greedy, False, True), (open_reply, sampled, False, True)]
+    for out, (messages, params, add, cont) in zip([*one, *many], expected):
+        ids = tok.apply_chat_template(messages, add, cont)
+        ref = chat_llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids and out.token_ids == ref.token_ids and out.error is None
+        assert out.prompt == tok.render_chat(messages, add, cont) and out.text == ref.text
+    assert many[1].prompt.endswith("Once upon a time")  # open: no end-of-turn after it
+
+
+def test_chat_records_or_raises_for_a_conversation_that_cannot_render(chat_llm):
+    story = [{"role": "user", "content": "Tell a story"}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    outs = chat_llm.chat([story, image, story], params, use_tqdm=False, on_error="record")
+    assert [o.refused for o in outs] == [False, True, False] and "must be a text part" in outs[1].error
+    alone = chat_llm.chat(story, params, use_tqdm=False)[0]
+    assert outs[0].token_ids == outs[2].token_ids == alone.token_ids
+    with pytest.raises(FlexSarathiError, match=r"^conversation 1: messages\[0\]\.content\[0\] must be a text part"):
+        chat_llm.chat([story, image], params, use_tqdm=False)
+    with pytest.raises(FlexSarathiError, match=r"holds 1 entries for 2 conversations"):
+        chat_llm.chat([story, story], [params], use_tqdm=False)

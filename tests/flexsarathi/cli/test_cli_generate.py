@@ -355,3 +355,26 @@ def test_demo_honours_its_prompt_flags(stories_dir, capsys):
     assert main(["demo", "--model", stories_dir, "--num-prompts", "2", "--prompt-len", "600"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "error: --prompt-len 600 leaves no room to generate in the model's context of 512 tokens"]
+
+
+def test_chat_options_in_jsonl_and_openai_lines_render_as_llm_chat(chat_dir, tmp_path):
+    """vLLM's chat options on a line (a JSONL record with messages; an OpenAI chat body):
+    add_generation_prompt, continue_final_message, chat_template_kwargs: the tokens LLM.chat gives
+    with the same options; on a prompt record, the line's error."""
+    reply = [{"role": "user", "content": "A story"}, {"role": "assistant", "content": "Once upon a"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": 1}}
+    lines = [{"id": "j", "messages": reply, **options, "max_tokens": 5, "temperature": 0},
+             {"id": "p", "prompt": "Once", "add_generation_prompt": False}]
+    body = {"model": "m", "messages": reply, **options, "max_tokens": 5, "temperature": 0}
+    jsonl, openai = write_lines(tmp_path / "in.jsonl", lines), write_lines(tmp_path / "in_openai.jsonl", [
+        {"custom_id": "o", "method": "POST", "url": "/v1/chat/completions", "body": body}])
+    for src, out in ((jsonl, "j.jsonl"), (openai, "o.jsonl")):
+        cli("generate", "--model", chat_dir, "--input", src, "--output", str(tmp_path / out), "--quiet",
+            "--dtype", "float32", check_rc=1 if src == jsonl else 0)
+    got = {r.get("custom_id", r.get("id")): r for f in ("j.jsonl", "o.jsonl") for r in records(tmp_path / f)}
+    with LLM(chat_dir, dtype="float32") as llm:  # float32: see GREEDY
+        ref = llm.chat(reply, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False,
+                       add_generation_prompt=False, continue_final_message=True, chat_template_kwargs={"x": 1})[0]
+    assert got["j"]["token_ids"] == ref.token_ids and got["j"]["prompt_token_ids"] == ref.prompt_token_ids
+    assert got["o"]["response"]["body"]["choices"][0]["message"]["content"] == ref.text
+    assert 'add_generation_prompt apply to "messages" only' in got["p"]["error"]["message"]

@@ -51,7 +51,8 @@ def _body(tmp_path, body: dict, url: str = "/v1/completions"):
                                                      "'max_completion_token'?"),
     ("/v1/completions", "top_logprobs", "'top_logprobs' belongs to a /v1/chat/completions body, and this line's "
                                         "url is /v1/completions"),
-    ("/v1/chat/completions", "colour", "a /v1/chat/completions body takes bad_words, frequency_penalty, "),
+    ("/v1/chat/completions", "colour", "a /v1/chat/completions body takes add_generation_prompt, bad_words, "
+                                       "chat_template_kwargs, continue_final_message, frequency_penalty, "),
 ])
 def test_an_unknown_body_field_is_the_lines_error(tmp_path, url, field, hint):
     """As a JSONL record's: an OpenAI body's field the engine does not know used to be dropped

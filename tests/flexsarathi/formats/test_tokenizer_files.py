@@ -153,3 +153,47 @@ def test_a_bad_chat_message_names_the_message_and_its_field(chat_folder, message
     tokenizer = Tokenizer.from_folder(str(chat_folder))
     with pytest.raises(FlexSarathiError, match=error):
         tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, message])
+
+
+THINKING_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking %}<think>{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("options", [
+    {"add_generation_prompt": False},
+    {"add_generation_prompt": True, "enable_thinking": True},
+    {"add_generation_prompt": False, "continue_final_message": True},
+    {"add_generation_prompt": False, "continue_final_message": True, "enable_thinking": True},
+], ids=["no-generation-prompt", "template-kwargs", "continue-final", "continue-final-kwargs"])
+def test_chat_options_render_as_transformers_renders_them(stories_dir, tmp_path, options):
+    """add_generation_prompt, continue_final_message (the last message left open: its end-of-turn
+    dropped) and the template's own variables (chat_template_kwargs): transformers' tokens."""
+    from transformers import AutoTokenizer
+
+    folder = _folder(stories_dir, tmp_path, {"tokenizer_config.json": _stories_json(
+        stories_dir, "tokenizer_config.json", chat_template=THINKING_TEMPLATE)})
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon a"}]
+    ref = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=True, **options)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    kwargs = {k: v for k, v in options.items() if k not in ("add_generation_prompt", "continue_final_message")}
+    ours = Tokenizer.from_folder(str(folder)).apply_chat_template(
+        messages, options["add_generation_prompt"], options.get("continue_final_message", False), kwargs)
+    assert ours == list(ref)
+
+
+@pytest.mark.parametrize("call, error", [
+    (dict(add_generation_prompt=True, continue_final_message=True), "set add_generation_prompt to false to continue"),
+    (dict(add_generation_prompt="yes"), "add_generation_prompt must be true or false, got 'yes'"),
+    (dict(add_generation_prompt=False, template_kwargs={"bos_token": "x"}),
+     r"chat_template_kwargs may not set \['bos_token'\]: the engine passes them itself"),
+    (dict(add_generation_prompt=False, template_kwargs=["x"]), "chat_template_kwargs must be an object"),
+    (dict(add_generation_prompt=False, continue_final_message=True, final=" "),
+     "the final message is empty, so there is nothing to continue"),
+])
+def test_chat_options_that_cannot_render_are_one_error(chat_folder, call, error):
+    from flexsarathi.errors import FlexSarathiError
+
+    final = call.pop("final", "Once upon a")
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": final}]
+    with pytest.raises(FlexSarathiError, match=error):
+        Tokenizer.from_folder(str(chat_folder)).apply_chat_template(messages, **call)
