@@ -280,7 +280,8 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
     if error := _unknown_body_fields(req, body):
         return error
     for name, neutral in _UNSUPPORTED_OPENAI.items():
-        if body.get(name, neutral) not in (neutral, None):
+        value = body.get(name, neutral)
+        if value not in (neutral, None) and value != []:  # an empty list of tools or functions offers none
             return f"{where}: body.{name} is not supported"
     req.sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     if "max_completion_tokens" in body:  # chat's name for max_tokens (vLLM takes it on both urls)

@@ -73,9 +73,10 @@ def test_openai_fields_that_change_nothing_are_taken(tmp_path):
     req = _body(tmp_path, {"prompt": "Tom", "max_tokens": 3, **harmless})
     assert req.error is None and req.sampling == plain.sampling and req.fingerprint == plain.fingerprint
     chat = {"messages": [{"role": "user", "content": "Tom"}], "parallel_tool_calls": True, "tool_choice": "none",
-            "modalities": ["text"], "n": 2}
+            "modalities": ["text"], "n": 2, "tools": [], "functions": []}  # empty lists offer no tool
     assert _body(tmp_path, chat, "/v1/chat/completions").error is None
-    for field, value in (("tool_choice", "auto"), ("modalities", ["audio"]), ("reasoning_effort", "high")):
+    for field, value in (("tool_choice", "auto"), ("modalities", ["audio"]), ("reasoning_effort", "high"),
+                         ("tools", [{"type": "function", "function": {"name": "f"}}])):
         req = _body(tmp_path, {**chat, field: value}, "/v1/chat/completions")
         assert req.error == f"line 1: body.{field} is not supported"
 
