@@ -30,6 +30,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = special_tokens or {}  # bos_token, eos_token, ... as strings
         self._compiled_template = None
+        self._given_template: tuple = (None, None)  # (source, compiled) of the last template a call gave
 
     @classmethod
     def from_folder(cls, folder: str, bos_id: int | None = None,
@@ -92,25 +93,38 @@ class Tokenizer:
                                             template_kwargs), add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    template: str | None = None) -> str:
         """`messages` as the chat template writes them (vLLM's and transformers' options):
         add_generation_prompt opens the assistant's turn; continue_final_message leaves the last
         message open, its text the end of the prompt (a reply to continue); template_kwargs: more
-        variables the template reads (enable_thinking, ...)."""
-        if not self.chat_template:
+        variables the template reads (enable_thinking, ...); template: a jinja2 chat template to
+        use instead of the checkpoint's."""
+        if template is None and not self.chat_template:
             raise FlexSarathiError("this checkpoint has no chat template (no chat_template in "
                                    "tokenizer_config.json): give a prompt instead of messages")
         messages = chat_messages(messages)
         variables = self._template_variables(add_generation_prompt, continue_final_message, template_kwargs)
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
         try:
-            text = self._compiled_template.render(messages=messages, **variables)
+            text = self._compiled(template).render(messages=messages, **variables)
         except FlexSarathiError:
             raise
         except Exception as exc:  # jinja2's errors: a template that cannot render these messages
             raise FlexSarathiError(f"the chat template cannot render these messages: {exc}") from None
         return _cut_after_final(text, messages[-1]["content"]) if continue_final_message else text
+
+    def _compiled(self, template: str | None):
+        """The checkpoint's template compiled once, or `template` (the last one given kept compiled:
+        LLM.chat renders every conversation of a call with it)."""
+        if template is not None:
+            if not isinstance(template, str) or not template:
+                raise FlexSarathiError(f"chat_template must be a non-empty jinja2 string, got {template!r}")
+            if self._given_template[0] != template:
+                self._given_template = (template, _compile_template(template))
+            return self._given_template[1]
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)
+        return self._compiled_template
 
     def _template_variables(self, add_generation_prompt, continue_final_message, template_kwargs) -> dict:
         """What the template is rendered with besides the messages; FlexSarathiError for options it cannot take."""

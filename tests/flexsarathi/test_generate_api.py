@@ -333,3 +333,20 @@ def test_chat_records_or_raises_for_a_conversation_that_cannot_render(chat_llm):
         chat_llm.chat([story, image], params, use_tqdm=False)
     with pytest.raises(FlexSarathiError, match=r"holds 1 entries for 2 conversations"):
         chat_llm.chat([story, story], [params], use_tqdm=False)
+
+
+def test_chat_with_a_template_of_its_own_renders_as_transformers(chat_llm, stories_dir):
+    """LLM.chat(chat_template=...) (vLLM's): that template instead of the checkpoint's, as
+    transformers' apply_chat_template(chat_template=...) renders it; the checkpoint's one after it."""
+    from transformers import AutoTokenizer
+
+    other = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}[ASSISTANT]"
+    story = [{"role": "user", "content": "Tell a story"}]
+    ref = AutoTokenizer.from_pretrained(stories_dir).apply_chat_template(story, chat_template=other, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    params = SamplingParams(max_tokens=4, temperature=0)
+    given = chat_llm.chat(story, params, use_tqdm=False, chat_template=other)[0]
+    assert given.prompt_token_ids == list(ref) and given.prompt.endswith("[ASSISTANT]")
+    assert chat_llm.chat(story, params, use_tqdm=False)[0].prompt == chat_llm.tokenizer.render_chat(story)
+    with pytest.raises(FlexSarathiError, match="chat_template must be a non-empty jinja2 string"):
+        chat_llm.chat(story, params, use_tqdm=False, chat_template="")
