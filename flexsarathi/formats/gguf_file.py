@@ -149,7 +149,11 @@ def _open_reader(path: str):
         return _checked_reader()(path)
     except CheckpointError:
         raise
-    except Exception as exc:  # bad magic, truncated header or data, unknown version: all ValueError-ish
+    except IndexError:  # a field read from an empty slice of the file: its header runs past the end
+        raise CheckpointError(f"{path} is not a readable GGUF file: its header (metadata and tensor list) reads "
+                              f"past the end of the file ({os.path.getsize(path)} bytes): truncated, or a length "
+                              "or count in it is corrupt") from None
+    except Exception as exc:  # bad magic, truncated data, unknown version: all ValueError-ish
         raise CheckpointError(f"{path} is not a readable GGUF file (corrupt or truncated?): "
                               f"{type(exc).__name__}: {exc}") from None
 

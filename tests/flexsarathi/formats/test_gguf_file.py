@@ -92,6 +92,16 @@ def test_truncated_file_is_one_clear_error(llama_file, tmp_path, keep):
     assert "not a readable GGUF file" in _one_line_error(bad)
 
 
+@pytest.mark.parametrize("cut", [40, 200], ids=["in-metadata", "in-metadata-later"])
+def test_a_header_cut_short_says_so_not_numpys_index_error(llama_file, tmp_path, cut):
+    """It said "IndexError: index 0 is out of bounds for axis 0 with size 0"."""
+    bad = tmp_path / "short.gguf"
+    bad.write_bytes(llama_file[0].read_bytes()[:cut])
+    message = _one_line_error(bad)
+    assert f"its header (metadata and tensor list) reads past the end of the file ({cut} bytes)" in message
+    assert "IndexError" not in message
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_moe_and_qwen3_metadata_give_the_config_transformers_has(kind, tmp_path):
     """Expert count, top-k, widths, renormalisation (llama.cpp's per architecture), the dense layers
