@@ -135,10 +135,10 @@ class LLM:
              on_error: str = "raise") -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of OpenAI chat messages) or a list of them,
         each rendered by the checkpoint's chat template (or `chat_template`, a jinja2 string) with
-        these options (Tokenizer.render_chat)
-        and generated as `generate` does; one RequestOutput per conversation, its `prompt` the
-        rendered text. on_error="record": a conversation that cannot render is an output whose
-        `.error` says why (refused), the others run; "raise": it raises, naming the conversation."""
+        these options (Tokenizer.render_chat) and generated as `generate` does; one RequestOutput
+        per conversation, its `prompt` the rendered text. on_error="record": a conversation that
+        cannot render is an output whose `.error` says why (refused), the others run; "raise": it
+        raises, naming the conversation."""
         if self.tokenizer is None:
             raise FlexSarathiError("LLM.chat needs the checkpoint's tokenizer (tokenizer.json) and chat template")
         conversations = [messages] if _one_conversation(messages) else list(messages)
@@ -147,7 +147,7 @@ class LLM:
         for i, conversation in enumerate(conversations):
             try:
                 texts[i] = self.tokenizer.render_chat(conversation, add_generation_prompt, continue_final_message,
-                                                      chat_template_kwargs, chat_template)
+                                                      chat_template_kwargs, template=chat_template)
             except FlexSarathiError as exc:
                 if on_error != "record":
                     raise FlexSarathiError(f"conversation {i}: {exc}") from None
@@ -160,8 +160,7 @@ class LLM:
         results = []
         for i in range(len(conversations)):
             if i in refused:
-                results.append(RequestOutput(request_id=-1, prompt=None, prompt_token_ids=[], outputs=[],
-                                             error=refused[i], refused=True))
+                results.append(_refused_output(None, refused[i]))
             else:
                 results.append(dataclasses.replace(next(outputs), prompt=texts[i]))
         return results
@@ -181,9 +180,8 @@ class LLM:
             self.last_stats["failed"] = len(refused)
             for index, error in refused:
                 with self._turns.suspended():  # close() from another thread may close the engine meanwhile
-                    yield index, RequestOutput(request_id=-1, prompt=prompts[index] if isinstance(prompts[index], str)
-                                               else None, prompt_token_ids=[], outputs=[], error=error,
-                                               refused=True)
+                    text = prompts[index] if isinstance(prompts[index], str) else None
+                    yield index, _refused_output(text, error)
             if groups:
                 yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
 
@@ -317,6 +315,12 @@ def _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_op
         raise FlexSarathiError("LLM() takes no budget=: the tier budgets are hardware='s (a HardwareSpec, a preset "
                                "or a profile JSON; HardwareSpec.with_memory sets capacities)")
     return model, policy, hardware
+
+
+def _refused_output(prompt: str | None, error: str) -> RequestOutput:
+    """The output of a request turned away before any pass (on_error="record"): no sequence, so no
+    request id (-1)."""
+    return RequestOutput(request_id=-1, prompt=prompt, prompt_token_ids=[], outputs=[], error=error, refused=True)
 
 
 def _one_conversation(messages) -> bool:

@@ -257,10 +257,7 @@ def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int) -> Samplin
         if req.messages is not None:
             if tokenizer is None:
                 raise FlexSarathiError("this model has no tokenizer.json, so no chat template")
-            options = req.chat_options
-            req.prompt_token_ids = tokenizer.apply_chat_template(
-                req.messages, options.get("add_generation_prompt", True), options.get("continue_final_message", False),
-                options.get("chat_template_kwargs"))
+            req.prompt_token_ids = tokenizer.apply_chat_template(req.messages, **req.chat_options)
         elif req.prompt is not None:
             if tokenizer is None:
                 raise FlexSarathiError("the prompt is text, but this model has no tokenizer.json: give "

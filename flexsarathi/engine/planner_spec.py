@@ -92,10 +92,11 @@ def _spec_of_config(folder: str, bytes_per_value: int) -> ModelSpec:
     """The shapes of a full-precision checkpoint from its config.json alone; a pre-quantized one
     cannot be priced so (which modules it packs, and how, is in its files' headers)."""
     config, where = read_config_json(folder)
-    if isinstance(config.get("quantization_config"), dict):
-        raise SpecError(f"{where} names a quantization ({config['quantization_config'].get('quant_method', '?')}): "
-                        "its plan reads which modules are packed from the checkpoint's .safetensors files, and "
-                        f"{folder} holds none")
+    quantization = config.get("quantization_config")
+    if quantization is not None:  # as open_weight_source tells a pre-quantized checkpoint
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise SpecError(f"{where} names a quantization ({method}): its plan reads which modules are packed from "
+                        f"the checkpoint's .safetensors files, and {folder} holds none")
     return ModelSpec.from_config(config, name=_short_name(folder), bytes_per_value=bytes_per_value)
 
 

@@ -85,26 +85,27 @@ class Tokenizer:
         return self.decode(output_ids, skip_special_tokens)  # the prompt's last bytes merged with the output's: rare
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of `messages` rendered with the checkpoint's chat template (as transformers'
         apply_chat_template: the template writes the special tokens, so none are added); the
         options as render_chat takes them."""
         return self.encode(self.render_chat(messages, add_generation_prompt, continue_final_message,
-                                            template_kwargs), add_special_tokens=False)
+                                            chat_template_kwargs), add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
                     template: str | None = None) -> str:
         """`messages` as the chat template writes them (vLLM's and transformers' options):
         add_generation_prompt opens the assistant's turn; continue_final_message leaves the last
-        message open, its text the end of the prompt (a reply to continue); template_kwargs: more
+        message open, its text the end of the prompt (a reply to continue); chat_template_kwargs: more
         variables the template reads (enable_thinking, ...); template: a jinja2 chat template to
         use instead of the checkpoint's."""
         if template is None and not self.chat_template:
             raise FlexSarathiError("this checkpoint has no chat template (no chat_template in "
                                    "tokenizer_config.json): give a prompt instead of messages")
         messages = chat_messages(messages)
-        variables = self._template_variables(add_generation_prompt, continue_final_message, template_kwargs)
+        variables = self._template_variables(add_generation_prompt, continue_final_message, chat_template_kwargs)
         try:
             text = self._compiled(template).render(messages=messages, **variables)
         except FlexSarathiError:
@@ -126,7 +127,7 @@ class Tokenizer:
             self._compiled_template = _compile_template(self.chat_template)
         return self._compiled_template
 
-    def _template_variables(self, add_generation_prompt, continue_final_message, template_kwargs) -> dict:
+    def _template_variables(self, add_generation_prompt, continue_final_message, chat_template_kwargs) -> dict:
         """What the template is rendered with besides the messages; FlexSarathiError for options it cannot take."""
         for name, value in (("add_generation_prompt", add_generation_prompt),
                             ("continue_final_message", continue_final_message)):
@@ -135,14 +136,14 @@ class Tokenizer:
         if add_generation_prompt and continue_final_message:
             raise FlexSarathiError("continue_final_message continues the last message, add_generation_prompt opens "
                                    "a new one: set add_generation_prompt to false to continue")
-        template_kwargs = {} if template_kwargs is None else template_kwargs
-        if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
-            raise FlexSarathiError(f"chat_template_kwargs must be an object of named values, got {template_kwargs!r}")
+        given = {} if chat_template_kwargs is None else chat_template_kwargs
+        if not isinstance(given, dict) or not all(isinstance(k, str) for k in given):
+            raise FlexSarathiError(f"chat_template_kwargs must be an object of named values, got {given!r}")
         own = {"add_generation_prompt": add_generation_prompt, **self.special_tokens}
-        taken = sorted(set(template_kwargs) & ({"messages"} | set(own)))
+        taken = sorted(set(given) & ({"messages"} | set(own)))
         if taken:
             raise FlexSarathiError(f"chat_template_kwargs may not set {taken}: the engine passes them itself")
-        return {**own, **template_kwargs}
+        return {**own, **given}
 
 
 def _cut_after_final(text: str, final: str) -> str:

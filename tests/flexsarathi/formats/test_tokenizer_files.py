@@ -184,9 +184,9 @@ def test_chat_options_render_as_transformers_renders_them(stories_dir, tmp_path,
 @pytest.mark.parametrize("call, error", [
     (dict(add_generation_prompt=True, continue_final_message=True), "set add_generation_prompt to false to continue"),
     (dict(add_generation_prompt="yes"), "add_generation_prompt must be true or false, got 'yes'"),
-    (dict(add_generation_prompt=False, template_kwargs={"bos_token": "x"}),
+    (dict(add_generation_prompt=False, chat_template_kwargs={"bos_token": "x"}),
      r"chat_template_kwargs may not set \['bos_token'\]: the engine passes them itself"),
-    (dict(add_generation_prompt=False, template_kwargs=["x"]), "chat_template_kwargs must be an object"),
+    (dict(add_generation_prompt=False, chat_template_kwargs=["x"]), "chat_template_kwargs must be an object"),
     (dict(add_generation_prompt=False, continue_final_message=True, final=" "),
      "the final message is empty, so there is nothing to continue"),
 ])
