@@ -132,11 +132,13 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, chat_template: str | None = None,
-             on_error: str = "raise") -> list[RequestOutput]:
+             on_error: str = "raise", tools: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of OpenAI chat messages) or a list of them,
         each rendered by the checkpoint's chat template (or `chat_template`, a jinja2 string) with
         these options (Tokenizer.render_chat) and generated as `generate` does; one RequestOutput
-        per conversation, its `prompt` the rendered text. on_error="record": a conversation that
+        per conversation, its `prompt` the rendered text. tools: OpenAI's tool objects, shown to the
+        model as its template writes them (read a reply's calls with
+        flexsarathi.formats.tool_calls.read_tool_calls). on_error="record": a conversation that
         cannot render is an output whose `.error` says why (refused), the others run; "raise": it
         raises, naming the conversation."""
         if self.tokenizer is None:
@@ -147,7 +149,7 @@ class LLM:
         for i, conversation in enumerate(conversations):
             try:
                 texts[i] = self.tokenizer.render_chat(conversation, add_generation_prompt, continue_final_message,
-                                                      chat_template_kwargs, template=chat_template)
+                                                      chat_template_kwargs, template=chat_template, tools=tools)
             except FlexSarathiError as exc:
                 if on_error != "record":
                     raise FlexSarathiError(f"conversation {i}: {exc}") from None

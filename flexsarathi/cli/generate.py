@@ -28,6 +28,7 @@ from flexsarathi.cli.file_checks import check_not_the_input
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.cli.result_file import ResultFile
 from flexsarathi.engine.sampling import SamplingParams
+from flexsarathi.formats.tool_calls import PARSERS
 
 PACKAGE_PREFIX = "pkg:"  # --input pkg:NAME reads a prompt set shipped in flexsarathi/prompts/
 
@@ -60,9 +61,16 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0,
                    help="a request without its own seed samples with one derived from this and its id, "
                         "so a resumed job samples what an uninterrupted one would")
+    add_tool_call_parser_arg(p)
     add_ray_args(p)
     p.set_defaults(func=run_generate)
     return p
+
+
+def add_tool_call_parser_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="the format a chat reply's tool calls are read in (tool_choice auto); default: the one "
+                        "the model's chat template teaches")
 
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
@@ -132,7 +140,8 @@ def run_generate(args) -> int:
         dtype = resolve_dtype(args.dtype, source.config.checkpoint_dtype, resolve_device(args.device))
         args.dtype = str(dtype).removeprefix("torch.")
     meta = {"job": "flexsarathi generate", "format": fmt, "model": _model_name(args.model),
-            "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults}
+            "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults,
+            **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {})}
     out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite, repair=args.repair, requests=requests,
                      retry_errors=args.retry_errors)
     try:
@@ -180,7 +189,7 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dic
         f"{f' ({out.retried} error records taken out to be redone)' if out.retried else ''}, "
         f"{len(pending)} to run")
     tokenizer = opened.tokenizer
-    params = {r.key: _prepare(r, tokenizer, defaults, args.seed) for r in pending}
+    params = {r.key: _prepare(r, tokenizer, defaults, args.seed, args.tool_call_parser) for r in pending}
     failed = 0
     for req in pending:
         if req.error:
@@ -244,8 +253,10 @@ def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say, o
     return stats, policy, failed
 
 
-def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int) -> SamplingParams | None:
-    """The request's SamplingParams, its prompt as token ids; sets req.error where it cannot run."""
+def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int,
+             tool_parser: str | None = None) -> SamplingParams | None:
+    """The request's SamplingParams, its prompt as token ids; sets req.error where it cannot run.
+    tool_parser: the format a reply's tool calls are read in (None: the one the chat template teaches)."""
     if req.error:
         return None
     try:
@@ -257,7 +268,10 @@ def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int) -> Samplin
         if req.messages is not None:
             if tokenizer is None:
                 raise FlexSarathiError("this model has no tokenizer.json, so no chat template")
-            req.prompt_token_ids = tokenizer.apply_chat_template(req.messages, **req.chat_options)
+            if req.tools is not None:
+                req.tools = req.tools.with_parser(tool_parser, tokenizer.chat_template)
+            req.prompt_token_ids = tokenizer.apply_chat_template(
+                req.messages, **req.chat_options, tools=list(req.tools.tools) if req.tools else None)
         elif req.prompt is not None:
             if tokenizer is None:
                 raise FlexSarathiError("the prompt is text, but this model has no tokenizer.json: give "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from flexsarathi.cli.file_checks import read_text_file
 from flexsarathi.errors import FlexSarathiError
+from flexsarathi.formats.tool_calls import ToolRequest
 
 FORMATS = ("text", "jsonl", "openai")
 # Request fields passed to SamplingParams as they are (JSONL records and OpenAI bodies).
@@ -31,7 +32,10 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "prompt_logprobs", "structured_outputs")
 # vLLM's chat options (LLM.chat's and its server's): how the chat template renders the messages.
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-JSONL_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS, *CHAT_OPTIONS)
+# OpenAI's tool calling fields of a chat request (flexsarathi/formats/tool_calls.py).
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+JSONL_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS, *CHAT_OPTIONS,
+                *TOOL_FIELDS)
 # What an OpenAI request body names otherwise, as a JSONL record names it.
 _OPENAI_NAMES = {"response_format": "structured_outputs", "max_completion_tokens": "max_tokens",
                  "top_logprobs": "logprobs"}
@@ -41,20 +45,22 @@ COMPLETIONS_URL, CHAT_URL = "/v1/completions", "/v1/chat/completions"
 # would become two broken lines and every later line number would be off.
 _LINE_END = re.compile(r"\r\n|\r|\n")
 # OpenAI body fields we cannot honour: refused when set to anything but their neutral value.
-_UNSUPPORTED_OPENAI = {"best_of": 1, "echo": False, "suffix": None, "stream": False, "tools": None,
-                       "tool_choice": "none", "functions": None, "function_call": "none", "modalities": ["text"],
+_UNSUPPORTED_OPENAI = {"best_of": 1, "echo": False, "suffix": None, "stream": False, "functions": None,
+                       "function_call": "none", "modalities": ["text"],
                        "audio": None, "prediction": None, "web_search_options": None, "reasoning_effort": None,
                        "verbosity": None}
 # OpenAI's body fields that do not change what is generated (who asks, how it is billed or stored):
-# accepted and ignored. `parallel_tool_calls` and `stream_options` only act with tools or streaming.
+# accepted and ignored. `stream_options` only acts with streaming.
 _IGNORED_OPENAI = ("model", "user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                   "prompt_cache_retention", "stream_options", "parallel_tool_calls")
+                   "prompt_cache_retention", "stream_options")
+# What a deprecated body field became in OpenAI's API.
+_SUCCESSORS = {"functions": "tools", "function_call": "tool_choice"}
 # The fields each url's body takes (SAMPLING_FIELDS: vLLM's extras, as vLLM's server takes them).
 OPENAI_BODY_FIELDS = {
     url: frozenset((prompt, "logprobs", *extra, "max_completion_tokens", "response_format", *SAMPLING_FIELDS,
                     *_UNSUPPORTED_OPENAI, *_IGNORED_OPENAI))
     for url, prompt, extra in ((COMPLETIONS_URL, "prompt", ()),
-                               (CHAT_URL, "messages", ("top_logprobs", *CHAT_OPTIONS)))}
+                               (CHAT_URL, "messages", ("top_logprobs", *CHAT_OPTIONS, *TOOL_FIELDS)))}
 # The record's "request_fingerprint": a hash of the request it answers, so a resume can tell a
 # changed input line from the one its record answers.
 FINGERPRINT = "request_fingerprint"
@@ -70,6 +76,8 @@ class BatchRequest:
     prompt_token_ids: list[int] | None = None
     messages: list | None = None
     chat_options: dict = field(default_factory=dict)  # CHAT_OPTIONS given with messages
+    tools: ToolRequest | None = None  # what it says of tools, where it offers some
+    tool_fields: dict = field(default_factory=dict)  # TOOL_FIELDS as given (with tools offered)
     sampling: dict = field(default_factory=dict)  # per-request SamplingParams fields
     chat: bool = False  # OpenAI chat completion (the output is a chat.completion object)
     logprobs_style: str | None = None  # "completions" / "chat" when OpenAI logprobs were asked
@@ -147,7 +155,8 @@ def request_fingerprint(req: BatchRequest, line: str) -> str:
     else:
         asked = [req.prompt, req.prompt_token_ids, req.messages, req.sampling, req.chat, req.logprobs_style]
         # chat options only where given: the fingerprints of records written before they existed stay
-        basis = json.dumps(asked + ([req.chat_options] if req.chat_options else []), sort_keys=True)
+        basis = json.dumps(asked + ([req.chat_options] if req.chat_options else [])
+                           + (["tools", req.tool_fields] if req.tool_fields else []), sort_keys=True)
     return hashlib.sha256(basis.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
@@ -236,11 +245,14 @@ def _set_prompt(req: BatchRequest, obj: dict, allowed: tuple[str, ...]) -> str |
         return f"line {req.line}: needs exactly one of {', '.join(repr(k) for k in allowed)}"
     value = obj[given[0]]
     req.chat_options = {k: obj[k] for k in CHAT_OPTIONS if k in obj}
+    tool_fields = [k for k in TOOL_FIELDS if k in obj]
     if given[0] == "messages":
         req.messages = value
-        return None if isinstance(value, list) and value else f"line {req.line}: \"messages\" must be a non-empty list"
-    if req.chat_options:
-        return f"line {req.line}: {', '.join(req.chat_options)} apply to \"messages\" only"
+        if not isinstance(value, list) or not value:
+            return f"line {req.line}: \"messages\" must be a non-empty list"
+        return _set_tools(req, obj, "body." if req.chat else "")
+    if req.chat_options or tool_fields:
+        return f"line {req.line}: {', '.join([*req.chat_options, *tool_fields])} apply to \"messages\" only"
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]  # OpenAI allows a list of prompts; one per request is what a batch line means
     if isinstance(value, str):
@@ -250,6 +262,28 @@ def _set_prompt(req: BatchRequest, obj: dict, allowed: tuple[str, ...]) -> str |
         req.prompt_token_ids = value
         return None
     return f"line {req.line}: {given[0]!r} must be a non-empty string or list of token ids"
+
+
+def _set_tools(req: BatchRequest, obj: dict, where: str) -> str | None:
+    """The request's tools (None where it offers none: an empty or absent list, no choice but
+    "none"); a forced choice becomes its structured output. An error message where they are wrong."""
+    given = {k: obj[k] for k in TOOL_FIELDS if k in obj and obj[k] is not None}
+    if not given.get("tools") and given.get("tool_choice", "none") == "none":
+        return None
+    try:
+        req.tools = ToolRequest.of(given.get("tools", []), given.get("tool_choice"),
+                                   given.get("parallel_tool_calls"), where)
+    except FlexSarathiError as exc:
+        return f"line {req.line}: {exc}"
+    req.tool_fields = given
+    forced = req.tools.structured_outputs()
+    if forced is not None:
+        if req.sampling.get("structured_outputs") is not None:
+            other = "body.response_format" if where else "structured_outputs"
+            return (f"line {req.line}: {where}tool_choice {given['tool_choice']!r:.60} constrains the reply to tool "
+                    f"calls, and {other} constrains it too: give one of them")
+        req.sampling["structured_outputs"] = forced
+    return None
 
 
 def _openai_request(line: int, text: str) -> BatchRequest:
@@ -281,8 +315,9 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
         return error
     for name, neutral in _UNSUPPORTED_OPENAI.items():
         value = body.get(name, neutral)
-        if value not in (neutral, None) and value != []:  # an empty list of tools or functions offers none
-            return f"{where}: body.{name} is not supported"
+        if value not in (neutral, None) and value != []:  # an empty list of functions offers none
+            successor = f" (OpenAI's deprecated name: use body.{_SUCCESSORS[name]})" if name in _SUCCESSORS else ""
+            return f"{where}: body.{name} is not supported{successor}"
     req.sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     if "max_completion_tokens" in body:  # chat's name for max_tokens (vLLM takes it on both urls)
         req.sampling["max_tokens"] = body["max_completion_tokens"]
@@ -367,10 +402,36 @@ def result_record(fmt: str, req: BatchRequest, output, model: str, decode) -> di
     if output.prompt_logprobs is not None:
         record["prompt_logprobs"] = [step and {str(t): lp.logprob for t, lp in step.items()}
                                      for step in output.prompt_logprobs]
+    if req.tools is not None and req.tools.choice != "none":
+        _, record["tool_calls"], record["finish_reason"] = tool_reply(req, first, decode)
     if len(output.outputs) > 1:
         record["outputs"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                               "finish_reason": c.finish_reason} for c in output.outputs]
+        if "tool_calls" in record:
+            for entry, c in zip(record["outputs"], output.outputs):
+                _, entry["tool_calls"], entry["finish_reason"] = tool_reply(req, c, decode)
     return _fingerprinted(record, req)
+
+
+def tool_reply(req: BatchRequest, completion, decode) -> tuple[str | None, list[dict], str]:
+    """(the message's content, its tool calls in OpenAI's shape, the finish reason) of a completion:
+    "tool_calls" where a reply free to call ("auto", "required") ended by calling, as vLLM and
+    OpenAI say it; a forced function's reply keeps "stop". Call ids are derived from the request,
+    so a resumed file reads like an uninterrupted one; mistral's templates take 9-character ids."""
+    tools = req.tools
+    if tools is None or tools.choice == "none":
+        return completion.text, [], completion.finish_reason
+    specials = (decode(list(completion.token_ids), skip_special_tokens=False)
+                if tools.parser == "mistral" and decode else completion.text)
+    content, calls = tools.read(completion.text, specials)
+    finish = completion.finish_reason
+    if calls and finish == "stop" and tools.choice in ("auto", "required"):
+        finish = "tool_calls"
+    length = 9 if tools.parser == "mistral" else 24
+    listed = [{"id": ("" if length == 9 else "call_") + _stable_id("", f"{req.key}/{completion.index}/{k}")[:length],
+               "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+              for k, call in enumerate(calls)]
+    return content, listed, finish
 
 
 def error_record(fmt: str, req: BatchRequest, message: str, code: str = "invalid_request") -> dict:
@@ -410,10 +471,11 @@ def _stable_id(prefix: str, key: str) -> str:
 def _openai_result(req: BatchRequest, output, model: str, decode) -> dict:
     choices = []
     for c in output.outputs:
+        content, calls, finish = tool_reply(req, c, decode)
         choice = {"index": c.index, "logprobs": _openai_choice_logprobs(req, output, c, decode),
-                  "finish_reason": c.finish_reason}
+                  "finish_reason": finish}
         if req.chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         else:
             choice["text"] = c.text
         choices.append(choice)

@@ -9,6 +9,7 @@ import os
 from tokenizers import Tokenizer as HFTokenizer
 
 from flexsarathi.errors import CheckpointError, FlexSarathiError
+from flexsarathi.formats.tool_calls import check_tools
 from policy_search.errors import SpecError
 from policy_search.hf_config import typed_value
 
@@ -85,27 +86,31 @@ class Tokenizer:
         return self.decode(output_ids, skip_special_tokens)  # the prompt's last bytes merged with the output's: rare
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                            tools: list[dict] | None = None) -> list[int]:
         """Token ids of `messages` rendered with the checkpoint's chat template (as transformers'
         apply_chat_template: the template writes the special tokens, so none are added); the
         options as render_chat takes them."""
         return self.encode(self.render_chat(messages, add_generation_prompt, continue_final_message,
-                                            chat_template_kwargs), add_special_tokens=False)
+                                            chat_template_kwargs, tools=tools), add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                    template: str | None = None) -> str:
+                    template: str | None = None, tools: list[dict] | None = None) -> str:
         """`messages` as the chat template writes them (vLLM's and transformers' options):
         add_generation_prompt opens the assistant's turn; continue_final_message leaves the last
         message open, its text the end of the prompt (a reply to continue); chat_template_kwargs: more
         variables the template reads (enable_thinking, ...); template: a jinja2 chat template to
-        use instead of the checkpoint's."""
+        use instead of the checkpoint's; tools: OpenAI's tool objects, the template's `tools`."""
         if template is None and not self.chat_template:
             raise FlexSarathiError("this checkpoint has no chat template (no chat_template in "
                                    "tokenizer_config.json): give a prompt instead of messages")
         messages = chat_messages(messages)
         variables = self._template_variables(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        if tools is not None:
+            if "tools" in variables:
+                raise FlexSarathiError("tools are given twice: as tools and in chat_template_kwargs")
+            variables["tools"] = check_tools(tools)
         try:
             text = self._compiled(template).render(messages=messages, **variables)
         except FlexSarathiError:
@@ -242,7 +247,32 @@ def _chat_message(message, i: int) -> dict:
     elif not isinstance(content, str):
         raise FlexSarathiError(f"messages[{i}].content must be a string or a list of text parts, "
                                f"got {'null' if content is None else type(content).__name__}")
+    if message.get("tool_calls") is not None:
+        return {**message, "content": content, "tool_calls": _template_tool_calls(message["tool_calls"], i)}
     return {**message, "content": content}
+
+
+def _template_tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's tool calls as templates read them (as vLLM hands them over): each
+    function's `arguments`, a JSON text in OpenAI's messages, parsed into the object it holds."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise FlexSarathiError(f"{where} must be a list of tool calls, got {type(calls).__name__}")
+    read = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise FlexSarathiError(f"{where}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                                   f"\"arguments\"}}}}, got {call!r:.80}")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise FlexSarathiError(f"{where}[{j}].function.arguments is not a JSON text: "
+                                       f"{function['arguments']!r:.80}") from None
+        read.append({**call, "function": {**function, "arguments": arguments}})
+    return read
 
 
 def _text_part(part, where: str) -> str:

@@ -37,6 +37,7 @@ class ServeEngine:
     meta: dict  # what produced a result file (model, weights, dtype, seed, sampling): a restart must match
     sampling: dict  # SamplingParams defaults for fields a request body leaves out
     seed: int  # a request without its own seed samples with one derived from this and its custom_id
+    tool_call_parser: str | None = None  # the format tool calls are read in (None: the chat template's)
 
 
 class InputFileError(FlexSarathiError):
@@ -101,7 +102,8 @@ def run_batch(engine: ServeEngine, store: Store, batch: Batch, stop: Callable[[]
             total=len(requests), completed=len(out.done) - out.errors, failed=out.errors))
         pending = [r for r in requests if r.key not in out.done]
         tokenizer = engine.llm.tokenizer
-        params = {r.key: _prepare(r, tokenizer, engine.sampling, engine.seed) for r in pending}
+        params = {r.key: _prepare(r, tokenizer, engine.sampling, engine.seed, engine.tool_call_parser)
+                  for r in pending}
         for req in pending:
             if req.error:  # a line that cannot run: its error record, as generate writes it
                 out.append(error_record("openai", req, req.error))

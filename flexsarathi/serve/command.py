@@ -24,6 +24,7 @@ import sys
 
 from flexsarathi.cli.engine_args import add_model_args, build_llm, describe_policy
 from flexsarathi.cli.file_checks import positive_int
+from flexsarathi.cli.generate import add_tool_call_parser_arg
 from flexsarathi.errors import FlexSarathiError
 
 API_KEY_ENV = "FLEXSARATHI_API_KEY"
@@ -55,6 +56,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="max_tokens of a request body without one (default 16, OpenAI's completions default)")
     g.add_argument("--seed", type=int, default=0, help="a request without its own seed samples with one "
                    "derived from this and its custom_id, so a resumed batch samples what an uninterrupted one would")
+    add_tool_call_parser_arg(g)
     p.set_defaults(func=run_serve)
     return p
 
@@ -134,6 +136,7 @@ def build_engine(args):
           f"{args.dtype}", file=sys.stderr)
     name = os.path.realpath(args.model) if os.path.isdir(args.model) else args.model
     meta = {"job": "flexsarathi serve", "format": "openai", "model": name, "weights": opened.source.fingerprint,
-            "dtype": args.dtype, "seed": args.seed, "sampling": sampling}
+            "dtype": args.dtype, "seed": args.seed, "sampling": sampling,
+            **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {})}
     return ServeEngine(llm=llm, model_name=os.path.basename(os.path.normpath(args.model)), meta=meta,
-                       sampling=sampling, seed=args.seed)
+                       sampling=sampling, seed=args.seed, tool_call_parser=args.tool_call_parser)

@@ -74,11 +74,17 @@ def test_openai_fields_that_change_nothing_are_taken(tmp_path):
     assert req.error is None and req.sampling == plain.sampling and req.fingerprint == plain.fingerprint
     chat = {"messages": [{"role": "user", "content": "Tom"}], "parallel_tool_calls": True, "tool_choice": "none",
             "modalities": ["text"], "n": 2, "tools": [], "functions": []}  # empty lists offer no tool
-    assert _body(tmp_path, chat, "/v1/chat/completions").error is None
-    for field, value in (("tool_choice", "auto"), ("modalities", ["audio"]), ("reasoning_effort", "high"),
-                         ("tools", [{"type": "function", "function": {"name": "f"}}])):
+    taken = _body(tmp_path, chat, "/v1/chat/completions")
+    bare = _body(tmp_path, {"messages": chat["messages"], "n": 2}, "/v1/chat/completions")
+    assert taken.error is None and taken.tools is None and taken.fingerprint == bare.fingerprint
+    for field, value in (("modalities", ["audio"]), ("reasoning_effort", "high")):
         req = _body(tmp_path, {**chat, field: value}, "/v1/chat/completions")
         assert req.error == f"line 1: body.{field} is not supported"
+    req = _body(tmp_path, {**chat, "tool_choice": "auto"}, "/v1/chat/completions")  # with no tool to choose
+    assert req.error == "line 1: body.tool_choice 'auto' needs tools to choose from, and none are given"
+    offered = _body(tmp_path, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                    "/v1/chat/completions")
+    assert offered.error is None and offered.tools.choice == "none" and offered.fingerprint != taken.fingerprint
 
 
 def test_max_completion_tokens_is_max_tokens_on_both_urls(tmp_path):

@@ -124,7 +124,8 @@ def test_openai_content_parts_render_as_their_joined_text(chat_folder):
     from transformers import AutoTokenizer
 
     parts = [{"role": "user", "content": [{"type": "text", "text": "A story"}, {"type": "text", "text": "of a dog"}]},
-             {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                                                                 "function": {"name": "f", "arguments": "{}"}}]},
              {"role": "tool", "content": "ok", "tool_call_id": "1"}]
     plain = [{"role": "user", "content": "A story\nof a dog"}, {"role": "assistant", "content": ""},
              {"role": "tool", "content": "ok"}]

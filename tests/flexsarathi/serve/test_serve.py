@@ -228,3 +228,29 @@ def test_only_loopback_binds_without_a_key():
             check_bind(host, None, allow_no_key=False)
         check_bind(host, "k", allow_no_key=False)
         check_bind(host, None, allow_no_key=True)
+
+
+def test_a_batch_of_tool_calls_equals_generate_with_the_same_parser(stories_dir, tmp_path):
+    """Chat requests with tools through the server (`--tool-call-parser` given, the template's
+    format otherwise): the records `generate` writes with the same parser, calls and ids alike."""
+    import shutil
+
+    from tests.flexsarathi.cli.test_cli_tools import LINES, TOOL_TEMPLATE
+
+    folder = tmp_path / "stories-tools"
+    shutil.copytree(stories_dir, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOL_TEMPLATE}))
+    src = write_lines(tmp_path / "tools.jsonl", LINES)
+    srv = Server(tmp_path / "data", "--model", str(folder), "--dtype", "float32", "--max-tokens", "120",
+                 "--tool-call-parser", "hermes").start()
+    try:
+        client = srv.client()
+        batch = wait_until_ended(client, submit(client, src, "/v1/chat/completions").id)
+        records = downloaded(client, batch.output_file_id) + downloaded(client, batch.error_file_id)
+    finally:
+        srv.stop()
+    assert batch.status == "completed" and batch.request_counts.failed == 3
+    assert by_request(records) == generated(str(folder), src, tmp_path, "--max-tokens", "120",
+                                                   "--tool-call-parser", "hermes")
+    assert by_request(records)["auto-call"]["response"]["body"]["choices"][0]["message"]["tool_calls"]
