@@ -145,18 +145,20 @@ class LLM:
             raise FlexSarathiError("LLM.chat needs the checkpoint's tokenizer (tokenizer.json) and chat template")
         conversations = [messages] if _one_conversation(messages) else list(messages)
         params = _per_conversation(sampling_params, len(conversations))
-        texts, refused = {}, {}
+        texts, ids, refused = {}, {}, {}
         for i, conversation in enumerate(conversations):
             try:
                 texts[i] = self.tokenizer.render_chat(conversation, add_generation_prompt, continue_final_message,
                                                       chat_template_kwargs, template=chat_template, tools=tools)
+                ids[i] = self.tokenizer.encode(texts[i], add_special_tokens=False)
             except FlexSarathiError as exc:
                 if on_error != "record":
                     raise FlexSarathiError(f"conversation {i}: {exc}") from None
                 refused[i] = str(exc)
-        rendered = sorted(texts)
+                texts.pop(i, None)
+        rendered = sorted(ids)
         outputs = iter(self.generate(
-            [{"prompt_token_ids": self.tokenizer.encode(texts[i], add_special_tokens=False)} for i in rendered],
+            [{"prompt_token_ids": ids[i]} for i in rendered],
             params if not isinstance(params, list) else [params[i] for i in rendered], use_tqdm, on_error)
             if rendered else [])
         results = []
@@ -267,7 +269,10 @@ class LLM:
             except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would fail on it obscurely
                 raise FlexSarathiError(f"prompt {index} is not valid Unicode text ({exc.reason} at character "
                                        f"{exc.start})") from None
-            return self.engine.tokenizer.encode(prompt), prompt
+            try:
+                return self.engine.tokenizer.encode(prompt), prompt
+            except FlexSarathiError as exc:  # longer than the context could hold
+                raise FlexSarathiError(f"prompt {index}: {exc}") from None
         if isinstance(prompt, (list, tuple)):
             return [int(t) if _is_integer(t) else t for t in prompt], None  # numpy ints as Python ints
         raise FlexSarathiError(f"prompt {index} must be a string or a list of token ids, "

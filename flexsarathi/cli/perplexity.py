@@ -51,7 +51,7 @@ def perplexity(llm: LLM, documents: list[str], stride: int | None = None, use_tq
     if not 1 <= stride <= context:
         raise FlexSarathiError(f"stride must be between 1 and the model's context of {context}, got {stride}")
     # token ids as 4-byte integers (a Python list of ints is 36 bytes a token), and the windows over them
-    docs = [array.array("i", llm.tokenizer.encode(doc)) for doc in documents]
+    docs = [array.array("i", llm.tokenizer.encode(doc, whole=True)) for doc in documents]  # read in windows
     windows = [(ids, begin, end, count) for ids in docs
                for begin, end, count in sliding_windows(len(ids), context, stride) if count]
     sums, scored = [], 0

@@ -32,9 +32,16 @@ def open_model(model: str, codes: QuantConfig | None = None) -> OpenedModel:
     if model.endswith(".gguf") and codes is None and not is_folder:  # llama.cpp's file: weights and tokenizer in one
         from flexsarathi.formats.gguf_checkpoint import GGUFCheckpoint
         from flexsarathi.formats.gguf_tokenizer import load_gguf_tokenizer
-        return OpenedModel(model, GGUFCheckpoint(model), load_gguf_tokenizer(model))
+        return _with_context(OpenedModel(model, GGUFCheckpoint(model), load_gguf_tokenizer(model)))
     source = open_weight_source(model, codes=codes)
-    return OpenedModel(model, source, load_tokenizer(model, source.config), codes)
+    return _with_context(OpenedModel(model, source, load_tokenizer(model, source.config), codes))
+
+
+def _with_context(opened: OpenedModel) -> OpenedModel:
+    """The tokenizer told the model's context: a text too long to fit it is refused before encoding."""
+    if opened.tokenizer is not None:
+        opened.tokenizer.context_tokens = opened.source.config.max_position_embeddings
+    return opened
 
 
 def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSource:

@@ -14,6 +14,11 @@ from policy_search.errors import SpecError
 from policy_search.hf_config import typed_value
 
 
+# Characters a normalizer may compose into one (NFC: a Hangul syllable from three jamo; with
+# margin): what check_fits allows per token character besides the longest token's length.
+COMPOSED_MAX = 4
+
+
 class Tokenizer:
     def __init__(self, path: str | HFTokenizer, add_bos: bool | None, add_eos: bool, bos_id: int | None,
                  eos_id: int | None, chat_template: str | None = None, special_tokens: dict | None = None,
@@ -32,6 +37,10 @@ class Tokenizer:
         self.special_tokens = special_tokens or {}  # bos_token, eos_token, ... as strings
         self._compiled_template = None
         self._given_template: tuple = (None, None)  # (source, compiled) of the last template a call gave
+        # The model's context in tokens (open_model sets it): encode refuses a text too long to fit
+        # it before the tokenizers library holds ~100 bytes per character of it (a 200 MB line: 20 GB).
+        self.context_tokens: int | None = None
+        self._longest_token: int | None = None
 
     @classmethod
     def from_folder(cls, folder: str, bos_id: int | None = None,
@@ -53,11 +62,15 @@ class Tokenizer:
         return cls(path, add_bos, _flag(tok_cfg, "add_eos_token", tok_path, False), bos, eos[0] if eos else None,
                    _chat_template(folder, tok_cfg, tok_path), specials, eos_ids=eos)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, whole: bool = False) -> list[int]:
+        """Token ids of `text`. whole: a text longer than the model's context (a document read in
+        windows) is encoded too; otherwise one that cannot fit the context is refused (check_fits)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in JSON): tokenizers' TypeError otherwise
             raise FlexSarathiError(f"the text is not valid Unicode ({exc.reason} at character {exc.start})") from None
+        if not whole:
+            self.check_fits(text)
         if not add_special_tokens:
             return self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos is None:
@@ -68,6 +81,20 @@ class Tokenizer:
         if self.add_eos and self.eos_token_id is not None:
             ids = ids + [self.eos_token_id]
         return ids
+
+    def check_fits(self, text: str) -> None:
+        """FlexSarathiError where `text` has more characters than the model's context could hold as
+        tokens: each token stands for at most the vocabulary's longest token's characters, and a
+        normalizer may compose a few characters into one (COMPOSED_MAX), so longer is too long."""
+        if self.context_tokens is None or len(text) <= self.context_tokens:  # a token is a character or more
+            return
+        if self._longest_token is None:  # byte-level tokens are a character per byte: an upper bound
+            self._longest_token = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        most = COMPOSED_MAX * self.context_tokens * self._longest_token
+        if len(text) > most:
+            raise FlexSarathiError(f"the text is {len(text):,} characters, more than the model's context of "
+                                   f"{self.context_tokens} tokens can hold (at most {most:,}: each token "
+                                   f"is at most {self._longest_token} characters)")
 
     @property
     def backend(self) -> HFTokenizer:

@@ -325,8 +325,10 @@ def test_chat_records_or_raises_for_a_conversation_that_cannot_render(chat_llm):
     story = [{"role": "user", "content": "Tell a story"}]
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     params = SamplingParams(max_tokens=4, temperature=0)
-    outs = chat_llm.chat([story, image, story], params, use_tqdm=False, on_error="record")
-    assert [o.refused for o in outs] == [False, True, False] and "must be a text part" in outs[1].error
+    huge = [{"role": "user", "content": "a " * 1_000_000}]  # more than the context holds: refused unencoded
+    outs = chat_llm.chat([story, image, story, huge], params, use_tqdm=False, on_error="record")
+    assert [o.refused for o in outs] == [False, True, False, True] and "must be a text part" in outs[1].error
+    assert "more than the model's context of 512 tokens can hold" in outs[3].error
     alone = chat_llm.chat(story, params, use_tqdm=False)[0]
     assert outs[0].token_ids == outs[2].token_ids == alone.token_ids
     with pytest.raises(FlexSarathiError, match=r"^conversation 1: messages\[0\]\.content\[0\] must be a text part"):

@@ -115,6 +115,7 @@ def test_request_mistakes_are_invalid_request(stories_dir, tmp_path):
     lines = [{"id": "bias", "prompt": A, "logit_bias": {"99999": 1}},
              {"id": "stop", "prompt": A, "stop_token_ids": [99999]},
              {"id": "lp", "prompt": A, "logprobs": 30},
+             {"id": "huge", "prompt": "a " * 2_000_000},  # refused before it is encoded (2 GB for tokenizers)
              {"id": "ok", "prompt": A}]
     if _has_xgrammar():
         lines.append({"id": "grammar", "prompt": A, "structured_outputs": {"grammar": "root ::= ("}})
@@ -124,6 +125,8 @@ def test_request_mistakes_are_invalid_request(stories_dir, tmp_path):
     got = by_id(tmp_path / "o.jsonl")
     assert "error" not in got.pop("ok") and len(got) == len(lines) - 1
     assert {key: r["error"]["code"] for key, r in got.items()} == {key: "invalid_request" for key in got}
+    assert got["huge"]["error"]["message"].startswith("line 4: the text is 4,000,000 characters, more than the "
+                                                      "model's context of 512 tokens can hold")
 
 
 def _has_xgrammar() -> bool:

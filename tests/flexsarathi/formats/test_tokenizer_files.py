@@ -198,3 +198,40 @@ def test_chat_options_that_cannot_render_are_one_error(chat_folder, call, error)
     messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": final}]
     with pytest.raises(FlexSarathiError, match=error):
         Tokenizer.from_folder(str(chat_folder)).apply_chat_template(messages, **call)
+
+
+def test_a_text_the_context_cannot_hold_is_refused_before_it_is_encoded(stories_dir):
+    """open_model tells the tokenizer the model's context: a text with more characters than that many
+    tokens could stand for is refused, naming its size, before the tokenizers library holds ~100
+    bytes per character of it (VmHWM of a child process: a 20-million-character line). The bound is
+    one: any `context` tokens decode to a text it passes. A document read in windows is encoded whole."""
+    import subprocess
+    import sys
+
+    from flexsarathi.errors import FlexSarathiError
+    from flexsarathi.formats.opened_model import open_model
+    from tests.conftest import REPO
+
+    tok = open_model(stories_dir).tokenizer
+    context = tok.context_tokens
+    assert context == ModelConfig.from_folder(stories_dir).max_position_embeddings
+    generator = torch.Generator().manual_seed(0)
+    vocab = tok.backend.get_vocab_size()
+    longest = max(tok.backend.get_vocab(), key=len)
+    for ids in [torch.randint(3, vocab, (context,), generator=generator).tolist() for _ in range(20)] + [
+            [tok.backend.token_to_id(longest)] * context]:
+        tok.check_fits(tok.decode(ids, skip_special_tokens=False))
+    with pytest.raises(FlexSarathiError, match=rf"^the text is 10,000,000 characters, more than the model's "
+                                               rf"context of {context} tokens can hold \(at most [\d,]+"):
+        tok.encode("a " * 5_000_000)
+    assert len(tok.encode("a " * 5_000, whole=True)) > context  # longer than the context, as perplexity reads
+    child = ("import sys; from flexsarathi.formats.opened_model import open_model\n"
+             "from flexsarathi.errors import FlexSarathiError\n"
+             f"tok = open_model({stories_dir!r}).tokenizer; text = 'a ' * 10_000_000\n"
+             "def hwm(): return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n"
+             "before = hwm()\n"
+             "try:\n    tok.encode(text)\nexcept FlexSarathiError:\n    pass\n"
+             "print(hwm() - before)")
+    grown_kib = int(subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True,
+                                   check=True).stdout)
+    assert grown_kib < 100 * 1024, f"the refused text grew the peak by {grown_kib} KiB"
