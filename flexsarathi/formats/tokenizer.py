@@ -9,6 +9,7 @@ import os
 from tokenizers import Tokenizer as HFTokenizer
 
 from flexsarathi.errors import CheckpointError, FlexSarathiError
+from flexsarathi.formats.chat_template import compile_template, render
 from flexsarathi.formats.tool_calls import check_tools
 from policy_search.errors import SpecError
 from policy_search.hf_config import typed_value
@@ -139,7 +140,7 @@ class Tokenizer:
                 raise FlexSarathiError("tools are given twice: as tools and in chat_template_kwargs")
             variables["tools"] = check_tools(tools)
         try:
-            text = self._compiled(template).render(messages=messages, **variables)
+            text = render(self._compiled(template), {"messages": messages, **variables})
         except FlexSarathiError:
             raise
         except Exception as exc:  # jinja2's errors: a template that cannot render these messages
@@ -153,10 +154,10 @@ class Tokenizer:
             if not isinstance(template, str) or not template:
                 raise FlexSarathiError(f"chat_template must be a non-empty jinja2 string, got {template!r}")
             if self._given_template[0] != template:
-                self._given_template = (template, _compile_template(template))
+                self._given_template = (template, compile_template(template, "chat_template"))
             return self._given_template[1]
         if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
+            self._compiled_template = compile_template(self.chat_template)
         return self._compiled_template
 
     def _template_variables(self, add_generation_prompt, continue_final_message, chat_template_kwargs) -> dict:
@@ -232,22 +233,6 @@ def _chat_template(folder: str, tok_cfg: dict, tok_path: str) -> str | None:
         raise CheckpointError(f"{tok_path}: chat_template must be a string or a list of named templates, "
                               f"got {type(template).__name__}")
     return template if isinstance(template, str) and template else None
-
-
-def _compile_template(source: str):
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise FlexSarathiError(f"the chat template refused these messages: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # as transformers
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    try:
-        return env.from_string(source)
-    except TemplateError as exc:
-        raise FlexSarathiError(f"the checkpoint's chat template is not valid jinja2: {exc}") from None
 
 
 def chat_messages(messages) -> list[dict]:

@@ -1,0 +1,115 @@
+"""Chat templates (jinja2, as transformers renders them) in a sandbox that also bounds what a template
+can make: jinja's sandbox keeps a template from Python's internals and caps `range`, but not
+`'x' * 10**10` (10 GB built before anything is written), `10 ** 10 ** 9` (a power that never ends),
+`'x'.ljust(10**10)`, or a loop writing a message a million times. Here every string or list a `*`
+would make, every power, every number handed to a function (a width, a count) and the rendered
+text itself are held to MAX_CHARS, checked as the text is written; a template past it is refused
+with an error saying so. (A loop that writes nothing can still spin for a while: range's cap,
+100,000 per loop, bounds it.)
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+from flexsarathi.errors import FlexSarathiError
+
+# Most characters a rendered chat may hold: far beyond any context (a million tokens of about four
+# characters), far below what would exhaust a machine's memory.
+MAX_CHARS = 16 << 20
+MAX_EXPONENT = 4096  # a power's largest exponent (2 ** 4096 has 1,234 digits)
+
+
+def compile_template(source: str, what: str = "the checkpoint's chat template"):
+    """The jinja2 template compiled in the bounded sandbox; FlexSarathiError where it is not jinja2."""
+    from jinja2 import TemplateError
+
+    env = _environment()
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise FlexSarathiError(f"{what} is not valid jinja2: {exc}") from None
+
+
+def render(template, variables: dict, max_chars: int = MAX_CHARS) -> str:
+    """The template rendered with `variables`, written piece by piece and refused past max_chars."""
+    pieces, size = [], 0
+    for piece in template.generate(**variables):
+        size += len(piece)
+        if size > max_chars:
+            raise FlexSarathiError(f"the chat template writes more than {max_chars:,} characters for these "
+                                   "messages: refused")
+        pieces.append(piece)
+    return "".join(pieces)
+
+
+def _environment():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+            # str.format reaches here wrapped by the sandbox's own formatter (the method is __wrapped__)
+            method = getattr(__obj, "__wrapped__", __obj)
+            format_of = getattr(method, "__self__", None) if getattr(method, "__name__", "") in _FORMATTERS else None
+            _check_arguments(args, kwargs, format_of if isinstance(format_of, str) else None)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    def raise_exception(message):
+        raise FlexSarathiError(f"the chat template refused these messages: {message}")
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)  # as transformers
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    # Filters are called directly, not through call(): each one checked the same way (`indent`'s
+    # width, `format`'s "%1000000000d").
+    env.filters = {name: _bounded(name, f) for name, f in env.filters.items()}
+    return env
+
+
+_FORMATTERS = ("format", "format_map")  # str methods whose format string can ask for any width
+
+
+def _bounded(name: str, function):
+    @functools.wraps(function)  # keeps jinja's pass_context / pass_environment marks
+    def checked(*args, **kwargs):
+        # format's value, its first argument (it takes no context), is the format string
+        fmt = args[0] if name == "format" and args and isinstance(args[0], str) else None
+        _check_arguments(args, kwargs, fmt)
+        return function(*args, **kwargs)
+
+    return checked
+
+
+def _check_arguments(args, kwargs, format_string: str | None) -> None:
+    """Refuse a number past MAX_CHARS handed to a function (a width, a count), or written in a
+    format string (a field width)."""
+    numbers = [v for v in (*args, *kwargs.values()) if _is_int(v)]
+    if format_string is not None:
+        numbers += [int(digits) for digits in re.findall(r"\d{8,}", format_string)]
+    for value in numbers:
+        if abs(value) > MAX_CHARS:
+            raise FlexSarathiError(f"the chat template passes {value:,} to a function: more than "
+                                   f"{MAX_CHARS:,}, refused")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_binop(operator: str, left, right) -> None:
+    if operator == "**":
+        if _is_int(left) and _is_int(right) and abs(left) > 1 and right > MAX_EXPONENT:
+            raise FlexSarathiError(f"the chat template raises {left} to the power {right:,}: refused "
+                                   f"(at most {MAX_EXPONENT})")
+        return
+    for seq, count in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and _is_int(count) and len(seq) * count > MAX_CHARS:
+            raise FlexSarathiError(f"the chat template repeats a {type(seq).__name__} of {len(seq):,} "
+                                   f"{count:,} times: more than {MAX_CHARS:,} items, refused")
