@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from flexsarathi.batch_turns import BatchTurns
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from flexsarathi.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from flexsarathi.engine.running_fit import policy_or_default
 from flexsarathi.machine.this_machine import this_machine_hardware
 from flexsarathi.errors import FlexSarathiError
@@ -178,25 +179,51 @@ class LLM:
         stop: asked after every pass; True ends the run there (the unfinished requests are
         dropped, the finished ones were yielded): how a server cancels a batch at a pass boundary."""
         prompts, params = _check_arguments(prompts, sampling_params, on_error)
+        if self.engine.engine_config.task == "embed":
+            raise FlexSarathiError('this LLM embeds (task="embed"): call LLM.embed, or build another LLM to generate')
+        yield from self._requests_iter(prompts, params, None, use_tqdm, on_error, stop)
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+              use_tqdm: bool = True, on_error: str = "raise") -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed (needs LLM(model, task="embed")): one EmbeddingRequestOutput per prompt,
+        in prompt order, its `.outputs.embedding` the final hidden state of the prompt's last token
+        (engine/pooling.py); prompts are prefilled as generate prefills them (chunked, offloaded,
+        many per pass). on_error as generate's."""
+        results = dict(self.embed_iter(prompts, pooling_params, use_tqdm, on_error))
+        return [results[i] for i in range(len(results))]
+
+    def embed_iter(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+                   use_tqdm: bool = True, on_error: str = "raise",
+                   stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, EmbeddingRequestOutput]]:
+        """(prompt index, output) as embeddings finish: generate_iter's counterpart."""
+        if self.engine.engine_config.task != "embed":
+            raise FlexSarathiError('LLM.embed needs an LLM built to embed: LLM(model, task="embed")')
+        prompts, poolings = _check_pooling_arguments(prompts, pooling_params, on_error)
+        params = [_PROMPT_ONLY] * len(prompts)
+        yield from self._requests_iter(prompts, params, poolings, use_tqdm, on_error, stop)
+
+    def _requests_iter(self, prompts: list, params: list[SamplingParams], poolings: list | None, use_tqdm: bool,
+                       on_error: str, stop: Callable[[], bool] | None):
         with self._turns.turn():  # flexsarathi/batch_turns.py
             self.last_stats = _stats(0, 0, 0, 0, 0, 0.0, self.engine.memory.report())
-            groups, refused = self._make_requests(prompts, params, on_error)
+            groups, refused = self._make_requests(prompts, params, poolings, on_error)
             self.last_stats["failed"] = len(refused)
             for index, error in refused:
                 with self._turns.suspended():  # close() from another thread may close the engine meanwhile
                     text = prompts[index] if isinstance(prompts[index], str) else None
-                    yield index, _refused_output(text, error)
+                    yield index, _refused_output(text, error, embedding=poolings is not None)
             if groups:
                 yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
 
-    def _make_requests(self, prompts: list, params: list[SamplingParams], on_error: str):
+    def _make_requests(self, prompts: list, params: list[SamplingParams], poolings: list | None, on_error: str):
         """{prompt index: its n sequences} and [(prompt index, error)] for refused prompts."""
         groups, refused = {}, []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 ids, text = self._encode(prompt, i)
                 self.engine.validate_prompt(ids, i)
-                groups[i] = [self.engine.make_sequence(ids, p, text, k) for k in range(p.n)]
+                pooling = poolings[i] if poolings is not None else None
+                groups[i] = [self.engine.make_sequence(ids, p, text, k, pooling) for k in range(p.n)]
             except FlexSarathiError as exc:
                 if on_error == "raise":  # which of the prompts, where the message does not say
                     if not str(exc).startswith(f"prompt {i}"):
@@ -324,10 +351,30 @@ def _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_op
     return model, policy, hardware
 
 
-def _refused_output(prompt: str | None, error: str) -> RequestOutput:
+def _refused_output(prompt: str | None, error: str, embedding: bool = False):
     """The output of a request turned away before any pass (on_error="record"): no sequence, so no
     request id (-1)."""
+    if embedding:
+        return EmbeddingRequestOutput(request_id=-1, prompt=prompt, prompt_token_ids=[], outputs=None, error=error,
+                                      refused=True)
     return RequestOutput(request_id=-1, prompt=prompt, prompt_token_ids=[], outputs=[], error=error, refused=True)
+
+
+# An embedding request's SamplingParams: it samples nothing (the engine plans its KV for one token more).
+_PROMPT_ONLY = SamplingParams(max_tokens=1, temperature=0)
+
+
+def _check_pooling_arguments(prompts, pooling_params, on_error: str) -> tuple[list, list[PoolingParams]]:
+    """The prompts and one PoolingParams per prompt; FlexSarathiError naming a misused argument."""
+    prompts, _ = _check_arguments(prompts, None, on_error)
+    given = PoolingParams() if pooling_params is None else pooling_params
+    poolings = [given] * len(prompts) if isinstance(given, PoolingParams) else given
+    if not isinstance(poolings, (list, tuple)) or not all(isinstance(p, PoolingParams) for p in poolings):
+        raise FlexSarathiError("embed(pooling_params=...) must be a PoolingParams or a list of them, "
+                               f"got {type(pooling_params).__name__}")
+    if len(poolings) != len(prompts):
+        raise FlexSarathiError(f"got {len(prompts)} prompts but {len(poolings)} PoolingParams")
+    return prompts, list(poolings)
 
 
 def _one_conversation(messages) -> bool:

@@ -51,8 +51,12 @@ IN_POOL_TRITON, FUSED, CAUSAL, GENERAL = "in pool, triton", "fused", "causal", "
 class PassExecutor:
     def __init__(self, model, weights: LayerWeightStore, kv_pools: dict[str, KVPool],
                  activations: ActivationStore, device: torch.device, dtype: torch.dtype, *,
-                 overlap: bool = True, cpu_attention: bool = False, cpu_matmul: str = "dequantize"):
+                 overlap: bool = True, cpu_attention: bool = False, cpu_matmul: str = "dequantize",
+                 head: str = "logits"):
         self.model, self.weights, self.kv_pools, self.acts = model, weights, kv_pools, activations
+        # what a pass returns for its logit rows: "logits" (fp32 [R, vocab]) or "hidden" (the final
+        # hidden states, fp32 [R, hidden]: an embedding engine's, flexsarathi/engine/pooling.py)
+        self.head = head
         self.device, self.dtype = torch.device(device), dtype
         self.cpu_attention = cpu_attention
         self.cpu_matmul = cpu_matmul  # "int8x2", "int8" or "dequantize": 4-bit weights on the CPU (quant/fused.py)
@@ -137,7 +141,8 @@ class PassExecutor:
 
     @torch.inference_mode()
     def run(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
-        """Runs one pass; returns, per micro-batch, fp32 logits of its `logit_rows` [R, vocab]."""
+        """Runs one pass; returns, per micro-batch, fp32 logits of its `logit_rows` [R, vocab] (with
+        head "hidden": their final hidden states [R, hidden])."""
         if self.device.type == "cpu":
             keep_freed_host_memory()  # once per process; see offload/host_malloc.py
         with device_guard(self.device), cpu_matmul_mode(self.cpu_matmul):
@@ -164,7 +169,11 @@ class PassExecutor:
             for layer in range(self.weights.num_layers):
                 raise_if_interrupted()  # Ctrl-C lands here, between layers (offload/interrupts.py)
                 self._run_layer(layer, batches, start)
-            return [self.model.logits(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
+            head = self.model.logits if self.head == "logits" else self._final_hidden
+            return [head(g, self.acts.take(k)[mb.logit_rows]) for k, mb in enumerate(batches)]
+
+    def _final_hidden(self, g, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.final_hidden(g, rows).float()  # [R, hidden]
 
     def _run_layer(self, layer: int, batches: list[MicroBatch], start) -> None:
         """Layer `layer` on every micro-batch: k computes while k + 1 loads and k - 1 stores. What is

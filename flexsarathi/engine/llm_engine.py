@@ -22,6 +22,7 @@ from flexsarathi.engine.block_manager import BlockManager
 from flexsarathi.engine.graph_passes import GraphPasses
 from flexsarathi.engine.running_fit import FIT_FRACTION, largest_fitting
 from flexsarathi.formats.opened_model import OpenedModel, open_model
+from flexsarathi.formats.pooling_config import embedding_normalized
 from flexsarathi.machine.dtype_choice import cpu_compute_dtype, is_auto
 from flexsarathi.errors import CheckpointError, FlexSarathiError
 from flexsarathi.models.model_config import parse_dtype
@@ -30,7 +31,8 @@ from flexsarathi.engine.sampling import SamplingParams, finite_rows, process_log
 from flexsarathi.engine.structured_output import (GrammarCompiler, GrammarState, advance_matchers,
                                                   fill_grammar_bitmask)
 from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
-from flexsarathi.engine.sequence import Sequence
+from flexsarathi.engine.pooling import TASKS, EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, pooled
+from flexsarathi.engine.sequence import Sequence, SequenceStatus
 from flexsarathi.formats.tokenizer import IncrementalDetokenizer
 from offload.activations import ActivationStore
 from offload.disk_store import DiskStore
@@ -241,6 +243,9 @@ class EngineConfig:
     # compute device's memory holds (its budget, else what it can still allocate; running_fit.py).
     # LLM(policy=None) sets it with running_fit.default_policy(); it needs everything on the device.
     fit_running: bool = False
+    # "generate" (text) or "embed" (vLLM's pooling runner): every request is a prompt whose last
+    # token's final hidden state is its embedding (engine/pooling.py); nothing is sampled.
+    task: str = "generate"
 
     def __post_init__(self) -> None:
         _check_engine_fields(self)
@@ -254,6 +259,8 @@ class EngineConfig:
 def _check_engine_fields(e: EngineConfig) -> None:
     """FlexSarathiError naming an EngineConfig field (an LLM(...) option) of the wrong kind: a string
     for a flag would read as true ("no" turning direct_io on), a kv_bits the format has not."""
+    if e.task not in TASKS:
+        raise FlexSarathiError(f"EngineConfig.task must be one of {', '.join(TASKS)}, got {e.task!r}")
     for name in ("direct_io", "dummy_weight_codes", "compress_head", "fit_running"):
         if not isinstance(getattr(e, name), bool):
             raise FlexSarathiError(f"EngineConfig.{name} must be True or False, got {getattr(e, name)!r}")
@@ -303,6 +310,8 @@ class LLMEngine:
         self.source, self.tokenizer = opened.source, opened.tokenizer
         self.source.use_for(compress_weight=e.policy.compress_weight, weights_on_disk=e.policy.w_disk > 0)
         self.config, self.model = self.source.config, self.source.model
+        # an embedding engine's default for PoolingParams.normalize (the checkpoint's modules.json)
+        self.normalize_embeddings = embedding_normalized(e.model) if e.task == "embed" else True
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self._spec: ModelSpec | None = None  # the planner's view of this model and dtype (_working_bytes)
         self.policy = p = e.policy
@@ -320,11 +329,7 @@ class LLMEngine:
             raise self._unquantizable(refused) from None
         except MemoryBudgetError as short:
             raise self._weights_do_not_fit(short) from None
-        if self.device.type == "cuda" and (p.compress_weight or e.compress_head):  # quant/fused.py's one dequantized weight
-            shapes = {**(self.model.weight_kinds() if p.compress_weight else {}),
-                      **({HEAD: self.model.global_shapes()[HEAD]} if e.compress_head else {})}
-            self.memory.reserve("gpu", dequant_scratch_bytes(shapes, self.dtype.itemsize, self.model.expert_stacks()),
-                                "dequantize scratch")
+        self._reserve_dequant_scratch()
         self.kv_pools: dict[str, KVPool] = {}
         cuda = self.device.type == "cuda"
         self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,
@@ -332,7 +337,8 @@ class LLMEngine:
         self.cpu_matmul = resolve_cpu_matmul(e.cpu_matmul, self.device.type)
         self.executor = PassExecutor(self.model, self.weights, self.kv_pools, self.activations,
                                      self.device, self.dtype, overlap=p.overlap,
-                                     cpu_attention=p.cpu_attention, cpu_matmul=self.cpu_matmul)
+                                     cpu_attention=p.cpu_attention, cpu_matmul=self.cpu_matmul,
+                                     head="hidden" if e.task == "embed" else "logits")
         self.blocks = BlockManager(self.block_size, {}, num_residual=0)  # laid out per batch
         self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
         self._rng = random.Random(e.seed)
@@ -342,6 +348,15 @@ class LLMEngine:
         self.closed = False
         self.stats = {"graph_passes": 0}  # decode passes replayed from a CUDA graph
         self._closed_because = "LLM.close() was called"
+
+    def _reserve_dequant_scratch(self) -> None:
+        """On a GPU, quant/fused.py's one dequantized weight at a time (the largest 4-bit weight)."""
+        p, e = self.policy, self.engine_config
+        if self.device.type == "cuda" and (p.compress_weight or e.compress_head):
+            shapes = {**(self.model.weight_kinds() if p.compress_weight else {}),
+                      **({HEAD: self.model.global_shapes()[HEAD]} if e.compress_head else {})}
+            self.memory.reserve("gpu", dequant_scratch_bytes(shapes, self.dtype.itemsize, self.model.expert_stacks()),
+                                "dequantize scratch")
 
     def _prompts_grouped_upto(self) -> int:
         """Whole prompts of up to this many tokens are grouped for build_micro_batch: where one causal
@@ -449,8 +464,16 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
-                      prompt: str | None = None, sample_index: int = 0) -> Sequence:
-        """sample_index: which of the request's `n` completions this sequence is (its seed)."""
+                      prompt: str | None = None, sample_index: int = 0,
+                      pooling: PoolingParams | None = None) -> Sequence:
+        """sample_index: which of the request's `n` completions this sequence is (its seed);
+        pooling: an embedding request's PoolingParams (an engine of task "embed" takes only those)."""
+        if (pooling is not None) != (self.engine_config.task == "embed"):
+            raise FlexSarathiError("this engine embeds (task=\"embed\"): LLM.embed takes its requests"
+                                   if pooling is None else "embeddings need an engine of task=\"embed\": "
+                                   "LLM(model, task=\"embed\")")
+        if pooling is not None:
+            pooling.check(self.embedding_width)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = (sample_seed(params.seed, sample_index) if params.seed is not None
                 else self._rng.getrandbits(62))
@@ -471,9 +494,31 @@ class LLMEngine:
                          if params.stop else None),
             logprobs=[] if params.logprobs is not None else None, bad_word_ids=self._bad_word_ids(params),
             grammar=(GrammarState(self.grammars.compile(params.structured_outputs))
-                     if params.structured_outputs is not None else None))
+                     if params.structured_outputs is not None else None), pooling=pooling)
         self._next_id += 1
         return seq
+
+    @property
+    def embedding_width(self) -> int:
+        """Values in an embedding: the final hidden state's (OPT's project_out narrows it)."""
+        return self.config.embed_dim
+
+    def pool(self, outputs: list[tuple[WorkItem, torch.Tensor]]) -> tuple[list[Sequence], list[int | None]]:
+        """An embedding engine's step after its pass (in place of sample): each request whose prompt
+        prefill ended takes its embedding from its last row's final hidden state and finishes;
+        a row that is not finite fails its request. No token is sampled (None each)."""
+        seqs = []
+        for item, hidden in outputs:
+            if not item.samples:
+                continue
+            seq, row = item.seq, hidden[-1]
+            if bool(torch.isfinite(row).all()):
+                seq.embedding = pooled(row, seq.pooling, self.normalize_embeddings)
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            else:
+                seq.error = "the model's hidden state for this prompt is not finite (inf or NaN)"
+            seqs.append(seq)
+        return seqs, [None] * len(seqs)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.config.vocab_size
@@ -722,7 +767,7 @@ class LLMEngine:
             try:
                 plan = self.scheduler.schedule()
                 outputs = self.forward(plan)
-                seqs, token_ids = self.sample(outputs)
+                seqs, token_ids = self.pool(outputs) if self.engine_config.task == "embed" else self.sample(outputs)
                 finished = self.scheduler.postprocess(plan, seqs, token_ids)
             except BaseException:
                 self.recover(forced=deferral.forced)
@@ -886,10 +931,15 @@ class LLMEngine:
             self.kv_pools[src].copy_slots(self.kv_pools[dst], src_slots, dst_slots,
                                           parent.residual_id, fork.residual_id)
 
-    def to_output(self, seqs: Sequence | list[Sequence]) -> RequestOutput:
-        """The request's output from its finished sequence(s): one per completion (`n`)."""
+    def to_output(self, seqs: Sequence | list[Sequence]) -> RequestOutput | EmbeddingRequestOutput:
+        """The request's output from its finished sequence(s): one per completion (`n`); an
+        embedding request's its embedding."""
         seqs = [seqs] if isinstance(seqs, Sequence) else seqs
         first = seqs[0]
+        if first.pooling is not None:
+            return EmbeddingRequestOutput(
+                request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                outputs=None if first.error is not None else EmbeddingOutput(first.embedding), error=first.error)
         failed = next((seq.error for seq in seqs if seq.error is not None), None)
         if failed is not None:  # one completion failed: the request did (its others are not what was asked)
             return RequestOutput(request_id=first.seq_id, prompt=first.prompt,

@@ -166,6 +166,8 @@ class Scheduler:
         for seq, token in zip(seqs, token_ids):
             if seq.error is not None:  # its logits were not finite: no token, the request fails
                 seq.status = SequenceStatus.FINISHED_FAILED
+            elif seq.status.finished:  # an embedding request, pooled by the engine: nothing to sample
+                continue
             elif seq.context_full:  # a prompt as long as the model's context: nothing to sample
                 seq.status = SequenceStatus.FINISHED_LENGTH
             else:

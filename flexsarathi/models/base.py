@@ -88,6 +88,11 @@ class ModelMath(ABC):
     def logits(self, g: Weights, hidden: torch.Tensor) -> torch.Tensor:
         ...
 
+    @abstractmethod
+    def final_hidden(self, g: Weights, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states after the last layer as the head reads them (transformers'
+        last_hidden_state): what an embedding pools."""
+
     def attend(self, q, k, v, q_pos, kv_len, kv_pos_offset=0, key_blocks=None):
         return attention.attend(q, k, v, q_pos, kv_len, self.scale, self.config.sliding_window,
                                 kv_pos_offset, key_blocks)

@@ -130,7 +130,10 @@ class LlamaMath(ModelMath):
         return hidden.add_(swiglu(x, w["gate_up_proj.weight"], w["down_proj.weight"],  # this call's own sum
                                   w.get("gate_up_proj.bias"), w.get("down_proj.bias")))
 
+    def final_hidden(self, g: Weights, hidden):
+        """transformers' last_hidden_state: the final norm."""
+        return rms_norm(hidden, g["final_norm.weight"], self.config.norm_eps)
+
     def logits(self, g: Weights, hidden):
-        x = rms_norm(hidden, g["final_norm.weight"], self.config.norm_eps)
         head = g["lm_head.weight"] if "lm_head.weight" in g else g["embed_tokens.weight"]
-        return linear(x, head).float()  # [rows, vocab]
+        return linear(self.final_hidden(g, hidden), head).float()  # [rows, vocab]

@@ -95,11 +95,15 @@ class OPTMath(ModelMath):
             hidden = layer_norm(hidden, w["mlp_norm.weight"], w["mlp_norm.bias"], eps)
         return hidden
 
-    def logits(self, g: Weights, hidden):
+    def final_hidden(self, g: Weights, hidden):
+        """transformers' last_hidden_state: the final norm, then the projection to the embedding width."""
         x = hidden
         if "final_norm.weight" in g:
             x = layer_norm(x, g["final_norm.weight"], g["final_norm.bias"], self.config.norm_eps)
         if "project_out.weight" in g:
             x = linear(x, g["project_out.weight"])
+        return x
+
+    def logits(self, g: Weights, hidden):
         head = g["lm_head.weight"] if "lm_head.weight" in g else g["embed_tokens.weight"]
-        return linear(x, head).float()  # [rows, vocab]
+        return linear(self.final_hidden(g, hidden), head).float()  # [rows, vocab]
