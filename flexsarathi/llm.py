@@ -237,7 +237,8 @@ class LLM:
         engine, scheduler = self.engine, self.engine.scheduler
         seqs = [seq for group in groups.values() for seq in group]
         request_of = {seq.seq_id: i for i, group in groups.items() for seq in group}
-        progress = _Progress(seqs, [group[0] for group in groups.values()], use_tqdm)
+        progress = _Progress(seqs, [group[0] for group in groups.values()], use_tqdm,
+                             "embed" if engine.engine_config.task == "embed" else "generate")
         passes, left = 0, {i: len(group) for i, group in groups.items()}
         prefilled, preempted = scheduler.num_prefill_tokens, scheduler.num_preemptions
         foreign = engine.has_unfinished()  # another generate_iter's batch: add_requests refuses, it stays
@@ -452,7 +453,7 @@ class _Progress:
     leave unused; the postfix has requests done and prompt / generated tokens per second (a
     request's prompt counted once, by its first sequence, however many completions share it)."""
 
-    def __init__(self, seqs: list, firsts: list, enabled: bool):
+    def __init__(self, seqs: list, firsts: list, enabled: bool, task: str = "generate"):
         self.unfinished = set(seqs)
         self.firsts = set(firsts)
         self.requests, self.done = len(firsts), 0
@@ -460,14 +461,18 @@ class _Progress:
         self.start = time.perf_counter()
         self.elapsed = 0.0
         total = sum(s.max_len - s.num_prompt_tokens for s in seqs)
-        self.bar = tqdm(total=total, desc="generate", unit="tok", disable=not enabled)
+        if task == "embed":  # nothing is generated: the bar counts prompt tokens
+            total = sum(s.num_prompt_tokens for s in seqs)
+        self.task = task
+        self.bar = tqdm(total=total, desc=task, unit="tok", disable=not enabled)
 
     def update(self, finished: list, requests_done: int) -> None:
         for seq in finished:
             self.unfinished.discard(seq)
             self.prompt_tokens += seq.num_prompt_tokens if seq in self.firsts else 0
             self.generated += len(seq.output_token_ids)
-            self.bar.total -= seq.max_len - seq.num_tokens  # tokens it will never generate
+            if self.task != "embed":
+                self.bar.total -= seq.max_len - seq.num_tokens  # tokens it will never generate
         prompt = generated = 0
         for seq in self.unfinished & self.firsts:
             prompt += min(seq.num_computed, seq.num_prompt_tokens)
@@ -476,12 +481,13 @@ class _Progress:
         self.done += requests_done
         self.elapsed = time.perf_counter() - self.start
         total_generated = self.generated + generated
-        self.bar.update(total_generated - self.bar.n)
+        counted = self.prompt_tokens + prompt if self.task == "embed" else total_generated
+        self.bar.update(counted - self.bar.n)
         if not self.bar.disable:
             seconds = self.elapsed or 1e-9
+            generated = "" if self.task == "embed" else f", gen {total_generated / seconds:.1f} tok/s"
             self.bar.set_postfix_str(f"req {self.done}/{self.requests}, prompt "
-                                     f"{(self.prompt_tokens + prompt) / seconds:.1f} tok/s, "
-                                     f"gen {total_generated / seconds:.1f} tok/s", refresh=False)
+                                     f"{(self.prompt_tokens + prompt) / seconds:.1f} tok/s{generated}", refresh=False)
 
     def close(self) -> None:
         self.elapsed = time.perf_counter() - self.start

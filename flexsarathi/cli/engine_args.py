@@ -126,7 +126,8 @@ def build_llm(args, workload, seed: int = 0, opened=None):
               offload_dir=args.offload_dir, seed=seed, cpu_matmul=getattr(args, "cpu_matmul", "auto"),
               compress_head=getattr(args, "compress_head", False),
               cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
-              max_logprobs=getattr(args, "max_logprobs", 20), fit_running=not args.policy)
+              max_logprobs=getattr(args, "max_logprobs", 20), fit_running=not args.policy,
+              task=getattr(args, "task", "generate"))
     return llm, policy
 
 

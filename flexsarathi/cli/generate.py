@@ -19,14 +19,16 @@ import re
 import sys
 from importlib import resources
 
+from flexsarathi.cli.embedding_requests import EmbeddingLines, GenerationLines
 from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
-                                  result_record)
+                                          request_url, result_record)
 from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
                                     resolve_policy)
 from flexsarathi.cli.console import say as say_line
 from flexsarathi.cli.file_checks import check_not_the_input
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.cli.result_file import ResultFile
+from flexsarathi.engine.pooling import PoolingParams
 from flexsarathi.engine.sampling import SamplingParams
 from flexsarathi.formats.tool_calls import PARSERS
 
@@ -189,6 +191,7 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dic
         f"{f' ({out.retried} error records taken out to be redone)' if out.retried else ''}, "
         f"{len(pending)} to run")
     tokenizer = opened.tokenizer
+    args.task = _job_task(pending)
     params = {r.key: _prepare(r, tokenizer, defaults, args.seed, args.tool_call_parser) for r in pending}
     failed = 0
     for req in pending:
@@ -200,30 +203,49 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dic
     if runnable:
         record = _recorder(fmt, out, tokenizer, os.path.basename(os.path.normpath(args.model)))
         run = _run_on_ray if args.ray else _run_here
-        stats, policy, failed_here = run(args, runnable, params, record, say, opened)
+        lines = (EmbeddingLines if args.task == "embed" else GenerationLines)(runnable)
+        stats, policy, failed_here = run(args, lines, params, record, say, opened)
         failed += failed_here
     _summary(say, len(pending) - failed, failed, out.errors, stats, args.output,
              _ran(policy, stats, fitted=not args.policy) if stats else None)
     return 1 if failed + out.errors else 0
 
 
-def _run_here(args, runnable: list[BatchRequest], params: dict, record, say, opened):
-    """(stats, policy, error records written): the requests on one LLM in this process."""
-    llm, policy = build_llm(args, _workload(args, runnable, params), opened=opened)
+def _job_task(pending: list[BatchRequest]) -> str:
+    """"embed" where the job's first runnable line is a /v1/embeddings one, else "generate": one
+    engine runs a job, so each line of the other kind is an error record (OpenAI's batches hold
+    one endpoint too)."""
+    first = next((r for r in pending if not r.error), None)
+    if first is None:
+        return "generate"
+    task = "embed" if first.embedding is not None else "generate"
+    for req in pending:
+        if not req.error and (req.embedding is not None) != (task == "embed"):
+            req.error = (f"line {req.line}: this job {'embeds' if task == 'embed' else 'generates'} (its first "
+                         f"request, line {first.line}, is for {request_url(first)}): a {request_url(req)} line "
+                         "goes in a file of its own")
+    return task
+
+
+def _run_here(args, lines, params: dict, record, say, opened):
+    """(stats, policy, error records written): the requests (GenerationLines or EmbeddingLines) on
+    one LLM in this process."""
+    llm, policy = build_llm(args, _workload(args, lines, params), opened=opened)
     say(f"policy: {describe_policy(policy, fitted=not args.policy)}")
     say(f"device: {llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')}")
     try:
         failed = 0
-        outputs = llm.generate_iter([r.prompt_token_ids for r in runnable], [params[r.key] for r in runnable],
-                                    use_tqdm=not args.quiet, on_error="record")
-        for index, output in outputs:
-            failed += record(runnable[index], output)
+        run = llm.embed_iter if args.task == "embed" else llm.generate_iter
+        for index, output in run(lines.prompts(), lines.params(params), use_tqdm=not args.quiet, on_error="record"):
+            done = lines.add(index, output)
+            if done is not None:
+                failed += record(*done)
         return llm.last_stats, policy, failed
     finally:
         llm.close()
 
 
-def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say, opened):
+def _run_on_ray(args, lines, params: dict, record, say, opened):
     """(stats, policy, error records written): the same requests on Ray Data actors; the policy
     is searched here, once, and every actor builds its LLM with it (and opens the model itself:
     `opened` is this process's)."""
@@ -231,11 +253,11 @@ def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say, o
     from flexsarathi.ray.spec import EngineSpec
 
     hardware = hardware_of(args)
-    policy = resolve_policy(args, hardware, _workload(args, runnable, params))
+    policy = resolve_policy(args, hardware, _workload(args, lines, params))
     say(f"policy: {describe_policy(policy, fitted=not args.policy)}")
     spec = EngineSpec.of(args.model, policy, hardware=hardware, dtype=args.dtype, device=args.device,
                          offload_dir=args.offload_dir, cpu_matmul=args.cpu_matmul, compress_head=args.compress_head,
-                         fit_running=not args.policy)
+                         fit_running=not args.policy, task=args.task)
     options = RayOptions(address=args.ray_address, actors=args.ray_actors or 1,
                          gpus_per_actor=args.ray_gpus_per_actor or 0, cpus_per_actor=args.ray_cpus_per_actor or 1,
                          batch_size=args.ray_batch_size)
@@ -243,10 +265,12 @@ def _run_on_ray(args, runnable: list[BatchRequest], params: dict, record, say, o
 
     def on_output(index: int, output) -> None:
         nonlocal failed
-        failed += record(runnable[index], output)
+        done = lines.add(index, output)
+        if done is not None:
+            failed += record(*done)
 
     try:
-        stats = run_requests(spec, options, [(r.prompt_token_ids, params[r.key]) for r in runnable], on_output,
+        stats = run_requests(spec, options, list(zip(lines.prompts(), lines.params(params))), on_output,
                              say=say, progress=not args.quiet)
     except RayJobError as exc:
         raise PartialJobError(str(exc)) from None
@@ -259,6 +283,8 @@ def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int,
     tool_parser: the format a reply's tool calls are read in (None: the one the chat template teaches)."""
     if req.error:
         return None
+    if req.embedding is not None:
+        return _prepare_embedding(req, tokenizer)
     try:
         fields = {**defaults, **req.sampling}
         fields.setdefault("seed", None)
@@ -283,20 +309,40 @@ def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int,
         return None
 
 
-def _workload(args, requests: list[BatchRequest], params: dict):
+def _prepare_embedding(req: BatchRequest, tokenizer) -> PoolingParams | None:
+    """An embedding line's PoolingParams, its inputs as token ids; sets req.error where it cannot run."""
+    try:
+        ids = []
+        for k, item in enumerate(req.embedding.inputs):
+            if isinstance(item, str) and tokenizer is None:
+                raise FlexSarathiError(f"input {k} is text, but this model has no tokenizer.json: give token ids")
+            try:
+                ids.append(tokenizer.encode(item) if isinstance(item, str) else item)
+            except FlexSarathiError as exc:
+                raise FlexSarathiError(f"input {k}: {exc}") from None
+        req.input_token_ids = ids
+        return PoolingParams(dimensions=req.embedding.dimensions)
+    except FlexSarathiError as exc:
+        req.error = f"line {req.line}: {exc}"
+        return None
+
+
+def _workload(args, lines, params: dict):
     """The job's lengths, for --policy auto, as the engine will run them: a prompt longer than the
     model's context is refused by the engine (that line's error record), so it is left out, and an
-    output is cut where prompt + output reach the context. None (the planner's default workload)
-    when no request can run. Only read with --policy auto."""
+    output is cut where prompt + output reach the context (an embedding's is its one pooled row).
+    None (the planner's default workload) when no request can run. Only read with --policy auto."""
     if args.policy != "auto":
         return None
     from policy_search import ModelSpec, Workload
 
     context = ModelSpec.from_name(args.model).max_positions
     pairs = []
-    for r in requests:
-        prompt, p = len(r.prompt_token_ids), params[r.key]
-        if prompt < context:
+    for ids, p in zip(lines.prompts(), lines.params(params)):
+        prompt = len(ids)
+        if isinstance(p, PoolingParams):
+            pairs += [(prompt, 1)] if prompt <= context else []
+        elif prompt < context:
             # n completions share one prefill and the prompt's KV: the others are planned as
             # 1-token prompts (their own KV is about their outputs; their decode attention,
             # over the shared prompt too, is undercounted).
@@ -313,15 +359,20 @@ def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
     decode = tokenizer.decode if tokenizer else None
 
     def record(req: BatchRequest, output) -> int:
-        if output.error is not None:
+        """output: a RequestOutput, or an embedding line's EmbeddingRequestOutputs (one per input)."""
+        outputs = output if isinstance(output, list) else [output]
+        k, failed = next(((k, o) for k, o in enumerate(outputs) if o.error is not None), (0, None))
+        if failed is not None:
             # refused: before any pass (the request's fault: its prompt, a sampling value the model
             # cannot take, a grammar that does not compile); else it failed in a pass (non-finite logits)
-            refused = output.refused
-            message = re.sub(r"^prompt \d+", f"line {req.line}: prompt", output.error) \
-                if re.match(r"prompt \d+", output.error) else f"line {req.line}: {output.error}"
-            out.append(error_record(fmt, req, message, "invalid_request" if refused else "generation_failed"))
+            error = re.sub(r"^prompt \d+: ", "", failed.error) if len(outputs) > 1 else failed.error
+            where = f"line {req.line}: input {k}" if len(outputs) > 1 else f"line {req.line}"
+            message = re.sub(r"^prompt \d+", f"{where}: prompt", error) \
+                if re.match(r"prompt \d+", error) else f"{where}: {error}"
+            out.append(error_record(fmt, req, message, "invalid_request" if failed.refused else "generation_failed"))
             return 1
-        output.prompt = req.prompt
+        if not isinstance(output, list):
+            output.prompt = req.prompt
         out.append(result_record(fmt, req, output, model, decode))
         return 0
 
@@ -343,8 +394,12 @@ def _summary(say, ok: int, failed: int, earlier_errors: int, stats: dict | None,
     if not stats:
         return
     seconds = stats["seconds"]
-    say(f"tokens: {stats['prompt_tokens']} prompt, {stats['generated_tokens']} generated in {seconds:.2f} s "
-        f"({stats['passes']} passes): {stats['tokens_per_s']:.2f} generated tok/s, "
-        f"{(stats['prompt_tokens'] + stats['generated_tokens']) / (seconds or 1e-9):.2f} total tok/s")
+    if stats["generated_tokens"] or not stats["prompt_tokens"]:
+        say(f"tokens: {stats['prompt_tokens']} prompt, {stats['generated_tokens']} generated in {seconds:.2f} s "
+            f"({stats['passes']} passes): {stats['tokens_per_s']:.2f} generated tok/s, "
+            f"{(stats['prompt_tokens'] + stats['generated_tokens']) / (seconds or 1e-9):.2f} total tok/s")
+    else:  # an embedding job: prompts only
+        say(f"tokens: {stats['prompt_tokens']} prompt (embedded) in {seconds:.2f} s ({stats['passes']} passes): "
+            f"{stats['prompt_tokens'] / (seconds or 1e-9):.2f} prompt tok/s")
     say(f"policy: {policy}")
     say(f"peak memory: {memory_summary(stats['memory'])}")

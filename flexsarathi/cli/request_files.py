@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from flexsarathi.cli.file_checks import read_text_file
+from flexsarathi.cli.embedding_requests import (EMBEDDING_BODY_FIELDS, EMBEDDINGS_URL, EmbeddingAsk, embedding_body,
+                                                read_embedding_body)
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.formats.tool_calls import ToolRequest
 
@@ -61,6 +63,8 @@ OPENAI_BODY_FIELDS = {
                     *_UNSUPPORTED_OPENAI, *_IGNORED_OPENAI))
     for url, prompt, extra in ((COMPLETIONS_URL, "prompt", ()),
                                (CHAT_URL, "messages", ("top_logprobs", *CHAT_OPTIONS, *TOOL_FIELDS)))}
+OPENAI_BODY_FIELDS[EMBEDDINGS_URL] = EMBEDDING_BODY_FIELDS
+URLS = (COMPLETIONS_URL, CHAT_URL, EMBEDDINGS_URL)
 # The record's "request_fingerprint": a hash of the request it answers, so a resume can tell a
 # changed input line from the one its record answers.
 FINGERPRINT = "request_fingerprint"
@@ -78,6 +82,8 @@ class BatchRequest:
     chat_options: dict = field(default_factory=dict)  # CHAT_OPTIONS given with messages
     tools: ToolRequest | None = None  # what it says of tools, where it offers some
     tool_fields: dict = field(default_factory=dict)  # TOOL_FIELDS as given (with tools offered)
+    embedding: EmbeddingAsk | None = None  # a /v1/embeddings line's ask (then no prompt fields)
+    input_token_ids: list | None = None  # an embedding line's inputs as token ids, once prepared
     sampling: dict = field(default_factory=dict)  # per-request SamplingParams fields
     chat: bool = False  # OpenAI chat completion (the output is a chat.completion object)
     logprobs_style: str | None = None  # "completions" / "chat" when OpenAI logprobs were asked
@@ -152,6 +158,8 @@ def request_fingerprint(req: BatchRequest, line: str) -> str:
     output's meta.json holds those."""
     if req.error is not None:
         basis = json.dumps(["line", line.strip()])
+    elif req.embedding is not None:
+        basis = json.dumps(req.embedding.fingerprint_basis(), sort_keys=True)
     else:
         asked = [req.prompt, req.prompt_token_ids, req.messages, req.sampling, req.chat, req.logprobs_style]
         # chat options only where given: the fingerprints of records written before they existed stay
@@ -305,12 +313,14 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
     if obj.get("method", "POST") != "POST":
         return f"{where}: method must be POST, got {obj.get('method')!r}"
     url = obj.get("url")
-    if url not in (COMPLETIONS_URL, CHAT_URL):
-        return f"{where}: url must be {COMPLETIONS_URL} or {CHAT_URL}, got {url!r}"
+    if url not in URLS:
+        return f"{where}: url must be {', '.join(URLS[:-1])} or {URLS[-1]}, got {url!r}"
     req.chat = url == CHAT_URL
     body = obj.get("body")
     if not isinstance(body, dict):
         return f"{where}: \"body\" must be an object"
+    if url == EMBEDDINGS_URL:
+        return _embedding_body(req, body)
     if error := _unknown_body_fields(req, body):
         return error
     for name, neutral in _UNSUPPORTED_OPENAI.items():
@@ -323,6 +333,23 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
         req.sampling["max_tokens"] = body["max_completion_tokens"]
     error = _openai_logprobs(req, body) or _openai_response_format(req, body)
     return error or _set_prompt(req, body, ("messages",) if req.chat else ("prompt",))
+
+
+def _embedding_body(req: BatchRequest, body: dict) -> str | None:
+    unknown = sorted(set(body) - EMBEDDING_BODY_FIELDS)
+    if unknown:
+        return (f"line {req.line}: unknown body field(s) {unknown}; a {EMBEDDINGS_URL} body takes "
+                f"{', '.join(sorted(EMBEDDING_BODY_FIELDS))}")
+    try:
+        req.embedding = read_embedding_body(body)
+    except FlexSarathiError as exc:
+        return f"line {req.line}: {exc}"
+    return None
+
+
+def request_url(req: BatchRequest) -> str:
+    """The url an OpenAI line asked (of a line that parsed)."""
+    return EMBEDDINGS_URL if req.embedding is not None else CHAT_URL if req.chat else COMPLETIONS_URL
 
 
 def _unknown_body_fields(req: BatchRequest, body: dict) -> str | None:
@@ -469,6 +496,8 @@ def _stable_id(prefix: str, key: str) -> str:
 
 
 def _openai_result(req: BatchRequest, output, model: str, decode) -> dict:
+    if req.embedding is not None:  # output: the line's EmbeddingRequestOutputs, in input order
+        return _openai_line(req, None, embedding_body(output, model, req.embedding.encoding_format))
     choices = []
     for c in output.outputs:
         content, calls, finish = tool_reply(req, c, decode)
@@ -482,6 +511,14 @@ def _openai_result(req: BatchRequest, output, model: str, decode) -> dict:
     body = {"id": _stable_id("chatcmpl-" if req.chat else "cmpl-", req.key),
             "object": "chat.completion" if req.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage(output)}
+    return _openai_line(req, None, body)
+
+
+def _openai_line(req: BatchRequest, id_prefix: str | None, body: dict) -> dict:
+    """The output line of a finished request: its response body (with an id of its own where the
+    body has none: OpenAI's embeddings list has none)."""
+    if id_prefix is not None:
+        body = {"id": _stable_id(id_prefix, req.key), **body}
     return _fingerprinted({"id": _stable_id("batch_req_", req.key), "custom_id": req.id,
                            "response": {"status_code": 200, "request_id": _stable_id("req_", req.key),
                                         "body": body}, "error": None}, req)

@@ -310,8 +310,7 @@ class LLMEngine:
         self.source, self.tokenizer = opened.source, opened.tokenizer
         self.source.use_for(compress_weight=e.policy.compress_weight, weights_on_disk=e.policy.w_disk > 0)
         self.config, self.model = self.source.config, self.source.model
-        # an embedding engine's default for PoolingParams.normalize (the checkpoint's modules.json)
-        self.normalize_embeddings = embedding_normalized(e.model) if e.task == "embed" else True
+        self.normalize_embeddings = self._embedding_normalized()
         self.dtype = resolve_dtype(e.dtype, self.config.checkpoint_dtype, self.device)
         self._spec: ModelSpec | None = None  # the planner's view of this model and dtype (_working_bytes)
         self.policy = p = e.policy
@@ -348,6 +347,16 @@ class LLMEngine:
         self.closed = False
         self.stats = {"graph_passes": 0}  # decode passes replayed from a CUDA graph
         self._closed_because = "LLM.close() was called"
+
+    def _embedding_normalized(self) -> bool:
+        """An embedding engine's default for PoolingParams.normalize (the checkpoint's modules.json);
+        CheckpointError where a checkpoint without its LM head is asked to generate."""
+        e = self.engine_config
+        if self.source.headless and e.task != "embed":
+            raise CheckpointError(f"{e.model} holds no lm_head.weight and config.json says the head is not tied: a "
+                                  "base model saved without its head (an embedding model) embeds, with "
+                                  'LLM(model, task="embed"), but cannot generate')
+        return embedding_normalized(e.model) if e.task == "embed" else True
 
     def _reserve_dequant_scratch(self) -> None:
         """On a GPU, quant/fused.py's one dequantized weight at a time (the largest 4-bit weight)."""

@@ -6,6 +6,7 @@ RAM never sits in RAM whole.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -108,6 +109,9 @@ class WeightSource(ABC):
 
     config: ModelConfig
     model: ModelMath  # the family's math, built from config
+    # A base model saved without its LM head (an embedding model: Qwen3-Embedding, e5-mistral): it
+    # embeds (task="embed") and cannot generate; its config is read as tied (the head never used).
+    headless: bool = False
 
     @property
     @abstractmethod
@@ -196,10 +200,13 @@ class SafetensorsCheckpoint(WeightSource):
     def __init__(self, folder: str):
         self.folder = folder
         self.config = ModelConfig.from_folder(folder)
-        self.model = build_model_math(self.config)
         self._handles: dict[str, object] = {}  # file path -> open safetensors handle (headers only)
         self._pread = PreadReader()  # tensors' bytes: read into fresh memory, not mapped (safetensors_pread.py)
         self._file_of = self._index_tensors()  # HF tensor name -> file path
+        if not self.config.tie_word_embeddings and "lm_head.weight" not in self._file_of:
+            self.headless = True  # read as tied: the model math then asks for no head of its own
+            self.config = dataclasses.replace(self.config, tie_word_embeddings=True)
+        self.model = build_model_math(self.config)
         self._validate_shapes()
         self._refuse_unused()
 

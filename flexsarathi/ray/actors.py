@@ -49,8 +49,10 @@ class EngineActor:
         self.name = f"{ray.util.get_node_ip_address()}:{os.getpid()}"
 
     def run(self, prompts: list, params) -> Iterator:
-        """(index, RequestOutput) as requests finish."""
-        return self.llm.generate_iter(prompts, params, use_tqdm=False, on_error="record")
+        """(index, RequestOutput) as requests finish; (index, EmbeddingRequestOutput) on an engine
+        of task "embed" (params: PoolingParams)."""
+        run = self.llm.embed_iter if self.llm.engine.engine_config.task == "embed" else self.llm.generate_iter
+        return run(prompts, params, use_tqdm=False, on_error="record")
 
     def batch_stats(self) -> dict:
         engine = self.llm.engine

@@ -112,7 +112,8 @@ def _collect(dataset, total: int, on_output, say, progress: bool) -> dict:
             recorded.add(index)
             output = pickle.loads(blob)
             on_output(index, output)
-            generated += sum(len(c.token_ids) for c in output.outputs)
+            # an embedding (EmbeddingRequestOutput: one EmbeddingOutput, or None) generates nothing
+            generated += sum(len(c.token_ids) for c in output.outputs) if isinstance(output.outputs, list) else 0
             bar.update(1)
             bar.set_postfix_str(f"gen {generated / (time.perf_counter() - start):.1f} tok/s", refresh=False)
     finally:

@@ -11,9 +11,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from flexsarathi.cli.embedding_requests import EmbeddingLines, GenerationLines
 from flexsarathi.cli.generate import _prepare, _recorder
-from flexsarathi.cli.request_files import (CHAT_URL, COMPLETIONS_URL, BatchRequest, error_record, is_error_record,
-                                           read_requests)
+from flexsarathi.cli.request_files import BatchRequest, error_record, is_error_record, read_requests, request_url
 from flexsarathi.cli.result_file import ResultFile
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.serve.schemas import Batch, BatchError, BatchErrors, RequestCounts
@@ -38,6 +38,7 @@ class ServeEngine:
     sampling: dict  # SamplingParams defaults for fields a request body leaves out
     seed: int  # a request without its own seed samples with one derived from this and its custom_id
     tool_call_parser: str | None = None  # the format tool calls are read in (None: the chat template's)
+    task: str = "generate"  # "embed": an embedding engine, its batches for /v1/embeddings
 
 
 class InputFileError(FlexSarathiError):
@@ -81,7 +82,7 @@ def _count_requests(requests: list[BatchRequest], file_id: str, endpoint: str) -
             errors.append(BatchError(code="duplicate_custom_id", param="custom_id", line=req.line,
                                      message=f"custom_id {req.id!r} on line {req.line} was used on line "
                                              f"{first_line[req.key]}: custom_ids must be unique"))
-        url = CHAT_URL if req.chat else COMPLETIONS_URL
+        url = request_url(req)
         if req.error is None and url != endpoint:
             errors.append(BatchError(code="mismatched_endpoint", param="url", line=req.line,
                                      message=f"line {req.line} is for {url}, the batch for {endpoint}"))
@@ -111,12 +112,15 @@ def run_batch(engine: ServeEngine, store: Store, batch: Batch, stop: Callable[[]
         runnable = [r for r in pending if not r.error]
         record = _recorder("openai", out, tokenizer, engine.model_name)
         finished = 0
-        for index, output in engine.llm.generate_iter([r.prompt_token_ids for r in runnable],
-                                                      [params[r.key] for r in runnable], use_tqdm=False,
-                                                      on_error="record", stop=stop):
-            failed = record(runnable[index], output)
-            store.count_requests(batch.id, completed=1 - failed, failed=failed)
-            finished += 1
+        embeds = engine.task == "embed"
+        lines = (EmbeddingLines if embeds else GenerationLines)(runnable)
+        run = engine.llm.embed_iter if embeds else engine.llm.generate_iter
+        for index, output in run(lines.prompts(), lines.params(params), use_tqdm=False, on_error="record", stop=stop):
+            done = lines.add(index, output)
+            if done is not None:
+                failed = record(*done)
+                store.count_requests(batch.id, completed=1 - failed, failed=failed)
+                finished += 1
         return finished == len(runnable)
     finally:
         out.close()

@@ -25,6 +25,7 @@ import sys
 from flexsarathi.cli.engine_args import add_model_args, build_llm, describe_policy
 from flexsarathi.cli.file_checks import positive_int
 from flexsarathi.cli.generate import add_tool_call_parser_arg
+from flexsarathi.engine.pooling import TASKS
 from flexsarathi.errors import FlexSarathiError
 
 API_KEY_ENV = "FLEXSARATHI_API_KEY"
@@ -57,6 +58,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="a request without its own seed samples with one "
                    "derived from this and its custom_id, so a resumed batch samples what an uninterrupted one would")
     add_tool_call_parser_arg(g)
+    g.add_argument("--task", choices=TASKS, default="generate",
+                   help="generate (batches for /v1/completions and /v1/chat/completions) or embed (batches for "
+                        "/v1/embeddings: the last token's final hidden state)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -137,6 +141,7 @@ def build_engine(args):
     name = os.path.realpath(args.model) if os.path.isdir(args.model) else args.model
     meta = {"job": "flexsarathi serve", "format": "openai", "model": name, "weights": opened.source.fingerprint,
             "dtype": args.dtype, "seed": args.seed, "sampling": sampling,
-            **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {})}
+            **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {}),
+            **({"task": args.task} if args.task != "generate" else {})}
     return ServeEngine(llm=llm, model_name=os.path.basename(os.path.normpath(args.model)), meta=meta,
-                       sampling=sampling, seed=args.seed, tool_call_parser=args.tool_call_parser)
+                       sampling=sampling, seed=args.seed, tool_call_parser=args.tool_call_parser, task=args.task)

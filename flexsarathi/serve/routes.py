@@ -17,6 +17,7 @@ from fastapi import File, Form, Query, Request, UploadFile
 from fastapi.responses import Response, StreamingResponse
 from python_multipart.multipart import parse_options_header
 
+from flexsarathi.cli.embedding_requests import EMBEDDINGS_URL
 from flexsarathi.serve.batch_job import InputFileError, validate_input
 from flexsarathi.serve.schemas import (FINAL_STATUSES, Batch, BatchCreate, BatchErrors, BatchList, FileDeleted,
                                        FileList, FileObject, ModelCard, ModelList, RequestCounts)
@@ -170,6 +171,11 @@ def create_batch(request: Request, body: BatchCreate) -> Batch:
     batch with its `errors`; a good one is queued in_progress and its requests run in turn."""
     state = request.app.state
     source = _input_file(state.store, body.input_file_id)
+    embeds = state.engine.task == "embed"
+    if embeds != (body.endpoint == EMBEDDINGS_URL):
+        raise ApiError(400, f"this server {'embeds' if embeds else 'generates'} (flexsarathi serve --task "
+                            f"{'embed' if embeds else 'generate'}): its batches are for "
+                            f"{EMBEDDINGS_URL if embeds else '/v1/completions or /v1/chat/completions'}", "endpoint")
     batch = Batch(id="batch_" + uuid.uuid4().hex[:24], endpoint=body.endpoint, model=state.engine.model_name,
                   input_file_id=body.input_file_id, completion_window=body.completion_window,
                   status="validating", created_at=int(time.time()), metadata=body.metadata)

@@ -83,7 +83,7 @@ class BatchCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     input_file_id: str
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
     completion_window: Literal["24h"]  # the one window OpenAI accepts
     metadata: dict[str, str] | None = None
 

@@ -122,7 +122,7 @@ def test_openai_batch_with_chat(chat_dir, tmp_path):
              {"custom_id": "c2", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "m", "messages": [{"role": "user", "content": "A story"}], "max_tokens": 5,
                        "temperature": 0, "logprobs": True, "top_logprobs": 2}},
-             {"custom_id": "c3", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+             {"custom_id": "c3", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}},
              {"custom_id": "c4", "method": "POST", "url": "/v1/completions"}]
     src = write_lines(tmp_path / "batch.jsonl", lines)
     cli("generate", "--model", chat_dir, "--input", src, "--output", str(tmp_path / "o.jsonl"), "--quiet",

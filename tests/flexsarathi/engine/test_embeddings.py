@@ -119,3 +119,23 @@ def test_misuse_is_one_error_naming_it(tiny_checkpoint):
     for bad, message in ((0, "dimensions must be None or an integer >= 1"), ("yes", "normalize must be True")):
         with pytest.raises(FlexSarathiError, match=message):
             PoolingParams(**({"dimensions": bad} if message.startswith("dimensions") else {"normalize": bad}))
+
+
+def test_a_base_model_saved_without_its_head_embeds_and_refuses_to_generate(tiny_checkpoint, tmp_path):
+    """Embedding checkpoints are base models (transformers' LlamaModel: no "model." prefix, no
+    lm_head.weight) with an untied config: they load for task "embed", equal to the whole model's
+    embeddings, and are refused for generation, saying why."""
+    folder, hf = tiny_checkpoint("llama_gqa_untied")
+    base = tmp_path / "base"
+    hf.model.save_pretrained(base, safe_serialization=True)
+    from safetensors import safe_open
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" not in names and "embed_tokens.weight" in names  # as such checkpoints are saved
+    with LLM(str(base), dtype="float32", task="embed") as llm:
+        got = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
+    for ids, embedding in zip(PROMPTS, got):
+        torch.testing.assert_close(torch.tensor(embedding), reference(hf, ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(CheckpointError, match="holds no lm_head.weight .* embeds, with LLM\\(model, task=\"embed\"\\), "
+                                              "but cannot generate"):
+        LLM(str(base), dtype="float32")

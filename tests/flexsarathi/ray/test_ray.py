@@ -156,6 +156,34 @@ def test_ray_output_equals_single_process(stories_dir, cluster, tmp_path):
 
 
 @needs_ray
+def test_ray_embedding_lines_equal_single_process(stories_dir, cluster, tmp_path):
+    """/v1/embeddings lines on 2 actors, batches of 2 (a line's inputs may land on both): each line's
+    record gathers its inputs' embeddings back in order, equal to the single-process run's to
+    float32 rounding (another batching of the same prompts)."""
+    from tests.flexsarathi.cli.test_cli_embeddings import LINES
+
+    lines = [ln for ln in LINES if ln["body"].get("encoding_format") != "base64"]  # floats, to compare
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    args = ["generate", "--model", stories_dir, "--input", src, "--dtype", "float32"]
+    single_process(args + ["--output", str(tmp_path / "single.jsonl"), "--quiet"], rc=1)
+    proc = cli(*args, "--output", str(tmp_path / "ray.jsonl"), "--ray", "--ray-address", cluster,
+               "--ray-actors", "2", "--ray-batch-size", "2")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    got = {r["custom_id"]: r for r in map(json.loads, sorted_records(tmp_path / "ray.jsonl"))}
+    expected = {r["custom_id"]: r for r in map(json.loads, sorted_records(tmp_path / "single.jsonl"))}
+    assert got.keys() == expected.keys() and sum(r["error"] is None for r in got.values()) == 3
+    for key, record in expected.items():
+        if record["error"] is not None:
+            assert got[key]["error"] == record["error"]
+            continue
+        data, ref = got[key]["response"]["body"]["data"], record["response"]["body"]["data"]
+        assert [d["index"] for d in data] == [d["index"] for d in ref]
+        for d, r in zip(data, ref):
+            assert d["embedding"] == pytest.approx(r["embedding"], abs=1e-5)
+    assert "prompt tok/s" in proc.stdout
+
+
+@needs_ray
 def test_ray_dummy_model_with_disk_weights_on_a_local_instance(tmp_path):
     """No --ray-address: the CLI starts (and stops) its own instance. Half the weights stream
     from disk; each actor claims its own offload folder."""

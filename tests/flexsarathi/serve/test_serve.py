@@ -32,7 +32,7 @@ def by_request(records: list[dict]) -> dict:
     for r in records:
         r = json.loads(json.dumps(r))
         if r.get("response"):
-            r["response"]["body"].pop("created")
+            r["response"]["body"].pop("created", None)  # an embeddings body has none
         key = r["custom_id"] if r.get("custom_id") is not None else f"line {r['line']}"
         assert key not in out, f"{key} has two records"
         out[key] = r
@@ -254,3 +254,34 @@ def test_a_batch_of_tool_calls_equals_generate_with_the_same_parser(stories_dir,
     assert by_request(records) == generated(str(folder), src, tmp_path, "--max-tokens", "120",
                                                    "--tool-call-parser", "hermes")
     assert by_request(records)["auto-call"]["response"]["body"]["choices"][0]["message"]["tool_calls"]
+
+
+def test_an_embedding_server_runs_embeddings_batches_as_generate_does(stories_dir, tmp_path):
+    """`serve --task embed`: a /v1/embeddings batch gives the records `generate` writes for the same
+    file; a batch for another endpoint is refused (400 naming the endpoint), before it is queued."""
+    from tests.flexsarathi.cli.test_cli_embeddings import LINES
+
+    src = write_lines(tmp_path / "embed.jsonl", LINES)
+    srv = Server(tmp_path / "data", "--model", stories_dir, "--dtype", "float32", "--task", "embed").start()
+    try:
+        client = srv.client()
+        batch = wait_until_ended(client, submit(client, src, "/v1/embeddings").id)
+        records = downloaded(client, batch.output_file_id) + downloaded(client, batch.error_file_id)
+        with open(src, "rb") as f:
+            uploaded = client.files.create(file=f, purpose="batch")
+        with pytest.raises(openai.BadRequestError, match="this server embeds .* its batches are for /v1/embeddings"):
+            client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    finally:
+        srv.stop()
+    assert batch.status == "failed" and "line 5 is for /v1/completions" in batch.errors.data[0].message
+    lines = [ln for ln in LINES if ln["url"] == "/v1/embeddings"]
+    src = write_lines(tmp_path / "embed-only.jsonl", lines)
+    srv = Server(tmp_path / "data2", "--model", stories_dir, "--dtype", "float32", "--task", "embed").start()
+    try:
+        client = srv.client()
+        batch = wait_until_ended(client, submit(client, src, "/v1/embeddings").id)
+        records = downloaded(client, batch.output_file_id) + downloaded(client, batch.error_file_id)
+    finally:
+        srv.stop()
+    assert batch.status == "completed" and batch.request_counts.failed == 3
+    assert by_request(records) == generated(stories_dir, src, tmp_path)

@@ -1,0 +1,86 @@
+"""`flexsarathi generate` on OpenAI Batch lines for /v1/embeddings (stories260K): every input form
+OpenAI takes (a string, several, token ids), `dimensions` and base64 `encoding_format`; each body is
+an embeddings response the official openai client reads, its vectors LLM(task="embed").embed's of
+the same inputs; a line for another url, a bad field or an input the context cannot hold is that
+line's error record; a job cut short resumes to the uninterrupted file."""
+from __future__ import annotations
+
+import base64
+import struct
+
+import pytest
+import torch
+
+from flexsarathi import LLM, PoolingParams
+from flexsarathi.cli.main import main
+from tests.flexsarathi.cli.test_cli_generate import records, write_lines
+
+openai_types = pytest.importorskip("openai.types")
+
+
+def line(custom_id: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", **body}}
+
+
+LINES = [line("one", input="Once upon a time"),
+         line("many", input=["Lily wanted to", "The little dog"], dimensions=8, encoding_format="base64"),
+         line("ids", input=[1, 403, 407, 261]),
+         line("id lists", input=[[1, 403], [1, 407, 261]], user="u"),
+         {"custom_id": "text", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "Hi"}},
+         line("too long", input=["fine", [5] * 600]),
+         line("bad format", input="x", encoding_format="int8"),
+         line("typo", input="x", dimension=8)]
+
+
+def run(stories_dir: str, tmp_path, name: str = "out") -> dict:
+    src = write_lines(tmp_path / "in.jsonl", LINES)
+    out = tmp_path / f"{name}.jsonl"
+    assert main(["generate", "--model", stories_dir, "--input", src, "--output", str(out), "--dtype", "float32",
+                 "--quiet"]) == 1  # error records
+    return {r["custom_id"]: r for r in records(out)}
+
+
+def test_embedding_lines_equal_llm_embed(stories_dir, tmp_path):
+    got = run(stories_dir, tmp_path)
+    with LLM(stories_dir, dtype="float32", task="embed") as llm:
+        one, *many = llm.embed(["Once upon a time", "Lily wanted to", "The little dog"], use_tqdm=False)
+        cut = llm.embed(["Lily wanted to", "The little dog"], PoolingParams(dimensions=8), use_tqdm=False)
+        ids = llm.embed([[1, 403, 407, 261], [1, 403], [1, 407, 261]], use_tqdm=False)
+    bodies = {key: r["response"]["body"] for key, r in got.items() if r["error"] is None}
+    assert sorted(bodies) == ["id lists", "ids", "many", "one"]
+    for key, body in bodies.items():  # the client reads them (a base64 body as its raw response: decoded after)
+        if key != "many":
+            openai_types.CreateEmbeddingResponse.model_validate(body)
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(bodies["one"]["data"][0]["embedding"]),
+                               torch.tensor(one.outputs.embedding), **close)
+    assert bodies["one"]["usage"] == {"prompt_tokens": len(one.prompt_token_ids),
+                                      "total_tokens": len(one.prompt_token_ids)}
+    for k, (item, expected) in enumerate(zip(bodies["many"]["data"], cut)):
+        floats = struct.unpack("<8f", base64.b64decode(item["embedding"]))  # OpenAI's base64: float32 bytes
+        assert item["index"] == k
+        torch.testing.assert_close(torch.tensor(floats), torch.tensor(expected.outputs.embedding), **close)
+        assert abs(torch.tensor(floats).norm().item() - 1) < 1e-5  # cut, then normalized
+    vectors = [d["embedding"] for d in bodies["ids"]["data"] + bodies["id lists"]["data"]]
+    torch.testing.assert_close(torch.tensor(vectors), torch.tensor([o.outputs.embedding for o in ids]), **close)
+    assert len(many) == 2
+
+    errors = {key: r["error"]["message"] for key, r in got.items() if r["error"] is not None}
+    assert "this job embeds (its first request, line 1, is for /v1/embeddings): a /v1/completions" in errors["text"]
+    assert errors["too long"] == "line 6: input 1: prompt has 600 tokens, more than the model's context of 512"
+    assert 'body.encoding_format must be "float" or "base64"' in errors["bad format"]
+    assert "unknown body field(s) ['dimension']" in errors["typo"]
+
+
+def test_a_job_cut_short_resumes_to_the_uninterrupted_file(stories_dir, tmp_path):
+    whole = run(stories_dir, tmp_path, "whole")
+    path = tmp_path / "cut.jsonl"
+    run(stories_dir, tmp_path, "cut")
+    kept = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(kept[:3]))  # the job stopped after three records
+    again = run(stories_dir, tmp_path, "cut")
+    assert again.keys() == whole.keys()
+    for key in whole:
+        assert again[key]["error"] == whole[key]["error"]
+        if whole[key]["error"] is None:
+            assert again[key]["response"] == whole[key]["response"]
