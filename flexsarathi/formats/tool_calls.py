@@ -24,6 +24,7 @@ from flexsarathi.errors import FlexSarathiError
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 CHOICES = ("none", "auto", "required")
+MAX_TOOLS = 128  # OpenAI's limit: a "required" grammar over thousands of functions would compile for minutes
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 _TOOL_FIELDS = {"type", "function"}
 _FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
@@ -112,6 +113,9 @@ def check_tools(tools, where: str = "tools") -> list[dict]:
     if not isinstance(tools, list):
         raise FlexSarathiError(f"{where} must be a list of {{\"type\": \"function\", \"function\": {{...}}}} "
                                f"objects, got {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise FlexSarathiError(f"{where} offers {len(tools)} functions; a request offers at most {MAX_TOOLS} "
+                               "(OpenAI's limit)")
     seen: dict[str, int] = {}
     for i, tool in enumerate(tools):
         name = _check_tool(tool, f"{where}[{i}]")

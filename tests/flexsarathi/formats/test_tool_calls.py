@@ -91,6 +91,8 @@ def test_arguments_written_as_a_json_text_are_taken_as_they_are():
     ({"tools": TOOLS, "tool_choice": "always"}, r"tool_choice must be \"none\", \"auto\", \"required\""),
     ({"tools": [], "tool_choice": "required"}, r"tool_choice 'required' needs tools"),
     ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls must be true or false"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+     "body.tools offers 129 functions; a request offers at most 128"),
 ])
 def test_wrong_tool_fields_are_refused_by_name(fields, message):
     with pytest.raises(FlexSarathiError, match=message):
