@@ -25,39 +25,43 @@ class EmbeddingAsk:
     inputs: list
     dimensions: int | None = None
     encoding_format: str = "float"
+    normalize: bool | None = None  # a JSONL record's (OpenAI's bodies have no such field)
 
     def fingerprint_basis(self) -> list:
-        return ["embed", self.inputs, self.dimensions, self.encoding_format]
+        return ["embed", self.inputs, self.dimensions, self.encoding_format, self.normalize]
 
 
-def read_embedding_body(body: dict) -> EmbeddingAsk:
-    """The body's ask; FlexSarathiError naming the field that is wrong."""
-    inputs = _inputs(body.get("input"))
+def read_embedding_body(body: dict, where: str = "body.") -> EmbeddingAsk:
+    """The body's (or a JSONL record's, where="") ask; FlexSarathiError naming the field that is wrong."""
+    inputs = _inputs(body.get("input"), where)
     encoding = body.get("encoding_format", "float")
     if encoding not in ENCODINGS:
-        raise FlexSarathiError(f"body.encoding_format must be \"float\" or \"base64\", got {encoding!r}")
+        raise FlexSarathiError(f"{where}encoding_format must be \"float\" or \"base64\", got {encoding!r}")
     dimensions = body.get("dimensions")
     if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1):
-        raise FlexSarathiError(f"body.dimensions must be an integer >= 1, got {dimensions!r}")
-    return EmbeddingAsk(inputs, dimensions, encoding)
+        raise FlexSarathiError(f"{where}dimensions must be an integer >= 1, got {dimensions!r}")
+    normalize = body.get("normalize")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise FlexSarathiError(f"{where}normalize must be true or false, got {normalize!r}")
+    return EmbeddingAsk(inputs, dimensions, encoding, normalize)
 
 
-def _inputs(value) -> list:
+def _inputs(value, where: str) -> list:
     if isinstance(value, str):
         value = [value]
     elif isinstance(value, list) and value and all(_is_token(t) for t in value):
         value = [value]  # one input of token ids
     if not isinstance(value, list) or not value:
-        raise FlexSarathiError("body.input must be a non-empty string, a list of strings, a list of token ids "
+        raise FlexSarathiError(f"{where}input must be a non-empty string, a list of strings, a list of token ids "
                                f"or a list of those, got {type(value).__name__}")
     if len(value) > MAX_INPUTS:
-        raise FlexSarathiError(f"body.input holds {len(value)} inputs; a request takes at most {MAX_INPUTS}")
+        raise FlexSarathiError(f"{where}input holds {len(value)} inputs; a request takes at most {MAX_INPUTS}")
     for k, item in enumerate(value):
         if isinstance(item, str):
             if not item:
-                raise FlexSarathiError(f"body.input[{k}] is empty")
+                raise FlexSarathiError(f"{where}input[{k}] is empty")
         elif not (isinstance(item, list) and item and all(_is_token(t) for t in item)):
-            raise FlexSarathiError(f"body.input[{k}] must be a non-empty string or list of token ids, "
+            raise FlexSarathiError(f"{where}input[{k}] must be a non-empty string or list of token ids, "
                                    f"got {item!r:.60}")
     return value
 

@@ -21,7 +21,7 @@ from importlib import resources
 
 from flexsarathi.cli.embedding_requests import EmbeddingLines, GenerationLines
 from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
-                                          request_url, result_record)
+                                          result_record)
 from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
                                     resolve_policy)
 from flexsarathi.cli.console import say as say_line
@@ -221,9 +221,9 @@ def _job_task(pending: list[BatchRequest]) -> str:
     task = "embed" if first.embedding is not None else "generate"
     for req in pending:
         if not req.error and (req.embedding is not None) != (task == "embed"):
-            req.error = (f"line {req.line}: this job {'embeds' if task == 'embed' else 'generates'} (its first "
-                         f"request, line {first.line}, is for {request_url(first)}): a {request_url(req)} line "
-                         "goes in a file of its own")
+            other = "a request for text" if task == "embed" else "an embedding request"
+            req.error = (f"line {req.line}: this job {'embeds' if task == 'embed' else 'generates text'} (as its "
+                         f"first request, line {first.line}, asks): {other} goes in a file of its own")
     return task
 
 
@@ -321,7 +321,7 @@ def _prepare_embedding(req: BatchRequest, tokenizer) -> PoolingParams | None:
             except FlexSarathiError as exc:
                 raise FlexSarathiError(f"input {k}: {exc}") from None
         req.input_token_ids = ids
-        return PoolingParams(dimensions=req.embedding.dimensions)
+        return PoolingParams(dimensions=req.embedding.dimensions, normalize=req.embedding.normalize)
     except FlexSarathiError as exc:
         req.error = f"line {req.line}: {exc}"
         return None

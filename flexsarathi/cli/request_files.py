@@ -38,6 +38,7 @@ CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_templat
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 JSONL_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS, *CHAT_OPTIONS,
                 *TOOL_FIELDS)
+JSONL_EMBEDDING_FIELDS = ("id", "input", "dimensions", "normalize")  # a record with "input" asks for embeddings
 # What an OpenAI request body names otherwise, as a JSONL record names it.
 _OPENAI_NAMES = {"response_format": "structured_outputs", "max_completion_tokens": "max_tokens",
                  "top_logprobs": "logprobs"}
@@ -222,12 +223,28 @@ def _jsonl_request(line: int, text: str) -> BatchRequest:
     if isinstance(request_id, str) and (error := _not_unicode(line, '"id"', request_id)):
         return BatchRequest(line=line, error=error)
     req = BatchRequest(line=line, id=request_id)
+    if "input" in obj:  # an embedding record
+        return _jsonl_embedding(req, obj)
     unknown = set(obj) - set(JSONL_FIELDS)
     if unknown:
         req.error = f"line {line}: unknown field(s) {sorted(unknown)}{_unknown_hint(sorted(unknown))}"
         return req
     req.sampling = {k: obj[k] for k in (*SAMPLING_FIELDS, "logprobs") if k in obj}
     req.error = _set_prompt(req, obj, ("prompt", "prompt_token_ids", "messages"))
+    return req
+
+
+def _jsonl_embedding(req: BatchRequest, obj: dict) -> BatchRequest:
+    """{"id", "input", "dimensions", "normalize"}: the input's embeddings (flexsarathi/cli/embedding_requests.py)."""
+    unknown = sorted(set(obj) - set(JSONL_EMBEDDING_FIELDS))
+    if unknown:
+        req.error = (f"line {req.line}: an embedding record (it has \"input\") takes {', '.join(JSONL_EMBEDDING_FIELDS)}; "
+                     f"it also has {unknown}")
+        return req
+    try:
+        req.embedding = read_embedding_body(obj, where="")
+    except FlexSarathiError as exc:
+        req.error = f"line {req.line}: {exc}"
     return req
 
 
@@ -418,6 +435,10 @@ def result_record(fmt: str, req: BatchRequest, output, model: str, decode) -> di
     token strings), None for a model without one."""
     if fmt == "openai":
         return _openai_result(req, output, model, decode)
+    if req.embedding is not None:  # output: the record's EmbeddingRequestOutputs, in input order
+        tokens = sum(len(o.prompt_token_ids) for o in output)
+        return _fingerprinted({"id": req.id, "embeddings": [o.outputs.embedding for o in output],
+                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, req)
     first = output.outputs[0]
     record = {"id": req.id, "prompt": req.prompt if req.prompt is not None else output.prompt,
               "text": first.text, "token_ids": first.token_ids, "finish_reason": first.finish_reason,

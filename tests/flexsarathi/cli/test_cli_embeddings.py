@@ -66,7 +66,8 @@ def test_embedding_lines_equal_llm_embed(stories_dir, tmp_path):
     assert len(many) == 2
 
     errors = {key: r["error"]["message"] for key, r in got.items() if r["error"] is not None}
-    assert "this job embeds (its first request, line 1, is for /v1/embeddings): a /v1/completions" in errors["text"]
+    assert errors["text"] == ("line 5: this job embeds (as its first request, line 1, asks): a request for text goes "
+                              "in a file of its own")
     assert errors["too long"] == "line 6: input 1: prompt has 600 tokens, more than the model's context of 512"
     assert 'body.encoding_format must be "float" or "base64"' in errors["bad format"]
     assert "unknown body field(s) ['dimension']" in errors["typo"]
@@ -84,3 +85,31 @@ def test_a_job_cut_short_resumes_to_the_uninterrupted_file(stories_dir, tmp_path
         assert again[key]["error"] == whole[key]["error"]
         if whole[key]["error"] is None:
             assert again[key]["response"] == whole[key]["response"]
+
+
+def test_jsonl_embedding_records(stories_dir, tmp_path):
+    """A JSONL record with "input" (and "dimensions", "normalize") asks for embeddings: its record
+    holds them in input order, as LLM.embed gives them; a record mixing in generation fields, or a
+    text request in an embedding job, is that line's error."""
+    lines = [{"id": "a", "input": "Once upon a time"},
+             {"id": "b", "input": ["Lily wanted to", [1, 403, 407]], "dimensions": 8, "normalize": False},
+             {"id": "c", "input": "x", "max_tokens": 3},
+             {"id": "d", "prompt": "Once"},
+             {"id": "e", "input": "x", "normalize": "yes"}]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", stories_dir, "--input", src, "--output", str(out), "--dtype", "float32",
+                 "--quiet"]) == 1
+    got = {r["id"]: r for r in records(out)}
+    with LLM(stories_dir, dtype="float32", task="embed") as llm:
+        a = llm.embed("Once upon a time", use_tqdm=False)[0]
+        b = llm.embed(["Lily wanted to", [1, 403, 407]], PoolingParams(dimensions=8, normalize=False), use_tqdm=False)
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got["a"]["embeddings"]), torch.tensor([a.outputs.embedding]), **close)
+    torch.testing.assert_close(torch.tensor(got["b"]["embeddings"]), torch.tensor([o.outputs.embedding for o in b]),
+                               **close)
+    assert got["b"]["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in b)
+    assert "an embedding record (it has \"input\") takes id, input, dimensions, normalize; it also has " \
+           "['max_tokens']" in got["c"]["error"]["message"]
+    assert "this job embeds (as its first request, line 1, asks): a request for text" in got["d"]["error"]["message"]
+    assert got["e"]["error"]["message"] == "line 5: normalize must be true or false, got 'yes'"
