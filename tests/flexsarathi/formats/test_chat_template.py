@@ -16,6 +16,8 @@ from flexsarathi.formats.chat_template import MAX_CHARS, compile_template, rende
 from tests.conftest import REPO
 
 MESSAGES = [{"role": "user", "content": "hello " * 100}]
+DOUBLING = ("{{% set ns = namespace(a='x' * 10000000) %}}{{% for i in range(40) %}}{{% set ns.a = {} %}}"
+            "{{% endfor %}}{{{{ ns.a | length }}}}")
 HOSTILE = [
     ("{{ 'x' * 10**10 }}", "repeats a str of 1 10,000,000,000 times"),
     ("{{ [0] * 10**9 }}", "repeats a list of 1 1,000,000,000 times"),
@@ -29,10 +31,18 @@ HOSTILE = [
     ("{{ '{x:>1000000000}'.format_map({'x': 1}) }}", "passes 1,000,000,000 to a function"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{{ messages[0].content }}{% endfor %}{% endfor %}",
      f"writes more than {MAX_CHARS:,} characters"),
+    # doubling a string in a loop, four ways: each would reach 2**40 x 10 MB
+    (DOUBLING.format("ns.a ~ ns.a"), "joins 20,000,000 characters"),
+    (DOUBLING.format("ns.a + ns.a"), "adds 10,000,000 and 10,000,000 items"),
+    (DOUBLING.format("[ns.a, ns.a] | join"), "joins 20,000,000 characters"),
+    (DOUBLING.format("''.join([ns.a, ns.a])"), "joins 20,000,000 characters"),
+    ("{{ ('x' * 1000).replace('x', 'y' * 1000000) }}", "replaces into 1,000,000,000 characters"),
+    ("{{ ('x' * 1000) | replace('x', 'y' * 1000000) }}", "replaces into 1,000,000,000 characters"),
 ]
 BENIGN = ("{{ 'ab' * 3 }}|{{ 2 ** 10 }}|{{ 'x'.ljust(5) }}|{{ '%5d' | format(3) }}|{{ '{:>4}'.format(1) }}|"
           "{{ messages[0].content[:11] | indent(2, true) }}|{{ messages[0] | tojson(indent=2) | length }}|"
-          "{% for m in messages * 2 %}{{ m.role }}{% endfor %}")
+          "{% for m in messages * 2 %}{{ m.role }}{% endfor %}|{{ 'a' ~ 'b' }}|{{ [1] + [2] }}|"
+          "{{ 'ab'.replace('a', 'c') }}|{{ 'ab' | replace('b', 'd') }}|{{ ['a', 'b'] | join('-') }}|{{ '-'.join(['x', 'y']) }}")
 
 
 @pytest.mark.parametrize("source, message", HOSTILE, ids=[h[1][:30] for h in HOSTILE])
