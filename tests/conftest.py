@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -198,6 +199,14 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[kind]
 
     return make
+
+
+def with_chat_template(stories_dir: str, folder: Path, template: str) -> str:
+    """stories260K copied to `folder` with `template` as its chat template (it ships none)."""
+    shutil.copytree(stories_dir, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    return str(folder)
 
 
 @pytest.fixture(scope="session")

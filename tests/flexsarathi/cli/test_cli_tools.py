@@ -19,6 +19,7 @@ from flexsarathi.cli.request_files import BatchRequest, tool_reply
 from flexsarathi.engine.llm_engine import CompletionOutput
 from flexsarathi.formats.tokenizer import Tokenizer
 from flexsarathi.formats.tool_calls import ToolRequest
+from tests.conftest import with_chat_template
 from tests.flexsarathi.cli.test_cli_generate import chat_dir, cli, records, write_lines  # noqa: F401 (fixture)
 
 pytest.importorskip("xgrammar")
@@ -65,11 +66,7 @@ LINES = [
 
 @pytest.fixture(scope="module")
 def tool_dir(stories_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tools") / "stories-tools"
-    shutil.copytree(stories_dir, folder)
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOL_TEMPLATE}))
-    return str(folder)
+    return with_chat_template(stories_dir, tmp_path_factory.mktemp("tools") / "stories-tools", TOOL_TEMPLATE)
 
 
 def run(model: str, tmp_path, lines, name: str, *extra: str, check_rc: int = 1) -> dict:

@@ -5,7 +5,6 @@ tools rendered by a chat template as transformers renders them."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
 import pytest
@@ -14,6 +13,7 @@ from flexsarathi.errors import FlexSarathiError
 from flexsarathi.formats.tokenizer import Tokenizer
 from flexsarathi.formats.tool_calls import (PARSERS, ToolCall, ToolRequest, read_tool_calls, required_schema,
                                             template_parser)
+from tests.conftest import with_chat_template
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -162,11 +162,7 @@ def test_the_format_comes_from_the_chat_template_or_the_user():
 
 @pytest.fixture(scope="module")
 def tool_chat_dir(stories_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tools") / "stories-tools"
-    shutil.copytree(stories_dir, folder)
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOL_TEMPLATE}))
-    return str(folder)
+    return with_chat_template(stories_dir, tmp_path_factory.mktemp("tools") / "stories-tools", TOOL_TEMPLATE)
 
 
 HISTORY = [{"role": "user", "content": "Weather in Paris?"},

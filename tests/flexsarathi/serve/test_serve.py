@@ -230,58 +230,51 @@ def test_only_loopback_binds_without_a_key():
         check_bind(host, None, allow_no_key=True)
 
 
+def finished_batch(client, src: str, endpoint: str):
+    """(the batch once it ended, its output and error records) of one input file."""
+    batch = wait_until_ended(client, submit(client, src, endpoint).id)
+    return batch, downloaded(client, batch.output_file_id) + downloaded(client, batch.error_file_id)
+
+
 def test_a_batch_of_tool_calls_equals_generate_with_the_same_parser(stories_dir, tmp_path):
     """Chat requests with tools through the server (`--tool-call-parser` given, the template's
     format otherwise): the records `generate` writes with the same parser, calls and ids alike."""
-    import shutil
-
+    from tests.conftest import with_chat_template
     from tests.flexsarathi.cli.test_cli_tools import LINES, TOOL_TEMPLATE
 
-    folder = tmp_path / "stories-tools"
-    shutil.copytree(stories_dir, folder)
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOL_TEMPLATE}))
+    folder = with_chat_template(stories_dir, tmp_path / "stories-tools", TOOL_TEMPLATE)
     src = write_lines(tmp_path / "tools.jsonl", LINES)
-    srv = Server(tmp_path / "data", "--model", str(folder), "--dtype", "float32", "--max-tokens", "120",
+    srv = Server(tmp_path / "data", "--model", folder, "--dtype", "float32", "--max-tokens", "120",
                  "--tool-call-parser", "hermes").start()
     try:
-        client = srv.client()
-        batch = wait_until_ended(client, submit(client, src, "/v1/chat/completions").id)
-        records = downloaded(client, batch.output_file_id) + downloaded(client, batch.error_file_id)
+        batch, records = finished_batch(srv.client(), src, "/v1/chat/completions")
     finally:
         srv.stop()
     assert batch.status == "completed" and batch.request_counts.failed == 3
-    assert by_request(records) == generated(str(folder), src, tmp_path, "--max-tokens", "120",
-                                                   "--tool-call-parser", "hermes")
+    assert by_request(records) == generated(folder, src, tmp_path, "--max-tokens", "120", "--tool-call-parser",
+                                            "hermes")
     assert by_request(records)["auto-call"]["response"]["body"]["choices"][0]["message"]["tool_calls"]
 
 
 def test_an_embedding_server_runs_embeddings_batches_as_generate_does(stories_dir, tmp_path):
     """`serve --task embed`: a /v1/embeddings batch gives the records `generate` writes for the same
-    file; a batch for another endpoint is refused (400 naming the endpoint), before it is queued."""
+    file; a file with a line for another url fails validation, naming it; a batch for another
+    endpoint is refused (400 naming the endpoint) before it is queued."""
     from tests.flexsarathi.cli.test_cli_embeddings import LINES
 
-    src = write_lines(tmp_path / "embed.jsonl", LINES)
+    mixed = write_lines(tmp_path / "embed.jsonl", LINES)
+    src = write_lines(tmp_path / "embed-only.jsonl", [ln for ln in LINES if ln["url"] == "/v1/embeddings"])
     srv = Server(tmp_path / "data", "--model", stories_dir, "--dtype", "float32", "--task", "embed").start()
     try:
         client = srv.client()
-        batch = wait_until_ended(client, submit(client, src, "/v1/embeddings").id)
-        records = downloaded(client, batch.output_file_id) + downloaded(client, batch.error_file_id)
+        refused, _ = finished_batch(client, mixed, "/v1/embeddings")
+        batch, records = finished_batch(client, src, "/v1/embeddings")
         with open(src, "rb") as f:
             uploaded = client.files.create(file=f, purpose="batch")
         with pytest.raises(openai.BadRequestError, match="this server embeds .* its batches are for /v1/embeddings"):
             client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
     finally:
         srv.stop()
-    assert batch.status == "failed" and "line 5 is for /v1/completions" in batch.errors.data[0].message
-    lines = [ln for ln in LINES if ln["url"] == "/v1/embeddings"]
-    src = write_lines(tmp_path / "embed-only.jsonl", lines)
-    srv = Server(tmp_path / "data2", "--model", stories_dir, "--dtype", "float32", "--task", "embed").start()
-    try:
-        client = srv.client()
-        batch = wait_until_ended(client, submit(client, src, "/v1/embeddings").id)
-        records = downloaded(client, batch.output_file_id) + downloaded(client, batch.error_file_id)
-    finally:
-        srv.stop()
+    assert refused.status == "failed" and "line 5 is for /v1/completions" in refused.errors.data[0].message
     assert batch.status == "completed" and batch.request_counts.failed == 3
     assert by_request(records) == generated(stories_dir, src, tmp_path)
