@@ -516,18 +516,18 @@ class LLMEngine:
         """An embedding engine's step after its pass (in place of sample): each request whose prompt
         prefill ended takes its embedding from its last row's final hidden state and finishes;
         a row that is not finite fails its request. No token is sampled (None each)."""
-        seqs = []
-        for item, hidden in outputs:
-            if not item.samples:
-                continue
-            seq, row = item.seq, hidden[-1]
-            if bool(torch.isfinite(row).all()):
+        done = [(item.seq, hidden[-1]) for item, hidden in outputs if item.samples]
+        if not done:
+            return [], []
+        rows = torch.stack([row for _, row in done]).cpu()  # [R, width]: one transfer for the step
+        finite = torch.isfinite(rows).all(dim=1).tolist()
+        for (seq, _), row, ok in zip(done, rows, finite):
+            if ok:
                 seq.embedding = pooled(row, seq.pooling, self.normalize_embeddings)
                 seq.status = SequenceStatus.FINISHED_STOPPED
             else:
                 seq.error = "the model's hidden state for this prompt is not finite (inf or NaN)"
-            seqs.append(seq)
-        return seqs, [None] * len(seqs)
+        return [seq for seq, _ in done], [None] * len(done)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.config.vocab_size

@@ -139,3 +139,29 @@ def test_a_base_model_saved_without_its_head_embeds_and_refuses_to_generate(tiny
     with pytest.raises(CheckpointError, match="holds no lm_head.weight .* embeds, with LLM\\(model, task=\"embed\"\\), "
                                               "but cannot generate"):
         LLM(str(base), dtype="float32")
+
+
+def test_a_hidden_state_that_is_not_finite_fails_its_request_alone(tiny_checkpoint, monkeypatch):
+    """A NaN in one prompt's last hidden state (injected after the pass) fails that request, said so;
+    the others in its pass keep their embeddings."""
+    from flexsarathi.engine.llm_engine import LLMEngine
+
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    forward = LLMEngine.forward
+
+    def poisoned(self, plan):
+        outputs = forward(self, plan)
+        for item, hidden in outputs:
+            if item.seq.prompt_token_ids == PROMPTS[1] and item.samples:
+                with torch.inference_mode():
+                    hidden[-1, 3] = float("nan")
+        return outputs
+
+    with LLM(folder, dtype="float32", task="embed") as llm:
+        clean = llm.embed(PROMPTS, use_tqdm=False)
+        monkeypatch.setattr(LLMEngine, "forward", poisoned)
+        outs = llm.embed(PROMPTS, use_tqdm=False, on_error="record")
+        with pytest.raises(FlexSarathiError, match=r"^prompt 1: the model's hidden state for this prompt is not finite"):
+            llm.embed(PROMPTS, use_tqdm=False)
+    assert outs[1].outputs is None and not outs[1].refused and "not finite (inf or NaN)" in outs[1].error
+    assert [o.outputs.embedding for o in (outs[0], outs[2])] == [o.outputs.embedding for o in (clean[0], clean[2])]
