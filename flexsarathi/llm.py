@@ -62,7 +62,8 @@ class LLM:
             formats = {k: v for k, v in engine_options.items()
                        if k in ("weight_quant", "kv_bits", "kv_value_group", "compress_head")}
             formats["kv_block_size"] = kv_block_size
-            policy = self.search_policy(opened or model, spec, workload, dtype, device=device, formats=formats)
+            policy = self.search_policy(opened or model, spec, workload, dtype, device=device, formats=formats,
+                                        task=engine_options.get("task", "generate"))
         elif isinstance(policy, str):
             policy = Policy.load(policy)
         policy = policy_or_default(policy, engine_options)  # None: as many running as memory holds
@@ -80,17 +81,21 @@ class LLM:
 
     @staticmethod
     def search_policy(model: str | OpenedModel, hardware, workload, dtype, device=None, formats: dict | None = None,
-                      **constraints) -> Policy:
+                      task: str = "generate", **constraints) -> Policy:
         """policy_search's best policy for this model, hardware and workload (constraints: see
-        policy_search.search, e.g. scheduler="block"; formats: planned_model's options)."""
+        policy_search.search, e.g. scheduler="block"; formats: planned_model's options). Without a
+        workload: prompts of 512 tokens (fewer where the context is shorter), 32 generated (an
+        embedding engine's: 1, the pooled row)."""
         from policy_search import Workload, search
 
         if hardware is None:
             raise FlexSarathiError('policy="auto" needs hardware= (a preset such as "t4", or a profile '
                                    'written by `flexsarathi profile`)')
         planned = planned_model(model, dtype, device=device, **(formats or {}))
-        policy, _ = search(planned.spec, hardware, workload or Workload(prompt_len=512, gen_len=32),
-                           **planned.search_constraints(constraints))
+        if workload is None:
+            gen = 1 if task == "embed" else 32
+            workload = Workload(prompt_len=max(1, min(512, planned.spec.max_positions - gen)), gen_len=gen)
+        policy, _ = search(planned.spec, hardware, workload, **planned.search_constraints(constraints))
         return policy
 
     def close(self) -> None:

@@ -110,7 +110,8 @@ def resolve_policy(args, hardware, workload) -> Policy:
             raise FlexSarathiError("--policy auto needs --hardware (a preset such as t4, or a profile "
                                    "written by `flexsarathi profile`)")
         return LLM.search_policy(args.model, hardware, workload, args.dtype,
-                                 formats={"compress_head": getattr(args, "compress_head", False)}, **constraints)
+                                 formats={"compress_head": getattr(args, "compress_head", False)},
+                                 task=getattr(args, "task", "generate"), **constraints)
     policy = Policy.load(args.policy) if args.policy else default_policy()  # default: fitted to memory (build_llm)
     return policy.replace(**constraints)
 

@@ -165,3 +165,14 @@ def test_a_hidden_state_that_is_not_finite_fails_its_request_alone(tiny_checkpoi
             llm.embed(PROMPTS, use_tqdm=False)
     assert outs[1].outputs is None and not outs[1].refused and "not finite (inf or NaN)" in outs[1].error
     assert [o.outputs.embedding for o in (outs[0], outs[2])] == [o.outputs.embedding for o in (clean[0], clean[2])]
+
+
+def test_a_searched_policy_embeds_as_the_default_one(tiny_checkpoint, tmp_path):
+    """policy="auto" for an embedding engine searches for prompts alone (512 -> 1 by default) and
+    gives the embeddings of the all-on-device run."""
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    with LLM(folder, dtype="float32", task="embed") as llm:
+        expected = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
+    with LLM(folder, dtype="float32", task="embed", policy="auto", hardware="t4", offload_dir=str(tmp_path)) as llm:
+        got = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
