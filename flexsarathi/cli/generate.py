@@ -182,6 +182,12 @@ def _model_name(model: str) -> str:
     return os.path.realpath(model) if os.path.isdir(model) else model
 
 
+# Requests prepared (tokenized) and run at a time: a job of millions of prompts holds one chunk's
+# token ids and engine sequences (~4 KB each), not every one's; the engine stays built between
+# chunks, and a chunk is many times the running set, so its tail costs little.
+CHUNK_REQUESTS = 8192
+
+
 def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dict, out: ResultFile) -> int:
     say = (lambda *a: None) if args.quiet else say_line
     pending = [r for r in requests if r.key not in out.done]
@@ -192,23 +198,79 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dic
         f"{len(pending)} to run")
     tokenizer = opened.tokenizer
     args.task = _job_task(pending)
-    params = {r.key: _prepare(r, tokenizer, defaults, args.seed, args.tool_call_parser) for r in pending}
+    record = _recorder(fmt, out, tokenizer, os.path.basename(os.path.normpath(args.model)))
+    engine = _JobEngine(args, say, opened)
+    step = len(pending) if args.ray else CHUNK_REQUESTS  # Ray's actors take the requests as they stream
     failed = 0
-    for req in pending:
-        if req.error:
-            out.append(error_record(fmt, req, req.error))
-            failed += 1
-    runnable = [r for r in pending if not r.error]
-    stats = policy = None
-    if runnable:
-        record = _recorder(fmt, out, tokenizer, os.path.basename(os.path.normpath(args.model)))
-        run = _run_on_ray if args.ray else _run_here
-        lines = (EmbeddingLines if args.task == "embed" else GenerationLines)(runnable)
-        stats, policy, failed_here = run(args, lines, params, record, say, opened)
-        failed += failed_here
+    try:
+        for start in range(0, len(pending), step or 1):
+            chunk = pending[start:start + step]
+            if len(pending) > step:
+                say(f"requests {start + 1}-{start + len(chunk)} of {len(pending)}")
+            params = {r.key: _prepare(r, tokenizer, defaults, args.seed, args.tool_call_parser) for r in chunk}
+            for req in chunk:
+                if req.error:
+                    out.append(error_record(fmt, req, req.error))
+                    failed += 1
+            runnable = [r for r in chunk if not r.error]
+            if runnable:
+                failed += engine.run((EmbeddingLines if args.task == "embed" else GenerationLines)(runnable), params,
+                                     record)
+            for req in chunk:  # what the chunk tokenized: its records are written
+                req.input_token_ids = None
+                if req.prompt is not None or req.messages is not None:
+                    req.prompt_token_ids = None
+    finally:
+        engine.close()
+    stats = engine.stats
     _summary(say, len(pending) - failed, failed, out.errors, stats, args.output,
-             _ran(policy, stats, fitted=not args.policy) if stats else None)
+             _ran(engine.policy, stats, fitted=not args.policy) if stats else None)
     return 1 if failed + out.errors else 0
+
+
+class _JobEngine:
+    """The job's engine: built for its first chunk of runnable requests (--policy auto plans for
+    those), run chunk after chunk; `stats` the chunks' together (a Ray job runs as one chunk)."""
+
+    def __init__(self, args, say, opened):
+        self.args, self.say, self.opened = args, say, opened
+        self.llm = self.policy = self.stats = None
+
+    def run(self, lines, params: dict, record) -> int:
+        """Error records written for `lines`' requests."""
+        if self.args.ray:
+            stats, self.policy, failed = _run_on_ray(self.args, lines, params, record, self.say, self.opened)
+            self._add(stats)
+            return failed
+        if self.llm is None:
+            self.llm, self.policy = build_llm(self.args, _workload(self.args, lines, params), opened=self.opened)
+            self.say(f"policy: {describe_policy(self.policy, fitted=not self.args.policy)}")
+            self.say(f"device: {self.llm.engine.device}, {str(self.llm.engine.dtype).removeprefix('torch.')}")
+        failed = 0
+        run = self.llm.embed_iter if self.args.task == "embed" else self.llm.generate_iter
+        for index, output in run(lines.prompts(), lines.params(params), use_tqdm=not self.args.quiet,
+                                 on_error="record"):
+            done = lines.add(index, output)
+            if done is not None:
+                failed += record(*done)
+        self._add(self.llm.last_stats)
+        return failed
+
+    def _add(self, stats: dict) -> None:
+        """The chunks' statistics together: counts and seconds summed, memory and running as last."""
+        if self.stats is None:
+            self.stats = dict(stats)
+            return
+        for key in ("requests", "failed", "prompt_tokens", "generated_tokens", "passes", "seconds",
+                    "prefill_tokens_computed", "preemptions"):
+            if key in stats:
+                self.stats[key] = self.stats.get(key, 0) + stats[key]
+        self.stats.update(memory=stats["memory"], running=stats.get("running"),
+                          tokens_per_s=self.stats["generated_tokens"] / (self.stats["seconds"] or 1e-9))
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
 
 
 def _job_task(pending: list[BatchRequest]) -> str:
@@ -225,24 +287,6 @@ def _job_task(pending: list[BatchRequest]) -> str:
             req.error = (f"line {req.line}: this job {'embeds' if task == 'embed' else 'generates text'} (as its "
                          f"first request, line {first.line}, asks): {other} goes in a file of its own")
     return task
-
-
-def _run_here(args, lines, params: dict, record, say, opened):
-    """(stats, policy, error records written): the requests (GenerationLines or EmbeddingLines) on
-    one LLM in this process."""
-    llm, policy = build_llm(args, _workload(args, lines, params), opened=opened)
-    say(f"policy: {describe_policy(policy, fitted=not args.policy)}")
-    say(f"device: {llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')}")
-    try:
-        failed = 0
-        run = llm.embed_iter if args.task == "embed" else llm.generate_iter
-        for index, output in run(lines.prompts(), lines.params(params), use_tqdm=not args.quiet, on_error="record"):
-            done = lines.add(index, output)
-            if done is not None:
-                failed += record(*done)
-        return llm.last_stats, policy, failed
-    finally:
-        llm.close()
 
 
 def _run_on_ray(args, lines, params: dict, record, say, opened):

@@ -378,3 +378,27 @@ def test_chat_options_in_jsonl_and_openai_lines_render_as_llm_chat(chat_dir, tmp
     assert got["j"]["token_ids"] == ref.token_ids and got["j"]["prompt_token_ids"] == ref.prompt_token_ids
     assert got["o"]["response"]["body"]["choices"][0]["message"]["content"] == ref.text
     assert 'add_generation_prompt apply to "messages" only' in got["p"]["error"]["message"]
+
+
+def test_a_job_run_in_chunks_writes_the_records_of_one_run(stories_dir, tmp_path, monkeypatch, capsys):
+    """A job is tokenized and run CHUNK_REQUESTS requests at a time on one engine (a job of millions
+    of prompts holds one chunk's token ids and sequences): chunks of 3 give the records of the
+    whole job at once, bad lines' error records included, sampled with the same seeds; the summary
+    counts every chunk."""
+    import flexsarathi.cli.generate as generate
+
+    lines = [{"id": i, "prompt": f"Once upon a time, number {i}", "temperature": 0.8} for i in range(8)]
+    lines[4] = {"id": 4, "prompt": ""}
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    argv = ["generate", "--model", stories_dir, "--input", src, "--max-tokens", "5", "--dtype", "float32"]
+    assert main([*argv, "--output", str(tmp_path / "whole.jsonl"), "--quiet"]) == 1
+    monkeypatch.setattr(generate, "CHUNK_REQUESTS", 3)
+    capsys.readouterr()
+    assert main([*argv, "--output", str(tmp_path / "chunks.jsonl")]) == 1
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert "requests 1-3 of 8" in text and "requests 7-8 of 8" in text
+    assert "done: 7 ok, 1 failed" in text and "35 generated" in text  # 7 x 5 tokens, every chunk counted
+    assert text.count("policy: ") == 2  # the engine's, once (and the summary's)
+    whole, chunks = ({r["id"]: r for r in records(tmp_path / name)} for name in ("whole.jsonl", "chunks.jsonl"))
+    assert chunks == whole
