@@ -182,10 +182,28 @@ def _model_name(model: str) -> str:
     return os.path.realpath(model) if os.path.isdir(model) else model
 
 
-# Requests prepared (tokenized) and run at a time: a job of millions of prompts holds one chunk's
-# token ids and engine sequences (~4 KB each), not every one's; the engine stays built between
-# chunks, and a chunk is many times the running set, so its tail costs little.
-CHUNK_REQUESTS = 8192
+# Sequences prepared (tokenized) and run at a time (a request's n, an embedding line's inputs): a
+# job of millions of prompts holds one chunk's token ids and engine sequences (~4 KB each), not
+# every one's; the engine stays built between chunks, and a chunk is many times the running set,
+# so its tail costs little.
+CHUNK_SEQUENCES = 8192
+
+
+def request_chunks(requests: list[BatchRequest], limit: int | None = None):
+    """The requests in runs whose sequences add up to at most `limit` (CHUNK_SEQUENCES; a larger
+    request alone): what one engine call holds at once."""
+    limit = CHUNK_SEQUENCES if limit is None else limit
+    chunk, weight = [], 0
+    for req in requests:
+        n = req.sampling.get("n", 1)
+        w = len(req.embedding.inputs) if req.embedding is not None else n if isinstance(n, int) and n > 0 else 1
+        if chunk and weight + w > limit:
+            yield chunk
+            chunk, weight = [], 0
+        chunk.append(req)
+        weight += w
+    if chunk:
+        yield chunk
 
 
 def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dict, out: ResultFile) -> int:
@@ -200,13 +218,13 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dic
     args.task = _job_task(pending)
     record = _recorder(fmt, out, tokenizer, os.path.basename(os.path.normpath(args.model)))
     engine = _JobEngine(args, say, opened)
-    step = len(pending) if args.ray else CHUNK_REQUESTS  # Ray's actors take the requests as they stream
-    failed = 0
+    chunks = [pending] if args.ray else list(request_chunks(pending))  # Ray's actors take them as they stream
+    failed = done = 0
     try:
-        for start in range(0, len(pending), step or 1):
-            chunk = pending[start:start + step]
-            if len(pending) > step:
-                say(f"requests {start + 1}-{start + len(chunk)} of {len(pending)}")
+        for chunk in chunks:
+            if len(chunks) > 1:
+                say(f"requests {done + 1}-{done + len(chunk)} of {len(pending)}")
+            done += len(chunk)
             params = {r.key: _prepare(r, tokenizer, defaults, args.seed, args.tool_call_parser) for r in chunk}
             for req in chunk:
                 if req.error:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from flexsarathi.cli.embedding_requests import EmbeddingLines, GenerationLines
-from flexsarathi.cli.generate import _prepare, _recorder
+from flexsarathi.cli.generate import _prepare, _recorder, request_chunks
 from flexsarathi.cli.request_files import BatchRequest, error_record, is_error_record, read_requests, request_url
 from flexsarathi.cli.result_file import ResultFile
 from flexsarathi.errors import FlexSarathiError
@@ -92,38 +92,47 @@ def _count_requests(requests: list[BatchRequest], file_id: str, endpoint: str) -
 
 
 def run_batch(engine: ServeEngine, store: Store, batch: Batch, stop: Callable[[], bool]) -> bool:
-    """Run the batch's requests that its result file lacks; True when every one has a record,
-    False when `stop` ended it at a pass boundary (the finished records are kept). A record that
-    cannot be written (a full disk) raises: the engine's run is closed, nothing left queued, and
-    the records before it stay whole (a torn last line is cut off when the file is opened again)."""
+    """Run the batch's requests that its result file lacks, a chunk of them at a time (generate's
+    request_chunks: a batch of 50,000 lines of n = 1024 would hold 51 million sequences at once);
+    True when every one has a record, False when `stop` ended it at a pass boundary (the finished
+    records are kept). A record that cannot be written (a full disk) raises: the engine's run is
+    closed, nothing left queued, and the records before it stay whole (a torn last line is cut off
+    when the file is opened again)."""
     requests = read_batch_requests(store.file_path(batch.input_file_id), batch.input_file_id)
     out = open_results(engine, store, batch.id)
     try:
         store.update_batch(batch.id, request_counts=RequestCounts(
             total=len(requests), completed=len(out.done) - out.errors, failed=out.errors))
-        pending = [r for r in requests if r.key not in out.done]
-        tokenizer = engine.llm.tokenizer
-        params = {r.key: _prepare(r, tokenizer, engine.sampling, engine.seed, engine.tool_call_parser)
-                  for r in pending}
-        for req in pending:
-            if req.error:  # a line that cannot run: its error record, as generate writes it
-                out.append(error_record("openai", req, req.error))
-                store.count_requests(batch.id, failed=1)
-        runnable = [r for r in pending if not r.error]
-        record = _recorder("openai", out, tokenizer, engine.model_name)
-        finished = 0
-        embeds = engine.task == "embed"
-        lines = (EmbeddingLines if embeds else GenerationLines)(runnable)
-        run = engine.llm.embed_iter if embeds else engine.llm.generate_iter
-        for index, output in run(lines.prompts(), lines.params(params), use_tqdm=False, on_error="record", stop=stop):
-            done = lines.add(index, output)
-            if done is not None:
-                failed = record(*done)
-                store.count_requests(batch.id, completed=1 - failed, failed=failed)
-                finished += 1
-        return finished == len(runnable)
+        record = _recorder("openai", out, engine.llm.tokenizer, engine.model_name)
+        for chunk in request_chunks([r for r in requests if r.key not in out.done]):
+            if not _run_chunk(engine, store, batch.id, chunk, out, record, stop):
+                return False
+        return True
     finally:
         out.close()
+
+
+def _run_chunk(engine: ServeEngine, store: Store, batch_id: str, chunk: list[BatchRequest], out: ResultFile,
+               record, stop: Callable[[], bool]) -> bool:
+    """One chunk's requests: their records written as they finish; False where `stop` ended it."""
+    params = {r.key: _prepare(r, engine.llm.tokenizer, engine.sampling, engine.seed, engine.tool_call_parser)
+              for r in chunk}
+    for req in chunk:
+        if req.error:  # a line that cannot run: its error record, as generate writes it
+            out.append(error_record("openai", req, req.error))
+            store.count_requests(batch_id, failed=1)
+    runnable = [r for r in chunk if not r.error]
+    embeds = engine.task == "embed"
+    lines = (EmbeddingLines if embeds else GenerationLines)(runnable)
+    run = engine.llm.embed_iter if embeds else engine.llm.generate_iter
+    finished = 0
+    for index, output in run(lines.prompts(), lines.params(params), use_tqdm=False, on_error="record", stop=stop):
+        done = lines.add(index, output)
+        if done is not None:
+            failed = record(*done)
+            store.count_requests(batch_id, completed=1 - failed, failed=failed)
+            finished += 1
+    return finished == len(runnable)
 
 
 def open_results(engine: ServeEngine, store: Store, batch_id: str) -> ResultFile:

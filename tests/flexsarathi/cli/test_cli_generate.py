@@ -381,7 +381,7 @@ def test_chat_options_in_jsonl_and_openai_lines_render_as_llm_chat(chat_dir, tmp
 
 
 def test_a_job_run_in_chunks_writes_the_records_of_one_run(stories_dir, tmp_path, monkeypatch, capsys):
-    """A job is tokenized and run CHUNK_REQUESTS requests at a time on one engine (a job of millions
+    """A job is tokenized and run CHUNK_SEQUENCES sequences at a time on one engine (a job of millions
     of prompts holds one chunk's token ids and sequences): chunks of 3 give the records of the
     whole job at once, bad lines' error records included, sampled with the same seeds; the summary
     counts every chunk."""
@@ -392,7 +392,7 @@ def test_a_job_run_in_chunks_writes_the_records_of_one_run(stories_dir, tmp_path
     src = write_lines(tmp_path / "in.jsonl", lines)
     argv = ["generate", "--model", stories_dir, "--input", src, "--max-tokens", "5", "--dtype", "float32"]
     assert main([*argv, "--output", str(tmp_path / "whole.jsonl"), "--quiet"]) == 1
-    monkeypatch.setattr(generate, "CHUNK_REQUESTS", 3)
+    monkeypatch.setattr(generate, "CHUNK_SEQUENCES", 3)
     capsys.readouterr()
     assert main([*argv, "--output", str(tmp_path / "chunks.jsonl")]) == 1
     said = capsys.readouterr()
@@ -402,3 +402,19 @@ def test_a_job_run_in_chunks_writes_the_records_of_one_run(stories_dir, tmp_path
     assert text.count("policy: ") == 2  # the engine's, once (and the summary's)
     whole, chunks = ({r["id"]: r for r in records(tmp_path / name)} for name in ("whole.jsonl", "chunks.jsonl"))
     assert chunks == whole
+
+
+def test_request_chunks_weigh_each_request_by_its_sequences(tmp_path):
+    """A chunk holds requests whose sequences (n, an embedding line's inputs) add up to the limit; a
+    request larger than the limit is a chunk of its own; the order is kept."""
+    from flexsarathi.cli.generate import request_chunks
+    from flexsarathi.cli.request_files import read_requests
+
+    lines = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "x", "n": 3}, {"id": "c", "prompt": "x", "n": 2},
+             {"id": "d", "prompt": "x", "n": 9}, {"id": "e", "prompt": "x", "n": "bad"}, {"id": "f", "prompt": "x"}]
+    _, requests = read_requests(write_lines(tmp_path / "in.jsonl", lines))
+    assert [[r.id for r in chunk] for chunk in request_chunks(requests, 4)] == [["a", "b"], ["c"], ["d"], ["e", "f"]]
+    embed = [{"custom_id": f"{k}", "method": "POST", "url": "/v1/embeddings", "body": {"input": ["x"] * k}}
+             for k in (2, 3, 1)]
+    _, requests = read_requests(write_lines(tmp_path / "embed.jsonl", embed))
+    assert [[r.id for r in chunk] for chunk in request_chunks(requests, 4)] == [["2"], ["3", "1"]]
