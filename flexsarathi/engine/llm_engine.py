@@ -358,6 +358,14 @@ class LLMEngine:
                                   'LLM(model, task="embed"), but cannot generate')
         return embedding_normalized(e.model) if e.task == "embed" else True
 
+    def _read_globals(self) -> dict:
+        """The embeddings, final norm and head to hold; an embedding engine never multiplies by the
+        head, so an untied one (150K x 4096 bf16: 1.2 GB) is read once and not kept."""
+        weights = self.source.global_weights(self.dtype)
+        if self.engine_config.task == "embed":
+            weights.pop(HEAD, None)
+        return weights
+
     def _reserve_dequant_scratch(self) -> None:
         """On a GPU, quant/fused.py's one dequantized weight at a time (the largest 4-bit weight)."""
         p, e = self.policy, self.engine_config
@@ -412,7 +420,7 @@ class LLMEngine:
             layer_shapes=[self.model.layer_shapes(j) for j in range(self.config.num_layers)],
             row_blocks=self.model.expert_stacks(), resident=self.model.resident_weights(),
             routed_reads=self._moe_flag("routed_expert_reads"), cpu_blocks=self._moe_flag("cpu_experts"),
-            read_globals=lambda: self.source.global_weights(self.dtype),
+            read_globals=self._read_globals,
             # skip: weights the store only links (offload/placed_layers.py); only a source with
             # linked_blocks (GGUF) is ever asked to skip any
             read_layer=lambda i, skip=frozenset(): self.source.layer_weights(

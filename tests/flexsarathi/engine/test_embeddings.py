@@ -176,3 +176,18 @@ def test_a_searched_policy_embeds_as_the_default_one(tiny_checkpoint, tmp_path):
     with LLM(folder, dtype="float32", task="embed", policy="auto", hardware="t4", offload_dir=str(tmp_path)) as llm:
         got = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_an_embedding_engine_holds_no_head(tiny_checkpoint):
+    """The head is never multiplied when embedding: an untied one is not held (the engine's
+    "embeddings and head" are the token embeddings and final norm alone), the embeddings unchanged."""
+    folder, hf = tiny_checkpoint("llama_gqa_untied")
+    with LLM(folder, dtype="float32", task="embed") as llm:
+        held = llm.engine.memory.report()["gpu"]["by_what"]["embeddings and head"]
+        got = llm.embed(PROMPTS[0], use_tqdm=False)[0].outputs.embedding
+    with LLM(folder, dtype="float32") as llm:
+        with_head = llm.engine.memory.report()["gpu"]["by_what"]["embeddings and head"]
+    kept = sum(p.numel() * 4 for name, p in hf.named_parameters() if name in ("model.embed_tokens.weight",
+                                                                                 "model.norm.weight"))
+    assert held == kept and with_head == kept + hf.lm_head.weight.numel() * 4
+    torch.testing.assert_close(torch.tensor(got), reference(hf, PROMPTS[0]), rtol=1e-5, atol=1e-5)
