@@ -21,7 +21,7 @@ try:
 except ImportError as exc:
     raise FlexSarathiError(f"flexsarathi.ray needs Ray Data ({exc}): pip install 'flexsarathi[ray]'") from None
 
-from flexsarathi.ray.processor import OUTPUT_COLUMNS, Processor, build_processor  # noqa: E402
+from flexsarathi.ray.processor import EMBEDDING_COLUMNS, OUTPUT_COLUMNS, Processor, build_processor  # noqa: E402
 from flexsarathi.ray.spec import EngineSpec  # noqa: E402
 
-__all__ = ["build_processor", "Processor", "EngineSpec", "OUTPUT_COLUMNS"]
+__all__ = ["build_processor", "Processor", "EngineSpec", "OUTPUT_COLUMNS", "EMBEDDING_COLUMNS"]

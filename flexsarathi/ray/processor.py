@@ -1,6 +1,6 @@
 """`build_processor`: FlexSarathi as a stage of a user's own Ray Data pipeline (the shape of
 Ray's `build_llm_processor`): rows with a `prompt` column (text, or a list of token ids) in,
-the same rows with the generated columns out."""
+the same rows with the generated columns out (with task="embed": the embedding columns)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,10 +11,12 @@ import ray.data
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.ray.actors import EngineActor, map_with_engines
 from flexsarathi.ray.spec import EngineSpec, job_dtype
+from flexsarathi.engine.pooling import TASKS, PoolingParams
 from flexsarathi.engine.sampling import SamplingParams
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_input_tokens",
                   "num_generated_tokens", "error")
+EMBEDDING_COLUMNS = ("embeddings", "num_input_tokens", "error")  # task="embed"
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class Processor:
     """processor(dataset) -> dataset: maps every row through one of `concurrency` engines."""
 
     spec: EngineSpec
-    sampling: SamplingParams
+    sampling: SamplingParams | PoolingParams  # PoolingParams: an embedding engine's
     concurrency: int = 1
     num_gpus: float = 0
     num_cpus: float = 1
@@ -35,10 +37,12 @@ class Processor:
 
 def build_processor(model: str, *, sampling: SamplingParams | dict | None = None, policy=None, hardware=None,
                     workload=None, dtype=None, device=None, offload_dir: str | None = None, concurrency: int = 1,
-                    num_gpus: float = 0, num_cpus: float = 1, batch_size: int = 16, seed: int = 0) -> Processor:
+                    num_gpus: float = 0, num_cpus: float = 1, batch_size: int = 16, seed: int = 0,
+                    task: str = "generate", pooling: PoolingParams | dict | None = None) -> Processor:
     """A Processor running `model` on `concurrency` actors (num_gpus / num_cpus each).
 
-    sampling: SamplingParams or its fields as a dict (default SamplingParams()). policy: a Policy,
+    sampling: SamplingParams or its fields as a dict (default SamplingParams()). task="embed": each
+    row's embedding instead (EMBEDDING_COLUMNS; pooling: PoolingParams or its fields). policy: a Policy,
     a policy JSON, "auto" (searched here, once, for `hardware` and `workload`) or None (all on
     the compute device). offload_dir: a folder on every node; each actor claims actor-<k> in it.
     batch_size: rows per actor call; the engine's scheduler forms its passes within a batch."""
@@ -46,11 +50,7 @@ def build_processor(model: str, *, sampling: SamplingParams | dict | None = None
     from policy_search import HardwareSpec
     from policy_search.policy import Policy
 
-    if isinstance(sampling, dict):
-        sampling = SamplingParams(**sampling)
-    if sampling is not None and not isinstance(sampling, SamplingParams):
-        raise FlexSarathiError(f"build_processor(sampling=...) must be a SamplingParams or a dict, "
-                               f"got {type(sampling).__name__}")
+    params = _params_of(task, sampling, pooling)
     for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise FlexSarathiError(f"build_processor({name}=...) must be an integer >= 1, got {value!r}")
@@ -59,12 +59,29 @@ def build_processor(model: str, *, sampling: SamplingParams | dict | None = None
     dtype = job_dtype(dtype, open_model(model).source.config.checkpoint_dtype, device, num_gpus)  # one for all actors
     spec_hw = hardware if hardware is None or isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware, "hardware=")
     if policy == "auto":
-        policy = LLM.search_policy(model, spec_hw, workload, dtype)
+        policy = LLM.search_policy(model, spec_hw, workload, dtype, task=task)
     elif isinstance(policy, str):
         policy = Policy.load(policy)
     spec = EngineSpec.of(model, policy, hardware=spec_hw, dtype=dtype, device=device, offload_dir=offload_dir,
-                         seed=seed)
-    return Processor(spec, sampling or SamplingParams(), concurrency, num_gpus, num_cpus, batch_size)
+                         seed=seed, task=task)
+    return Processor(spec, params, concurrency, num_gpus, num_cpus, batch_size)
+
+
+def _params_of(task: str, sampling, pooling) -> SamplingParams | PoolingParams:
+    """The params every row runs with; FlexSarathiError naming the argument that is wrong."""
+    if task not in TASKS:
+        raise FlexSarathiError(f"build_processor(task=...) must be one of {', '.join(TASKS)}, got {task!r}")
+    embeds = task == "embed"
+    given, kind, name = (pooling, PoolingParams, "pooling") if embeds else (sampling, SamplingParams, "sampling")
+    if (sampling if embeds else pooling) is not None:
+        raise FlexSarathiError(f"build_processor({'sampling' if embeds else 'pooling'}=...) does not go with "
+                               f"task={task!r}")
+    if isinstance(given, dict):
+        given = kind(**given)
+    if given is not None and not isinstance(given, kind):
+        raise FlexSarathiError(f"build_processor({name}=...) must be a {kind.__name__} or a dict, "
+                               f"got {type(given).__name__}")
+    return given or kind()
 
 
 class PromptProcessor(EngineActor):
@@ -79,15 +96,24 @@ class PromptProcessor(EngineActor):
         prompts = batch.column("prompt").to_pylist()
         outputs = dict(self.run(prompts, self.sampling))
         ordered = [outputs[i] for i in range(len(prompts))]
-        columns = {
+        if isinstance(self.sampling, PoolingParams):
+            return _with_columns(batch, EMBEDDING_COLUMNS, {
+                "embeddings": pa.array([o.outputs.embedding if o.error is None else None for o in ordered],
+                                       pa.list_(pa.float32())),
+                "num_input_tokens": pa.array([len(o.prompt_token_ids) for o in ordered], pa.int64()),
+                "error": pa.array([o.error for o in ordered], pa.string())})
+        return _with_columns(batch, OUTPUT_COLUMNS, {
             "generated_text": pa.array([o.text if o.error is None else None for o in ordered], pa.string()),
             "generated_token_ids": pa.array([o.token_ids for o in ordered], pa.list_(pa.int64())),
             "finish_reason": pa.array([o.finish_reason for o in ordered], pa.string()),
             "num_input_tokens": pa.array([len(o.prompt_token_ids) for o in ordered], pa.int64()),
             "num_generated_tokens": pa.array([len(o.token_ids) for o in ordered], pa.int64()),
-            "error": pa.array([o.error for o in ordered], pa.string()),
-        }
-        kept = batch.drop_columns([c for c in OUTPUT_COLUMNS if c in batch.column_names])
-        for name, column in columns.items():
-            kept = kept.append_column(name, column)
-        return kept
+            "error": pa.array([o.error for o in ordered], pa.string())})
+
+
+def _with_columns(batch: pa.Table, names: tuple, columns: dict) -> pa.Table:
+    """The batch's own columns (those of these names replaced) and `columns` after them."""
+    kept = batch.drop_columns([c for c in names if c in batch.column_names])
+    for name, column in columns.items():
+        kept = kept.append_column(name, column)
+    return kept

@@ -389,3 +389,29 @@ def test_engine_spec_carries_the_engine_options_to_each_actor(stories_dir, tmp_p
         assert llm.engine.cpu_matmul == "dequantize"
     finally:
         llm.close()
+
+
+@needs_ray
+def test_an_embedding_processor_in_a_user_pipeline(stories_dir, cluster):
+    """build_processor(task="embed"): each row's embedding (EMBEDDING_COLUMNS), LLM.embed's in this
+    process to float32; a prompt beyond the context is its row's error; misused arguments named."""
+    from flexsarathi import FlexSarathiError, PoolingParams
+    from flexsarathi.ray import EMBEDDING_COLUMNS, build_processor
+
+    starts = ["Once upon a time", "Lily wanted to", "The little dog"]
+    processor = build_processor(stories_dir, task="embed", pooling={"dimensions": 16}, concurrency=2, batch_size=2,
+                                dtype="float32")
+    dataset = ray.data.from_items([{"n": i, "prompt": p} for i, p in enumerate(starts + ["so " * 600])])
+    rows = sorted(processor(dataset).take_all(), key=lambda row: row["n"])
+    assert set(EMBEDDING_COLUMNS) | {"n", "prompt"} == set(rows[0])
+    with LLM(stories_dir, dtype="float32", task="embed") as llm:
+        refs = llm.embed(starts, PoolingParams(dimensions=16), use_tqdm=False)
+    for row, ref in zip(rows, refs):
+        assert row["error"] is None and row["num_input_tokens"] == len(ref.prompt_token_ids)
+        torch.testing.assert_close(torch.tensor(row["embeddings"]), torch.tensor(ref.outputs.embedding),
+                                   rtol=1e-5, atol=1e-6)
+    assert rows[-1]["embeddings"] is None and "more than the model's context" in rows[-1]["error"]
+    with pytest.raises(FlexSarathiError, match=r"build_processor\(sampling=...\) does not go with task='embed'"):
+        build_processor(stories_dir, task="embed", sampling={"max_tokens": 2})
+    with pytest.raises(FlexSarathiError, match="task=...\\) must be one of generate, embed"):
+        build_processor(stories_dir, task="score")
