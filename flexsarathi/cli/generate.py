@@ -19,7 +19,7 @@ import re
 import sys
 from importlib import resources
 
-from flexsarathi.cli.embedding_requests import EmbeddingLines, GenerationLines
+from flexsarathi.cli.embedding_requests import EmbeddingAsk, EmbeddingLines, GenerationLines
 from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
                                           result_record)
 from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
@@ -64,6 +64,9 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                    help="a request without its own seed samples with one derived from this and its id, "
                         "so a resumed job samples what an uninterrupted one would")
     add_tool_call_parser_arg(p)
+    p.add_argument("--embed", action="store_true",
+                   help="embed each line of a plain-text --input (records: id, embeddings, usage) instead of "
+                        "continuing it")
     add_ray_args(p)
     p.set_defaults(func=run_generate)
     return p
@@ -128,6 +131,8 @@ def run_generate(args) -> int:
     check_not_the_input(input_path, args.output)
     fmt, requests = read_requests(input_path, args.input_format)
     check_unique_ids(requests)
+    if args.embed:
+        _texts_to_embed(fmt, requests, args.input)
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
     from flexsarathi.formats.opened_model import open_model
 
@@ -143,6 +148,7 @@ def run_generate(args) -> int:
         args.dtype = str(dtype).removeprefix("torch.")
     meta = {"job": "flexsarathi generate", "format": fmt, "model": _model_name(args.model),
             "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults,
+            **({"task": "embed"} if args.embed else {}),
             **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {})}
     out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite, repair=args.repair, requests=requests,
                      retry_errors=args.retry_errors)
@@ -158,6 +164,16 @@ def run_generate(args) -> int:
         return 3
     finally:
         out.close()
+
+
+def _texts_to_embed(fmt: str, requests: list[BatchRequest], path: str) -> None:
+    """--embed: each line of a plain-text file is a text to embed (its record: id, embeddings, usage)."""
+    if fmt != "text":
+        raise FlexSarathiError(f"--embed reads a plain-text file (one text per line); {path} is {fmt} lines, which "
+                               "say what they ask themselves: a JSONL record with \"input\", an OpenAI line for "
+                               "/v1/embeddings")
+    for req in requests:
+        req.embedding, req.prompt = EmbeddingAsk([req.prompt]), None
 
 
 def _check_ray_args(args) -> None:

@@ -113,3 +113,28 @@ def test_jsonl_embedding_records(stories_dir, tmp_path):
            "['max_tokens']" in got["c"]["error"]["message"]
     assert "this job embeds (as its first request, line 1, asks): a request for text" in got["d"]["error"]["message"]
     assert got["e"]["error"]["message"] == "line 5: normalize must be true or false, got 'yes'"
+
+
+def test_embed_a_text_file(stories_dir, tmp_path, capsys):
+    """`--embed` with a plain-text file: each line's embedding, as LLM.embed gives it; the meta says
+    so (a resume without --embed is refused, not mixed); JSONL input is refused, naming the way."""
+    texts = ["Once upon a time", "Lily wanted to", "The little dog"]
+    src = tmp_path / "texts.txt"
+    src.write_text("\n".join(texts) + "\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", stories_dir, "--input", str(src), "--output", str(out), "--dtype", "float32",
+            "--quiet"]
+    assert main([*argv, "--embed"]) == 0
+    got = {r["id"]: r for r in records(out)}
+    with LLM(stories_dir, dtype="float32", task="embed") as llm:
+        refs = llm.embed(texts, use_tqdm=False)
+    for line, ref in enumerate(refs, 1):
+        torch.testing.assert_close(torch.tensor(got[line]["embeddings"]), torch.tensor([ref.outputs.embedding]),
+                                   rtol=1e-5, atol=1e-6)
+    capsys.readouterr()
+    assert main(argv) == 2  # the same output without --embed: another job
+    assert "task" in capsys.readouterr().err
+    jsonl = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
+    assert main(["generate", "--model", stories_dir, "--input", jsonl, "--output", str(tmp_path / "o.jsonl"),
+                 "--embed", "--quiet"]) == 2
+    assert "--embed reads a plain-text file (one text per line)" in capsys.readouterr().err
