@@ -191,3 +191,17 @@ def test_an_embedding_engine_holds_no_head(tiny_checkpoint):
                                                                                  "model.norm.weight"))
     assert held == kept and with_head == kept + hf.lm_head.weight.numel() * 4
     torch.testing.assert_close(torch.tensor(got), reference(hf, PROMPTS[0]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_embeddings_on_cuda_equal_the_cpu_ones(tiny_checkpoint):
+    """The same prompts embedded on the GPU (the step's rows in one transfer) and on the CPU, fp32,
+    chunked and beside each other: equal to float32 rounding."""
+    folder, _ = tiny_checkpoint("qwen3")
+    got = {}
+    for device in ("cpu", "cuda"):
+        with LLM(folder, dtype="float32", device=device, task="embed",
+                 policy=Policy(gpu_batch_size=2, prefill_budget=5)) as llm:
+            got[device] = torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)])
+    torch.testing.assert_close(got["cuda"], got["cpu"], rtol=1e-4, atol=1e-5)
