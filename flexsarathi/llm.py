@@ -372,7 +372,7 @@ _PROMPT_ONLY = SamplingParams(max_tokens=1, temperature=0)
 
 def _check_pooling_arguments(prompts, pooling_params, on_error: str) -> tuple[list, list[PoolingParams]]:
     """The prompts and one PoolingParams per prompt; FlexSarathiError naming a misused argument."""
-    prompts, _ = _check_arguments(prompts, None, on_error)
+    prompts, _ = _check_arguments(prompts, None, on_error, "embed")
     given = PoolingParams() if pooling_params is None else pooling_params
     poolings = [given] * len(prompts) if isinstance(given, PoolingParams) else given
     if not isinstance(poolings, (list, tuple)) or not all(isinstance(p, PoolingParams) for p in poolings):
@@ -412,15 +412,16 @@ def _check_workload(workload, policy) -> None:
                                f'{policy!r} it would change nothing: leave it out, or pass policy="auto"')
 
 
-def _check_arguments(prompts, sampling_params, on_error: str) -> tuple[list, list[SamplingParams]]:
-    """The prompts and one SamplingParams per prompt; FlexSarathiError naming a misused argument."""
+def _check_arguments(prompts, sampling_params, on_error: str, call: str = "generate") -> tuple[list, list[SamplingParams]]:
+    """The prompts and one SamplingParams per prompt; FlexSarathiError naming a misused argument
+    of `call` (generate, embed)."""
     if on_error not in ("raise", "record"):
-        raise FlexSarathiError(f'generate(on_error=...) must be "raise" or "record", got {on_error!r}')
+        raise FlexSarathiError(f'{call}(on_error=...) must be "raise" or "record", got {on_error!r}')
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                             and _is_integer(prompts[0])):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise FlexSarathiError("generate(prompts=...) must be a string, a list of token ids, or a list "
+        raise FlexSarathiError(f"{call}(prompts=...) must be a string, a list of token ids, or a list "
                                f"of those; got {type(prompts).__name__}")
     prompts = list(prompts)
     params = sampling_params if sampling_params is not None else SamplingParams()

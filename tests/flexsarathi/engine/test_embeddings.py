@@ -205,3 +205,12 @@ def test_embeddings_on_cuda_equal_the_cpu_ones(tiny_checkpoint):
                  policy=Policy(gpu_batch_size=2, prefill_budget=5)) as llm:
             got[device] = torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)])
     torch.testing.assert_close(got["cuda"], got["cpu"], rtol=1e-4, atol=1e-5)
+
+
+def test_embed_names_its_own_misused_arguments(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    with LLM(folder, dtype="float32", task="embed") as llm:
+        with pytest.raises(FlexSarathiError, match=r"^embed\(prompts=...\) must be a string"):
+            llm.embed(3.5, use_tqdm=False)
+        with pytest.raises(FlexSarathiError, match=r'^embed\(on_error=...\) must be "raise" or "record"'):
+            llm.embed(PROMPTS, use_tqdm=False, on_error="skip")
