@@ -197,8 +197,8 @@ class LLM:
         results = dict(self.embed_iter(prompts, pooling_params, use_tqdm, on_error))
         return [results[i] for i in range(len(results))]
 
-    def embed_iter(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
-                   use_tqdm: bool = True, on_error: str = "raise",
+    def embed_iter(self, prompts: Prompt | Seq[Prompt],
+                   pooling_params: PoolingParams | Seq[PoolingParams] | None = None, use_tqdm: bool = True, on_error: str = "raise",
                    stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, EmbeddingRequestOutput]]:
         """(prompt index, output) as embeddings finish: generate_iter's counterpart."""
         if self.engine.engine_config.task != "embed":
@@ -412,7 +412,8 @@ def _check_workload(workload, policy) -> None:
                                f'{policy!r} it would change nothing: leave it out, or pass policy="auto"')
 
 
-def _check_arguments(prompts, sampling_params, on_error: str, call: str = "generate") -> tuple[list, list[SamplingParams]]:
+def _check_arguments(prompts, sampling_params, on_error: str,
+                     call: str = "generate") -> tuple[list, list[SamplingParams]]:
     """The prompts and one SamplingParams per prompt; FlexSarathiError naming a misused argument
     of `call` (generate, embed)."""
     if on_error not in ("raise", "record"):
