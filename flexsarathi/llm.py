@@ -199,7 +199,8 @@ class LLM:
 
     def embed_iter(self, prompts: Prompt | Seq[Prompt],
                    pooling_params: PoolingParams | Seq[PoolingParams] | None = None, use_tqdm: bool = True,
-                   on_error: str = "raise", stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, EmbeddingRequestOutput]]:
+                   on_error: str = "raise",
+                   stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, EmbeddingRequestOutput]]:
         """(prompt index, output) as embeddings finish: generate_iter's counterpart."""
         if self.engine.engine_config.task != "embed":
             raise FlexSarathiError('LLM.embed needs an LLM built to embed: LLM(model, task="embed")')
