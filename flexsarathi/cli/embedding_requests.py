@@ -125,3 +125,18 @@ class EmbeddingLines:
         if len(got) < len(req.input_token_ids):
             return None
         return req, [got[i] for i in range(len(got))]
+
+
+def job_lines(task: str, requests: list):
+    """A job's runnable requests as its engine runs them: EmbeddingLines for an "embed" job."""
+    return (EmbeddingLines if task == "embed" else GenerationLines)(requests)
+
+
+def run_lines(llm, lines, params: dict, record, use_tqdm: bool, stop=None):
+    """`lines` run on `llm` (embed_iter for EmbeddingLines, else generate_iter), each request's
+    record written once its outputs are all in: yields what `record` returned (1: an error record)."""
+    run = llm.embed_iter if isinstance(lines, EmbeddingLines) else llm.generate_iter
+    for index, output in run(lines.prompts(), lines.params(params), use_tqdm=use_tqdm, on_error="record", stop=stop):
+        done = lines.add(index, output)
+        if done is not None:
+            yield record(*done)

@@ -19,7 +19,7 @@ import re
 import sys
 from importlib import resources
 
-from flexsarathi.cli.embedding_requests import EmbeddingAsk, EmbeddingLines, GenerationLines
+from flexsarathi.cli.embedding_requests import EmbeddingAsk, job_lines, run_lines
 from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
                                           result_record)
 from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
@@ -248,8 +248,7 @@ def _run_job(args, fmt: str, requests: list[BatchRequest], opened, defaults: dic
                     failed += 1
             runnable = [r for r in chunk if not r.error]
             if runnable:
-                failed += engine.run((EmbeddingLines if args.task == "embed" else GenerationLines)(runnable), params,
-                                     record)
+                failed += engine.run(job_lines(args.task, runnable), params, record)
             for req in chunk:  # what the chunk tokenized: its records are written
                 req.input_token_ids = None
                 if req.prompt is not None or req.messages is not None:
@@ -280,13 +279,7 @@ class _JobEngine:
             self.llm, self.policy = build_llm(self.args, _workload(self.args, lines, params), opened=self.opened)
             self.say(f"policy: {describe_policy(self.policy, fitted=not self.args.policy)}")
             self.say(f"device: {self.llm.engine.device}, {str(self.llm.engine.dtype).removeprefix('torch.')}")
-        failed = 0
-        run = self.llm.embed_iter if self.args.task == "embed" else self.llm.generate_iter
-        for index, output in run(lines.prompts(), lines.params(params), use_tqdm=not self.args.quiet,
-                                 on_error="record"):
-            done = lines.add(index, output)
-            if done is not None:
-                failed += record(*done)
+        failed = sum(run_lines(self.llm, lines, params, record, use_tqdm=not self.args.quiet))
         self._add(self.llm.last_stats)
         return failed
 

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from flexsarathi.cli.embedding_requests import EmbeddingLines, GenerationLines
+from flexsarathi.cli.embedding_requests import job_lines, run_lines
 from flexsarathi.cli.generate import _prepare, _recorder, request_chunks
 from flexsarathi.cli.request_files import BatchRequest, error_record, is_error_record, read_requests, request_url
 from flexsarathi.cli.result_file import ResultFile
@@ -122,16 +122,10 @@ def _run_chunk(engine: ServeEngine, store: Store, batch_id: str, chunk: list[Bat
             out.append(error_record("openai", req, req.error))
             store.count_requests(batch_id, failed=1)
     runnable = [r for r in chunk if not r.error]
-    embeds = engine.task == "embed"
-    lines = (EmbeddingLines if embeds else GenerationLines)(runnable)
-    run = engine.llm.embed_iter if embeds else engine.llm.generate_iter
     finished = 0
-    for index, output in run(lines.prompts(), lines.params(params), use_tqdm=False, on_error="record", stop=stop):
-        done = lines.add(index, output)
-        if done is not None:
-            failed = record(*done)
-            store.count_requests(batch_id, completed=1 - failed, failed=failed)
-            finished += 1
+    for failed in run_lines(engine.llm, job_lines(engine.task, runnable), params, record, use_tqdm=False, stop=stop):
+        store.count_requests(batch_id, completed=1 - failed, failed=failed)
+        finished += 1
     return finished == len(runnable)
 
 
