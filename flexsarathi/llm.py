@@ -246,7 +246,7 @@ class LLM:
         progress = _Progress(seqs, [group[0] for group in groups.values()], use_tqdm,
                              "embed" if engine.engine_config.task == "embed" else "generate")
         passes, left = 0, {i: len(group) for i, group in groups.items()}
-        prefilled, preempted = scheduler.num_prefill_tokens, scheduler.num_preemptions
+        counted = _scheduler_counts(scheduler)  # this call's counts are the differences
         foreign = engine.has_unfinished()  # another generate_iter's batch: add_requests refuses, it stays
         try:
             # inside the try: a Ctrl-C as the batch is added still leaves nothing queued
@@ -286,8 +286,8 @@ class LLM:
             progress.close()
             self.last_stats = _stats(len(groups), failed, progress.prompt_tokens, progress.generated,
                                      passes, progress.elapsed, engine.memory.report())
-            self.last_stats.update(prefill_tokens_computed=scheduler.num_prefill_tokens - prefilled,
-                                   preemptions=scheduler.num_preemptions - preempted, running=engine.batch_running)
+            self.last_stats.update({k: n - counted[k] for k, n in _scheduler_counts(scheduler).items()},
+                                   running=engine.batch_running)
 
     def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
         """(token ids, text or None) of a prompt: a string, a list of token ids, or vLLM's prompt
@@ -446,6 +446,12 @@ def _check_arguments(prompts, sampling_params, on_error: str,
 def _is_integer(value) -> bool:
     """A token id, a seed: Python's or numpy's integers (a tokenizer's output), never a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _scheduler_counts(scheduler) -> dict[str, int]:
+    """The scheduler's running totals, by their names in LLM.last_stats."""
+    return {"prefill_tokens_computed": scheduler.num_prefill_tokens, "preemptions": scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": scheduler.num_cached_tokens}
 
 
 def _stats(requests: int, failed: int, prompt_tokens: int, generated: int, passes: int, seconds: float,

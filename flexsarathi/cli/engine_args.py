@@ -37,6 +37,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=_logprobs_cap, default=20, metavar="N",
                    help="the most logprobs / prompt_logprobs alternatives a request may ask per token (default "
                    "20, vLLM's and OpenAI's limit); -1: no limit (a request's -1 asks for the whole vocabulary)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompts' leading tokens that earlier requests of the job computed "
+                   "(a shared system prompt, few-shot examples); on by default, as in vLLM")
     add_compute_args(p)
 
 
@@ -128,7 +131,8 @@ def build_llm(args, workload, seed: int = 0, opened=None):
               compress_head=getattr(args, "compress_head", False),
               cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
               max_logprobs=getattr(args, "max_logprobs", 20), fit_running=not args.policy,
-              task=getattr(args, "task", "generate"))
+              task=getattr(args, "task", "generate"),
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
     return llm, policy
 
 

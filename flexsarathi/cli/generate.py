@@ -289,7 +289,7 @@ class _JobEngine:
             self.stats = dict(stats)
             return
         for key in ("requests", "failed", "prompt_tokens", "generated_tokens", "passes", "seconds",
-                    "prefill_tokens_computed", "preemptions"):
+                    "prefill_tokens_computed", "preemptions", "prefix_cache_hit_tokens"):
             if key in stats:
                 self.stats[key] = self.stats.get(key, 0) + stats[key]
         self.stats.update(memory=stats["memory"], running=stats.get("running"),

@@ -19,34 +19,52 @@ partial block (copied by the engine when the parent's prefill ends).
 
 Each admitted sequence also holds one row of the compressed pools' full-precision residual
 buffer (the block being filled), so rows bound the running set too.
+
+Prefix caching (`prefix_caching`, engine/prefix_cache.py): a sequence's complete blocks are
+registered by the tokens they hold once computed (`register`); an admission starts its table with
+the blocks that already hold its leading tokens (`cached_prefix`), shared by reference count like
+a fork's. Free blocks wait in each tier's free list in the order they are handed out again: those
+holding nothing first, then registered ones least recently freed first (a table's tail before its
+head), so a prefix stays findable as long as the cache can keep it. A table stays in tier order:
+a cached run stops where a block lies in a faster tier than the one before it, and where the
+rest of the sequence's life could not fit the tiers it may then grow into (so that, alone, every
+request still fits: the scheduler's no-deadlock rule).
 """
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
+from flexsarathi.engine.prefix_cache import PrefixCache, block_digests
 from flexsarathi.engine.sequence import Sequence
 from policy_search.policy import TIERS
 
 
 class BlockManager:
-    def __init__(self, block_size: int, blocks_per_tier: dict[str, int], num_residual: int):
+    def __init__(self, block_size: int, blocks_per_tier: dict[str, int], num_residual: int,
+                 prefix_caching: bool = False):
         """num_residual: rows of the compressed pools' full-precision buffer, one per sequence
         that may run at once (each has at most one block being filled)."""
         self.block_size = block_size
+        self.cache = PrefixCache() if prefix_caching else None
         self.resize(blocks_per_tier, num_residual)
 
-    def resize(self, blocks_per_tier: dict[str, int], num_residual: int) -> None:
+    def resize(self, blocks_per_tier: dict[str, int], num_residual: int, keep_cached: bool = False) -> None:
         """Lay out `blocks_per_tier` blocks and `num_residual` rows anew (the engine does when a
-        batch of requests arrives at an idle cache); only while no sequence holds any."""
+        batch of requests arrives at an idle cache); only while no sequence holds any. With
+        `keep_cached` (the pools kept their tensors) and the same layout, the cached prefixes stay."""
         if hasattr(self, "refs") and not self.idle:
             raise RuntimeError("the KV cache is resized while sequences hold blocks")
-        self._lay_out(blocks_per_tier, num_residual)
+        same = hasattr(self, "refs") and (self.blocks_per_tier, self.num_residual) == (
+            {t: n for t, n in blocks_per_tier.items() if n}, num_residual)
+        if not (keep_cached and same):
+            self._lay_out(blocks_per_tier, num_residual)
 
     def release_all(self) -> None:
-        """Every block and row is free again (the sequences holding them were dropped)."""
+        """Every block and row is free again (the sequences holding them were dropped) and no
+        prefix is cached (a pass they were in may have been cut short)."""
         self._lay_out(self.blocks_per_tier, self.num_residual)
 
     def _lay_out(self, blocks_per_tier: dict[str, int], num_residual: int) -> None:
@@ -55,12 +73,14 @@ class BlockManager:
             raise ValueError(f"unknown KV tiers {sorted(unknown)}; tiers are {TIERS}")
         self.blocks_per_tier = {t: n for t, n in blocks_per_tier.items() if n}
         self.base: dict[str, int] = {}
-        self.free: dict[str, deque[int]] = {}
+        self.free: dict[str, OrderedDict[int, None]] = {}  # per tier, in the order handed out
         start = 0
         for tier in TIERS:
             count = blocks_per_tier.get(tier, 0)
-            self.base[tier], self.free[tier] = start, deque(range(start, start + count))
+            self.base[tier], self.free[tier] = start, OrderedDict.fromkeys(range(start, start + count))
             start += count
+        if self.cache is not None:
+            self.cache.clear()
         self.num_blocks = start
         self.refs = [0] * start  # holders of each block (forks share their parent's prompt blocks)
         self.free_residual: deque[int] = deque(range(num_residual))
@@ -98,14 +118,67 @@ class BlockManager:
         """Whether `num_blocks` blocks and `num_rows` residual rows are free."""
         return num_rows <= len(self.free_residual) and num_blocks <= self.num_free
 
-    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> None:
-        """Admit `seq` with blocks for `num_tokens` (default: its whole life), fastest tier first."""
+    def allocate(self, seq: Sequence, num_tokens: int | None = None, cached: list[int] = ()) -> None:
+        """Admit `seq` with blocks for `num_tokens` (default: its whole life): `cached` first
+        (cached_prefix's, shared), then free ones, fastest tier first."""
         tokens = seq.max_len if num_tokens is None else num_tokens
-        if not self.can_allocate(seq, tokens):
+        if not (self.free_residual and self.has_room(self.blocks_to_take(tokens, cached))):
             raise RuntimeError(f"no room for {self.blocks_for(tokens)} KV blocks of sequence {seq.seq_id}")
-        seq.block_table = []
-        self._extend(seq.block_table, self.blocks_for(tokens), TIERS)
+        for block in cached:
+            self._hold(block)
+        seq.block_table = list(cached)
+        seq.num_registered_blocks = len(cached)
+        self._extend(seq.block_table, self.blocks_for(tokens), self._growth_tiers(seq))
         seq.residual_id = self.free_residual.popleft()
+
+    def blocks_to_take(self, num_tokens: int, cached: list[int] = ()) -> int:
+        """Free blocks an admission with blocks for `num_tokens` takes when it starts with `cached`:
+        the rest of its table, and those of `cached` no table holds now."""
+        return self.blocks_for(num_tokens) - len(cached) + sum(1 for b in cached if not self.refs[b])
+
+    def _hold(self, block: int) -> None:
+        if not self.refs[block]:
+            del self.free[self.tier_of(block)][block]
+        self.refs[block] += 1
+
+    # ---- prefix caching ----------------------------------------------------------------------
+    def cached_prefix(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The registered blocks that hold `seq`'s leading tokens (see the module docstring), for
+        an admission of `num_blocks` blocks in all (its table's and its forks' own): at most those
+        before its last prefill token, which a pass must compute for its logits, and no more than
+        leave the rest room in the tiers its table may then grow into, now and when alone."""
+        if self.cache is None:
+            return []
+        usable = (seq.num_prefill_tokens - 1) // self.block_size
+        blocks = self.cache.chain(block_digests(seq, usable, self.block_size))
+        for k in range(1, len(blocks)):  # tier order: a faster tier after a slower one ends the run
+            if TIERS.index(self.tier_of(blocks[k])) < TIERS.index(self.tier_of(blocks[k - 1])):
+                blocks = blocks[:k]
+                break
+        while blocks and not (self._room_after(blocks) >= num_blocks - len(blocks)
+                              and self._room_after(blocks, alone=True) >= self.blocks_for(seq.max_len) - len(blocks)):
+            blocks.pop()
+        return blocks
+
+    def _room_after(self, cached: list[int], alone: bool = False) -> int:
+        """Blocks a table starting with `cached` may grow into (the tiers from its last block's
+        on), free now, or once no other sequence holds any (`alone`), less the cached ones there."""
+        tiers = TIERS[TIERS.index(self.tier_of(cached[-1])):]
+        if alone:
+            room = sum(self.blocks_per_tier.get(t, 0) for t in tiers)
+            return room - sum(1 for b in cached if self.tier_of(b) in tiers)
+        room = sum(len(self.free[t]) for t in tiers)
+        return room - sum(1 for b in cached if not self.refs[b] and self.tier_of(b) in tiers)
+
+    def register(self, seq: Sequence) -> None:
+        """Name `seq`'s blocks whose tokens are all computed now by the tokens they hold."""
+        done = min(seq.num_computed // self.block_size, len(seq.block_table))
+        if self.cache is None or done <= seq.num_registered_blocks:
+            return
+        digests = block_digests(seq, done, self.block_size)
+        for k in range(seq.num_registered_blocks, done):
+            self.cache.register(seq.block_table[k], digests[k])
+        seq.num_registered_blocks = done
 
     def fork(self, parent: Sequence, child: Sequence, num_shared: int, num_tokens: int) -> None:
         """Admit `child` with the first `num_shared` blocks of `parent`'s table (shared) and blocks
@@ -115,6 +188,8 @@ class BlockManager:
         child.block_table = parent.block_table[:num_shared]
         for block in child.block_table:
             self.refs[block] += 1
+        child.block_digests = parent.block_digests[:num_shared]  # shared blocks, shared tokens
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_shared)
         self._extend(child.block_table, self.blocks_for(num_tokens), self._growth_tiers(child))
         child.residual_id = self.free_residual.popleft()
 
@@ -143,18 +218,27 @@ class BlockManager:
     def _extend(self, table: list[int], length: int, tiers: tuple[str, ...]) -> None:
         for tier in tiers:
             while len(table) < length and self.free[tier]:
-                table.append(self.free[tier].popleft())
-                self.refs[table[-1]] = 1
+                block = self.free[tier].popitem(last=False)[0]
+                if self.cache is not None:
+                    self.cache.forget(block)  # it will hold other tokens
+                table.append(block)
+                self.refs[block] = 1
+        if len(table) < length:  # the callers check room first: a table short of its tokens' slots
+            raise RuntimeError(f"KV blocks ran out in tiers {tiers}: a table of {len(table)} blocks, "
+                               f"{length} needed")  # would drop their K/V
 
     def free_blocks(self, seq: Sequence) -> None:
         """`seq` gives back its blocks (a shared one is free once no other table holds it) and
-        its residual row."""
-        for block in seq.block_table:
+        its residual row. Tail first: with prefix caching, a table's head is handed out last."""
+        for block in reversed(seq.block_table):
             self.refs[block] -= 1
             if self.refs[block] < 0:
                 raise RuntimeError(f"KV block {block} freed more often than taken (sequence {seq.seq_id})")
             if self.refs[block] == 0:
-                self.free[self.tier_of(block)].append(block)
+                free = self.free[self.tier_of(block)]
+                free[block] = None
+                if self.cache is not None and not self.cache.holds(block):
+                    free.move_to_end(block, last=False)  # holds nothing: handed out first
         seq.block_table = []
         self.free_residual.append(seq.residual_id)
         seq.residual_id = -1

@@ -90,6 +90,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
     refused: bool = False
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's field)
 
     @property
     def finished(self) -> bool:
@@ -246,6 +247,11 @@ class EngineConfig:
     # "generate" (text) or "embed" (vLLM's pooling runner): every request is a prompt whose last
     # token's final hidden state is its embedding (engine/pooling.py); nothing is sampled.
     task: str = "generate"
+    # Automatic prefix caching (vLLM's, on by default there too): a request whose leading tokens
+    # fill KV blocks that an earlier request of this engine computed (a shared system prompt,
+    # few-shot examples, a preempted sequence's own context) takes those blocks instead of
+    # computing them again (engine/prefix_cache.py). RequestOutput.num_cached_tokens says how many.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check_engine_fields(self)
@@ -261,7 +267,7 @@ def _check_engine_fields(e: EngineConfig) -> None:
     for a flag would read as true ("no" turning direct_io on), a kv_bits the format has not."""
     if e.task not in TASKS:
         raise FlexSarathiError(f"EngineConfig.task must be one of {', '.join(TASKS)}, got {e.task!r}")
-    for name in ("direct_io", "dummy_weight_codes", "compress_head", "fit_running"):
+    for name in ("direct_io", "dummy_weight_codes", "compress_head", "fit_running", "enable_prefix_caching"):
         if not isinstance(getattr(e, name), bool):
             raise FlexSarathiError(f"EngineConfig.{name} must be True or False, got {getattr(e, name)!r}")
     for name in ("routed_expert_reads", "cpu_experts", "cuda_graphs"):
@@ -338,7 +344,8 @@ class LLMEngine:
                                      self.device, self.dtype, overlap=p.overlap,
                                      cpu_attention=p.cpu_attention, cpu_matmul=self.cpu_matmul,
                                      head="hidden" if e.task == "embed" else "logits")
-        self.blocks = BlockManager(self.block_size, {}, num_residual=0)  # laid out per batch
+        self.blocks = BlockManager(self.block_size, {}, num_residual=0,  # laid out per batch
+                                   prefix_caching=e.enable_prefix_caching)
         self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
         self._rng = random.Random(e.seed)
         self._next_id = 0
@@ -604,8 +611,8 @@ class LLMEngine:
         if self.engine_config.fit_running:  # the running set fitted to this batch
             self.scheduler.set_max_running(running)
         blocks = self._kv_blocks(seqs, running)
-        self._ensure_pools(self._pool_blocks(blocks), running)
-        self.blocks.resize(blocks, num_residual=running)
+        replaced = self._ensure_pools(self._pool_blocks(blocks), running)
+        self.blocks.resize(blocks, num_residual=running, keep_cached=not replaced)  # cached prefixes stay
         self._check_worst_pass(lengths, running, blocks)
         self.batch_running = running
         for group in groups:
@@ -682,8 +689,10 @@ class LLMEngine:
         tokens = self.policy.kv_cache_tokens
         return math.ceil(longest / self.block_size) * running if tokens is None else tokens // self.block_size
 
-    def _ensure_pools(self, blocks_per_tier: dict[str, int], num_residual: int) -> None:
-        c = self.config
+    def _ensure_pools(self, blocks_per_tier: dict[str, int], num_residual: int) -> bool:
+        """Pools that hold `blocks_per_tier` blocks and `num_residual` residual rows, those that
+        already do kept; returns whether any pool was made anew (their contents are gone)."""
+        c, made = self.config, False
         for tier, blocks in blocks_per_tier.items():
             pool = self.kv_pools.get(tier)
             if pool is not None and pool.num_slots >= blocks * self.block_size and (
@@ -705,6 +714,8 @@ class LLMEngine:
                 block_size=self.block_size, compression=self.kv_compression, num_residual=num_residual,
                 pin_memory=tier == "cpu" and self.device.type == "cuda",
                 folder=self._offload_folder() if tier == "disk" else None)
+            made = True
+        return made
 
     def _check_room(self, tier: str, nbytes: int, slots: int) -> None:
         """A tier no budget caps (no hardware=) still has the machine's room: a KV pool larger than
@@ -757,6 +768,7 @@ class LLMEngine:
             self.close()
             return
         self.scheduler.abort_all()
+        self.blocks.release_all()  # and no cached prefix: nothing vouches for a pass cut short
         try:
             self.executor.reset()
             if self.device.type == "cuda":
@@ -964,7 +976,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=[self._completion(i, seq) for i, seq in enumerate(seqs)],
-            prompt_logprobs=self._prompt_logprobs(first))
+            prompt_logprobs=self._prompt_logprobs(first), num_cached_tokens=first.num_cached_tokens)
 
     def _prompt_logprobs(self, seq: Sequence) -> list[dict[int, Logprob] | None] | None:
         if seq.params.prompt_logprobs is None:

@@ -110,6 +110,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens sent through passes as prefill (prompts, recomputes)
+        self.num_cached_tokens = 0  # tokens admissions found in the prefix cache instead
 
     def set_max_running(self, max_running: int) -> None:
         """Another ceiling on the sequences running at once, set between batches (an engine that
@@ -160,6 +161,7 @@ class Scheduler:
         by length). Finished sequences leave and free their blocks; returns them."""
         for item in plan.items:
             item.seq.num_computed += item.num_tokens
+            self.blocks.register(item.seq)  # prefix caching: its blocks computed by now
         for seq in seqs:
             if seq.forks:
                 self._fork(seq)
@@ -180,8 +182,10 @@ class Scheduler:
 
     def abort_all(self) -> list[Sequence]:
         """Drops every unfinished sequence (those of an interrupted call) and frees every block;
-        returns them."""
+        returns them. With none unfinished, the cached prefixes stay."""
         dropped = self.running + list(self.waiting)
+        if not dropped:
+            return []
         for seq in dropped + [f for s in dropped for f in s.forks]:
             seq.block_table, seq.residual_id = [], -1
         self.running, self.waiting = [], deque()
@@ -208,12 +212,21 @@ class Scheduler:
         size = 1 + len(seq.forks)
         if self._slots_taken() + size > self.config.max_running:
             return None
-        if not self._fits(self._group_blocks(seq, seq.forks), size):
+        # prefix caching: the blocks that hold its leading tokens already (prompt logprobs need
+        # every prompt position computed, as in vLLM)
+        group = self._group_blocks(seq, seq.forks)
+        cached = self.blocks.cached_prefix(seq, group) if seq.params.prompt_logprobs is None else []
+        forks_own = group - self.blocks.blocks_for(self._admission_tokens(seq))
+        if not self._fits(forks_own + self.blocks.blocks_to_take(self._admission_tokens(seq), cached), size):
             if not self.running:
                 raise RuntimeError("the KV cache cannot hold a single request; enlarge it")
             return None
         self.waiting.popleft()
-        self.blocks.allocate(seq, self._admission_tokens(seq))
+        self.blocks.allocate(seq, self._admission_tokens(seq), cached)
+        seq.num_computed = len(cached) * self.blocks.block_size  # their K/V is in the cache already
+        self.num_cached_tokens += seq.num_computed
+        if not seq.num_preemptions:
+            seq.num_cached_tokens = seq.num_computed
         for fork in seq.forks:
             self.blocks.fork(seq, fork, self._num_shared(seq), self._admission_tokens(fork))
         seq.status = SequenceStatus.RUNNING

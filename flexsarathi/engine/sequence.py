@@ -36,6 +36,11 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # global KV block ids (BlockManager)
     residual_id: int = -1  # row of the pools' full-precision buffer for the block being filled
+    # Prefix caching (engine/prefix_cache.py): digests of its complete blocks so far, how many of
+    # its table's blocks are registered, and the prompt tokens its first admission found cached
+    block_digests: list[bytes] = field(default_factory=list, repr=False)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
     # per prompt position after the first: {token: Logprob} (params.prompt_logprobs)
     prompt_logprobs: list[dict] = field(default_factory=list)
     detokenizer: object | None = None  # tokenizer.IncrementalDetokenizer, for stop strings

@@ -101,13 +101,18 @@ def test_a_parent_that_stops_at_its_first_token_leaves_its_siblings_their_tokens
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_more_completions_than_running_slots_split_into_groups(tiny_checkpoint):
-    """n = 5 with 2 running slots: groups of 2, 2 and 1, each prefilling the prompt once."""
+@pytest.mark.parametrize("caching", [False, True])
+def test_more_completions_than_running_slots_split_into_groups(tiny_checkpoint, caching):
+    """n = 5 with 2 running slots: groups of 2, 2 and 1, each prefilling the prompt once; with
+    prefix caching the later groups take the first's complete blocks but the last one's."""
     folder, _ = tiny_checkpoint("opt")
     params = SamplingParams(max_tokens=5, temperature=1.0, seed=2, n=5, ignore_eos=True)
-    with LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=8), kv_block_size=BLOCK) as llm:
+    with LLM(folder, dtype="float32", policy=Policy(gpu_batch_size=2, prefill_budget=8), kv_block_size=BLOCK,
+             enable_prefix_caching=caching) as llm:
         out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
-        assert llm.last_stats["prefill_tokens_computed"] == 3 * len(PROMPTS[1])
+        n = len(PROMPTS[1])
+        cached = (n - 1) // BLOCK * BLOCK if caching else 0  # a pass computes the last token: not cached
+        assert llm.last_stats["prefill_tokens_computed"] == n + 2 * (n - cached)
     assert [c.token_ids for c in out.outputs] == alone(folder, PROMPTS[1], params, False)
 
 
