@@ -222,7 +222,8 @@ def test_the_cache_outlives_a_batch(stories_dir, shared_prefix_prompts):
     prompts = shared_prefix_prompts[:3]
     params = SamplingParams(max_tokens=8, temperature=0)
     reference, _ = run(stories_dir, prompts, params, caching=False)
-    with LLM(stories_dir, dtype="float32", policy=Policy(gpu_batch_size=1, prefill_budget=64, kv_cache_tokens=2048)) as llm:
+    roomy = Policy(gpu_batch_size=1, prefill_budget=64, kv_cache_tokens=2048)
+    with LLM(stories_dir, dtype="float32", policy=roomy) as llm:
         first = llm.generate(prompts, params, use_tqdm=False)
         again = llm.generate(prompts, params, use_tqdm=False)  # room for all: every prompt is found whole
     assert [o.num_cached_tokens for o in again] == [(len(o.prompt_token_ids) - 1) // 16 * 16 for o in again]
