@@ -328,7 +328,8 @@ def _run_on_ray(args, lines, params: dict, record, say, opened):
     say(f"policy: {describe_policy(policy, fitted=not args.policy)}")
     spec = EngineSpec.of(args.model, policy, hardware=hardware, dtype=args.dtype, device=args.device,
                          offload_dir=args.offload_dir, cpu_matmul=args.cpu_matmul, compress_head=args.compress_head,
-                         fit_running=not args.policy, task=args.task)
+                         fit_running=not args.policy, task=args.task,
+                         enable_prefix_caching=args.enable_prefix_caching)
     options = RayOptions(address=args.ray_address, actors=args.ray_actors or 1,
                          gpus_per_actor=args.ray_gpus_per_actor or 0, cpus_per_actor=args.ray_cpus_per_actor or 1,
                          batch_size=args.ray_batch_size)
@@ -472,5 +473,7 @@ def _summary(say, ok: int, failed: int, earlier_errors: int, stats: dict | None,
     else:  # an embedding job: prompts only
         say(f"tokens: {stats['prompt_tokens']} prompt (embedded) in {seconds:.2f} s ({stats['passes']} passes): "
             f"{stats['prompt_tokens'] / (seconds or 1e-9):.2f} prompt tok/s")
+    if stats.get("prefix_cache_hit_tokens"):
+        say(f"prefix cache: {stats['prefix_cache_hit_tokens']} tokens found cached, not computed")
     say(f"policy: {policy}")
     say(f"peak memory: {memory_summary(stats['memory'])}")

@@ -51,16 +51,27 @@ class BlockManager:
         self.cache = PrefixCache() if prefix_caching else None
         self.resize(blocks_per_tier, num_residual)
 
-    def resize(self, blocks_per_tier: dict[str, int], num_residual: int, keep_cached: bool = False) -> None:
+    def resize(self, blocks_per_tier: dict[str, int], num_residual: int, kept: tuple[str, ...] = ()) -> None:
         """Lay out `blocks_per_tier` blocks and `num_residual` rows anew (the engine does when a
-        batch of requests arrives at an idle cache); only while no sequence holds any. With
-        `keep_cached` (the pools kept their tensors) and the same layout, the cached prefixes stay."""
+        batch of requests arrives at an idle cache); only while no sequence holds any. `kept`: the
+        tiers whose pools kept their tensors; their cached prefixes stay where the new layout still
+        has their blocks (a block is its tier's slots, so it keeps its tokens' K/V)."""
         if hasattr(self, "refs") and not self.idle:
             raise RuntimeError("the KV cache is resized while sequences hold blocks")
-        same = hasattr(self, "refs") and (self.blocks_per_tier, self.num_residual) == (
-            {t: n for t, n in blocks_per_tier.items() if n}, num_residual)
-        if not (keep_cached and same):
-            self._lay_out(blocks_per_tier, num_residual)
+        carried = self._cached_in(kept) if hasattr(self, "refs") else []
+        self._lay_out(blocks_per_tier, num_residual)
+        for digest, tier, local in carried:  # in the order they were to be handed out
+            if local < self.blocks_per_tier.get(tier, 0):
+                block = self.base[tier] + local
+                self.cache.register(block, digest)
+                self.free[tier].move_to_end(block)
+
+    def _cached_in(self, tiers) -> list[tuple[bytes, str, int]]:
+        """(digest, tier, index in the tier) of the cached blocks of `tiers`, in free-list order."""
+        if self.cache is None:
+            return []
+        return [(self.cache.digest_of[b], t, b - self.base[t]) for t in tiers if t in self.free
+                for b in self.free[t] if self.cache.holds(b)]
 
     def release_all(self) -> None:
         """Every block and row is free again (the sequences holding them were dropped) and no

@@ -611,8 +611,9 @@ class LLMEngine:
         if self.engine_config.fit_running:  # the running set fitted to this batch
             self.scheduler.set_max_running(running)
         blocks = self._kv_blocks(seqs, running)
-        replaced = self._ensure_pools(self._pool_blocks(blocks), running)
-        self.blocks.resize(blocks, num_residual=running, keep_cached=not replaced)  # cached prefixes stay
+        made = self._ensure_pools(self._pool_blocks(blocks), running)
+        kept = tuple(t for t in self.kv_pools if t not in made)  # their cached prefixes stay
+        self.blocks.resize(blocks, num_residual=running, kept=kept)
         self._check_worst_pass(lengths, running, blocks)
         self.batch_running = running
         for group in groups:
@@ -689,10 +690,10 @@ class LLMEngine:
         tokens = self.policy.kv_cache_tokens
         return math.ceil(longest / self.block_size) * running if tokens is None else tokens // self.block_size
 
-    def _ensure_pools(self, blocks_per_tier: dict[str, int], num_residual: int) -> bool:
+    def _ensure_pools(self, blocks_per_tier: dict[str, int], num_residual: int) -> set[str]:
         """Pools that hold `blocks_per_tier` blocks and `num_residual` residual rows, those that
-        already do kept; returns whether any pool was made anew (their contents are gone)."""
-        c, made = self.config, False
+        already do kept; returns the tiers whose pools were made anew (what they held is gone)."""
+        c, made = self.config, set()
         for tier, blocks in blocks_per_tier.items():
             pool = self.kv_pools.get(tier)
             if pool is not None and pool.num_slots >= blocks * self.block_size and (
@@ -714,7 +715,7 @@ class LLMEngine:
                 block_size=self.block_size, compression=self.kv_compression, num_residual=num_residual,
                 pin_memory=tier == "cpu" and self.device.type == "cuda",
                 folder=self._offload_folder() if tier == "disk" else None)
-            made = True
+            made.add(tier)
         return made
 
     def _check_room(self, tier: str, nbytes: int, slots: int) -> None:

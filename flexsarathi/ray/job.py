@@ -147,6 +147,7 @@ def _job_stats(batches: list[dict], seconds: float) -> dict:
     actors = {b["actor"] for b in batches}
     return {"requests": sum(b["requests"] for b in batches), "failed": sum(b["failed"] for b in batches),
             "prompt_tokens": prompt, "generated_tokens": generated, "passes": sum(b["passes"] for b in batches),
+            "prefix_cache_hit_tokens": sum(b.get("prefix_cache_hit_tokens", 0) for b in batches),
             "seconds": seconds, "tokens_per_s": generated / seconds if seconds else 0.0, "memory": memory,
             "actors": len(actors), "nodes": len({a.rsplit(":", 1)[0] for a in actors}),
             "devices": sorted({f"{b['device']} {b['dtype']}" for b in batches}), "batches": len(batches)}

@@ -418,3 +418,23 @@ def test_request_chunks_weigh_each_request_by_its_sequences(tmp_path):
              for k in (2, 3, 1)]
     _, requests = read_requests(write_lines(tmp_path / "embed.jsonl", embed))
     assert [[r.id for r in chunk] for chunk in request_chunks(requests, 4)] == [["2"], ["3", "1"]]
+
+
+def test_prefix_caching_is_on_by_default_and_its_flag_turns_it_off(stories_dir, tinystories_text, tmp_path, capsys):
+    """A job whose prompts share their start: the summary says how many tokens were found cached
+    (one request at a time, so each finds the ones before), and the records equal those of the
+    run without the cache."""
+    system = tinystories_text.split("<|endoftext|>")[0][:300]
+    lines = [{"id": str(i), "prompt": f"{system} {name} went to the park."}
+             for i, name in enumerate(["Tom", "Sue", "Max"])]
+    job = write_lines(tmp_path / "in.jsonl", lines)
+    policy = tmp_path / "one.json"
+    Policy(gpu_batch_size=1, prefill_budget=64).save(str(policy))
+    args = ["generate", "--model", stories_dir, "--input", job, "--policy", str(policy),
+            "--temperature", "0", "--max-tokens", "6", "--dtype", "float32"]
+    capsys.readouterr()
+    assert main([*args, "--output", str(tmp_path / "on.jsonl")]) == 0
+    assert "prefix cache: " in capsys.readouterr().out  # the summary's line
+    assert main([*args, "--output", str(tmp_path / "off.jsonl"), "--no-enable-prefix-caching"]) == 0
+    assert "prefix cache: " not in capsys.readouterr().out
+    assert records(tmp_path / "on.jsonl") == records(tmp_path / "off.jsonl")

@@ -135,19 +135,23 @@ def test_a_table_short_of_its_blocks_is_an_error_not_lost_kv():
         blocks._extend([blocks.base["cpu"]], 3, ("cpu",))
 
 
-def test_the_layout_kept_keeps_the_cache_and_a_new_one_or_release_drops_it():
-    blocks = BlockManager(BS, {"cpu": 6}, num_residual=2, prefix_caching=True)
-    computed(blocks, a := seq(0, list(range(9))))
+def test_a_new_layout_keeps_the_cached_blocks_of_kept_pools_it_still_has():
+    blocks = BlockManager(BS, {"gpu": 2, "cpu": 4}, num_residual=2, prefix_caching=True)
+    holder = seq(0, [1] * 8)
+    blocks.allocate(holder, 8)  # the gpu blocks: a's go to cpu
+    computed(blocks, a := seq(1, list(range(9))))
+    locals_ = [b - blocks.base["cpu"] for b in a.block_table[:2]]
     blocks.free_blocks(a)
-    blocks.resize({"cpu": 6}, 2, keep_cached=True)
-    assert len(blocks.cache) == 2
-    blocks.resize({"cpu": 6}, 2)  # the engine made its pools anew: nothing they held is there
+    blocks.free_blocks(holder)
+    probe = seq(2, list(range(9)))
+    blocks.resize({"gpu": 3, "cpu": 4}, 2, kept=("gpu", "cpu"))  # cpu's blocks renumbered, its slots kept
+    assert blocks.cached_prefix(probe, 3) == [blocks.base["cpu"] + i for i in locals_]
+    assert locals_ == [0, 1]
+    blocks.resize({"gpu": 3, "cpu": 1, "disk": 4}, 2, kept=("gpu", "cpu"))  # the second one is gone
+    assert blocks.cached_prefix(probe, 3) == [blocks.base["cpu"]] and len(blocks.cache) == 1
+    blocks.resize({"gpu": 3, "cpu": 4}, 2, kept=("gpu",))  # cpu's pool made anew: nothing it held is there
     assert len(blocks.cache) == 0
-    computed(blocks, a := seq(0, list(range(9))))
-    blocks.free_blocks(a)
-    blocks.resize({"cpu": 7}, 2, keep_cached=True)
-    assert len(blocks.cache) == 0
-    computed(blocks, a := seq(0, list(range(9))))
+    computed(blocks, a := seq(1, list(range(9))))
     blocks.release_all()
     assert len(blocks.cache) == 0 and blocks.num_free == 7
 
@@ -240,6 +244,8 @@ def test_new_pools_or_an_interrupted_pass_leave_nothing_cached(stories_dir, shar
         assert len(llm.engine.blocks.cache) > 0
         grown = llm.generate(prompts, longer, use_tqdm=False)  # longer lives: larger pools, made anew
         assert grown[0].num_cached_tokens == 0
+        shorter = llm.generate(prompts, params, use_tqdm=False)  # fewer blocks of the pools kept: found
+        assert shorter[0].num_cached_tokens > 0
         with on_call(llm.engine.model, "post_attention", 3, raise_keyboard_interrupt), pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, longer, use_tqdm=False)
         assert len(llm.engine.blocks.cache) == 0  # nothing vouches for a pass cut short
@@ -247,6 +253,7 @@ def test_new_pools_or_an_interrupted_pass_leave_nothing_cached(stories_dir, shar
         assert after[0].num_cached_tokens == 0
     for outs in (grown, after):
         assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert [o.token_ids for o in shorter] == [o.token_ids[:8] for o in reference]
 
 
 def test_embeddings_with_the_cache_equal_those_without(stories_dir, shared_prefix_prompts):
