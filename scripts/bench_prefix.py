@@ -64,8 +64,12 @@ def report(args, llm: LLM, side, runs: dict) -> dict:
                      "generated_tokens": last["generated_tokens"]})
     # bf16 CPU matmuls differ in the last bits with the pass's shape (rows, chunking): on random
     # weights a near-tie can flip a greedy token, so the count of equal requests is printed
+    def agree(a: list, b: list) -> int:
+        return sum(x == y for x, y in zip(a, b))
+
     base = runs[ENGINES[0]][0]["tokens"]
-    same = min(sum(a == b for a, b in zip(r["tokens"], base)) for name in ENGINES for r in runs[name])
+    same = agree(runs[ENGINES[1]][0]["tokens"], base)  # requests with the same tokens in both engines
+    repeat = {name: min(agree(r["tokens"], runs[name][0]["tokens"]) for r in runs[name]) for name in ENGINES}
     print(f"model {args.model}{f' ({args.layers} layers)' if args.layers else ''}, device {engine.device}, dtype "
           f"{str(engine.dtype).removeprefix('torch.')}; {args.requests} requests x ({args.shared} shared + "
           f"{args.unique} own tokens) -> {args.max_tokens}, batch {args.batch}, prefill budget {args.prefill_budget}; "
@@ -77,11 +81,13 @@ def report(args, llm: LLM, side, runs: dict) -> dict:
     pairs = [a / b for a, b in zip(side.seconds[ENGINES[0]], side.seconds[ENGINES[1]])]
     speedup = rows[0]["seconds"] / rows[1]["seconds"]
     print(f"prefix caching / no caching, end to end: {speedup:.2f}x faster (best against best; per round "
-          f"{', '.join(f'{p:.2f}' for p in pairs)}, median {statistics.median(pairs):.2f}); requests with the "
-          f"first run's tokens in every run: {same} of {len(base)}")
+          f"{', '.join(f'{p:.2f}' for p in pairs)}, median {statistics.median(pairs):.2f})")
+    print(f"requests with the same tokens in both engines: {same} of {len(base)}; run to run, each engine: "
+          + ", ".join(f"{name} {n} of {len(base)}" for name, n in repeat.items()))
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {cpu_line()}; commit "
           f"{subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")
-    return {"rows": rows, "speedup": speedup, "median_round_speedup": statistics.median(pairs), "same_tokens": same}
+    return {"rows": rows, "speedup": speedup, "median_round_speedup": statistics.median(pairs), "same_tokens": same,
+            "same_run_to_run": repeat}
 
 
 def main() -> None:
@@ -113,7 +119,8 @@ def main() -> None:
             llm.close()
     harness.write_result(args, summary["rows"], {"prefix_caching_speedup": summary["speedup"]},
                          extra={"median_round_speedup": summary["median_round_speedup"],
-                                "same_tokens": summary["same_tokens"]})
+                                "same_tokens": summary["same_tokens"],
+                                "same_run_to_run": summary["same_run_to_run"]})
 
 
 if __name__ == "__main__":
