@@ -52,13 +52,17 @@ class LLM:
         _check_workload(workload, policy)
         opened = model if isinstance(model, OpenedModel) else None
         model = opened.name if opened else resolve_model(model)  # "org/name" -> its folder in the HF cache
+        if opened is not None and opened.lora is not None:
+            engine_options.setdefault("lora", opened.lora)  # the adapter it was opened with
+        elif isinstance(engine_options.get("lora"), str):  # an adapter's hub name too
+            engine_options["lora"] = resolve_model(engine_options["lora"])
         spec = None
         if hardware is not None:
             spec = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.resolve(hardware, "hardware=")
         if policy == "auto":
             spec = spec or this_machine_hardware(LLM, dtype, device, offload_dir)  # no hardware: this machine's
             if opened is None and os.path.exists(model):
-                opened = open_model(model)  # once: the search reads its config, the engine its weights
+                opened = open_model(model, lora=engine_options.get("lora"))  # once: the search reads its config
             formats = {k: v for k, v in engine_options.items()
                        if k in ("weight_quant", "kv_bits", "kv_value_group", "compress_head")}
             formats["kv_block_size"] = kv_block_size

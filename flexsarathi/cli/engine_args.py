@@ -37,6 +37,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=_logprobs_cap, default=20, metavar="N",
                    help="the most logprobs / prompt_logprobs alternatives a request may ask per token (default "
                    "20, vLLM's and OpenAI's limit); -1: no limit (a request's -1 asks for the whole vocabulary)")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a LoRA adapter (PEFT's save_pretrained folder, or a Hugging Face repo of one) merged into "
+                   "the model's weights as they load: the adapted model at the base model's cost per pass")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompts' leading tokens that earlier requests of the job computed "
                    "(a shared system prompt, few-shot examples); on by default, as in vLLM")
@@ -132,7 +135,7 @@ def build_llm(args, workload, seed: int = 0, opened=None):
               cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
               max_logprobs=getattr(args, "max_logprobs", 20), fit_running=not args.policy,
               task=getattr(args, "task", "generate"),
-              enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", True), lora=getattr(args, "lora", None))
     return llm, policy
 
 

@@ -136,7 +136,7 @@ def run_generate(args) -> int:
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
     from flexsarathi.formats.opened_model import open_model
 
-    opened = open_model(args.model)  # once per job: the engine built below takes it as it is
+    opened = open_model(args.model, lora=args.lora)  # once per job: the engine built below takes it as it is
     source = opened.source
     # The dtype resolved once (auto: this machine's cached choice) for the engine, every Ray actor
     # and the file's meta: a resume in another dtype is refused.
@@ -329,7 +329,7 @@ def _run_on_ray(args, lines, params: dict, record, say, opened):
     spec = EngineSpec.of(args.model, policy, hardware=hardware, dtype=args.dtype, device=args.device,
                          offload_dir=args.offload_dir, cpu_matmul=args.cpu_matmul, compress_head=args.compress_head,
                          fit_running=not args.policy, task=args.task,
-                         enable_prefix_caching=args.enable_prefix_caching)
+                         enable_prefix_caching=args.enable_prefix_caching, lora=args.lora)
     options = RayOptions(address=args.ray_address, actors=args.ray_actors or 1,
                          gpus_per_actor=args.ray_gpus_per_actor or 0, cpus_per_actor=args.ray_cpus_per_actor or 1,
                          batch_size=args.ray_batch_size)

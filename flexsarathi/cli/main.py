@@ -196,6 +196,8 @@ def _main(argv: list[str] | None) -> int:
         show_warnings_as_lines()
         if getattr(args, "model", None) is not None:  # a Hugging Face repo -> its local folder or GGUF file
             args.model = _local_model(args)
+            if getattr(args, "lora", None):  # an adapter's hub name, fetched like a model's
+                args.lora = resolve_model(args.lora)
         return args.func(args)
     except USER_ERRORS as exc:
         return _fail(f"error: {_one_line(exc)}", 2)

@@ -252,6 +252,9 @@ class EngineConfig:
     # few-shot examples, a preempted sequence's own context) takes those blocks instead of
     # computing them again (engine/prefix_cache.py). RequestOutput.num_cached_tokens says how many.
     enable_prefix_caching: bool = True
+    # A LoRA adapter folder (PEFT's save_pretrained) merged into the checkpoint's weights as they are
+    # read (formats/lora_adapter.py): the adapted model at the base model's cost per pass.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         _check_engine_fields(self)
@@ -270,6 +273,8 @@ def _check_engine_fields(e: EngineConfig) -> None:
     for name in ("direct_io", "dummy_weight_codes", "compress_head", "fit_running", "enable_prefix_caching"):
         if not isinstance(getattr(e, name), bool):
             raise FlexSarathiError(f"EngineConfig.{name} must be True or False, got {getattr(e, name)!r}")
+    if e.lora is not None and not isinstance(e.lora, str):
+        raise FlexSarathiError(f"EngineConfig.lora must be None or a LoRA adapter folder, got {e.lora!r}")
     for name in ("routed_expert_reads", "cpu_experts", "cuda_graphs"):
         if getattr(e, name) is not None and not isinstance(getattr(e, name), bool):
             raise FlexSarathiError(f"EngineConfig.{name} must be True, False or None, got {getattr(e, name)!r}")
@@ -1012,10 +1017,10 @@ def _opened_for(e: EngineConfig, opened: OpenedModel | None) -> OpenedModel:
     """The engine's model: the caller's (checked to be the configured one) or opened here."""
     drawn = e.weight_quant if e.dummy_weight_codes and e.policy.compress_weight else None
     if opened is None:
-        return open_model(e.model, codes=drawn)
-    if (opened.name, opened.codes) != (e.model, drawn):
-        raise FlexSarathiError(f"the opened model ({opened.name}, codes {opened.codes}) is not the one "
-                               f"this engine is configured for ({e.model}, codes {drawn})")
+        return open_model(e.model, codes=drawn, lora=e.lora)
+    if (opened.name, opened.codes, opened.lora) != (e.model, drawn, e.lora):
+        raise FlexSarathiError(f"the opened model ({opened.name}, codes {opened.codes}, LoRA {opened.lora}) is not "
+                               f"the one this engine is configured for ({e.model}, codes {drawn}, LoRA {e.lora})")
     return opened
 
 

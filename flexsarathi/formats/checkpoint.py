@@ -197,8 +197,10 @@ def given_bytes(shape: tuple[int, ...], dtype: torch.dtype, fmt: QuantConfig | N
 
 
 class SafetensorsCheckpoint(WeightSource):
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, adapter=None):
+        """adapter: a formats.lora_adapter.LoraAdapter merged into the weights as they are read."""
         self.folder = folder
+        self.adapter = adapter
         self.config = ModelConfig.from_folder(folder)
         self._handles: dict[str, object] = {}  # file path -> open safetensors handle (headers only)
         self._pread = PreadReader()  # tensors' bytes: read into fresh memory, not mapped (safetensors_pread.py)
@@ -209,15 +211,24 @@ class SafetensorsCheckpoint(WeightSource):
         self.model = build_model_math(self.config)
         self._validate_shapes()
         self._refuse_unused()
+        if adapter is not None:
+            adapter.check_targets(self._read_shapes())
 
     @property
     def fingerprint(self) -> str:
         """Each weight file's `file_identity` (a rewrite keeping size and mtime is noticed; a copied or
-        moved folder, new inodes, rebuilds its offload store once, from the same bytes)."""
+        moved folder, new inodes, rebuilds its offload store once, from the same bytes), and the
+        merged adapter's."""
         digest = hashlib.sha256()
         for path in sorted(set(self._file_of.values())):
             digest.update(file_identity(path).encode())
-        return f"ckpt-{digest.hexdigest()[:16]}"
+        lora = f"-lora-{self.adapter.fingerprint}" if self.adapter is not None else ""
+        return f"ckpt-{digest.hexdigest()[:16]}{lora}"
+
+    def _read_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{HF name as the model reads it: shape} of every tensor read, from the headers."""
+        return {hf: tuple(self._open(self._file_of[self._resolve(hf)]).get_slice(self._resolve(hf)).get_shape())
+                for hf in self._read_names()}
 
     def _index_tensors(self) -> dict[str, str]:
         index_path = os.path.join(self.folder, "model.safetensors.index.json")
@@ -339,7 +350,8 @@ class SafetensorsCheckpoint(WeightSource):
                 except OSError as exc:
                     raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: "
                                           f"{exc}") from None
-                tensors.append(check(read.to(dtype), name, self._file_of[name], read))
+                value = read.to(dtype) if self.adapter is None else self.adapter.merged(hf_name, read, dtype)
+                tensors.append(check(value, name, self._file_of[name], read))
             out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         return out
 
@@ -350,7 +362,10 @@ class SafetensorsCheckpoint(WeightSource):
         """The largest tensor's bytes in its file where they are cast to `dtype` (read whole, then
         cast; a tensor already in `dtype` is given as read)."""
         extents = (self._pread.extent(path, name) for name, path in self._file_of.items())
-        return max((nbytes for _, _, nbytes, kind, _ in extents if kind != _SAFETENSORS_DTYPES.get(dtype)), default=0)
+        most = max((nbytes for _, _, nbytes, kind, _ in extents if kind != _SAFETENSORS_DTYPES.get(dtype)), default=0)
+        if self.adapter is not None:  # a merge holds the weight in fp32 and its sum beside the read
+            most += 8 * max(a.shape[1] * b.shape[0] for a, b in self.adapter.pairs.values())
+        return most
 
     def layer_weights(self, layer, dtype, unchecked=frozenset()):
         return self._read(self.model.hf_layer_names(layer), dtype, unchecked)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from flexsarathi.errors import CheckpointError
 from flexsarathi.formats.checkpoint import DUMMY_PREFIX, DummyWeights, SafetensorsCheckpoint, WeightSource
+from flexsarathi.formats.lora_adapter import open_adapter
 from flexsarathi.formats.quantized_checkpoint import QuantizedCheckpoint, read_quantization_config
 from flexsarathi.formats.tokenizer import Tokenizer, load_tokenizer
 from quant import QuantConfig
@@ -20,21 +21,30 @@ class OpenedModel:
     source: WeightSource
     tokenizer: Tokenizer | None  # None for dummy models and folders without tokenizer files
     codes: QuantConfig | None = None  # a dummy model's layer matrices drawn in this quantized format
+    lora: str | None = None  # the LoRA adapter folder merged into its weights (formats/lora_adapter.py)
 
 
 MODEL_FORMS = "a checkpoint folder (config.json + safetensors), a .gguf file or dummy:<name>"
 
 
-def open_model(model: str, codes: QuantConfig | None = None) -> OpenedModel:
+def open_model(model: str, codes: QuantConfig | None = None, lora: str | None = None) -> OpenedModel:
+    """lora: a LoRA adapter folder to merge into the weights (full-precision checkpoints only)."""
     is_folder = os.path.isdir(model)
     if not model.startswith(DUMMY_PREFIX) and not is_folder:
         _refuse_path(model)
     if model.endswith(".gguf") and codes is None and not is_folder:  # llama.cpp's file: weights and tokenizer in one
         from flexsarathi.formats.gguf_checkpoint import GGUFCheckpoint
         from flexsarathi.formats.gguf_tokenizer import load_gguf_tokenizer
+        _refuse_adapter(lora, model, "a GGUF file's")
         return _with_context(OpenedModel(model, GGUFCheckpoint(model), load_gguf_tokenizer(model)))
-    source = open_weight_source(model, codes=codes)
-    return _with_context(OpenedModel(model, source, load_tokenizer(model, source.config), codes))
+    source = open_weight_source(model, codes=codes, lora=lora)
+    return _with_context(OpenedModel(model, source, load_tokenizer(model, source.config), codes, lora))
+
+
+def _refuse_adapter(lora: str | None, model: str, whose: str) -> None:
+    if lora is not None:
+        raise CheckpointError(f"a LoRA adapter is merged into full-precision weights; {model} holds {whose} "
+                              "quantized or drawn ones (give the full-precision base checkpoint)")
 
 
 def _with_context(opened: OpenedModel) -> OpenedModel:
@@ -44,16 +54,19 @@ def _with_context(opened: OpenedModel) -> OpenedModel:
     return opened
 
 
-def open_weight_source(model: str, codes: QuantConfig | None = None) -> WeightSource:
+def open_weight_source(model: str, codes: QuantConfig | None = None, lora: str | None = None) -> WeightSource:
     """The weights alone of a checkpoint folder or `dummy:<name>` (see policy_search.model_registry);
-    codes: a dummy model's layer matrices drawn directly in that quantized format (DummyWeights)."""
+    codes: a dummy model's layer matrices drawn directly in that quantized format (DummyWeights);
+    lora: a LoRA adapter folder merged into a full-precision checkpoint's weights."""
     if model.startswith(DUMMY_PREFIX):
+        _refuse_adapter(lora, model, "a dummy model's")
         return DummyWeights(model[len(DUMMY_PREFIX):], codes=codes)
     if codes is not None:
         raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
     if read_quantization_config(model) is not None:  # GPTQ, AWQ, compressed-tensors
+        _refuse_adapter(lora, model, "a pre-quantized checkpoint's")
         return QuantizedCheckpoint(model)
-    return SafetensorsCheckpoint(model)
+    return SafetensorsCheckpoint(model, adapter=None if lora is None else open_adapter(lora))
 
 
 def _refuse_path(model: str) -> None:

@@ -132,7 +132,7 @@ def build_engine(args):
 
     sampling = {**SAMPLING_DEFAULTS, "max_tokens": args.max_tokens}
     SamplingParams(**sampling)
-    opened = open_model(args.model)
+    opened = open_model(args.model, lora=args.lora)
     dtype = resolve_dtype(args.dtype, opened.source.config.checkpoint_dtype, resolve_device(args.device))
     args.dtype = str(dtype).removeprefix("torch.")
     llm, policy = build_llm(args, None, opened=opened)  # --policy auto: planned for the default workload

@@ -1,0 +1,150 @@
+"""A LoRA adapter as PEFT saves it (`adapter_config.json` + `adapter_model.safetensors`), merged into
+the base checkpoint's weights as they are read: W + scale * B @ A for every module it adapts,
+computed in fp32 from the checkpoint's values, then cast to the compute dtype. The merged weights
+then go wherever the policy puts them (compressed, streamed from the disk store) at no cost per pass:
+an offloaded engine reads every weight each pass anyway, and a second small matmul per linear
+would add launches and bytes to every layer-step. One adapter per engine (vLLM's per-request
+adapters are a GPU-resident design: run one job per adapter here).
+
+scale = lora_alpha / r (PEFT's default), lora_alpha / sqrt(r) with use_rslora. What PEFT can save
+that this merge would get wrong is refused, saying what: DoRA (magnitude vectors), fan_in_fan_out
+(GPT-2's Conv1D layout), trained biases, modules_to_save (whole replaced modules), per-module
+rank or alpha patterns, embedding adapters, and any adapted module this model does not read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from flexsarathi.errors import CheckpointError
+from flexsarathi.formats.checkpoint import file_identity, require_regular_file
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."  # PEFT's names: base_model.model.<module>.lora_A.weight
+# Fields whose non-default values change the merge in ways this module does not compute.
+_REFUSED = {"use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
+            "modules_to_save": (None, []), "rank_pattern": (None, {}), "alpha_pattern": (None, {})}
+
+
+class LoraAdapter:
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.config = _read_config(os.path.join(folder, CONFIG))
+        path = os.path.join(folder, WEIGHTS)
+        if not os.path.lexists(path):
+            raise CheckpointError(f"no {WEIGHTS} in LoRA adapter folder {folder} (PEFT's save_pretrained writes it)")
+        self.path = require_regular_file(path)
+        # module -> (A [r, in], B [out, r]) as saved; module -> the base weight PEFT saved beside an
+        # adapted embedding or head (save_embedding_layers), to be the checkpoint's own
+        self.pairs, self.saved_bases = _read_pairs(self.path)
+        r, alpha = self.config["r"], self.config["lora_alpha"]
+        self.scale = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
+        for module, (a, b) in self.pairs.items():
+            if a.shape[0] != r or b.shape[1] != r:
+                raise CheckpointError(f"{self.path}: {module}'s lora_A is {list(a.shape)} and lora_B "
+                                      f"{list(b.shape)}, but {CONFIG} says r = {r}")
+
+    @property
+    def fingerprint(self) -> str:
+        """Its files' identities and the scale: part of the merged checkpoint's fingerprint, so
+        that an offload store written with one adapter is never read for another."""
+        digest = hashlib.sha256(file_identity(self.path).encode())
+        digest.update(json.dumps(self.config, sort_keys=True).encode())
+        return digest.hexdigest()[:16]
+
+    def check_targets(self, weight_shapes: dict[str, tuple[int, ...]]) -> None:
+        """Every adapted module must be a 2-D weight the model reads ({HF weight name: shape}),
+        with A and B of its input and output sizes: one CheckpointError naming the first that is not."""
+        for module, (a, b) in sorted(self.pairs.items()):
+            shape = weight_shapes.get(f"{module}.weight")
+            if shape is None or len(shape) != 2:
+                raise CheckpointError(f"LoRA adapter {self.folder} adapts {module}, which this model does not "
+                                      f"have as a linear layer (its weights are e.g. "
+                                      f"{', '.join(sorted(weight_shapes)[:3])}, ...)")
+            if (b.shape[0], a.shape[1]) != tuple(shape):
+                raise CheckpointError(f"LoRA adapter {self.folder}: {module} is {list(shape)} in the model, but its "
+                                      f"lora_B @ lora_A is {[b.shape[0], a.shape[1]]}: an adapter of another model")
+
+    def merged(self, hf_weight_name: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`weight` (as read) in `dtype`, with this adapter's update where it adapts that module."""
+        module = hf_weight_name.removesuffix(".weight")
+        saved = self.saved_bases.get(module)
+        if saved is not None and not torch.equal(saved.to(weight.dtype), weight):
+            raise CheckpointError(f"LoRA adapter {self.folder} saved {module}'s base weight, and it is not this "
+                                  f"checkpoint's (a resized vocabulary, or another base model)")
+        pair = self.pairs.get(module)
+        if pair is None or not hf_weight_name.endswith(".weight"):
+            return weight.to(dtype)
+        a, b = pair
+        return torch.addmm(weight.float(), b.float(), a.float(), alpha=self.scale).to(dtype)
+
+
+def _read_config(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no {CONFIG} in {os.path.dirname(path)}: a LoRA adapter is a folder as PEFT's "
+                              f"save_pretrained writes it ({CONFIG} + {WEIGHTS})")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise CheckpointError(f"{path}: peft_type {kind!r} is not a LoRA adapter (only LORA is merged)")
+    for name, allowed in _REFUSED.items():
+        if config.get(name, allowed[0]) not in allowed:
+            raise CheckpointError(f"{path}: {name} = {config[name]!r} is not supported (the merge W + scale * B @ A "
+                                  f"would not be the adapted model)")
+    for name in ("r", "lora_alpha"):
+        value = config.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"{path}: {name} must be a positive number, got {value!r}")
+    return config
+
+
+def _read_pairs(path: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+    """({module: (A, B)}, {module: saved base weight}) from PEFT's tensor names; every tensor
+    accounted for and finite."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, Exception) as exc:  # a corrupt header or a truncated file
+        raise CheckpointError(f"cannot read LoRA weights {path}: {exc}") from None
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    bases = {name.removeprefix(_PREFIX).removesuffix(".base_layer.weight"): tensors.pop(name)
+             for name in list(tensors) if name.endswith(".base_layer.weight")}
+    for name, tensor in tensors.items():
+        module, _, part = name.removeprefix(_PREFIX).rpartition(".lora_")
+        if not module or part not in ("A.weight", "B.weight", "A.default.weight", "B.default.weight"):
+            raise CheckpointError(f"{path}: tensor {name} is not a lora_A / lora_B weight (embedding adapters, "
+                                  f"magnitude vectors and saved modules are not merged)")
+        if tensor.dim() != 2 or not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{path}: tensor {name} must be a finite 2-D float matrix, got "
+                                  f"{tensor.dtype} {list(tensor.shape)}")
+        halves.setdefault(module, {})[part[0]] = tensor  # as saved: fp32 only for a merge, one at a time
+    pairs = {}
+    for module, parts in halves.items():
+        if set(parts) != {"A", "B"}:
+            raise CheckpointError(f"{path}: {module} has lora_{''.join(parts)} but not its other half")
+        pairs[module] = (parts["A"], parts["B"])
+    if not pairs:
+        raise CheckpointError(f"{path} holds no LoRA weights")
+    stray = sorted(set(bases) - set(pairs))
+    if stray:
+        raise CheckpointError(f"{path}: {stray[0]}'s base weight is saved without a LoRA pair for it")
+    return pairs, bases
+
+
+def open_adapter(folder: str) -> LoraAdapter:
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"LoRA adapter {folder} is not a folder (PEFT's save_pretrained writes one: "
+                              f"{CONFIG} + {WEIGHTS})")
+    return LoraAdapter(folder)
