@@ -177,7 +177,7 @@ def build_engine(args, model: str, policy, hardware):
     vm_hwm_reset()
     start = time.perf_counter()
     cpu0 = cpu_seconds()
-    llm = LLM(f"dummy:{model}", dtype=args.dtype, policy=policy, hardware=hardware,
+    llm = LLM(f"dummy:{model}", enable_prefix_caching=False, dtype=args.dtype, policy=policy, hardware=hardware,
               offload_dir=args.offload_dir, direct_io=True, dummy_weight_codes=not args.quantize_normal)
     seconds, peak, cpu = time.perf_counter() - start, vm_hwm(), cpu_seconds() - cpu0
     store = llm.engine.weights.store

@@ -89,7 +89,7 @@ def main() -> int:
     print(f"{cpu_line()}; {torch.get_num_threads()} threads; Qwen3-Embedding-0.6B shape, {args.layers} layers, "
           f"{args.dtype}; {args.texts} texts of {args.shortest}-{args.longest} tokens ({tokens} tokens)")
     hf = AutoModel.from_pretrained(path, dtype=dtype).eval()
-    with LLM(path, dtype=args.dtype, task="embed") as llm:
+    with LLM(path, enable_prefix_caching=False, dtype=args.dtype, task="embed") as llm:
         got = {}
         engines = {"transformers": lambda: got.__setitem__("transformers", hf_embed(hf, prompts, args.hf_batch)),
                    "flexsarathi": lambda: got.__setitem__("flexsarathi", [

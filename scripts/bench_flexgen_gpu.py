@@ -177,7 +177,8 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
                                    compress_weight=True)
     # dummy_weight_codes: 4-bit weights drawn as codes (quantizing 7B-70B random draws on the CPU takes
     # minutes); no effect on uncompressed weights
-    with LLM(f"dummy:{model}", dtype="float16", device=device, policy=policy, hardware=hardware,
+    with LLM(f"dummy:{model}", enable_prefix_caching=False,
+             dtype="float16", device=device, policy=policy, hardware=hardware,
              offload_dir=offload_dir, workload=workload, dummy_weight_codes=True) as llm:
         engine = llm.engine
         count, vocab = requests or engine.policy.max_running, engine.config.vocab_size

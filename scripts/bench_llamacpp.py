@@ -326,7 +326,8 @@ def build_ours(model: str, dtype: torch.dtype, w: Workload, on_disk: bool, work_
         say(f"  FlexSarathi: 4-bit KV cache ({kv_bytes / GiB:.2f} GiB at "
             f"{dtype} would not fit the {budget_gib:g} GiB budget beside the rest)")
     source = dict(model=gguf_path) if gguf_path else dict(model=f"dummy:{model}", dummy_weight_codes=True)
-    return LLM(**source, dtype=dtype, policy=our_policy(w, on_disk, compress_kv, resident), hardware=hardware,
+    return LLM(**source, enable_prefix_caching=False,
+               dtype=dtype, policy=our_policy(w, on_disk, compress_kv, resident), hardware=hardware,
                offload_dir=os.path.join(work_dir, "offload"), direct_io=True, compress_head=True, cpu_matmul=cpu_matmul)
 
 

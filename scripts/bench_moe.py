@@ -70,7 +70,8 @@ def dummy_model(args) -> str:
 def run(folder: str, batch: int, routed: bool, offload: str, args) -> dict:
     policy = Policy(w_gpu=0.0, w_cpu=0.0, w_disk=1.0, compress_weight=True, gpu_batch_size=batch,
                     num_gpu_batches=1, prefill_budget=batch * args.prompt_len)
-    llm = LLM(folder, dtype=args.dtype, policy=policy, offload_dir=offload, routed_expert_reads=routed,
+    llm = LLM(folder, enable_prefix_caching=False,
+              dtype=args.dtype, policy=policy, offload_dir=offload, routed_expert_reads=routed,
               **({"dummy_weight_codes": True} if folder.startswith("dummy:") else {}))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, args.vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]

@@ -254,7 +254,8 @@ def run_ours(label, args, shapes, rates, prompts, policy, hardware, group, t0, b
              cpu_matmul: str = "auto") -> Result:
     say(f"{stamp(t0)} {label}: building the engine (the store is reused: layers are read from it, "
         f"only embeddings and head are regenerated)")
-    llm = LLM(f"dummy:{args.model}", dtype=args.torch_dtype, policy=policy, offload_dir=args.offload_dir,
+    llm = LLM(f"dummy:{args.model}", enable_prefix_caching=False,
+              dtype=args.torch_dtype, policy=policy, offload_dir=args.offload_dir,
               direct_io=True, hardware=hardware, cpu_matmul=cpu_matmul)
     try:
         store = llm.engine.weights.store
@@ -683,7 +684,8 @@ def build_offload_folders(args, setup: Setup, t0: float) -> tuple[list, str | No
     for compress, mode in stores:
         say(f"{stamp(t0)} ours: placing weights ({'4-bit' if compress else args.dtype_name}) in {args.offload_dir} "
             "(written once, reused)")
-        llm = LLM(f"dummy:{args.model}", dtype=args.torch_dtype, offload_dir=args.offload_dir, direct_io=True,
+        llm = LLM(f"dummy:{args.model}", enable_prefix_caching=False,
+                  dtype=args.torch_dtype, offload_dir=args.offload_dir, direct_io=True,
                   policy=our_policy(args, 1, 64, True, compress), cpu_matmul=mode)
         files += store_files(llm)
         if not compress:

@@ -142,7 +142,8 @@ class PassTimer:
 
 def run_placement(name: str, policy: Policy, args, hw: HardwareSpec, prompts: list[list[int]]) -> dict:
     start = time.perf_counter()
-    llm = LLM(args.model_id, dtype=args.torch_dtype, policy=policy, offload_dir=args.offload_dir,
+    llm = LLM(args.model_id, enable_prefix_caching=False,
+              dtype=args.torch_dtype, policy=policy, offload_dir=args.offload_dir,
               direct_io=True, hardware=hw)
     built = time.perf_counter() - start
     timer = PassTimer(llm)

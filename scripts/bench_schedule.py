@@ -339,7 +339,8 @@ def main() -> int:
     args.torch_dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))  # for these threads
     say(f"bench_schedule: {cpu_line(args.torch_dtype)}; arguments: {' '.join(sys.argv[1:]) or '(defaults)'}")
     base = Policy(gpu_batch_size=8, w_gpu=1.0 - args.w_disk, w_disk=args.w_disk, weight_prefetch=2)
-    llm = LLM(f"dummy:{args.model}", dtype=args.torch_dtype, policy=base, offload_dir=args.offload_dir, direct_io=True)
+    llm = LLM(f"dummy:{args.model}", enable_prefix_caching=False,
+              dtype=args.torch_dtype, policy=base, offload_dir=args.offload_dir, direct_io=True)
     store = llm.engine.weights.store
     store_files = store.data_files() if store is not None else []
     if store is not None and not store.direct_io_active:

@@ -93,7 +93,8 @@ def build(args, offload_dir: str) -> tuple[LLM, list]:
     dummy_codes = args.model.startswith("dummy:") and args.compress_weight  # random 4-bit codes: no quantizing
     policy = Policy(gpu_batch_size=args.batch, prefill_budget=args.prefill_budget,
                     compress_weight=args.compress_weight)
-    llm = LLM(model_name(args.model, args.layers), dtype=args.dtype, policy=policy, offload_dir=offload_dir,
+    llm = LLM(model_name(args.model, args.layers), enable_prefix_caching=False,
+              dtype=args.dtype, policy=policy, offload_dir=offload_dir,
               cpu_matmul=args.cpu_matmul, compress_head=args.compress_head, dummy_weight_codes=dummy_codes)
     texts = [f"Once upon a time, number {i}" for i in range(args.requests)]
     if not args.tokenizer_from:

@@ -200,7 +200,8 @@ def measure_ours(args, folder: str, dtype, device, sync, plain_round) -> dict:
 
     # gathered_plain_decodes: decode attention as the GPU runs it (gather + SDPA), on the CPU too;
     # over a 4-bit cache the Triton kernel as the GPU runs it (interpreted on the CPU)
-    with LLM(folder, dtype=dtype, device=device, policy=policy, cuda_graphs=args.graphs) as llm, \
+    with LLM(folder, enable_prefix_caching=False,
+             dtype=dtype, device=device, policy=policy, cuda_graphs=args.graphs) as llm, \
             gathered_plain_decodes(), triton_decodes(args, device):
         llm.generate(prompts, params, use_tqdm=False)  # warm-up (and graph capture)
         try:
@@ -255,7 +256,7 @@ def profiler_kernels(args, folder: str, dtype, device) -> float:
     policy = Policy(gpu_batch_size=args.batch, num_gpu_batches=1, overlap=False, scheduler="block",
                     compress_kv=args.compress_kv)
     prompts = [[(7 * i + j) % 500 + 2 for j in range(args.prompt_len)] for i in range(args.batch)]
-    with LLM(folder, dtype=dtype, device=device, policy=policy, cuda_graphs=False) as llm:
+    with LLM(folder, enable_prefix_caching=False, dtype=dtype, device=device, policy=policy, cuda_graphs=False) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
         one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         many = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)

@@ -7,6 +7,10 @@ A script imports it as `import harness` (the script's folder is on sys.path when
 it puts the repository root on sys.path too, so the packages import from a checkout. Nothing here
 imports torch at import time: bench_gguf's parent process must stay small (Linux carries a parent's
 peak RSS into its children's ru_maxrss), so torch is imported only where a function needs it.
+
+The scripts build our engines with `enable_prefix_caching=False` (all but bench_prefix, which
+measures it): they repeat prompts across warm-ups, rounds and schedulers, and a run that found
+the last one's KV would not do the work its baseline does.
 """
 from __future__ import annotations
 

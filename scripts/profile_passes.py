@@ -49,7 +49,7 @@ def main() -> int:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{args.model} on {device} ({name}), {dtype}, torch {torch.__version__}; {cpu_line()}")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    with LLM(args.model, dtype=dtype, device=device, policy=policy) as llm:
+    with LLM(args.model, enable_prefix_caching=False, dtype=dtype, device=device, policy=policy) as llm:
         vocab = llm.engine.config.vocab_size
         layers = llm.engine.config.num_layers
         params = SamplingParams(max_tokens=args.gen_len, temperature=0, ignore_eos=True)

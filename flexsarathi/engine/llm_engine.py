@@ -331,6 +331,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, list(self.eos_token_ids))
         self.memory = MemoryTracker(_fitted_budget(e.budget, e.fit_running, self.device), self.device)
+        adapter = getattr(self.source, "adapter", None)
+        if adapter is not None:  # held in host memory beside the weights (a store rebuilt reads it again)
+            self.memory.reserve("cpu", adapter.nbytes, "LoRA adapter")
         self.kv_compression = (KVCompression(bits=e.kv_bits, block_size=self.block_size,
                                              value_group=e.kv_value_group) if p.compress_kv else None)
         try:

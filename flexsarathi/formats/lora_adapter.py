@@ -51,6 +51,12 @@ class LoraAdapter:
                                       f"{list(b.shape)}, but {CONFIG} says r = {r}")
 
     @property
+    def nbytes(self) -> int:
+        """What it holds for the engine's life (A, B and saved base weights, as saved)."""
+        tensors = [t for pair in self.pairs.values() for t in pair] + list(self.saved_bases.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
     def fingerprint(self) -> str:
         """Its files' identities and the scale: part of the merged checkpoint's fingerprint, so
         that an offload store written with one adapter is never read for another."""

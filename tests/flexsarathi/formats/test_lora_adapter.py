@@ -66,7 +66,8 @@ def test_rslora_scales_by_the_root_of_the_rank(tiny_checkpoint, tmp_path):
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["use_rslora"] is True
     with LLM(folder, dtype="float32", lora=str(tmp_path / "adapter")) as llm:
         got = prompt_logits(llm, PROMPTS[:1])[0]
-        assert llm.engine.weights is not None
+        held = sum(p.numel() * 4 for n, p in adapted.named_parameters() if "lora_" in n)  # fp32 as saved
+        assert llm.engine.memory.report()["cpu"]["by_what"]["LoRA adapter"] == held
     torch.testing.assert_close(got, peft_logits(adapted, PROMPTS[0]), rtol=1e-4, atol=1e-4)
     assert math.isclose(open_model(folder, lora=str(tmp_path / "adapter")).source.adapter.scale, 8 / 2)
 
