@@ -452,3 +452,39 @@ def test_cuda_cumulative_sums_never_rise_at_a_zero(rows):
             expected = int(torch.searchsorted(exact[r], torch.tensor([target], dtype=torch.float64), right=True))
             near = (exact[r] - target).abs().min().item() < 1e-6
             assert token == expected or near
+
+
+# ---- prefix caching and LoRA adapters on a GPU --------------------------------------------------
+def test_prefix_caching_on_cuda_gives_the_uncached_tokens_with_graphs(tiny_checkpoint, tmp_path):
+    """Prompts sharing 40 leading tokens, one request at a time then all together: cached blocks
+    in the gpu pool (and split to the host) feed eager prompt chunks and graph-replayed decodes;
+    the tokens and logprobs are those of the engine without the cache."""
+    folder = tiny_checkpoint("llama_deep")[0]
+    shared = (_prompts(128)[3] * 2)[:40]
+    prompts = [shared + p[:6] for p in _prompts(128)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    runs = {}
+    for caching in (False, True):
+        for split in (dict(), dict(kv_gpu=0.5, kv_cpu=0.5)):
+            policy = Policy(gpu_batch_size=len(prompts), prefill_budget=48, **split)
+            with LLM(folder, dtype="float32", device="cuda", policy=policy, kv_block_size=8,
+                     enable_prefix_caching=caching, offload_dir=str(tmp_path / "offload")) as llm:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                hits = llm.last_stats["prefix_cache_hit_tokens"]
+            assert (hits > 0) == caching
+            runs[caching, bool(split)] = [o.token_ids for o in outs]
+    assert runs[True, False] == runs[False, False] and runs[True, True] == runs[False, True]
+
+
+def test_a_lora_adapter_merged_on_cuda_gives_the_cpus_tokens(tiny_checkpoint, tmp_path):
+    from tests.flexsarathi.formats.test_lora_adapter import TARGETS, save_adapter
+
+    folder = tiny_checkpoint("llama_gqa_untied")[0]
+    save_adapter(folder, tmp_path / "adapter", TARGETS["llama_gqa_untied"])
+    prompts = _prompts(128)
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        with LLM(folder, dtype="float32", device=device, lora=str(tmp_path / "adapter"),
+                 policy=Policy(w_gpu=0.5, w_cpu=0.5), offload_dir=str(tmp_path / device)) as llm:
+            tokens[device] = _tokens(llm, prompts)
+    assert tokens["cuda"] == tokens["cpu"]
