@@ -119,11 +119,12 @@ def test_more_completions_than_running_slots_split_into_groups(tiny_checkpoint, 
 # ---- without a model: every schedule, checked slot by slot --------------------------------------
 
 
-def make_groups(groups) -> list[list[Sequence]]:
-    """groups: (prompt_len, max_tokens, [stop_at per completion]); prompts differ between groups."""
+def make_groups(groups, shared: int = 0) -> list[list[Sequence]]:
+    """groups: (prompt_len, max_tokens, [stop_at per completion]); prompts differ between groups
+    but in their first `shared` tokens, which all have alike."""
     made, next_id = [], 0
     for g, (n, m, stops) in enumerate(groups):
-        prompt = [(g * 13 + i) % 97 + 1 for i in range(n)]
+        prompt = [i % 89 + 1 for i in range(min(shared, n))] + [(g * 13 + i) % 97 + 1 for i in range(shared, n)]
         group = []
         for stop_at in stops:
             stop = frozenset({sampled_token(next_id, n + stop_at)}) if stop_at < m else frozenset()
@@ -148,12 +149,13 @@ def check_refcounts(blocks: BlockManager, scheduler: Scheduler) -> None:
     assert sum(c > 0 for c in counts) + len(free) == blocks.num_blocks
 
 
-def run_groups(groups, *, budget, max_running, kv_blocks, admission, mode, tiers):
+def run_groups(groups, *, budget, max_running, kv_blocks, admission, mode, tiers, prefix_caching=False):
     """The engine's loop with a simulated model: each pass writes its items' tokens into their KV
-    slots after checking that every earlier position of the item's table holds its own token;
-    a fork copies its parent's partial block, as the engine does. Returns the scheduler."""
+    slots after checking that every earlier position of the item's table holds its own token
+    (blocks found in the prefix cache included); a fork copies its parent's partial block, as the
+    engine does. Returns the scheduler."""
     split = {t: kv_blocks // len(tiers) + (i < kv_blocks % len(tiers)) for i, t in enumerate(tiers)}
-    blocks = BlockManager(BLOCK, split, num_residual=max_running)
+    blocks = BlockManager(BLOCK, split, num_residual=max_running, prefix_caching=prefix_caching)
     scheduler = Scheduler(SchedulerConfig(max_running=max_running, num_micro_batches=1, prefill_budget=budget,
                                           mode=mode, kv_admission=admission), blocks)
     for group in groups:
@@ -202,6 +204,37 @@ def test_forks_get_exactly_their_tokens_and_leak_no_block(groups, budget, max_ru
     run_groups(seqs, budget=budget, max_running=max_running, kv_blocks=kv_blocks, admission=mode[0],
                mode=mode[1], tiers=tiers)
     assert [[s.output_token_ids for s in g] for g in seqs] == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 17), st.integers(1, 12), st.lists(st.integers(0, 14), min_size=1,
+                                                                                max_size=3)),
+                min_size=1, max_size=5),
+       st.integers(0, 16), st.integers(1, 12), st.integers(1, 6), st.integers(0, 4),
+       st.sampled_from([("on-demand", "decode-maximal"), ("reserve", "decode-maximal"), ("reserve", "block")]),
+       st.sampled_from([("gpu", "cpu"), ("gpu", "cpu", "disk")]))
+def test_with_prefix_caching_every_pass_reads_its_own_tokens(groups, shared, budget, max_running, spare, mode,
+                                                             tiers):
+    """Prompts sharing their start, forks, preemptions and tight tiers: every block an admission
+    finds holds the tokens of its positions (run_groups checks each item's context slot by slot),
+    tables keep their tier order, nothing leaks, and the outputs are those of the cache-less run."""
+    seqs = make_groups(groups, shared)
+    expected = [[expected_tokens(s) for s in g] for g in make_groups(groups, shared)]
+    kv_blocks = max(math.ceil(s.max_len / BLOCK) for g in seqs for s in g) + spare
+    scheduler = run_groups(seqs, budget=budget, max_running=max_running, kv_blocks=kv_blocks, admission=mode[0],
+                           mode=mode[1], tiers=tiers, prefix_caching=True)
+    assert [[s.output_token_ids for s in g] for g in seqs] == expected
+    assert scheduler.num_prefill_tokens + scheduler.num_cached_tokens >= sum(len(g[0].prompt_token_ids)
+                                                                             for g in seqs)
+
+
+def test_prefix_caching_finds_the_shared_start_of_later_prompts():
+    """One request at a time, prompts sharing 9 tokens: each after the first finds 2 blocks."""
+    seqs = make_groups([(12, 3, [20]), (11, 3, [20]), (13, 3, [20])], shared=9)
+    scheduler = run_groups(seqs, budget=16, max_running=1, kv_blocks=12, admission="on-demand",
+                           mode="decode-maximal", tiers=("gpu", "cpu"), prefix_caching=True)
+    assert [g[0].num_cached_tokens for g in seqs] == [0, 8, 8]
+    assert scheduler.num_prefill_tokens == 12 + 11 + 13 - 16
 
 
 def test_without_preemption_each_prompt_is_prefilled_once():

@@ -265,3 +265,28 @@ def test_embeddings_with_the_cache_equal_those_without(stories_dir, shared_prefi
             hits = llm.last_stats["prefix_cache_hit_tokens"]
     assert hits > 0
     torch.testing.assert_close(vectors[True], vectors[False], rtol=1e-5, atol=1e-6)
+
+
+def test_a_cached_run_that_would_leave_its_life_no_room_alone_is_not_taken():
+    """On demand a prompt's blocks fit now, but its later tokens must grow in the tiers after the
+    cached run, and alone even those could not hold them: preempted, it would be readmitted onto the
+    same run for ever. The run is not taken; the request starts fastest tier first and finishes."""
+    from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig
+
+    blocks = BlockManager(BS, {"gpu": 2, "cpu": 3}, num_residual=2, prefix_caching=True)
+    holder = seq(0, [1] * 8)
+    blocks.allocate(holder, 8)
+    computed(blocks, a := seq(1, list(range(8))))  # two cpu blocks, registered
+    blocks.free_blocks(a)
+    blocks.free_blocks(holder)
+    b = seq(2, list(range(8)) + [9], max_tokens=11)  # 9 prompt tokens (3 blocks now), 20 in its life (5)
+    assert blocks.cached_prefix(b, blocks.blocks_for(b.num_prompt_tokens)) == []
+    scheduler = Scheduler(SchedulerConfig(max_running=1, num_micro_batches=1, prefill_budget=8), blocks)
+    scheduler.add(b)
+    for _ in range(100):  # 20 tokens: a few prefill passes and 11 decodes
+        plan = scheduler.schedule()
+        sampling = [it.seq for it in plan.items if it.samples]
+        scheduler.postprocess(plan, sampling, [5] * len(sampling))
+        if not scheduler.has_unfinished():
+            break
+    assert not scheduler.has_unfinished() and scheduler.num_preemptions == 0
