@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from flexsarathi.batch_turns import BatchTurns
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from flexsarathi.engine.pooling import EmbeddingRequestOutput, PoolingParams
+from flexsarathi.engine.pooling import POOLING_TASKS, ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams
 from flexsarathi.engine.running_fit import policy_or_default
 from flexsarathi.machine.this_machine import this_machine_hardware
 from flexsarathi.errors import FlexSarathiError
@@ -97,7 +97,7 @@ class LLM:
                                    'written by `flexsarathi profile`)')
         planned = planned_model(model, dtype, device=device, **(formats or {}))
         if workload is None:
-            gen = 1 if task == "embed" else 32
+            gen = 1 if task in POOLING_TASKS else 32
             workload = Workload(prompt_len=max(1, min(512, planned.spec.max_positions - gen)), gen_len=gen)
         policy, _ = search(planned.spec, hardware, workload, **planned.search_constraints(constraints))
         return policy
@@ -188,8 +188,10 @@ class LLM:
         stop: asked after every pass; True ends the run there (the unfinished requests are
         dropped, the finished ones were yielded): how a server cancels a batch at a pass boundary."""
         prompts, params = _check_arguments(prompts, sampling_params, on_error)
-        if self.engine.engine_config.task == "embed":
-            raise FlexSarathiError('this LLM embeds (task="embed"): call LLM.embed, or build another LLM to generate')
+        task = self.engine.engine_config.task
+        if task in POOLING_TASKS:
+            verb = {"embed": "embeds", "classify": "classifies"}[task]
+            raise FlexSarathiError(f'this LLM {verb} (task="{task}"): call LLM.{task}, or build another LLM to generate')
         yield from self._requests_iter(prompts, params, None, use_tqdm, on_error, stop)
 
     def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
@@ -212,6 +214,25 @@ class LLM:
         params = [_PROMPT_ONLY] * len(prompts)
         yield from self._requests_iter(prompts, params, poolings, use_tqdm, on_error, stop)
 
+    def classify(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True,
+                 on_error: str = "raise") -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify (needs LLM(model, task="classify") on a *ForSequenceClassification
+        checkpoint): one ClassificationRequestOutput per prompt, in prompt order, its `.outputs.probs`
+        the score head over the prompt's last token, through the activation of the checkpoint's
+        problem type (softmax; sigmoid for multi-label; as given for one label: a reward model's
+        score). Prompts are prefilled as generate prefills them; on_error as generate's."""
+        results = dict(self.classify_iter(prompts, use_tqdm, on_error))
+        return [results[i] for i in range(len(results))]
+
+    def classify_iter(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True, on_error: str = "raise",
+                      stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, ClassificationRequestOutput]]:
+        """(prompt index, output) as classifications finish: generate_iter's counterpart."""
+        if self.engine.engine_config.task != "classify":
+            raise FlexSarathiError('LLM.classify needs an LLM built to classify: LLM(model, task="classify")')
+        prompts, _ = _check_arguments(prompts, None, on_error, "classify")
+        poolings = [PoolingParams()] * len(prompts)
+        yield from self._requests_iter(prompts, [_PROMPT_ONLY] * len(prompts), poolings, use_tqdm, on_error, stop)
+
     def _requests_iter(self, prompts: list, params: list[SamplingParams], poolings: list | None, use_tqdm: bool,
                        on_error: str, stop: Callable[[], bool] | None):
         with self._turns.turn():  # flexsarathi/batch_turns.py
@@ -221,7 +242,7 @@ class LLM:
             for index, error in refused:
                 with self._turns.suspended():  # close() from another thread may close the engine meanwhile
                     text = prompts[index] if isinstance(prompts[index], str) else None
-                    yield index, _refused_output(text, error, embedding=poolings is not None)
+                    yield index, _refused_output(text, error, self.engine.engine_config.task)
             if groups:
                 yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
 
@@ -248,7 +269,7 @@ class LLM:
         seqs = [seq for group in groups.values() for seq in group]
         request_of = {seq.seq_id: i for i, group in groups.items() for seq in group}
         progress = _Progress(seqs, [group[0] for group in groups.values()], use_tqdm,
-                             "embed" if engine.engine_config.task == "embed" else "generate")
+                             engine.engine_config.task)
         passes, left = 0, {i: len(group) for i, group in groups.items()}
         counted = _scheduler_counts(scheduler)  # this call's counts are the differences
         foreign = engine.has_unfinished()  # another generate_iter's batch: add_requests refuses, it stays
@@ -362,12 +383,12 @@ def _check_llm_arguments(model, policy, hardware, seed, kv_block_size, engine_op
     return model, policy, hardware
 
 
-def _refused_output(prompt: str | None, error: str, embedding: bool = False):
+def _refused_output(prompt: str | None, error: str, task: str = "generate"):
     """The output of a request turned away before any pass (on_error="record"): no sequence, so no
     request id (-1)."""
-    if embedding:
-        return EmbeddingRequestOutput(request_id=-1, prompt=prompt, prompt_token_ids=[], outputs=None, error=error,
-                                      refused=True)
+    if task in POOLING_TASKS:
+        kind = ClassificationRequestOutput if task == "classify" else EmbeddingRequestOutput
+        return kind(request_id=-1, prompt=prompt, prompt_token_ids=[], outputs=None, error=error, refused=True)
     return RequestOutput(request_id=-1, prompt=prompt, prompt_token_ids=[], outputs=[], error=error, refused=True)
 
 
@@ -479,7 +500,7 @@ class _Progress:
         self.start = time.perf_counter()
         self.elapsed = 0.0
         total = sum(s.max_len - s.num_prompt_tokens for s in seqs)
-        if task == "embed":  # nothing is generated: the bar counts prompt tokens
+        if task in POOLING_TASKS:  # nothing is generated: the bar counts prompt tokens
             total = sum(s.num_prompt_tokens for s in seqs)
         self.task = task
         self.bar = tqdm(total=total, desc=task, unit="tok", disable=not enabled)
@@ -489,7 +510,7 @@ class _Progress:
             self.unfinished.discard(seq)
             self.prompt_tokens += seq.num_prompt_tokens if seq in self.firsts else 0
             self.generated += len(seq.output_token_ids)
-            if self.task != "embed":
+            if self.task not in POOLING_TASKS:
                 self.bar.total -= seq.max_len - seq.num_tokens  # tokens it will never generate
         prompt = generated = 0
         for seq in self.unfinished & self.firsts:
@@ -499,11 +520,11 @@ class _Progress:
         self.done += requests_done
         self.elapsed = time.perf_counter() - self.start
         total_generated = self.generated + generated
-        counted = self.prompt_tokens + prompt if self.task == "embed" else total_generated
+        counted = self.prompt_tokens + prompt if self.task in POOLING_TASKS else total_generated
         self.bar.update(counted - self.bar.n)
         if not self.bar.disable:
             seconds = self.elapsed or 1e-9
-            generated = "" if self.task == "embed" else f", gen {total_generated / seconds:.1f} tok/s"
+            generated = "" if self.task in POOLING_TASKS else f", gen {total_generated / seconds:.1f} tok/s"
             self.bar.set_postfix_str(f"req {self.done}/{self.requests}, prompt "
                                      f"{(self.prompt_tokens + prompt) / seconds:.1f} tok/s{generated}", refresh=False)
 

@@ -69,6 +69,18 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class ClassifierConfig:
+    """A *ForSequenceClassification checkpoint's head (`score`: [num_labels, hidden], no bias)."""
+
+    labels: tuple[str, ...]  # id2label, in label order
+    problem_type: str | None = None  # transformers': regression, single_label_ or multi_label_classification
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+
+@dataclass(frozen=True)
 class HFConfig:
     family: str  # "opt" | "llama"
     model_type: str  # as written in config.json
@@ -98,6 +110,7 @@ class HFConfig:
     sliding_window: int | None = None  # mistral / qwen2 with use_sliding_window
     qk_norm: bool = False  # qwen3: RMSNorm of each q and k head before RoPE
     moe: MoEConfig | None = None  # mixtral / qwen2_moe / qwen3_moe; None: every layer a dense MLP
+    classifier: ClassifierConfig | None = None  # a sequence-classification checkpoint's score head
 
     @property
     def q_size(self) -> int:
@@ -131,7 +144,7 @@ class HFConfig:
             num_layers=need("num_hidden_layers"), num_heads=heads,
             max_position_embeddings=need("max_position_embeddings"),
             dtype_name=dtype_name(cfg.get("torch_dtype") or cfg.get("dtype") or "float32", f"{source}: dtype"),
-            bos_token_id=bos, eos_token_ids=eos,
+            bos_token_id=bos, eos_token_ids=eos, classifier=_classifier(cfg, source),
             **family_fields)
 
 
@@ -181,6 +194,36 @@ def _integer_fields(cfg: dict, source: str):
         low, high = _SIZE_RANGES.get(key, (None, None))
         return typed(cfg, key, source, int, low=low, high=high)
     return need
+
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def _classifier(cfg: dict, source: str) -> ClassifierConfig | None:
+    """The score head of a checkpoint whose architectures name a *ForSequenceClassification; its
+    labels from id2label (transformers saves it; num_labels alone: LABEL_0, LABEL_1, ...)."""
+    architectures = cfg.get("architectures") or []
+    if not isinstance(architectures, list) or not any(
+            isinstance(a, str) and a.endswith("ForSequenceClassification") for a in architectures):
+        return None
+    id2label = cfg.get("id2label")
+    if id2label is not None:
+        if not isinstance(id2label, dict) or not id2label:
+            raise SpecError(f"{source}: id2label must be a non-empty object {{index: label}}, got {id2label!r}")
+        try:
+            by_index = {int(k): str(v) for k, v in id2label.items()}
+        except (TypeError, ValueError):
+            raise SpecError(f"{source}: id2label's keys must be label indices, got {sorted(id2label)[:3]}") from None
+        if sorted(by_index) != list(range(len(by_index))):
+            raise SpecError(f"{source}: id2label must number its labels 0..{len(by_index) - 1}, got {sorted(by_index)}")
+        labels = tuple(by_index[i] for i in range(len(by_index)))
+    else:
+        count = typed(cfg, "num_labels", source, int, 2, low=1)
+        labels = tuple(f"LABEL_{i}" for i in range(count))
+    problem = cfg.get("problem_type")
+    if problem is not None and problem not in PROBLEM_TYPES:
+        raise SpecError(f"{source}: problem_type {problem!r} is not one of {', '.join(PROBLEM_TYPES)}")
+    return ClassifierConfig(labels, problem)
 
 
 def _token_ids(cfg: dict, source: str) -> tuple[int | None, tuple[int, ...]]:

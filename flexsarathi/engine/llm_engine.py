@@ -31,7 +31,8 @@ from flexsarathi.engine.sampling import SamplingParams, finite_rows, process_log
 from flexsarathi.engine.structured_output import (GrammarCompiler, GrammarState, advance_matchers,
                                                   fill_grammar_bitmask)
 from flexsarathi.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkItem
-from flexsarathi.engine.pooling import TASKS, EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, pooled
+from flexsarathi.engine.pooling import (POOLING_TASKS, TASKS, ClassificationOutput, ClassificationRequestOutput,
+                                        EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, class_probs, pooled)
 from flexsarathi.engine.sequence import Sequence, SequenceStatus
 from flexsarathi.formats.tokenizer import IncrementalDetokenizer
 from offload.activations import ActivationStore
@@ -351,7 +352,7 @@ class LLMEngine:
         self.executor = PassExecutor(self.model, self.weights, self.kv_pools, self.activations,
                                      self.device, self.dtype, overlap=p.overlap,
                                      cpu_attention=p.cpu_attention, cpu_matmul=self.cpu_matmul,
-                                     head="hidden" if e.task == "embed" else "logits")
+                                     head="hidden" if e.task in POOLING_TASKS else "logits")
         self.blocks = BlockManager(self.block_size, {}, num_residual=0,  # laid out per batch
                                    prefix_caching=e.enable_prefix_caching)
         self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
@@ -367,18 +368,25 @@ class LLMEngine:
         """An embedding engine's default for PoolingParams.normalize (the checkpoint's modules.json);
         CheckpointError where a checkpoint without its LM head is asked to generate."""
         e = self.engine_config
-        if self.source.headless and e.task != "embed":
-            raise CheckpointError(f"{e.model} holds no lm_head.weight and config.json says the head is not tied: a "
-                                  "base model saved without its head (an embedding model) embeds, with "
-                                  'LLM(model, task="embed"), but cannot generate')
+        if e.task == "classify" and self.config.classifier is None:
+            raise CheckpointError(f'task="classify" needs a sequence-classification checkpoint (config.json\'s '
+                                  f"architectures a *ForSequenceClassification, its score head saved); {e.model} "
+                                  "is not one")
+        if self.source.headless and e.task not in POOLING_TASKS:
+            kind = "a classifier: it classifies, with LLM(model, task=\"classify\")" if self.config.classifier else (
+                'a base model saved without its head (an embedding model): it embeds, with LLM(model, task="embed")')
+            raise CheckpointError(f"{e.model} holds no lm_head.weight and config.json says the head is not tied: "
+                                  f"{kind}, but cannot generate")
         return embedding_normalized(e.model) if e.task == "embed" else True
 
     def _read_globals(self) -> dict:
         """The embeddings, final norm and head to hold; an embedding engine never multiplies by the
         head, so an untied one (150K x 4096 bf16: 1.2 GB) is read once and not kept."""
         weights = self.source.global_weights(self.dtype)
-        if self.engine_config.task == "embed":
+        if self.engine_config.task in POOLING_TASKS:
             weights.pop(HEAD, None)
+        if self.engine_config.task != "classify":
+            weights.pop(self.model.CLASSIFIER, None)
         return weights
 
     def _reserve_dequant_scratch(self) -> None:
@@ -499,12 +507,13 @@ class LLMEngine:
                       prompt: str | None = None, sample_index: int = 0,
                       pooling: PoolingParams | None = None) -> Sequence:
         """sample_index: which of the request's `n` completions this sequence is (its seed);
-        pooling: an embedding request's PoolingParams (an engine of task "embed" takes only those)."""
-        if (pooling is not None) != (self.engine_config.task == "embed"):
-            raise FlexSarathiError("this engine embeds (task=\"embed\"): LLM.embed takes its requests"
-                                   if pooling is None else "embeddings need an engine of task=\"embed\": "
-                                   "LLM(model, task=\"embed\")")
-        if pooling is not None:
+        pooling: a pooling request's PoolingParams (an engine of task "embed" or "classify" takes only those)."""
+        task = self.engine_config.task
+        if (pooling is not None) != (task in POOLING_TASKS):
+            raise FlexSarathiError(f"this engine pools (task={task!r}): LLM.{task} takes its requests"
+                                   if pooling is None else "pooled requests need an engine of task=\"embed\" or "
+                                   "\"classify\": LLM(model, task=...)")
+        if task == "embed":
             pooling.check(self.embedding_width)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = (sample_seed(params.seed, sample_index) if params.seed is not None
@@ -536,17 +545,24 @@ class LLMEngine:
         return self.config.embed_dim
 
     def pool(self, outputs: list[tuple[WorkItem, torch.Tensor]]) -> tuple[list[Sequence], list[int | None]]:
-        """An embedding engine's step after its pass (in place of sample): each request whose prompt
-        prefill ended takes its embedding from its last row's final hidden state and finishes;
+        """A pooling engine's step after its pass (in place of sample): each request whose prompt
+        prefill ended takes its embedding (or its classification: the score head's logits and
+        activation, on the compute device) from its last row's final hidden state and finishes;
         a row that is not finite fails its request. No token is sampled (None each)."""
         done = [(item.seq, hidden[-1]) for item, hidden in outputs if item.samples]
         if not done:
             return [], []
-        rows = torch.stack([row for _, row in done]).cpu()  # [R, width]: one transfer for the step
+        rows = torch.stack([row for _, row in done])  # [R, width] fp32
+        classifier = self.config.classifier if self.engine_config.task == "classify" else None
+        if classifier is not None:  # [R, labels]
+            score = self.weights.global_weights()[self.model.CLASSIFIER]
+            rows = class_probs(rows @ score.float().T, classifier.num_labels, classifier.problem_type)
+        rows = rows.cpu()  # one transfer for the step
         finite = torch.isfinite(rows).all(dim=1).tolist()
         for (seq, _), row, ok in zip(done, rows, finite):
             if ok:
-                seq.embedding = pooled(row, seq.pooling, self.normalize_embeddings)
+                seq.embedding = row.tolist() if classifier is not None else pooled(row, seq.pooling,
+                                                                                   self.normalize_embeddings)
                 seq.status = SequenceStatus.FINISHED_STOPPED
             else:
                 seq.error = "the model's hidden state for this prompt is not finite (inf or NaN)"
@@ -805,7 +821,8 @@ class LLMEngine:
             try:
                 plan = self.scheduler.schedule()
                 outputs = self.forward(plan)
-                seqs, token_ids = self.pool(outputs) if self.engine_config.task == "embed" else self.sample(outputs)
+                pools = self.engine_config.task in POOLING_TASKS
+                seqs, token_ids = self.pool(outputs) if pools else self.sample(outputs)
                 finished = self.scheduler.postprocess(plan, seqs, token_ids)
             except BaseException:
                 self.recover(forced=deferral.forced)
@@ -974,6 +991,10 @@ class LLMEngine:
         embedding request's its embedding."""
         seqs = [seqs] if isinstance(seqs, Sequence) else seqs
         first = seqs[0]
+        if first.pooling is not None and self.engine_config.task == "classify":
+            return ClassificationRequestOutput(
+                request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                outputs=None if first.error is not None else ClassificationOutput(first.embedding), error=first.error)
         if first.pooling is not None:
             return EmbeddingRequestOutput(
                 request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,

@@ -1,8 +1,10 @@
-"""Embeddings (vLLM's pooling runner, `LLM(model, task="embed")`): a request is a prompt, prefilled
-as every prompt is (chunked, offloaded, beside others), and its embedding the final hidden state of
-its last token (transformers' last_hidden_state[-1]: the pooling of decoder embedding models such
-as Qwen3-Embedding and e5-mistral), cut to `dimensions` (Matryoshka) and L2-normalized unless
-asked otherwise. Nothing is sampled and no KV outlives the prompt."""
+"""Embeddings and classification (vLLM's pooling runner, `LLM(model, task="embed" | "classify")`): a
+request is a prompt, prefilled as every prompt is (chunked, offloaded, beside others), and pooled
+from the final hidden state of its last token (transformers' last_hidden_state[-1]: the pooling of
+decoder embedding models such as Qwen3-Embedding and e5-mistral, and of *ForSequenceClassification
+heads). An embedding is that state cut to `dimensions` (Matryoshka) and L2-normalized unless asked
+otherwise; a classification its `score` head's logits through transformers' activation for the
+checkpoint's problem type (`class_probs`). Nothing is sampled and no KV outlives the prompt."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +13,9 @@ import torch
 
 from flexsarathi.errors import FlexSarathiError
 
-TASKS = ("generate", "embed")
+TASKS = ("generate", "embed", "classify")
+POOLING_TASKS = ("embed", "classify")  # a request is a prompt whose last token's final hidden state is pooled
+BATCH_TASKS = ("generate", "embed")  # what batch files, serve and Ray rows take (classify: LLM.classify)
 
 
 @dataclass(frozen=True)
@@ -62,3 +66,31 @@ def pooled(row: torch.Tensor, params: PoolingParams, normalize_default: bool) ->
     if normalize:
         x = torch.nn.functional.normalize(x, dim=-1)
     return x.tolist()
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # per label (a regression head, one label: its value as the head gives it)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's classification (vLLM's ClassificationRequestOutput); `error` as for embeddings."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput | None
+    error: str | None = None
+    refused: bool = False
+
+
+def class_probs(logits: torch.Tensor, num_labels: int, problem_type: str | None) -> torch.Tensor:
+    """[R, labels] logits through the activation transformers' loss implies (vLLM's rule): one
+    label, or problem_type regression, as they are; multi_label_classification a sigmoid each;
+    else a softmax over the labels."""
+    if problem_type == "regression" or (problem_type is None and num_labels == 1):
+        return logits
+    if problem_type == "multi_label_classification":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)

@@ -56,8 +56,8 @@ class Sequence:
     # Sibling completions of this prompt (SamplingParams.n) that join when this sequence's prompt
     # prefill ends, sharing its KV (Scheduler.add_group); empty once forked.
     forks: list["Sequence"] = field(default_factory=list)
-    # An embedding request (engine/pooling.py): its PoolingParams, and once its prompt is prefilled
-    # its embedding (it finishes then, sampling nothing)
+    # A pooling request (engine/pooling.py): its PoolingParams, and once its prompt is prefilled
+    # its embedding or class probabilities (it finishes then, sampling nothing)
     pooling: object | None = None
     embedding: list[float] | None = None
     # The micro-batch builder's slot map of block_table (micro_batch_builder.SlotMap), reused

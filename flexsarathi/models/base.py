@@ -71,6 +71,15 @@ class ModelMath(ABC):
     def hf_global_names(self) -> dict[str, list[str]]:
         ...
 
+    # A *ForSequenceClassification checkpoint's head: transformers' `score` linear over the final
+    # hidden state (OPT's after project_out), no bias, read as a global weight.
+    CLASSIFIER = "score.weight"
+    CLASSIFIER_NAMES = {CLASSIFIER: ["score.weight"]}
+
+    def classifier_shapes(self) -> dict[str, tuple[int, ...]]:
+        c = self.config
+        return {} if c.classifier is None else {self.CLASSIFIER: (c.classifier.num_labels, c.embed_dim)}
+
     # ---- math ------------------------------------------------------------------------------
     @abstractmethod
     def embed(self, g: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ class LlamaMath(ModelMath):
                   "final_norm.weight": (c.hidden_size,)}
         if not c.tie_word_embeddings:
             shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-        return shapes
+        return {**shapes, **self.classifier_shapes()}
 
     def layer_shapes(self, layer=0):
         return {**self.attention_shapes(), **self.dense_mlp_shapes()}
@@ -92,7 +92,7 @@ class LlamaMath(ModelMath):
     def hf_global_names(self):
         names = {"embed_tokens.weight": ["model.embed_tokens.weight"],
                  "final_norm.weight": ["model.norm.weight"],
-                 "lm_head.weight": ["lm_head.weight"]}
+                 "lm_head.weight": ["lm_head.weight"], **self.CLASSIFIER_NAMES}
         return {k: v for k, v in names.items() if k in self.global_shapes()}
 
     def embed(self, g: Weights, token_ids, positions):

@@ -24,7 +24,7 @@ class OPTMath(ModelMath):
             shapes["final_norm.bias"] = (c.hidden_size,)
         if not c.tie_word_embeddings:
             shapes["lm_head.weight"] = (c.vocab_size, c.embed_dim)
-        return shapes
+        return {**shapes, **self.classifier_shapes()}
 
     def layer_shapes(self, layer=0):
         c = self.config
@@ -67,6 +67,7 @@ class OPTMath(ModelMath):
             "final_norm.weight": [p + "final_layer_norm.weight"],
             "final_norm.bias": [p + "final_layer_norm.bias"],
             "lm_head.weight": ["lm_head.weight"],
+            **self.CLASSIFIER_NAMES,
         }
         return {k: v for k, v in names.items() if k in self.global_shapes()}
 

@@ -11,7 +11,7 @@ import ray.data
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.ray.actors import EngineActor, map_with_engines
 from flexsarathi.ray.spec import EngineSpec, job_dtype
-from flexsarathi.engine.pooling import TASKS, PoolingParams
+from flexsarathi.engine.pooling import BATCH_TASKS, PoolingParams
 from flexsarathi.engine.sampling import SamplingParams
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_input_tokens",
@@ -69,8 +69,8 @@ def build_processor(model: str, *, sampling: SamplingParams | dict | None = None
 
 def _params_of(task: str, sampling, pooling) -> SamplingParams | PoolingParams:
     """The params every row runs with; FlexSarathiError naming the argument that is wrong."""
-    if task not in TASKS:
-        raise FlexSarathiError(f"build_processor(task=...) must be one of {', '.join(TASKS)}, got {task!r}")
+    if task not in BATCH_TASKS:  # classification runs through LLM.classify
+        raise FlexSarathiError(f"build_processor(task=...) must be one of {', '.join(BATCH_TASKS)}, got {task!r}")
     embeds = task == "embed"
     given, kind, name = (pooling, PoolingParams, "pooling") if embeds else (sampling, SamplingParams, "sampling")
     if (sampling if embeds else pooling) is not None:

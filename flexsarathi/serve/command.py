@@ -25,7 +25,7 @@ import sys
 from flexsarathi.cli.engine_args import add_model_args, build_llm, describe_policy
 from flexsarathi.cli.file_checks import positive_int
 from flexsarathi.cli.generate import add_tool_call_parser_arg
-from flexsarathi.engine.pooling import TASKS
+from flexsarathi.engine.pooling import BATCH_TASKS
 from flexsarathi.errors import FlexSarathiError
 
 API_KEY_ENV = "FLEXSARATHI_API_KEY"
@@ -58,7 +58,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="a request without its own seed samples with one "
                    "derived from this and its custom_id, so a resumed batch samples what an uninterrupted one would")
     add_tool_call_parser_arg(g)
-    g.add_argument("--task", choices=TASKS, default="generate",
+    g.add_argument("--task", choices=BATCH_TASKS, default="generate",
                    help="generate (batches for /v1/completions and /v1/chat/completions) or embed (batches for "
                         "/v1/embeddings: the last token's final hidden state)")
     p.set_defaults(func=run_serve)

@@ -114,7 +114,8 @@ def test_misuse_is_one_error_naming_it(tiny_checkpoint):
         assert long[1].outputs is None
     with LLM(folder, dtype="float32") as llm, pytest.raises(FlexSarathiError, match=r"LLM\(model, task=\"embed\"\)"):
         llm.embed(PROMPTS[0], use_tqdm=False)
-    with pytest.raises(FlexSarathiError, match="EngineConfig.task must be one of generate, embed, got 'score'"):
+    with pytest.raises(FlexSarathiError,
+                       match="EngineConfig.task must be one of generate, embed, classify, got 'score'"):
         LLM(folder, task="score")
     for bad, message in ((0, "dimensions must be None or an integer >= 1"), ("yes", "normalize must be True")):
         with pytest.raises(FlexSarathiError, match=message):
