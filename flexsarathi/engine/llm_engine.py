@@ -561,8 +561,8 @@ class LLMEngine:
         finite = torch.isfinite(rows).all(dim=1).tolist()
         for (seq, _), row, ok in zip(done, rows, finite):
             if ok:
-                seq.embedding = row.tolist() if classifier is not None else pooled(row, seq.pooling,
-                                                                                   self.normalize_embeddings)
+                seq.pooled = row.tolist() if classifier is not None else pooled(row, seq.pooling,
+                                                                                self.normalize_embeddings)
                 seq.status = SequenceStatus.FINISHED_STOPPED
             else:
                 seq.error = "the model's hidden state for this prompt is not finite (inf or NaN)"
@@ -994,11 +994,11 @@ class LLMEngine:
         if first.pooling is not None and self.engine_config.task == "classify":
             return ClassificationRequestOutput(
                 request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                outputs=None if first.error is not None else ClassificationOutput(first.embedding), error=first.error)
+                outputs=None if first.error is not None else ClassificationOutput(first.pooled), error=first.error)
         if first.pooling is not None:
             return EmbeddingRequestOutput(
                 request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                outputs=None if first.error is not None else EmbeddingOutput(first.embedding), error=first.error)
+                outputs=None if first.error is not None else EmbeddingOutput(first.pooled), error=first.error)
         failed = next((seq.error for seq in seqs if seq.error is not None), None)
         if failed is not None:  # one completion failed: the request did (its others are not what was asked)
             return RequestOutput(request_id=first.seq_id, prompt=first.prompt,

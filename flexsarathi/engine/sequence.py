@@ -59,7 +59,7 @@ class Sequence:
     # A pooling request (engine/pooling.py): its PoolingParams, and once its prompt is prefilled
     # its embedding or class probabilities (it finishes then, sampling nothing)
     pooling: object | None = None
-    embedding: list[float] | None = None
+    pooled: list[float] | None = None
     # The micro-batch builder's slot map of block_table (micro_batch_builder.SlotMap), reused
     # while the table only grows
     slot_map: object | None = field(default=None, repr=False)
