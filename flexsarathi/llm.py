@@ -191,7 +191,8 @@ class LLM:
         task = self.engine.engine_config.task
         if task in POOLING_TASKS:
             verb = {"embed": "embeds", "classify": "classifies"}[task]
-            raise FlexSarathiError(f'this LLM {verb} (task="{task}"): call LLM.{task}, or build another LLM to generate')
+            raise FlexSarathiError(f'this LLM {verb} (task="{task}"): call LLM.{task}, or build another LLM to '
+                                   'generate')
         yield from self._requests_iter(prompts, params, None, use_tqdm, on_error, stop)
 
     def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
