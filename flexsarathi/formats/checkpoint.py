@@ -212,7 +212,7 @@ class SafetensorsCheckpoint(WeightSource):
         self._validate_shapes()
         self._refuse_unused()
         if adapter is not None:
-            adapter.check_targets(self._read_shapes())
+            adapter.check_targets(self._part_shapes)
 
     @property
     def fingerprint(self) -> str:
@@ -224,11 +224,6 @@ class SafetensorsCheckpoint(WeightSource):
             digest.update(file_identity(path).encode())
         lora = f"-lora-{self.adapter.fingerprint}" if self.adapter is not None else ""
         return f"ckpt-{digest.hexdigest()[:16]}{lora}"
-
-    def _read_shapes(self) -> dict[str, tuple[int, ...]]:
-        """{HF name as the model reads it: shape} of every tensor read, from the headers."""
-        return {hf: tuple(self._open(self._file_of[self._resolve(hf)]).get_slice(self._resolve(hf)).get_shape())
-                for hf in self._read_names()}
 
     def _index_tensors(self) -> dict[str, str]:
         index_path = os.path.join(self.folder, "model.safetensors.index.json")
@@ -287,7 +282,9 @@ class SafetensorsCheckpoint(WeightSource):
         raise CheckpointError(f"tensor {hf_name} is missing from the checkpoint in {self.folder}")
 
     def _validate_shapes(self) -> None:
-        """Check every tensor's shape from the headers before any weight is read."""
+        """Check every tensor's shape from the headers before any weight is read; keeps them by the
+        HF name the model reads (`_part_shapes`)."""
+        self._part_shapes: dict[str, tuple[int, ...]] = {}
         expected = [(self.model.hf_global_names(), self.model.global_shapes())]
         expected += [(self.model.hf_layer_names(i), self.model.layer_shapes(i))
                      for i in range(self.config.num_layers)]
@@ -299,7 +296,7 @@ class SafetensorsCheckpoint(WeightSource):
                     path = self._file_of[name]
                     info = self._open(path).get_slice(name)
                     require_float_kind(info.get_dtype(), name, path)
-                    shape = tuple(info.get_shape())
+                    shape = self._part_shapes[hf_name] = tuple(info.get_shape())
                     want = list(shapes[canonical])
                     if len(shape) != len(want) or list(shape[1:]) != want[1:]:
                         raise CheckpointError(
