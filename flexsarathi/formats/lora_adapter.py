@@ -81,7 +81,7 @@ class LoraAdapter:
         """`weight` (as read) in `dtype`, with this adapter's update where it adapts that module."""
         module = hf_weight_name.removesuffix(".weight")
         saved = self.saved_bases.get(module)
-        if saved is not None and not torch.equal(saved.to(weight.dtype), weight):
+        if saved is not None and not torch.equal(saved, weight.to(saved.dtype)):  # as precise as the saved copy
             raise CheckpointError(f"LoRA adapter {self.folder} saved {module}'s base weight, and it is not this "
                                   f"checkpoint's (a resized vocabulary, or another base model)")
         pair = self.pairs.get(module)

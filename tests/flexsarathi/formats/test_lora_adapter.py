@@ -192,3 +192,17 @@ def test_generate_with_lora_equals_the_api_and_a_resume_with_another_adapter_is_
     capsys.readouterr()
     assert main([*args, "--lora", str(tmp_path / "b")]) == 2
     assert "was written with another configuration (weights: " in capsys.readouterr().err
+
+
+def test_a_saved_base_weight_that_is_not_the_checkpoints_is_refused(tiny_checkpoint, tmp_path):
+    """PEFT saves an adapted head's base weight beside the pair (save_embedding_layers): it must be the
+    checkpoint's own, or the adapter was trained on another (a resized vocabulary)."""
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    save_adapter(folder, tmp_path / "adapter", ["q_proj", "lm_head"])
+    name = "base_model.model.lm_head.base_layer.weight"
+    assert name in load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    with LLM(folder, dtype="float32", lora=str(tmp_path / "adapter")):
+        pass  # as saved: accepted
+    edit_weights(tmp_path / "adapter", lambda t: t[name].add_(1.0))
+    with pytest.raises(CheckpointError, match="saved lm_head's base weight, and it is not this checkpoint's"):
+        LLM(folder, dtype="float32", lora=str(tmp_path / "adapter"))
