@@ -991,14 +991,12 @@ class LLMEngine:
         embedding request's its embedding."""
         seqs = [seqs] if isinstance(seqs, Sequence) else seqs
         first = seqs[0]
-        if first.pooling is not None and self.engine_config.task == "classify":
-            return ClassificationRequestOutput(
-                request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                outputs=None if first.error is not None else ClassificationOutput(first.pooled), error=first.error)
         if first.pooling is not None:
-            return EmbeddingRequestOutput(
-                request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                outputs=None if first.error is not None else EmbeddingOutput(first.pooled), error=first.error)
+            classifies = self.engine_config.task == "classify"
+            kind, output = ((ClassificationRequestOutput, ClassificationOutput) if classifies
+                            else (EmbeddingRequestOutput, EmbeddingOutput))
+            return kind(request_id=first.seq_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                        outputs=None if first.error is not None else output(first.pooled), error=first.error)
         failed = next((seq.error for seq in seqs if seq.error is not None), None)
         if failed is not None:  # one completion failed: the request did (its others are not what was asked)
             return RequestOutput(request_id=first.seq_id, prompt=first.prompt,

@@ -47,16 +47,29 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """One prompt's embedding (vLLM's EmbeddingRequestOutput). `error` is set instead where the
+class ClassificationOutput:
+    probs: list[float]  # per label (a regression head, one label: its value as the head gives it)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's pooled output (vLLM's PoolingRequestOutput). `error` is set instead where the
     request did not finish (on_error="record"): `refused` where it was turned away before any pass."""
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput | None
+    outputs: EmbeddingOutput | ClassificationOutput | None
     error: str | None = None
     refused: bool = False
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """One prompt's embedding (vLLM's EmbeddingRequestOutput): `.outputs.embedding`."""
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """One prompt's classification (vLLM's ClassificationRequestOutput): `.outputs.probs`."""
 
 
 def pooled(row: torch.Tensor, params: PoolingParams, normalize_default: bool) -> list[float]:
@@ -66,23 +79,6 @@ def pooled(row: torch.Tensor, params: PoolingParams, normalize_default: bool) ->
     if normalize:
         x = torch.nn.functional.normalize(x, dim=-1)
     return x.tolist()
-
-
-@dataclass
-class ClassificationOutput:
-    probs: list[float]  # per label (a regression head, one label: its value as the head gives it)
-
-
-@dataclass
-class ClassificationRequestOutput:
-    """One prompt's classification (vLLM's ClassificationRequestOutput); `error` as for embeddings."""
-
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: ClassificationOutput | None
-    error: str | None = None
-    refused: bool = False
 
 
 def class_probs(logits: torch.Tensor, num_labels: int, problem_type: str | None) -> torch.Tensor:
