@@ -360,8 +360,8 @@ class SafetensorsCheckpoint(WeightSource):
         cast; a tensor already in `dtype` is given as read)."""
         extents = (self._pread.extent(path, name) for name, path in self._file_of.items())
         most = max((nbytes for _, _, nbytes, kind, _ in extents if kind != _SAFETENSORS_DTYPES.get(dtype)), default=0)
-        if self.adapter is not None:  # a merge holds the weight in fp32 and its sum beside the read
-            most += 8 * max(a.shape[1] * b.shape[0] for a, b in self.adapter.pairs.values())
+        if self.adapter is not None:  # a merge holds the weight in fp32 and its cast beside the read
+            most += self.adapter.merge_bytes()
         return most
 
     def layer_weights(self, layer, dtype, unchecked=frozenset()):

@@ -40,8 +40,8 @@ class LoraAdapter:
         if not os.path.lexists(path):
             raise CheckpointError(f"no {WEIGHTS} in LoRA adapter folder {folder} (PEFT's save_pretrained writes it)")
         self.path = require_regular_file(path)
-        # module -> (A [r, in], B [out, r]) as saved; module -> the base weight PEFT saved beside an
-        # adapted embedding or head (save_embedding_layers), to be the checkpoint's own
+        # module -> (A [r, in], B [out, r]) as saved; module -> (dtype, digest) of the base weight PEFT
+        # saved beside an adapted embedding or head (save_embedding_layers), to be the checkpoint's own
         self.pairs, self.saved_bases = _read_pairs(self.path)
         r, alpha = self.config["r"], self.config["lora_alpha"]
         self.scale = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
@@ -52,9 +52,8 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        """What it holds for the engine's life (A, B and saved base weights, as saved)."""
-        tensors = [t for pair in self.pairs.values() for t in pair] + list(self.saved_bases.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """What it holds for the engine's life: A and B as saved (a saved base weight only as its digest)."""
+        return sum(t.numel() * t.element_size() for pair in self.pairs.values() for t in pair)
 
     @property
     def fingerprint(self) -> str:
@@ -78,17 +77,27 @@ class LoraAdapter:
                                       f"lora_B @ lora_A is {[b.shape[0], a.shape[1]]}: an adapter of another model")
 
     def merged(self, hf_weight_name: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`weight` (as read) in `dtype`, with this adapter's update where it adapts that module."""
+        """`weight` (as read) in `dtype`, with this adapter's update where it adapts that module: one
+        fp32 copy, updated in place (its saved base weight, if any, checked against it first)."""
         module = hf_weight_name.removesuffix(".weight")
+        pair = self.pairs.get(module) if hf_weight_name.endswith(".weight") else None
         saved = self.saved_bases.get(module)
-        if saved is not None and not torch.equal(saved, weight.to(saved.dtype)):  # as precise as the saved copy
+        if pair is None and saved is None:
+            return weight.to(dtype)
+        if saved is not None and _digest(weight.to(saved[0])) != saved[1]:  # as precise as the saved copy
             raise CheckpointError(f"LoRA adapter {self.folder} saved {module}'s base weight, and it is not this "
                                   f"checkpoint's (a resized vocabulary, or another base model)")
-        pair = self.pairs.get(module)
-        if pair is None or not hf_weight_name.endswith(".weight"):
-            return weight.to(dtype)
-        a, b = pair
-        return torch.addmm(weight.float(), b.float(), a.float(), alpha=self.scale).to(dtype)
+        merged = weight.to(torch.float32, copy=True)
+        if pair is not None:
+            a, b = pair
+            merged.addmm_(b.float(), a.float(), alpha=self.scale)
+        return merged.to(dtype)
+
+    def merge_bytes(self) -> int:
+        """The most a merge holds beside the read: the fp32 copy and its cast (a saved base's check
+        may cast the read to the saved dtype before)."""
+        return max((4 + 4 + (4 if m in self.saved_bases else 0)) * a.shape[1] * b.shape[0]
+                   for m, (a, b) in self.pairs.items())
 
 
 def _read_config(path: str) -> dict:
@@ -116,8 +125,8 @@ def _read_config(path: str) -> dict:
     return config
 
 
-def _read_pairs(path: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
-    """({module: (A, B)}, {module: saved base weight}) from PEFT's tensor names; every tensor
+def _read_pairs(path: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, tuple]]:
+    """({module: (A, B)}, {module: (dtype, digest) of its saved base weight}) from PEFT's tensor names; every tensor
     accounted for and finite."""
     try:
         with safe_open(path, framework="pt") as f:
@@ -125,8 +134,11 @@ def _read_pairs(path: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]]
     except (SafetensorError, OSError, Exception) as exc:  # a corrupt header or a truncated file
         raise CheckpointError(f"cannot read LoRA weights {path}: {exc}") from None
     halves: dict[str, dict[str, torch.Tensor]] = {}
-    bases = {name.removeprefix(_PREFIX).removesuffix(".base_layer.weight"): tensors.pop(name)
-             for name in list(tensors) if name.endswith(".base_layer.weight")}
+    # a saved base weight (a vocabulary's head: up to GBs) kept only as (dtype, digest): it is compared once
+    bases = {}
+    for name in [n for n in tensors if n.endswith(".base_layer.weight")]:
+        base = tensors.pop(name)
+        bases[name.removeprefix(_PREFIX).removesuffix(".base_layer.weight")] = (base.dtype, _digest(base))
     for name, tensor in tensors.items():
         module, _, part = name.removeprefix(_PREFIX).rpartition(".lora_")
         if not module or part not in ("A.weight", "B.weight", "A.default.weight", "B.default.weight"):
@@ -147,6 +159,11 @@ def _read_pairs(path: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]]
     if stray:
         raise CheckpointError(f"{path}: {stray[0]}'s base weight is saved without a LoRA pair for it")
     return pairs, bases
+
+
+def _digest(tensor: torch.Tensor) -> bytes:
+    """sha256 of a tensor's bytes (its values exactly, in its dtype)."""
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy()).digest()
 
 
 def open_adapter(folder: str) -> LoraAdapter:

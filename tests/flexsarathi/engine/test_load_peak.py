@@ -7,7 +7,8 @@ file-backed: a checkpoint read through a mapping counts too), after a warm-up lo
 checkpoint of the same format (imports, C kernels: not the load's) and a reset of the peak
 (/proc/self/clear_refs),
 for a llama with a large vocabulary and an untied head: safetensors, GGUF (Q4_0, its embedding and
-head kept as codes), and the GGUF with half of each layer on disk (the store written by this load)."""
+head kept as codes), the GGUF with half of each layer on disk (the store written by this load), and
+the safetensors with a LoRA adapter of every linear and the head merged as it loads."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,13 @@ import torch
 
 from tests.conftest import REPO
 from tests.gguf_files import write_gguf
+
+
+def save_adapter(base: str, folder: str, targets: list[str]) -> None:
+    from tests.flexsarathi.formats.test_lora_adapter import save_adapter as save
+
+    pytest.importorskip("peft")
+    save(base, folder, targets)
 
 MiB = 1 << 20
 # What the load allocates that no tracker counts: Python objects (the plan, per-layer dicts, the
@@ -37,7 +45,7 @@ PROGRAM = textwrap.dedent("""
     from offload.host_malloc import release_free_heap
     from policy_search import Policy
 
-    model, warm, disk, folder = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+    model, warm, disk, folder, lora = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5] or None
     policy = Policy(w_gpu=1 - disk, w_cpu=0.0, w_disk=disk, kv_gpu=1.0, kv_cpu=0.0, kv_disk=0.0,
                     compress_weight=disk > 0) if disk else None
 
@@ -45,8 +53,8 @@ PROGRAM = textwrap.dedent("""
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
-    def load(path, offload):
-        return LLM(path, policy=policy, cpu_matmul="int8", offload_dir=offload)
+    def load(path, offload, adapter=None):
+        return LLM(path, policy=policy, cpu_matmul="int8", offload_dir=offload, lora=adapter)
 
     llm = load(warm, os.path.join(folder, "warm"))
     llm.close()
@@ -56,7 +64,7 @@ PROGRAM = textwrap.dedent("""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     base = status("VmRSS")
-    llm = load(model, os.path.join(folder, "measured"))  # a fresh store: written by this load
+    llm = load(model, os.path.join(folder, "measured"), lora)  # a fresh store: written by this load
     peak = status("VmHWM") - base
     report = llm.engine.memory.report()
     print(json.dumps({"peak": peak, "report": report}))
@@ -82,20 +90,26 @@ def checkpoints(tmp_path_factory):
             write_checkpoints(tmp_path_factory.mktemp("load_peak_warm"), vocab_size=512, num_hidden_layers=1))
 
 
-def measure(model: str, warm: str, disk: float, folder) -> dict:
+def measure(model: str, warm: str, disk: float, folder, lora: str = "") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", PROGRAM, model, warm, str(disk), str(folder)], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PROGRAM, model, warm, str(disk), str(folder), lora], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs "
                     "(VmHWM reset)")
-@pytest.mark.parametrize("kind, disk", [("safetensors", 0.0), ("gguf", 0.0), ("gguf", 0.5)])
+@pytest.mark.parametrize("kind, disk", [("safetensors", 0.0), ("gguf", 0.0), ("gguf", 0.5), ("lora", 0.0)])
 def test_load_peak_within_what_the_engine_reports(checkpoints, tmp_path, kind, disk):
     big, warm = checkpoints
-    got = measure(big[kind], warm[kind], disk, tmp_path)
+    lora = ""
+    if kind == "lora":  # the safetensors with an adapter of every linear and the 65536-row head
+        lora = str(tmp_path / "adapter")
+        save_adapter(big["safetensors"], lora, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj", "lm_head"])
+    model = big["safetensors" if kind == "lora" else kind]
+    got = measure(model, warm["safetensors" if kind == "lora" else kind], disk, tmp_path, lora)
     report = got["report"]
     held = report["gpu"]["in_use"] + report["cpu"]["in_use"]
     bound = report["gpu"]["peak"] + report["cpu"]["peak"]
