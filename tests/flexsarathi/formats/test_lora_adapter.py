@@ -125,6 +125,12 @@ def edit_weights(folder, edit) -> None:
     save_file(tensors, str(path))
 
 
+def truncate(path) -> None:
+    """A download cut short: the file's second half gone."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
 def first_a(tensors: dict) -> str:
     return next(k for k in sorted(tensors) if ".lora_A." in k)
 
@@ -132,6 +138,8 @@ def first_a(tensors: dict) -> str:
 BAD = {
     "no_config": (lambda f: (f / "adapter_config.json").unlink(), "no adapter_config.json"),
     "no_weights": (lambda f: (f / "adapter_model.safetensors").unlink(), "no adapter_model.safetensors"),
+    "truncated": (lambda f: truncate(f / "adapter_model.safetensors"), "cannot read LoRA weights"),
+    "bad_json": (lambda f: (f / "adapter_config.json").write_text("{r: 4"), "cannot read .*adapter_config.json"),
     "dora": (lambda f: edit_config(f, use_dora=True), "use_dora = True is not supported"),
     "fan_in_fan_out": (lambda f: edit_config(f, fan_in_fan_out=True), "fan_in_fan_out = True is not supported"),
     "trained_bias": (lambda f: edit_config(f, bias="all"), "bias = 'all' is not supported"),
