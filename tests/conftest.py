@@ -152,6 +152,24 @@ def on_call(owner, name: str, at_call: int, action):
         setattr(owner, name, real) if own else delattr(owner, name)
 
 
+def poison_last_hidden(monkeypatch, prompt: list[int]) -> None:
+    """From now on, LLMEngine.forward puts a NaN in the last hidden state of `prompt`'s request when its
+    prefill ends (after the pass, as a pass that overflowed would leave it): a pooling engine's fault."""
+    from flexsarathi.engine.llm_engine import LLMEngine
+
+    forward = LLMEngine.forward
+
+    def poisoned(self, plan):
+        outputs = forward(self, plan)
+        for item, hidden in outputs:
+            if item.seq.prompt_token_ids == prompt and item.samples:
+                with torch.inference_mode():
+                    hidden[-1, 3] = float("nan")
+        return outputs
+
+    monkeypatch.setattr(LLMEngine, "forward", poisoned)
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(mount: Path, options: str, why: str):
     """A tmpfs mounted at `mount` (created) with mount `options` (e.g. "size=256k,ro"); skips the

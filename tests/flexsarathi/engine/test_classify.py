@@ -14,7 +14,7 @@ from flexsarathi.errors import CheckpointError
 from policy_search import Policy
 from policy_search.errors import SpecError
 from policy_search.hf_config import HFConfig
-from tests.conftest import TINY_CONFIGS
+from tests.conftest import TINY_CONFIGS, poison_last_hidden
 
 PROMPTS = [[3, 17, 42, 9, 77, 5, 23], [11, 12, 13, 14], [8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
@@ -136,22 +136,10 @@ def test_labels_come_from_id2label_and_a_bad_one_is_refused(classifier):
 def test_a_hidden_state_that_is_not_finite_fails_its_request_alone(classifier, monkeypatch):
     """A NaN in one prompt's last hidden state (injected after the pass) reaches the head's output:
     that request fails, said so; the others in its pass keep their probabilities."""
-    from flexsarathi.engine.llm_engine import LLMEngine
-
     folder, _ = classifier("llama_gqa_untied", 3)
-    forward = LLMEngine.forward
-
-    def poisoned(self, plan):
-        outputs = forward(self, plan)
-        for item, hidden in outputs:
-            if item.seq.prompt_token_ids == PROMPTS[1] and item.samples:
-                with torch.inference_mode():
-                    hidden[-1, 3] = float("nan")
-        return outputs
-
     with LLM(folder, dtype="float32", task="classify") as llm:
         clean = llm.classify(PROMPTS, use_tqdm=False)
-        monkeypatch.setattr(LLMEngine, "forward", poisoned)
+        poison_last_hidden(monkeypatch, PROMPTS[1])
         outs = llm.classify(PROMPTS, use_tqdm=False, on_error="record")
     assert outs[1].outputs is None and not outs[1].refused and "not finite (inf or NaN)" in outs[1].error
     assert [o.outputs.probs for o in (outs[0], outs[2])] == [o.outputs.probs for o in (clean[0], clean[2])]

@@ -15,6 +15,7 @@ import torch
 from flexsarathi import LLM, FlexSarathiError, PoolingParams, SamplingParams
 from flexsarathi.errors import CheckpointError
 from policy_search import Policy
+from tests.conftest import poison_last_hidden
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 
@@ -145,22 +146,10 @@ def test_a_base_model_saved_without_its_head_embeds_and_refuses_to_generate(tiny
 def test_a_hidden_state_that_is_not_finite_fails_its_request_alone(tiny_checkpoint, monkeypatch):
     """A NaN in one prompt's last hidden state (injected after the pass) fails that request, said so;
     the others in its pass keep their embeddings."""
-    from flexsarathi.engine.llm_engine import LLMEngine
-
     folder, _ = tiny_checkpoint("llama_gqa_untied")
-    forward = LLMEngine.forward
-
-    def poisoned(self, plan):
-        outputs = forward(self, plan)
-        for item, hidden in outputs:
-            if item.seq.prompt_token_ids == PROMPTS[1] and item.samples:
-                with torch.inference_mode():
-                    hidden[-1, 3] = float("nan")
-        return outputs
-
     with LLM(folder, dtype="float32", task="embed") as llm:
         clean = llm.embed(PROMPTS, use_tqdm=False)
-        monkeypatch.setattr(LLMEngine, "forward", poisoned)
+        poison_last_hidden(monkeypatch, PROMPTS[1])
         outs = llm.embed(PROMPTS, use_tqdm=False, on_error="record")
         with pytest.raises(FlexSarathiError, match=r"^prompt 1: the model's hidden state for this prompt is not finite"):
             llm.embed(PROMPTS, use_tqdm=False)
