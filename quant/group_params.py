@@ -23,7 +23,7 @@ def scale_and_minimum(groups: torch.Tensor, config: QuantConfig) -> tuple[torch.
         # Codes [0, max_code] stand for (code - zero_code) * scale, e.g. [-8, 7] * scale at 4 bits:
         # the positive side is one step shorter, so it sets the step.
         absmax = groups.abs().amax(dim=-1)
-        step = _next_up(absmax / (config.max_code - config.zero_code))
+        step = _next_up(absmax / _constant(absmax, config.max_code - config.zero_code))
         scale = _round_up_to_fp16(step.clamp_(min=_SMALLEST_STEP))
         minimum = scale * -config.zero_code  # exact in fp16: the zero code is a power of two
         return scale, minimum
@@ -32,22 +32,32 @@ def scale_and_minimum(groups: torch.Tensor, config: QuantConfig) -> tuple[torch.
     # Each fp32 operation rounds to nearest, so stepping one ulp up afterwards gives an upper bound
     # of the exact span and the exact step; rounding up to fp16 then keeps it one.
     span = _next_up(group_max - minimum.float())
-    step = _next_up(span / config.max_code)
+    step = _next_up(span / _constant(span, config.max_code))
     scale = _round_up_to_fp16(step.clamp_(min=_SMALLEST_STEP))
     return scale, minimum
 
 
-_INFINITIES: dict[tuple, torch.Tensor] = {}  # (device, dtype, sign) -> a 0-dim +-inf nextafter broadcasts
+_CONSTANTS: dict[tuple, torch.Tensor] = {}  # (device, dtype, value) -> a 0-dim tensor that broadcasts
+
+
+def _constant(like: torch.Tensor, value: float) -> torch.Tensor:
+    """value as a 0-dim tensor on like's device and dtype, made once.
+
+    Why a tensor and not a Python number: on CUDA, `x / number` is computed as x * (1 / number)
+    (PyTorch's div_true_kernel_cuda for a CPU scalar), up to an ulp off the IEEE quotient the CPU
+    and quant/triton_quantize.py compute, so a step could round below the exact one and the two
+    devices' codes differ; a device tensor divisor gets a true division. Made once: a [groups]-sized
+    full_like per call was one kernel launch more (a compressed KV store runs several per layer)."""
+    key = (like.device, like.dtype, value)
+    if key not in _CONSTANTS:
+        with torch.inference_mode(False):  # usable in and out of inference mode
+            _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return _CONSTANTS[key]
 
 
 def _infinity(like: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
-    """+-inf as a 0-dim tensor on like's device and dtype, made once: a [groups]-sized full_like per
-    rounding was one kernel launch more per call (a compressed KV store runs several per layer)."""
-    key = (like.device, like.dtype, sign)
-    if key not in _INFINITIES:
-        with torch.inference_mode(False):  # usable in and out of inference mode
-            _INFINITIES[key] = torch.tensor(sign * float("inf"), dtype=like.dtype, device=like.device)
-    return _INFINITIES[key]
+    """+-inf as a 0-dim tensor on like's device and dtype (what nextafter steps towards)."""
+    return _constant(like, sign * float("inf"))
 
 
 def _next_up(x: torch.Tensor) -> torch.Tensor:

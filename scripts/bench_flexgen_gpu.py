@@ -179,7 +179,8 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
     # minutes); no effect on uncompressed weights
     with LLM(f"dummy:{model}", enable_prefix_caching=False,
              dtype="float16", device=device, policy=policy, hardware=hardware,
-             offload_dir=offload_dir, workload=workload, dummy_weight_codes=True) as llm:
+             offload_dir=offload_dir, workload=workload if policy == "auto" else None,
+             dummy_weight_codes=True) as llm:
         engine = llm.engine
         count, vocab = requests or engine.policy.max_running, engine.config.vocab_size
         llm.generate(_prompts(count, WARMUP_PROMPT_LEN, vocab, 1),

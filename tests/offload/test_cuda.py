@@ -292,8 +292,8 @@ def test_a_host_pool_stores_the_gpus_codes_of_v_without_quantizing_again(monkeyp
     slots, rows = torch.arange(16), torch.zeros(16, dtype=torch.long)
 
     def pool():
-        return KVPool("cpu", 1, 32, 2, 64, torch.float32, "cpu", block_size=16, compression=KVCompression(),
-                      num_residual=1)
+        return KVPool("cpu", 1, 32, 2, 64, torch.float32, "cpu", block_size=16,
+                      compression=KVCompression(block_size=16), num_residual=1)  # K grouped by the pool's block
 
     host = pool()
     host.store(0, slots, k[0], v[0], rows, v_codes=host.quantize_v(v[0])[0])

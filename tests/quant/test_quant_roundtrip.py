@@ -171,7 +171,9 @@ def test_to_and_device():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_round_trip_matches_cpu(dtype):
-    x = (torch.randn(33, 200) * 3).to(dtype)
+    # rows over nine decades: thousands of distinct fp32 spans, so a step computed as span * (1 / 15)
+    # (CUDA's division by a number) instead of span / 15 would round to another fp16 somewhere
+    x = (torch.randn(33, 200) * torch.logspace(-4, 4, 33)[:, None]).to(dtype)
     for config in (QuantConfig(), QuantConfig(bits=8, group_size=32, group_dim=0, symmetric=True)):
         q_cpu = quantize(x, config)
         q_gpu = quantize(x.cuda(), config)
@@ -182,6 +184,35 @@ def test_cuda_round_trip_matches_cpu(dtype):
         pinned = q_cpu.pin_memory()
         assert pinned.is_pinned()
         assert torch.equal(dequantize(pinned.to("cuda", non_blocking=True)).cpu(), dequantize(q_cpu))
+
+
+class _DivisionsByANumber(torch.overrides.TorchFunctionMode):
+    """Records every division whose divisor is a Python number (on CUDA: a multiplication by its
+    reciprocal, not the IEEE quotient the CPU and the Triton quantize kernel compute)."""
+
+    DIVISIONS = {torch.div, torch.true_divide, torch.Tensor.div, torch.Tensor.div_, torch.Tensor.__truediv__,
+                 torch.Tensor.true_divide, torch.Tensor.true_divide_, torch.Tensor.__itruediv__}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.DIVISIONS and len(args) > 1 and not isinstance(args[1], torch.Tensor):
+            self.seen.append((func.__name__, args[1]))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("config", [QuantConfig(), QuantConfig(bits=8, group_size=32, symmetric=True),
+                                    QuantConfig(bits=4, group_size=16, group_dim=0)])
+def test_quantize_divides_by_no_python_number(config):
+    """The step and the codes are IEEE quotients on every device: quantize divides by tensors only
+    (tests/offload/test_cuda.py compares the bits on a GPU)."""
+    x = torch.randn(48, 64)
+    with _DivisionsByANumber() as mode:
+        quantize(x, config)
+    assert mode.seen == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

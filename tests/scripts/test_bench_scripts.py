@@ -112,3 +112,25 @@ def test_bench_flexgen_gpu_runs_the_cases_in_the_order_named(tmp_path):
     assert rows == [("opt-30b/cpu-weights", "ours, FlexGen's policy, decode-maximal"),
                     ("opt-30b/cpu-weights", "ours, searched for t4"),
                     ("opt-6.7b/4bit", "ours, FlexGen's policy, decode-maximal")]
+
+
+@pytest.mark.parametrize("policy", ["file", "auto"])
+def test_bench_flexgen_gpus_engine_run_measures_a_policy_file_and_a_searched_one(tmp_path, policy):
+    """One of our measured runs, as a GPU lease runs it (`--ours-run`), here on the CPU with a small
+    dummy OPT: FlexGen's policy from a file (an LLM given a policy and no workload) and the searched
+    one (policy "auto" with the case's workload) each print one JSON line with the tokens per second
+    and the planner's prediction. (A lease's runs of FlexGen's policies once all failed on the
+    workload meant for the search alone.)"""
+    from policy_search import Policy
+
+    if policy == "file":
+        policy = str(tmp_path / "policy.json")
+        Policy(gpu_batch_size=2, scheduler="decode-maximal").save(policy)
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent), OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_flexgen_gpu.py"), "--ours-run", "cpu", "opt-125m",
+                           policy, "t4", "-", "8", str(tmp_path / "offload"), "16", "4", "2", "decode-maximal"],
+                          cwd=SCRIPTS.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert line["scheduler"] == "decode-maximal" and line["num_prompts"] == 2
+    assert line["tok_s"] > 0 and line["predicted_tok_s"] > 0 and line["device"].startswith("cpu")
