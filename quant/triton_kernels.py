@@ -70,7 +70,9 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@triton.jit
+# M (the pass's rows) is not specialized on (Triton keys a compiled variant on an int's divisibility by
+# 16 and == 1): rows change every pass, and each new variant is a compile of a second or more mid-run
+@triton.jit(do_not_specialize=["M"])
 def _dequant_matmul_kernel(
     x_ptr, data_ptr, scale_ptr, minimum_ptr, bias_ptr, out_ptr,
     M, K, N, stride_xm, stride_om,

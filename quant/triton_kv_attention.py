@@ -101,7 +101,9 @@ def constants(heads: int, kv_heads: int, dim: int, block_size: int, value_group:
                 VG=value_group, BLOCK_N=block_n, HAS_NEW=has_new, NEW_V=new_v)
 
 
-@triton.jit
+# the block-table and slot-table widths grow with the context: not specialized on (a compiled variant
+# per divisibility by 16 would be compiled mid-run, a second or more each, as contexts cross it)
+@triton.jit(do_not_specialize=["stride_blocks", "stride_slots"])
 def _decode_kernel(
     kd_ptr, ks_ptr, km_ptr, blocks_ptr, complete_ptr, open_ptr, residual_ptr,
     vd_ptr, vs_ptr, vm_ptr, slots_ptr, lo_ptr, hi_ptr,

@@ -159,13 +159,13 @@ def run_ours(case: Case, policy: str, schedulers: tuple[str, ...], lengths: tupl
 
 def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cpu_mem_gib: float, offload_dir: str,
              prompt_len: int, gen_len: int, requests: int, schedulers: list[str]) -> None:
-    """`flexsarathi bench`'s protocol on one engine: a warm-up (32-token prompts, one token each;
+    """`flexsarathi bench`'s protocol on one engine: a warm-up (32-token prompts, two tokens each;
     where decode passes replay CUDA graphs, also one decode pass at the measured prompt length, so
     the graph of the measured shape is captured before the clock starts, as FlexGen's own one-time
     set-up is), then per scheduler one measured run of policy.max_running prompts; one JSON line
     each (with the warm-up's capture time)."""
     from flexsarathi import LLM, SamplingParams
-    from flexsarathi.cli.bench import WARMUP_PROMPT_LEN, _prompts
+    from flexsarathi.cli.bench import WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, _prompts
     from flexsarathi.cli.engine_args import describe_policy, device_name
     from flexsarathi.engine.planner_spec import planned_model
     from policy_search import HardwareSpec, Workload, estimate
@@ -184,7 +184,7 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
         engine = llm.engine
         count, vocab = requests or engine.policy.max_running, engine.config.vocab_size
         llm.generate(_prompts(count, WARMUP_PROMPT_LEN, vocab, 1),
-                     SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
+                     SamplingParams(max_tokens=WARMUP_MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)
         if engine.graph_passes:  # one decode pass at the measured shape: its CUDA graph is captured here
             llm.generate(_prompts(count, prompt_len, vocab, 1), SamplingParams(max_tokens=2, temperature=0,
                                                                                ignore_eos=True), use_tqdm=False)
@@ -405,7 +405,8 @@ def _report(results: list, case: Case, who: str, result: dict, flexgen: dict) ->
     print(f"{case.name:<20} {who:<42} {result['tok_s']:9.2f} tok/s  {result['seconds']:8.2f} s  {ratio:>6}{extra}"
           f"  (wall {result.get('wall_s', 0):.0f} s)", flush=True)
     if result.get("phases"):  # ours: where the measured run's time went
-        print(" " * 22 + "phases: " + "; ".join(f"{name} {p['calls']} x {p['ms_each']:.2f} ms"
+        print(" " * 22 + "phases: " + "; ".join(f"{name} {p['calls']} x {p['ms_each']:.2f} ms (median "
+                                                f"{p['ms_median']:.2f}, max {p['ms_max']:.2f})"
                                                 for name, p in result["phases"].items()), flush=True)
 
 

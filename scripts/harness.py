@@ -160,8 +160,7 @@ class StepPhases:
 
     def __init__(self, engine):
         self.engine = engine
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
-        self.counts = dict.fromkeys(self.PHASES, 0)
+        self.times: dict[str, list[float]] = {phase: [] for phase in self.PHASES}  # each call's seconds
 
     def __enter__(self) -> "StepPhases":
         import torch
@@ -200,15 +199,20 @@ class StepPhases:
                 self._add(phase, time.perf_counter() - start)
         return call
 
+    @property
+    def counts(self) -> dict[str, int]:
+        return {phase: len(times) for phase, times in self.times.items()}
+
     def _add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] += seconds
-        self.counts[phase] += 1
+        self.times[phase].append(seconds)
 
     def summary(self) -> dict:
-        """Per phase: calls, seconds and ms per call (phases never entered left out)."""
-        return {phase: {"calls": self.counts[phase], "s": round(self.seconds[phase], 4),
-                        "ms_each": round(1e3 * self.seconds[phase] / self.counts[phase], 3)}
-                for phase in self.PHASES if self.counts[phase]}
+        """Per phase: calls, seconds, ms per call, and the median and slowest call's ms (one slow call,
+        a kernel compiled on first use, shows as a max far above the median; phases never entered
+        left out)."""
+        return {phase: {"calls": len(t), "s": round(sum(t), 4), "ms_each": round(1e3 * sum(t) / len(t), 3),
+                        "ms_median": round(1e3 * statistics.median(t), 3), "ms_max": round(1e3 * max(t), 3)}
+                for phase, t in self.times.items() if t}
 
 
 def disk_read_bytes() -> int:

@@ -292,6 +292,24 @@ def test_bench_prints_consistent_json():
                      "passes": str(result["passes"])}
 
 
+def test_bench_warms_the_decode_path_up_before_the_clock(monkeypatch, capsys):
+    """The warm-up run makes a decode pass as well as a prompt pass: the decode path's GPU kernels
+    (Triton's, compiled on first use) are compiled before the measured run, not inside it."""
+    from flexsarathi import llm as llm_module
+
+    passes, generate = [], llm_module.LLM.generate
+
+    def counted(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        passes.append(self.last_stats["passes"])
+        return out
+
+    monkeypatch.setattr(llm_module.LLM, "generate", counted)
+    assert main(["bench", "--model", DUMMY, "--prompt-len", "8", "--gen-len", "3", "--num-prompts", "2"]) == 0
+    assert passes == [2, 3]  # warm-up: the prompts' pass and one decode pass; then the measured run's
+    capsys.readouterr()
+
+
 def test_inspect_names_the_dtype_generate_runs_in(stories_dir, tmp_path, capsys):
     """The reference is generate's own record of the dtype it ran in on this machine (its meta.json)."""
     src = write_lines(tmp_path / "in.txt", ["Once upon a time"])
