@@ -172,6 +172,7 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
 
     hardware = planned_hardware(preset, profile, cpu_mem_gib)
     workload = Workload(prompt_len=prompt_len, gen_len=gen_len, num_requests=requests or None)
+    searched = policy in ("auto", "auto-4bit")  # else FlexGen's policy: its block is one closed batch
     if policy == "auto-4bit":
         policy = LLM.search_policy(f"dummy:{model}", hardware, workload, "float16", device=device,
                                    compress_weight=True)
@@ -189,20 +190,50 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
             llm.generate(_prompts(count, prompt_len, vocab, 1), SamplingParams(max_tokens=2, temperature=0,
                                                                                ignore_eos=True), use_tqdm=False)
         capture_s = engine.graph_passes.graphs.capture_seconds if engine.graph_passes else 0.0
+        spec = planned_model(f"dummy:{model}", "float16", device=device).spec
+        # FlexGen's policy runs its block, one closed batch, and is planned as one; the searched policy
+        # is priced for the workload it was searched for
+        measured = Workload(prompt_len=prompt_len, gen_len=gen_len, num_requests=count)
         for scheduler in schedulers or [engine.policy.scheduler]:
-            engine.set_schedule(scheduler=scheduler)
-            with harness.StepPhases(engine) as phases:  # where the run's time goes, by phase
-                llm.generate(_prompts(count, prompt_len, vocab, 0),
-                             SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True), use_tqdm=False)
+            phases = _measured_run(llm, scheduler, measured, None if searched else (spec, hardware))
             s = llm.last_stats
-            predicted = estimate(engine.policy, planned_model(f"dummy:{model}", "float16", device=device).spec,
-                                 hardware, workload).throughput
+            predicted = estimate(engine.policy, spec, hardware, workload if searched else measured).throughput
             print(json.dumps({"scheduler": scheduler, "tok_s": s["tokens_per_s"], "seconds": s["seconds"],
                               "predicted_tok_s": predicted, "planned_with": hardware.name,
                               "policy": describe_policy(engine.policy), "device": device_name(engine.device),
                               "num_prompts": count, "peak_gpu": s["memory"]["gpu"]["peak"],
                               "graph_passes": engine.stats["graph_passes"], "warm_up_capture_s": capture_s,
                               "phases": phases.summary()}), flush=True)
+
+
+def _measured_run(llm, scheduler: str, measured, planned: tuple | None) -> "harness.StepPhases":
+    """One measured run of the closed batch `measured` (a Workload) with `scheduler`, timed by phase.
+    With `planned` (spec, hardware), decode-maximal runs at the prefill budget the planner picks for
+    a closed batch (policy_search/prefill_budget.py: its prompt passes carry no decodes, so fewer,
+    larger ones stream or dequantize the weights fewer times), or where the engine's own check of
+    the largest pass refuses it (before any work), the next smaller whole-prompt budget."""
+    from flexsarathi import SamplingParams
+    from flexsarathi.cli.bench import _prompts
+    from offload.memory import MemoryBudgetError
+    from policy_search.prefill_budget import budget_candidates, closed_batch_prefill_budget
+
+    engine, count, (prompt_len, gen_len) = llm.engine, measured.num_requests, measured.lengths[0]
+    budgets = [engine.policy.prefill_budget]
+    if scheduler == "decode-maximal" and planned is not None:
+        chosen = closed_batch_prefill_budget(engine.policy.replace(scheduler=scheduler), *planned, measured)
+        budgets = [b for b in reversed(budget_candidates(prompt_len, count)) if b <= chosen] or budgets
+    for i, budget in enumerate(budgets):
+        engine.set_schedule(scheduler=scheduler, prefill_budget=budget)
+        try:
+            with harness.StepPhases(engine) as phases:
+                llm.generate(_prompts(count, prompt_len, engine.config.vocab_size, 0),
+                             SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True), use_tqdm=False)
+            return phases
+        except MemoryBudgetError as exc:
+            if i == len(budgets) - 1:
+                raise
+            print(f"prefill budget {budget} refused ({exc}); trying {budgets[i + 1]}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable: budgets is never empty")
 
 
 def planned_hardware(preset: str, profile: str, cpu_mem_gib: float):
@@ -228,6 +259,7 @@ def plan_case(case: Case, lengths: tuple[int, int], cpu_mem_gib: float, profile:
     from flexsarathi.cli.engine_args import describe_policy
     from flexsarathi.engine.planner_spec import planned_model
     from policy_search import Workload, estimate
+    from policy_search.prefill_budget import closed_batch_prefill_budget
 
     hardware = planned_hardware(case.hardware, profile or "-", cpu_mem_gib)
     workload = Workload(prompt_len=lengths[0], gen_len=lengths[1], num_requests=case.requests or None)
@@ -240,7 +272,13 @@ def plan_case(case: Case, lengths: tuple[int, int], cpu_mem_gib: float, profile:
             f"dummy:{case.model}", hardware, workload, "float16", device="cuda", **constraints)))
     out = []
     for who, policy in runs:
-        est = estimate(policy, spec, hardware, workload)
+        # FlexGen's policy: what its run measures, one closed batch of its block, decode-maximal at
+        # the budget the planner picks for it (as _measured_run does, before the engine's own check)
+        priced = workload  # the searched policy: the workload it was searched for
+        if who.startswith("ours, FlexGen's policy"):
+            priced = Workload(prompt_len=lengths[0], gen_len=lengths[1], num_requests=policy.max_running)
+            policy = policy.replace(prefill_budget=closed_batch_prefill_budget(policy, spec, hardware, priced))
+        est = estimate(policy, spec, hardware, priced)
         out.append({"case": case.name, "who": who, "predicted_tok_s": est.throughput, "fits": est.fits,
                     "over_budget": est.over_budget,
                     "peak_gpu_gib": est.peak_memory["gpu"] / GiB, "gpu_budget_gib": est.budgets["gpu"] / GiB,
