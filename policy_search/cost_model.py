@@ -57,7 +57,7 @@ from policy_search.linear import FRACTION_EXPRS as f, const
 from policy_search.model_spec import ModelSpec
 from policy_search.pass_shape import PassShape, RunShape
 from policy_search.policy import TIERS, Policy
-from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS
+from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS, GPU_INT4_KERNEL_MAX_ROWS
 from policy_search.working_set import POST_ATTENTION_ROWS, QUERY_BLOCK, SCORE_BYTES, PassTokens, working_set
 
 RESOURCES = ("host->device", "device->host", "disk->host", "host->disk", "gpu", "cpu")
@@ -149,13 +149,25 @@ def uses_cpu_int4_kernel(s: PassShape, policy: Policy, hw: HardwareSpec) -> bool
             and s.prompt_tokens == 0 and s.decode_tokens / s.micro_batches <= CPU_INT4_KERNEL_MAX_ROWS)
 
 
+def uses_gpu_int4_kernel(s: PassShape, policy: Policy, hw: HardwareSpec) -> bool:
+    """Whether the pass multiplies its 4-bit weights with the GPU's fused Triton kernel: on a GPU whose
+    profile measured it, micro-batches of at most GPU_INT4_KERNEL_MAX_ROWS rows (prompt rows too)."""
+    return (policy.compress_weight and not hw.compute_on_host and hw.gpu_int4_matmul_flops is not None
+            and s.tokens / s.micro_batches <= GPU_INT4_KERNEL_MAX_ROWS)
+
+
 def _layer_matmul_seconds(s: PassShape, policy: Policy, model: ModelSpec, hw: HardwareSpec) -> float:
-    """One layer's matmuls over the pass but its routed experts', 4-bit weights included: the int4
-    kernel on the packed weight (no dequantization) where `uses_cpu_int4_kernel`, else each
-    micro-batch dequantizes the weight right before its matmul and runs the dense one."""
+    """One layer's matmuls over the pass but its routed experts', 4-bit weights included: an int4
+    kernel on the packed weight (no dequantization) where `uses_cpu_int4_kernel` or
+    `uses_gpu_int4_kernel` (on a GPU each micro-batch reads the codes: at least their bytes at the
+    memory's rate), else each micro-batch dequantizes the weight right before its matmul and runs
+    the dense one."""
     params = model.layer_dense_matrix_params
     if uses_cpu_int4_kernel(s, policy, hw):
         return 2 * params * s.tokens / hw.cpu_int4_matmul_flops
+    if uses_gpu_int4_kernel(s, policy, hw):
+        return max(2 * params * s.tokens / hw.gpu_int4_matmul_flops,
+                   s.micro_batches * params * model.weight_format.bytes_per_value / hw.gpu_memory_bandwidth)
     matmul = _matmul_seconds(params, s.tokens, s.decode_tokens, s.micro_batches, hw, model.bytes_per_value)
     if policy.compress_weight:
         matmul += s.micro_batches * params / hw.gpu_dequant_rate
@@ -246,14 +258,17 @@ def _layer_resources(s: PassShape, policy: Policy, model: ModelSpec,
     matmul = _layer_matmul_seconds(s, policy, model, hw)
     pair_flops = model.attention_flops_per_pair()
     prompt_attention = s.prompt_pairs * pair_flops / hw.gpu_attention_prefill_flops
+    # a 4-bit pool a GPU kernel attends in place (quant/triton_kv_attention.py): its codes read once,
+    # dequantized in registers; else the context is gathered and dequantized first
+    codes_in_pool = policy.compress_kv and not hw.compute_on_host and "gpu" in model.in_pool_tiers(True)
     decode_attention = max(decode_kv_tokens * pair_flops / hw.gpu_attention_decode_flops,
-                           decode_kv_tokens * model.kv_bytes_per_token(False) / hw.gpu_memory_bandwidth)
+                           decode_kv_tokens * model.kv_bytes_per_token(codes_in_pool) / hw.gpu_memory_bandwidth)
     overhead = s.micro_batches * _layer_overhead(s, hw, graphed)  # the executor's fixed cost
     gpu = const(matmul + prompt_attention + overhead) + gpu_decode_share * decode_attention
     kv_values = model.kv_values_per_token
-    if policy.compress_kv:  # dequantize what GPU attention reads, quantize what the pass stores
-        gpu = gpu + (gpu_decode_share * decode_kv_tokens
-                     + const(s.prior_kv_tokens + s.tokens)) * (kv_values / hw.gpu_dequant_rate)
+    if policy.compress_kv:  # dequantize what GPU attention gathers, quantize what the pass stores
+        dequantized = const(0.0) if codes_in_pool else gpu_decode_share * decode_kv_tokens
+        gpu = gpu + (dequantized + const(s.prior_kv_tokens + s.tokens)) * (kv_values / hw.gpu_dequant_rate)
     cpu = const(0.0)
     if cpu_attention:
         cpu_seconds = decode_kv_tokens * pair_flops / hw.cpu_attention_flops

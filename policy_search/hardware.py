@@ -19,15 +19,15 @@ JSON schema (`save` writes it, `load` reads it; unknown or missing fields are er
      "compute_on_host": false, "layer_overhead_seconds": 0.0, "graph_layer_overhead_seconds": null,
      "step_overhead_seconds": 0.0, "sequence_overhead_seconds": 0.0,
      "disk_read_cpu_seconds_per_byte": 0.0, "cpu_int4_matmul_flops": null,
-     "cpu_memory_bandwidth_bytes_per_s": null, "host_memory_bytes": null}
+     "gpu_int4_matmul_flops": null, "cpu_memory_bandwidth_bytes_per_s": null, "host_memory_bytes": null}
 
 `memory_usable_fraction` (default 0.8), `compute_on_host` (default false), `host_memory_bytes`
 (default null; with compute_on_host the RAM the gpu and cpu tiers share: `host_budget`),
 `layer_overhead_seconds`, `step_overhead_seconds`, `sequence_overhead_seconds`,
 `disk_read_cpu_seconds_per_byte` (default 0),
 `graph_layer_overhead_seconds` (default null: decode passes priced as eager ones) and
-`cpu_int4_matmul_flops` (default null: no int4 kernel figure, 4-bit weights priced as
-dequantization + matmul) and `cpu_memory_bandwidth_bytes_per_s` (default null: see
+`cpu_int4_matmul_flops` and `gpu_int4_matmul_flops` (default null: no int4 kernel figure, 4-bit weights
+priced as dequantization + matmul) and `cpu_memory_bandwidth_bytes_per_s` (default null: see
 `cpu_read_bandwidth`) may be left out.
 """
 from __future__ import annotations
@@ -71,14 +71,17 @@ _JSON_KEYS = {
     "sequence_overhead_seconds": "sequence_overhead",
     "disk_read_cpu_seconds_per_byte": "disk_read_cpu",
     "cpu_int4_matmul_flops": "cpu_int4_matmul_flops",
+    "gpu_int4_matmul_flops": "gpu_int4_matmul_flops",
     "cpu_memory_bandwidth_bytes_per_s": "cpu_memory_bandwidth",
     "host_memory_bytes": "host_memory",
 }
 _OPTIONAL_KEYS = ("memory_usable_fraction", "compute_on_host", "layer_overhead_seconds", "graph_layer_overhead_seconds",
                   "step_overhead_seconds", "sequence_overhead_seconds", "disk_read_cpu_seconds_per_byte",
-                  "cpu_int4_matmul_flops", "cpu_memory_bandwidth_bytes_per_s", "host_memory_bytes")
+                  "cpu_int4_matmul_flops", "gpu_int4_matmul_flops", "cpu_memory_bandwidth_bytes_per_s",
+                  "host_memory_bytes")
 _NOT_RATES = ("gpu_memory", "memory_usable_fraction")  # the positive fields that are no rate per second
-_NULLABLE = ("cpu_int4_matmul_flops", "cpu_memory_bandwidth", "graph_layer_overhead", "host_memory")
+_NULLABLE = ("cpu_int4_matmul_flops", "gpu_int4_matmul_flops", "cpu_memory_bandwidth", "graph_layer_overhead",
+             "host_memory")
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,11 @@ class HardwareSpec:
     # cover the machine or dtype (and in presets and older profiles): 4-bit weights are then priced
     # as dequantization + matmul. Used for passes on the host with few rows (cost_model.py).
     cpu_int4_matmul_flops: float | None = None
+    # FLOP/s of the fused Triton kernel (quant/triton_kernels.py) on the layer's 4-bit weights at a
+    # decode row count on an sm_80+ GPU: micro-batches of at most GPU_INT4_KERNEL_MAX_ROWS rows multiply
+    # with it, reading the codes (no dequantization). None (presets, older profiles, a GPU below sm_80):
+    # 4-bit weights priced as dequantization + matmul there too.
+    gpu_int4_matmul_flops: float | None = None
     # Bytes/s the CPU's matmuls stream weights from host memory at (cpu_experts: a decode micro-batch
     # routes a few rows to each expert, so reading the expert bounds it). None: `cpu_read_bandwidth`.
     cpu_memory_bandwidth: float | None = None

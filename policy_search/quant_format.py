@@ -66,3 +66,9 @@ KV_FORMAT = KVFormat()
 # so its cost grows with the rows far faster than a GEMM's (measured crossover: docs/BENCHMARKS.md,
 # "bench_quant_cpu"). The planner prices the same rule.
 CPU_INT4_KERNEL_MAX_ROWS = 64
+
+# Rows up to which a CUDA engine multiplies a 4-bit weight with the fused Triton kernel on an sm_80+
+# GPU (quant/fused.py use_triton: it reads the codes, no dequantized copy), above it dequantizes +
+# fp16 GEMM (the kernel's tiles lose to cuBLAS there: docs/BENCHMARKS.md, "bench_triton_gpu"). The
+# planner prices the same rule where a profile measured the kernel (HardwareSpec.gpu_int4_matmul_flops).
+GPU_INT4_KERNEL_MAX_ROWS = 256

@@ -26,6 +26,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from policy_search.quant_format import GPU_INT4_KERNEL_MAX_ROWS
 from quant import cpu_int8_matmul
 from quant.cpu_matmul import Int4Packed
 from quant.groupwise import dequantize
@@ -84,7 +85,7 @@ def _cuda_scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch
 # Measured (scripts/bench_triton_gpu.py, LLaMA-2-70B layer shapes; docs/BENCHMARKS.md): the kernel
 # is 2.4-3.2x faster than dequantize + cuBLAS at 256 rows (H100 and H200), 0.92-0.99x at 1024 and
 # 0.40-0.44x at 4096 (H200); 256 is the largest row count measured where it wins.
-TRITON_MAX_ROWS = 256
+TRITON_MAX_ROWS = GPU_INT4_KERNEL_MAX_ROWS  # one rule with the planner's pricing
 TRITON_MIN_CAPABILITY = (8, 0)  # sm_80+: bf16 and fp16 tensor cores in Triton's tl.dot
 
 

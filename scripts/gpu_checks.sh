@@ -64,8 +64,8 @@ for step in $STEPS; do
         timeout "${TRITON_TIMEOUT:-90}" $PY scripts/bench_triton_gpu.py > "$OUT/triton.log" 2>&1 ;;
     flexgen)
         : > "$OUT/flexgen.log"
-        if [ -n "${FLEXGEN_PROFILE:-}" ]; then  # this GPU's profile first (opt-125m's layer: ~40 s)
-            timeout 120 $PY -m flexsarathi profile -o "$OUT/profile.json" --model opt-125m --disk-mib 64 \
+        if [ -n "${FLEXGEN_PROFILE:-}" ]; then  # this GPU's profile first, its rates at the benchmark's shapes
+            timeout 150 $PY -m flexsarathi profile -o "$OUT/profile.json" --model opt-6.7b --disk-mib 64 \
                 --offload-dir /tmp/gpu_checks_profile >> "$OUT/flexgen.log" 2>&1
         fi
         # shellcheck disable=SC2086

@@ -4,12 +4,14 @@ Everything is measured on the compute device the engine would use (CUDA when pre
 CPU, whose "gpu tier" is then host memory), in the engine's dtype and on the shapes of one decoder
 layer (`model=`: a policy_search.ModelSpec; default: OPT-1.3B's, hidden 2048, MLP 8192, 32 heads):
 copy bandwidths between tiers, disk read (O_DIRECT, page cache bypassed) and write (fsync'd), the
-layer's four matmuls at several row counts, attention rates, dequantization rates, torch's CPU int4
-kernel on the layer's 4-bit weights (bf16 on the CPU only; what the planner prices decode passes of
-few rows at), and the engine's
-own fixed cost per layer of a pass (run on a small dummy model). Each figure
-is the median of a few repeats after a warm-up, with fewer repeats for slow calls, so the whole run
-takes under a minute on a 2-core machine (timings: docs/BENCHMARKS.md).
+layer's four matmuls at several row counts, attention rates, dequantization rates, the int4 kernel
+on the layer's 4-bit weights (torch's on the CPU, bf16 only; the fused Triton kernel on an sm_80+
+GPU: what the planner prices passes of few rows at), and the engine's own fixed cost per layer of a
+pass (run on a small dummy model). Each figure is the median of a few repeats after a warm-up, with
+fewer repeats for slow calls, so the whole run takes under a minute on a 2-core machine (timings:
+docs/BENCHMARKS.md). On a GPU the rates are the device's own time (calls captured in a CUDA graph
+and replayed, layer_timing.device_seconds) on calls large enough to fill it: the launches a pass
+makes are the engine's per-layer cost, measured apart, not part of a rate.
 
 Without CUDA the profile says `compute_on_host` (the planner then adds cpu-tier copies to the compute
 time) and the matmul figures are those of the cost model's host form, time = weight bytes /
@@ -28,7 +30,8 @@ import time
 
 import torch
 
-from flexsarathi.machine.layer_timing import LayerShapes, layer_matmul_seconds, layer_matmuls, median_seconds, sync_device
+from flexsarathi.machine.layer_timing import (LayerShapes, device_seconds, layer_matmul_seconds, layer_matmuls,
+                                             median_seconds, sync_device)
 from flexsarathi.models.attention import attend
 from flexsarathi.models.layers import linear
 from offload.disk_store import DiskStore
@@ -55,9 +58,10 @@ def _matmul_figures(device, dtype, shapes: LayerShapes, on_host: bool) -> tuple[
     """(prefill FLOP/s, decode FLOP/s, weight-streaming bytes/s) of the layer's matmuls."""
     flops_per_row = 2 * shapes.params
     weight_bytes = shapes.params * dtype.itemsize
-    if not on_host:
-        decode = flops_per_row * 16 / layer_matmul_seconds(device, dtype, shapes, 16)
-        prefill = flops_per_row * 512 / layer_matmul_seconds(device, dtype, shapes, 512)
+    if not on_host:  # the GPU's own time (device_seconds): the launches are layer_overhead's
+        decode = flops_per_row * 16 / device_seconds(layer_matmuls(device, dtype, shapes, 16, sync=False), device)[0]
+        prefill = flops_per_row * 512 / device_seconds(layer_matmuls(device, dtype, shapes, 512, sync=False),
+                                                       device)[0]
         return prefill, decode, 0.0
     rows = (8, 16, 32, 64, 128, 256, 512, 1024)  # decode micro-batches up to whole-block prefills
     seconds, start = [], time.perf_counter()
@@ -116,18 +120,33 @@ def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads:
               torch.full((seqs,), -1))
     layer = iter(range(1 << 62))
 
-    def run():
+    def call():
         j = next(layer) % layers
-        if between is not None:
-            between()
-            sync_device(device)
-        start = time.perf_counter()
         if in_place:
             cpu_kv_attention.plain_decode_attention(pool[j], slots, q[:, 0], (torch.zeros_like(kv_len), kv_len),
                                                     no_new, head_dim ** -0.5)
         else:
             k, v = pool[j].index_select(0, slots.reshape(-1)).view(seqs, context, 2, kv_heads, head_dim).unbind(2)
             attend(q, k, v, q_pos, kv_len, head_dim ** -0.5)  # gathered as KVPool.gather_pairs does
+
+    if device.type == "cuda":  # the GPU's own time: no CPU caches to evict, the launches are layer_overhead's
+        seconds = device_seconds(call, device)[0]
+    else:
+        seconds = _host_median(call, between, device)
+    # FLOPs as the cost model counts them: the causal (query, key) pairs, 4 * heads * head_dim each
+    # (query i at position context - queries + i sees that many keys plus itself).
+    pairs = seqs * (queries * (context - queries) + queries * (queries + 1) // 2)
+    return 4 * pairs * heads * head_dim / seconds
+
+
+def _host_median(call, between, device) -> float:
+    """Median host seconds of `call`, `between` (untimed) run before each (see _attention_rate)."""
+    def run():
+        if between is not None:
+            between()
+            sync_device(device)
+        start = time.perf_counter()
+        call()
         sync_device(device)
         return time.perf_counter() - start
 
@@ -136,22 +155,18 @@ def _attention_rate(device, dtype, queries: int, context: int, seqs: int, heads:
     times = []
     while len(times) < 11 and (len(times) < 3 or sum(times) < 1.0):  # bounded on slow machines
         times.append(run())
-    seconds = statistics.median(times)
-    # FLOPs as the cost model counts them: the causal (query, key) pairs, 4 * heads * head_dim each
-    # (query i at position context - queries + i sees that many keys plus itself).
-    pairs = seqs * (queries * (context - queries) + queries * (queries + 1) // 2)
-    return 4 * pairs * heads * head_dim / seconds
+    return statistics.median(times)
 
 
-def _dequant_rate(device, dtype, values: int = 1 << 22) -> float:
+def _dequant_rate(device, dtype, values: int | None = None) -> float:
+    """Values per second dequantized into a preallocated buffer: 4M on a CPU, 64M (a 7B layer's
+    largest matrix and more) on a GPU, where a small call is mostly its launches."""
+    values = values or (1 << 26 if device.type == "cuda" else 1 << 22)
     q = quantize(torch.randn(values // 4096, 4096, dtype=dtype, device=device), QuantConfig())
     out = torch.empty(q.shape, dtype=dtype, device=device)
-
-    def run():
-        dequantize(q, out=out)
-        sync_device(device)
-
-    return values / median_seconds(run)
+    if device.type == "cuda":
+        return values / device_seconds(lambda: dequantize(q, out=out), device)[0]
+    return values / median_seconds(lambda: (dequantize(q, out=out), sync_device(device)))
 
 
 INT4_KERNEL_ROWS = 16  # the decode row count the int4 kernel's rate is measured at
@@ -192,6 +207,32 @@ def _int4_kernel_rate(device, dtype, shapes: LayerShapes, rows: int = INT4_KERNE
             multiply(x, w)
 
     return 2 * shapes.params * rows / median_seconds(run, repeats=5)
+
+
+GPU_INT4_KERNEL_ROWS = 64  # the decode row count the GPU's fused kernel is measured at
+
+
+def _gpu_int4_kernel_rate(device, dtype, shapes: LayerShapes, rows: int = GPU_INT4_KERNEL_ROWS) -> float | None:
+    """FLOP/s of the fused Triton kernel (quant/triton_kernels.py, what a CUDA engine multiplies
+    4-bit weights with at up to GPU_INT4_KERNEL_MAX_ROWS rows) over the layer's matrices at `rows`
+    rows, the GPU's own time (device_seconds); None off CUDA, below sm_80 (quant/fused.py use_triton)
+    or where the kernel does not take these shapes. Random codes: its speed does not depend on them."""
+    from quant import fused
+
+    if device.type != "cuda" or not fused.use_triton(rows, torch.cuda.get_device_capability(device)):
+        return None
+    from quant import triton_kernels
+
+    weights = [_random_codes(o, i, dtype).to(device) for o, i in shapes.matrices]
+    inputs = [torch.randn(rows, i, dtype=dtype, device=device) for _, i in shapes.matrices]
+    if not all(triton_kernels.supports(x, w) for x, w in zip(inputs, weights)):
+        return None
+
+    def run():
+        for x, w in zip(inputs, weights):
+            triton_kernels.dequant_linear(x, w, None)
+
+    return 2 * shapes.params * rows / device_seconds(run, device)[0]
 
 
 def _random_codes(out_features: int, in_features: int, dtype) -> QTensor:
@@ -455,6 +496,9 @@ def _measure_matmuls(device, dtype, shapes, log) -> dict:
                 gpu_memory_bandwidth=mem_bw, cpu_matmul_flops=cpu_matmul)
 
 
+GPU_PROMPTS = 8  # prompts of one prefill attention call timed on a GPU
+
+
 def _measure_attention(device, dtype, shapes, prompt_len: int, decode_context: int, decode_seqs: int,
                        log) -> dict:
     cuda = device.type == "cuda"
@@ -462,17 +506,22 @@ def _measure_attention(device, dtype, shapes, prompt_len: int, decode_context: i
     if not cuda:  # on the host, attention follows the layer's matmuls (see _attention_rate)
         heads["between"] = layer_matmuls(device, dtype, shapes, 64)
     # A whole prompt (the engine computes the full square and masks it: twice the causal pairs), and
-    # a batch of sequences decoding one token each.
-    log("  measuring attention (a whole prompt, then a decode batch) ...")
-    attn_prefill = _attention_rate(device, dtype, prompt_len, prompt_len, 1, **heads)
-    attn_decode = _attention_rate(device, dtype, 1, decode_context, decode_seqs, **heads)
+    # a batch of sequences decoding one token each. On a GPU, calls large enough to fill it (a rate,
+    # not a launch: a 128-token prompt is a few microseconds of an H200): several 512-token prompts,
+    # 64 sequences of 512 keys at least.
+    prompts, prompt, context, seqs = 1, prompt_len, decode_context, decode_seqs
+    if cuda:
+        prompts, prompt, context, seqs = GPU_PROMPTS, max(prompt_len, 512), max(decode_context, 512), max(decode_seqs, 64)
+    log("  measuring attention (whole prompts, then a decode batch) ...")
+    attn_prefill = _attention_rate(device, dtype, prompt, prompt, prompts, **heads)
+    attn_decode = _attention_rate(device, dtype, 1, context, seqs, **heads)
     # a GPU engine's host pool holds its compute dtype, read in place where the kernel covers it
     host_dtype = dtype if cpu_kv_attention.covers_plain(dtype, shapes.head_dim) else torch.float32
     cpu_attn = (attn_decode if not cuda else
                 _attention_rate(torch.device("cpu"), host_dtype, 1, decode_context, decode_seqs, **heads))
-    log(f"  attention: prefill {attn_prefill / 1e9:.2f} (a {prompt_len}-token prompt), decode "
-        f"{attn_decode / 1e9:.3f} ({decode_seqs} x {decode_context} tokens), CPU decode {cpu_attn / 1e9:.3f} "
-        f"GFLOP/s (causal pairs)")
+    log(f"  attention: prefill {attn_prefill / 1e9:.2f} ({prompts} x {prompt}-token prompt), decode "
+        f"{attn_decode / 1e9:.3f} ({seqs} x {context} tokens), CPU decode {cpu_attn / 1e9:.3f} "
+        f"({decode_seqs} x {decode_context}) GFLOP/s (causal pairs)")
     return dict(gpu_attention_prefill_flops=attn_prefill, gpu_attention_decode_flops=attn_decode,
                 cpu_attention_flops=cpu_attn)
 
@@ -482,8 +531,11 @@ def _measure_dequant_and_overhead(llm_class, device, dtype, shapes, log) -> dict
     dequant = _dequant_rate(device, dtype)
     cpu_dequant = dequant if device.type != "cuda" else _dequant_rate(torch.device("cpu"), torch.bfloat16)
     int4 = _int4_kernel_rate(device, dtype, shapes)
+    gpu_int4 = _gpu_int4_kernel_rate(device, dtype, shapes)
     log(f"  dequantize: {dequant / 1e9:.2f} G values/s; int4 kernel: "
-        + (f"{int4 / 1e12:.3f} TFLOP/s ({INT4_KERNEL_ROWS} rows)" if int4 else "not used here (bf16 on the CPU only)"))
+        + (f"{int4 / 1e12:.3f} TFLOP/s ({INT4_KERNEL_ROWS} rows)" if int4 else
+           f"Triton {gpu_int4 / 1e12:.3f} TFLOP/s ({GPU_INT4_KERNEL_ROWS} rows)" if gpu_int4 else
+           "not used here (bf16 on the CPU only, or the Triton kernel on an sm_80+ GPU)"))
     log("  measuring the engine's own cost per layer (dummy:opt-125m, one decode token per pass) ...")
     overhead = _layer_overhead(llm_class, device, dtype)
     graph_overhead = _layer_overhead(llm_class, device, dtype, graphs=True) if device.type == "cuda" else None
@@ -494,4 +546,4 @@ def _measure_dequant_and_overhead(llm_class, device, dtype, shapes, log) -> dict
         + f"; outside a pass {step * 1e3:.3f} ms per step + {per_sequence * 1e6:.1f} us per sequence")
     return dict(gpu_dequant_rate=dequant, cpu_dequant_rate=cpu_dequant, layer_overhead=overhead,
                 graph_layer_overhead=graph_overhead, step_overhead=step, sequence_overhead=per_sequence,
-                cpu_int4_matmul_flops=int4)
+                cpu_int4_matmul_flops=int4, gpu_int4_matmul_flops=gpu_int4)

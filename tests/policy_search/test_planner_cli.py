@@ -27,7 +27,10 @@ def test_search_prints_the_table_and_writes_a_loadable_policy(tmp_path, capsys):
                     "Throughput", "Bound by", "Passes", "best block", "best decode-maximal"):
         assert heading in out
     loaded = Policy.load(out_path)
-    model, hw = ModelSpec.from_name("opt-1.3b"), HardwareSpec.preset("t4").with_memory(gpu=2 * GiB)
+    from flexsarathi.engine.planner_spec import planner_model_spec
+
+    # the spec the CLI plans with: a GPU engine's (which KV pools its kernels attend in place)
+    model, hw = planner_model_spec("opt-1.3b", device="cuda"), HardwareSpec.preset("t4").with_memory(gpu=2 * GiB)
     workload = Workload(prompt_len=128, gen_len=16)
     expected, est = search(model, hw, workload)
     assert loaded == expected

@@ -8,7 +8,7 @@ import pytest
 
 from policy_search import HardwareSpec, ModelSpec, Policy, SpecError, Workload, estimate
 from policy_search.cost_model import uses_cpu_int4_kernel
-from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS
+from policy_search.quant_format import CPU_INT4_KERNEL_MAX_ROWS, GPU_INT4_KERNEL_MAX_ROWS
 from policy_search.units import TFLOPS
 
 from tests.policy_search.conftest import ALL_GPU, host_profile
@@ -102,3 +102,78 @@ def test_profiles_without_the_figure_still_load(tmp_path, host):
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(SpecError, match="cpu_int4_matmul_flops"):
             host.replace(cpu_int4_matmul_flops=bad)
+
+
+GPU_INT4 = 120 * TFLOPS
+
+
+def _gpu_dequant_matmul(model: ModelSpec, hw: HardwareSpec, rows: float, micro_batches: int) -> float:
+    """One layer's 4-bit matmuls on a GPU priced as dequantization + the dense matmul (decode rows)."""
+    params = model.layer_matrix_params
+    per_micro_batch = max(2 * params * rows / micro_batches / hw.gpu_matmul_prefill_flops,
+                          2 * params * rows / micro_batches / hw.gpu_matmul_decode_flops,
+                          params * model.bytes_per_value / hw.gpu_memory_bandwidth)
+    return micro_batches * (per_micro_batch + params / hw.gpu_dequant_rate)
+
+
+@pytest.mark.parametrize("batch,micro_batches", [(16, 1), (GPU_INT4_KERNEL_MAX_ROWS, 1), (96, 2)])
+def test_on_a_gpu_up_to_256_rows_multiply_with_the_triton_kernel(opt13, batch, micro_batches):
+    """A GPU profile with the fused kernel's rate: decode micro-batches of at most
+    GPU_INT4_KERNEL_MAX_ROWS rows cost the kernel's FLOPs or its codes' bytes, no dequantization;
+    the prefill of every prompt at once (more rows) dequantizes as before."""
+    gpu = HardwareSpec.preset("a100-80g")
+    wl = Workload(prompt_len=64, gen_len=4)
+    policy = Policy(gpu_batch_size=batch // micro_batches, num_gpu_batches=micro_batches, scheduler="block",
+                    compress_weight=True, **ALL_GPU)
+    plain = estimate(policy, opt13, gpu, wl)
+    kernel = estimate(policy, opt13, gpu.replace(gpu_int4_matmul_flops=GPU_INT4), wl)
+    params = opt13.layer_matrix_params
+    for a, b in zip(plain.passes, kernel.passes):
+        if a.prompt_tokens:  # 64-token prompts, `batch` of them: over the kernel's rows
+            assert a.resources == b.resources
+            continue
+        rows = a.decode_tokens
+        fused = max(2 * params * rows / GPU_INT4,
+                    micro_batches * params * opt13.weight_format.bytes_per_value / gpu.gpu_memory_bandwidth)
+        saved = _gpu_dequant_matmul(opt13, gpu, rows, micro_batches) - fused
+        assert a.resources["gpu"] - b.resources["gpu"] == pytest.approx(opt13.num_layers * saved)
+
+
+def test_a_gpu_above_the_kernels_rows_or_without_its_figure_dequantizes(opt13):
+    gpu = HardwareSpec.preset("a100-80g")
+    wl = Workload(prompt_len=64, gen_len=4)
+    wide = Policy(gpu_batch_size=GPU_INT4_KERNEL_MAX_ROWS + 1, scheduler="block", compress_weight=True, **ALL_GPU)
+    assert (estimate(wide, opt13, gpu, wl).passes
+            == estimate(wide, opt13, gpu.replace(gpu_int4_matmul_flops=GPU_INT4), wl).passes)
+    host = gpu.replace(compute_on_host=True, gpu_int4_matmul_flops=GPU_INT4)  # the CPU's own kernel figure rules
+    narrow = wide.replace(gpu_batch_size=16)
+    without = host.replace(gpu_int4_matmul_flops=None)
+    assert estimate(narrow, opt13, host, wl).passes == estimate(narrow, opt13, without, wl).passes
+
+
+def test_a_4bit_pool_a_gpu_kernel_attends_in_place_is_not_dequantized_for_decodes(opt13):
+    """ModelSpec.decode_in_pool naming the gpu tier for 4-bit KV (the Triton decode kernel): decode
+    attention reads the codes, so the decode passes save the dequantization of every context token
+    (with bandwidth ample, the FLOPs bound the attention either way); prompt passes are unchanged."""
+    import dataclasses
+
+    gpu = HardwareSpec.preset("a100-80g").replace(gpu_memory_bandwidth=1e16)
+    in_pool = dataclasses.replace(opt13, decode_in_pool=((), ("gpu",)))
+    wl = Workload(prompt_len=64, gen_len=8)
+    policy = Policy(gpu_batch_size=16, scheduler="block", compress_kv=True, **ALL_GPU)
+    gathered, kernel = estimate(policy, opt13, gpu, wl), estimate(policy, in_pool, gpu, wl)
+    contexts = _decode_contexts(policy, opt13, gpu, wl)
+    for a, b in zip(gathered.passes, kernel.passes):
+        if a.prompt_tokens:
+            assert a.resources["gpu"] == pytest.approx(b.resources["gpu"])
+            continue
+        dequantized = a.decode_tokens * contexts[a.kind] * opt13.kv_values_per_token / gpu.gpu_dequant_rate
+        assert a.resources["gpu"] - b.resources["gpu"] == pytest.approx(opt13.num_layers * dequantized)
+
+
+def _decode_contexts(policy, model, hw, wl):
+    """Each modelled decode pass's context, by its kind."""
+    from policy_search.estimate import pass_costs
+
+    _, costs = pass_costs(policy, model, hw, wl)
+    return {c.shape.kind: c.shape.context for c in costs if c.shape.prompt_tokens == 0}

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import subprocess
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -314,10 +315,11 @@ def test_step_phases_counts_every_step_by_its_pass_and_leaves_the_engine_as_it_w
         assert {name: p["calls"] for name, p in summary.items()} == {
             "schedule": 5, "prompt pass": 1, "decode pass": 4, "sample": 5, "postprocess": 5}
         assert 0 < sum(p["s"] for p in summary.values()) <= took
-        for p in summary.values():  # the slowest call bounds the median and the mean, and the sum bounds it
-            assert 0 < p["ms_median"] <= p["ms_max"] <= 1e3 * p["s"] + 1e-3 and p["ms_each"] <= p["ms_max"] + 1e-3
-        decodes = phases.times["decode pass"]
-        assert summary["decode pass"]["ms_max"] == round(1e3 * max(decodes), 3)
+        for name, p in summary.items():  # each call's time kept: the median and the slowest of them
+            times = phases.times[name]
+            assert 0 < min(times) <= statistics.median(times) <= max(times) <= sum(times)
+            assert (p["ms_median"], p["ms_max"]) == (round(1e3 * statistics.median(times), 3),
+                                                     round(1e3 * max(times), 3))
         assert all(name not in vars(engine) for name in ("forward", "sample"))
         assert all(name not in vars(engine.scheduler) for name in ("schedule", "postprocess"))
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)  # the class's methods, untimed

@@ -92,3 +92,36 @@ def test_a_disk_test_that_cannot_fit_is_refused_before_measuring(tmp_path):
                               "opt-1.3b, two at least), and it has 1.00 MiB free: ask for a smaller test or "
                               "measure a folder on a disk with room")
     assert logged == []  # nothing measured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_rates_are_the_devices_time_not_its_launches():
+    """device_seconds replays a captured call: a chain of small kernels costs the GPU far less than the
+    host's launches of it (what a replayed or large pass sees), while a large matmul, whose launch is
+    nothing beside its work, times as the host times it; the profile's GPU rates are taken that way."""
+    from flexsarathi.machine.layer_timing import device_seconds, median_seconds
+
+    cuda = torch.device("cuda")
+    x = torch.randn(64, device=cuda)
+
+    def small_kernels():
+        y = x
+        for _ in range(50):
+            y = y + 1.0
+        return y
+
+    graphed, captured = device_seconds(small_kernels, cuda)
+    launched = median_seconds(lambda: (small_kernels(), torch.cuda.synchronize()))
+    assert captured and graphed < launched / 2
+    a, b = torch.randn(4096, 8192, device=cuda, dtype=torch.float16), torch.randn(8192, 8192, device=cuda,
+                                                                                   dtype=torch.float16)
+    big, _ = device_seconds(lambda: a @ b, cuda)
+    assert big == pytest.approx(median_seconds(lambda: (a @ b, torch.cuda.synchronize())), rel=0.25)
+    # the fused 4-bit kernel's rate, where the engine uses it (sm_80+): what 4-bit decode passes are priced at
+    from flexsarathi.machine.layer_timing import LayerShapes
+    from flexsarathi.machine.profiler import _gpu_int4_kernel_rate
+    from quant import fused
+
+    rate = _gpu_int4_kernel_rate(cuda, torch.float16, LayerShapes.of(None))
+    assert (rate is not None and rate > 0) == fused.use_triton(64, torch.cuda.get_device_capability())
