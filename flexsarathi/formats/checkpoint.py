@@ -368,6 +368,9 @@ class SafetensorsCheckpoint(WeightSource):
         return self._read(self.model.hf_layer_names(layer), dtype, unchecked)
 
 
+DRAW_CHUNK = 1 << 24  # values of a dummy tensor drawn from one generator (DummyWeights._make)
+
+
 class DummyWeights(WeightSource):
     """Random weights of a registered model's real shape (as FlexGen benchmarks): deterministic
     per (model, layer, tensor), generated on demand, so any layer can be regenerated alone."""
@@ -390,17 +393,26 @@ class DummyWeights(WeightSource):
     def fingerprint(self) -> str:
         codes = self.codes
         drawn = f"-codes{codes.bits}g{codes.group_size}d{codes.group_dim}{'s' if codes.symmetric else ''}" if codes else ""
-        return f"dummy-{self.name}-seed{self.seed}{drawn}"
+        return f"dummy-{self.name}-seed{self.seed}-chunks{DRAW_CHUNK}{drawn}"
 
     def _make(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if key.endswith("norm.weight"):
             return torch.ones(shape, dtype=dtype)
         if key.endswith(".bias") or len(shape) == 1:
             return torch.zeros(shape, dtype=dtype)
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}".encode()))
-        # randn(shape) * 0.02, bit for bit (the fingerprint, so stores written before, stay valid)
-        # without a second fp32 temporary: a 70B layer's fused gate/up weight is 1.9 GB in fp32.
-        return torch.empty(shape).normal_(0.0, 0.02, generator=gen).to(dtype)
+        # normal draws * 0.02 without a second fp32 temporary (a 70B layer's fused gate/up weight is
+        # 1.9 GB in fp32), in chunks of DRAW_CHUNK values, each from its own generator, drawn side by
+        # side: one generator draws serially (~200M values/s), so an OPT-30B layer took a second and
+        # its 48 layers most of a GPU benchmark's load; a tensor of one chunk is drawn as it always was.
+        values = torch.empty(math.prod(shape))
+
+        def draw(start: int) -> None:
+            seed = f"{self.seed}:{key}" + (f":{start // DRAW_CHUNK}" if start else "")
+            gen = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+            values[start:start + DRAW_CHUNK].normal_(0.0, 0.02, generator=gen)
+
+        list(worker_pool("dummy-chunk").map(draw, range(0, values.numel(), DRAW_CHUNK)))
+        return values.view(shape).to(dtype)
 
     def global_weights(self, dtype):
         return {k: self._make(k, s, dtype) for k, s in self.model.global_shapes().items()}

@@ -143,6 +143,28 @@ def test_dummy_weights_are_seeded_normal_draws_scaled_by_0_02():
     assert torch.equal(got, (torch.randn(shapes[name], generator=gen) * 0.02).to(torch.bfloat16))
 
 
+def test_a_large_dummy_tensor_is_drawn_in_seeded_chunks(monkeypatch):
+    """A tensor over DRAW_CHUNK values: chunk i from a generator seeded by crc32("seed:layer.name:i")
+    (chunk 0 as a one-chunk tensor's), so the chunks are drawn side by side and the whole is the same
+    every time; the fingerprint names the chunking (a store of other draws is not taken for it)."""
+    import zlib
+
+    from flexsarathi.formats import checkpoint
+
+    monkeypatch.setattr(checkpoint, "DRAW_CHUNK", 1000)
+    src = DummyWeights("opt-125m")
+    shapes = src.model.layer_shapes()
+    name = next(k for k, s in shapes.items() if len(s) == 2)
+    got = src.layer_weights(1, torch.float32)[name].reshape(-1)
+    for i, start in enumerate(range(0, got.numel(), 1000)):
+        seed = f"0:1.{name}" + (f":{i}" if i else "")
+        want = torch.randn(min(1000, got.numel() - start), generator=torch.Generator().manual_seed(
+            zlib.crc32(seed.encode()))) * 0.02
+        assert torch.equal(got[start:start + 1000], want), i
+    assert torch.equal(got, src.layer_weights(1, torch.float32)[name].reshape(-1))
+    assert "chunks1000" in src.fingerprint
+
+
 def test_dummy_model_generates(tmp_path):
     llm = LLM("dummy:opt-125m")
     from flexsarathi import SamplingParams
