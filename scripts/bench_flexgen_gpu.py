@@ -314,7 +314,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=None, help="case names or model names, run in this order "
                         "(default: all)")
-    parser.add_argument("--skip-flexgen", action="store_true")
+    parser.add_argument("--skip-flexgen", nargs="*", default=None, metavar="CASE",
+                        help="run ours alone: for every case, or for the cases (or models) named (FlexGen's figure "
+                             "for them from an earlier run on this GPU)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
@@ -342,6 +344,8 @@ def main() -> int:
         return 0
     if args.plan_only:
         return plan_only(args)
+    if args.skip_flexgen:
+        chosen_cases(args.skip_flexgen)  # an unknown case name fails here, before any run
     import torch
 
     if not torch.cuda.is_available():
@@ -359,6 +363,11 @@ def main() -> int:
     return 0
 
 
+def _skips_flexgen(skipped: list[str] | None, case: Case) -> bool:
+    """--skip-flexgen: None (not given) runs FlexGen; [] skips it everywhere; names, for those cases."""
+    return skipped is not None and (not skipped or case.name in skipped or case.model in skipped)
+
+
 def run_cases(args, cases: list[Case], cpu_mem: float) -> list[dict]:
     """Per case, FlexGen's run, ours with its policy (per scheduler), ours searched: a line each as it
     ends (the results so far are in the log when a lease ends mid-way)."""
@@ -369,7 +378,8 @@ def run_cases(args, cases: list[Case], cpu_mem: float) -> list[dict]:
     for case in cases:
         flexgen = {"error": "no FlexGen run (FlexGen runs OPT only)"}
         if case.flexgen_args is not None:
-            flexgen = {"error": "skipped"} if args.skip_flexgen else timeout.run(run_flexgen, case, lengths, work)
+            flexgen = ({"error": "skipped"} if _skips_flexgen(args.skip_flexgen, case)
+                       else timeout.run(run_flexgen, case, lengths, work))
             _report(results, case, "FlexGen (flexgen.flex_opt)", flexgen, flexgen)
         schedulers = tuple(s for s in case.schedulers if not args.schedulers or s in args.schedulers)
         if case.policy is not None and schedulers:

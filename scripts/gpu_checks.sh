@@ -17,7 +17,8 @@
 # flexgen: scripts/bench_flexgen_gpu.py (ours against FlexGen itself under T4 caps), with the planner's
 #          predicted tok/s beside each of ours; FLEXGEN_PROFILE=1 plans with this GPU's profile (measured
 #          first) instead of the t4 preset's rates; FLEXGEN_SCHEDULERS="decode-maximal" runs FlexGen's
-#          policies with that scheduler only; no run starts after FLEXGEN_DEADLINE s (570), each
+#          policies with that scheduler only; FLEXGEN_SKIP="CASE ..." runs ours alone for those cases
+#          (FlexGen's figure from an earlier lease on this GPU: docs/BENCHMARKS.md); no run starts after FLEXGEN_DEADLINE s (570), each
 #          line (with its wall seconds) is in flexgen.log as it ends.
 # stress:  the CUDA tests that a stream-ordering race fails (test_cuda.py: no_host_sync, held_back,
 #          closed_or_dropped) in STRESS_PROCS (12) processes at once, twice: one GPU and the cores
@@ -72,6 +73,7 @@ for step in $STEPS; do
         timeout "${FLEXGEN_TIMEOUT:-600}" $PY scripts/bench_flexgen_gpu.py ${FLEXGEN_CASES:+--cases $FLEXGEN_CASES} \
             ${FLEXGEN_PROFILE:+--profile "$OUT/profile.json"} --timeout "${FLEXGEN_RUN_TIMEOUT:-300}" \
             ${FLEXGEN_SCHEDULERS:+--schedulers $FLEXGEN_SCHEDULERS} --deadline "${FLEXGEN_DEADLINE:-570}" \
+            ${FLEXGEN_SKIP:+--skip-flexgen $FLEXGEN_SKIP} \
             --json "$OUT/flexgen.json" >> "$OUT/flexgen.log" 2>&1 ;;
     stress)
         : > "$OUT/stress.log"
