@@ -27,7 +27,8 @@
 #          time per decode layer-step beside a plain PyTorch layer, eager and with CUDA graphs; a tiny
 #          OPT and an OPT-6.7B-shaped one (hidden 4096, 32 heads, prompt 512).
 # profile: scripts/profile_passes.py (host time per layer-step of an all-on-GPU batch, cProfile and
-#          torch.profiler tables), block then decode-maximal.
+#          torch.profiler tables, kernels by GPU time), block then decode-maximal; PROFILE_ARGS adds its
+#          flags (e.g. "--compress --batch 72 --prompt-len 512 --gen-len 8": FlexGen's 4-bit policy).
 # scripts/gpu_prepare.sh lays .whl and .shared_copy for WHEELS and SHARED (run it here, before the lease).
 # WHEELS=dir installs the wheels in dir first (a machine without a package index); SHARED=dir is
 # copied to ../shared when that is absent (the stories260K checkpoint the suite reads).
@@ -102,8 +103,9 @@ for step in $STEPS; do
         done > "$OUT/launches.log" 2>&1 ;;
     profile)
         for scheduler in block decode-maximal; do
+            # shellcheck disable=SC2086
             timeout "${PROFILE_TIMEOUT:-120}" $PY scripts/profile_passes.py --model "${PROFILE_MODEL:-dummy:opt-1.3b}" \
-                --scheduler $scheduler
+                --scheduler $scheduler ${PROFILE_ARGS:-}
         done > "$OUT/profile.log" 2>&1 ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac

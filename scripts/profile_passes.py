@@ -33,6 +33,8 @@ def main() -> int:
     p.add_argument("--scheduler", default="block", choices=["block", "decode-maximal"])
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=16)
+    p.add_argument("--compress", action="store_true", help="4-bit weights (drawn as codes) and 4-bit KV, as "
+                   "FlexGen's --compress-weight --compress-cache")
     p.add_argument("--top", type=int, default=25, help="rows of each table")
     args = p.parse_args()
 
@@ -45,11 +47,13 @@ def main() -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("float16" if device == "cuda" else "float32")
     policy = Policy(gpu_batch_size=args.batch, num_gpu_batches=1, w_gpu=1, w_cpu=0, w_disk=0, kv_gpu=1, kv_cpu=0,
-                    kv_disk=0, act_gpu=1, act_cpu=0, act_disk=0, overlap=False, scheduler=args.scheduler)
+                    kv_disk=0, act_gpu=1, act_cpu=0, act_disk=0, overlap=False, scheduler=args.scheduler,
+                    compress_weight=args.compress, compress_kv=args.compress)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{args.model} on {device} ({name}), {dtype}, torch {torch.__version__}; {cpu_line()}")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    with LLM(args.model, enable_prefix_caching=False, dtype=dtype, device=device, policy=policy) as llm:
+    with LLM(args.model, enable_prefix_caching=False, dtype=dtype, device=device, policy=policy,
+             dummy_weight_codes=args.compress) as llm:
         vocab = llm.engine.config.vocab_size
         layers = llm.engine.config.num_layers
         params = SamplingParams(max_tokens=args.gen_len, temperature=0, ignore_eos=True)
@@ -84,6 +88,9 @@ def main() -> int:
             run()
         print("\n== torch operators by host time (torch.profiler, one run) ==")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        if device == "cuda":  # where the GPU's own time goes (Triton's kernels by name)
+            print("\n== kernels by GPU time (torch.profiler, one run) ==")
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top))
     return 0
 
 
