@@ -4,8 +4,8 @@ The discrete knobs are enumerated; the placement fractions of each knob setting 
 
   * combos: scheduler (block | decode-maximal) x compress_weight x compress_kv x cpu_attention, and
     for a model with experts x routed_expert_reads x cpu_experts;
-  * for each combo, chains of one gpu_batch_size (powers of two, then 3/4 and 3/2 of each combo's
-    best, where FlexGen's 48 x 3 lives), each chain running along num_gpu_batches from 1 to the most
+  * for each combo, chains of one gpu_batch_size (powers of two and the running cap, then 3/4 and 3/2
+    of each combo's best, where FlexGen's 48 x 3 lives), each chain running along num_gpu_batches from 1 to the most
     whose weights and KV cache fit all tiers together;
   * best-first branch and bound over open intervals of num_gpu_batches: the interval with the highest
     upper bound has its midpoint probed, until no interval can beat its scheduler's best by more than
@@ -223,9 +223,12 @@ class _Searcher:
         return max(0, min(self.max_running, int(total // per_sequence)))
 
     def batch_sizes(self, cap: int) -> list[int]:
+        """Powers of two up to `cap`, and `cap` itself (the running cap: a closed batch of requests, or
+        as many as fit, all in one micro-batch: FlexGen's 72 of its 4-bit OPT-6.7B policy is none of
+        the powers and none of their 3/4 or 3/2)."""
         if "gpu_batch_size" in self.constraints:
             return [self.constraints["gpu_batch_size"]]
-        return [1 << i for i in range(cap.bit_length()) if 1 << i <= cap]
+        return sorted({1 << i for i in range(cap.bit_length()) if 1 << i <= cap} | {cap})
 
     def run(self) -> None:
         chains: list[_Chain] = []

@@ -71,6 +71,9 @@ class Case:
     hardware: str = "t4"  # the preset whose memory caps our engine
     auto_4bit: bool = False  # search among 4-bit-weight policies only
     requests: int = 0  # a closed workload of this many requests for the search (0: a steady stream)
+    # the searched policy's run: a closed batch of this many requests, searched for as one (0: requests);
+    # FlexGen's best run on the model has that many (its block), so both runs serve the same batch
+    searched_requests: int = 0
 
 
 def flexgen_case(name: str, model: str, percent: tuple[int, ...], gbs: int, ngb: int = 1, cpu_attention=False,
@@ -89,10 +92,11 @@ def flexgen_case(name: str, model: str, percent: tuple[int, ...], gbs: int, ngb:
 
 
 CASES = [
-    flexgen_case("opt-6.7b/all-gpu", "opt-6.7b", (100, 0, 100, 0, 100, 0), 2, overlap=False),
+    flexgen_case("opt-6.7b/all-gpu", "opt-6.7b", (100, 0, 100, 0, 100, 0), 2, overlap=False, searched_requests=72),
     flexgen_case("opt-6.7b/4bit", "opt-6.7b", (100, 0, 100, 0, 100, 0), 72, overlap=False, compress=True,
                  ours_auto=False),
-    flexgen_case("opt-30b/cpu-weights", "opt-30b", (20, 80, 0, 100, 0, 100), 48, cpu_attention=True),
+    flexgen_case("opt-30b/cpu-weights", "opt-30b", (20, 80, 0, 100, 0, 100), 48, cpu_attention=True,
+                 searched_requests=48),
     # FlexGen runs OPT only: ours alone, 4-bit weights (codes drawn, as scripts/bench_70b.py) on A100-80GB caps
     # (64 requests: the steady-stream policy runs 4096 sequences at once, minutes of prefill alone)
     Case("llama-2-70b/4bit", "llama-2-70b", None, None, hardware="a100-80g", auto_4bit=True, requests=64),
@@ -148,9 +152,10 @@ def run_ours(case: Case, policy: str, schedulers: tuple[str, ...], lengths: tupl
     turn (LLMEngine.set_schedule; placement unchanged). policy: a policy file or "auto"."""
     if policy == "auto" and case.auto_4bit:
         policy = "auto-4bit"
+    requests = (case.searched_requests or case.requests) if policy.startswith("auto") else case.requests
     argv = [sys.executable, str(Path(__file__).resolve()), "--ours-run", "cuda", case.model, policy, case.hardware,
             profile or "-", f"{cpu_mem_gib:.1f}", str(work / "ours_offload"), str(lengths[0]), str(lengths[1]),
-            str(case.requests), *schedulers]
+            str(requests), *schedulers]
     done = _run(argv, timeout)
     if done.get("error"):
         return [done]
@@ -172,7 +177,6 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
 
     hardware = planned_hardware(preset, profile, cpu_mem_gib)
     workload = Workload(prompt_len=prompt_len, gen_len=gen_len, num_requests=requests or None)
-    searched = policy in ("auto", "auto-4bit")  # else FlexGen's policy: its block is one closed batch
     if policy == "auto-4bit":
         policy = LLM.search_policy(f"dummy:{model}", hardware, workload, "float16", device=device,
                                    compress_weight=True)
@@ -191,13 +195,13 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
                                                                                ignore_eos=True), use_tqdm=False)
         capture_s = engine.graph_passes.graphs.capture_seconds if engine.graph_passes else 0.0
         spec = planned_model(f"dummy:{model}", "float16", device=device).spec
-        # FlexGen's policy runs its block, one closed batch, and is planned as one; the searched policy
-        # is priced for the workload it was searched for
+        # the run measured, priced as it runs: `count` requests (FlexGen's block; the searched policy's
+        # closed batch, the workload it was searched for)
         measured = Workload(prompt_len=prompt_len, gen_len=gen_len, num_requests=count)
         for scheduler in schedulers or [engine.policy.scheduler]:
-            phases = _measured_run(llm, scheduler, measured, None if searched else (spec, hardware))
+            phases = _measured_run(llm, scheduler, measured, (spec, hardware))
             s = llm.last_stats
-            predicted = estimate(engine.policy, spec, hardware, workload if searched else measured).throughput
+            predicted = estimate(engine.policy, spec, hardware, measured).throughput
             print(json.dumps({"scheduler": scheduler, "tok_s": s["tokens_per_s"], "seconds": s["seconds"],
                               "predicted_tok_s": predicted, "planned_with": hardware.name,
                               "policy": describe_policy(engine.policy), "device": device_name(engine.device),
@@ -206,10 +210,10 @@ def ours_run(device: str, model: str, policy: str, preset: str, profile: str, cp
                               "phases": phases.summary()}), flush=True)
 
 
-def _measured_run(llm, scheduler: str, measured, planned: tuple | None) -> "harness.StepPhases":
-    """One measured run of the closed batch `measured` (a Workload) with `scheduler`, timed by phase.
-    With `planned` (spec, hardware), decode-maximal runs at the prefill budget the planner picks for
-    a closed batch (policy_search/prefill_budget.py: its prompt passes carry no decodes, so fewer,
+def _measured_run(llm, scheduler: str, measured, planned: tuple) -> "harness.StepPhases":
+    """One measured run of the batch `measured` (a Workload) with `scheduler`, timed by phase. Where
+    it is one closed batch, decode-maximal runs at the prefill budget the planner (`planned`: spec,
+    hardware) picks for it (policy_search/prefill_budget.py: its prompt passes carry no decodes, so fewer,
     larger ones stream or dequantize the weights fewer times), or where the engine's own check of
     the largest pass refuses it (before any work), the next smaller whole-prompt budget."""
     from flexsarathi import SamplingParams
@@ -219,7 +223,7 @@ def _measured_run(llm, scheduler: str, measured, planned: tuple | None) -> "harn
 
     engine, count, (prompt_len, gen_len) = llm.engine, measured.num_requests, measured.lengths[0]
     budgets = [engine.policy.prefill_budget]
-    if scheduler == "decode-maximal" and planned is not None:
+    if scheduler == "decode-maximal":
         chosen = closed_batch_prefill_budget(engine.policy.replace(scheduler=scheduler), *planned, measured)
         budgets = [b for b in reversed(budget_candidates(prompt_len, count)) if b <= chosen] or budgets
     for i, budget in enumerate(budgets):
@@ -262,22 +266,23 @@ def plan_case(case: Case, lengths: tuple[int, int], cpu_mem_gib: float, profile:
     from policy_search.prefill_budget import closed_batch_prefill_budget
 
     hardware = planned_hardware(case.hardware, profile or "-", cpu_mem_gib)
-    workload = Workload(prompt_len=lengths[0], gen_len=lengths[1], num_requests=case.requests or None)
+    searched = Workload(prompt_len=lengths[0], gen_len=lengths[1],
+                        num_requests=case.searched_requests or case.requests or None)
     spec = planned_model(f"dummy:{case.model}", "float16", device="cuda").spec
     runs = [(f"ours, FlexGen's policy, {s}", case.policy.replace(scheduler=s))
             for s in (schedulers if case.policy is not None else ())]
     if case.ours_auto:
         constraints = {"compress_weight": True} if case.auto_4bit else {}
         runs.append((f"ours, searched for {case.hardware}", LLM.search_policy(
-            f"dummy:{case.model}", hardware, workload, "float16", device="cuda", **constraints)))
+            f"dummy:{case.model}", hardware, searched, "float16", device="cuda", **constraints)))
     out = []
     for who, policy in runs:
-        # FlexGen's policy: what its run measures, one closed batch of its block, decode-maximal at
-        # the budget the planner picks for it (as _measured_run does, before the engine's own check)
-        priced = workload  # the searched policy: the workload it was searched for
-        if who.startswith("ours, FlexGen's policy"):
+        # what the run measures, decode-maximal over a closed batch at the budget the planner picks
+        # for it (as _measured_run does, before the engine's own check)
+        priced = searched  # the searched policy: the batch it was searched for (and runs)
+        if who.startswith("ours, FlexGen's policy"):  # FlexGen's block
             priced = Workload(prompt_len=lengths[0], gen_len=lengths[1], num_requests=policy.max_running)
-            policy = policy.replace(prefill_budget=closed_batch_prefill_budget(policy, spec, hardware, priced))
+        policy = policy.replace(prefill_budget=closed_batch_prefill_budget(policy, spec, hardware, priced))
         est = estimate(policy, spec, hardware, priced)
         out.append({"case": case.name, "who": who, "predicted_tok_s": est.throughput, "fits": est.fits,
                     "over_budget": est.over_budget,
