@@ -181,6 +181,21 @@ class BlockManager:
         room = sum(len(self.free[t]) for t in tiers)
         return room - sum(1 for b in cached if not self.refs[b] and self.tier_of(b) in tiers)
 
+    def prefills_a_block_of(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+        """Whether the block that follows `seq`'s cached prefix (cached_prefix without its tier
+        checks) is one a sequence of `prefilling` is still computing: the same digest, not yet
+        registered (blocks are registered when the pass computing them ends). Admitted after that
+        pass, `seq` takes it from the cache instead of computing it again."""
+        if self.cache is None or not prefilling:
+            return False
+        usable = (seq.num_prefill_tokens - 1) // self.block_size
+        hits = len(self.cache.chain(block_digests(seq, usable, self.block_size)))
+        if hits >= usable:
+            return False
+        wanted = block_digests(seq, hits + 1, self.block_size)[hits]
+        return any((hits + 1) * self.block_size <= other.num_prefill_tokens
+                   and block_digests(other, hits + 1, self.block_size)[hits] == wanted for other in prefilling)
+
     def register(self, seq: Sequence) -> None:
         """Name `seq`'s blocks whose tokens are all computed now by the tokens they hold."""
         done = min(seq.num_computed // self.block_size, len(seq.block_table))

@@ -204,11 +204,18 @@ class Scheduler:
             self.running.append(seq)
 
     # ---- admission and preemption ----------------------------------------------------------
-    def _admit(self) -> Sequence | None:
-        """Admits the head of the queue with its forks (their slots and blocks) if they fit."""
+    def _admit(self, shares_pending_blocks: bool = False) -> Sequence | None:
+        """Admits the head of the queue with its forks (their slots and blocks) if they fit.
+        shares_pending_blocks (decode-maximal): not while a running sequence still prefills the
+        next block of its prompt that the prefix cache lacks (the same leading tokens: a shared
+        system prompt); a pass later it takes that block from the cache (BlockManager.
+        prefills_a_block_of) instead of every request admitted together computing it again."""
         if not self.waiting:
             return None
         seq = self.waiting[0]
+        if (shares_pending_blocks and seq.params.prompt_logprobs is None
+                and self.blocks.prefills_a_block_of(seq, [s for s in self.running if s.is_prefilling])):
+            return None
         size = 1 + len(seq.forks)
         if self._slots_taken() + size > self.config.max_running:
             return None
@@ -304,7 +311,7 @@ class Scheduler:
         budget = self._pass_prefill_budget(len(items))
         prefilling = [s for s in self.running if s.is_prefilling]
         while budget > 0:
-            seq = prefilling.pop(0) if prefilling else self._admit()
+            seq = prefilling.pop(0) if prefilling else self._admit(shares_pending_blocks=True)
             if seq is None:
                 break
             chunk = min(budget, seq.num_prefill_tokens - seq.num_computed)

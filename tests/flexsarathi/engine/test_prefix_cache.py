@@ -180,14 +180,35 @@ def test_one_request_at_a_time_each_finds_the_shared_prefix_and_the_tokens_are_u
     assert [o.token_ids for o in outs] == [o.token_ids for o in without]
     assert all(o.num_cached_tokens == 0 for o in without)
     ids = [o.prompt_token_ids for o in outs]
-    expected = [0]
-    for k in range(1, len(ids)):  # the longest common prefix with any earlier prompt, in whole blocks
-        common = max(next((i for i, (x, y) in enumerate(zip(ids[k], ids[j])) if x != y), min(len(ids[k]), len(ids[j])))
-                     for j in range(k))
-        expected.append(min(common, len(ids[k]) - 1) // 16 * 16)
+    expected = expected_hits(ids)
     assert [o.num_cached_tokens for o in outs] == expected and expected[1] >= 64
     assert stats["prefix_cache_hit_tokens"] == sum(expected)
     assert stats["prefill_tokens_computed"] == sum(map(len, ids)) - sum(expected)
+
+
+def expected_hits(ids: list[list[int]]) -> list[int]:
+    """Each prompt's longest common prefix with any earlier prompt, in whole 16-token blocks, short of its
+    last token (a pass computes that one for its logits)."""
+    expected = [0]
+    for k in range(1, len(ids)):
+        common = max(next((i for i, (x, y) in enumerate(zip(ids[k], ids[j])) if x != y), min(len(ids[k]), len(ids[j])))
+                     for j in range(k))
+        expected.append(min(common, len(ids[k]) - 1) // 16 * 16)
+    return expected
+
+
+def test_requests_admitted_together_compute_a_shared_prefix_once(stories_dir, shared_prefix_prompts):
+    """Every request fits the first pass (running set and budget), all starting with the same ~80
+    tokens: the first computes them, the others wait that one pass for its blocks (not all computing
+    the prefix side by side) and take them from the cache; the tokens are those without the cache."""
+    params = SamplingParams(max_tokens=12, temperature=0)
+    roomy = dict(gpu_batch_size=len(shared_prefix_prompts), prefill_budget=2048)
+    without, _ = run(stories_dir, shared_prefix_prompts, params, caching=False, **roomy)
+    outs, stats = run(stories_dir, shared_prefix_prompts, params, **roomy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in without]
+    expected = expected_hits([o.prompt_token_ids for o in outs])
+    assert [o.num_cached_tokens for o in outs] == expected and min(expected[1:]) >= 64
+    assert stats["prefix_cache_hit_tokens"] == sum(expected)
 
 
 PLACEMENTS = {
