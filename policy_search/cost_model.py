@@ -387,11 +387,14 @@ def working_tokens(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec
         pooled = sum((longest * getattr(f, f"kv_{t}") for t in in_pool), const(0.0))
         decode = sum((longest * getattr(f, f"kv_{t}") for t in TIERS if t not in in_pool), const(0.0))
     chunks = s.prompt_tokens / k / max(s.prompt_rows_per_sequence, 1) if s.prior_kv_tokens > 0 else 0.0
+    # whole prompts attended in one causal call: a compressed pool's new keys are held as gathered
+    # ones (its K is quantized by block), the engine's LLMEngine._pass_tokens
+    grouped = s.prompt_tokens / k if policy.compress_kv and s.prior_kv_tokens == 0 else 0.0
     prompt_call = longest if s.prompt_tokens > 0 else 0.0  # keys of one prompt chunk's call
     # Every field that working_set adds up is an expression (a float would add to every coefficient).
     return PassTokens(total=const(s.tokens), widest=const(s.tokens / k),
                       slice_rows=const(min(s.tokens / k, POST_ATTENTION_ROWS)),
-                      context_slots=(2 if k > 1 else 1) * (decoders * decode + const(chunks * longest)),
+                      context_slots=(2 if k > 1 else 1) * (decoders * decode + const(chunks * longest + grouped)),
                       attention_slots=decoders * decode + const(prompt_call),
                       attention_cells=decoders * decode + const(
                           prompt_call * min(s.prompt_rows_per_sequence, QUERY_BLOCK)),
