@@ -34,13 +34,15 @@ def budget_candidates(prompt_len: int, requests: int) -> list[int]:
 
 def closed_batch_prefill_budget(policy: Policy, model: ModelSpec, hardware: HardwareSpec,
                                 workload: Workload) -> int:
-    """The prefill budget (prompt tokens per pass) the estimate runs fastest at, among those whose
-    passes fit, for a decode-maximal policy over a closed batch; the policy's own budget where the
-    run is not one (another scheduler, an open stream) or where no candidate fits."""
+    """The prefill budget (prompt tokens per pass) the estimate runs fastest at, among the policy's
+    own and the candidates whose passes fit, for a decode-maximal policy over a closed batch; the
+    policy's own budget where the run is not one (another scheduler, an open stream) or where no
+    candidate fits and runs faster."""
     if policy.scheduler != "decode-maximal" or not closed_batch(policy, workload):
         return policy.prefill_budget
     prompt = max(1, math.ceil(workload.max_prompt_len))
-    best, best_rate = policy.prefill_budget, None
+    own = estimate(policy, model, hardware, workload)
+    best, best_rate = policy.prefill_budget, own.throughput if own.fits else None
     for budget in budget_candidates(prompt, workload.num_requests):
         est = estimate(policy.replace(prefill_budget=budget), model, hardware, workload)
         if est.fits and (best_rate is None or est.throughput > best_rate):

@@ -18,7 +18,9 @@ The discrete knobs are enumerated; the placement fractions of each knob setting 
       - for intervals at most NARROW wide, an LP with the top's time rows and lo + 1's memory rows.
     A probe is settled without its LP when the relaxation proves it cannot fit or cannot win.
   * prefill_budget is not free: below s * B / (n-1) the running set cannot stay full (the same as a
-    smaller B), above it the budget goes unused; the search sets the steady-state value.
+    smaller B), above it the budget goes unused; the search sets the steady-state value, and for a
+    closed batch (all admitted at once) the fastest that fits (prefill_budget.py: no decode rides
+    along its prompt passes, each of which streams or dequantizes the weights again).
 
 Every LP runs on the same cost expressions `estimate()` evaluates, and the returned Estimate is
 recomputed by `estimate()` from the returned Policy, so the policy fits every tier's budget under the
@@ -39,6 +41,7 @@ from policy_search.hardware import HardwareSpec
 from policy_search.linear import FRACTIONS, evaluate
 from policy_search.model_spec import ModelSpec
 from policy_search.passes import steady_prefill_budget
+from policy_search.prefill_budget import closed_batch_prefill_budget
 from policy_search.policy import SCHEDULERS, TIERS, Policy
 from policy_search.units import fmt_bytes
 from policy_search.workload import Workload
@@ -148,6 +151,8 @@ def _search_detailed(model: ModelSpec, hardware: HardwareSpec, workload: Workloa
     best: dict[str, tuple[Policy, Estimate]] = {}
     for scheduler, (value, policy) in searcher.incumbents.items():
         if policy is not None:
+            if "prefill_budget" not in constraints:  # a closed batch's prompt passes carry no decodes
+                policy = policy.replace(prefill_budget=closed_batch_prefill_budget(policy, model, hardware, workload))
             best[scheduler] = (policy, estimate(policy, model, hardware, workload))
     if not best:
         raise InfeasibleError(searcher.infeasible_message())

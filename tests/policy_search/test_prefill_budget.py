@@ -47,3 +47,17 @@ def test_the_largest_budget_whose_passes_fit_is_chosen():
 def test_not_a_closed_decode_maximal_batch_keeps_the_policys_budget(policy, workload):
     hardware = HardwareSpec.preset("t4").with_memory(gpu=64 * GiB)
     assert closed_batch_prefill_budget(policy, MODEL, hardware, workload) == 128
+
+
+def test_the_search_gives_a_closed_batch_the_fastest_budget_that_fits():
+    """A closed batch searched for under decode-maximal on a GPU too small for the weights: the budget
+    is no longer the steady-state one (a prompt of its running set per pass), but the estimate's
+    fastest that fits, and the estimate is faster for it."""
+    from policy_search import search
+    from policy_search.passes import steady_prefill_budget
+
+    hardware = HardwareSpec.preset("t4").with_memory(gpu=2 * GiB)
+    policy, est = search(MODEL, hardware, CLOSED, scheduler="decode-maximal")
+    steady = policy.replace(prefill_budget=steady_prefill_budget(policy, CLOSED))
+    assert est.fits and policy.prefill_budget > steady.prefill_budget
+    assert est.throughput > estimate(steady, MODEL, hardware, CLOSED).throughput
