@@ -425,9 +425,12 @@ def _openai_logprobs(req: BatchRequest, body: dict) -> str | None:
 
 # ---- output records -------------------------------------------------------------------------
 def usage(output) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache
+    held (RequestOutput.num_cached_tokens), as OpenAI reports its own prompt caching."""
     completion = sum(len(c.token_ids) for c in output.outputs)
     prompt = len(output.prompt_token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens or 0}}
 
 
 def result_record(fmt: str, req: BatchRequest, output, model: str, decode) -> dict:

@@ -79,9 +79,26 @@ def test_text_input(stories_dir, stories_llm, tmp_path):
         r = got[line]
         assert (r["text"], r["token_ids"], r["finish_reason"]) == (ref.text, ref.token_ids, ref.finish_reason)
         assert r["usage"] == {"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": 6,
-                              "total_tokens": len(ref.prompt_token_ids) + 6}
+                              "total_tokens": len(ref.prompt_token_ids) + 6,
+                              "prompt_tokens_details": {"cached_tokens": ref.num_cached_tokens}}
         full = stories_llm.tokenizer.decode(ref.prompt_token_ids + r["token_ids"])
         assert r["prompt"] + r["text"] == full  # the leading space of the first word is kept
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(stories_dir, tinystories_text, tmp_path):
+    """Two requests sharing their first ~80 tokens: the second's usage says how many of its prompt
+    tokens came from the prefix cache (OpenAI's prompt_tokens_details.cached_tokens), as the engine
+    counts them for the same two prompts (RequestOutput.num_cached_tokens)."""
+    system = tinystories_text.split("<|endoftext|>")[0].strip()[:300]
+    prompts = [system + " Then the cat", system + " One day a bird"]
+    src = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(prompts)])
+    cli("generate", "--model", stories_dir, "--input", src, "--output", str(tmp_path / "out.jsonl"), *GREEDY,
+        check_rc=0)
+    by_id = {r["id"]: r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in records(tmp_path / "out.jsonl")}
+    got = [by_id[i] for i in range(len(prompts))]
+    with LLM(stories_dir, dtype="float32") as llm:  # a cache of its own (stories_llm's keeps earlier tests')
+        refs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert got == [r.num_cached_tokens for r in refs] and got[0] == 0 and got[1] >= 64
 
 
 def test_jsonl_bad_lines_become_error_records(stories_dir, stories_llm, tmp_path):
@@ -137,7 +154,8 @@ def test_openai_batch_with_chat(chat_dir, tmp_path):
     assert body1["object"] == "text_completion" and body1["choices"][0]["text"] == ref1.text
     assert body2["object"] == "chat.completion"
     assert body2["choices"][0]["message"] == {"role": "assistant", "content": ref2.text}
-    assert body2["usage"] == {"prompt_tokens": len(chat_ids), "completion_tokens": 5, "total_tokens": len(chat_ids) + 5}
+    assert body2["usage"] == {"prompt_tokens": len(chat_ids), "completion_tokens": 5, "total_tokens": len(chat_ids) + 5,
+                              "prompt_tokens_details": {"cached_tokens": ref2.num_cached_tokens}}
     content = body2["choices"][0]["logprobs"]["content"]
     assert len(content) == 5 and all(len(step["top_logprobs"]) == 2 for step in content)
     assert "".join(step["token"] for step in content) == ref2.text  # each token as it reads in place
@@ -455,4 +473,7 @@ def test_prefix_caching_is_on_by_default_and_its_flag_turns_it_off(stories_dir, 
     assert "prefix cache: " in capsys.readouterr().out  # the summary's line
     assert main([*args, "--output", str(tmp_path / "off.jsonl"), "--no-enable-prefix-caching"]) == 0
     assert "prefix cache: " not in capsys.readouterr().out
-    assert records(tmp_path / "on.jsonl") == records(tmp_path / "off.jsonl")
+    on, off = records(tmp_path / "on.jsonl"), records(tmp_path / "off.jsonl")
+    cached = [r["usage"].pop("prompt_tokens_details")["cached_tokens"] for r in on]
+    assert [r["usage"].pop("prompt_tokens_details")["cached_tokens"] for r in off] == [0, 0, 0] and min(cached[1:]) > 0
+    assert on == off  # but for what the cache held, the same records
