@@ -1,8 +1,8 @@
 """`flexsarathi bench`: FlexGen's throughput protocol. Random prompts of --prompt-len token ids
 (dummy weights are fine: this measures speed, not text), a warm-up run (prompts of 32 tokens, two
-generated tokens each: a prompt pass and a decode pass), then the measured run: every prompt generates exactly --gen-len tokens
-(greedy, EOS ignored); throughput = generated tokens / (prefill + decode time), the wall time of
-the run's passes. Prints a table and one JSON line (the last line of stdout).
+generated tokens each: a prompt pass and a decode pass), then the measured run: every prompt
+generates exactly --gen-len tokens (greedy, EOS ignored); throughput = generated tokens / (prefill +
+decode time), the wall time of the run's passes. Prints a table and one JSON line (the last line of stdout).
 
 With --hardware, the preset's or profile's memory capacities are the budgets the engine enforces
 even on a larger device (an H100 running as a T4); the report names the device that ran.

@@ -511,7 +511,8 @@ def _measure_attention(device, dtype, shapes, prompt_len: int, decode_context: i
     # 64 sequences of 512 keys at least.
     prompts, prompt, context, seqs = 1, prompt_len, decode_context, decode_seqs
     if cuda:
-        prompts, prompt, context, seqs = GPU_PROMPTS, max(prompt_len, 512), max(decode_context, 512), max(decode_seqs, 64)
+        prompts, prompt, context, seqs = (GPU_PROMPTS, max(prompt_len, 512), max(decode_context, 512),
+                                          max(decode_seqs, 64))
     log("  measuring attention (whole prompts, then a decode batch) ...")
     attn_prefill = _attention_rate(device, dtype, prompt, prompt, prompts, **heads)
     attn_decode = _attention_rate(device, dtype, 1, context, seqs, **heads)
