@@ -407,12 +407,22 @@ def working_bytes(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec)
     return f.act_gpu * (s.tokens * working.hidden_bytes) + working.compute  # the parked share, as WorkingSet.nbytes
 
 
+def kv_cache_bytes(run: RunShape, policy: Policy, model: ModelSpec) -> float:
+    """The reserved KV cache, all layers and tiers together: whole blocks for every running lifetime
+    (run.kv_tokens), and with a 4-bit pool each running sequence's open block of K in full precision
+    (KVPool's residual rows, where K waits to be quantized a block at a time)."""
+    cache = run.kv_tokens * model.num_layers * model.kv_bytes_per_token(policy.compress_kv)
+    if policy.compress_kv:
+        cache += run.running * policy.kv_block_size * model.kv_dim * model.bytes_per_value * model.num_layers
+    return cache
+
+
 def _memory(s: PassShape, run: RunShape, policy: Policy, model: ModelSpec) -> dict[str, np.ndarray]:
     layers = model.num_layers
     layer_weight_bytes = model.layer_placed_bytes(policy.compress_weight)
     all_weight_bytes = layers * layer_weight_bytes  # placed by the fractions; embeddings and routers stay on the gpu tier
     kv_bytes = model.kv_bytes_per_token(policy.compress_kv)
-    kv_home = run.kv_tokens * layers * kv_bytes  # the reserved cache, all layers
+    kv_home = kv_cache_bytes(run, policy, model)
     hidden_bytes = model.hidden_bytes_per_token
     act_home = s.tokens * hidden_bytes  # one layer's hidden states for every micro-batch
     k = s.micro_batches

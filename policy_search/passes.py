@@ -42,6 +42,13 @@ def steady_prefill_budget(policy: Policy, workload: Workload) -> int:
     return max(1, math.ceil(prompt * max(1.0, running / workload.mean_gen_len)))
 
 
+def reserved_kv_tokens(policy: Policy, running: float, total_len: float) -> float:
+    """KV slots the engine reserves for `running` lifetimes of `total_len` tokens: whole blocks each
+    (LLMEngine._kv_total_blocks; a 4-bit pool's blocks are 64 tokens)."""
+    block = policy.kv_block_size
+    return running * math.ceil(total_len / block) * block
+
+
 SIMULATE_UP_TO = 4096  # requests: a longer finite workload is modelled analytically
 
 
@@ -84,7 +91,7 @@ def _block(policy: Policy, workload: Workload) -> RunShape:
     passes += _decode_segments(blocks, max(0, round(gen) - 1), running, prompt, k)
     return RunShape(passes=tuple(passes), generated_tokens=requests * workload.mean_gen_len,
                     requests=requests,
-                    kv_tokens=running * (workload.max_prompt_len + workload.max_gen_len),
+                    kv_tokens=reserved_kv_tokens(policy, running, workload.max_prompt_len + workload.max_gen_len),
                     running=running, steady_state=workload.num_requests is None)
 
 
@@ -127,7 +134,8 @@ def _closed_batch(policy: Policy, workload: Workload) -> RunShape:
         decoding = requests * workload.mean_decode_steps / steps
         passes += _decode_segments(1, steps, decoding, prompt, k)
     return RunShape(passes=tuple(passes), generated_tokens=requests * workload.mean_gen_len,
-                    requests=requests, kv_tokens=requests * workload.max_total_len, running=requests,
+                    requests=requests, kv_tokens=reserved_kv_tokens(policy, requests, workload.max_total_len),
+                    running=requests,
                     steady_state=False)
 
 
@@ -170,5 +178,5 @@ def _decode_maximal(policy: Policy, workload: Workload) -> RunShape:
         passes = tuple(p for p in (shape("mixed", max(0.0, total - fill), 1.0),
                                    shape("ramp/drain", 2 * fill, 0.5)) if p.count > 0)
     return RunShape(passes=passes, generated_tokens=requests * workload.mean_gen_len, requests=requests,
-                    kv_tokens=running * workload.max_total_len, running=running,
+                    kv_tokens=reserved_kv_tokens(policy, running, workload.max_total_len), running=running,
                     steady_state=workload.num_requests is None)

@@ -104,6 +104,11 @@ class Policy:
 
     # ---- derived ---------------------------------------------------------------------------
     @property
+    def kv_block_size(self) -> int:
+        """The engine's default KV block: 64 tokens for a 4-bit pool (K grouped by block), 16 otherwise."""
+        return 64 if self.compress_kv else 16
+
+    @property
     def max_running(self) -> int:
         """Sequences that may run at once (one decode token each per pass)."""
         return self.gpu_batch_size * self.num_gpu_batches

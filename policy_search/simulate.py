@@ -35,8 +35,8 @@ WATERMARK = 0.01  # the scheduler's default kv_watermark
 
 
 def block_size(policy: Policy) -> int:
-    """The engine's default KV block: 64 tokens for compressed pools, 16 otherwise."""
-    return 64 if policy.compress_kv else 16
+    """The engine's default KV block (Policy.kv_block_size)."""
+    return policy.kv_block_size
 
 
 def kv_capacity_blocks(policy: Policy, workload: Workload) -> int:

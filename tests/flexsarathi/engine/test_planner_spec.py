@@ -103,3 +103,27 @@ def test_gpu_tier_weights_are_what_the_planner_prices(tiny_checkpoint, tmp_path,
         assert (spec.resident_params > 0) == (spec.num_experts > 0)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("compress_kv", [False, True])
+def test_planner_prices_the_whole_kv_cache_the_engine_reserves(tiny_checkpoint, tmp_path, compress_kv):
+    """A closed batch of 3 requests of 21 + 6 tokens: the engine reserves whole blocks for each
+    lifetime (16 tokens, 64 for a 4-bit pool) and, for a 4-bit pool, each running sequence's open K
+    block in full precision; the planner's kv_cache_bytes charges those bytes exactly."""
+    from flexsarathi.engine.sampling import SamplingParams
+    from policy_search import Workload
+    from policy_search.cost_model import kv_cache_bytes
+    from policy_search.passes import run_shape
+
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    policy = Policy(gpu_batch_size=3, scheduler="block", compress_kv=compress_kv, kv_admission="reserve")
+    engine = LLMEngine(EngineConfig(folder, device="cpu", policy=policy, offload_dir=str(tmp_path)))
+    try:
+        engine.add_requests([[engine.make_sequence([1 + i] * 21, SamplingParams(max_tokens=6, ignore_eos=True))]
+                             for i in range(3)])
+        reserved = engine.memory.report()["gpu"]["by_what"]["KV cache"]
+        engine.abort_all()
+    finally:
+        engine.close()
+    workload = Workload(prompt_len=21, gen_len=6, num_requests=3)
+    assert kv_cache_bytes(run_shape(policy, workload), policy, planner_model_spec(folder)) == reserved
