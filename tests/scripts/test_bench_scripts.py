@@ -134,3 +134,37 @@ def test_bench_flexgen_gpus_engine_run_measures_a_policy_file_and_a_searched_one
     (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
     assert line["scheduler"] == "decode-maximal" and line["num_prompts"] == 2
     assert line["tok_s"] > 0 and line["predicted_tok_s"] > 0 and line["device"].startswith("cpu")
+
+
+def test_a_prefill_budget_the_engine_refuses_falls_back_to_the_next_smaller(capsys):
+    """bench_flexgen_gpu's measured run where the planner (given more room than the engine has) picks
+    every prompt in one pass: the engine's own largest-pass check refuses it before any work, and the
+    run goes on at the next smaller whole-prompt budget, saying so. The engine's budget is set between
+    its own reservations for two and for four prompts a pass."""
+    sys.path.insert(0, str(SCRIPTS))
+    import bench_flexgen_gpu as bench
+
+    from flexsarathi import LLM, SamplingParams
+    from flexsarathi.engine.planner_spec import planned_model
+    from policy_search import HardwareSpec, Policy, Workload
+
+    model, policy = "dummy:opt-125m-2l", Policy(gpu_batch_size=4, scheduler="decode-maximal")
+    measured = Workload(prompt_len=64, gen_len=2, num_requests=4)
+    roomy = HardwareSpec.preset("t4").replace(memory_usable_fraction=1.0)
+    needs = {}
+    with LLM(model, dtype="float32", device="cpu", policy=policy, hardware=roomy, enable_prefix_caching=False) as llm:
+        engine = llm.engine
+        for budget in (128, 256):
+            engine.set_schedule(prefill_budget=budget)
+            engine.add_requests([[engine.make_sequence([5 + i] * 64, SamplingParams(max_tokens=2, ignore_eos=True))]
+                                 for i in range(4)])
+            needs[budget] = engine.memory.report()["gpu"]["in_use"] + engine.worst_pass_bytes
+            engine.abort_all()
+    assert needs[128] < needs[256]
+    tight = roomy.with_memory(gpu=(needs[128] + needs[256]) / 2)
+    spec = planned_model(model, "float32", device="cpu").spec
+    with LLM(model, dtype="float32", device="cpu", policy=policy, hardware=tight, enable_prefix_caching=False) as llm:
+        phases = bench._measured_run(llm, "decode-maximal", measured, (spec, roomy))
+        assert llm.engine.policy.prefill_budget == 128 and llm.last_stats["generated_tokens"] == 4 * 2
+    assert phases.counts["prompt pass"] == 2  # two prompts a pass
+    assert "prefill budget 256 refused" in capsys.readouterr().err
