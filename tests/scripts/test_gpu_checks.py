@@ -16,11 +16,13 @@ REPO = Path(__file__).resolve().parents[2]
 def _commands(tmp_path: Path, **env: str) -> list[list[str]]:
     """Each command line gpu_checks.sh hands to PYTHON with these variables."""
     log, stand_in = tmp_path / "argv.log", tmp_path / "python"
-    stand_in.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\037" "$a"; done >> "$ARGV_LOG"; echo >> "$ARGV_LOG"\n')
+    # each argument followed by a unit separator, one command a line
+    stand_in.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\037" "$a"; done >> "$ARGV_LOG"\n'
+                        'echo >> "$ARGV_LOG"\n')
     stand_in.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(stand_in), ARGV_LOG=str(log), OUT=str(tmp_path / "out"), **env)
     done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_checks.sh")], cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHON=str(stand_in), ARGV_LOG=str(log), OUT=str(tmp_path / "out"), **env),
-                          timeout=60)
+                          env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     return [line.rstrip("\x1f").split("\x1f") for line in log.read_text().splitlines() if line]
 
