@@ -255,7 +255,8 @@ class LLM:
                 ids, text = self._encode(prompt, i)
                 self.engine.validate_prompt(ids, i)
                 pooling = poolings[i] if poolings is not None else None
-                groups[i] = [self.engine.make_sequence(ids, p, text, k, pooling) for k in range(p.n)]
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                groups[i] = [self.engine.make_sequence(ids, p, text, k, pooling, salt) for k in range(p.n)]
             except FlexSarathiError as exc:
                 if on_error == "raise":  # which of the prompts, where the message does not say
                     if not str(exc).startswith(f"prompt {i}"):
@@ -340,12 +341,16 @@ class LLM:
 
 
 def _from_prompt_dict(prompt: dict, index: int) -> str | list:
-    """vLLM's TextPrompt / TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}."""
+    """vLLM's TextPrompt / TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}, and optionally
+    "cache_salt" (a non-empty string: its prefix-cache blocks are shared with requests of that salt only)."""
     kinds = [k for k in ("prompt", "prompt_token_ids") if k in prompt]
-    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
     if len(kinds) != 1 or unknown:
         raise FlexSarathiError(f"prompt {index} is a dict: it takes exactly one of \"prompt\" (text) or "
-                               f"\"prompt_token_ids\" (token ids), got keys {sorted(prompt)}")
+                               f"\"prompt_token_ids\" (token ids), and \"cache_salt\", got keys {sorted(prompt)}")
+    salt = prompt.get("cache_salt")
+    if "cache_salt" in prompt and not (isinstance(salt, str) and salt):
+        raise FlexSarathiError(f"prompt {index}: \"cache_salt\" must be a non-empty string, got {salt!r}")
     value = prompt[kinds[0]]
     if not isinstance(value, str if kinds[0] == "prompt" else (list, tuple)):
         raise FlexSarathiError(f"prompt {index}: {kinds[0]!r} must be "

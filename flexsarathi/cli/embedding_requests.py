@@ -92,8 +92,10 @@ class GenerationLines:
     def __init__(self, requests: list):
         self.requests = requests
 
-    def prompts(self) -> list[list[int]]:
-        return [req.prompt_token_ids for req in self.requests]
+    def prompts(self) -> list:
+        """Each request's token ids, as vLLM's TokensPrompt dict where it carries a cache_salt."""
+        return [req.prompt_token_ids if req.cache_salt is None
+                else {"prompt_token_ids": req.prompt_token_ids, "cache_salt": req.cache_salt} for req in self.requests]
 
     def params(self, sampling: dict) -> list:
         return [sampling[req.key] for req in self.requests]

@@ -411,7 +411,7 @@ def _workload(args, lines, params: dict):
     context = ModelSpec.from_name(args.model).max_positions
     pairs = []
     for ids, p in zip(lines.prompts(), lines.params(params)):
-        prompt = len(ids)
+        prompt = len(ids["prompt_token_ids"] if isinstance(ids, dict) else ids)  # a salted line's: a dict
         if isinstance(p, PoolingParams):
             pairs += [(prompt, 1)] if prompt <= context else []
         elif prompt < context:

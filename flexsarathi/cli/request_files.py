@@ -37,7 +37,7 @@ CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_templat
 # OpenAI's tool calling fields of a chat request (flexsarathi/formats/tool_calls.py).
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 JSONL_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS, *CHAT_OPTIONS,
-                *TOOL_FIELDS)
+                *TOOL_FIELDS, "cache_salt")
 JSONL_EMBEDDING_FIELDS = ("id", "input", "dimensions", "normalize")  # a record with "input" asks for embeddings
 # What an OpenAI request body names otherwise, as a JSONL record names it.
 _OPENAI_NAMES = {"response_format": "structured_outputs", "max_completion_tokens": "max_tokens",
@@ -61,7 +61,7 @@ _SUCCESSORS = {"functions": "tools", "function_call": "tool_choice"}
 # The fields each url's body takes (SAMPLING_FIELDS: vLLM's extras, as vLLM's server takes them).
 OPENAI_BODY_FIELDS = {
     url: frozenset((prompt, "logprobs", *extra, "max_completion_tokens", "response_format", *SAMPLING_FIELDS,
-                    *_UNSUPPORTED_OPENAI, *_IGNORED_OPENAI))
+                    "cache_salt", *_UNSUPPORTED_OPENAI, *_IGNORED_OPENAI))
     for url, prompt, extra in ((COMPLETIONS_URL, "prompt", ()),
                                (CHAT_URL, "messages", ("top_logprobs", *CHAT_OPTIONS, *TOOL_FIELDS)))}
 OPENAI_BODY_FIELDS[EMBEDDINGS_URL] = EMBEDDING_BODY_FIELDS
@@ -86,6 +86,7 @@ class BatchRequest:
     embedding: EmbeddingAsk | None = None  # a /v1/embeddings line's ask (then no prompt fields)
     input_token_ids: list | None = None  # an embedding line's inputs as token ids, once prepared
     sampling: dict = field(default_factory=dict)  # per-request SamplingParams fields
+    cache_salt: str | None = None  # vLLM's: its prefix-cache blocks shared with requests of this salt only
     chat: bool = False  # OpenAI chat completion (the output is a chat.completion object)
     logprobs_style: str | None = None  # "completions" / "chat" when OpenAI logprobs were asked
     error: str | None = None
@@ -230,8 +231,17 @@ def _jsonl_request(line: int, text: str) -> BatchRequest:
         req.error = f"line {line}: unknown field(s) {sorted(unknown)}{_unknown_hint(sorted(unknown))}"
         return req
     req.sampling = {k: obj[k] for k in (*SAMPLING_FIELDS, "logprobs") if k in obj}
-    req.error = _set_prompt(req, obj, ("prompt", "prompt_token_ids", "messages"))
+    req.error = _set_cache_salt(req, obj, "") or _set_prompt(req, obj, ("prompt", "prompt_token_ids", "messages"))
     return req
+
+
+def _set_cache_salt(req: BatchRequest, obj: dict, where: str) -> str | None:
+    """The request's cache_salt (vLLM's request field); an error message where it is no non-empty string."""
+    salt = obj.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        return f"line {req.line}: {where}cache_salt must be a non-empty string, got {salt!r}"
+    req.cache_salt = salt
+    return None
 
 
 def _jsonl_embedding(req: BatchRequest, obj: dict) -> BatchRequest:
@@ -348,7 +358,7 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
     req.sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     if "max_completion_tokens" in body:  # chat's name for max_tokens (vLLM takes it on both urls)
         req.sampling["max_tokens"] = body["max_completion_tokens"]
-    error = _openai_logprobs(req, body) or _openai_response_format(req, body)
+    error = _openai_logprobs(req, body) or _openai_response_format(req, body) or _set_cache_salt(req, body, "body.")
     return error or _set_prompt(req, body, ("messages",) if req.chat else ("prompt",))
 
 

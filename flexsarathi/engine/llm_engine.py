@@ -505,9 +505,10 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       prompt: str | None = None, sample_index: int = 0,
-                      pooling: PoolingParams | None = None) -> Sequence:
+                      pooling: PoolingParams | None = None, cache_salt: str | None = None) -> Sequence:
         """sample_index: which of the request's `n` completions this sequence is (its seed);
-        pooling: a pooling request's PoolingParams (an engine of task "embed" or "classify" takes only those)."""
+        pooling: a pooling request's PoolingParams (an engine of task "embed" or "classify" takes only those);
+        cache_salt: its prefix-cache blocks are shared with requests of the same salt only."""
         task = self.engine_config.task
         if (pooling is not None) != (task in POOLING_TASKS):
             raise FlexSarathiError(f"this engine pools (task={task!r}): LLM.{task} takes its requests"
@@ -535,7 +536,7 @@ class LLMEngine:
                          if params.stop else None),
             logprobs=[] if params.logprobs is not None else None, bad_word_ids=self._bad_word_ids(params),
             grammar=(GrammarState(self.grammars.compile(params.structured_outputs))
-                     if params.structured_outputs is not None else None), pooling=pooling)
+                     if params.structured_outputs is not None else None), pooling=pooling, cache_salt=cache_salt)
         self._next_id += 1
         return seq
 

@@ -24,6 +24,13 @@ from flexsarathi.engine.sequence import Sequence
 _ROOT = b""  # the digest "before" block 0
 
 
+def chain_root(cache_salt: str | None) -> bytes:
+    """The digest "before" block 0: empty, or for a salted request (vLLM's cache_salt: one tenant's
+    requests share cached blocks with each other only) a digest of its salt, so no block of another
+    salt, or of none, has its digests."""
+    return _ROOT if cache_salt is None else hashlib.sha256(b"cache_salt:" + cache_salt.encode("utf-8")).digest()
+
+
 def block_digests(seq: Sequence, num_blocks: int, block_size: int) -> list[bytes]:
     """The digests of `seq`'s first `num_blocks` complete blocks (of its prompt, then outputs),
     kept on the sequence and extended as it needs more: its tokens before a digest's end never change."""
@@ -31,7 +38,7 @@ def block_digests(seq: Sequence, num_blocks: int, block_size: int) -> list[bytes
     while len(digests) < num_blocks:
         k = len(digests)
         tokens = array("q", seq.token_ids(k * block_size, (k + 1) * block_size)).tobytes()
-        digests.append(hashlib.sha256((digests[-1] if digests else _ROOT) + tokens).digest())
+        digests.append(hashlib.sha256((digests[-1] if digests else chain_root(seq.cache_salt)) + tokens).digest())
     return digests[:num_blocks]
 
 

@@ -40,6 +40,7 @@ class Sequence:
     # its table's blocks are registered, and the prompt tokens its first admission found cached
     block_digests: list[bytes] = field(default_factory=list, repr=False)
     num_registered_blocks: int = 0
+    cache_salt: str | None = None  # its digests start from this (vLLM's cache_salt): shared only alike
     num_cached_tokens: int = 0
     # per prompt position after the first: {token: Logprob} (params.prompt_logprobs)
     prompt_logprobs: list[dict] = field(default_factory=list)

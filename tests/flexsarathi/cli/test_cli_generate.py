@@ -101,6 +101,29 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(stories_dir, tiny
     assert got == [r.num_cached_tokens for r in refs] and got[0] == 0 and got[1] >= 64
 
 
+def test_a_lines_cache_salt_shares_cached_blocks_with_its_own_salt_only(stories_dir, tinystories_text, tmp_path):
+    """JSONL records and OpenAI Batch bodies take vLLM's cache_salt: of four requests sharing their start,
+    run one at a time, the second (the first's salt) finds the first's blocks, the third (another salt)
+    and the fourth (none) find none; a salt that is no string is that line's error record."""
+    system = tinystories_text.split("<|endoftext|>")[0].strip()[:300]
+    lines = [{"id": i, "prompt": f"{system} {name} went home.", **({"cache_salt": salt} if salt else {})}
+             for i, (name, salt) in enumerate([("Tom", "t1"), ("Sue", "t1"), ("Max", "t2"), ("Ann", None)])]
+    lines.append({"id": 4, "prompt": "Lily", "cache_salt": 5})
+    policy = tmp_path / "one.json"
+    Policy(gpu_batch_size=1, prefill_budget=64).save(str(policy))
+    assert main(["generate", "--model", stories_dir, "--input", write_lines(tmp_path / "in.jsonl", lines),
+                 "--output", str(tmp_path / "out.jsonl"), "--policy", str(policy), *GREEDY]) == 1  # one bad line
+    got = {r["id"]: r for r in records(tmp_path / "out.jsonl")}
+    cached = [got[i]["usage"]["prompt_tokens_details"]["cached_tokens"] for i in range(4)]
+    assert cached[0] == cached[2] == cached[3] == 0 and cached[1] >= 64
+    assert "cache_salt must be a non-empty string" in got[4]["error"]["message"]
+    batch = [{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": lines[0]["prompt"], "max_tokens": 2, "cache_salt": ""}}]
+    assert main(["generate", "--model", stories_dir, "--input", write_lines(tmp_path / "b.jsonl", batch),
+                 "--output", str(tmp_path / "b_out.jsonl"), *GREEDY]) == 1
+    assert "body.cache_salt must be a non-empty string" in str(records(tmp_path / "b_out.jsonl")[0]["error"])
+
+
 def test_jsonl_bad_lines_become_error_records(stories_dir, stories_llm, tmp_path):
     good = [{"id": "a", "prompt": "Once upon a time"},
             {"id": 7, "prompt_token_ids": [1, 403, 407], "max_tokens": 3},

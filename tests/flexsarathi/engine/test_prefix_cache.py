@@ -8,7 +8,7 @@ from array import array
 import pytest
 import torch
 
-from flexsarathi import LLM, SamplingParams
+from flexsarathi import LLM, FlexSarathiError, SamplingParams
 from flexsarathi.engine.block_manager import BlockManager
 from flexsarathi.engine.prefix_cache import block_digests
 from flexsarathi.engine.sequence import Sequence
@@ -209,6 +209,24 @@ def test_requests_admitted_together_compute_a_shared_prefix_once(stories_dir, sh
     expected = expected_hits([o.prompt_token_ids for o in outs])
     assert [o.num_cached_tokens for o in outs] == expected and min(expected[1:]) >= 64
     assert stats["prefix_cache_hit_tokens"] == sum(expected)
+
+
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt(stories_dir, shared_prefix_prompts):
+    """vLLM's cache_salt (a prompt dict's key): four prompts sharing their start, one at a time, salted
+    "a", "a", "b" and not at all: only the second finds blocks (the first's); the tokens are those
+    without the cache. A salt that is no string is refused by name."""
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompts = shared_prefix_prompts[:4]
+    salted = [{"prompt": p, "cache_salt": salt} if salt else {"prompt": p}
+              for p, salt in zip(prompts, ["a", "a", "b", None])]
+    without, _ = run(stories_dir, prompts, params, caching=False)
+    outs, _ = run(stories_dir, salted, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in without]
+    ids = [o.prompt_token_ids for o in outs]
+    assert [o.num_cached_tokens for o in outs] == [0, expected_hits(ids[:2])[1], 0, 0]
+    assert outs[1].num_cached_tokens >= 64
+    with LLM(stories_dir, dtype="float32") as llm, pytest.raises(FlexSarathiError, match="cache_salt"):
+        llm.generate([{"prompt": prompts[0], "cache_salt": 7}], params, use_tqdm=False)
 
 
 PLACEMENTS = {
