@@ -34,14 +34,9 @@ from policy_search.workload import Workload
 WATERMARK = 0.01  # the scheduler's default kv_watermark
 
 
-def block_size(policy: Policy) -> int:
-    """The engine's default KV block (Policy.kv_block_size)."""
-    return policy.kv_block_size
-
-
 def kv_capacity_blocks(policy: Policy, workload: Workload) -> int:
     """Blocks of KV cache the engine gives this run (LLMEngine._kv_blocks)."""
-    bs = block_size(policy)
+    bs = policy.kv_block_size
     if policy.kv_cache_tokens is not None:
         return policy.kv_cache_tokens // bs
     running = min(policy.max_running, workload.num_requests)
@@ -92,7 +87,7 @@ class _Pass:
 
 class _Simulator:
     def __init__(self, policy: Policy, workload: Workload):
-        self.policy, self.bs = policy, block_size(policy)
+        self.policy, self.bs = policy, policy.kv_block_size
         self.free = kv_capacity_blocks(policy, workload)
         self.watermark = math.ceil(WATERMARK * self.free)
         self.on_demand = policy.kv_admission == "on-demand" and policy.scheduler != "block"
@@ -225,7 +220,7 @@ def simulated_run(policy: Policy, workload: Workload) -> RunShape:
     lengths = workload.lengths
     generated = sum(lengths[i % len(lengths)][1] for i in range(workload.num_requests))
     return RunShape(passes=shapes, generated_tokens=float(generated), requests=float(workload.num_requests),
-                    kv_tokens=float(kv_capacity_blocks(policy, workload) * block_size(policy)),
+                    kv_tokens=float(kv_capacity_blocks(policy, workload) * policy.kv_block_size),
                     running=min(policy.max_running, workload.num_requests), steady_state=False)
 
 

@@ -160,8 +160,7 @@ class BlockManager:
         leave the rest room in the tiers its table may then grow into, now and when alone."""
         if self.cache is None:
             return []
-        usable = (seq.num_prefill_tokens - 1) // self.block_size
-        blocks = self.cache.chain(block_digests(seq, usable, self.block_size))
+        _, blocks = self._registered_run(seq)
         for k in range(1, len(blocks)):  # tier order: a faster tier after a slower one ends the run
             if TIERS.index(self.tier_of(blocks[k])) < TIERS.index(self.tier_of(blocks[k - 1])):
                 blocks = blocks[:k]
@@ -170,6 +169,12 @@ class BlockManager:
                               and self._room_after(blocks, alone=True) >= self.blocks_for(seq.max_len) - len(blocks)):
             blocks.pop()
         return blocks
+
+    def _registered_run(self, seq: Sequence) -> tuple[int, list[int]]:
+        """(its blocks a prefill may take from the cache: those before its last prefill token, which a
+        pass must compute for its logits; the registered blocks of its leading tokens among them)."""
+        usable = (seq.num_prefill_tokens - 1) // self.block_size
+        return usable, self.cache.chain(block_digests(seq, usable, self.block_size))
 
     def _room_after(self, cached: list[int], alone: bool = False) -> int:
         """Blocks a table starting with `cached` may grow into (the tiers from its last block's
@@ -188,8 +193,8 @@ class BlockManager:
         pass, `seq` takes it from the cache instead of computing it again."""
         if self.cache is None or not prefilling:
             return False
-        usable = (seq.num_prefill_tokens - 1) // self.block_size
-        hits = len(self.cache.chain(block_digests(seq, usable, self.block_size)))
+        usable, run = self._registered_run(seq)
+        hits = len(run)
         if hits >= usable:
             return False
         wanted = block_digests(seq, hits + 1, self.block_size)[hits]

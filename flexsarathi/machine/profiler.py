@@ -164,9 +164,7 @@ def _dequant_rate(device, dtype, values: int | None = None) -> float:
     values = values or (1 << 26 if device.type == "cuda" else 1 << 22)
     q = quantize(torch.randn(values // 4096, 4096, dtype=dtype, device=device), QuantConfig())
     out = torch.empty(q.shape, dtype=dtype, device=device)
-    if device.type == "cuda":
-        return values / device_seconds(lambda: dequantize(q, out=out), device)[0]
-    return values / median_seconds(lambda: (dequantize(q, out=out), sync_device(device)))
+    return values / device_seconds(lambda: dequantize(q, out=out), device)[0]
 
 
 INT4_KERNEL_ROWS = 16  # the decode row count the int4 kernel's rate is measured at

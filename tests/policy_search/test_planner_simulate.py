@@ -15,7 +15,7 @@ from policy_search import Policy, Workload
 from policy_search.errors import SpecError
 from policy_search.passes import replays, run_shape
 from policy_search.search import kv_admission
-from policy_search.simulate import block_size, kv_capacity_blocks, simulated_pass_count
+from policy_search.simulate import kv_capacity_blocks, simulated_pass_count
 
 
 def token_at(seq_id: int, position: int) -> int:
@@ -27,7 +27,7 @@ def token_at(seq_id: int, position: int) -> int:
 def real_run(policy: Policy, workload: Workload) -> tuple[int, int, int, int]:
     """(passes, decode rows, prompt tokens, preemptions) of the real scheduler (no tail deferral,
     which the replay does not model)."""
-    blocks = BlockManager(block_size(policy), {"cpu": kv_capacity_blocks(policy, workload)},
+    blocks = BlockManager(policy.kv_block_size, {"cpu": kv_capacity_blocks(policy, workload)},
                           num_residual=min(policy.max_running, workload.num_requests))
     scheduler = Scheduler(SchedulerConfig(max_running=policy.max_running, num_micro_batches=1,
                                           prefill_budget=policy.prefill_budget, mode=policy.scheduler,
