@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from flexsarathi.batch_turns import BatchTurns
 from flexsarathi.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from flexsarathi.engine.lora_requests import LoRARequest
 from flexsarathi.engine.pooling import POOLING_TASKS, ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams
 from flexsarathi.engine.running_fit import policy_or_default
 from flexsarathi.machine.this_machine import this_machine_hardware
@@ -129,20 +130,23 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, on_error: str = "raise") -> list[RequestOutput]:
+                 use_tqdm: bool = True, on_error: str = "raise",
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts are strings or lists of token ids.
         on_error="record": a request that cannot run (empty, beyond the context, text without a
         tokenizer, ...) or fails in a pass (non-finite logits) yields an output whose `.error`
         says why; the others run. "raise": the first such request raises FlexSarathiError (a
-        refused one before any work)."""
-        results = dict(self.generate_iter(prompts, sampling_params, use_tqdm, on_error))
+        refused one before any work). lora_request (an LLM of enable_lora=True): the LoRA adapter
+        of every prompt, or one per prompt (None: the base model), as vLLM takes it."""
+        results = dict(self.generate_iter(prompts, sampling_params, use_tqdm, on_error, lora_request=lora_request))
         return [results[i] for i in range(len(results))]
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, chat_template: str | None = None,
-             on_error: str = "raise", tools: list[dict] | None = None) -> list[RequestOutput]:
+             on_error: str = "raise", tools: list[dict] | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of OpenAI chat messages) or a list of them,
         each rendered by the checkpoint's chat template (or `chat_template`, a jinja2 string) with
         these options (Tokenizer.render_chat) and generated as `generate` does; one RequestOutput
@@ -150,7 +154,7 @@ class LLM:
         model as its template writes them (read a reply's calls with
         flexsarathi.formats.tool_calls.read_tool_calls). on_error="record": a conversation that
         cannot render is an output whose `.error` says why (refused), the others run; "raise": it
-        raises, naming the conversation."""
+        raises, naming the conversation. lora_request: as generate takes it, one per conversation."""
         if self.tokenizer is None:
             raise FlexSarathiError("LLM.chat needs the checkpoint's tokenizer (tokenizer.json) and chat template")
         conversations = [messages] if _one_conversation(messages) else list(messages)
@@ -167,10 +171,11 @@ class LLM:
                 refused[i] = str(exc)
                 texts.pop(i, None)
         rendered = sorted(ids)
+        adapters = _per_prompt_lora(lora_request, len(conversations))
         outputs = iter(self.generate(
             [{"prompt_token_ids": ids[i]} for i in rendered],
-            params if not isinstance(params, list) else [params[i] for i in rendered], use_tqdm, on_error)
-            if rendered else [])
+            params if not isinstance(params, list) else [params[i] for i in rendered], use_tqdm, on_error,
+            [adapters[i] for i in rendered]) if rendered else [])
         results = []
         for i in range(len(conversations)):
             if i in refused:
@@ -182,18 +187,22 @@ class LLM:
     def generate_iter(self, prompts: Prompt | Seq[Prompt],
                       sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                       use_tqdm: bool = True, on_error: str = "raise",
-                      stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, RequestOutput]]:
+                      stop: Callable[[], bool] | None = None,
+                      lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                      ) -> Iterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as requests finish (refused ones first): what a caller that
         writes results as they come (the CLI) iterates. `last_stats` is set when it ends.
         stop: asked after every pass; True ends the run there (the unfinished requests are
-        dropped, the finished ones were yielded): how a server cancels a batch at a pass boundary."""
+        dropped, the finished ones were yielded): how a server cancels a batch at a pass boundary.
+        lora_request: as generate takes it."""
         prompts, params = _check_arguments(prompts, sampling_params, on_error)
+        adapters = _per_prompt_lora(lora_request, len(prompts))
         task = self.engine.engine_config.task
         if task in POOLING_TASKS:
             verb = {"embed": "embeds", "classify": "classifies"}[task]
             raise FlexSarathiError(f'this LLM {verb} (task="{task}"): call LLM.{task}, or build another LLM to '
                                    'generate')
-        yield from self._requests_iter(prompts, params, None, use_tqdm, on_error, stop)
+        yield from self._requests_iter(prompts, params, None, use_tqdm, on_error, stop, adapters)
 
     def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
               use_tqdm: bool = True, on_error: str = "raise") -> list[EmbeddingRequestOutput]:
@@ -235,10 +244,10 @@ class LLM:
         yield from self._requests_iter(prompts, [_PROMPT_ONLY] * len(prompts), poolings, use_tqdm, on_error, stop)
 
     def _requests_iter(self, prompts: list, params: list[SamplingParams], poolings: list | None, use_tqdm: bool,
-                       on_error: str, stop: Callable[[], bool] | None):
+                       on_error: str, stop: Callable[[], bool] | None, adapters: list | None = None):
         with self._turns.turn():  # flexsarathi/batch_turns.py
             self.last_stats = _stats(0, 0, 0, 0, 0, 0.0, self.engine.memory.report())
-            groups, refused = self._make_requests(prompts, params, poolings, on_error)
+            groups, refused = self._make_requests(prompts, params, poolings, on_error, adapters)
             self.last_stats["failed"] = len(refused)
             for index, error in refused:
                 with self._turns.suspended():  # close() from another thread may close the engine meanwhile
@@ -247,7 +256,8 @@ class LLM:
             if groups:
                 yield from self._run(groups, len(refused), use_tqdm, on_error, stop)
 
-    def _make_requests(self, prompts: list, params: list[SamplingParams], poolings: list | None, on_error: str):
+    def _make_requests(self, prompts: list, params: list[SamplingParams], poolings: list | None, on_error: str,
+                       adapters: list | None = None):
         """{prompt index: its n sequences} and [(prompt index, error)] for refused prompts."""
         groups, refused = {}, []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -256,7 +266,8 @@ class LLM:
                 self.engine.validate_prompt(ids, i)
                 pooling = poolings[i] if poolings is not None else None
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                groups[i] = [self.engine.make_sequence(ids, p, text, k, pooling, salt) for k in range(p.n)]
+                adapter = adapters[i] if adapters is not None else None
+                groups[i] = [self.engine.make_sequence(ids, p, text, k, pooling, salt, adapter) for k in range(p.n)]
             except FlexSarathiError as exc:
                 if on_error == "raise":  # which of the prompts, where the message does not say
                     if not str(exc).startswith(f"prompt {i}"):
@@ -400,6 +411,20 @@ def _refused_output(prompt: str | None, error: str, task: str = "generate"):
 
 # An embedding request's SamplingParams: it samples nothing (the engine plans its KV for one token more).
 _PROMPT_ONLY = SamplingParams(max_tokens=1, temperature=0)
+
+
+def _per_prompt_lora(lora_request, count: int) -> list:
+    """One LoRARequest (or None) per prompt from generate's lora_request; FlexSarathiError where a
+    list of them is not one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if not isinstance(lora_request, (list, tuple)):
+        raise FlexSarathiError(f"lora_request must be a LoRARequest, a list of them (None for the base model) or "
+                               f"None, got {type(lora_request).__name__}")
+    if len(lora_request) != count:
+        raise FlexSarathiError(f"lora_request has {len(lora_request)} entries for {count} prompts: give one per "
+                               f"prompt, or one LoRARequest for all")
+    return list(lora_request)
 
 
 def _check_pooling_arguments(prompts, pooling_params, on_error: str) -> tuple[list, list[PoolingParams]]:

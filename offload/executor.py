@@ -36,7 +36,7 @@ from offload.interrupts import raise_if_interrupted
 from offload.kv_cache import KVPool
 from offload.streams import (IOStream, bind_thread, device_guard, indexed, record_event, to_device, to_host,
                              used_on, wait_for)
-from offload.weights import LayerWeightStore
+from offload.weights import LayerWeightStore, with_lora
 from policy_search.working_set import POST_ATTENTION_ROWS
 from quant.cpu_int8_matmul import cpu_matmul_mode
 
@@ -60,6 +60,9 @@ class PassExecutor:
         self.device, self.dtype = torch.device(device), dtype
         self.cpu_attention = cpu_attention
         self.cpu_matmul = cpu_matmul  # "int8x2", "int8" or "dequantize": 4-bit weights on the CPU (quant/fused.py)
+        # LoRA adapters served per request: {adapter id: per layer {weight: (A, B)}} on the compute
+        # device, filled by their owner (flexsarathi/engine/lora_requests.py) as requests name them
+        self.lora_factors: dict[int, list[dict]] = {}
         self._io = (ThreadPoolExecutor(1, thread_name_prefix="kv-act-io", initializer=bind_thread,
                                        initargs=(indexed(self.device),)) if overlap else None)
         # CUDA: the I/O thread's copies run on their own stream, ordered by events (offload/streams.py).
@@ -332,6 +335,7 @@ class PassExecutor:
         """Layer `layer` on the micro-batch; contexts None: it writes first (writes_first), so its new
         K/V go into the pool here and the contexts are gathered from the pool after them. How each
         group and part is attended was decided for the pass (_group_steps)."""
+        base, w = w, self._adapted(layer, w, mb.lora_rows)
         q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
         if self._v_first[id(mb)]:  # V's codes straight into the pool, where attention reads them
             write = mb.kv_writes[0]
@@ -362,7 +366,13 @@ class PassExecutor:
             else:
                 attn[step.rows] = merged.flatten(0, 1)
         attn = attn if whole else attn.flatten(1)  # [T, heads * d]
-        return self._post_attention(w, hidden, attn), k, v, v_codes  # hidden: [T, hidden]
+        return self._post_attention(layer, base, mb, hidden, attn), k, v, v_codes  # hidden: [T, hidden]
+
+    def _adapted(self, layer: int, w, lora_rows: dict):
+        """The layer's weights with the updates of the LoRA adapters whose rows are in `lora_rows`."""
+        if not lora_rows:
+            return w
+        return with_lora(w, {adapter: self.lora_factors[adapter][layer] for adapter in lora_rows}, lora_rows)
 
     def _group_steps(self, mb: MicroBatch) -> tuple["GroupStep", ...]:
         """Per group of the micro-batch, what its attention does in every layer of the pass: its rows,
@@ -431,18 +441,20 @@ class PassExecutor:
         """The part's decode rows are attended in its pool by the Triton kernel (KVPool.attend_decode_codes)."""
         return self._routes[id(part)] is IN_POOL and self.kv_pools[part.tier].attends_with_triton()
 
-    def _post_attention(self, w, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _post_attention(self, layer: int, w, mb: MicroBatch, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer after attention, in slices of POST_ATTENTION_ROWS rows where the micro-batch has
         more: every op there is row-wise, so the slices give the whole call's rows, and a long prompt
         pass holds one slice's MLP intermediates ([rows, ffn], the largest of a layer) instead of all
-        (FlexGen's batch-72 x 512 prefill of OPT-6.7B: 1.2 GB of fc1 output at once otherwise)."""
+        (FlexGen's batch-72 x 512 prefill of OPT-6.7B: 1.2 GB of fc1 output at once otherwise).
+        `w` without LoRA updates: each slice takes those of its own rows."""
         rows = hidden.shape[0]
         if rows <= POST_ATTENTION_ROWS:
-            return self.model.post_attention(w, hidden, attn)
+            return self.model.post_attention(self._adapted(layer, w, mb.lora_rows), hidden, attn)
         out = torch.empty_like(hidden)  # [T, hidden]
         for start in range(0, rows, POST_ATTENTION_ROWS):
             stop = start + POST_ATTENTION_ROWS
-            out[start:stop] = self.model.post_attention(w, hidden[start:stop], attn[start:stop])
+            adapted = self._adapted(layer, w, _rows_within(mb.lora_rows, start, stop))
+            out[start:stop] = self.model.post_attention(adapted, hidden[start:stop], attn[start:stop])
         return out
 
     def _attend_part(self, layer: int, kind: str, q_on: dict, group: AttentionGroup, part, context, k, v, rows,
@@ -613,6 +625,20 @@ def _one_group_of_every_row(mb: MicroBatch) -> bool:
     is the layer's, and its q needs no slicing."""
     group = mb.groups[0] if len(mb.groups) == 1 else None
     return group is not None and group.row_start == 0 and group.num_seqs * group.num_queries == mb.num_tokens
+
+
+def _rows_within(lora_rows: dict, start: int, stop: int) -> dict:
+    """Each adapter's rows among rows [start, stop), counted from start (adapters with none left out).
+    A boolean mask (a host sync on a GPU): only prompt passes of over POST_ATTENTION_ROWS rows slice."""
+    within = {}
+    for adapter, rows in lora_rows.items():
+        if rows is None:
+            within[adapter] = None
+            continue
+        inside = rows[(rows >= start) & (rows < stop)] - start
+        if inside.numel():
+            within[adapter] = None if inside.numel() == stop - start else inside
+    return within
 
 
 def _rows(start: int | None, count: int, rows: torch.Tensor):

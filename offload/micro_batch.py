@@ -101,6 +101,8 @@ class MicroBatch:
     # the contiguous int64 host tensor that the index fields are views of (the batch builder's):
     # moved to a device in one copy; None: each field moves on its own
     packed: torch.Tensor | None = None
+    # LoRA adapters served per request: {adapter id: its rows [R] (None: every row)}; empty: none
+    lora_rows: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -122,4 +124,5 @@ class MicroBatch:
 
         groups = [replace(_move(g, move), parts=[_move(p, move) for p in g.parts]) for g in self.groups]
         return MicroBatch(move(self.token_ids), move(self.positions), groups, [_move(w, move) for w in self.kv_writes],
-                          move(self.logit_rows))
+                          move(self.logit_rows), lora_rows={adapter: None if rows is None else move(rows)
+                                                            for adapter, rows in self.lora_rows.items()})

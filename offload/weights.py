@@ -60,3 +60,30 @@ class LayerWeightStore(Protocol):
 
     def reset(self) -> None:
         """A pass was interrupted: finish or cancel loads in flight, free every working buffer."""
+
+
+@dataclass(frozen=True)
+class LoraLinear:
+    """A layer weight with LoRA updates for some rows of x (adapters served per request): those rows
+    get x @ (W + B A).T, B A being one adapter's update of the weight (its scale folded into B), the
+    others x @ W.T (flexsarathi/models/layers.py). updates: (rows, A [r, in], B [out, r]) per adapter
+    in the micro-batch; rows: its rows of x [R] on x's device, or None where it is every row."""
+
+    base: Any
+    updates: tuple[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.base.shape)
+
+
+def with_lora(w: Weights, factors: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]],
+              rows: dict[int, torch.Tensor | None]) -> Weights:
+    """One layer's weights `w` with the updates of each adapter in `rows` ({adapter: its rows, None:
+    all}) wrapped around the weights it adapts; factors: {adapter: {weight: (A, B)}} of this layer."""
+    updates: dict[str, list] = {}
+    for adapter, adapter_rows in rows.items():
+        for name, (a, b) in factors[adapter].items():
+            updates.setdefault(name, []).append((adapter_rows, a, b))
+    return {**w, **{name: LoraLinear(w[name], tuple(u)) for name, u in updates.items()}}
+

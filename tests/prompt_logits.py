@@ -12,10 +12,12 @@ from flexsarathi.engine.sampling import SamplingParams
 SCORE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
 
 
-def prompt_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """[len(prompt), vocab] fp32 logits per prompt: row i predicts the token after position i."""
+def prompt_logits(llm, prompts: list[list[int]], lora_requests: list | None = None) -> list[torch.Tensor]:
+    """[len(prompt), vocab] fp32 logits per prompt: row i predicts the token after position i.
+    lora_requests: each prompt's LoRARequest or None (an LLM of enable_lora=True)."""
     engine = llm.engine
-    seqs = [engine.make_sequence(ids, SCORE) for ids in prompts]
+    adapters = lora_requests or [None] * len(prompts)
+    seqs = [engine.make_sequence(ids, SCORE, lora_request=lora) for ids, lora in zip(prompts, adapters)]
     chunks: dict[int, dict[int, torch.Tensor]] = {seq.seq_id: {} for seq in seqs}  # id -> start -> rows
     engine.add_requests([[seq] for seq in seqs])
     while engine.has_unfinished():  # LLMEngine.step

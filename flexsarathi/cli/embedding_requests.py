@@ -6,6 +6,7 @@ record gathers their embeddings back in order, as OpenAI's embeddings API return
 from __future__ import annotations
 
 import base64
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -100,6 +101,16 @@ class GenerationLines:
     def params(self, sampling: dict) -> list:
         return [sampling[req.key] for req in self.requests]
 
+    def lora_requests(self, modules: dict[str, str]) -> list | None:
+        """Each request's LoRARequest (None: the base model) from its `lora` (a --lora-modules name;
+        ids by the names' order there); None where no request names one."""
+        if not any(req.lora for req in self.requests):
+            return None
+        from flexsarathi.engine.lora_requests import LoRARequest  # noqa: PLC0415 - the CLI's cold start
+
+        ids = {name: i + 1 for i, name in enumerate(modules)}
+        return [LoRARequest(req.lora, ids[req.lora], modules[req.lora]) if req.lora else None for req in self.requests]
+
     def add(self, index: int, output):
         return self.requests[index], output
 
@@ -134,10 +145,15 @@ def job_lines(task: str, requests: list):
     return (EmbeddingLines if task == "embed" else GenerationLines)(requests)
 
 
-def run_lines(llm, lines, params: dict, record, use_tqdm: bool, stop=None):
+def run_lines(llm, lines, params: dict, record, use_tqdm: bool, stop=None, lora_modules: dict | None = None):
     """`lines` run on `llm` (embed_iter for EmbeddingLines, else generate_iter), each request's
-    record written once its outputs are all in: yields what `record` returned (1: an error record)."""
-    run = llm.embed_iter if isinstance(lines, EmbeddingLines) else llm.generate_iter
+    record written once its outputs are all in: yields what `record` returned (1: an error record).
+    lora_modules: {name: folder} of the adapters that text requests name (their `lora`)."""
+    if isinstance(lines, EmbeddingLines):
+        run = llm.embed_iter
+    else:
+        adapters = lines.lora_requests(lora_modules or {})
+        run = functools.partial(llm.generate_iter, lora_request=adapters) if adapters else llm.generate_iter
     for index, output in run(lines.prompts(), lines.params(params), use_tqdm=use_tqdm, on_error="record", stop=stop):
         done = lines.add(index, output)
         if done is not None:

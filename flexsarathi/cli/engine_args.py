@@ -46,6 +46,36 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_compute_args(p)
 
 
+def add_lora_modules_arg(p: argparse.ArgumentParser) -> None:
+    """--lora-modules, for the commands whose requests name a model (generate, serve)."""
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=DIR",
+                   help="LoRA adapters served per request (vLLM's flag): a request whose \"model\" is NAME runs "
+                   "with the adapter in DIR (PEFT's save_pretrained folder), the others with the base model; "
+                   "requests of every adapter share each pass's read of the base weights")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules: NAME=DIR (argparse names the flag in the error)."""
+    name, sep, folder = text.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"must be NAME=DIR (an adapter's name in requests and its folder), "
+                                         f"got {text!r}")
+    return name, folder
+
+
+def lora_modules(args) -> dict[str, str]:
+    """--lora-modules as {name: folder}; FlexSarathiError where a name is given twice or --lora is given too."""
+    pairs = getattr(args, "lora_modules", None) or []
+    modules = dict(pairs)
+    if len(modules) != len(pairs):
+        twice = next(name for i, (name, _) in enumerate(pairs) if name in dict(pairs[:i]))
+        raise FlexSarathiError(f"--lora-modules names {twice!r} twice")
+    if modules and getattr(args, "lora", None):
+        raise FlexSarathiError("--lora merges one adapter into the weights and --lora-modules serves adapters per "
+                               "request: give one of them")
+    return modules
+
+
 def _logprobs_cap(text: str) -> int:
     """--max-logprobs: an integer >= -1 (argparse names the flag in the error)."""
     try:
@@ -135,7 +165,8 @@ def build_llm(args, workload, seed: int = 0, opened=None):
               cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
               max_logprobs=getattr(args, "max_logprobs", 20), fit_running=not args.policy,
               task=getattr(args, "task", "generate"),
-              enable_prefix_caching=getattr(args, "enable_prefix_caching", True), lora=getattr(args, "lora", None))
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", True), lora=getattr(args, "lora", None),
+              enable_lora=bool(lora_modules(args)))
     return llm, policy
 
 

@@ -22,8 +22,8 @@ from importlib import resources
 from flexsarathi.cli.embedding_requests import EmbeddingAsk, job_lines, run_lines
 from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
                                           result_record)
-from flexsarathi.cli.engine_args import (add_model_args, build_llm, describe_policy, hardware_of, memory_summary,
-                                    resolve_policy)
+from flexsarathi.cli.engine_args import (add_lora_modules_arg, add_model_args, build_llm, describe_policy, hardware_of,
+                                         lora_modules, memory_summary, resolve_policy)
 from flexsarathi.cli.console import say as say_line
 from flexsarathi.cli.file_checks import check_not_the_input
 from flexsarathi.errors import FlexSarathiError
@@ -39,6 +39,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="run a batch file of prompts (text, JSONL, OpenAI Batch)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
+    add_lora_modules_arg(p)
     p.add_argument("--input", "-i", required=True,
                    help=f"prompt file; {PACKAGE_PREFIX}NAME for a set shipped with flexsarathi "
                         f"({', '.join(packaged_prompt_sets())})")
@@ -133,6 +134,8 @@ def run_generate(args) -> int:
     check_unique_ids(requests)
     if args.embed:
         _texts_to_embed(fmt, requests, args.input)
+    modules = lora_modules(args)
+    adapters = _route_to_adapters(requests, modules, args.model, args.ray)
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
     from flexsarathi.formats.opened_model import open_model
 
@@ -149,7 +152,8 @@ def run_generate(args) -> int:
     meta = {"job": "flexsarathi generate", "format": fmt, "model": _model_name(args.model),
             "weights": source.fingerprint, "dtype": args.dtype, "seed": args.seed, "sampling": defaults,
             **({"task": "embed"} if args.embed else {}),
-            **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {})}
+            **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {}),
+            **({"lora_modules": adapters} if adapters else {})}
     out = ResultFile(args.output, fmt, meta, overwrite=args.overwrite, repair=args.repair, requests=requests,
                      retry_errors=args.retry_errors)
     try:
@@ -164,6 +168,33 @@ def run_generate(args) -> int:
         return 3
     finally:
         out.close()
+
+
+def _route_to_adapters(requests: list[BatchRequest], modules: dict[str, str], model: str, ray: bool) -> dict:
+    """With --lora-modules: each text request whose "model" names one runs with that adapter (its
+    `lora`); one naming neither an adapter nor this job's model is an error record. Returns {name:
+    adapter fingerprint} for the file's meta (a resume with changed adapters is refused); each
+    adapter folder is read here, before any work. Without --lora-modules "model" is not read."""
+    if not modules:
+        return {}
+    if ray:
+        raise FlexSarathiError("--lora-modules serves adapters in this process's engine; --ray actors build "
+                               "theirs from the job's flags without per-request adapters: run without --ray")
+    from flexsarathi.formats.lora_adapter import open_adapter  # noqa: PLC0415 - the CLI's cold start
+
+    fingerprints = {name: open_adapter(folder).fingerprint for name, folder in modules.items()}
+    base = {model, os.path.basename(os.path.normpath(model)), _model_name(model)}
+    for req in requests:
+        if req.error or req.model is None or req.model in base:
+            continue
+        if req.model not in modules:
+            req.error = (f"line {req.line}: model {req.model!r} is neither this job's model nor one of its "
+                         f"--lora-modules ({', '.join(modules)})")
+        elif req.embedding is not None:
+            req.error = f"line {req.line}: adapters serve text requests; an embedding request names no adapter"
+        else:
+            req.lora = req.model
+    return fingerprints
 
 
 def _texts_to_embed(fmt: str, requests: list[BatchRequest], path: str) -> None:
@@ -279,7 +310,8 @@ class _JobEngine:
             self.llm, self.policy = build_llm(self.args, _workload(self.args, lines, params), opened=self.opened)
             self.say(f"policy: {describe_policy(self.policy, fitted=not self.args.policy)}")
             self.say(f"device: {self.llm.engine.device}, {str(self.llm.engine.dtype).removeprefix('torch.')}")
-        failed = sum(run_lines(self.llm, lines, params, record, use_tqdm=not self.args.quiet))
+        failed = sum(run_lines(self.llm, lines, params, record, use_tqdm=not self.args.quiet,
+                               lora_modules=lora_modules(self.args)))
         self._add(self.llm.last_stats)
         return failed
 
@@ -445,7 +477,7 @@ def _recorder(fmt: str, out: ResultFile, tokenizer, model: str):
             return 1
         if not isinstance(output, list):
             output.prompt = req.prompt
-        out.append(result_record(fmt, req, output, model, decode))
+        out.append(result_record(fmt, req, output, req.lora or model, decode))
         return 0
 
     return record

@@ -37,7 +37,7 @@ CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_templat
 # OpenAI's tool calling fields of a chat request (flexsarathi/formats/tool_calls.py).
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 JSONL_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS, *CHAT_OPTIONS,
-                *TOOL_FIELDS, "cache_salt")
+                *TOOL_FIELDS, "cache_salt", "model")
 JSONL_EMBEDDING_FIELDS = ("id", "input", "dimensions", "normalize")  # a record with "input" asks for embeddings
 # What an OpenAI request body names otherwise, as a JSONL record names it.
 _OPENAI_NAMES = {"response_format": "structured_outputs", "max_completion_tokens": "max_tokens",
@@ -87,6 +87,8 @@ class BatchRequest:
     input_token_ids: list | None = None  # an embedding line's inputs as token ids, once prepared
     sampling: dict = field(default_factory=dict)  # per-request SamplingParams fields
     cache_salt: str | None = None  # vLLM's: its prefix-cache blocks shared with requests of this salt only
+    model: str | None = None  # the model it names (a --lora-modules name selects that adapter)
+    lora: str | None = None  # the --lora-modules adapter it runs with (set by the job from `model`)
     chat: bool = False  # OpenAI chat completion (the output is a chat.completion object)
     logprobs_style: str | None = None  # "completions" / "chat" when OpenAI logprobs were asked
     error: str | None = None
@@ -231,12 +233,17 @@ def _jsonl_request(line: int, text: str) -> BatchRequest:
         req.error = f"line {line}: unknown field(s) {sorted(unknown)}{_unknown_hint(sorted(unknown))}"
         return req
     req.sampling = {k: obj[k] for k in (*SAMPLING_FIELDS, "logprobs") if k in obj}
-    req.error = _set_cache_salt(req, obj, "") or _set_prompt(req, obj, ("prompt", "prompt_token_ids", "messages"))
+    req.error = _set_salt_and_model(req, obj, "") or _set_prompt(req, obj, ("prompt", "prompt_token_ids", "messages"))
     return req
 
 
-def _set_cache_salt(req: BatchRequest, obj: dict, where: str) -> str | None:
-    """The request's cache_salt (vLLM's request field); an error message where it is no non-empty string."""
+def _set_salt_and_model(req: BatchRequest, obj: dict, where: str) -> str | None:
+    """The request's cache_salt (vLLM's request field) and the model it names; an error message where
+    either is no non-empty string."""
+    model = obj.get("model")
+    if model is not None and not (isinstance(model, str) and model):
+        return f"line {req.line}: {where}model must be a non-empty string, got {model!r}"
+    req.model = model
     salt = obj.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and salt):
         return f"line {req.line}: {where}cache_salt must be a non-empty string, got {salt!r}"
@@ -358,7 +365,7 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
     req.sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     if "max_completion_tokens" in body:  # chat's name for max_tokens (vLLM takes it on both urls)
         req.sampling["max_tokens"] = body["max_completion_tokens"]
-    error = _openai_logprobs(req, body) or _openai_response_format(req, body) or _set_cache_salt(req, body, "body.")
+    error = _openai_logprobs(req, body) or _openai_response_format(req, body) or _set_salt_and_model(req, body, "body.")
     return error or _set_prompt(req, body, ("messages",) if req.chat else ("prompt",))
 
 

@@ -54,7 +54,7 @@ class GraphPasses:
             return None
         items = plan.micro_batches[0]
         if not all(it.num_tokens == 1 and it.samples and not wants_prompt_logprobs(it) and not it.seq.forks
-                   for it in items):
+                   and not it.seq.lora_id for it in items):  # LoRA rows: the executor's eager pass
             return None
         key = bucket_of(len(items), max(it.end for it in items))
         if not self._admit(key):

@@ -20,6 +20,7 @@ from flexsarathi.models.attention import release_host_buffers
 from flexsarathi.engine.micro_batch_builder import build_micro_batch, wants_prompt_logprobs
 from flexsarathi.engine.block_manager import BlockManager
 from flexsarathi.engine.graph_passes import GraphPasses
+from flexsarathi.engine.lora_requests import LoadedAdapter, LoraAdapters, LoRARequest
 from flexsarathi.engine.running_fit import FIT_FRACTION, largest_fitting
 from flexsarathi.formats.opened_model import OpenedModel, open_model
 from flexsarathi.formats.pooling_config import embedding_normalized
@@ -256,6 +257,9 @@ class EngineConfig:
     # A LoRA adapter folder (PEFT's save_pretrained) merged into the checkpoint's weights as they are
     # read (formats/lora_adapter.py): the adapted model at the base model's cost per pass.
     lora: str | None = None
+    # LoRA adapters named per request (vLLM's enable_lora and LoRARequest; engine/lora_requests.py):
+    # requests of several adapters share each pass's stream of the base weights.
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
         _check_engine_fields(self)
@@ -271,11 +275,15 @@ def _check_engine_fields(e: EngineConfig) -> None:
     for a flag would read as true ("no" turning direct_io on), a kv_bits the format has not."""
     if e.task not in TASKS:
         raise FlexSarathiError(f"EngineConfig.task must be one of {', '.join(TASKS)}, got {e.task!r}")
-    for name in ("direct_io", "dummy_weight_codes", "compress_head", "fit_running", "enable_prefix_caching"):
+    for name in ("direct_io", "dummy_weight_codes", "compress_head", "fit_running", "enable_prefix_caching",
+                 "enable_lora"):
         if not isinstance(getattr(e, name), bool):
             raise FlexSarathiError(f"EngineConfig.{name} must be True or False, got {getattr(e, name)!r}")
     if e.lora is not None and not isinstance(e.lora, str):
         raise FlexSarathiError(f"EngineConfig.lora must be None or a LoRA adapter folder, got {e.lora!r}")
+    if e.lora is not None and e.enable_lora:
+        raise FlexSarathiError("lora= merges one adapter into the weights and enable_lora=True serves adapters "
+                               "per request (LoRARequest): give one of them")
     for name in ("routed_expert_reads", "cpu_experts", "cuda_graphs"):
         if getattr(e, name) is not None and not isinstance(getattr(e, name), bool):
             raise FlexSarathiError(f"EngineConfig.{name} must be True, False or None, got {getattr(e, name)!r}")
@@ -345,19 +353,19 @@ class LLMEngine:
             raise self._weights_do_not_fit(short) from None
         self._reserve_dequant_scratch()
         self.kv_pools: dict[str, KVPool] = {}
-        cuda = self.device.type == "cuda"
-        self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=cuda,
+        self.activations = ActivationStore(p.act_fractions, self.device, pin_memory=self.device.type == "cuda",
                                            folder=self._offload_folder() if p.act_disk > 0 else None)
         self.cpu_matmul = resolve_cpu_matmul(e.cpu_matmul, self.device.type)
         self.executor = PassExecutor(self.model, self.weights, self.kv_pools, self.activations,
                                      self.device, self.dtype, overlap=p.overlap,
                                      cpu_attention=p.cpu_attention, cpu_matmul=self.cpu_matmul,
                                      head="hidden" if e.task in POOLING_TASKS else "logits")
+        self.loras = (LoraAdapters(self.model, self.dtype, self.device, self.memory, self.executor.lora_factors)
+                      if e.enable_lora else None)  # fills the executor's factors as requests name adapters
         self.blocks = BlockManager(self.block_size, {}, num_residual=0,  # laid out per batch
                                    prefix_caching=e.enable_prefix_caching)
         self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
-        self._rng = random.Random(e.seed)
-        self._next_id = 0
+        self._rng, self._next_id = random.Random(e.seed), 0
         self.worst_pass_bytes = self.batch_running = 0  # the batch's largest pass and running count (_add_requests)
         self.graph_passes = self._graph_passes()
         self.closed = False
@@ -505,10 +513,12 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       prompt: str | None = None, sample_index: int = 0,
-                      pooling: PoolingParams | None = None, cache_salt: str | None = None) -> Sequence:
+                      pooling: PoolingParams | None = None, cache_salt: str | None = None,
+                      lora_request: LoRARequest | None = None) -> Sequence:
         """sample_index: which of the request's `n` completions this sequence is (its seed);
         pooling: a pooling request's PoolingParams (an engine of task "embed" or "classify" takes only those);
-        cache_salt: its prefix-cache blocks are shared with requests of the same salt only."""
+        cache_salt: its prefix-cache blocks are shared with requests of the same salt only;
+        lora_request: the adapter it runs with (an engine of enable_lora=True), read on its first request."""
         task = self.engine_config.task
         if (pooling is not None) != (task in POOLING_TASKS):
             raise FlexSarathiError(f"this engine pools (task={task!r}): LLM.{task} takes its requests"
@@ -527,6 +537,7 @@ class LLMEngine:
                                    "tokenizer.json (use stop_token_ids / logit_bias with token-id prompts)")
         self._check_token_ids(params)
         self._check_logprobs(params)
+        adapter = self._adapter(lora_request)
         seq = Sequence(
             seq_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
             max_len=min(len(prompt_token_ids) + (params.max_tokens or self.config.max_position_embeddings),
@@ -536,9 +547,18 @@ class LLMEngine:
                          if params.stop else None),
             logprobs=[] if params.logprobs is not None else None, bad_word_ids=self._bad_word_ids(params),
             grammar=(GrammarState(self.grammars.compile(params.structured_outputs))
-                     if params.structured_outputs is not None else None), pooling=pooling, cache_salt=cache_salt)
+                     if params.structured_outputs is not None else None), pooling=pooling, cache_salt=cache_salt,
+            lora_id=0 if adapter is None else adapter.request.lora_int_id,
+            lora_fingerprint=None if adapter is None else adapter.fingerprint)
         self._next_id += 1
         return seq
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoadedAdapter | None:
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise FlexSarathiError("a lora_request needs an engine serving adapters: LLM(model, enable_lora=True)")
+        return self.loras.load(lora_request)
 
     @property
     def embedding_width(self) -> int:
@@ -771,6 +791,8 @@ class LLMEngine:
         if self.graph_passes:
             self.graph_passes.clear()
         self.executor.close()
+        if self.loras is not None:
+            self.loras.close()
         self.weights.close()
         for tier, pool in list(self.kv_pools.items()):
             self.memory.release(tier, pool.nbytes, "KV cache")

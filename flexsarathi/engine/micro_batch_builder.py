@@ -153,8 +153,19 @@ def build_micro_batch(items: list[WorkItem], blocks: BlockManager,
     packed = pack.done()
     token_ids, positions, logit_rows = (pack.view(span) for span in fields)
     batch = MicroBatch(token_ids=token_ids, positions=positions, groups=[make(pack) for make in groups],
-                       kv_writes=[make(pack) for make in kv_writes], logit_rows=logit_rows, packed=packed)
+                       kv_writes=[make(pack) for make in kv_writes], logit_rows=logit_rows, packed=packed,
+                       lora_rows=_adapter_rows(items))
     return batch, spans
+
+
+def _adapter_rows(items: list[WorkItem]) -> dict[int, torch.Tensor | None]:
+    """{LoRA adapter id: the rows of its sequences' tokens (None: every row)} (MicroBatch.lora_rows)."""
+    rows, row = {}, 0
+    for item in items:
+        if item.seq.lora_id:
+            rows.setdefault(item.seq.lora_id, []).extend(range(row, row + item.num_tokens))
+        row += item.num_tokens
+    return {adapter: None if len(r) == row else torch.tensor(r, dtype=torch.long) for adapter, r in rows.items()}
 
 
 def _write(tier: str, rows: list[int], *spans: tuple[int, int]):

@@ -17,6 +17,7 @@ a registered block again: positions before a sequence's num_computed never are.
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 
 from flexsarathi.engine.sequence import Sequence
@@ -24,11 +25,14 @@ from flexsarathi.engine.sequence import Sequence
 _ROOT = b""  # the digest "before" block 0
 
 
-def chain_root(cache_salt: str | None) -> bytes:
+def chain_root(cache_salt: str | None, lora_fingerprint: str | None = None) -> bytes:
     """The digest "before" block 0: empty, or for a salted request (vLLM's cache_salt: one tenant's
-    requests share cached blocks with each other only) a digest of its salt, so no block of another
-    salt, or of none, has its digests."""
-    return _ROOT if cache_salt is None else hashlib.sha256(b"cache_salt:" + cache_salt.encode("utf-8")).digest()
+    requests share cached blocks with each other only) or one run with a LoRA adapter (whose K/V
+    differ from the base model's) a digest of both, so no block of another salt or adapter, or of
+    none, has its digests."""
+    if cache_salt is None and lora_fingerprint is None:
+        return _ROOT
+    return hashlib.sha256(json.dumps({"cache_salt": cache_salt, "lora": lora_fingerprint}).encode("utf-8")).digest()
 
 
 def block_digests(seq: Sequence, num_blocks: int, block_size: int) -> list[bytes]:
@@ -38,7 +42,8 @@ def block_digests(seq: Sequence, num_blocks: int, block_size: int) -> list[bytes
     while len(digests) < num_blocks:
         k = len(digests)
         tokens = array("q", seq.token_ids(k * block_size, (k + 1) * block_size)).tobytes()
-        digests.append(hashlib.sha256((digests[-1] if digests else chain_root(seq.cache_salt)) + tokens).digest())
+        before = digests[-1] if digests else chain_root(seq.cache_salt, seq.lora_fingerprint)
+        digests.append(hashlib.sha256(before + tokens).digest())
     return digests[:num_blocks]
 
 

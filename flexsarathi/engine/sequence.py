@@ -41,6 +41,10 @@ class Sequence:
     block_digests: list[bytes] = field(default_factory=list, repr=False)
     num_registered_blocks: int = 0
     cache_salt: str | None = None  # its digests start from this (vLLM's cache_salt): shared only alike
+    # A LoRA adapter served per request (engine/lora_requests.py): its id (0: none) and its
+    # fingerprint, where its prefix-cache digests start (its blocks hold the adapted K/V)
+    lora_id: int = 0
+    lora_fingerprint: str | None = None
     num_cached_tokens: int = 0
     # per prompt position after the first: {token: Logprob} (params.prompt_logprobs)
     prompt_logprobs: list[dict] = field(default_factory=list)

@@ -3,8 +3,10 @@ the base checkpoint's weights as they are read: W + scale * B @ A for every modu
 computed in fp32 from the checkpoint's values, then cast to the compute dtype. The merged weights
 then go wherever the policy puts them (compressed, streamed from the disk store) at no cost per pass:
 an offloaded engine reads every weight each pass anyway, and a second small matmul per linear
-would add launches and bytes to every layer-step. One adapter per engine (vLLM's per-request
-adapters are a GPU-resident design: run one job per adapter here).
+would add launches and bytes to every layer-step. That is `lora=`: one adapter per engine.
+Several adapters in one job are served per request instead (`layer_factors`, vLLM's LoRARequest):
+each adapter's factors stay on the compute device and its rows get x A.T B.T beside the base
+matmul, so requests of every adapter share one stream of the base weights per pass.
 
 scale = lora_alpha / r (PEFT's default), lora_alpha / sqrt(r) with use_rslora. What PEFT can save
 that this merge would get wrong is refused, saying what: DoRA (magnitude vectors), fan_in_fan_out
@@ -92,6 +94,44 @@ class LoraAdapter:
             a, b = pair
             merged.addmm_(b.float(), a.float(), alpha=self.scale)
         return merged.to(dtype)
+
+    def layer_factors(self, model, dtype: torch.dtype) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Served per request (EngineConfig.enable_lora): per layer of `model` (a ModelMath),
+        {weight: (A [R, in], B [out, R])} with B @ A this adapter's update of that stacked weight:
+        the A of each adapted part (q, k, v of qkv_proj) stacked, B block-diagonal with each part's
+        B * scale in its rows (a part it does not adapt: zeros). In `dtype`, on the CPU. Every
+        module it adapts must be a dense layer linear: a CheckpointError names the first that is not."""
+        used, layers, stacks = set(), [], model.expert_stacks()
+        for layer in range(model.config.num_layers):
+            shapes, factors = model.layer_shapes(layer), {}
+            for name, parts in model.hf_layer_names(layer).items():
+                modules = [hf.removesuffix(".weight") for hf in parts]
+                adapted = [i for i, module in enumerate(modules) if module in self.pairs]
+                if adapted and name.endswith(".weight") and name not in stacks and len(shapes[name]) == 2:
+                    factors[name] = self._stacked(modules, adapted, model.part_rows(name, layer), shapes[name], dtype)
+                    used.update(modules[i] for i in adapted)
+            layers.append(factors)
+        stray = sorted(set(self.pairs) - used)
+        if stray:
+            raise CheckpointError(f"LoRA adapter {self.folder} adapts {stray[0]}, which is not a dense layer linear "
+                                  f"of this model (per-request adapters update attention and MLP projections)")
+        return layers
+
+    def _stacked(self, modules: list[str], adapted: list[int], rows: tuple[int, ...], shape: tuple[int, int],
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.cat([self.pairs[modules[i]][0].float() for i in adapted])  # [R, in]
+        b = torch.zeros(shape[0], a.shape[0])  # [out, R]
+        column = 0
+        for i in adapted:
+            lora_a, lora_b = self.pairs[modules[i]]
+            if (lora_b.shape[0], lora_a.shape[1]) != (rows[i], shape[1]):
+                raise CheckpointError(f"LoRA adapter {self.folder}: {modules[i]} is {[rows[i], shape[1]]} in the "
+                                      f"model, but its lora_B @ lora_A is {[lora_b.shape[0], lora_a.shape[1]]}: "
+                                      f"an adapter of another model")
+            start, r = sum(rows[:i]), lora_a.shape[0]
+            b[start:start + rows[i], column:column + r] = lora_b.float() * self.scale
+            column += r
+        return a.to(dtype), b.to(dtype)
 
     def merge_bytes(self) -> int:
         """The most a merge holds beside the read: the fp32 copy and its cast (a saved base's check

@@ -52,6 +52,12 @@ class ModelMath(ABC):
                 kinds.setdefault(name, tuple(shape))
         return kinds
 
+    def part_rows(self, name: str, layer: int = 0) -> tuple[int, ...]:
+        """Rows of each checkpoint tensor that the 2-D layer weight `name` stacks, in hf_layer_names order
+        (q, k and v in `qkv_proj.weight`): equal parts unless a family says otherwise."""
+        parts, rows = len(self.hf_layer_names(layer)[name]), self.layer_shapes(layer)[name][0]
+        return (rows // parts,) * parts
+
     def expert_stacks(self) -> dict[str, int]:
         """2-D weights that are experts stacked by rows -> how many (each expert a contiguous row
         range of equal size): placement keeps an expert's rows addressable on their own."""

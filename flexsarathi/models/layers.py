@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flexsarathi.models.model_config import RopeConfig
-from offload.weights import RowSplit
+from offload.weights import LoraLinear, RowSplit
 
 
 # fp32 on the CPU, a large weight and few rows of x: `weight @ xᵀ`, transposed back, takes another
@@ -21,8 +21,9 @@ TRANSPOSED_MIN_WEIGHT = 1 << 22  # elements
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias; `weight` may be a compressed QTensor (dequantized right before use) or a
-    RowSplit (one matmul per part of its rows, outputs side by side)."""
+    """x @ weight.T + bias; `weight` may be a compressed QTensor (dequantized right before use), a
+    RowSplit (one matmul per part of its rows, outputs side by side) or a LoraLinear (its base, then
+    each adapter's update added to its rows, as PEFT adds lora_B(lora_A(x)) * scaling)."""
     if isinstance(weight, torch.Tensor):
         if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 2
                 and weight.numel() >= TRANSPOSED_MIN_WEIGHT and x.numel() // max(1, x.shape[-1]) in TRANSPOSED_ROWS):
@@ -31,6 +32,15 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
                 out += bias
             return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
+    if isinstance(weight, LoraLinear):
+        out = linear(x, weight.base, bias)
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        for rows, a, b in weight.updates:  # the adapter's rows: x_rows @ A.T @ B.T added to theirs
+            if rows is None:
+                flat_out += F.linear(F.linear(flat_x, a), b)
+            else:
+                flat_out.index_add_(0, rows, F.linear(F.linear(flat_x.index_select(0, rows), a), b))
+        return out
     if isinstance(weight, RowSplit):
         outs, start = [], 0
         for part in weight.parts:

@@ -71,6 +71,10 @@ class LlamaMath(ModelMath):
             shapes["down_proj.bias"] = (c.hidden_size,)
         return shapes
 
+    def part_rows(self, name, layer=0):
+        c = self.config
+        return (c.q_size, c.kv_size, c.kv_size) if name == "qkv_proj.weight" else super().part_rows(name, layer)
+
     def hf_layer_names(self, layer):
         p = f"model.layers.{layer}."
         names = {

@@ -1,0 +1,209 @@
+"""LoRA adapters served per request (LLM(enable_lora=True), LoRARequest) against PEFT's own adapted
+models run unmerged: one batch mixing adapters and the base model gives each prompt its model's
+logits; every placement and schedule gives the all-on-device tokens; prefix-cache blocks are never
+shared across adapters; what cannot be served is refused, saying what."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from flexsarathi import LLM, LoRARequest, SamplingParams
+from flexsarathi.errors import CheckpointError, FlexSarathiError
+from offload import executor
+from policy_search import Policy
+from tests.prompt_logits import prompt_logits
+
+peft = pytest.importorskip("peft")
+from tests.flexsarathi.formats.test_lora_adapter import peft_logits, save_adapter  # noqa: E402
+
+# two adapters of different targets and ranks' worth of modules: a stacked weight (qkv, gate_up)
+# partly adapted, so its B is block-diagonal with zero blocks
+TARGETS = {
+    "opt": (["q_proj", "v_proj", "fc1"], ["k_proj", "out_proj", "fc2"]),
+    "llama_gqa_untied": (["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], ["k_proj", "up_proj"]),
+    "qwen3": (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
+}
+PROMPTS = [[3, 17, 42, 9, 77, 5, 23], [11, 12, 13, 14], [3, 17, 42, 9], [5, 6, 7, 8, 9]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def two_adapters(tiny_checkpoint, tmp_path):
+    """(folder, base model, {name: (LoRARequest, PEFT model)}) for a family."""
+    def make(kind: str):
+        folder, base = tiny_checkpoint(kind)
+        adapters = {}
+        for i, targets in enumerate(TARGETS[kind]):
+            name = "ab"[i]
+            model = save_adapter(folder, tmp_path / name, targets, seed=i + 1)
+            adapters[name] = (LoRARequest(name, i + 1, str(tmp_path / name)), model)
+        return folder, base, adapters
+
+    return make
+
+
+@pytest.mark.parametrize("kind", sorted(TARGETS))
+def test_a_batch_mixing_adapters_gives_each_prompt_its_models_logits(two_adapters, kind):
+    folder, base, adapters = two_adapters(kind)
+    names = ["a", "b", None, "a"]
+    with LLM(folder, dtype="float32", enable_lora=True) as llm:
+        ours = prompt_logits(llm, PROMPTS, [adapters[n][0] if n else None for n in names])
+    for prompt, name, got in zip(PROMPTS, names, ours):
+        with torch.no_grad():
+            plain = base(torch.tensor([prompt])).logits[0].float()
+        want = peft_logits(adapters[name][1], prompt) if name else plain
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if name:  # the adapter changes the model: this comparison could fail
+            assert (want - plain).abs().max() > 0.1
+
+
+PLACEMENTS = {
+    "cpu_weights": dict(w_gpu=0.0, w_cpu=1.0),
+    "disk_weights": dict(w_gpu=0.3, w_cpu=0.0, w_disk=0.7),
+    "disk_4bit": dict(w_gpu=0.0, w_cpu=0.5, w_disk=0.5, compress_weight=True),
+    "block_schedule": dict(scheduler="block"),
+    "chunked_prefill": dict(prefill_budget=3),
+}
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_every_placement_and_schedule_gives_the_all_on_device_tokens(two_adapters, tmp_path, placement):
+    folder, _, adapters = two_adapters("llama_gqa_untied")
+    loras = [adapters["a"][0], None, adapters["b"][0], adapters["a"][0]]
+    compress = PLACEMENTS[placement].get("compress_weight", False)
+    with LLM(folder, dtype="float32", enable_lora=True, policy=Policy(compress_weight=compress)) as llm:
+        reference = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)]
+        base = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert reference != base  # the adapters change the tokens: the comparison below could fail
+    with LLM(folder, dtype="float32", enable_lora=True, policy=Policy(**PLACEMENTS[placement]),
+             offload_dir=str(tmp_path / "offload")) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)] == reference
+
+
+def test_a_prompt_pass_cut_into_row_slices_updates_each_slices_own_rows(two_adapters, monkeypatch):
+    """A pass of more rows than POST_ATTENTION_ROWS runs the MLP slice by slice: each slice takes
+    the rows of each adapter within it (slices of 5 rows cut through the prompts here)."""
+    folder, _, adapters = two_adapters("llama_gqa_untied")
+    loras = [adapters["a"][0], adapters["b"][0], None, adapters["a"][0]]
+    with LLM(folder, dtype="float32", enable_lora=True) as llm:
+        whole = prompt_logits(llm, PROMPTS, loras)
+        monkeypatch.setattr(executor, "POST_ATTENTION_ROWS", 5)
+        sliced = prompt_logits(llm, PROMPTS, loras)
+    for got, want in zip(sliced, whole):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_graph_passes_leave_adapter_rows_to_the_eager_pass(two_adapters):
+    """cuda_graphs=True (on the CPU: the same static buffers, run eagerly): decode passes with
+    adapter rows are not replayed, so the tokens are the eager engine's."""
+    folder, _, adapters = two_adapters("llama_gqa_untied")
+    loras = [adapters["a"][0], adapters["b"][0], adapters["a"][0], adapters["b"][0]]
+    runs = {}
+    for graphs in (False, True):
+        with LLM(folder, dtype="float32", enable_lora=True, cuda_graphs=graphs) as llm:
+            runs[graphs] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)]
+            replayed = llm.engine.stats["graph_passes"]
+    assert runs[True] == runs[False]
+    assert replayed == 0
+
+
+def test_prefix_cache_blocks_are_shared_within_an_adapter_only(two_adapters):
+    """One prompt four times, one request at a time (a cache that holds them all), with adapters a, b,
+    none and a: only the second a finds blocks (the first's); the tokens are those without the cache."""
+    folder, _, adapters = two_adapters("llama_gqa_untied")
+    prompts = [list(range(3, 40))] * 4  # two whole blocks of 16 and a part
+    loras = [adapters["a"][0], adapters["b"][0], None, adapters["a"][0]]
+    outs = {}
+    for caching in (True, False):
+        with LLM(folder, dtype="float32", enable_lora=True, kv_block_size=16, enable_prefix_caching=caching,
+                 policy=Policy(gpu_batch_size=1, kv_cache_tokens=512)) as llm:
+            outs[caching] = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    assert [o.num_cached_tokens for o in outs[True]] == [0, 0, 0, 32]
+    assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
+
+
+def test_the_adapters_are_charged_to_the_compute_device(two_adapters):
+    """Their bytes: per stacked weight, A [R, in] and B [out, R] in the compute dtype."""
+    folder, _, adapters = two_adapters("llama_gqa_untied")
+    with LLM(folder, dtype="float32", enable_lora=True) as llm:
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters["a"][0])
+        shapes, layers = llm.engine.model.layer_shapes(), llm.engine.config.num_layers
+        r = 4
+        # a: q and v in qkv (R = 2r), o, gate in gate_up (R = r), down
+        want = layers * sum(r * parts * (shapes[name][0] + shapes[name][1]) * 4 for name, parts in
+                            (("qkv_proj.weight", 2), ("o_proj.weight", 1), ("gate_up_proj.weight", 1),
+                             ("down_proj.weight", 1)))
+        assert llm.engine.memory.report()["gpu"]["by_what"]["LoRA adapters"] == want
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters["a"][0])  # read once
+        assert llm.engine.memory.report()["gpu"]["by_what"]["LoRA adapters"] == want
+
+
+def test_what_cannot_be_served_is_refused_saying_what(two_adapters, tmp_path, tiny_checkpoint):
+    folder, _, adapters = two_adapters("llama_gqa_untied")
+    a = adapters["a"][0]
+    with LLM(folder, dtype="float32") as llm, pytest.raises(FlexSarathiError, match="enable_lora=True"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=a)
+    with pytest.raises(FlexSarathiError, match="give one of them"):
+        LLM(folder, dtype="float32", enable_lora=True, lora=a.lora_path)
+    save_adapter(folder, tmp_path / "head", ["q_proj", "lm_head"])
+    with LLM(folder, dtype="float32", enable_lora=True) as llm:
+        with pytest.raises(FlexSarathiError, match="2 entries for 4 prompts"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=[a, None])
+        with pytest.raises(CheckpointError, match="lm_head, which is not a dense layer linear"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("h", 3, str(tmp_path / "head")))
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=a)
+        with pytest.raises(FlexSarathiError, match="LoRARequest id 1 is 'a'"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("b", 1, adapters["b"][0].lora_path))
+        outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, on_error="record",
+                               lora_request=[a, LoRARequest("gone", 4, str(tmp_path / "missing"))])
+        assert outputs[0].error is None and "is not a folder" in outputs[1].error
+    other, _ = tiny_checkpoint("opt")
+    with LLM(other, dtype="float32", enable_lora=True) as llm, pytest.raises(CheckpointError, match="adapts model"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=a)  # an adapter of the llama checkpoint
+    for bad, field in (("", "lora_name"), (0, "lora_int_id"), (None, "lora_path")):
+        args = {"lora_name": "x", "lora_int_id": 1, "lora_path": "p"}
+        args[field] = bad
+        with pytest.raises(FlexSarathiError, match=f"LoRARequest.{field}"):
+            LoRARequest(**args)
+
+
+def test_a_batch_file_routes_each_line_to_the_adapter_its_model_names(two_adapters, tmp_path, capsys):
+    """`generate --lora-modules a=DIR b=DIR`: lines whose "model" is a, b, the job's model or absent
+    run with that adapter or the base model, the tokens of LLM.generate with those LoRARequests; a
+    model that is neither is an error record; an OpenAI line's result names the adapter as its
+    model; a resume with another adapter under a name is refused."""
+    from flexsarathi.cli.main import main
+
+    folder, _, adapters = two_adapters("llama_gqa_untied")
+    models = ["a", "b", None, "a", os.path.basename(folder), "c"]
+    job, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    job.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": PROMPTS[i % 4], **({"model": m} if m else {})})
+                           + "\n" for i, m in enumerate(models)))
+    modules = ["--lora-modules", f"a={adapters['a'][0].lora_path}", f"b={adapters['b'][0].lora_path}"]
+    args = ["generate", "--model", folder, "--output", str(out), "--dtype", "float32", "--quiet", "--temperature", "0",
+            "--max-tokens", "6"]
+    assert main([*args, "--input", str(job), *modules]) == 1  # one error record
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "'c' is neither this job's model nor one of its --lora-modules (a, b)" in records["r5"]["error"]["message"]
+    loras = [adapters[m][0] if m in ("a", "b") else None for m in models[:5]]
+    with LLM(folder, dtype="float32", enable_lora=True) as llm:
+        want = llm.generate([PROMPTS[i % 4] for i in range(5)], SamplingParams(max_tokens=6, temperature=0),
+                            use_tqdm=False, lora_request=loras)
+    assert [records[f"r{i}"]["token_ids"] for i in range(5)] == [o.outputs[0].token_ids for o in want]
+    assert len({json.dumps(records[f"r{i}"]["token_ids"]) for i in range(3)}) == 3  # three models
+    capsys.readouterr()
+    swapped = ["--lora-modules", f"a={adapters['b'][0].lora_path}", f"b={adapters['a'][0].lora_path}"]
+    assert main([*args, "--input", str(job), *swapped]) == 2
+    assert "another configuration" in capsys.readouterr().err
+    openai = tmp_path / "openai.jsonl"
+    openai.write_text("".join(json.dumps({"custom_id": f"o{i}", "method": "POST", "url": "/v1/completions",
+                                          "body": {"prompt": PROMPTS[0], "model": m}}) + "\n"
+                              for i, m in enumerate(["b", "base-name"])))
+    args[args.index("--output") + 1] = str(tmp_path / "openai_out.jsonl")
+    assert main([*args, "--input", str(openai), *modules]) == 1
+    results = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "openai_out.jsonl").read_text().splitlines())}
+    assert results["o0"]["response"]["body"]["model"] == "b" and "'base-name' is neither" in json.dumps(results["o1"])
