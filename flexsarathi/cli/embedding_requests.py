@@ -131,6 +131,10 @@ class EmbeddingLines:
         """The PoolingParams of each prompt (`pooling`: request key -> its line's)."""
         return [pooling[req.key] for req, _ in self.flat]
 
+    def lora_requests(self, modules: dict[str, str]) -> None:
+        """None: an embedding names no adapter (request_files.route_to_adapters refuses one that does)."""
+        return None
+
     def add(self, index: int, output):
         req, k = self.flat[index]
         got = self._got[req.key]

@@ -20,8 +20,8 @@ import sys
 from importlib import resources
 
 from flexsarathi.cli.embedding_requests import EmbeddingAsk, job_lines, run_lines
-from flexsarathi.cli.request_files import (FORMATS, BatchRequest, check_unique_ids, error_record, read_requests,
-                                          result_record)
+from flexsarathi.cli.request_files import (FORMATS, BatchRequest, adapter_fingerprints, check_unique_ids, error_record,
+                                          read_requests, result_record, route_to_adapters)
 from flexsarathi.cli.engine_args import (add_lora_modules_arg, add_model_args, build_llm, describe_policy, hardware_of,
                                          lora_modules, memory_summary, resolve_policy)
 from flexsarathi.cli.console import say as say_line
@@ -135,7 +135,7 @@ def run_generate(args) -> int:
     if args.embed:
         _texts_to_embed(fmt, requests, args.input)
     modules = lora_modules(args)
-    adapters = _route_to_adapters(requests, modules, args.model, args.ray)
+    adapters = _route_to_adapters(requests, modules, args.model)
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
     from flexsarathi.formats.opened_model import open_model
 
@@ -170,30 +170,15 @@ def run_generate(args) -> int:
         out.close()
 
 
-def _route_to_adapters(requests: list[BatchRequest], modules: dict[str, str], model: str, ray: bool) -> dict:
-    """With --lora-modules: each text request whose "model" names one runs with that adapter (its
-    `lora`); one naming neither an adapter nor this job's model is an error record. Returns {name:
-    adapter fingerprint} for the file's meta (a resume with changed adapters is refused); each
-    adapter folder is read here, before any work. Without --lora-modules "model" is not read."""
+def _route_to_adapters(requests: list[BatchRequest], modules: dict[str, str], model: str) -> dict:
+    """With --lora-modules: each request's adapter from its "model" (request_files.route_to_adapters);
+    returns {name: adapter fingerprint} for the file's meta (a resume with changed adapters is
+    refused), each adapter folder read here, before any work (with --ray, the actors read the same
+    folders: the same paths on every node, as the model's)."""
     if not modules:
         return {}
-    if ray:
-        raise FlexSarathiError("--lora-modules serves adapters in this process's engine; --ray actors build "
-                               "theirs from the job's flags without per-request adapters: run without --ray")
-    from flexsarathi.formats.lora_adapter import open_adapter  # noqa: PLC0415 - the CLI's cold start
-
-    fingerprints = {name: open_adapter(folder).fingerprint for name, folder in modules.items()}
-    base = {model, os.path.basename(os.path.normpath(model)), _model_name(model)}
-    for req in requests:
-        if req.error or req.model is None or req.model in base:
-            continue
-        if req.model not in modules:
-            req.error = (f"line {req.line}: model {req.model!r} is neither this job's model nor one of its "
-                         f"--lora-modules ({', '.join(modules)})")
-        elif req.embedding is not None:
-            req.error = f"line {req.line}: adapters serve text requests; an embedding request names no adapter"
-        else:
-            req.lora = req.model
+    fingerprints = adapter_fingerprints(modules)
+    route_to_adapters(requests, modules, {model, os.path.basename(os.path.normpath(model)), _model_name(model)})
     return fingerprints
 
 
@@ -361,7 +346,8 @@ def _run_on_ray(args, lines, params: dict, record, say, opened):
     spec = EngineSpec.of(args.model, policy, hardware=hardware, dtype=args.dtype, device=args.device,
                          offload_dir=args.offload_dir, cpu_matmul=args.cpu_matmul, compress_head=args.compress_head,
                          fit_running=not args.policy, task=args.task,
-                         enable_prefix_caching=args.enable_prefix_caching, lora=args.lora)
+                         enable_prefix_caching=args.enable_prefix_caching, lora=args.lora,
+                         enable_lora=bool(lora_modules(args)))
     options = RayOptions(address=args.ray_address, actors=args.ray_actors or 1,
                          gpus_per_actor=args.ray_gpus_per_actor or 0, cpus_per_actor=args.ray_cpus_per_actor or 1,
                          batch_size=args.ray_batch_size)
@@ -374,7 +360,9 @@ def _run_on_ray(args, lines, params: dict, record, say, opened):
             failed += record(*done)
 
     try:
-        stats = run_requests(spec, options, list(zip(lines.prompts(), lines.params(params))), on_output,
+        prompts = lines.prompts()
+        adapters = lines.lora_requests(lora_modules(args)) or [None] * len(prompts)
+        stats = run_requests(spec, options, list(zip(prompts, lines.params(params), adapters)), on_output,
                              say=say, progress=not args.quiet)
     except RayJobError as exc:
         raise PartialJobError(str(exc)) from None

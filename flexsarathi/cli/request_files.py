@@ -237,6 +237,31 @@ def _jsonl_request(line: int, text: str) -> BatchRequest:
     return req
 
 
+def route_to_adapters(requests: list[BatchRequest], modules: dict[str, str], base_names: set[str]) -> None:
+    """--lora-modules ({name: folder}): each text request whose "model" names one runs with that
+    adapter (its `lora`); one naming neither an adapter nor the base model (any of `base_names`)
+    gets its error. Without modules "model" is not read (OpenAI's lines name any model)."""
+    if not modules:
+        return
+    for req in requests:
+        if req.error or req.model is None or req.model in base_names:
+            continue
+        if req.model not in modules:
+            req.error = (f"line {req.line}: model {req.model!r} is neither the base model nor one of the "
+                         f"--lora-modules ({', '.join(modules)})")
+        elif req.embedding is not None:
+            req.error = f"line {req.line}: adapters serve text requests; an embedding request names no adapter"
+        else:
+            req.lora = req.model
+
+
+def adapter_fingerprints(modules: dict[str, str]) -> dict[str, str]:
+    """{name: its adapter's fingerprint} (a result file's meta), each folder read and checked now."""
+    from flexsarathi.formats.lora_adapter import open_adapter  # noqa: PLC0415 - the CLI's cold start
+
+    return {name: open_adapter(folder).fingerprint for name, folder in modules.items()}
+
+
 def _set_salt_and_model(req: BatchRequest, obj: dict, where: str) -> str | None:
     """The request's cache_salt (vLLM's request field) and the model it names; an error message where
     either is no non-empty string."""

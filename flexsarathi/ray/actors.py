@@ -48,11 +48,13 @@ class EngineActor:
         self.llm = spec.build(self.offload_dir)
         self.name = f"{ray.util.get_node_ip_address()}:{os.getpid()}"
 
-    def run(self, prompts: list, params) -> Iterator:
+    def run(self, prompts: list, params, lora_requests: list | None = None) -> Iterator:
         """(index, RequestOutput) as requests finish; (index, EmbeddingRequestOutput) on an engine
-        of task "embed" (params: PoolingParams)."""
-        run = self.llm.embed_iter if self.llm.engine.engine_config.task == "embed" else self.llm.generate_iter
-        return run(prompts, params, use_tqdm=False, on_error="record")
+        of task "embed" (params: PoolingParams). lora_requests: each prompt's LoRARequest or None."""
+        if self.llm.engine.engine_config.task == "embed":
+            return self.llm.embed_iter(prompts, params, use_tqdm=False, on_error="record")
+        adapters = lora_requests if lora_requests and any(lora_requests) else None
+        return self.llm.generate_iter(prompts, params, use_tqdm=False, on_error="record", lora_request=adapters)
 
     def batch_stats(self) -> dict:
         engine = self.llm.engine
@@ -66,7 +68,7 @@ class EngineActor:
 
 
 class RequestRunner(EngineActor):
-    """`flexsarathi generate --ray`: rows {index, payload = pickle((prompt_token_ids, SamplingParams))}
+    """`flexsarathi generate --ray`: rows {index, payload = pickle((prompt, SamplingParams, LoRARequest | None))}
     -> rows {index, output = pickle(RequestOutput)}, yielded as requests finish (at most FLUSH_S
     apart), then one row at STATS_INDEX with pickle(batch_stats())."""
 
@@ -74,7 +76,8 @@ class RequestRunner(EngineActor):
         indices = batch.column("index").to_pylist()
         requests = [pickle.loads(blob) for blob in batch.column("payload").to_pylist()]
         finished, last = [], time.monotonic()
-        for i, output in self.run([ids for ids, _ in requests], [params for _, params in requests]):
+        prompts, params, adapters = (list(column) for column in zip(*requests))
+        for i, output in self.run(prompts, params, adapters):
             finished.append((indices[i], pickle.dumps(output)))
             if time.monotonic() - last >= FLUSH_S:
                 yield _rows(finished)

@@ -44,11 +44,12 @@ def default_batch_size(requests: int, actors: int, max_running: int) -> int:
     return max(1, min(math.ceil(requests / actors), BATCH_PER_RUNNING * max_running))
 
 
-def run_requests(spec: EngineSpec, options: RayOptions, requests: list[tuple[list[int], object]],
+def run_requests(spec: EngineSpec, options: RayOptions, requests: list[tuple[object, object, object]],
                  on_output: Callable[[int, object], None], say=print, progress: bool = True) -> dict:
-    """Runs requests [(prompt_token_ids, SamplingParams)] on options.actors engines; calls
-    on_output(index, RequestOutput) for each as it comes back. Returns the job's statistics
-    (the keys of LLM.last_stats, summed over batches; seconds = wall time on this driver)."""
+    """Runs requests [(prompt, SamplingParams or PoolingParams, LoRARequest or None)] on
+    options.actors engines; calls on_output(index, RequestOutput) for each as it comes back.
+    Returns the job's statistics (the keys of LLM.last_stats, summed over batches; seconds = wall
+    time on this driver)."""
     started = connect(options.address)
     try:
         batch = options.batch_size or default_batch_size(len(requests), options.actors,

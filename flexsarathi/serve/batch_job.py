@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from flexsarathi.cli.embedding_requests import job_lines, run_lines
 from flexsarathi.cli.generate import _prepare, _recorder, request_chunks
-from flexsarathi.cli.request_files import BatchRequest, error_record, is_error_record, read_requests, request_url
+from flexsarathi.cli.request_files import (BatchRequest, error_record, is_error_record, read_requests, request_url,
+                                          route_to_adapters)
 from flexsarathi.cli.result_file import ResultFile
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.serve.schemas import Batch, BatchError, BatchErrors, RequestCounts
@@ -39,6 +40,7 @@ class ServeEngine:
     seed: int  # a request without its own seed samples with one derived from this and its custom_id
     tool_call_parser: str | None = None  # the format tool calls are read in (None: the chat template's)
     task: str = "generate"  # "embed": an embedding engine, its batches for /v1/embeddings
+    lora_modules: dict = field(default_factory=dict)  # --lora-modules {name: folder}: a body's model selects one
 
 
 class InputFileError(FlexSarathiError):
@@ -99,6 +101,7 @@ def run_batch(engine: ServeEngine, store: Store, batch: Batch, stop: Callable[[]
     closed, nothing left queued, and the records before it stay whole (a torn last line is cut off
     when the file is opened again)."""
     requests = read_batch_requests(store.file_path(batch.input_file_id), batch.input_file_id)
+    route_to_adapters(requests, engine.lora_modules, {engine.model_name, engine.meta["model"]})
     out = open_results(engine, store, batch.id)
     try:
         store.update_batch(batch.id, request_counts=RequestCounts(
@@ -123,7 +126,8 @@ def _run_chunk(engine: ServeEngine, store: Store, batch_id: str, chunk: list[Bat
             store.count_requests(batch_id, failed=1)
     runnable = [r for r in chunk if not r.error]
     finished = 0
-    for failed in run_lines(engine.llm, job_lines(engine.task, runnable), params, record, use_tqdm=False, stop=stop):
+    for failed in run_lines(engine.llm, job_lines(engine.task, runnable), params, record, use_tqdm=False, stop=stop,
+                            lora_modules=engine.lora_modules):
         store.count_requests(batch_id, completed=1 - failed, failed=failed)
         finished += 1
     return finished == len(runnable)

@@ -22,7 +22,7 @@ import os
 import socket
 import sys
 
-from flexsarathi.cli.engine_args import add_model_args, build_llm, describe_policy
+from flexsarathi.cli.engine_args import add_lora_modules_arg, add_model_args, build_llm, describe_policy, lora_modules
 from flexsarathi.cli.file_checks import positive_int
 from flexsarathi.cli.generate import add_tool_call_parser_arg
 from flexsarathi.engine.pooling import BATCH_TASKS
@@ -39,6 +39,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve OpenAI's Files and Batches API (HTTP) on one engine",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
+    add_lora_modules_arg(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=int, default=8000)
@@ -128,11 +129,14 @@ def build_engine(args):
     from flexsarathi.engine.llm_engine import resolve_device, resolve_dtype
     from flexsarathi.engine.sampling import SamplingParams
     from flexsarathi.formats.opened_model import open_model
+    from flexsarathi.cli.request_files import adapter_fingerprints
     from flexsarathi.serve.batch_job import ServeEngine
 
     sampling = {**SAMPLING_DEFAULTS, "max_tokens": args.max_tokens}
     SamplingParams(**sampling)
     opened = open_model(args.model, lora=args.lora)
+    modules = lora_modules(args)
+    adapters = adapter_fingerprints(modules)  # each folder read before the server starts
     dtype = resolve_dtype(args.dtype, opened.source.config.checkpoint_dtype, resolve_device(args.device))
     args.dtype = str(dtype).removeprefix("torch.")
     llm, policy = build_llm(args, None, opened=opened)  # --policy auto: planned for the default workload
@@ -142,6 +146,8 @@ def build_engine(args):
     meta = {"job": "flexsarathi serve", "format": "openai", "model": name, "weights": opened.source.fingerprint,
             "dtype": args.dtype, "seed": args.seed, "sampling": sampling,
             **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {}),
-            **({"task": args.task} if args.task != "generate" else {})}
+            **({"task": args.task} if args.task != "generate" else {}),
+            **({"lora_modules": adapters} if adapters else {})}
     return ServeEngine(llm=llm, model_name=os.path.basename(os.path.normpath(args.model)), meta=meta,
-                       sampling=sampling, seed=args.seed, tool_call_parser=args.tool_call_parser, task=args.task)
+                       sampling=sampling, seed=args.seed, tool_call_parser=args.tool_call_parser, task=args.task,
+                       lora_modules=modules)

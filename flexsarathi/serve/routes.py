@@ -229,7 +229,9 @@ def _batch(request: Request, batch_id: str) -> Batch:
 
 
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[ModelCard(id=request.app.state.engine.model_name, created=request.app.state.started)])
+    """The served model and its --lora-modules adapters (a batch line's body.model picks one)."""
+    engine, started = request.app.state.engine, request.app.state.started
+    return ModelList(data=[ModelCard(id=name, created=started) for name in (engine.model_name, *engine.lora_modules)])
 
 
 def _page(items: list, after: str | None, limit: int) -> tuple[list, bool]:

@@ -188,7 +188,7 @@ def test_a_batch_file_routes_each_line_to_the_adapter_its_model_names(two_adapte
             "--max-tokens", "6"]
     assert main([*args, "--input", str(job), *modules]) == 1  # one error record
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert "'c' is neither this job's model nor one of its --lora-modules (a, b)" in records["r5"]["error"]["message"]
+    assert "'c' is neither the base model nor one of the --lora-modules (a, b)" in records["r5"]["error"]["message"]
     loras = [adapters[m][0] if m in ("a", "b") else None for m in models[:5]]
     with LLM(folder, dtype="float32", enable_lora=True) as llm:
         want = llm.generate([PROMPTS[i % 4] for i in range(5)], SamplingParams(max_tokens=6, temperature=0),

@@ -156,6 +156,30 @@ def test_ray_output_equals_single_process(stories_dir, cluster, tmp_path):
 
 
 @needs_ray
+def test_ray_lines_naming_lora_modules_equal_single_process(tiny_checkpoint, cluster, tmp_path):
+    """`--lora-modules` on 2 actors, batches of 2: each line runs with the adapter its "model" names
+    (the actors read the same adapter folders), every record equal to the single-process run's."""
+    pytest.importorskip("peft")
+    from tests.flexsarathi.formats.test_lora_adapter import save_adapter
+
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    save_adapter(folder, tmp_path / "a", ["q_proj", "v_proj", "down_proj"], seed=1)
+    save_adapter(folder, tmp_path / "b", ["k_proj", "up_proj"], seed=2)
+    lines = [{"id": f"r{i}", "prompt_token_ids": [3, 17, 42, 9 + i], **({"model": m} if m else {})}
+             for i, m in enumerate(["a", "b", None, "a", "b", "c"])]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    args = ["generate", "--model", folder, "--input", src, "--max-tokens", "6", "--temperature", "0",
+            "--dtype", "float32", "--lora-modules", f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"]
+    single_process(args + ["--output", str(tmp_path / "single.jsonl"), "--quiet"], rc=1)
+    proc = cli(*args, "--output", str(tmp_path / "ray.jsonl"), "--ray", "--ray-address", cluster,
+               "--ray-actors", "2", "--ray-batch-size", "2")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    expected = sorted_records(tmp_path / "single.jsonl")
+    assert_same_records(sorted_records(tmp_path / "ray.jsonl"), expected)
+    assert "neither the base model" in expected[-1]  # r5's model "c"
+
+
+@needs_ray
 def test_ray_embedding_lines_equal_single_process(stories_dir, cluster, tmp_path):
     """/v1/embeddings lines on 2 actors, batches of 2 (a line's inputs may land on both): each line's
     record gathers its inputs' embeddings back in order, equal to the single-process run's to

@@ -278,3 +278,34 @@ def test_an_embedding_server_runs_embeddings_batches_as_generate_does(stories_di
     assert refused.status == "failed" and "line 5 is for /v1/completions" in refused.errors.data[0].message
     assert batch.status == "completed" and batch.request_counts.failed == 3
     assert by_request(records) == generated(stories_dir, src, tmp_path)
+
+
+def test_a_server_with_lora_modules_runs_each_line_with_the_adapter_its_model_names(tiny_checkpoint, tmp_path):
+    """`serve --lora-modules a=DIR b=DIR`: /v1/models lists the model and both adapters; a batch whose
+    lines name a, b, the model and an unknown model gives the records `generate` writes with the same
+    adapters (each line's tokens its adapter's, the unknown one an error record)."""
+    pytest.importorskip("peft")
+    from tests.flexsarathi.formats.test_lora_adapter import save_adapter
+
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    save_adapter(folder, tmp_path / "a", ["q_proj", "v_proj", "down_proj"], seed=1)
+    save_adapter(folder, tmp_path / "b", ["k_proj", "up_proj"], seed=2)
+    modules = ["--lora-modules", f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"]
+    # logprobs: the tokens as the records name them (the checkpoint has no tokenizer to write text)
+    lines = [{**completion(f"r{i}", [3, 17, 42, 9]), "body": {**completion("", [3, 17, 42, 9], logprobs=1)["body"],
+                                                              "model": m}}
+             for i, m in enumerate(["a", "b", Path(folder).name, "c"])]
+    src = write_lines(tmp_path / "lora.jsonl", lines)
+    srv = Server(tmp_path / "data", "--model", folder, "--dtype", "float32", *modules).start()
+    try:
+        client = srv.client()
+        assert [m.id for m in client.models.list().data] == [Path(folder).name, "a", "b"]
+        batch, records = finished_batch(client, src, "/v1/completions")
+    finally:
+        srv.stop()
+    assert batch.status == "completed" and batch.request_counts.failed == 1
+    got = by_request(records)
+    assert got == generated(folder, src, tmp_path, *modules)
+    assert [got[f"r{i}"]["response"]["body"]["model"] for i in range(3)] == ["a", "b", Path(folder).name]
+    tokens = [json.dumps(got[f"r{i}"]["response"]["body"]["choices"][0]["logprobs"]["tokens"]) for i in range(3)]
+    assert len(set(tokens)) == 3  # three models' tokens
