@@ -207,3 +207,33 @@ def test_a_batch_file_routes_each_line_to_the_adapter_its_model_names(two_adapte
     assert main([*args, "--input", str(openai), *modules]) == 1
     results = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "openai_out.jsonl").read_text().splitlines())}
     assert results["o0"]["response"]["body"]["model"] == "b" and "'base-name' is neither" in json.dumps(results["o1"])
+    capsys.readouterr()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "prompt_token_ids": [3, 4], "model": 5}) + "\n")
+    args[args.index("--output") + 1] = str(tmp_path / "bad_out.jsonl")
+    assert main([*args, "--input", str(bad), *modules]) == 1
+    assert "model must be a non-empty string, got 5" in (tmp_path / "bad_out.jsonl").read_text()
+    for misuse, said in ((["--lora-modules", "a=x", "a=y"], "names 'a' twice"),
+                         ([*modules, "--lora", str(tmp_path / "a")], "give one of them")):
+        assert main([*args, "--input", str(job), "--overwrite", *misuse]) == 2
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--input", str(job), "--lora-modules", "a"])  # argparse: NAME=DIR
+
+
+def test_chat_runs_each_conversation_with_its_adapter(stories_dir, tmp_path):
+    """LLM.chat's lora_request, one per conversation: each gives the tokens generate gives its
+    rendered prompt with that adapter, and the adapter's differ from the base model's."""
+    from tests.conftest import with_chat_template
+
+    folder = with_chat_template(stories_dir, tmp_path / "stories", "{% for m in messages %}{{ m['content'] }} "
+                                "{% endfor %}")
+    save_adapter(folder, tmp_path / "a", ["q_proj", "v_proj", "down_proj"], seed=3)
+    a = LoRARequest("a", 1, str(tmp_path / "a"))
+    chats = [[{"role": "user", "content": "Once upon a time"}], [{"role": "user", "content": "Lily wanted to"}]]
+    with LLM(folder, dtype="float32", enable_lora=True) as llm:
+        got = llm.chat(chats * 2, GREEDY, use_tqdm=False, lora_request=[a, a, None, None])
+        ids = [llm.tokenizer.encode(o.prompt, add_special_tokens=False) for o in got[:2]]
+        want = llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False, lora_request=a)
+    assert [o.outputs[0].token_ids for o in got[:2]] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in got[:2]] != [o.outputs[0].token_ids for o in got[2:]]
