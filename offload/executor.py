@@ -366,7 +366,7 @@ class PassExecutor:
             else:
                 attn[step.rows] = merged.flatten(0, 1)
         attn = attn if whole else attn.flatten(1)  # [T, heads * d]
-        return self._post_attention(layer, base, mb, hidden, attn), k, v, v_codes  # hidden: [T, hidden]
+        return self._post_attention(layer, base, w, mb, hidden, attn), k, v, v_codes  # hidden: [T, hidden]
 
     def _adapted(self, layer: int, w, lora_rows: dict):
         """The layer's weights with the updates of the LoRA adapters whose rows are in `lora_rows`."""
@@ -441,19 +441,21 @@ class PassExecutor:
         """The part's decode rows are attended in its pool by the Triton kernel (KVPool.attend_decode_codes)."""
         return self._routes[id(part)] is IN_POOL and self.kv_pools[part.tier].attends_with_triton()
 
-    def _post_attention(self, layer: int, w, mb: MicroBatch, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _post_attention(self, layer: int, base, w, mb: MicroBatch, hidden: torch.Tensor,
+                        attn: torch.Tensor) -> torch.Tensor:
         """The layer after attention, in slices of POST_ATTENTION_ROWS rows where the micro-batch has
         more: every op there is row-wise, so the slices give the whole call's rows, and a long prompt
         pass holds one slice's MLP intermediates ([rows, ffn], the largest of a layer) instead of all
         (FlexGen's batch-72 x 512 prefill of OPT-6.7B: 1.2 GB of fc1 output at once otherwise).
-        `w` without LoRA updates: each slice takes those of its own rows."""
+        `w`: the layer's weights with the micro-batch's LoRA updates; a slice takes those of its own
+        rows, around `base` (the weights without them)."""
         rows = hidden.shape[0]
         if rows <= POST_ATTENTION_ROWS:
-            return self.model.post_attention(self._adapted(layer, w, mb.lora_rows), hidden, attn)
+            return self.model.post_attention(w, hidden, attn)
         out = torch.empty_like(hidden)  # [T, hidden]
         for start in range(0, rows, POST_ATTENTION_ROWS):
             stop = start + POST_ATTENTION_ROWS
-            adapted = self._adapted(layer, w, _rows_within(mb.lora_rows, start, stop))
+            adapted = self._adapted(layer, base, _rows_within(mb.lora_rows, start, stop)) if mb.lora_rows else w
             out[start:stop] = self.model.post_attention(adapted, hidden[start:stop], attn[start:stop])
         return out
 

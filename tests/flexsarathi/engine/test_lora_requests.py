@@ -237,3 +237,25 @@ def test_chat_runs_each_conversation_with_its_adapter(stories_dir, tmp_path):
         want = llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False, lora_request=a)
     assert [o.outputs[0].token_ids for o in got[:2]] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].token_ids for o in got[:2]] != [o.outputs[0].token_ids for o in got[2:]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("placement", ["all_on_gpu", "cpu_weights"])
+def test_on_a_gpu_a_mixed_batch_gives_the_cpus_logits(two_adapters, tmp_path, placement, monkeypatch):
+    """The same mixed batch on CUDA (adapter factors there; streamed base weights with cpu_weights;
+    long prompt passes sliced, the slices' rows found on the device) and on the CPU, fp32."""
+    folder, _, adapters = two_adapters("llama_gqa_untied")
+    loras = [adapters["a"][0], adapters["b"][0], None, adapters["a"][0]]
+    policy = Policy(**({} if placement == "all_on_gpu" else PLACEMENTS["cpu_weights"]))
+    got = {}
+    for device in ("cpu", "cuda"):
+        with LLM(folder, dtype="float32", device=device, enable_lora=True, policy=policy,
+                 offload_dir=str(tmp_path / device)) as llm:
+            got[device] = prompt_logits(llm, PROMPTS, loras)
+            monkeypatch.setattr(executor, "POST_ATTENTION_ROWS", 5)
+            got[device + " sliced"] = prompt_logits(llm, PROMPTS, loras)
+            monkeypatch.undo()
+    for key in ("cuda", "cuda sliced"):
+        for mine, theirs in zip(got[key], got["cpu"]):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
