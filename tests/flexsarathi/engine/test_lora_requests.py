@@ -259,3 +259,35 @@ def test_on_a_gpu_a_mixed_batch_gives_the_cpus_logits(two_adapters, tmp_path, pl
     for key in ("cuda", "cuda sliced"):
         for mine, theirs in zip(got[key], got["cpu"]):
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gguf_base_serves_adapters_as_peft_does_on_its_weights(tmp_path):
+    """A Q4_0 GGUF file as the base (its codes kept as they are; q/k rows back in transformers'
+    order): an adapter trained on transformers' load of that file gives PEFT's logits, a prompt
+    without one the base model's."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_files import build_model, write_gguf
+
+    path = tmp_path / "model.gguf"
+    write_gguf(build_model("llama"), path, weight_type="Q4_0")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
+    torch.manual_seed(5)
+    model = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                     target_modules=["q_proj", "k_proj", "o_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn_like(param))
+    model.save_pretrained(str(tmp_path / "a"))
+    prompts = [[1, 5, 9, 33, 7, 100, 3], [17, 2, 99, 64, 31, 8]]
+    with LLM(str(path), dtype="float32", device="cpu", cpu_matmul="dequantize", enable_lora=True) as llm:
+        ours = prompt_logits(llm, prompts, [LoRARequest("a", 1, str(tmp_path / "a")), None])
+    with torch.no_grad():
+        adapted = model(torch.tensor([prompts[0]])).logits[0]
+        with model.disable_adapter():
+            plain = [model(torch.tensor([p])).logits[0] for p in prompts]
+    torch.testing.assert_close(ours[0], adapted, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours[1], plain[1], rtol=1e-4, atol=1e-4)
+    assert (adapted - plain[0]).abs().max() > 0.1  # the adapter changes the model: the first could fail
