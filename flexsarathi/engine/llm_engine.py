@@ -360,8 +360,8 @@ class LLMEngine:
                                      self.device, self.dtype, overlap=p.overlap,
                                      cpu_attention=p.cpu_attention, cpu_matmul=self.cpu_matmul,
                                      head="hidden" if e.task in POOLING_TASKS else "logits")
-        self.loras = (LoraAdapters(self.model, self.dtype, self.device, self.memory, self.executor.lora_factors)
-                      if e.enable_lora else None)  # fills the executor's factors as requests name adapters
+        self.loras = (LoraAdapters(self.model, self.dtype, self.device, self.memory, self.executor.lora_factors,
+                                   self._adapters_in_use) if e.enable_lora else None)
         self.blocks = BlockManager(self.block_size, {}, num_residual=0,  # laid out per batch
                                    prefix_caching=e.enable_prefix_caching)
         self.scheduler = Scheduler(self._scheduler_config(), self.blocks)
@@ -560,6 +560,11 @@ class LLMEngine:
             raise FlexSarathiError("a lora_request needs an engine serving adapters: LLM(model, enable_lora=True)")
         return self.loras.load(lora_request)
 
+    def _adapters_in_use(self) -> set[int]:
+        """LoRA adapter ids of the unfinished sequences (LoraAdapters keeps them)."""
+        s = self.scheduler
+        return {seq.lora_id for seq in (*s.running, *s.waiting)}
+
     @property
     def embedding_width(self) -> int:
         """Values in an embedding: the final hidden state's (OPT's project_out narrows it)."""
@@ -651,6 +656,21 @@ class LLMEngine:
         seqs = [seq for group in groups for seq in group]
         if not seqs:
             return
+        try:
+            self._lay_out_batch(seqs)
+        except MemoryBudgetError:
+            # LoRA adapters of earlier batches that this one does not use give their room back
+            if self.loras is None or not self.loras.drop_idle(keep={seq.lora_id for seq in seqs}):
+                raise
+            self._lay_out_batch(seqs)
+        for group in groups:
+            self.scheduler.add_group(group)
+        if self.loras is not None:
+            self.loras.batch_added()  # the batch's sequences hold their adapters from now on
+
+    def _lay_out_batch(self, seqs: list[Sequence]) -> None:
+        """The running set, KV pools and blocks for a batch of `seqs`; MemoryBudgetError where they, or
+        its largest pass, do not fit."""
         lengths = _lengths(seqs)
         running = self.fitted_running(*lengths)
         if self.engine_config.fit_running:  # the running set fitted to this batch
@@ -661,8 +681,6 @@ class LLMEngine:
         self.blocks.resize(blocks, num_residual=running, kept=kept)
         self._check_worst_pass(lengths, running, blocks)
         self.batch_running = running
-        for group in groups:
-            self.scheduler.add_group(group)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

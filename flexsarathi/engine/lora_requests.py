@@ -6,14 +6,19 @@ requests of several adapters in one batch share that stream, where one job per m
 out) values per linear) and stay on the compute device; a linear then adds each adapter's
 x A.T B.T to its own rows (offload/weights.py LoraLinear) beside the base matmul.
 
-Adapters are read when a request first names them and kept for the engine's life, charged to the
-compute device's budget ("LoRA adapters"). A request names an adapter by `lora_int_id` (a positive
-integer); the same id with another name or folder is refused, as vLLM refuses it.
+Adapters are read when a request first names them and kept while there is room, charged to the
+compute device's budget ("LoRA adapters"): where a new one does not fit, the least recently
+requested adapters that no unfinished or queued request uses are dropped first (vLLM's LRU of
+adapter slots), so a job of many adapters holds those of its current batch, not all it ever named.
+A request names an adapter by `lora_int_id` (a positive integer); the same id with another name or
+folder is refused, as vLLM refuses it.
 """
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -52,11 +57,15 @@ class LoraAdapters:
     """The adapters one engine serves: `factors[id][layer]` = {weight: (A, B)} on the compute device,
     which the executor reads for the rows of each id (offload/weights.py with_lora)."""
 
-    def __init__(self, model, dtype: torch.dtype, device: torch.device, memory: MemoryTracker, factors: dict):
-        """factors: the dict the executor reads (PassExecutor.lora_factors), filled here."""
+    def __init__(self, model, dtype: torch.dtype, device: torch.device, memory: MemoryTracker, factors: dict,
+                 in_use: Callable[[], set[int]]):
+        """factors: the dict the executor reads (PassExecutor.lora_factors), filled here; in_use: the
+        ids of the adapters that the engine's unfinished and queued requests run with (kept)."""
         self.model, self.dtype, self.device, self.memory = model, dtype, device, memory
         self.factors: dict[int, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]] = factors
-        self.loaded: dict[int, LoadedAdapter] = {}
+        self.in_use = in_use
+        self.loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()  # least recently requested first
+        self.requested: set[int] = set()  # since the last batch was added: its sequences are being made
 
     def load(self, request: LoRARequest) -> LoadedAdapter:
         """The adapter `request` names, read on its first request; FlexSarathiError (CheckpointError) where
@@ -70,24 +79,52 @@ class LoraAdapters:
                 raise FlexSarathiError(f"LoRARequest id {request.lora_int_id} is {known.request.lora_name!r} "
                                        f"({known.request.lora_path}) in this engine; {request.lora_name!r} "
                                        f"({request.lora_path}) needs an id of its own")
+            self.loaded.move_to_end(request.lora_int_id)
+            self.requested.add(request.lora_int_id)
             return known
         adapter = open_adapter(str(request.lora_path))
         layers = adapter.layer_factors(self.model, self.dtype)
         nbytes = sum(t.numel() * t.element_size() for factors in layers for pair in factors.values() for t in pair)
-        try:
-            self.memory.reserve("gpu", nbytes, "LoRA adapters")
-        except MemoryBudgetError as short:
-            raise FlexSarathiError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}) does not fit beside "
-                                   f"the model on the compute device: {short}") from None
+        self._reserve(request, nbytes)
         self.factors[request.lora_int_id] = [{name: (a.to(self.device), b.to(self.device))
                                               for name, (a, b) in factors.items()} for factors in layers]
         loaded = self.loaded[request.lora_int_id] = LoadedAdapter(request, adapter.fingerprint, nbytes)
+        self.requested.add(request.lora_int_id)
         return loaded
+
+    def drop_idle(self, keep: set[int]) -> bool:
+        """Drops every adapter that neither `keep` nor an unfinished request uses; whether any was."""
+        idle = [i for i in self.loaded if i not in keep | self.in_use()]
+        for adapter_id in idle:
+            self._drop(adapter_id)
+        return bool(idle)
+
+    def batch_added(self) -> None:
+        """The sequences made since the last call are queued: they (in_use) hold their adapters now."""
+        self.requested.clear()
+
+    def _reserve(self, request: LoRARequest, nbytes: int) -> None:
+        """Room for `nbytes` of factors, dropping idle adapters (least recently requested first) while
+        it is short; FlexSarathiError where it stays short."""
+        while True:
+            try:
+                self.memory.reserve("gpu", nbytes, "LoRA adapters")
+                return
+            except MemoryBudgetError as short:
+                used = self.in_use() | self.requested
+                idle = next((i for i in self.loaded if i not in used), None)
+                if idle is None:
+                    held = f"; the {len(self.loaded)} held are all in use" if self.loaded else ""
+                    raise FlexSarathiError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}) does not fit "
+                                           f"beside the model on the compute device{held}: {short}") from None
+                self._drop(idle)
+
+    def _drop(self, adapter_id: int) -> None:
+        self.memory.release("gpu", self.loaded.pop(adapter_id).nbytes, "LoRA adapters")
+        del self.factors[adapter_id]
 
     def close(self) -> None:
         """Frees every adapter and its reservation."""
-        for loaded in self.loaded.values():
-            self.memory.release("gpu", loaded.nbytes, "LoRA adapters")
-        self.factors.clear()
-        self.loaded.clear()
+        for adapter_id in list(self.loaded):
+            self._drop(adapter_id)
 

@@ -4,6 +4,7 @@ logits; every placement and schedule gives the all-on-device tokens; prefix-cach
 shared across adapters; what cannot be served is refused, saying what."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -13,7 +14,9 @@ import torch
 from flexsarathi import LLM, LoRARequest, SamplingParams
 from flexsarathi.errors import CheckpointError, FlexSarathiError
 from offload import executor
+from offload.memory import MemoryBudgetError
 from policy_search import Policy
+from policy_search.hardware import HardwareSpec
 from tests.prompt_logits import prompt_logits
 
 peft = pytest.importorskip("peft")
@@ -291,3 +294,70 @@ def test_a_gguf_base_serves_adapters_as_peft_does_on_its_weights(tmp_path):
     torch.testing.assert_close(ours[0], adapted, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours[1], plain[1], rtol=1e-4, atol=1e-4)
     assert (adapted - plain[0]).abs().max() > 0.1  # the adapter changes the model: the first could fail
+
+
+def test_adapters_no_request_uses_give_their_room_to_a_batch_that_needs_it(tiny_checkpoint, tmp_path):
+    """A compute budget with room for a batch of three prompts and two adapters beside the model:
+    a batch with a third adapter takes the room of those no request of it uses (their tokens
+    unchanged when they come back); a batch that needs all three at once is refused before any
+    work, the adapters named in the arithmetic, and the engine runs the next batch."""
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    loras = {}
+    for i, name in enumerate("abc"):
+        save_adapter(folder, tmp_path / name, ["q_proj", "v_proj", "down_proj"], seed=i + 1)
+        loras[name] = LoRARequest(name, i + 1, str(tmp_path / name))
+    prompts, policy = [[3, 17, 42, 9], [5, 6, 7], [8, 9, 10, 11, 12]], Policy(gpu_batch_size=4)
+
+    def run(llm, *names):
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[loras[n] for n in names])
+        return [o.outputs[0].token_ids for o in outs]
+
+    with LLM(folder, dtype="float32", enable_lora=True, policy=policy) as llm:
+        want = {name: run(llm, name, name, name) for name in loras}
+        report = llm.engine.memory.report()["gpu"]
+        one = report["by_what"]["LoRA adapters"] // 3
+        room = report["peak"] - one // 2  # the peak held all three adapters: room for two and a half
+    t4 = HardwareSpec.resolve("t4", "hardware=")  # its budget: gpu_memory * memory_usable_fraction
+    with LLM(folder, dtype="float32", enable_lora=True, policy=policy,
+             hardware=dataclasses.replace(t4, gpu_memory=room / t4.memory_usable_fraction)) as llm:
+        assert run(llm, "a", "a", "a") == want["a"] and run(llm, "b", "b", "b") == want["b"]
+        assert list(llm.engine.loras.loaded) == [1, 2]
+        assert run(llm, "c", "c", "c") == want["c"]
+        assert list(llm.engine.loras.loaded) == [3]  # a and b, idle, gave their room
+        assert run(llm, "b", "a", "b") == [want["b"][0], want["a"][1], want["b"][2]]
+        with pytest.raises(MemoryBudgetError, match=f"LoRA adapters .* \\({3 * one} bytes\\)"):
+            run(llm, "a", "b", "c")
+        assert run(llm, "c", "c", "c") == want["c"]
+
+
+def test_a_large_adapter_read_where_room_is_short_drops_the_least_recently_requested_idle_one(tiny_checkpoint,
+                                                                                               tmp_path):
+    """Adapters larger than a pass's headroom, room for one and a half: reading the next drops the
+    least recently requested adapter that no queued request uses, as the read happens (the batch
+    being made keeps its own); its tokens are unchanged. An adapter the batch being made holds is
+    never dropped: a second one in the same batch is that request's refusal, saying why."""
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    loras = {}
+    for i, name in enumerate("abc"):
+        save_adapter(folder, tmp_path / name, TARGETS["llama_gqa_untied"][0], seed=i + 1, r=64)
+        loras[name] = LoRARequest(name, i + 1, str(tmp_path / name))
+    prompt, policy = [[3, 17, 42, 9]], Policy(gpu_batch_size=2)
+
+    def run(llm, *names, on_error="raise"):
+        outs = llm.generate(prompt * len(names), GREEDY, use_tqdm=False, on_error=on_error,
+                            lora_request=[loras[n] for n in names])
+        return [o.error or o.outputs[0].token_ids for o in outs]
+
+    with LLM(folder, dtype="float32", enable_lora=True, policy=policy) as llm:
+        want = {name: run(llm, name)[0] for name in loras}
+        report = llm.engine.memory.report()["gpu"]
+        one = report["by_what"]["LoRA adapters"] // 3
+        room = report["peak"] - 3 * one + one + one // 2
+        assert report["peak_by_what"]["largest pass (activations)"] < one // 2  # reads, not layouts, drop
+    t4 = HardwareSpec.resolve("t4", "hardware=")
+    with LLM(folder, dtype="float32", enable_lora=True, policy=policy,
+             hardware=dataclasses.replace(t4, gpu_memory=room / t4.memory_usable_fraction)) as llm:
+        assert run(llm, "a") == [want["a"]] and run(llm, "b") == [want["b"]] and run(llm, "c") == [want["c"]]
+        assert list(llm.engine.loras.loaded) == [3]
+        got = run(llm, "a", "b", on_error="record")
+        assert got[0] == want["a"] and "LoRA adapter 'b'" in got[1] and "the 1 held are all in use" in got[1]

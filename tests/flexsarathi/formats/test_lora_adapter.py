@@ -26,12 +26,12 @@ TARGETS = {
 PROMPTS = [[3, 17, 42, 9, 77, 5, 23], [11, 12, 13, 14]]
 
 
-def save_adapter(base_folder: str, folder, targets: list[str], seed: int = 1, **config) -> torch.nn.Module:
+def save_adapter(base_folder: str, folder, targets: list[str], seed: int = 1, r: int = 4, **config) -> torch.nn.Module:
     """A PEFT adapter of random, non-trivial weights saved to `folder`; returns PEFT's adapted model."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_folder, torch_dtype=torch.float32, attn_implementation="eager")
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **config)
+    lora = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, **config)
     torch.manual_seed(seed)
     model = peft.get_peft_model(base, lora)
     with torch.no_grad():  # PEFT's random init is small: make the update show in the logits
