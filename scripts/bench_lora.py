@@ -2,9 +2,11 @@
 """A batch job whose requests use several LoRA adapters of one base model: what serving them per
 request in one engine (`LLM(enable_lora=True)`, each request's LoRARequest, requests of every
 adapter in the same passes) saves over what a user ran before, one job per adapter merged into the
-weights (`LLM(lora=...)`, each job streaming every weight once per pass for its own requests only).
-Side by side in one process, rounds alternated (A B, B A, ...); end-to-end seconds, passes and
-their ratio (prints; asserts nothing).
+weights (`LLM(lora=...)`, each job streaming every weight once per pass for its own requests only),
+and against transformers + PEFT's own mixed-adapter batch (`generate(..., adapter_names=[...])`,
+every adapter loaded in one PeftModel; `--skip-peft` leaves it out). Side by side in one process,
+rounds alternated (A B C, B C A, ...); end-to-end seconds, passes and the ratios (prints; asserts
+nothing).
 
     .venv/bin/python scripts/bench_lora.py                    # 4 adapters x 8 requests, 32 -> 64
     .venv/bin/python scripts/bench_lora.py --adapters 8 --policy disk   # weights read from the disk store
@@ -34,7 +36,7 @@ from flexsarathi import LLM, LoRARequest, SamplingParams
 from flexsarathi.machine.cpu_info import cpu_line
 from policy_search import Policy
 
-ENGINES = ("one job per adapter", "per-request adapters")
+ENGINES = ("one job per adapter", "per-request adapters", "transformers + PEFT (adapter_names)")
 TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 
@@ -70,6 +72,27 @@ def write_adapter(args, base: str, folder: str, seed: int) -> None:
                    "target_modules": [t.split(".")[-1] for t in TARGETS]}, f)
 
 
+def peft_model(base: str, folders: list[str], dtype: torch.dtype):
+    """transformers' model of `base` with every adapter loaded into one PeftModel (names a0, a1, ...)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    model = PeftModel.from_pretrained(model, folders[0], adapter_name="a0")
+    for i, folder in enumerate(folders[1:], 1):
+        model.load_adapter(folder, adapter_name=f"a{i}")
+    return model.eval()
+
+
+def peft_tokens(model, prompts: list[list[int]], owner: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy, exactly max_tokens each (EOS ignored), one mixed batch (prompts of one length: no padding)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor(prompts), attention_mask=torch.ones(len(prompts), len(prompts[0]),
+                             dtype=torch.long), adapter_names=[f"a{i}" for i in owner], do_sample=False,
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+    return out[:, len(prompts[0]):].tolist()
+
+
 def policy_of(args) -> Policy:
     placed = dict(w_gpu=0.0, w_cpu=0.0, w_disk=1.0) if args.policy == "disk" else {}
     return Policy(gpu_batch_size=args.adapters * args.requests, **placed)
@@ -88,6 +111,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: the engine's auto (measured per machine on a CPU)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-peft", action="store_true", help="leave transformers + PEFT out")
     harness.add_json_option(ap, __file__)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_lora_") as tmp:
@@ -122,14 +146,20 @@ def main() -> None:
             runs[ENGINES[1]].append({"tokens": [o.outputs[0].token_ids for o in outs],
                                      "passes": served.last_stats["passes"]})
 
-        side = harness.alternate({ENGINES[0]: per_adapter, ENGINES[1]: per_request}, rounds=args.rounds)
-        engine = served.engine
-        dtype = str(engine.dtype).removeprefix("torch.")
+        engines = {ENGINES[0]: per_adapter, ENGINES[1]: per_request}
+        if not args.skip_peft:
+            reference = peft_model(base, folders, served.engine.dtype)
+            engines[ENGINES[2]] = lambda: runs[ENGINES[2]].append(
+                {"tokens": peft_tokens(reference, prompts, owner, args.max_tokens), "passes": args.max_tokens})
+        side = harness.alternate(engines, rounds=args.rounds)
+        dtype = str(served.engine.dtype).removeprefix("torch.")
         for llm in [*merged, served]:
             llm.close()
+    names = list(engines)
     rows = [{"engine": name, "seconds": min(side.seconds[name]), "passes": runs[name][-1]["passes"],
-             "tok_per_s": len(prompts) * args.max_tokens / min(side.seconds[name])} for name in ENGINES]
-    same = sum(a == b for a, b in zip(runs[ENGINES[0]][0]["tokens"], runs[ENGINES[1]][0]["tokens"]))
+             "tok_per_s": len(prompts) * args.max_tokens / min(side.seconds[name])} for name in names]
+    same = {name: sum(a == b for a, b in zip(runs[name][0]["tokens"], runs[ENGINES[1]][0]["tokens"]))
+            for name in names if name != ENGINES[1]}
     pairs = [a / b for a, b in zip(side.seconds[ENGINES[0]], side.seconds[ENGINES[1]])]
     speedup = rows[0]["seconds"] / rows[1]["seconds"]
     print(f"random LLaMA hidden {args.hidden}, {args.layers} layers, {dtype}, weights {args.policy}; "
@@ -139,11 +169,16 @@ def main() -> None:
         print(line)
     print("passes: " + ", ".join(f"{r['engine']} {r['passes']}" for r in rows))
     print(f"per-request / one job per adapter, end to end: {speedup:.2f}x faster (best against best; per round "
-          f"{', '.join(f'{p:.2f}' for p in pairs)}, median {statistics.median(pairs):.2f}); requests with the "
-          f"same tokens in both: {same} of {len(prompts)}")
+          f"{', '.join(f'{p:.2f}' for p in pairs)}, median {statistics.median(pairs):.2f})")
+    ratios = {"per_request_speedup": speedup}
+    if ENGINES[2] in side.seconds:
+        ratios["per_request_over_peft"] = rows[2]["seconds"] / rows[1]["seconds"]
+        print(f"per-request / transformers + PEFT: {ratios['per_request_over_peft']:.2f}x faster")
+    print("requests with the per-request engine's tokens: "
+          + ", ".join(f"{name} {n} of {len(prompts)}" for name, n in same.items()))
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {cpu_line()}")
-    harness.write_result(args, rows, {"per_request_speedup": speedup},
-                         extra={"median_round_speedup": statistics.median(pairs), "same_tokens": same})
+    harness.write_result(args, rows, ratios, extra={"median_round_speedup": statistics.median(pairs),
+                                                    "same_tokens": same})
 
 
 if __name__ == "__main__":
