@@ -344,6 +344,36 @@ def test_actor_that_cannot_start_is_one_error_naming_why(stories_dir, cluster, t
 
 
 @needs_ray
+def test_processor_rows_naming_lora_modules_run_with_those_adapters(tiny_checkpoint, cluster, tmp_path):
+    """build_processor(lora_modules=...): each row's `model` column picks its adapter (None or the
+    base model's name: none), the tokens of LLM.generate with those LoRARequests; a row naming
+    neither fails the pipeline, saying which."""
+    pytest.importorskip("peft")
+    from flexsarathi import LLM, LoRARequest, SamplingParams
+    from flexsarathi.ray import build_processor
+    from tests.flexsarathi.formats.test_lora_adapter import save_adapter
+
+    folder, _ = tiny_checkpoint("llama_gqa_untied")
+    save_adapter(folder, tmp_path / "a", ["q_proj", "v_proj", "down_proj"], seed=1)
+    save_adapter(folder, tmp_path / "b", ["k_proj", "up_proj"], seed=2)
+    modules = {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}
+    models = ["a", "b", None, os.path.basename(folder), "a"]
+    prompts = [[3, 17, 42, 9 + i] for i in range(len(models))]
+    processor = build_processor(folder, sampling={"max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                                concurrency=2, batch_size=2, dtype="float32", lora_modules=modules)
+    rows = processor(ray.data.from_items([{"n": i, "prompt": p, "model": m}
+                                          for i, (p, m) in enumerate(zip(prompts, models))])).take_all()
+    rows.sort(key=lambda row: row["n"])
+    loras = [LoRARequest(m, "ab".index(m) + 1, modules[m]) if m in modules else None for m in models]
+    with LLM(folder, dtype="float32", enable_lora=True) as llm:
+        want = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False,
+                            lora_request=loras)
+    assert [list(row["generated_token_ids"]) for row in rows] == [o.outputs[0].token_ids for o in want]
+    with pytest.raises(Exception, match="a row's model 'c' is neither the base model nor one of lora_modules"):
+        processor(ray.data.from_items([{"prompt": prompts[0], "model": "c"}])).take_all()
+
+
+@needs_ray
 def test_processor_in_a_user_pipeline(stories_dir, cluster):
     """from_items -> the user's own map -> build_processor -> the user's filter -> take_all,
     against LLM.generate in this process."""
