@@ -44,9 +44,10 @@ TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 def write_base(args, folder: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
-                         num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 256,
-                         vocab_size=32000, max_position_embeddings=2048, torch_dtype="bfloat16")
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                         num_key_value_heads=args.hidden // 256, vocab_size=32000, max_position_embeddings=2048,
+                         torch_dtype="bfloat16")
     torch.manual_seed(args.seed)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
 
@@ -54,7 +55,8 @@ def write_base(args, folder: str) -> None:
 def write_adapter(args, base: str, folder: str, seed: int) -> None:
     """PEFT's save_pretrained layout: adapter_config.json + adapter_model.safetensors."""
     config = json.load(open(os.path.join(base, "config.json")))
-    h, kv = config["hidden_size"], config["num_key_value_heads"] * config["hidden_size"] // config["num_attention_heads"]
+    h = config["hidden_size"]
+    kv = config["num_key_value_heads"] * h // config["num_attention_heads"]
     shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
               "self_attn.o_proj": (h, h), "mlp.gate_proj": (config["intermediate_size"], h),
               "mlp.up_proj": (config["intermediate_size"], h), "mlp.down_proj": (h, config["intermediate_size"])}

@@ -102,14 +102,14 @@ class GenerationLines:
         return [sampling[req.key] for req in self.requests]
 
     def lora_requests(self, modules: dict[str, str]) -> list | None:
-        """Each request's LoRARequest (None: the base model) from its `lora` (a --lora-modules name;
-        ids by the names' order there); None where no request names one."""
+        """Each request's LoRARequest (None: the base model) from its `lora` (a --lora-modules name);
+        None where no request names one."""
         if not any(req.lora for req in self.requests):
             return None
-        from flexsarathi.engine.lora_requests import LoRARequest  # noqa: PLC0415 - the CLI's cold start
+        from flexsarathi.engine.lora_requests import module_requests  # noqa: PLC0415 - the CLI's cold start
 
-        ids = {name: i + 1 for i, name in enumerate(modules)}
-        return [LoRARequest(req.lora, ids[req.lora], modules[req.lora]) if req.lora else None for req in self.requests]
+        named = module_requests(modules)
+        return [named[req.lora] if req.lora else None for req in self.requests]
 
     def add(self, index: int, output):
         return self.requests[index], output

@@ -46,6 +46,12 @@ class LoRARequest:
             raise FlexSarathiError(f"LoRARequest.lora_path must be an adapter folder, got {self.lora_path!r}")
 
 
+def module_requests(modules: dict[str, str]) -> dict[str, LoRARequest]:
+    """Named adapters ({name: folder}: --lora-modules, build_processor's lora_modules) as the
+    LoRARequests their requests run with, ids in their order (1, 2, ...)."""
+    return {name: LoRARequest(name, i + 1, folder) for i, (name, folder) in enumerate(modules.items())}
+
+
 @dataclass(frozen=True)
 class LoadedAdapter:
     request: LoRARequest

@@ -14,7 +14,7 @@ import ray.data
 from flexsarathi.errors import FlexSarathiError
 from flexsarathi.ray.actors import EngineActor, map_with_engines
 from flexsarathi.ray.spec import EngineSpec, job_dtype
-from flexsarathi.engine.lora_requests import LoRARequest
+from flexsarathi.engine.lora_requests import module_requests
 from flexsarathi.engine.pooling import BATCH_TASKS, PoolingParams
 from flexsarathi.engine.sampling import SamplingParams
 
@@ -121,14 +121,13 @@ class PromptProcessor(EngineActor):
         naming a model that is neither an adapter nor the base model."""
         if not self.lora_modules or "model" not in batch.column_names:
             return None
-        ids = {name: i + 1 for i, name in enumerate(self.lora_modules)}
-        adapters = []
-        for model in batch.column("model").to_pylist():
-            if model is not None and model not in self.base_names and model not in ids:
+        named = module_requests(self.lora_modules)
+        models = batch.column("model").to_pylist()
+        for model in models:
+            if model is not None and model not in self.base_names and model not in named:
                 raise FlexSarathiError(f"build_processor: a row's model {model!r} is neither the base model nor "
                                        f"one of lora_modules ({', '.join(self.lora_modules)})")
-            adapters.append(LoRARequest(model, ids[model], self.lora_modules[model]) if model in ids else None)
-        return adapters
+        return [named.get(model) for model in models]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         if "prompt" not in batch.column_names:

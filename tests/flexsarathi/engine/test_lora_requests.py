@@ -184,8 +184,9 @@ def test_a_batch_file_routes_each_line_to_the_adapter_its_model_names(two_adapte
     folder, _, adapters = two_adapters("llama_gqa_untied")
     models = ["a", "b", None, "a", os.path.basename(folder), "c"]
     job, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    job.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": PROMPTS[i % 4], **({"model": m} if m else {})})
-                           + "\n" for i, m in enumerate(models)))
+    records = [{"id": f"r{i}", "prompt_token_ids": PROMPTS[i % 4], **({"model": m} if m else {})}
+               for i, m in enumerate(models)]
+    job.write_text("".join(json.dumps(r) + "\n" for r in records))
     modules = ["--lora-modules", f"a={adapters['a'][0].lora_path}", f"b={adapters['b'][0].lora_path}"]
     args = ["generate", "--model", folder, "--output", str(out), "--dtype", "float32", "--quiet", "--temperature", "0",
             "--max-tokens", "6"]
