@@ -362,3 +362,29 @@ def test_a_large_adapter_read_where_room_is_short_drops_the_least_recently_reque
         assert list(llm.engine.loras.loaded) == [3]
         got = run(llm, "a", "b", on_error="record")
         assert got[0] == want["a"] and "LoRA adapter 'b'" in got[1] and "the 1 held are all in use" in got[1]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_gptq_or_awq_base_serves_adapters_as_peft_does_on_its_weights(tmp_path, method):
+    """A 4-bit GPTQ / AWQ checkpoint as the base (its codes kept as they are): an adapter trained on
+    the model those codes are gives PEFT's logits, a prompt without one the base model's."""
+    from tests.flexsarathi.formats.test_quantized_checkpoint import packed_checkpoint
+
+    folder, ref = packed_checkpoint(tmp_path / "base", "llama", method, 4, 32, sym=method == "gptq")
+    torch.manual_seed(6)
+    model = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                     target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn_like(param))
+    model.save_pretrained(str(tmp_path / "a"))
+    with LLM(folder, dtype="float32", device="cpu", cpu_matmul="dequantize", enable_lora=True) as llm:
+        ours = prompt_logits(llm, PROMPTS[:2], [LoRARequest("a", 1, str(tmp_path / "a")), None])
+    with torch.no_grad():
+        adapted = model(torch.tensor([PROMPTS[0]])).logits[0]
+        with model.disable_adapter():
+            plain = [model(torch.tensor([p])).logits[0] for p in PROMPTS[:2]]
+    torch.testing.assert_close(ours[0], adapted, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(ours[1], plain[1], rtol=1e-3, atol=1e-3)
+    assert (adapted - plain[0]).abs().max() > 0.1  # the adapter changes the model: the first could fail
