@@ -205,43 +205,49 @@ class LLM:
         yield from self._requests_iter(prompts, params, None, use_tqdm, on_error, stop, adapters)
 
     def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
-              use_tqdm: bool = True, on_error: str = "raise") -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, on_error: str = "raise",
+              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed (needs LLM(model, task="embed")): one EmbeddingRequestOutput per prompt,
         in prompt order, its `.outputs.embedding` the final hidden state of the prompt's last token
         (engine/pooling.py); prompts are prefilled as generate prefills them (chunked, offloaded,
-        many per pass). on_error as generate's."""
-        results = dict(self.embed_iter(prompts, pooling_params, use_tqdm, on_error))
+        many per pass). on_error and lora_request as generate's."""
+        results = dict(self.embed_iter(prompts, pooling_params, use_tqdm, on_error, lora_request=lora_request))
         return [results[i] for i in range(len(results))]
 
     def embed_iter(self, prompts: Prompt | Seq[Prompt],
                    pooling_params: PoolingParams | Seq[PoolingParams] | None = None, use_tqdm: bool = True,
-                   on_error: str = "raise",
-                   stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, EmbeddingRequestOutput]]:
+                   on_error: str = "raise", stop: Callable[[], bool] | None = None,
+                   lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                   ) -> Iterator[tuple[int, EmbeddingRequestOutput]]:
         """(prompt index, output) as embeddings finish: generate_iter's counterpart."""
         if self.engine.engine_config.task != "embed":
             raise FlexSarathiError('LLM.embed needs an LLM built to embed: LLM(model, task="embed")')
         prompts, poolings = _check_pooling_arguments(prompts, pooling_params, on_error)
-        params = [_PROMPT_ONLY] * len(prompts)
-        yield from self._requests_iter(prompts, params, poolings, use_tqdm, on_error, stop)
+        params, adapters = [_PROMPT_ONLY] * len(prompts), _per_prompt_lora(lora_request, len(prompts))
+        yield from self._requests_iter(prompts, params, poolings, use_tqdm, on_error, stop, adapters)
 
-    def classify(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True,
-                 on_error: str = "raise") -> list[ClassificationRequestOutput]:
+    def classify(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True, on_error: str = "raise",
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 ) -> list[ClassificationRequestOutput]:
         """vLLM's LLM.classify (needs LLM(model, task="classify") on a *ForSequenceClassification
         checkpoint): one ClassificationRequestOutput per prompt, in prompt order, its `.outputs.probs`
         the score head over the prompt's last token, through the activation of the checkpoint's
         problem type (softmax; sigmoid for multi-label; as given for one label: a reward model's
-        score). Prompts are prefilled as generate prefills them; on_error as generate's."""
-        results = dict(self.classify_iter(prompts, use_tqdm, on_error))
+        score). Prompts are prefilled as generate prefills them; on_error and lora_request as generate's."""
+        results = dict(self.classify_iter(prompts, use_tqdm, on_error, lora_request=lora_request))
         return [results[i] for i in range(len(results))]
 
     def classify_iter(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True, on_error: str = "raise",
-                      stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, ClassificationRequestOutput]]:
+                      stop: Callable[[], bool] | None = None,
+                      lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                      ) -> Iterator[tuple[int, ClassificationRequestOutput]]:
         """(prompt index, output) as classifications finish: generate_iter's counterpart."""
         if self.engine.engine_config.task != "classify":
             raise FlexSarathiError('LLM.classify needs an LLM built to classify: LLM(model, task="classify")')
         prompts, _ = _check_arguments(prompts, None, on_error, "classify")
-        poolings = [PoolingParams()] * len(prompts)
-        yield from self._requests_iter(prompts, [_PROMPT_ONLY] * len(prompts), poolings, use_tqdm, on_error, stop)
+        poolings, adapters = [PoolingParams()] * len(prompts), _per_prompt_lora(lora_request, len(prompts))
+        yield from self._requests_iter(prompts, [_PROMPT_ONLY] * len(prompts), poolings, use_tqdm, on_error, stop,
+                                       adapters)
 
     def _requests_iter(self, prompts: list, params: list[SamplingParams], poolings: list | None, use_tqdm: bool,
                        on_error: str, stop: Callable[[], bool] | None, adapters: list | None = None):

@@ -131,9 +131,15 @@ class EmbeddingLines:
         """The PoolingParams of each prompt (`pooling`: request key -> its line's)."""
         return [pooling[req.key] for req, _ in self.flat]
 
-    def lora_requests(self, modules: dict[str, str]) -> None:
-        """None: an embedding names no adapter (request_files.route_to_adapters refuses one that does)."""
-        return None
+    def lora_requests(self, modules: dict[str, str]) -> list | None:
+        """Each input's LoRARequest (its line's `lora`, a --lora-modules name; None: the base model);
+        None where no line names one."""
+        if not any(req.lora for req, _ in self.flat):
+            return None
+        from flexsarathi.engine.lora_requests import module_requests  # noqa: PLC0415 - the CLI's cold start
+
+        named = module_requests(modules)
+        return [named[req.lora] if req.lora else None for req, _ in self.flat]
 
     def add(self, index: int, output):
         req, k = self.flat[index]
@@ -153,11 +159,10 @@ def run_lines(llm, lines, params: dict, record, use_tqdm: bool, stop=None, lora_
     """`lines` run on `llm` (embed_iter for EmbeddingLines, else generate_iter), each request's
     record written once its outputs are all in: yields what `record` returned (1: an error record).
     lora_modules: {name: folder} of the adapters that text requests name (their `lora`)."""
-    if isinstance(lines, EmbeddingLines):
-        run = llm.embed_iter
-    else:
-        adapters = lines.lora_requests(lora_modules or {})
-        run = functools.partial(llm.generate_iter, lora_request=adapters) if adapters else llm.generate_iter
+    run = llm.embed_iter if isinstance(lines, EmbeddingLines) else llm.generate_iter
+    adapters = lines.lora_requests(lora_modules or {})
+    if adapters:
+        run = functools.partial(run, lora_request=adapters)
     for index, output in run(lines.prompts(), lines.params(params), use_tqdm=use_tqdm, on_error="record", stop=stop):
         done = lines.add(index, output)
         if done is not None:

@@ -38,7 +38,7 @@ CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_templat
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 JSONL_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "logprobs", *SAMPLING_FIELDS, *CHAT_OPTIONS,
                 *TOOL_FIELDS, "cache_salt", "model")
-JSONL_EMBEDDING_FIELDS = ("id", "input", "dimensions", "normalize")  # a record with "input" asks for embeddings
+JSONL_EMBEDDING_FIELDS = ("id", "input", "dimensions", "normalize", "model")  # a record with "input": embeddings
 # What an OpenAI request body names otherwise, as a JSONL record names it.
 _OPENAI_NAMES = {"response_format": "structured_outputs", "max_completion_tokens": "max_tokens",
                  "top_logprobs": "logprobs"}
@@ -238,9 +238,9 @@ def _jsonl_request(line: int, text: str) -> BatchRequest:
 
 
 def route_to_adapters(requests: list[BatchRequest], modules: dict[str, str], base_names: set[str]) -> None:
-    """--lora-modules ({name: folder}): each text request whose "model" names one runs with that
-    adapter (its `lora`); one naming neither an adapter nor the base model (any of `base_names`)
-    gets its error. Without modules "model" is not read (OpenAI's lines name any model)."""
+    """--lora-modules ({name: folder}): each request whose "model" names one runs with that adapter
+    (its `lora`); one naming neither an adapter nor the base model (any of `base_names`) gets its
+    error. Without modules "model" is not read (OpenAI's lines name any model)."""
     if not modules:
         return
     for req in requests:
@@ -249,8 +249,6 @@ def route_to_adapters(requests: list[BatchRequest], modules: dict[str, str], bas
         if req.model not in modules:
             req.error = (f"line {req.line}: model {req.model!r} is neither the base model nor one of the "
                          f"--lora-modules ({', '.join(modules)})")
-        elif req.embedding is not None:
-            req.error = f"line {req.line}: adapters serve text requests; an embedding request names no adapter"
         else:
             req.lora = req.model
 
@@ -262,13 +260,21 @@ def adapter_fingerprints(modules: dict[str, str]) -> dict[str, str]:
     return {name: open_adapter(folder).fingerprint for name, folder in modules.items()}
 
 
-def _set_salt_and_model(req: BatchRequest, obj: dict, where: str) -> str | None:
-    """The request's cache_salt (vLLM's request field) and the model it names; an error message where
-    either is no non-empty string."""
+def _set_model(req: BatchRequest, obj: dict, where: str) -> str | None:
+    """The model the request names (route_to_adapters reads it); an error message where it is no
+    non-empty string."""
     model = obj.get("model")
     if model is not None and not (isinstance(model, str) and model):
         return f"line {req.line}: {where}model must be a non-empty string, got {model!r}"
     req.model = model
+    return None
+
+
+def _set_salt_and_model(req: BatchRequest, obj: dict, where: str) -> str | None:
+    """The request's cache_salt (vLLM's request field) and the model it names; an error message where
+    either is no non-empty string."""
+    if error := _set_model(req, obj, where):
+        return error
     salt = obj.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and salt):
         return f"line {req.line}: {where}cache_salt must be a non-empty string, got {salt!r}"
@@ -277,7 +283,7 @@ def _set_salt_and_model(req: BatchRequest, obj: dict, where: str) -> str | None:
 
 
 def _jsonl_embedding(req: BatchRequest, obj: dict) -> BatchRequest:
-    """{"id", "input", "dimensions", "normalize"}: the input's embeddings (flexsarathi/cli/embedding_requests.py)."""
+    """{"id", "input", "dimensions", "normalize", "model"}: the input's embeddings (cli/embedding_requests.py)."""
     unknown = sorted(set(obj) - set(JSONL_EMBEDDING_FIELDS))
     if unknown:
         req.error = (f"line {req.line}: an embedding record (it has \"input\") takes {', '.join(JSONL_EMBEDDING_FIELDS)}; "
@@ -287,6 +293,8 @@ def _jsonl_embedding(req: BatchRequest, obj: dict) -> BatchRequest:
         req.embedding = read_embedding_body(obj, where="")
     except FlexSarathiError as exc:
         req.error = f"line {req.line}: {exc}"
+        return req
+    req.error = _set_model(req, obj, "")
     return req
 
 
@@ -403,7 +411,7 @@ def _embedding_body(req: BatchRequest, body: dict) -> str | None:
         req.embedding = read_embedding_body(body)
     except FlexSarathiError as exc:
         return f"line {req.line}: {exc}"
-    return None
+    return _set_model(req, body, "body.")
 
 
 def request_url(req: BatchRequest) -> str:

@@ -51,10 +51,9 @@ class EngineActor:
     def run(self, prompts: list, params, lora_requests: list | None = None) -> Iterator:
         """(index, RequestOutput) as requests finish; (index, EmbeddingRequestOutput) on an engine
         of task "embed" (params: PoolingParams). lora_requests: each prompt's LoRARequest or None."""
-        if self.llm.engine.engine_config.task == "embed":
-            return self.llm.embed_iter(prompts, params, use_tqdm=False, on_error="record")
+        run = self.llm.embed_iter if self.llm.engine.engine_config.task == "embed" else self.llm.generate_iter
         adapters = lora_requests if lora_requests and any(lora_requests) else None
-        return self.llm.generate_iter(prompts, params, use_tqdm=False, on_error="record", lora_request=adapters)
+        return run(prompts, params, use_tqdm=False, on_error="record", lora_request=adapters)
 
     def batch_stats(self) -> dict:
         engine = self.llm.engine

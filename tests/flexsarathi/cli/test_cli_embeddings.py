@@ -109,7 +109,7 @@ def test_jsonl_embedding_records(stories_dir, tmp_path):
     torch.testing.assert_close(torch.tensor(got["b"]["embeddings"]), torch.tensor([o.outputs.embedding for o in b]),
                                **close)
     assert got["b"]["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in b)
-    assert "an embedding record (it has \"input\") takes id, input, dimensions, normalize; it also has " \
+    assert "an embedding record (it has \"input\") takes id, input, dimensions, normalize, model; it also has " \
            "['max_tokens']" in got["c"]["error"]["message"]
     assert "this job embeds (as its first request, line 1, asks): a request for text" in got["d"]["error"]["message"]
     assert got["e"]["error"]["message"] == "line 5: normalize must be true or false, got 'yes'"

@@ -388,3 +388,57 @@ def test_a_gptq_or_awq_base_serves_adapters_as_peft_does_on_its_weights(tmp_path
     torch.testing.assert_close(ours[0], adapted, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(ours[1], plain[1], rtol=1e-3, atol=1e-3)
     assert (adapted - plain[0]).abs().max() > 0.1  # the adapter changes the model: the first could fail
+
+
+def test_embeddings_with_adapters_are_pefts_last_hidden_states(two_adapters, tmp_path):
+    """LLM(task="embed", enable_lora=True).embed(..., lora_request=...): each prompt's embedding the
+    PEFT model's normalized last hidden state (the base model's without an adapter); a batch file's
+    embedding lines naming an adapter by "model" give the same vectors."""
+    from flexsarathi.cli.main import main
+
+    folder, base, adapters = two_adapters("llama_gqa_untied")
+    names = ["a", None, "b"]
+    with LLM(folder, dtype="float32", task="embed", enable_lora=True) as llm:
+        got = llm.embed(PROMPTS[:3], use_tqdm=False, lora_request=[adapters[n][0] if n else None for n in names])
+    for prompt, name, out in zip(PROMPTS, names, got):
+        hf = adapters[name][1].base_model.model if name else base
+        with torch.no_grad():
+            want = torch.nn.functional.normalize(hf.model(torch.tensor([prompt])).last_hidden_state[0, -1], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, rtol=1e-4, atol=1e-5)
+    assert got[0].outputs.embedding != got[1].outputs.embedding
+    job, out = tmp_path / "embed.jsonl", tmp_path / "out.jsonl"
+    job.write_text("".join(json.dumps({"id": f"e{i}", "input": [p], **({"model": n} if n else {})}) + "\n"
+                           for i, (p, n) in enumerate(zip(PROMPTS, names))))
+    modules = ["--lora-modules", f"a={adapters['a'][0].lora_path}", f"b={adapters['b'][0].lora_path}"]
+    assert main(["generate", "--model", folder, "--input", str(job), "--output", str(out), "--dtype", "float32",
+                 "--quiet", *modules]) == 0
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for i, o in enumerate(got):
+        torch.testing.assert_close(torch.tensor(records[f"e{i}"]["embeddings"][0]), torch.tensor(o.outputs.embedding))
+
+
+def test_classification_with_an_adapter_gives_pefts_probabilities(tmp_path):
+    """LLM(task="classify", enable_lora=True).classify(..., lora_request=...): the softmax of the
+    PEFT-adapted classifier's logits, and the base classifier's without an adapter."""
+    from tests.flexsarathi.engine.test_classify import build_classifier
+
+    model = build_classifier("llama_gqa_untied", 3)
+    model.save_pretrained(tmp_path / "cls", safe_serialization=True)
+    torch.manual_seed(7)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                         target_modules=["q_proj", "o_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn_like(param))
+    adapted.save_pretrained(str(tmp_path / "a"))
+    with LLM(str(tmp_path / "cls"), dtype="float32", task="classify", enable_lora=True) as llm:
+        got = llm.classify(PROMPTS[:2], use_tqdm=False, lora_request=[LoRARequest("a", 1, str(tmp_path / "a")), None])
+    with torch.no_grad():
+        want = [torch.softmax(adapted(torch.tensor([PROMPTS[0]])).logits[0], -1)]
+        with adapted.disable_adapter():
+            want.append(torch.softmax(adapted(torch.tensor([PROMPTS[1]])).logits[0], -1))
+            unadapted = torch.softmax(adapted(torch.tensor([PROMPTS[0]])).logits[0], -1)
+    for out, probs in zip(got, want):
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), probs, rtol=1e-4, atol=1e-5)
+    assert (want[0] - unadapted).abs().max() > 1e-3  # the adapter changes the first: the comparison could fail
