@@ -102,14 +102,8 @@ class GenerationLines:
         return [sampling[req.key] for req in self.requests]
 
     def lora_requests(self, modules: dict[str, str]) -> list | None:
-        """Each request's LoRARequest (None: the base model) from its `lora` (a --lora-modules name);
-        None where no request names one."""
-        if not any(req.lora for req in self.requests):
-            return None
-        from flexsarathi.engine.lora_requests import module_requests  # noqa: PLC0415 - the CLI's cold start
-
-        named = module_requests(modules)
-        return [named[req.lora] if req.lora else None for req in self.requests]
+        """Each request's LoRARequest (None: the base model); None where no request names one."""
+        return _lora_requests([req.lora for req in self.requests], modules)
 
     def add(self, index: int, output):
         return self.requests[index], output
@@ -132,14 +126,8 @@ class EmbeddingLines:
         return [pooling[req.key] for req, _ in self.flat]
 
     def lora_requests(self, modules: dict[str, str]) -> list | None:
-        """Each input's LoRARequest (its line's `lora`, a --lora-modules name; None: the base model);
-        None where no line names one."""
-        if not any(req.lora for req, _ in self.flat):
-            return None
-        from flexsarathi.engine.lora_requests import module_requests  # noqa: PLC0415 - the CLI's cold start
-
-        named = module_requests(modules)
-        return [named[req.lora] if req.lora else None for req, _ in self.flat]
+        """Each input's LoRARequest (its line's; None: the base model); None where no line names one."""
+        return _lora_requests([req.lora for req, _ in self.flat], modules)
 
     def add(self, index: int, output):
         req, k = self.flat[index]
@@ -148,6 +136,16 @@ class EmbeddingLines:
         if len(got) < len(req.input_token_ids):
             return None
         return req, [got[i] for i in range(len(got))]
+
+
+def _lora_requests(names: list[str | None], modules: dict[str, str]) -> list | None:
+    """The LoRARequest of each --lora-modules name in `names` (None: the base model); None where all are None."""
+    if not any(names):
+        return None
+    from flexsarathi.engine.lora_requests import module_requests  # noqa: PLC0415 - the CLI's cold start
+
+    named = module_requests(modules)
+    return [named[name] if name else None for name in names]
 
 
 def job_lines(task: str, requests: list):

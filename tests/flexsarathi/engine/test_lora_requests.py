@@ -20,7 +20,7 @@ from policy_search.hardware import HardwareSpec
 from tests.prompt_logits import prompt_logits
 
 peft = pytest.importorskip("peft")
-from tests.flexsarathi.formats.test_lora_adapter import peft_logits, save_adapter  # noqa: E402
+from tests.flexsarathi.formats.test_lora_adapter import adapt, peft_logits, save_adapter  # noqa: E402
 
 # two adapters of different targets and ranks' worth of modules: a stacked weight (qkv, gate_up)
 # partly adapted, so its B is block-diagonal with zero blocks
@@ -277,24 +277,23 @@ def test_a_gguf_base_serves_adapters_as_peft_does_on_its_weights(tmp_path):
     path = tmp_path / "model.gguf"
     write_gguf(build_model("llama"), path, weight_type="Q4_0")
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
-    torch.manual_seed(5)
-    model = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                     target_modules=["q_proj", "k_proj", "o_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.2 * torch.randn_like(param))
-    model.save_pretrained(str(tmp_path / "a"))
+    model = adapt(ref, tmp_path / "a", ["q_proj", "k_proj", "o_proj", "down_proj"], seed=5)
     prompts = [[1, 5, 9, 33, 7, 100, 3], [17, 2, 99, 64, 31, 8]]
     with LLM(str(path), dtype="float32", device="cpu", cpu_matmul="dequantize", enable_lora=True) as llm:
         ours = prompt_logits(llm, prompts, [LoRARequest("a", 1, str(tmp_path / "a")), None])
+    assert_adapted_then_plain(ours, model, prompts, tolerance=1e-4)
+
+
+def assert_adapted_then_plain(ours: list[torch.Tensor], model, prompts: list[list[int]], tolerance: float) -> None:
+    """ours[0]: the PEFT `model`'s logits of prompts[0] with its adapter; ours[1]: prompts[1]'s
+    without it (the base model's); and the adapter does change prompts[0]'s (the first could fail)."""
     with torch.no_grad():
         adapted = model(torch.tensor([prompts[0]])).logits[0]
         with model.disable_adapter():
             plain = [model(torch.tensor([p])).logits[0] for p in prompts]
-    torch.testing.assert_close(ours[0], adapted, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ours[1], plain[1], rtol=1e-4, atol=1e-4)
-    assert (adapted - plain[0]).abs().max() > 0.1  # the adapter changes the model: the first could fail
+    torch.testing.assert_close(ours[0], adapted, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(ours[1], plain[1], rtol=tolerance, atol=tolerance)
+    assert (adapted - plain[0]).abs().max() > 0.1
 
 
 def test_adapters_no_request_uses_give_their_room_to_a_batch_that_needs_it(tiny_checkpoint, tmp_path):
@@ -371,23 +370,10 @@ def test_a_gptq_or_awq_base_serves_adapters_as_peft_does_on_its_weights(tmp_path
     from tests.flexsarathi.formats.test_quantized_checkpoint import packed_checkpoint
 
     folder, ref = packed_checkpoint(tmp_path / "base", "llama", method, 4, 32, sym=method == "gptq")
-    torch.manual_seed(6)
-    model = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                     target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.2 * torch.randn_like(param))
-    model.save_pretrained(str(tmp_path / "a"))
+    model = adapt(ref, tmp_path / "a", ["q_proj", "v_proj", "gate_proj", "down_proj"], seed=6)
     with LLM(folder, dtype="float32", device="cpu", cpu_matmul="dequantize", enable_lora=True) as llm:
         ours = prompt_logits(llm, PROMPTS[:2], [LoRARequest("a", 1, str(tmp_path / "a")), None])
-    with torch.no_grad():
-        adapted = model(torch.tensor([PROMPTS[0]])).logits[0]
-        with model.disable_adapter():
-            plain = [model(torch.tensor([p])).logits[0] for p in PROMPTS[:2]]
-    torch.testing.assert_close(ours[0], adapted, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(ours[1], plain[1], rtol=1e-3, atol=1e-3)
-    assert (adapted - plain[0]).abs().max() > 0.1  # the adapter changes the model: the first could fail
+    assert_adapted_then_plain(ours, model, PROMPTS[:2], tolerance=1e-3)
 
 
 def test_embeddings_with_adapters_are_pefts_last_hidden_states(two_adapters, tmp_path):
@@ -424,14 +410,7 @@ def test_classification_with_an_adapter_gives_pefts_probabilities(tmp_path):
 
     model = build_classifier("llama_gqa_untied", 3)
     model.save_pretrained(tmp_path / "cls", safe_serialization=True)
-    torch.manual_seed(7)
-    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                         target_modules=["q_proj", "o_proj", "up_proj"]))
-    with torch.no_grad():
-        for name, param in adapted.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.2 * torch.randn_like(param))
-    adapted.save_pretrained(str(tmp_path / "a"))
+    adapted = adapt(model, tmp_path / "a", ["q_proj", "o_proj", "up_proj"], seed=7)
     with LLM(str(tmp_path / "cls"), dtype="float32", task="classify", enable_lora=True) as llm:
         got = llm.classify(PROMPTS[:2], use_tqdm=False, lora_request=[LoRARequest("a", 1, str(tmp_path / "a")), None])
     with torch.no_grad():

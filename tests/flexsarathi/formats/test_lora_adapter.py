@@ -31,6 +31,12 @@ def save_adapter(base_folder: str, folder, targets: list[str], seed: int = 1, r:
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_folder, torch_dtype=torch.float32, attn_implementation="eager")
+    return adapt(base, folder, targets, seed, r, **config)
+
+
+def adapt(base: torch.nn.Module, folder, targets: list[str], seed: int = 1, r: int = 4, **config) -> torch.nn.Module:
+    """`base` (a transformers model, wrapped in place) with a PEFT adapter of random, non-trivial
+    weights, saved to `folder`; returns PEFT's adapted model."""
     lora = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, **config)
     torch.manual_seed(seed)
     model = peft.get_peft_model(base, lora)
