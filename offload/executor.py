@@ -20,7 +20,8 @@ rows beside a compressed host pool gather nothing: the pool attends them from it
 
 The model is injected (offload/ never imports flexsarathi/): any object with `embed`, `qkv`,
 `attend`, `merge_attention`, `post_attention` and `logits` as in flexsarathi.models.base (and its
-`scale` and `config.sliding_window`, which attention read from the pool's codes takes).
+`scale`, `window_of(layer)` and `config.windows`, which attention read from the pool's codes takes:
+each layer attends within its own sliding window, gemma3's layers within one of two).
 """
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ class PassExecutor:
                                        initargs=(indexed(self.device),)) if overlap else None)
         # CUDA: the I/O thread's copies run on their own stream, ordered by events (offload/streams.py).
         self._io_stream = IOStream(self.device if overlap else CPU)
-        # per pass (run): id(part) -> its decode mask (_decode_biases); id(micro-batch) -> whether its
+        # per pass (run): id(part) -> its decode masks by window (_decode_biases); id(micro-batch) -> whether its
         # I/O runs on the thread (_io_worth_a_thread) and whether it writes its K/V first (writes_first)
-        self._biases: dict[int, torch.Tensor] = {}
+        self._biases: dict[int, dict] = {}
         self._threaded: dict[int, bool] = {}
         self._first: dict[int, bool] = {}
         # per pass: id(write or part) -> its slots on its plain pool's device (uploaded once per pass,
@@ -232,7 +233,7 @@ class PassExecutor:
         buffer (the engine's working set charges it nothing beyond its output); over a compressed
         pool, whose prompts see earlier blocks as stored, one masked call per block
         (attend_own_rows_by_block; charged as three K/V-sized tensors per key, as a gather)."""
-        window = self.model.config.sliding_window
+        window = self.model.config.smallest_window  # the same call serves every layer
         plain = self.kv_pools[part.tier].compression is None
         return ((self.causal_calls if plain else self.masked_causal_calls) and not group.is_decode
                 and len(group.parts) == 1 and part.new_rows == (0, group.num_queries)
@@ -321,7 +322,7 @@ class PassExecutor:
                     if pool.compression is None:
                         slots[id(part)] = to_device(part.kv_slots.reshape(-1), pool.device)  # [B * L]
                     elif self._read_by_triton(part):
-                        slots[id(part)] = pool.plan_decode(group, part, self.model.config.sliding_window)
+                        slots[id(part)] = pool.plan_decode(group, part, self.model.config.windows)
                     elif route is not IN_POOL:
                         slots[id(part)] = pool.plan_gather(part, route)
         return slots
@@ -336,7 +337,8 @@ class PassExecutor:
         K/V go into the pool here and the contexts are gathered from the pool after them. How each
         group and part is attended was decided for the pass (_group_steps)."""
         base, w = w, self._adapted(layer, w, mb.lora_rows)
-        q, k, v = self.model.qkv(w, hidden, mb.positions)  # [T, heads|kv_heads, head_dim]
+        q, k, v = self.model.qkv(w, hidden, mb.positions, layer)  # [T, heads|kv_heads, head_dim]
+        window = self.model.window_of(layer)
         if self._v_first[id(mb)]:  # V's codes straight into the pool, where attention reads them
             write = mb.kv_writes[0]
             self.kv_pools[write.tier].store_v_first(layer, v, self._slots[id(write)])
@@ -354,12 +356,12 @@ class PassExecutor:
             q_group = (q if whole else q[step.rows]).view(step.shape)  # [B, n, heads, d]
             if step.bias is not None:  # one part, gathered beside its new rows: one fused call, the pass's mask
                 keys, values = group_contexts[0]
-                merged = self.model.attend_decode(q_group, keys, values, step.bias)
+                merged = self.model.attend_decode(q_group, keys, values, step.bias[window])
             else:
                 q_on = {q_group.device: q_group}  # q where each part is attended: one copy per device
                 outs = [out for kind, part, context in zip(step.kinds, step.group.parts, group_contexts)
-                        for out in self._attend_part(layer, kind, q_on, step.group, part, context, k, v_seen,
-                                                     step.rows, written, read_back, v_codes)]
+                        for out in self._attend_part(layer, window, kind, q_on, step.group, part, context, k,
+                                                     v_seen, step.rows, written, read_back, v_codes)]
                 merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
             if whole:
                 attn = merged.reshape(mb.num_tokens, -1)  # [T, heads * d]: a view where the layout allows
@@ -459,23 +461,22 @@ class PassExecutor:
             out[start:stop] = self.model.post_attention(adapted, hidden[start:stop], attn[start:stop])
         return out
 
-    def _attend_part(self, layer: int, kind: str, q_on: dict, group: AttentionGroup, part, context, k, v, rows,
-                     written: bool, v_read_back: bool = False, v_codes=None):
+    def _attend_part(self, layer: int, window: int | None, kind: str, q_on: dict, group: AttentionGroup, part,
+                     context, k, v, rows, written: bool, v_read_back: bool = False, v_codes=None):
         """(out, lse) pairs of the group's queries against one part's keys, on the compute device
-        (lse None where the part is the group's only one: nothing to merge), the way `kind`
-        (_attend_kind) says. k, v: the micro-batch's new K/V, the group's at `rows` (v_read_back: V as
+        (lse None where the part is the group's only one: nothing to merge), within the layer's sliding
+        `window`, the way `kind` (_attend_kind) says. k, v: the micro-batch's new K/V, the group's at `rows` (v_read_back: V as
         it reads back from a compressed pool); written: they are in the pool already, so a gathered
         context holds them; v_codes: the micro-batch's V codes (compressed pools)."""
         pool = self.kv_pools[part.tier]
         if kind is IN_POOL_TRITON:  # on the pool's device: the compute device
             new = None if written else (k, v_codes)  # every row of the micro-batch: the plan names each's
             q = self._q_on(q_on, self.attention_device(part.tier, group))  # the compute device's q, as it is
-            return [pool.attend_decode_codes(layer, q, self._slots[id(part)], new, self.model.scale)]
+            return [pool.attend_decode_codes(layer, q, self._slots[id(part)], new, self.model.scale, window)]
         if kind is IN_POOL:  # new rows None where they are in the pool already
             q = self._q_on(q_on, CPU)
             new_k, new_v = (None, None) if written else (k[rows], v[rows])
-            out, lse = pool.attend_decode(layer, group, part, q, new_k, new_v, self.model.scale,
-                                          self.model.config.sliding_window, v_read_back)
+            out, lse = pool.attend_decode(layer, group, part, q, new_k, new_v, self.model.scale, window, v_read_back)
             return [(to_device(out, self.device), to_device(lse, self.device))]
         if kind is CAUSAL:
             triples = pool.parts_to_attend(group, part, None, k[rows], v[rows], v_read_back)
@@ -487,7 +488,7 @@ class PassExecutor:
         triples = ([(*context, None)] if written and context is not None
                    else pool.parts_to_attend(group, part, context, k[rows], v[rows], v_read_back))
         alone = len(triples) == 1 and len(group.parts) == 1
-        return [self._attend(q_on, group, part, keys, values, key_rule, alone)
+        return [self._attend(q_on, group, part, keys, values, key_rule, window, alone)
                 for keys, values, key_rule in triples]
 
     @staticmethod
@@ -498,7 +499,8 @@ class PassExecutor:
             q_on[dev] = to_host(q) if dev.type == "cpu" else q.to(dev, non_blocking=True)  # no stream sync
         return q_on[dev]
 
-    def _attend(self, q_on: dict, group: AttentionGroup, part, keys, values, key_rule, alone: bool = False):
+    def _attend(self, q_on: dict, group: AttentionGroup, part, keys, values, key_rule, window: int | None,
+                alone: bool = False):
         """Attention where the keys are (the CPU for delegated decodes); out [B, n, heads, d] and
         lse [B, n, heads] come back to the compute device for merging. On the CPU the positions
         and lengths are the batch builder's host tensors: only q crosses, once per group. alone:
@@ -507,30 +509,34 @@ class PassExecutor:
         dev = keys.device
         q = self._q_on(q_on, dev)
         if alone and group.is_decode and key_rule is None and dev.type == self.device.type:  # "cuda" is "cuda:0"
-            return self.model.attend_decode(q, keys, values, self._decode_bias(group, part, keys.shape[1], q.dtype)), None
+            bias = self._decode_bias(group, part, keys.shape[1], q.dtype, window)
+            return self.model.attend_decode(q, keys, values, bias), None
         meta_group, meta_part = (host_of(group), host_of(part)) if dev.type == "cpu" else (group, part)
-        out, lse = self.model.attend(q, keys, values, meta_group.q_pos, meta_part.kv_len,
+        out, lse = self.model.attend(q, keys, values, meta_group.q_pos, meta_part.kv_len, window,
                                     meta_part.kv_start, key_rule)
         return to_device(out, self.device), to_device(lse, self.device)
 
-    def _decode_biases(self, batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        """id(part) -> its attention mask, for each decode group of one part attended on the compute
-        device (_attend's fused call) and not read in its pool (the pass's routes, _context_routes):
-        the same for every layer, so built once per pass."""
-        return {id(part): self._new_bias(g, part, part.kv_slots.shape[1], self.dtype)
+    def _decode_biases(self, batches: list[MicroBatch]) -> dict[int, dict]:
+        """id(part) -> {sliding window: its attention mask}, for each decode group of one part attended
+        on the compute device (_attend's fused call) and not read in its pool (the pass's routes,
+        _context_routes): the same for every layer of a window, so built once per pass and window."""
+        return {id(part): {window: self._new_bias(g, part, part.kv_slots.shape[1], self.dtype, window)
+                           for window in self.model.config.windows}
                 for mb in batches for g in mb.groups if g.is_decode and len(g.parts) == 1
                 for part in g.parts if self.attention_device(part.tier, g).type == self.device.type
                 and self._routes[id(part)] is not IN_POOL}
 
-    def _decode_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype) -> torch.Tensor:
+    def _decode_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype,
+                     window: int | None) -> torch.Tensor:
         """The part's mask from _decode_biases (built here for a part it did not foresee)."""
-        key = id(part)
-        if key not in self._biases:
-            self._biases[key] = self._new_bias(group, part, length, dtype)
-        return self._biases[key]
+        masks = self._biases.setdefault(id(part), {})
+        if window not in masks:
+            masks[window] = self._new_bias(group, part, length, dtype, window)
+        return masks[window]
 
-    def _new_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.model.decode_bias(group.q_pos, part.kv_len, length, dtype, part.kv_start)
+    def _new_bias(self, group: AttentionGroup, part, length: int, dtype: torch.dtype,
+                  window: int | None) -> torch.Tensor:
+        return self.model.decode_bias(group.q_pos, part.kv_len, length, dtype, window, part.kv_start)
 
     def _store(self, layer: int, mb: MicroBatch, k: int, hidden, new_k, new_v, v_codes=None) -> None:
         if not self._first[id(mb)]:  # else _compute wrote them
@@ -568,14 +574,14 @@ class PassOrder:
 class GroupStep:
     """One attention group of a micro-batch as attended in every layer of a pass (_group_steps): its
     rows of the micro-batch (_EVERY_ROW: it is every row, in order; a slice where consecutive), its
-    q's shape (B, n, heads, d), per part how it is attended (_attend_kind); bias: the pass's mask
-    [B, 1, 1, L] where the group is one FUSED part, else None."""
+    q's shape (B, n, heads, d), per part how it is attended (_attend_kind); bias: the pass's masks
+    {sliding window: [B, 1, 1, L]} where the group is one FUSED part, else None."""
 
     group: AttentionGroup
     rows: "slice | torch.Tensor"
     shape: tuple[int, int, int, int]
     kinds: tuple[str, ...]
-    bias: "torch.Tensor | None"
+    bias: "dict | None"
     sources: tuple  # per part, where its context comes from (PassExecutor._context_source)
 
 

@@ -473,10 +473,11 @@ class KVPool:
         return (self.compression is not None and _triton_runs_on(self.device)
                 and _triton_covers(self.compression, self.head_dim))
 
-    def plan_decode(self, group: AttentionGroup, part: KVPart, sliding_window: int | None) -> DecodePlan:
-        """What attend_decode_codes reads for this part, on the pool's device (made once per pass)."""
+    def plan_decode(self, group: AttentionGroup, part: KVPart, windows: tuple[int | None, ...]) -> DecodePlan:
+        """What attend_decode_codes reads for this part within each of the model's sliding windows, on
+        the pool's device (made once per pass)."""
         at = host_of(group)
-        return plan_decode(at.q_pos[:, 0], at.token_rows, host_of(part), self.block_size, sliding_window, self.device)
+        return plan_decode(at.q_pos[:, 0], at.token_rows, host_of(part), self.block_size, windows, self.device)
 
     def attend_decode(self, layer: int, group: AttentionGroup, part: KVPart, q: torch.Tensor, new_k: torch.Tensor,
                       new_v: torch.Tensor, scale: float, sliding_window: int | None, v_read_back: bool = False
@@ -502,13 +503,14 @@ class KVPool:
         return out.to(q.dtype).unsqueeze(1), lse.unsqueeze(1)
 
     def attend_decode_codes(self, layer: int, q: torch.Tensor, plan: DecodePlan,
-                            new: tuple[torch.Tensor, QTensor | None] | None, scale: float
+                            new: tuple[torch.Tensor, QTensor | None] | None, scale: float, window: int | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """attend_decode where the pool attends_with_triton: one launch on the pool's device. q
         [B, 1, heads, d] there; plan: plan_decode's (every index, uploaded once per pass); new: the
         micro-batch's new K [T, kv_heads, d] and its V codes (quantize_v's; None: store_v_first wrote
         them into the pool), the rows the plan names read in place, or None (both in the pool
-        already). out [B, 1, heads, d] in q's dtype, lse [B, 1, heads] fp32."""
+        already); window: the layer's sliding window (one the plan was made for). out [B, 1, heads, d] in
+        q's dtype, lse [B, 1, heads] fp32."""
         new_rows = None
         if new is not None:  # codes None: store_v_first put them in the pool
             k, codes = new
@@ -518,7 +520,7 @@ class KVPool:
         out, lse = _triton("triton_kv_attention").decode_attention(
             {n: t[layer] for n, t in self.k_codes.items()}, plan.blocks, plan.complete_len, self.k_residual[layer],
             plan.residual_ids, {n: t[layer] for n, t in self.v_codes.items()}, plan.slots, self.v_config.group_size,
-            q[:, 0], (plan.lo, plan.hi), new_rows, scale, out_dtype=q.dtype)
+            q[:, 0], (plan.lo_of(window), plan.hi), new_rows, scale, out_dtype=q.dtype)
         return out.unsqueeze(1), lse.unsqueeze(1)
 
     def _new_rows(self, part: KVPart, new_k: torch.Tensor, new_v: torch.Tensor, batch: int, v_read_back: bool):

@@ -100,24 +100,30 @@ class DecodePlan:
     complete_len: torch.Tensor  # [B] positions before it read quantized blocks, later ones the open block
     residual_ids: torch.Tensor  # [B] each sequence's residual (open block) row
     slots: torch.Tensor  # [B, L] each position's slot (its V codes' row)
-    lo: torch.Tensor  # [B] the keys [lo, hi) each query sees
-    hi: torch.Tensor
+    lo: torch.Tensor  # [W, B] the keys [lo, hi) each query sees within the model's W sliding windows
+    hi: torch.Tensor  # [B]
     new_src: torch.Tensor  # [B] the micro-batch row whose new K/V sit at new_pos (-1: none)
     new_pos: torch.Tensor  # [B] that row's position in the part (-1: none)
+    windows: tuple[int | None, ...] = (None,)  # lo's rows: the windows (None: every earlier key)
+
+    def lo_of(self, window: int | None) -> torch.Tensor:
+        """[B] the first key each query sees within `window` (one the plan was made for)."""
+        return self.lo[self.windows.index(window)]
 
 
-def plan_decode(q_pos: torch.Tensor, token_rows: torch.Tensor, part, block_size: int, sliding_window: int | None,
-                device: torch.device) -> DecodePlan:
+def plan_decode(q_pos: torch.Tensor, token_rows: torch.Tensor, part, block_size: int,
+                windows: tuple[int | None, ...], device: torch.device) -> DecodePlan:
     """q_pos [B] (the decode rows' positions), token_rows [B] (their rows of the micro-batch) and `part`
-    (a KVPart): the batch builder's host tensors."""
+    (a KVPart): the batch builder's host tensors; windows: the model's sliding windows (config.windows)."""
     kv_slots, batch = part.kv_slots.cpu(), q_pos.shape[0]
-    lo, hi = visible_range(q_pos, part, sliding_window)
+    hi = visible_range(q_pos, part, None)[1]
+    lo = torch.stack([visible_range(q_pos, part, window)[0] for window in windows])  # [W, B]
     new_src, new_pos = torch.full((batch,), -1, dtype=torch.long), torch.full((batch,), -1, dtype=torch.long)
     new_src[part.patch_seq] = token_rows.cpu().long()[part.patch_src.cpu().long()]  # group rows -> micro-batch rows
     new_pos[part.patch_seq] = part.patch_pos.cpu().long()
     host = [kv_slots[:, ::block_size] // block_size, part.complete_len, part.residual_ids, kv_slots, lo, hi,
             new_src, new_pos]
-    return DecodePlan(*upload_packed([t.cpu().contiguous() for t in host], device))
+    return DecodePlan(*upload_packed([t.cpu().contiguous() for t in host], device), windows=tuple(windows))
 
 
 def visible_range(q_pos: torch.Tensor, part, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
 """`HFConfig`: an HF `config.json` of the OPT or LLaMA family, parsed once for everyone.
 
 LLaMA-family model types include Qwen3 (per-head q/k RMSNorm, `head_dim` independent of hidden /
-heads) and the mixture-of-experts ones (`mixtral`, `qwen2_moe`, `qwen3_moe`): their experts are
-described by `MoEConfig` (None for a dense model).
+heads), the mixture-of-experts ones (`mixtral`, `qwen2_moe`, `qwen3_moe`: their experts are
+described by `MoEConfig`, None for a dense model) and Gemma 3 (`gemma3_text`, and `gemma3`'s text
+model: policy_search/gemma3_config.py reads what differs: sliding and full layers, a rope per kind).
 
 Stdlib only: the planner's `ModelSpec` and the runtime's `ModelConfig` (flexsarathi/models/model_config.py,
 which adds the torch dtype) are both built from it, so they cannot disagree on a default. Accepts
@@ -13,18 +14,20 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from dataclasses import dataclass, field
 
+# RopeConfig and typed_value are read from here too (models/model_config.py, formats/tokenizer.py)
+from policy_search.config_fields import RopeConfig, parse_rope, typed, typed_value  # noqa: F401
 from policy_search.errors import SpecError
+from policy_search.gemma3_config import gemma3_attention, gemma3_text_config
 
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-            "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama"}
+            "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama"}
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head of q and k before RoPE
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")  # RMSNorm over each head of q and k before RoPE
 _QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
-ROPE_TYPES = ("default", "linear", "llama3")
+GEMMA_MODEL_TYPES = ("gemma3_text", "gemma3")  # gemma3: the multimodal checkpoint, read for its text model
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                   "bf16": "bfloat16"}
@@ -37,16 +40,6 @@ def dtype_name(value, where: str = "dtype") -> str:
     if key not in DTYPE_BYTES:
         raise SpecError(f"{where}: unsupported dtype {value!r}; use float32, float16 or bfloat16")
     return key
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -111,6 +104,32 @@ class HFConfig:
     qk_norm: bool = False  # qwen3: RMSNorm of each q and k head before RoPE
     moe: MoEConfig | None = None  # mixtral / qwen2_moe / qwen3_moe; None: every layer a dense MLP
     classifier: ClassifierConfig | None = None  # a sequence-classification checkpoint's score head
+    # Gemma 3
+    attention_scale: float | None = None  # query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); (): sliding_window
+    local_rope: RopeConfig | None = None  # the sliding layers' rope; None: `rope` in every layer
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (None: it sees every earlier key)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct windows of the layers, in layer order (one for most models)."""
+        return tuple(dict.fromkeys(self.layer_windows)) if self.layer_windows else (self.sliding_window,)
+
+    @property
+    def smallest_window(self) -> int | None:
+        """The narrowest window any layer has (None: every layer sees every earlier key)."""
+        return min((w for w in self.windows if w is not None), default=None)
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        return self.local_rope if self.local_rope is not None and self.window_of(layer) is not None else self.rope
 
     @property
     def q_size(self) -> int:
@@ -134,6 +153,8 @@ class HFConfig:
         if model_type not in FAMILIES:
             raise SpecError(f"{source}: model_type {model_type!r} is not supported; supported: "
                             f"{', '.join(FAMILIES)}")
+        if model_type in GEMMA_MODEL_TYPES:
+            cfg, source = gemma3_text_config(cfg, source)
         need = _integer_fields(cfg, source)
         bos, eos = _token_ids(cfg, source)
         hidden, heads = need("hidden_size"), need("num_attention_heads")
@@ -146,39 +167,6 @@ class HFConfig:
             dtype_name=dtype_name(cfg.get("torch_dtype") or cfg.get("dtype") or "float32", f"{source}: dtype"),
             bos_token_id=bos, eos_token_ids=eos, classifier=_classifier(cfg, source),
             **family_fields)
-
-
-_REQUIRED = object()
-
-
-def typed(cfg: dict, key: str, source: str, kind: type, default=_REQUIRED, low=None, high=None, above=None):
-    """cfg[key] as a JSON `kind` (int, float or bool), in [low, high] and > above; `default` when absent or null
-    (a SpecError when required); anything else a SpecError naming the source and the field."""
-    value = cfg.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise SpecError(f"{source}: required field {key!r} is missing")
-        return default
-    return typed_value(value, key, source, kind, low, high, above)
-
-
-def typed_value(value, key: str, source: str, kind: type, low=None, high=None, above=None):
-    """`value` checked as `typed` does."""
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise SpecError(f"{source}: {key} must be true or false, got {value!r}")
-        return value
-    what = "an integer" if kind is int else "a finite number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and not math.isfinite(value)) or (kind is int and int(value) != value):
-        raise SpecError(f"{source}: {key} must be {what}, got {value!r}")
-    value = kind(value)
-    if (low is not None and value < low) or (high is not None and value > high) or (
-            above is not None and value <= above):
-        bounds = [f">= {low}" if low is not None else None, f"> {above}" if above is not None else None,
-                  f"<= {high}" if high is not None else None]
-        raise SpecError(f"{source}: {key} must be {what} {' and '.join(b for b in bounds if b)}, got {value!r}")
-    return value
 
 
 # The fields every family has, with their ranges (num_hidden_layers bounded: each layer's shapes are built)
@@ -251,9 +239,11 @@ def _opt_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict:
 
 
 def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict:
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise SpecError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    gemma = cfg.get("model_type") in GEMMA_MODEL_TYPES
+    act_key, act_want = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+    act = cfg.get(act_key) or act_want
+    if act != act_want:
+        raise SpecError(f"{source}: {act_key} {act!r} is not supported (only {act_want})")
     kv_heads = typed(cfg, "num_key_value_heads", source, int, heads, low=1)
     if heads % kv_heads:
         raise SpecError(f"{source}: num_heads={heads} (num_attention_heads) is not a multiple of "
@@ -267,13 +257,16 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
         window = typed(cfg, "sliding_window", source, int, None, low=1)  # null: none
     # qwen2 and qwen2_moe bias q, k and v (transformers 5 writes it as qkv_bias); qwen3 does not
     qkv_bias = flag(key="qkv_bias", default=model_type in ("qwen2", "qwen2_moe")) or attention_bias
+    if gemma:
+        attention = gemma3_attention(cfg, source, need("num_hidden_layers"))
+    else:
+        attention = dict(rope=parse_rope(cfg, source), sliding_window=window)
     return dict(num_kv_heads=kv_heads, head_dim=typed(cfg, "head_dim", source, int, hidden // heads, low=1),
                 intermediate_size=need("intermediate_size"),
                 norm_eps=typed(cfg, "rms_norm_eps", source, float, 1e-6, above=0.0),
                 tie_word_embeddings=flag(key="tie_word_embeddings", default=False),
                 qkv_bias=qkv_bias, o_bias=attention_bias,
-                mlp_bias=flag(key="mlp_bias", default=False), rope=_parse_rope(cfg, source),
-                sliding_window=window,
+                mlp_bias=flag(key="mlp_bias", default=False), **attention,
                 qk_norm=model_type in QK_NORM_MODEL_TYPES,
                 moe=_parse_moe(cfg, need, source) if model_type in MOE_MODEL_TYPES else None)
 
@@ -316,30 +309,6 @@ def _parse_moe(cfg: dict, need, source: str) -> MoEConfig:
     return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=need("moe_intermediate_size"),
                      norm_topk_prob=typed(cfg, "norm_topk_prob", source, bool, False), shared_expert_ffn_size=shared,
                      decoder_sparse_step=step, mlp_only_layers=tuple(sorted(set(dense))))
-
-
-def _parse_rope(cfg: dict, source: str) -> RopeConfig:
-    # transformers 5 writes {"rope_parameters": {"rope_type": ..., "rope_theta": ..., ...}};
-    # transformers 4 writes "rope_theta" and an optional "rope_scaling" dict.
-    for key in ("rope_scaling", "rope_parameters"):
-        if not isinstance(cfg.get(key) or {}, dict):
-            raise SpecError(f"{source}: {key} must be an object or null, got {cfg[key]!r}")
-    merged = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    kind = merged.get("rope_type") or merged.get("type") or "default"
-    if not isinstance(kind, str) or kind not in ROPE_TYPES:
-        raise SpecError(f"{source}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    prefix = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-
-    def param(key: str, kind: type, default, **bounds):
-        return typed({f"{prefix}.{key}": merged.get(key)}, f"{prefix}.{key}", source, kind, default, **bounds)
-    theta = cfg.get("rope_theta") if merged.get("rope_theta") is None else merged["rope_theta"]
-    return RopeConfig(
-        theta=typed({"rope_theta": theta}, "rope_theta", source, float, 10000.0, above=0.0), kind=kind,
-        factor=param("factor", float, 1.0, above=0.0),
-        low_freq_factor=param("low_freq_factor", float, 1.0, above=0.0),
-        high_freq_factor=param("high_freq_factor", float, 4.0, above=0.0),
-        original_max_position_embeddings=param("original_max_position_embeddings", int, 8192, low=1),
-    )
 
 
 def read_config_json(folder: str | os.PathLike) -> tuple[dict, str]:

@@ -80,6 +80,21 @@ def _qwen3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, **moe)
     return cfg
 
 
+def _gemma3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, head_dim: int = 256,
+            query_scalar: int = 256, window: int = 1024, vocab: int = 262208, max_pos: int = 131072,
+            rope_scaling: dict | None = None) -> dict:
+    # google/gemma-3-*-it text models (the 1B's config.json; the 4B, 12B and 27B's text_config with
+    # Gemma3TextConfig's defaults): every 6th layer full, the others within `window`; bfloat16
+    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": vocab,
+            "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim, "intermediate_size": ffn,
+            "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": max_pos, "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": rope_scaling,
+            "query_pre_attn_scalar": query_scalar, "sliding_window": window, "sliding_window_pattern": 6,
+            "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106], "torch_dtype": "bfloat16"}
+
+
+_GEMMA3_SCALING = {"rope_type": "linear", "factor": 8.0}
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -115,6 +130,12 @@ KNOWN_MODELS: dict[str, dict] = {
                             moe_intermediate_size=768),
     "qwen3-235b-a22b": _qwen3(4096, 94, 64, 4, 12288, num_experts=128, num_experts_per_tok=8,
                               moe_intermediate_size=1536),
+    # Gemma 3 (google/gemma-3-1b-it config.json; gemma-3-4b/12b/27b-it text_config, cross-checked with
+    # copies found by the project's code search: the 27B's head_dim 128 and query_pre_attn_scalar 168)
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 6912, window=512, vocab=262144, max_pos=32768),
+    "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240, rope_scaling=_GEMMA3_SCALING),
+    "gemma-3-12b": _gemma3(3840, 48, 16, 8, 15360, rope_scaling=_GEMMA3_SCALING),
+    "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, query_scalar=168, rope_scaling=_GEMMA3_SCALING),
 }
 
 

@@ -97,6 +97,19 @@ TINY_CONFIGS.update({
                                 moe_intermediate_size=16, shared_expert_intermediate_size=24,
                                 norm_topk_prob=True, tie_word_embeddings=True),
 })
+# Gemma 3: sliding layers (window 5, RoPE base 10k) among full ones (a global base, linear scaling),
+# scores scaled by query_pre_attn_scalar ** -0.5, (1 + w) norms; one with soft-capped logits
+_GEMMA3_BASE = dict(model_type="gemma3_text", vocab_size=128, hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    max_position_embeddings=64, query_pre_attn_scalar=20, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+TINY_CONFIGS.update({
+    "gemma3": _GEMMA3_BASE,
+    "gemma3_softcap": dict(_GEMMA3_BASE, num_key_value_heads=1, final_logit_softcapping=3.0, sliding_window=3,
+                           layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"]),
+})
 MOE_KINDS = ["qwen3_moe", "qwen3_moe_dense_layer", "mixtral", "mixtral_top1_tied", "qwen2_moe",
              "qwen2_moe_norm_tied"]
 # Deeper variants for placement tests: with 6 layers, two working buffers are a third of the layers.
@@ -104,6 +117,8 @@ TINY_CONFIGS["opt_deep"] = dict(TINY_CONFIGS["opt"], num_hidden_layers=6)
 TINY_CONFIGS["llama_deep"] = dict(TINY_CONFIGS["llama_gqa_untied"], num_hidden_layers=6)
 TINY_CONFIGS["mixtral_deep"] = dict(TINY_CONFIGS["mixtral"], num_hidden_layers=6)
 TINY_CONFIGS["qwen2_moe_deep"] = dict(TINY_CONFIGS["qwen2_moe"], num_hidden_layers=6)
+TINY_CONFIGS["gemma3_deep"] = dict(TINY_CONFIGS["gemma3"], num_hidden_layers=6,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
 # Every weight a whole number of 64-row blocks and 64-value groups: what the CPU int4 kernel covers.
 TINY_CONFIGS["opt_blocks64"] = dict(TINY_CONFIGS["opt"], hidden_size=128, ffn_dim=256, word_embed_proj_dim=128,
                                     num_hidden_layers=4, max_position_embeddings=128)

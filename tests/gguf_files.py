@@ -32,7 +32,10 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 # transformers' model_type -> llama.cpp's general.architecture
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-             "mixtral": "llama"}
+             "mixtral": "llama", "gemma3_text": "gemma3"}
+# gemma3 (llama.cpp's Gemma3Model): its sandwich norms' names, every norm stored as 1 + w
+GEMMA3_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
 PERMUTED_QK = ("llama", "mixtral")  # llama.cpp's LlamaModel permutes q/k rows (Mixtral is one)
 ALWAYS_F32 = ("ffn_gate_inp",)  # routers: llama.cpp's converter and quantizer keep them F32
 
@@ -65,6 +68,10 @@ GGUF_CONFIGS.update({
     "qwen3_moe_k": dict(_SMALL, model_type="qwen3_moe", hidden_size=256, intermediate_size=512, head_dim=64,
                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
                         tie_word_embeddings=False),
+    # what llama.cpp's gemma3 graph assumes of the files it reads: every 6th layer full, local RoPE base
+    # 10k, scores scaled by 1/sqrt(head_dim) (not the 27B); window 5 binds within the tests' prompts
+    "gemma3": dict(_SMALL, model_type="gemma3_text", num_hidden_layers=6, head_dim=64, query_pre_attn_scalar=64,
+                   sliding_window=5, rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=True),
 })
 
 
@@ -151,6 +158,12 @@ def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F
 
 def _write_metadata(writer, cfg) -> None:
     writer.add_name("tiny-test")
+    if cfg.model_type == "gemma3_text":  # convert_hf_to_gguf.py's Gemma3Model
+        writer.add_sliding_window(cfg.sliding_window)
+        full = cfg.rope_parameters["full_attention"]
+        writer.add_rope_scaling_type(gguf_rope_scaling(full["rope_type"]))
+        writer.add_rope_scaling_factor(full.get("factor", 1.0))
+        cfg = _with_theta(cfg, full["rope_theta"])
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -166,6 +179,21 @@ def _write_metadata(writer, cfg) -> None:
     writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     _write_moe_metadata(writer, cfg)
+
+
+def gguf_rope_scaling(kind: str):
+    import gguf
+
+    return {"linear": gguf.RopeScalingType.LINEAR, "default": gguf.RopeScalingType.NONE}[kind]
+
+
+def _with_theta(cfg, theta: float):
+    """cfg whose rope_parameters name `theta` (what _write_metadata writes as rope.freq_base)."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    cfg.rope_parameters = {"rope_theta": theta}
+    return cfg
 
 
 def _write_moe_metadata(writer, cfg) -> None:
@@ -209,7 +237,9 @@ def dequantized_model(model, path: Path):
     import torch
     from gguf import GGUFReader, quants
 
+    gemma = model.config.model_type == "gemma3_text"
     stored = {t.name: np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+              - (1.0 if gemma and t.name.endswith("norm.weight") else 0.0)  # llama.cpp's 1 + w, undone
               for t in GGUFReader(str(path)).tensors}
     state, offsets, total = model.state_dict(), {}, 0
     for key, value in state.items():
@@ -227,15 +257,19 @@ def dequantized_model(model, path: Path):
 
 
 def _tensors(model, state: dict | None = None, per_expert: bool = False):
-    """(GGUF name, fp32 numpy array) in llama.cpp's order and layout (of `state`'s arrays if given)."""
+    """(GGUF name, fp32 numpy array) in llama.cpp's order and layout (of `state`'s arrays if given;
+    else the model's values: gemma3's norms then stored as 1 + w, as llama.cpp's converter does)."""
     cfg = model.config
-    state = state or {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    gemma = cfg.model_type == "gemma3_text"
+    if state is None:
+        state = {k: v.detach().float().numpy() + (1.0 if gemma and k.endswith("norm.weight") else 0.0)
+                 for k, v in model.state_dict().items()}
     yield "token_embd.weight", state["model.embed_tokens.weight"]
     yield "output_norm.weight", state["model.norm.weight"]
     if not cfg.tie_word_embeddings:
         yield "output.weight", state["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
-        for hf, short in LAYER_NAMES.items():
+        for hf, short in ({**LAYER_NAMES, **GEMMA3_NAMES} if gemma else LAYER_NAMES).items():
             for kind in ("weight", "bias"):
                 key = f"model.layers.{i}.{hf}.{kind}"
                 if key not in state:

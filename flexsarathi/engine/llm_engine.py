@@ -412,7 +412,7 @@ class LLMEngine:
         window); 0: none."""
         if not (self.executor.causal_calls if self.kv_compression is None else self.executor.masked_causal_calls):
             return 0
-        return self.model.config.sliding_window or sys.maxsize
+        return self.model.config.smallest_window or sys.maxsize
 
     def _graph_passes(self) -> GraphPasses | None:
         """CUDA graphs for decode passes (EngineConfig.cuda_graphs; None: on CUDA) where the policy

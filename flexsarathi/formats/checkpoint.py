@@ -275,8 +275,7 @@ class SafetensorsCheckpoint(WeightSource):
         return self._handles[path]
 
     def _resolve(self, hf_name: str) -> str:
-        # Some OPT checkpoints were saved without the leading "model." of OPTForCausalLM.
-        for candidate in (hf_name, hf_name.removeprefix("model.")):
+        for candidate in (hf_name, *self.model.stored_names(hf_name)):  # (ModelMath.stored_names)
             if candidate in self._file_of:
                 return candidate
         raise CheckpointError(f"tensor {hf_name} is missing from the checkpoint in {self.folder}")
@@ -320,9 +319,12 @@ class SafetensorsCheckpoint(WeightSource):
         and the weights disagree (more layers, biases it says there are none of), and the model run
         without them would be another model."""
         wanted = self._read_names()
-        ignorable = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        unused = sorted(n for n in self._file_of if n not in wanted and f"model.{n}" not in wanted
-                        and n not in ignorable and not n.endswith(_IGNORABLE_SUFFIXES))
+        wanted |= {stored for name in wanted for stored in self.model.stored_names(name)}
+        ignorable = {"lm_head.weight", *self.model.stored_names("lm_head.weight")} if self.config.tie_word_embeddings \
+            else set()
+        unread = self.model.unread_prefixes()
+        unused = sorted(n for n in self._file_of if n not in wanted and n not in ignorable
+                        and not n.endswith(_IGNORABLE_SUFFIXES) and not n.startswith(unread))
         if not unused:
             return
         layers = [int(p) for n in unused for a, p in zip(n.split("."), n.split(".")[1:])

@@ -30,8 +30,8 @@ from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.formats.prequantized import SourceDescription, TensorKind, concat_rows
 from flexsarathi.models import build_model_math
-from flexsarathi.formats.gguf_file import GGUFTensor, gguf_part, hf_config, open_gguf, qk_heads, resolve_part, \
-    unpermute_rows
+from flexsarathi.formats.gguf_file import GGUFTensor, gguf_part, hf_config, norm_shift, open_gguf, qk_heads, \
+    resolve_part, unpermute_rows
 from flexsarathi.formats.gguf_quants import CODE_FORMATS, CONVERTED_TYPES, FLOAT_TYPES, check_type, code_format, \
     common_format, conversion_error, decode_scratch_bytes, \
     to_codes, to_float, to_qtensor, widen
@@ -85,7 +85,7 @@ class GGUFCheckpoint(WeightSource):
     def _parts(self, hf_names: list[str]) -> list[tuple[GGUFTensor, int | None]]:
         """Each HF tensor's GGUF tensor, and its expert where that is a 3-D stack of experts (a
         file with one 2-D tensor per expert: that tensor, as a dense part)."""
-        return [resolve_part(self.gguf, p) for p in map(gguf_part, hf_names)]
+        return [resolve_part(self.gguf, gguf_part(name, self.config.model_type)) for name in hf_names]
 
     def _validate(self) -> None:
         """Every tensor the model needs, in each layer as that layer has it (dense or with experts):
@@ -265,6 +265,7 @@ class GGUFCheckpoint(WeightSource):
             values = values.reshape(_rows(t), t.shape[-1]) if len(t.shape) > 2 else values
             heads = qk_heads(t.name, self.config)
             ordered = values if heads is None else values[unpermute_rows(t.shape[0], heads)]
+            ordered = ordered - norm_shift(t.name, self.config) if norm_shift(t.name, self.config) else ordered
             pieces.append(require_finite(ordered.to(dtype), t.name, self.path, ordered))
         values = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return values if order is None else values[order]

@@ -24,7 +24,7 @@ SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf
 # general.architecture -> the engine's model_type (its families: policy_search/hf_config.py);
 # llama.cpp writes Mixtral as `llama` with `llama.expert_count` experts (`model_type`)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                 "qwen3moe": "qwen3_moe"}
+                 "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Model types whose q/k rows llama.cpp's converter permutes into the interleaved RoPE layout: its
 # LlamaModel's (Mixtral included); qwen2/qwen3 keep HF's row order.
@@ -209,7 +209,29 @@ def hf_config(gguf: GGUFFile) -> dict:
     cfg.update(_rope_scaling(gguf, arch))
     if model_type in MOE_TYPES:
         cfg.update(_moe_fields(gguf, arch, get))
+    if arch == "gemma3":
+        cfg.update(_gemma3_fields(gguf, cfg, get))
     return cfg
+
+
+def _gemma3_fields(gguf: GGUFFile, cfg: dict, get) -> dict:
+    """What llama.cpp's gemma3 graph takes from the file or fixes itself (llama-model.cpp): the window;
+    which layers slide (the file's `sliding_window_pattern` flags, else every 6th layer full); the
+    sliding layers' RoPE base (`rope.freq_base_swa`, else 10000); scores scaled by 1/sqrt(hidden / heads)
+    for the 27B (62 layers), else 1/sqrt(head_dim) (google's gemma_pytorch config, as llama.cpp)."""
+    sliding = gguf.metadata.get("gemma3.attention.sliding_window_pattern")
+    kinds = {} if sliding is None else {"layer_types": [
+        "sliding_attention" if metadata_value(gguf, "gemma3.attention.sliding_window_pattern", flag, bool)
+        else "full_attention" for flag in sliding]}
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    scalar = cfg["hidden_size"] // heads if layers == 62 else cfg["head_dim"]
+    softcap = metadata_value(gguf, "gemma3.final_logit_softcapping", gguf.metadata.get("gemma3.final_logit_softcapping"),
+                             float)
+    return {"sliding_window": get("attention.sliding_window"), "sliding_window_pattern": 6, **kinds,
+            "rope_local_base_freq": _decimal(get("rope.freq_base_swa", 10000.0, float)),
+            "query_pre_attn_scalar": scalar, "final_logit_softcapping": None if softcap is None else _decimal(softcap),
+            "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon", 1e-6, float)),
+            "rope_theta": _decimal(get("rope.freq_base", 1e6, float))}
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
@@ -320,6 +342,9 @@ _LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "s
 # that llama.cpp stacks every expert of the layer into.
 _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+# gemma3's own: its sandwich norms (llama.cpp's gemma3 tensors; ffn_norm is the pre-MLP norm there too)
+_GEMMA3_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                       "post_feedforward_layernorm": "post_ffw_norm"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
 
@@ -331,7 +356,7 @@ class GGUFPart:
     expert: int | None = None
 
 
-def gguf_part(hf_name: str) -> GGUFPart:
+def gguf_part(hf_name: str, model_type: str = "llama") -> GGUFPart:
     """`model.layers.3.self_attn.q_proj.weight` -> blk.3.attn_q.weight;
     `model.layers.3.mlp.experts.5.up_proj.weight` -> expert 5 of blk.3.ffn_up_exps.weight."""
     if hf_name in _GLOBAL_NAMES:
@@ -340,9 +365,10 @@ def gguf_part(hf_name: str) -> GGUFPart:
     expert = _EXPERT_RE.match(match[2]) if match else None
     if expert and expert[2] in _EXPERT_NAMES:
         return GGUFPart(f"blk.{match[1]}.{_EXPERT_NAMES[expert[2]]}.{match[3]}", int(expert[1]))
-    if not match or match[2] not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_GEMMA3_LAYER_NAMES} if model_type == "gemma3_text" else _LAYER_NAMES
+    if not match or match[2] not in names:
         raise CheckpointError(f"no GGUF tensor corresponds to {hf_name}")
-    return GGUFPart(f"blk.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}")
+    return GGUFPart(f"blk.{match[1]}.{names[match[2]]}.{match[3]}")
 
 
 def resolve_part(gguf: GGUFFile, part: GGUFPart) -> tuple[GGUFTensor, int | None]:
@@ -356,9 +382,15 @@ def resolve_part(gguf: GGUFFile, part: GGUFPart) -> tuple[GGUFTensor, int | None
     return gguf.tensor(part.name), part.expert
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, model_type: str = "llama") -> str:
     """The GGUF tensor that holds `hf_name` (an expert's: the layer's 3-D stack)."""
-    return gguf_part(hf_name).name
+    return gguf_part(hf_name, model_type).name
+
+
+def norm_shift(gguf_tensor_name: str, config) -> float:
+    """What llama.cpp's converter added to this tensor's values: gemma3's norms are stored as 1 + w
+    (its RMSNorm scales by the weight; Gemma's by 1 + weight)."""
+    return 1.0 if config.model_type == "gemma3_text" and gguf_tensor_name.endswith("norm.weight") else 0.0
 
 
 def qk_heads(gguf_tensor_name: str, config) -> int | None:

@@ -4,9 +4,9 @@ A layer is split at attention so that the executor decides where attention runs 
 cache, on the compute device or the CPU) and the model never knows where a weight came from:
 
     hidden = embed(globals, token_ids, positions)              # [T, hidden]
-    for each layer:
-        q, k, v = qkv(layer, hidden, positions)                # [T, heads|kv_heads, head_dim]
-        attn = attend(q, k_ctx, v_ctx, ...)                     # per sequence, against the cache
+    for each layer j:
+        q, k, v = qkv(weights, hidden, positions, j)           # [T, heads|kv_heads, head_dim]
+        attn = attend(q, k_ctx, v_ctx, ..., window_of(j))       # per sequence, against the cache
         hidden = post_attention(layer, hidden, attn)            # o_proj, residual, MLP
     logits = logits(globals, hidden[rows])                      # [rows, vocab] fp32
 
@@ -30,7 +30,7 @@ class ModelMath(ABC):
 
     def __init__(self, config: ModelConfig):
         self.config = config
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale or config.head_dim ** -0.5  # of q . k
 
     # ---- shapes (used by loaders, dummy weights and placement) -----------------------------
     @abstractmethod
@@ -77,6 +77,16 @@ class ModelMath(ABC):
     def hf_global_names(self) -> dict[str, list[str]]:
         ...
 
+    def stored_names(self, hf_name: str) -> tuple[str, ...]:
+        """Where a checkpoint may store the tensor hf_layer_names / hf_global_names call `hf_name`,
+        besides that name: some OPT checkpoints drop the leading "model."; a multimodal checkpoint
+        nests the text model (gemma.py)."""
+        return (hf_name.removeprefix("model."),)
+
+    def unread_prefixes(self) -> tuple[str, ...]:
+        """Name prefixes of a checkpoint's tensors this model never reads (a vision tower)."""
+        return ()
+
     # A *ForSequenceClassification checkpoint's head: transformers' `score` linear over the final
     # hidden state (OPT's after project_out), no bias, read as a global weight.
     CLASSIFIER = "score.weight"
@@ -92,8 +102,8 @@ class ModelMath(ABC):
         ...
 
     @abstractmethod
-    def qkv(self, w: Weights, hidden: torch.Tensor, positions: torch.Tensor):
-        ...
+    def qkv(self, w: Weights, hidden: torch.Tensor, positions: torch.Tensor, layer: int = 0):
+        """q [T, heads, d], k, v [T, kv_heads, d] of decoder layer `layer` (whose weights `w` are)."""
 
     @abstractmethod
     def post_attention(self, w: Weights, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -108,12 +118,15 @@ class ModelMath(ABC):
         """The hidden states after the last layer as the head reads them (transformers'
         last_hidden_state): what an embedding pools."""
 
-    def attend(self, q, k, v, q_pos, kv_len, kv_pos_offset=0, key_blocks=None):
-        return attention.attend(q, k, v, q_pos, kv_len, self.scale, self.config.sliding_window,
-                                kv_pos_offset, key_blocks)
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: every earlier key); config.windows lists them all."""
+        return self.config.window_of(layer)
 
-    def decode_bias(self, q_pos, kv_len, length, dtype, kv_pos_offset=0):
-        return attention.decode_bias(q_pos, kv_len, length, dtype, kv_pos_offset, self.config.sliding_window)
+    def attend(self, q, k, v, q_pos, kv_len, window, kv_pos_offset=0, key_blocks=None):
+        return attention.attend(q, k, v, q_pos, kv_len, self.scale, window, kv_pos_offset, key_blocks)
+
+    def decode_bias(self, q_pos, kv_len, length, dtype, window, kv_pos_offset=0):
+        return attention.decode_bias(q_pos, kv_len, length, dtype, kv_pos_offset, window)
 
     def attend_decode(self, q, k, v, bias):
         return attention.attend_decode(q, k, v, bias, self.scale)

@@ -78,6 +78,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, as HF's Gemma3RMSNorm: normalise and scale by (1 + weight) in fp32, then cast
+    back (LLaMA's casts before it scales)."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def gelu_glu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's MLP), gate and up fused in one weight [2 * ffn, hidden]."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.gelu(gate, approximate="tanh").mul_(up), down)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     # In the compute dtype, as HF's OPT runs its LayerNorm modules: the kernel accumulates in fp32
     # for half-precision inputs, and no fp32 copies of x, weight and bias are launched.

@@ -16,22 +16,29 @@ class LlamaMath(ModelMath):
     def __init__(self, config):
         super().__init__(config)
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)  # [head_dim / 2] fp32, CPU
+        # gemma3's sliding layers rotate by another base: (they, the others) take (local, global)
+        self.local_inv_freq = None if config.local_rope is None else rope_inv_freq(config.local_rope, config.head_dim)
         # One copy per device, made once: `inv_freq.to(cuda)` in every layer would be two blocking
         # host-to-device copies per layer and micro-batch (each waits for all queued compute).
-        self._inv_freq_on = {self.inv_freq.device: self.inv_freq}
-        self._rope_seen: list[tuple] = []  # rope_on's (positions, dtype, cos, sin), newest first
+        self._inv_freq_on = {}
+        self._rope_seen: list[tuple] = []  # rope_on's (positions, dtype, local, cos, sin), newest first
 
     def divide_rope_frequencies(self, factors: torch.Tensor) -> None:
         """Per-frequency scaling given as a tensor (llama.cpp's `rope_freqs.weight`) [head_dim / 2]."""
         self.inv_freq = self.inv_freq / factors
-        self._inv_freq_on = {self.inv_freq.device: self.inv_freq}  # copies of the old values dropped
+        self._inv_freq_on = {}  # copies of the old values dropped
         self._rope_seen = []
 
-    def inv_freq_on(self, device):
-        if device not in self._inv_freq_on:
+    def inv_freq_on(self, device, local: bool = False):
+        """The full layers' (local: the sliding layers') inverse frequencies on `device`."""
+        if (device, local) not in self._inv_freq_on:
             # non_blocking: no stream sync (the source lives on in self.inv_freq)
-            self._inv_freq_on[device] = self.inv_freq.to(device, non_blocking=True)
-        return self._inv_freq_on[device]
+            source = self.local_inv_freq if local else self.inv_freq
+            self._inv_freq_on[device, local] = source.to(device, non_blocking=True)
+        return self._inv_freq_on[device, local]
+
+    def _local_rope(self, layer: int) -> bool:
+        return self.local_inv_freq is not None and self.window_of(layer) is not None
 
     def global_shapes(self):
         c = self.config
@@ -102,30 +109,35 @@ class LlamaMath(ModelMath):
     def embed(self, g: Weights, token_ids, positions):
         return embedding(token_ids, g["embed_tokens.weight"])  # [T, hidden]
 
-    def qkv(self, w: Weights, hidden, positions):
+    def qkv(self, w: Weights, hidden, positions, layer=0):
         c = self.config
-        x = rms_norm(hidden, w["attn_norm.weight"], c.norm_eps)
+        x = self.norm(hidden, w["attn_norm.weight"])
         heads = self._qkv_heads(linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")))  # [T, h + 2 kvh, d]
-        if "q_norm.weight" in w:  # qwen3: per head, over head_dim
+        if "q_norm.weight" in w:  # qwen3, gemma3: per head, over head_dim
             q, k, v = self._split_heads(heads)
-            q, k = rms_norm(q, w["q_norm.weight"], c.norm_eps), rms_norm(k, w["k_norm.weight"], c.norm_eps)
-            cos, sin = self.rope_on(positions, q.dtype)
+            q, k = self.norm(q, w["q_norm.weight"]), self.norm(k, w["k_norm.weight"])
+            cos, sin = self.rope_on(positions, q.dtype, self._local_rope(layer))
             return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
         # q's and k's heads lie side by side: rotated together, in place, so K stays beside V (the
         # pool writes the pair at once)
-        cos, sin = self.rope_on(positions, heads.dtype)
+        cos, sin = self.rope_on(positions, heads.dtype, self._local_rope(layer))
         apply_rope_(heads.narrow(1, 0, c.num_heads + c.num_kv_heads), cos, sin)
         return self._split_heads(heads)
 
-    def rope_on(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The family's RMSNorm (LLaMA's; gemma3 overrides it)."""
+        return rms_norm(x, weight, self.config.norm_eps)
+
+    def rope_on(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """rope_tables for these positions, computed once per pass: every layer of a pass gets the
         same positions tensor (built fresh per micro-batch, never written), so the last few are
         remembered by identity (a strong reference: no other tensor can take its id meanwhile)."""
-        for seen, seen_dtype, cos, sin in self._rope_seen:
-            if seen is positions and seen_dtype == dtype:
+        for seen, seen_dtype, seen_local, cos, sin in self._rope_seen:
+            if seen is positions and seen_dtype == dtype and seen_local == local:
                 return cos, sin
-        cos, sin = rope_tables(positions, self.inv_freq_on(positions.device), dtype)
-        self._rope_seen = [(positions, dtype, cos, sin), *self._rope_seen[:ROPE_REMEMBERED - 1]]
+        cos, sin = rope_tables(positions, self.inv_freq_on(positions.device, local), dtype)
+        self._rope_seen = [(positions, dtype, local, cos, sin), *self._rope_seen[:2 * ROPE_REMEMBERED - 1]]
         return cos, sin
 
     def post_attention(self, w: Weights, hidden, attn):

@@ -77,7 +77,7 @@ class OPTMath(ModelMath):
             x = linear(x, g["project_in.weight"])  # [T, hidden]
         return x + F.embedding(positions + POSITION_OFFSET, g["embed_positions.weight"])
 
-    def qkv(self, w: Weights, hidden, positions):
+    def qkv(self, w: Weights, hidden, positions, layer=0):
         x = hidden
         if self.config.pre_norm:
             x = layer_norm(x, w["attn_norm.weight"], w["attn_norm.bias"], self.config.norm_eps)

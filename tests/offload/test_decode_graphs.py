@@ -38,7 +38,7 @@ def test_bucket_of_pads_to_powers_of_two():
     assert bucket_of(5, 33) == (8, 64)
 
 
-@pytest.mark.parametrize("kind", ["opt", "llama_gqa_untied", "qwen2"])
+@pytest.mark.parametrize("kind", ["opt", "llama_gqa_untied", "qwen2", "gemma3"])  # gemma3: windows per layer
 @pytest.mark.parametrize("scheduler", ["block", "decode-maximal"])
 def test_static_buffer_passes_give_the_eager_tokens(tiny_checkpoint, kind, scheduler):
     folder, _ = tiny_checkpoint(kind)

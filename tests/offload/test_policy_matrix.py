@@ -34,6 +34,10 @@ CASES = {
                                num_gpu_batches=2),
 }
 COMPRESSED_CASES = ["weights_30_40_30", "kv_split_cpu_attention", "everything_off_gpu", "overlap_off"]
+# gemma3 (sliding layers, window 5, among full ones: each layer attends within its own window): the
+# cases whose attention routes differ (pool tiers, the CPU's decode attention, micro-batches, schedules)
+WINDOWED_CASES = ["weights_disk", "kv_cpu_cpu_attention", "kv_disk", "kv_split_cpu_attention", "act_split_disk",
+                  "three_micro_batches_offloaded", "block_schedule", "everything_off_gpu"]
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
@@ -119,6 +123,13 @@ def test_placement_gives_reference_tokens(references, model, case, tmp_path):
 @pytest.mark.parametrize("case", COMPRESSED_CASES)
 def test_compressed_placement_gives_compressed_reference_tokens(references, model, case, tmp_path):
     _check(references, model, True, CASES[case], tmp_path)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("case", WINDOWED_CASES)
+def test_placement_of_a_model_with_sliding_and_full_layers_gives_reference_tokens(references, case, compressed,
+                                                                                   tmp_path):
+    _check(references, "gemma3_deep", compressed, CASES[case], tmp_path)
 
 
 def test_gpu_budget_is_enforced_before_any_work(references, tmp_path):
@@ -219,7 +230,7 @@ def test_searched_policy_passes_the_engines_largest_pass_check(references, tmp_p
         assert outputs == [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("model", ["stories260K"])
+@pytest.mark.parametrize("model", ["stories260K", "gemma3_deep"])  # gemma3: the masks of each layer's window
 @pytest.mark.parametrize("placement,compress_kv", [("kv_cpu_cpu_attention", True), ("kv_cpu_cpu_attention", False),
                                                    ("kv_split_cpu_attention", False), (None, False)])
 def test_decode_attention_in_the_pool_gives_the_gather_routes_tokens(references, model, placement, compress_kv,

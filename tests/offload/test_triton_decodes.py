@@ -44,11 +44,14 @@ def test_the_pool_attends_a_decode_as_the_gather_route_does():
         with triton_decodes_on_cpu():
             assert pool.attends_with_triton() and pool.attends_in_pool(group, part, cpu)
             codes, back = pool.quantize_v(new_v)
-            out, lse = pool.attend_decode_codes(1, q, pool.plan_decode(group, part, window), (new_k, codes), scale)
+            windows = tuple(dict.fromkeys((None, window)))  # a plan for gemma3's two kinds of layer, read for one
+            out, lse = pool.attend_decode_codes(1, q, pool.plan_decode(group, part, windows), (new_k, codes), scale,
+                                                window)
             # V stored first (the executor's decode route): read from the pool, the same bits
             stored = pool.plan_store(slots[torch.arange(3), torch.tensor(lengths)], torch.arange(3))
             pool.store_v_first(1, new_v[token_rows], stored)
-            first = pool.attend_decode_codes(1, q, pool.plan_decode(group, part, window), (new_k, None), scale)
+            first = pool.attend_decode_codes(1, q, pool.plan_decode(group, part, windows), (new_k, None), scale,
+                                             window)
             assert torch.equal(first[0], out) and torch.equal(first[1], lse)
         context = pool.gather_part(1, part, cpu)
         [(k, v, rule)] = pool.parts_to_attend(group, part, context, new_k[token_rows], back[token_rows], True)
@@ -86,7 +89,7 @@ def test_every_placement_gives_the_all_on_device_tokens():
 
     placements = {"llama_gqa_untied": [{}, dict(kv_gpu=0.3, kv_cpu=0.4, kv_disk=0.3, cpu_attention=True),
                                        dict(num_gpu_batches=2, scheduler="block", w_gpu=0.5, w_cpu=0.5)],
-                  "opt": [{}]}
+                  "opt": [{}], "gemma3_deep": [{}]}  # gemma3: one plan, each layer's own window
     for kind in placements:
         folder = tempfile.mkdtemp()
         build_hf_model(kind).save_pretrained(folder, safe_serialization=True)
@@ -97,7 +100,9 @@ def test_every_placement_gives_the_all_on_device_tokens():
                 got, got_logprobs = run(folder, **placement)
                 assert got == tokens, (kind, placement)
                 diff = max(abs(a - b) for x, y in zip(got_logprobs, logprobs) for a, b in zip(x, y))
-                assert diff < 1e-4, (kind, placement, diff)
+                # gemma3_deep: one sequence's logprob moves 6e-4 at one step, 2e-6 before it: a new row's
+                # 1e-6 difference took the other side of a 4-bit code's rounding (as test_policy_matrix allows)
+                assert diff < (1e-3 if kind == "gemma3_deep" else 1e-4), (kind, placement, diff)
                 assert calls[0] > before, (kind, placement)
     print("ok")
     """)

@@ -215,6 +215,19 @@ def test_qwen3_and_moe_match_the_model_written(written_model, kind, weight_type)
     _assert_logits_and_greedy_match(LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT), ref)
 
 
+@pytest.mark.parametrize("weight_type", ["F32", "Q4_0", "Q8_0"])
+def test_a_gemma3_gguf_runs_as_llama_cpp_reads_it(written_model, weight_type):
+    """gemma3 as llama.cpp's converter writes it (norms stored as 1 + w, its sandwich norms' names) and
+    its graph reads it (every 6th layer full, the window from the file, linear RoPE scaling on full
+    layers only): transformers' logits and greedy tokens for the model the file holds."""
+    path, ref = written_model("gemma3", weight_type)
+    llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT)
+    config = llm.engine.config
+    assert config.layer_windows == (5, 5, 5, 5, 5, None) and config.rope_of(5).factor == 2.0
+    assert config.rope_of(0).theta == 1e4 and config.attention_scale == 64 ** -0.5
+    _assert_logits_and_greedy_match(llm, ref)
+
+
 @pytest.mark.parametrize("weight_type", ["F32", "Q4_0"])
 def test_a_mixtral_gguf_with_one_tensor_per_expert_loads(written_model, tmp_path, weight_type):
     """llama.cpp's Mixtral files from before it stacked the experts (April 2024: the first Mixtral

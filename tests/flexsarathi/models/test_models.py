@@ -10,7 +10,7 @@ from flexsarathi import LLM, SamplingParams
 from policy_search import Policy
 from tests.prompt_logits import prompt_logits
 
-KINDS = ["opt", "opt350m", "llama_gqa_untied", "llama_tied_headdim", "qwen2", "mistral"]
+KINDS = ["opt", "opt350m", "llama_gqa_untied", "llama_tied_headdim", "qwen2", "mistral", "gemma3", "gemma3_softcap"]
 
 
 def _prompts(vocab: int, lengths=(5, 11, 17), seed=0) -> list[list[int]]:

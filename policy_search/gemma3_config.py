@@ -1,0 +1,90 @@
+"""What a Gemma 3 `config.json` says beyond a LLaMA-family one (hf_config.py calls in here).
+
+- `gemma3_text` (Gemma3ForCausalLM: the 1B) and `gemma3` (Gemma3ForConditionalGeneration: 4B, 12B,
+  27B, read for its text model: `text_config`, the vision tower left unread). transformers writes a
+  nested config as its difference from the class defaults (the 27B's `text_config` names eleven
+  fields), so the defaults below are Gemma3TextConfig's (tests/policy_search/test_gemma3_config.py
+  compares them with transformers').
+- Layers are "sliding_attention" (keys within `sliding_window` of the query) or "full_attention":
+  `layer_types`, or transformers 4's `sliding_window_pattern` (every pattern-th layer full).
+- RoPE per kind of layer: transformers 5 writes `rope_parameters` {"sliding_attention": {...},
+  "full_attention": {...}}; transformers 4 `rope_theta` (full layers, with `rope_scaling`) and
+  `rope_local_base_freq` (sliding layers, unscaled).
+- Scores scaled by `query_pre_attn_scalar ** -0.5`; logits optionally soft-capped.
+Refused by name: attention-logit soft-capping (Gemma 2's; every attention kernel would need it) and
+bidirectional attention (EmbeddingGemma's encoder).
+"""
+from __future__ import annotations
+
+from policy_search.errors import SpecError
+from policy_search.config_fields import RopeConfig, parse_rope, typed
+
+# transformers' Gemma3TextConfig defaults for what the runtime reads
+TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
+    "tie_word_embeddings": True, "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+}
+LAYER_KINDS = ("sliding_attention", "full_attention")
+_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
+# the wrapper's fields that hold for its text model where text_config does not name them
+_FROM_WRAPPER = ("torch_dtype", "dtype", "bos_token_id", "eos_token_id", "tie_word_embeddings", "architectures")
+
+
+def gemma3_text_config(cfg: dict, source: str) -> tuple[dict, str]:
+    """(the text model's config with Gemma3TextConfig's defaults filled in, under the checkpoint's
+    model_type: the weights' names depend on it; where errors say it is)."""
+    if cfg["model_type"] == "gemma3_text":
+        return {**TEXT_DEFAULTS, **cfg}, source
+    text = cfg.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise SpecError(f"{source}: text_config must be an object, got {text!r}")
+    inherited = {key: cfg[key] for key in _FROM_WRAPPER if cfg.get(key) is not None and text.get(key) is None}
+    return {**TEXT_DEFAULTS, **text, **inherited, "model_type": "gemma3"}, f"{source} (text_config)"
+
+
+def gemma3_attention(cfg: dict, source: str, num_layers: int) -> dict:
+    """HFConfig's attention fields of a gemma3 config (gemma3_text_config's)."""
+    for key, what in (("attn_logit_softcapping", "attention-logit soft-capping (Gemma 2's)"),
+                      ("use_bidirectional_attention", "bidirectional attention (an encoder's)")):
+        if cfg.get(key):
+            raise SpecError(f"{source}: {key}={cfg[key]!r}: {what} is not supported")
+    window = typed(cfg, "sliding_window", source, int, None, low=1)
+    kinds = layer_kinds(cfg, source, num_layers)
+    full, local = rope_per_kind(cfg, source)
+    softcap = typed(cfg, "final_logit_softcapping", source, float, None, above=0.0)
+    return dict(sliding_window=window, layer_windows=tuple(window if k == "sliding_attention" else None for k in kinds),
+                rope=full, local_rope=local, final_logit_softcap=softcap,
+                attention_scale=typed(cfg, "query_pre_attn_scalar", source, float, above=0.0) ** -0.5)
+
+
+def layer_kinds(cfg: dict, source: str, num_layers: int) -> tuple[str, ...]:
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        pattern = typed(cfg, "sliding_window_pattern", source, int, 6, low=1)
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in LAYER_KINDS for k in kinds):
+        raise SpecError(f"{source}: layer_types must list one of {', '.join(LAYER_KINDS)} for each of the "
+                        f"{num_layers} layers, got {kinds!r}")
+    return tuple(kinds)
+
+
+def rope_per_kind(cfg: dict, source: str) -> tuple[RopeConfig, RopeConfig]:
+    """(full layers' rope, sliding layers' rope)."""
+    per_kind = cfg.get("rope_parameters")
+    if isinstance(per_kind, dict) and per_kind and set(per_kind) <= set(LAYER_KINDS):  # transformers 5
+        ropes = []
+        for kind, theta_key in (("full_attention", "rope_theta"), ("sliding_attention", "rope_local_base_freq")):
+            params = per_kind.get(kind) or {}
+            if not isinstance(params, dict):
+                raise SpecError(f"{source}: rope_parameters.{kind} must be an object, got {params!r}")
+            theta = params.get("rope_theta") or cfg.get(theta_key) or _THETA[kind]  # as transformers' setdefault
+            ropes.append(parse_rope({"rope_parameters": {**params, "rope_theta": theta}},
+                                     f"{source}: rope_parameters.{kind}"))
+        return ropes[0], ropes[1]
+    full = parse_rope({"rope_theta": cfg.get("rope_theta") or _THETA["full_attention"],
+                        "rope_scaling": cfg.get("rope_scaling"), "rope_parameters": per_kind}, source)
+    local = RopeConfig(theta=typed(cfg, "rope_local_base_freq", source, float, _THETA["sliding_attention"], above=0.0))
+    return full, local
