@@ -28,6 +28,7 @@ TARGETS = {
     "opt": (["q_proj", "v_proj", "fc1"], ["k_proj", "out_proj", "fc2"]),
     "llama_gqa_untied": (["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], ["k_proj", "up_proj"]),
     "qwen3": (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
+    "gemma3": (["q_proj", "v_proj", "gate_proj"], ["k_proj", "o_proj", "down_proj"]),
 }
 PROMPTS = [[3, 17, 42, 9, 77, 5, 23], [11, 12, 13, 14], [3, 17, 42, 9], [5, 6, 7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
