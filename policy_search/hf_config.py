@@ -23,7 +23,8 @@ from policy_search.errors import SpecError
 from policy_search.gemma3_config import gemma3_attention, gemma3_text_config
 
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-            "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama"}
+            "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama",
+            "phi3": "llama"}
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")  # RMSNorm over each head of q and k before RoPE
 _QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
@@ -251,6 +252,7 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
     model_type = cfg.get("model_type")
     flag = functools.partial(typed, cfg, source=source, kind=bool)
     attention_bias = flag(key="attention_bias", default=False)
+    _refuse_partial_rotary(cfg, source)
     if model_type in _QWEN_TYPES and not flag(key="use_sliding_window", default=False):
         window = None  # qwen: sliding_window is read only with use_sliding_window
     else:
@@ -269,6 +271,15 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
                 mlp_bias=flag(key="mlp_bias", default=False), **attention,
                 qk_norm=model_type in QK_NORM_MODEL_TYPES,
                 moe=_parse_moe(cfg, need, source) if model_type in MOE_MODEL_TYPES else None)
+
+
+def _refuse_partial_rotary(cfg: dict, source: str) -> None:
+    """Rotary embedding over part of each head (Phi-4-mini's 0.75) is not computed here: refused by name."""
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = typed({"partial_rotary_factor": cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))},
+                   "partial_rotary_factor", source, float, 1.0, above=0.0)
+    if factor != 1.0:
+        raise SpecError(f"{source}: partial_rotary_factor={factor} (RoPE over part of each head) is not supported")
 
 
 # Router options of other MoE families that change the routing math: accepted only at the value

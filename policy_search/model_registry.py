@@ -136,6 +136,11 @@ KNOWN_MODELS: dict[str, dict] = {
     "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240, rope_scaling=_GEMMA3_SCALING),
     "gemma-3-12b": _gemma3(3840, 48, 16, 8, 15360, rope_scaling=_GEMMA3_SCALING),
     "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, query_scalar=168, rope_scaling=_GEMMA3_SCALING),
+    # microsoft/phi-4 config.json (phi3: q/k/v and gate/up fused in the checkpoint; cross-checked with a
+    # copy found by the project's code search)
+    "phi-4": _llama(5120, 40, 40, 10, 17920, vocab=100352, max_pos=16384, theta=250000.0, bos=100257,
+                    eos=100257) | {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "sliding_window": None,
+                                   "original_max_position_embeddings": 16384, "torch_dtype": "bfloat16"},
 }
 
 

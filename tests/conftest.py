@@ -105,6 +105,15 @@ _GEMMA3_BASE = dict(model_type="gemma3_text", vocab_size=128, hidden_size=32, in
                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+# Phi-3 / Phi-4: q/k/v and gate/up fused in the checkpoint; one with mistral's sliding window
+TINY_CONFIGS.update({
+    "phi3": dict(model_type="phi3", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=250000.0,
+                 tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "phi3_window": dict(model_type="phi3", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, sliding_window=6,
+                        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+})
 TINY_CONFIGS.update({
     "gemma3": _GEMMA3_BASE,
     "gemma3_softcap": dict(_GEMMA3_BASE, num_key_value_heads=1, final_logit_softcapping=3.0, sliding_window=3,

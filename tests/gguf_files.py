@@ -29,10 +29,11 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
                "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 # transformers' model_type -> llama.cpp's general.architecture
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-             "mixtral": "llama", "gemma3_text": "gemma3"}
+             "mixtral": "llama", "gemma3_text": "gemma3", "phi3": "phi3"}
 # gemma3 (llama.cpp's Gemma3Model): its sandwich norms' names, every norm stored as 1 + w
 GEMMA3_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
@@ -70,6 +71,8 @@ GGUF_CONFIGS.update({
                         tie_word_embeddings=False),
     # what llama.cpp's gemma3 graph assumes of the files it reads: every 6th layer full, local RoPE base
     # 10k, scores scaled by 1/sqrt(head_dim) (not the 27B); window 5 binds within the tests' prompts
+    # Phi-3 (Phi3MiniModel's file): attn_qkv and ffn_up (gate and up) fused as in the checkpoint; a window
+    "phi3": dict(_SMALL, model_type="phi3", sliding_window=6, tie_word_embeddings=False, pad_token_id=0),
     "gemma3": dict(_SMALL, model_type="gemma3_text", num_hidden_layers=6, head_dim=64, query_pre_attn_scalar=64,
                    sliding_window=5, rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=True),
 })
@@ -158,6 +161,8 @@ def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F
 
 def _write_metadata(writer, cfg) -> None:
     writer.add_name("tiny-test")
+    if cfg.model_type == "phi3":  # convert_hf_to_gguf.py's Phi3MiniModel
+        writer.add_sliding_window(cfg.sliding_window or 0)
     if cfg.model_type == "gemma3_text":  # convert_hf_to_gguf.py's Gemma3Model
         writer.add_sliding_window(cfg.sliding_window)
         full = cfg.rope_parameters["full_attention"]

@@ -24,7 +24,7 @@ SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf
 # general.architecture -> the engine's model_type (its families: policy_search/hf_config.py);
 # llama.cpp writes Mixtral as `llama` with `llama.expert_count` experts (`model_type`)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                 "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+                 "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "phi3": "phi3"}
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Model types whose q/k rows llama.cpp's converter permutes into the interleaved RoPE layout: its
 # LlamaModel's (Mixtral included); qwen2/qwen3 keep HF's row order.
@@ -211,7 +211,22 @@ def hf_config(gguf: GGUFFile) -> dict:
         cfg.update(_moe_fields(gguf, arch, get))
     if arch == "gemma3":
         cfg.update(_gemma3_fields(gguf, cfg, get))
+    if arch == "phi3":
+        cfg.update(_phi3_fields(gguf, cfg, get))
     return cfg
+
+
+def _phi3_fields(gguf: GGUFFile, cfg: dict, get) -> dict:
+    """Phi-3 / Phi-4 (convert_hf_to_gguf.py's Phi3MiniModel): a window where `attention.sliding_window`
+    is above 0; RoPE over part of each head (`rope.dimension_count` below head_dim) and the long-context
+    RoPE (its `rope_factors_long` / `rope_factors_short` tensors) are refused by the config parser and
+    here, by name."""
+    if "rope_factors_long.weight" in gguf.tensors or "rope_factors_short.weight" in gguf.tensors:
+        raise CheckpointError(f"{gguf.path}: phi3's long-context RoPE (longrope: tensors rope_factors_long / "
+                              "rope_factors_short) is not supported")
+    window = get("attention.sliding_window", 0)
+    rotary = get("rope.dimension_count", cfg["head_dim"])
+    return {"sliding_window": window or None, "partial_rotary_factor": rotary / cfg["head_dim"]}
 
 
 def _gemma3_fields(gguf: GGUFFile, cfg: dict, get) -> dict:
@@ -337,7 +352,8 @@ _LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "s
                 "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                 "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
                 "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # phi3's own fused ones
 # One expert's matrix (qwen's names, Mixtral's w1/w3/w2) -> the 3-D tensor [experts, rows, cols]
 # that llama.cpp stacks every expert of the layer into.
 _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",

@@ -5,6 +5,7 @@ from flexsarathi.models.gemma import GemmaMath
 from flexsarathi.models.llama import LlamaMath
 from flexsarathi.models.moe import MoeMath
 from flexsarathi.models.opt import OPTMath
+from flexsarathi.models.phi3 import Phi3Math
 
 
 def build_model_math(config: ModelConfig) -> ModelMath:
@@ -12,7 +13,9 @@ def build_model_math(config: ModelConfig) -> ModelMath:
         return OPTMath(config)
     if config.is_gemma:
         return GemmaMath(config)
+    if config.model_type == "phi3":
+        return Phi3Math(config)
     return MoeMath(config) if config.moe is not None else LlamaMath(config)
 
 
-__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "LlamaMath", "MoeMath", "OPTMath"]
+__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "LlamaMath", "MoeMath", "OPTMath", "Phi3Math"]

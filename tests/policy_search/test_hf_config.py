@@ -60,6 +60,11 @@ BAD = [
     ({"eos_token_id": "2"}, r"eos_token_id must be an integer, got '2'"),
     ({"bos_token_id": "1"}, r"bos_token_id must be an integer, got '1'"),
     ({"vocab_size": 512.5}, r"vocab_size must be an integer, got 512.5"),
+    ({"partial_rotary_factor": 0.75}, r"partial_rotary_factor=0.75 \(RoPE over part of each head\) is not supported"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     r"partial_rotary_factor=0.5 \(RoPE over part of each head\)"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     r"rope type 'longrope' is not supported"),
 ]
 
 

@@ -29,6 +29,7 @@ TARGETS = {
     "llama_gqa_untied": (["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], ["k_proj", "up_proj"]),
     "qwen3": (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
     "gemma3": (["q_proj", "v_proj", "gate_proj"], ["k_proj", "o_proj", "down_proj"]),
+    "phi3": (["qkv_proj", "down_proj"], ["o_proj", "gate_up_proj"]),
 }
 PROMPTS = [[3, 17, 42, 9, 77, 5, 23], [11, 12, 13, 14], [3, 17, 42, 9], [5, 6, 7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

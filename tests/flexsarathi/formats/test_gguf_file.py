@@ -128,13 +128,21 @@ def test_unsupported_architecture_and_tensor_type(tmp_path):
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
         step()
     writer.close()
-    assert "GGUF architecture 'mamba' is not supported; supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma3 " \
+    assert "GGUF architecture 'mamba' is not supported; supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma3, phi3 " \
         "(llama with experts: mixtral)" in _one_line_error(tmp_path / "mamba.gguf")
 
     model = build_model("llama")
     path = tmp_path / "iq2.gguf"
     write_gguf(model, path, weight_type="F32", type_of=lambda name: "IQ2_XXS" if "ffn_up" in name else None)
     assert "blk.0.ffn_up.weight has GGUF type IQ2_XXS, which is not supported; supported: F32" in _one_line_error(path)
+
+
+def test_a_phi3_file_with_long_context_rope_is_refused_by_name(tmp_path):
+    path = tmp_path / "phi3-128k.gguf"
+    write_gguf(build_model("phi3"), path, extra={"rope_factors_long.weight": np.ones(32, dtype=np.float32),
+                                                 "rope_factors_short.weight": np.ones(32, dtype=np.float32)})
+    assert "phi3's long-context RoPE (longrope: tensors rope_factors_long / rope_factors_short) is not supported" \
+        in _one_line_error(path)
 
 
 def test_missing_file():

@@ -229,6 +229,16 @@ def test_a_gemma3_gguf_runs_as_llama_cpp_reads_it(written_model, weight_type):
 
 
 @pytest.mark.parametrize("weight_type", ["F32", "Q4_0"])
+def test_a_phi3_gguf_runs_its_fused_tensors(written_model, weight_type):
+    """phi3 (Phi-3 / Phi-4): attn_qkv and ffn_up (gate then up) read as the fused weights they are, the
+    file's sliding window kept: transformers' logits and greedy tokens for the model the file holds."""
+    path, ref = written_model("phi3", weight_type)
+    llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT)
+    assert llm.engine.config.sliding_window == 6
+    _assert_logits_and_greedy_match(llm, ref)
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q4_0"])
 def test_a_mixtral_gguf_with_one_tensor_per_expert_loads(written_model, tmp_path, weight_type):
     """llama.cpp's Mixtral files from before it stacked the experts (April 2024: the first Mixtral
     GGUFs people still have) hold one 2-D tensor per expert, blk.N.ffn_gate.E.weight: the same model

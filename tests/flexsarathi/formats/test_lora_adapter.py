@@ -23,6 +23,7 @@ TARGETS = {
     "llama_gqa_untied": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"],
     "qwen3": ["q_proj", "v_proj", "down_proj"],
     "gemma3": ["k_proj", "o_proj", "up_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj"],  # its checkpoint's own fused modules
 }
 PROMPTS = [[3, 17, 42, 9, 77, 5, 23], [11, 12, 13, 14]]
 
