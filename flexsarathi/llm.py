@@ -268,7 +268,9 @@ class LLM:
         groups, refused = {}, []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                ids, text = self._encode(prompt, i)
+                # a text longer than the context is encoded whole where only its last tokens are read
+                ids, text = self._encode(prompt, i, whole=p.truncate_prompt_tokens is not None)
+                ids = p.truncated(ids, self.engine.config.max_position_embeddings)
                 self.engine.validate_prompt(ids, i)
                 pooling = poolings[i] if poolings is not None else None
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -333,9 +335,10 @@ class LLM:
             self.last_stats.update({k: n - counted[k] for k, n in _scheduler_counts(scheduler).items()},
                                    running=engine.batch_running)
 
-    def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
+    def _encode(self, prompt: Prompt, index: int, whole: bool = False) -> tuple[list[int], str | None]:
         """(token ids, text or None) of a prompt: a string, a list of token ids, or vLLM's prompt
-        dicts ({"prompt": text} / {"prompt_token_ids": ids})."""
+        dicts ({"prompt": text} / {"prompt_token_ids": ids}). whole: a text of more tokens than the
+        context holds is encoded too (else refused before it is tokenized)."""
         if isinstance(prompt, dict):
             prompt = _from_prompt_dict(prompt, index)
         if isinstance(prompt, str):
@@ -348,7 +351,7 @@ class LLM:
                 raise FlexSarathiError(f"prompt {index} is not valid Unicode text ({exc.reason} at character "
                                        f"{exc.start})") from None
             try:
-                return self.engine.tokenizer.encode(prompt), prompt
+                return self.engine.tokenizer.encode(prompt, whole=whole), prompt
             except FlexSarathiError as exc:  # longer than the context could hold
                 raise FlexSarathiError(f"prompt {index}: {exc}") from None
         if isinstance(prompt, (list, tuple)):

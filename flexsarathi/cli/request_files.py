@@ -31,7 +31,7 @@ FORMATS = ("text", "jsonl", "openai")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                    "min_tokens", "n", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty",
                    "logit_bias", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
-                   "prompt_logprobs", "structured_outputs")
+                   "prompt_logprobs", "structured_outputs", "allowed_token_ids", "truncate_prompt_tokens")
 # vLLM's chat options (LLM.chat's and its server's): how the chat template renders the messages.
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 # OpenAI's tool calling fields of a chat request (flexsarathi/formats/tool_calls.py).

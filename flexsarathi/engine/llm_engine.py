@@ -596,10 +596,11 @@ class LLMEngine:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.config.vocab_size
-        outside = sorted(t for t in (params.logit_bias or {}) if t >= vocab)
-        if outside:
-            raise FlexSarathiError(f"SamplingParams.logit_bias names token ids {outside[:5]} outside the "
-                                   f"vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = sorted(t for t in ids if t >= vocab)
+            if outside:
+                raise FlexSarathiError(f"SamplingParams.{name} names token ids {outside[:5]} outside the "
+                                       f"vocabulary [0, {vocab})")
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         cap = self.engine_config.max_logprobs
@@ -1130,7 +1131,8 @@ def _drop_unsampled(seqs: list[Sequence], sampled: list[int | None],
     for seq, token in zip(seqs, sampled):
         if token is None:
             seq.error = (f"no token may follow output token {len(seq.output_token_ids)}: its structured output, "
-                         "bad_words, stop rules (before min_tokens) and logit_bias leave none")
+                         "bad_words, stop rules (before min_tokens), allowed_token_ids and logit_bias "
+                         "leave none")
     keep = [i for i, token in enumerate(sampled) if token is not None]
     return [seqs[i] for i in keep], [sampled[i] for i in keep], logits[keep]
 

@@ -1,6 +1,6 @@
 """What a request's SamplingParams do to its logits before the draw, batched over the rows of a
-step on the compute device: stop tokens barred before min_tokens, bad words, logit_bias, and the
-repetition / presence / frequency penalties (vLLM's order). Each function takes logits [R, vocab]
+step on the compute device: allowed_token_ids, stop tokens barred before min_tokens, bad words,
+logit_bias, and the repetition / presence / frequency penalties (vLLM's order). Each function takes logits [R, vocab]
 and returns them changed (a new tensor or the same one); per-row values travel as tensors, and
 Python loops only over rows or their few listed tokens, never over the vocabulary."""
 from __future__ import annotations
@@ -16,6 +16,20 @@ def bar_tokens(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> torc
         return logits
     index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
     return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def keep_allowed(logits: torch.Tensor, allowed: list[tuple[int, ...] | None]) -> torch.Tensor:
+    """Row i keeps only the logits of allowed[i]'s tokens (-inf elsewhere); None: the row as it is."""
+    rows = [(i, list(ids)) for i, ids in enumerate(allowed) if ids is not None]
+    if not rows:
+        return logits
+    device = logits.device
+    index = (torch.tensor([i for i, ids in rows for _ in ids], device=device),
+             torch.tensor([t for _, ids in rows for t in ids], device=device))
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    keep[[i for i, _ in rows]] = False
+    keep = keep.index_put(index, torch.tensor(True, device=device))
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def bar_stops(logits: torch.Tensor, stop_ids: list, may_stop: list[bool]) -> torch.Tensor:

@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from flexsarathi.engine.logits_processors import add_logit_bias, apply_penalties, bad_word_bans, bar_stops, bar_tokens
+from flexsarathi.engine.logits_processors import (add_logit_bias, apply_penalties, bad_word_bans, bar_stops, bar_tokens,
+                                                 keep_allowed)
 from flexsarathi.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from flexsarathi.engine.structured_output import apply_grammar_masks
 
@@ -46,6 +47,8 @@ def process_logits(logits: torch.Tensor, seqs: list, grammar_bitmask: torch.Tens
     seqs[i]'s): a new tensor on the same device. grammar_bitmask: the rows' structured-output
     masks if already filled (structured_output.fill_grammar_bitmask)."""
     logits = apply_grammar_masks(logits, seqs, grammar_bitmask)
+    if any(s.params.allowed_token_ids is not None for s in seqs):
+        logits = keep_allowed(logits, [s.params.allowed_token_ids for s in seqs])
     constrained = logits
     logits = bar_stops(logits, [s.stop_ids for s in seqs], [s.may_stop for s in seqs])
     if any(s.grammar is not None and not s.may_stop for s in seqs):

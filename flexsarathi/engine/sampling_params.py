@@ -121,6 +121,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # words never generated (their last token barred after the rest)
     skip_special_tokens: bool = True  # special tokens left out of the text
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # only these can be generated (EOS too only if listed)
+    truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens are read (-1: the model's context)
 
     def __post_init__(self):
         if self.top_k == 0 and _is_int(self.top_k):  # vLLM's "off" since it changed its default from -1
@@ -133,6 +135,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _as_tuple(self, "stop_token_ids", self.stop_token_ids))
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             self._bad("stop_token_ids", "must be non-negative integers")
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _as_tuple(self, "allowed_token_ids", self.allowed_token_ids))
+            if not self.allowed_token_ids or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                self._bad("allowed_token_ids", "must be None or a non-empty list of token ids (integers >= 0)")
         for name in ("stop", "bad_words"):
             value = getattr(self, name)
             value = (value,) if isinstance(value, str) else _as_tuple(self, name, value)
@@ -169,6 +175,9 @@ class SamplingParams:
             self._bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             self._bad("n", f"must be an integer in [1, {MAX_N}]")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            self._bad("truncate_prompt_tokens", "must be None, -1 (the model's context) or an integer >= 1")
         for name, what in (("logprobs", "top alternatives per token"),
                            ("prompt_logprobs", "top candidates per prompt position; 0 = the prompt token only")):
             value = getattr(self, name)
@@ -188,6 +197,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         """The argmax: temperature 0, or below SAMPLING_EPS (vLLM's rule: logits / 1e-38 overflow)."""
         return self.temperature < SAMPLING_EPS
+
+    def truncated(self, prompt_token_ids: list[int], context: int) -> list[int]:
+        """The prompt as the request reads it: its last truncate_prompt_tokens tokens (-1: the last
+        `context`, the model's), all of it when unset (vLLM's left truncation)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        k = context if k == -1 else k
+        return prompt_token_ids[-k:]
 
     @property
     def penalized(self) -> bool:

@@ -97,3 +97,50 @@ def test_penalized_and_plain_rows_in_one_batch_leave_the_plain_ones_alone(storie
                               use_tqdm=False)
     assert [mixed[0].token_ids, mixed[2].token_ids] == [alone[0].token_ids, alone[2].token_ids]
     assert mixed[1].token_ids != alone[1].token_ids
+
+
+def test_allowed_token_ids_keep_the_argmax_among_them(stories):
+    """Greedy under allowed_token_ids takes, at every step, the most likely of the listed tokens by
+    the model's own logits (prompt logits of the prompt and the output so far: the reference);
+    sampled tokens stay among them; EOS, not listed, never ends the request."""
+    from tests.prompt_logits import prompt_logits
+
+    free = stories.generate(PROMPTS[2], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    allowed = sorted({*free.token_ids[1:], 300, 301, 302, 411} - {free.token_ids[0]})  # the free argmax left out
+    out = stories.generate(PROMPTS[2], SamplingParams(max_tokens=6, temperature=0, allowed_token_ids=allowed),
+                           use_tqdm=False)[0]
+    context = out.prompt_token_ids + out.token_ids
+    logits = prompt_logits(stories, [context])[0]  # [len, vocab]: row j predicts token j + 1
+    for step, token in enumerate(out.token_ids):
+        row = logits[len(out.prompt_token_ids) - 1 + step]
+        assert token == allowed[int(row[allowed].argmax())]
+    sampled = stories.generate([PROMPTS[0]] * 3, SamplingParams(max_tokens=12, temperature=1.5, seed=5,
+                                                                allowed_token_ids=[13, 300, 301]), use_tqdm=False)
+    assert all(set(o.token_ids) <= {13, 300, 301} and o.finish_reason == "length" for o in sampled)
+
+
+def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(stories, stories_dir):
+    """The request runs as a prompt of its last k token ids would (vLLM's left truncation), and -1
+    keeps the model's context: a text longer than the context is then read, not refused."""
+    ids = stories.generate(PROMPTS[1], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    cut = stories.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                      truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-3:] and cut.token_ids == stories.generate([ids[-3:]], params,
+                                                                                  use_tqdm=False)[0].token_ids
+    context = stories.engine.config.max_position_embeddings
+    long_text = "Lily saw a big red ball in the park. " * context  # thousands of tokens past the context
+    with pytest.raises(Exception, match="context"):
+        stories.generate(long_text, params, use_tqdm=False)
+    whole = stories.generate(long_text, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                       truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert len(whole.prompt_token_ids) == context and whole.finish_reason == "length"
+    with pytest.raises(Exception, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
+@pytest.mark.parametrize("value,match", [([], "non-empty list"), ([3, -1], "integers >= 0"), ("13", "must be a list"),
+                                         ([10 ** 6], r"outside the vocabulary \[0, 512\)")])
+def test_bad_allowed_token_ids_are_one_clear_error(stories, value, match):
+    with pytest.raises(Exception, match=f"allowed_token_ids.*{match}|{match}"):
+        stories.generate(PROMPTS[0], SamplingParams(max_tokens=2, allowed_token_ids=value), use_tqdm=False)

@@ -2,7 +2,8 @@
 stories260K: JSONL `structured_outputs` and OpenAI `response_format` jobs whose every output parses
 and validates against the schema (jsonschema), in both schedulers, killed with SIGKILL partway and
 rerun (the resumed file equals the uninterrupted one); an OpenAI batch file using
-frequency_penalty, presence_penalty, logit_bias, top_logprobs and seed has no error record."""
+frequency_penalty, presence_penalty, logit_bias, top_logprobs, seed, allowed_token_ids and
+truncate_prompt_tokens has no error record."""
 from __future__ import annotations
 
 import json
@@ -81,7 +82,8 @@ def test_openai_batch_with_sampling_controls_has_no_error_record(stories_dir, tm
     bodies = [{"prompt": "Once upon a time", "frequency_penalty": 0.8, "presence_penalty": 0.5, "seed": 7},
               {"prompt": "Lily wanted to", "logit_bias": {"300": -100, "301": 5}, "logprobs": 2, "temperature": 0},
               {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "logprobs": True},
-              {"prompt": "The dog", "response_format": {"type": "text"}, "repetition_penalty": 1.2, "min_p": 0.1}]
+              {"prompt": "The dog", "response_format": {"type": "text"}, "repetition_penalty": 1.2, "min_p": 0.1},
+              {"prompt": "Once upon a time", "allowed_token_ids": [300, 301], "truncate_prompt_tokens": 2}]
     lines = [{"custom_id": f"c{i}", "method": "POST",
               "url": "/v1/chat/completions" if "messages" in b else "/v1/completions",
               "body": {"model": "m", "max_tokens": 6, **b}} for i, b in enumerate(bodies)]
@@ -93,3 +95,11 @@ def test_openai_batch_with_sampling_controls_has_no_error_record(stories_dir, tm
     assert all(r["error"] is None for r in got.values())
     choice = got["c1"]["response"]["body"]["choices"][0]
     assert len(choice["logprobs"]["tokens"]) == 6 and all(len(t) == 2 for t in choice["logprobs"]["top_logprobs"])
+    from flexsarathi import LLM, SamplingParams  # vLLM's extras as the API takes them
+
+    asked = got["c4"]["response"]["body"]
+    with LLM(stories_dir, dtype="float32") as llm:
+        api = llm.generate("Once upon a time", SamplingParams(max_tokens=6, allowed_token_ids=[300, 301],
+                                                              truncate_prompt_tokens=2, seed=0), use_tqdm=False)[0]
+    assert asked["usage"]["prompt_tokens"] == len(api.prompt_token_ids) == 2
+    assert set(api.token_ids) <= {300, 301} and asked["usage"]["completion_tokens"] == 6

@@ -51,8 +51,8 @@ def _body(tmp_path, body: dict, url: str = "/v1/completions"):
                                                      "'max_completion_token'?"),
     ("/v1/completions", "top_logprobs", "'top_logprobs' belongs to a /v1/chat/completions body, and this line's "
                                         "url is /v1/completions"),
-    ("/v1/chat/completions", "colour", "a /v1/chat/completions body takes add_generation_prompt, bad_words, "
-                                       "cache_salt, chat_template_kwargs, continue_final_message, "),
+    ("/v1/chat/completions", "colour", "a /v1/chat/completions body takes add_generation_prompt, allowed_token_ids, "
+                                       "bad_words, cache_salt, chat_template_kwargs, continue_final_message, "),
 ])
 def test_an_unknown_body_field_is_the_lines_error(tmp_path, url, field, hint):
     """As a JSONL record's: an OpenAI body's field the engine does not know used to be dropped
