@@ -31,7 +31,7 @@ llama.cpp
 torch, oneDNN and the int8 kernel held to AVX2): the header's capability line says so.
 
 Ours: `LLM(<the GGUF>, compress_head=True)`, the same file loaded as it is (its Q4_0 layers, token
-embedding and output matrix kept as their codes); `--ours-weights dummy`: `LLM("dummy:<model>",
+embedding and output matrix kept as their codes; gemma3's tied head is the embedding's codes); `--ours-weights dummy`: `LLM("dummy:<model>",
 dummy_weight_codes=True, compress_head=True)` (the same kind of random 4-bit codes), dtype
 --dtype (auto: what this CPU computes fastest), decode-maximal with all N running, prefill budget
 512 prompt tokens per pass, greedy with ignore_eos; timed generate() end to end after a one-pass
@@ -340,7 +340,8 @@ def build_ours(model: str, dtype: torch.dtype, w: Workload, on_disk: bool, work_
                cpu_matmul: str = "auto", resident: float = 0.0, gguf_path: str | None = None, cfg: dict | None = None):
     """gguf_path: ours loads that file as it is (else `dummy:<model>` with random 4-bit codes)."""
     hardware = HardwareSpec.preset("t4").with_memory(gpu=budget_gib * GiB / 0.8, cpu=budget_gib * GiB / 0.8)
-    kv_bytes = kv_cache_bytes(cfg or known_config(model), w, dtype)
+    cfg = cfg or known_config(model)
+    kv_bytes = kv_cache_bytes(cfg, w, dtype)
     compress_kv = on_disk and kv_bytes > budget_gib * GiB / 2
     if compress_kv:
         say(f"  FlexSarathi: 4-bit KV cache ({kv_bytes / GiB:.2f} GiB at "
@@ -348,7 +349,8 @@ def build_ours(model: str, dtype: torch.dtype, w: Workload, on_disk: bool, work_
     source = dict(model=gguf_path) if gguf_path else dict(model=f"dummy:{model}", dummy_weight_codes=True)
     return LLM(**source, enable_prefix_caching=False,
                dtype=dtype, policy=our_policy(w, on_disk, compress_kv, resident), hardware=hardware,
-               offload_dir=os.path.join(work_dir, "offload"), direct_io=True, compress_head=True, cpu_matmul=cpu_matmul)
+               offload_dir=os.path.join(work_dir, "offload"), direct_io=True, cpu_matmul=cpu_matmul,
+               compress_head=not cfg.get("tie_word_embeddings"))  # a tied head: the embedding's own codes
 
 
 PHASES = ("prompt passes", "decode passes", "head", "attention", "sampling")
