@@ -1,10 +1,7 @@
 """What a Gemma 3 `config.json` says beyond a LLaMA-family one (hf_config.py calls in here).
 
 - `gemma3_text` (Gemma3ForCausalLM: the 1B) and `gemma3` (Gemma3ForConditionalGeneration: 4B, 12B,
-  27B, read for its text model: `text_config`, the vision tower left unread). transformers writes a
-  nested config as its difference from the class defaults (the 27B's `text_config` names eleven
-  fields), so the defaults below are Gemma3TextConfig's (tests/policy_search/test_gemma3_config.py
-  compares them with transformers').
+  27B, read for its text model: text_model_config.py, with Gemma3TextConfig's defaults).
 - Layers are "sliding_attention" (keys within `sliding_window` of the query) or "full_attention":
   `layer_types`, or transformers 4's `sliding_window_pattern` (every pattern-th layer full).
 - RoPE per kind of layer: transformers 5 writes `rope_parameters` {"sliding_attention": {...},
@@ -19,34 +16,12 @@ from __future__ import annotations
 from policy_search.errors import SpecError
 from policy_search.config_fields import RopeConfig, parse_rope, typed
 
-# transformers' Gemma3TextConfig defaults for what the runtime reads
-TEXT_DEFAULTS = {
-    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
-    "tie_word_embeddings": True, "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-    "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False,
-}
 LAYER_KINDS = ("sliding_attention", "full_attention")
 _THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
-# the wrapper's fields that hold for its text model where text_config does not name them
-_FROM_WRAPPER = ("torch_dtype", "dtype", "bos_token_id", "eos_token_id", "tie_word_embeddings", "architectures")
-
-
-def gemma3_text_config(cfg: dict, source: str) -> tuple[dict, str]:
-    """(the text model's config with Gemma3TextConfig's defaults filled in, under the checkpoint's
-    model_type: the weights' names depend on it; where errors say it is)."""
-    if cfg["model_type"] == "gemma3_text":
-        return {**TEXT_DEFAULTS, **cfg}, source
-    text = cfg.get("text_config") or {}
-    if not isinstance(text, dict):
-        raise SpecError(f"{source}: text_config must be an object, got {text!r}")
-    inherited = {key: cfg[key] for key in _FROM_WRAPPER if cfg.get(key) is not None and text.get(key) is None}
-    return {**TEXT_DEFAULTS, **text, **inherited, "model_type": "gemma3"}, f"{source} (text_config)"
 
 
 def gemma3_attention(cfg: dict, source: str, num_layers: int) -> dict:
-    """HFConfig's attention fields of a gemma3 config (gemma3_text_config's)."""
+    """HFConfig's attention fields of a gemma3 config (text_model_config's)."""
     for key, what in (("attn_logit_softcapping", "attention-logit soft-capping (Gemma 2's)"),
                       ("use_bidirectional_attention", "bidirectional attention (an encoder's)")):
         if cfg.get(key):

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 # RopeConfig and typed_value are read from here too (models/model_config.py, formats/tokenizer.py)
 from policy_search.config_fields import RopeConfig, parse_rope, typed, typed_value  # noqa: F401
 from policy_search.errors import SpecError
-from policy_search.gemma3_config import gemma3_attention, gemma3_text_config
+from policy_search.gemma3_config import gemma3_attention
+from policy_search.text_model_config import NESTED, TEXT_DEFAULTS, text_model_config
 
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
             "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama",
-            "phi3": "llama"}
+            "phi3": "llama", "mistral3": "llama"}
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")  # RMSNorm over each head of q and k before RoPE
 _QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
@@ -115,6 +116,11 @@ class HFConfig:
     def is_gemma(self) -> bool:
         return self.model_type in GEMMA_MODEL_TYPES
 
+    @property
+    def nests_text_model(self) -> bool:
+        """A multimodal checkpoint read for its text model (text_model_config.py): its tensors nested."""
+        return self.model_type in NESTED
+
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (None: it sees every earlier key)."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
@@ -154,8 +160,8 @@ class HFConfig:
         if model_type not in FAMILIES:
             raise SpecError(f"{source}: model_type {model_type!r} is not supported; supported: "
                             f"{', '.join(FAMILIES)}")
-        if model_type in GEMMA_MODEL_TYPES:
-            cfg, source = gemma3_text_config(cfg, source)
+        if model_type in NESTED or model_type in TEXT_DEFAULTS:
+            cfg, source = text_model_config(cfg, source)
         need = _integer_fields(cfg, source)
         bos, eos = _token_ids(cfg, source)
         hidden, heads = need("hidden_size"), need("num_attention_heads")

@@ -136,6 +136,11 @@ KNOWN_MODELS: dict[str, dict] = {
     "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240, rope_scaling=_GEMMA3_SCALING),
     "gemma-3-12b": _gemma3(3840, 48, 16, 8, 15360, rope_scaling=_GEMMA3_SCALING),
     "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, query_scalar=168, rope_scaling=_GEMMA3_SCALING),
+    # mistralai/Mistral-Small-3.1-24B-Instruct-2503's text_config (3.2's is the same shape): head_dim 128
+    # where hidden / heads is 160, rope_theta 1e9, no sliding window, an untied head
+    "mistral-small-24b": _llama(5120, 40, 32, 8, 32768, vocab=131072, max_pos=131072, theta=1e9) | {
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"], "head_dim": 128, "sliding_window": None,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"},
     # microsoft/phi-4 config.json (phi3: q/k/v and gate/up fused in the checkpoint; cross-checked with a
     # copy found by the project's code search)
     "phi-4": _llama(5120, 40, 40, 10, 17920, vocab=100352, max_pos=16384, theta=250000.0, bos=100257,

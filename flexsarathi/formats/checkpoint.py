@@ -205,10 +205,12 @@ class SafetensorsCheckpoint(WeightSource):
         self._handles: dict[str, object] = {}  # file path -> open safetensors handle (headers only)
         self._pread = PreadReader()  # tensors' bytes: read into fresh memory, not mapped (safetensors_pread.py)
         self._file_of = self._index_tensors()  # HF tensor name -> file path
-        if not self.config.tie_word_embeddings and not any(n.startswith("lm_head.") for n in self._file_of):
+        self.model = build_model_math(self.config)
+        heads = ("lm_head.", *{name.removesuffix("weight") for name in self.model.stored_names("lm_head.weight")})
+        if not self.config.tie_word_embeddings and not any(n.startswith(heads) for n in self._file_of):
             self.headless = True  # read as tied: the model math then asks for no head of its own
             self.config = dataclasses.replace(self.config, tie_word_embeddings=True)
-        self.model = build_model_math(self.config)
+            self.model = build_model_math(self.config)
         self._validate_shapes()
         self._refuse_unused()
         if adapter is not None:

@@ -23,6 +23,10 @@ from flexsarathi.models import attention
 from flexsarathi.models.model_config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
+# a multimodal checkpoint's text model, per transformers version: where "model." / "lm_head." stand in text-only names
+_NESTED = (("model.", ("language_model.model.", "model.language_model.")),
+           ("lm_head.", ("language_model.lm_head.",)))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 class ModelMath(ABC):
@@ -80,12 +84,17 @@ class ModelMath(ABC):
     def stored_names(self, hf_name: str) -> tuple[str, ...]:
         """Where a checkpoint may store the tensor hf_layer_names / hf_global_names call `hf_name`,
         besides that name: some OPT checkpoints drop the leading "model."; a multimodal checkpoint
-        nests the text model (gemma.py)."""
-        return (hf_name.removeprefix("model."),)
+        (config.nests_text_model) nests the text model, as transformers 4 (`language_model.model.*`) or
+        5 (`model.language_model.*`) names it."""
+        if not self.config.nests_text_model:
+            return (hf_name.removeprefix("model."),)
+        return tuple(nested + hf_name[len(plain):] for plain, prefixes in _NESTED if hf_name.startswith(plain)
+                     for nested in prefixes)
 
     def unread_prefixes(self) -> tuple[str, ...]:
-        """Name prefixes of a checkpoint's tensors this model never reads (a vision tower)."""
-        return ()
+        """Name prefixes of a checkpoint's tensors this model never reads (a multimodal one's vision tower
+        and projector)."""
+        return _VISION if self.config.nests_text_model else ()
 
     # A *ForSequenceClassification checkpoint's head: transformers' `score` linear over the final
     # hidden state (OPT's after project_out), no bias, read as a global weight.

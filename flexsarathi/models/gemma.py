@@ -12,7 +12,7 @@
 
 A `gemma3` checkpoint (Gemma3ForConditionalGeneration) nests the text model: its tensors are
 `language_model.model.*` (transformers 4) or `model.language_model.*` (5), the vision tower and
-projector are never read (stored_names, unread_prefixes).
+projector are never read (ModelMath.stored_names, unread_prefixes).
 """
 from __future__ import annotations
 
@@ -23,11 +23,6 @@ import torch
 from flexsarathi.models.base import Weights
 from flexsarathi.models.layers import embedding, gelu_glu, gemma_rms_norm, linear
 from flexsarathi.models.llama import LlamaMath
-
-# a gemma3 checkpoint's text model, per transformers version: where "model." / "lm_head." stand in text-only names
-_NESTED = (("model.", ("language_model.model.", "model.language_model.")),
-           ("lm_head.", ("language_model.lm_head.",)))
-_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 class GemmaMath(LlamaMath):
@@ -47,15 +42,6 @@ class GemmaMath(LlamaMath):
         return {**super().hf_layer_names(layer), "mlp_norm.weight": [p + "pre_feedforward_layernorm.weight"],
                 "post_attn_norm.weight": [p + "post_attention_layernorm.weight"],
                 "post_mlp_norm.weight": [p + "post_feedforward_layernorm.weight"]}
-
-    def stored_names(self, hf_name: str) -> tuple[str, ...]:
-        if self.config.model_type != "gemma3":
-            return super().stored_names(hf_name)
-        return tuple(nested + hf_name[len(plain):] for plain, prefixes in _NESTED if hf_name.startswith(plain)
-                     for nested in prefixes)
-
-    def unread_prefixes(self) -> tuple[str, ...]:
-        return _VISION if self.config.model_type == "gemma3" else ()
 
     def norm(self, x, weight):
         return gemma_rms_norm(x, weight, self.config.norm_eps)

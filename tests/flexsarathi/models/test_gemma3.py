@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from flexsarathi import LLM
 from policy_search.errors import SpecError
-from policy_search.gemma3_config import TEXT_DEFAULTS
+from policy_search.text_model_config import GEMMA3_TEXT_DEFAULTS as TEXT_DEFAULTS
 from policy_search.hf_config import HFConfig
 from tests.flexsarathi.models.test_models import _prompts, hf_logits
 from tests.prompt_logits import prompt_logits
