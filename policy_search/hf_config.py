@@ -25,7 +25,7 @@ from policy_search.text_model_config import NESTED, TEXT_DEFAULTS, text_model_co
 
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
             "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama",
-            "phi3": "llama", "mistral3": "llama"}
+            "phi3": "llama", "mistral3": "llama", "granite": "llama"}
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")  # RMSNorm over each head of q and k before RoPE
 _QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
@@ -111,6 +111,10 @@ class HFConfig:
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); (): sliding_window
     local_rope: RopeConfig | None = None  # the sliding layers' rope; None: `rope` in every layer
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # Granite (its config's multipliers; 1: none)
+    embedding_multiplier: float = 1.0  # the token embedding's rows times this
+    residual_multiplier: float = 1.0  # attention's and the MLP's outputs times this before each residual add
+    logits_scaling: float = 1.0  # logits divided by this
 
     @property
     def is_gemma(self) -> bool:
@@ -268,7 +272,8 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
     if gemma:
         attention = gemma3_attention(cfg, source, need("num_hidden_layers"))
     else:
-        attention = dict(rope=parse_rope(cfg, source), sliding_window=window)
+        attention = dict(rope=parse_rope(cfg, source), sliding_window=window,
+                         **(_granite_fields(cfg, source) if model_type == "granite" else {}))
     return dict(num_kv_heads=kv_heads, head_dim=typed(cfg, "head_dim", source, int, hidden // heads, low=1),
                 intermediate_size=need("intermediate_size"),
                 norm_eps=typed(cfg, "rms_norm_eps", source, float, 1e-6, above=0.0),
@@ -277,6 +282,14 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
                 mlp_bias=flag(key="mlp_bias", default=False), **attention,
                 qk_norm=model_type in QK_NORM_MODEL_TYPES,
                 moe=_parse_moe(cfg, need, source) if model_type in MOE_MODEL_TYPES else None)
+
+
+def _granite_fields(cfg: dict, source: str) -> dict:
+    """Granite's multipliers (GraniteConfig's defaults: 1), its score scale attention_multiplier."""
+    number = functools.partial(typed, cfg, source=source, kind=float, default=1.0, above=0.0)
+    return dict(embedding_multiplier=number(key="embedding_multiplier"),
+                residual_multiplier=number(key="residual_multiplier"), logits_scaling=number(key="logits_scaling"),
+                attention_scale=number(key="attention_multiplier"))
 
 
 def _refuse_partial_rotary(cfg: dict, source: str) -> None:

@@ -114,6 +114,17 @@ TINY_CONFIGS.update({
                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, sliding_window=6,
                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 })
+# Granite: its multipliers away from 1 (embedding, scores, residual branches, logits), tied or not
+TINY_CONFIGS.update({
+    "granite": dict(model_type="granite", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                    embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
+                    logits_scaling=8.0),
+    "granite_untied": dict(model_type="granite", vocab_size=128, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                           max_position_embeddings=64, tie_word_embeddings=False, embedding_multiplier=3.0,
+                           attention_multiplier=0.5, residual_multiplier=0.5, logits_scaling=0.25),
+})
 TINY_CONFIGS.update({
     "gemma3": _GEMMA3_BASE,
     "gemma3_softcap": dict(_GEMMA3_BASE, num_key_value_heads=1, final_logit_softcapping=3.0, sliding_window=3,

@@ -33,11 +33,12 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
                "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 # transformers' model_type -> llama.cpp's general.architecture
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-             "mixtral": "llama", "gemma3_text": "gemma3", "phi3": "phi3"}
+             "mixtral": "llama", "gemma3_text": "gemma3", "phi3": "phi3",
+             "granite": "granite"}
 # gemma3 (llama.cpp's Gemma3Model): its sandwich norms' names, every norm stored as 1 + w
 GEMMA3_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
-PERMUTED_QK = ("llama", "mixtral")  # llama.cpp's LlamaModel permutes q/k rows (Mixtral is one)
+PERMUTED_QK = ("llama", "mixtral", "granite")  # llama.cpp's LlamaModel permutes q/k rows (Mixtral, Granite are)
 ALWAYS_F32 = ("ffn_gate_inp",)  # routers: llama.cpp's converter and quantizer keep them F32
 
 
@@ -71,6 +72,9 @@ GGUF_CONFIGS.update({
                         tie_word_embeddings=False),
     # what llama.cpp's gemma3 graph assumes of the files it reads: every 6th layer full, local RoPE base
     # 10k, scores scaled by 1/sqrt(head_dim) (not the 27B); window 5 binds within the tests' prompts
+    # Granite (GraniteModel's file: a llama one, q/k permuted, with its four scales)
+    "granite": dict(_SMALL, model_type="granite", tie_word_embeddings=False, embedding_multiplier=12.0,
+                    attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0),
     # Phi-3 (Phi3MiniModel's file): attn_qkv and ffn_up (gate and up) fused as in the checkpoint; a window
     "phi3": dict(_SMALL, model_type="phi3", sliding_window=6, tie_word_embeddings=False, pad_token_id=0),
     "gemma3": dict(_SMALL, model_type="gemma3_text", num_hidden_layers=6, head_dim=64, query_pre_attn_scalar=64,
@@ -161,6 +165,11 @@ def write_gguf(model, path: Path, weight_type: str = "F32", embed_type: str = "F
 
 def _write_metadata(writer, cfg) -> None:
     writer.add_name("tiny-test")
+    if cfg.model_type == "granite":  # convert_hf_to_gguf.py's GraniteModel: the multipliers as scales
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+        writer.add_attention_scale(cfg.attention_multiplier)
     if cfg.model_type == "phi3":  # convert_hf_to_gguf.py's Phi3MiniModel
         writer.add_sliding_window(cfg.sliding_window or 0)
     if cfg.model_type == "gemma3_text":  # convert_hf_to_gguf.py's Gemma3Model

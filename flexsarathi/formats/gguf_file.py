@@ -24,11 +24,12 @@ SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf
 # general.architecture -> the engine's model_type (its families: policy_search/hf_config.py);
 # llama.cpp writes Mixtral as `llama` with `llama.expert_count` experts (`model_type`)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                 "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "phi3": "phi3"}
+                 "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "phi3": "phi3",
+                 "granite": "granite"}
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Model types whose q/k rows llama.cpp's converter permutes into the interleaved RoPE layout: its
 # LlamaModel's (Mixtral included); qwen2/qwen3 keep HF's row order.
-PERMUTED_QK = ("llama", "mixtral")
+PERMUTED_QK = ("llama", "mixtral", "granite")  # granite: convert_hf_to_gguf.py's GraniteModel is a LlamaModel
 # Whether the top-k routing weights are renormalised, where the file has no
 # `{arch}.expert_weights_norm`: llama.cpp's graphs fix it per architecture (llama, i.e. Mixtral,
 # and qwen3moe renormalise, qwen2moe does not), as transformers' GGUF loader assumes for qwen3_moe.
@@ -213,6 +214,10 @@ def hf_config(gguf: GGUFFile) -> dict:
         cfg.update(_gemma3_fields(gguf, cfg, get))
     if arch == "phi3":
         cfg.update(_phi3_fields(gguf, cfg, get))
+    if arch == "granite":  # its config's multipliers, as the converter renames them (1: none)
+        cfg.update({hf: _decimal(get(key, 1.0, float)) for hf, key in (
+            ("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
+            ("logits_scaling", "logit_scale"), ("attention_multiplier", "attention.scale"))})
     return cfg
 
 

@@ -2,6 +2,7 @@
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models.base import ModelMath, Weights
 from flexsarathi.models.gemma import GemmaMath
+from flexsarathi.models.granite import GraniteMath
 from flexsarathi.models.llama import LlamaMath
 from flexsarathi.models.moe import MoeMath
 from flexsarathi.models.opt import OPTMath
@@ -15,7 +16,9 @@ def build_model_math(config: ModelConfig) -> ModelMath:
         return GemmaMath(config)
     if config.model_type == "phi3":
         return Phi3Math(config)
+    if config.model_type == "granite":
+        return GraniteMath(config)
     return MoeMath(config) if config.moe is not None else LlamaMath(config)
 
 
-__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "LlamaMath", "MoeMath", "OPTMath", "Phi3Math"]
+__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "GraniteMath", "LlamaMath", "MoeMath", "OPTMath", "Phi3Math"]

@@ -229,6 +229,15 @@ def test_a_gemma3_gguf_runs_as_llama_cpp_reads_it(written_model, weight_type):
 
 
 @pytest.mark.parametrize("weight_type", ["F32", "Q4_0"])
+def test_a_granite_gguf_runs_with_its_scales(written_model, weight_type):
+    """granite: a llama file (q/k permuted) with the config's multipliers as granite.*_scale metadata."""
+    path, ref = written_model("granite", weight_type)
+    llm = LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT)
+    assert (llm.engine.config.embedding_multiplier, llm.engine.config.logits_scaling) == (12.0, 8.0)
+    _assert_logits_and_greedy_match(llm, ref)
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q4_0"])
 def test_a_phi3_gguf_runs_its_fused_tensors(written_model, weight_type):
     """phi3 (Phi-3 / Phi-4): attn_qkv and ffn_up (gate then up) read as the fused weights they are, the
     file's sliding window kept: transformers' logits and greedy tokens for the model the file holds."""
