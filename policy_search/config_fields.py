@@ -8,17 +8,25 @@ from dataclasses import dataclass
 
 from policy_search.errors import SpecError
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (transformers' _compute_yarn_parameters): the ramp between interpolated and extrapolated
+    # frequencies, and cos / sin scaled by attention_factor (None: from factor, mscale, mscale_all_dim)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 _REQUIRED = object()
@@ -69,10 +77,22 @@ def parse_rope(cfg: dict, source: str) -> RopeConfig:
     def param(key: str, kind: type, default, **bounds):
         return typed({f"{prefix}.{key}": merged.get(key)}, f"{prefix}.{key}", source, kind, default, **bounds)
     theta = cfg.get("rope_theta") if merged.get("rope_theta") is None else merged["rope_theta"]
+    original = param("original_max_position_embeddings", int, None, low=1)
+    if original is None:  # yarn: the config's own, else its max_position_embeddings (as transformers fills it in)
+        original = typed(cfg, "original_max_position_embeddings", source, int,
+                         cfg.get("max_position_embeddings") if kind == "yarn" else 8192, low=1)
+    factor = param("factor", float, None, above=0.0)
+    if factor is None:  # yarn without one: max_position_embeddings over the original (DeepSeek-V3's rule)
+        factor = cfg["max_position_embeddings"] / original if kind == "yarn" and cfg.get("max_position_embeddings") else 1.0
     return RopeConfig(
         theta=typed({"rope_theta": theta}, "rope_theta", source, float, 10000.0, above=0.0), kind=kind,
-        factor=param("factor", float, 1.0, above=0.0),
-        low_freq_factor=param("low_freq_factor", float, 1.0, above=0.0),
+        factor=factor, low_freq_factor=param("low_freq_factor", float, 1.0, above=0.0),
         high_freq_factor=param("high_freq_factor", float, 4.0, above=0.0),
-        original_max_position_embeddings=param("original_max_position_embeddings", int, 8192, low=1),
-    )
+        original_max_position_embeddings=original, **(_yarn_fields(param) if kind == "yarn" else {}))
+
+
+def _yarn_fields(param) -> dict:
+    return dict(beta_fast=param("beta_fast", float, 32.0, above=0.0), beta_slow=param("beta_slow", float, 1.0, above=0.0),
+                mscale=param("mscale", float, None), mscale_all_dim=param("mscale_all_dim", float, None),
+                attention_factor=param("attention_factor", float, None, above=0.0),
+                truncate=param("truncate", bool, True))

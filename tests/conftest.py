@@ -71,6 +71,17 @@ TINY_CONFIGS.update({
     "qwen3": dict(_QWEN3_BASE, model_type="qwen3", tie_word_embeddings=False),
     "qwen3_tied": dict(_QWEN3_BASE, model_type="qwen3", head_dim=12, num_key_value_heads=1,
                        tie_word_embeddings=True, rope_theta=1000000.0),
+    # YaRN (Qwen3's long-context recipe): pretrained on 8 positions, run past them; the second with
+    # its options away from the defaults (an mscale pair, another ramp, no truncation)
+    "qwen3_yarn": dict(_QWEN3_BASE, model_type="qwen3", tie_word_embeddings=False,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    # (head_dim 16, base 100: the ramp spans fractional dimensions, so truncating it would show)
+    "llama_yarn_mscale": dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=48,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=64, tie_word_embeddings=False, rope_theta=100.0,
+                              rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                                            "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 4.0, "beta_slow": 0.5,
+                                            "truncate": False}),
     "qwen3_moe": dict(_QWEN3_BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=False),
     # 8 experts, top-3, not renormalised, layer 1 dense (mlp_only_layers), tied head

@@ -101,7 +101,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (fp32), with linear or llama3-style scaling."""
+    """Inverse frequencies [head_dim // 2] (fp32), with linear, llama3-style or yarn scaling."""
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if rope.kind == "linear":
         inv_freq = inv_freq / rope.factor
@@ -118,10 +120,46 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq.float()
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, 1, head_dim] in `dtype` for positions [T] (inv_freq on positions' device)."""
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters, in fp32 as it computes them): the
+    interpolated ones (divided by factor) below the ramp's dimensions, the original ones above."""
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # no singular ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; 1 for the other kinds)."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return float(mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim))
+    return mscale(rope.factor)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, head_dim] in `dtype` for positions [T] (inv_freq on positions' device), times
+    `scale` in fp32 before the cast (rope_attention_factor)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
     angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
+    if scale != 1.0:
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

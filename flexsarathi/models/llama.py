@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from flexsarathi.models.base import ModelMath, Weights
-from flexsarathi.models.layers import (apply_rope, apply_rope_, embedding, linear, rms_norm, rope_inv_freq, rope_tables,
-                                       swiglu)
+from flexsarathi.models.layers import (apply_rope, apply_rope_, embedding, linear, rms_norm, rope_attention_factor,
+                                       rope_inv_freq, rope_tables, swiglu)
 
 
 ROPE_REMEMBERED = 4  # micro-batches of one pass whose rope tables are kept (FlexGen policies use 1-4)
@@ -18,6 +18,8 @@ class LlamaMath(ModelMath):
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)  # [head_dim / 2] fp32, CPU
         # gemma3's sliding layers rotate by another base: (they, the others) take (local, global)
         self.local_inv_freq = None if config.local_rope is None else rope_inv_freq(config.local_rope, config.head_dim)
+        self._rope_scale = {False: rope_attention_factor(config.rope),  # YaRN's cos / sin factor (1 otherwise)
+                            True: 1.0 if config.local_rope is None else rope_attention_factor(config.local_rope)}
         # One copy per device, made once: `inv_freq.to(cuda)` in every layer would be two blocking
         # host-to-device copies per layer and micro-batch (each waits for all queued compute).
         self._inv_freq_on = {}
@@ -136,7 +138,7 @@ class LlamaMath(ModelMath):
         for seen, seen_dtype, seen_local, cos, sin in self._rope_seen:
             if seen is positions and seen_dtype == dtype and seen_local == local:
                 return cos, sin
-        cos, sin = rope_tables(positions, self.inv_freq_on(positions.device, local), dtype)
+        cos, sin = rope_tables(positions, self.inv_freq_on(positions.device, local), dtype, self._rope_scale[local])
         self._rope_seen = [(positions, dtype, local, cos, sin), *self._rope_seen[:2 * ROPE_REMEMBERED - 1]]
         return cos, sin
 
