@@ -35,10 +35,11 @@ def gemma3_attention(cfg: dict, source: str, num_layers: int) -> dict:
                 attention_scale=typed(cfg, "query_pre_attn_scalar", source, float, above=0.0) ** -0.5)
 
 
-def layer_kinds(cfg: dict, source: str, num_layers: int) -> tuple[str, ...]:
+def layer_kinds(cfg: dict, source: str, num_layers: int, every: int = 6) -> tuple[str, ...]:
+    """Each layer's kind: layer_types, else every `every`-th layer full (sliding_window_pattern)."""
     kinds = cfg.get("layer_types")
     if kinds is None:
-        pattern = typed(cfg, "sliding_window_pattern", source, int, 6, low=1)
+        pattern = typed(cfg, "sliding_window_pattern", source, int, every, low=1)
         return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
     if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in LAYER_KINDS for k in kinds):
         raise SpecError(f"{source}: layer_types must list one of {', '.join(LAYER_KINDS)} for each of the "
@@ -46,20 +47,25 @@ def layer_kinds(cfg: dict, source: str, num_layers: int) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def rope_per_kind(cfg: dict, source: str) -> tuple[RopeConfig, RopeConfig]:
-    """(full layers' rope, sliding layers' rope)."""
+def rope_per_kind(cfg: dict, source: str, thetas: dict = _THETA, local_key: str | None = "rope_local_base_freq"
+                  ) -> tuple[RopeConfig, RopeConfig]:
+    """(full layers' rope, sliding layers' rope); thetas: the bases where the config names none;
+    local_key: the transformers 4 field of the sliding layers' base (None: there is none)."""
     per_kind = cfg.get("rope_parameters")
     if isinstance(per_kind, dict) and per_kind and set(per_kind) <= set(LAYER_KINDS):  # transformers 5
         ropes = []
-        for kind, theta_key in (("full_attention", "rope_theta"), ("sliding_attention", "rope_local_base_freq")):
+        for kind, theta_key in (("full_attention", "rope_theta"), ("sliding_attention", local_key)):
             params = per_kind.get(kind) or {}
             if not isinstance(params, dict):
                 raise SpecError(f"{source}: rope_parameters.{kind} must be an object, got {params!r}")
-            theta = params.get("rope_theta") or cfg.get(theta_key) or _THETA[kind]  # as transformers' setdefault
-            ropes.append(parse_rope({"rope_parameters": {**params, "rope_theta": theta}},
-                                     f"{source}: rope_parameters.{kind}"))
+            theta = params.get("rope_theta") or (theta_key and cfg.get(theta_key)) or thetas[kind]  # transformers' setdefault
+            ropes.append(parse_rope({"rope_parameters": {**params, "rope_theta": theta},
+                                     "max_position_embeddings": cfg.get("max_position_embeddings")},
+                                    f"{source}: rope_parameters.{kind}"))
         return ropes[0], ropes[1]
-    full = parse_rope({"rope_theta": cfg.get("rope_theta") or _THETA["full_attention"],
-                        "rope_scaling": cfg.get("rope_scaling"), "rope_parameters": per_kind}, source)
-    local = RopeConfig(theta=typed(cfg, "rope_local_base_freq", source, float, _THETA["sliding_attention"], above=0.0))
+    full = parse_rope({"rope_theta": cfg.get("rope_theta") or thetas["full_attention"],
+                       "rope_scaling": cfg.get("rope_scaling"), "rope_parameters": per_kind,
+                       "max_position_embeddings": cfg.get("max_position_embeddings")}, source)
+    local = RopeConfig(theta=typed(cfg, local_key, source, float, thetas["sliding_attention"], above=0.0)
+                       if local_key else thetas["sliding_attention"])
     return full, local

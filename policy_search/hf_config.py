@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 from policy_search.config_fields import RopeConfig, parse_rope, typed, typed_value  # noqa: F401
 from policy_search.errors import SpecError
 from policy_search.gemma3_config import gemma3_attention
+from policy_search.olmo_config import olmo3_attention
 from policy_search.text_model_config import NESTED, TEXT_DEFAULTS, text_model_config
 
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
             "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama",
-            "phi3": "llama", "mistral3": "llama", "granite": "llama"}
+            "phi3": "llama", "mistral3": "llama", "granite": "llama", "olmo2": "llama", "olmo3": "llama"}
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")  # RMSNorm over each head of q and k before RoPE
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3")
+OLMO_MODEL_TYPES = ("olmo2", "olmo3")  # q / k normalised whole; post-norms instead of pre-norms  # RMSNorm over each head of q and k before RoPE
 _QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma3")  # gemma3: the multimodal checkpoint, read for its text model
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -119,6 +121,11 @@ class HFConfig:
     @property
     def is_gemma(self) -> bool:
         return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def is_olmo(self) -> bool:
+        """OLMo 2 / 3: q and k normalised over the whole projection; outputs normalised, not inputs."""
+        return self.model_type in OLMO_MODEL_TYPES
 
     @property
     def nests_text_model(self) -> bool:
@@ -271,6 +278,8 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
     qkv_bias = flag(key="qkv_bias", default=model_type in ("qwen2", "qwen2_moe")) or attention_bias
     if gemma:
         attention = gemma3_attention(cfg, source, need("num_hidden_layers"))
+    elif model_type == "olmo3":
+        attention = olmo3_attention(cfg, source, need("num_hidden_layers"), window)
     else:
         attention = dict(rope=parse_rope(cfg, source), sliding_window=window,
                          **(_granite_fields(cfg, source) if model_type == "granite" else {}))

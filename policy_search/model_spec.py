@@ -57,6 +57,7 @@ class ModelSpec:
     coded_head: bool = False
     qk_norm: bool = False  # qwen3: an RMSNorm weight over head_dim for q and for k in every layer
     sandwich_norms: bool = False  # gemma3: attention and MLP outputs normalised too (4 norms a layer)
+    qk_norm_whole: bool = False  # olmo2/3: the q and k norms span the whole projection, not one head
     # Mixture of experts (0 experts: a dense model, the fields below stay 0)
     num_experts: int = 0  # routed experts of each sparse layer
     experts_per_token: int = 0  # top-k: experts each token is computed by
@@ -177,8 +178,8 @@ class ModelSpec:
     def layer_vector_params(self) -> int:
         """Biases and norm weights of one layer: small, never quantized."""
         h = self.hidden_size
-        norms = (4 if self.sandwich_norms else 2) * h * (2 if self.layer_norm_bias else 1) + (
-            2 * self.head_dim if self.qk_norm else 0)
+        qk_norms = (self.q_dim + self.kv_dim if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
+        norms = (4 if self.sandwich_norms else 2) * h * (2 if self.layer_norm_bias else 1) + qk_norms
         biases = 0
         if self.linear_bias:
             biases += self.q_dim + 2 * self.kv_dim + h + self.ffn_size + h
@@ -371,7 +372,7 @@ class ModelSpec:
                    embed_dim=c.word_embed_proj_dim or 0, max_positions=c.max_position_embeddings,
                    learned_positions=opt, tie_embeddings=c.tie_word_embeddings,
                    linear_bias=c.linear_bias, qkv_bias=c.qkv_bias, layer_norm_bias=opt,
-                   qk_norm=c.qk_norm, sandwich_norms=c.is_gemma, **experts)
+                   qk_norm=c.qk_norm, sandwich_norms=c.is_gemma, qk_norm_whole=c.is_olmo, **experts)
 
     @classmethod
     def from_name(cls, name: str, bytes_per_value: int | None = None) -> "ModelSpec":

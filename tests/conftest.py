@@ -136,6 +136,17 @@ TINY_CONFIGS.update({
                            max_position_embeddings=64, tie_word_embeddings=False, embedding_multiplier=3.0,
                            attention_multiplier=0.5, residual_multiplier=0.5, logits_scaling=0.25),
 })
+# OLMo 2 / 3: post-norms, q/k normalised whole; OLMo 3's sliding layers (window 5; every 4th full) with
+# YaRN on the full ones only
+_OLMO_BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+TINY_CONFIGS.update({
+    "olmo2": dict(_OLMO_BASE, model_type="olmo2", rope_theta=500000.0),
+    "olmo3": dict(_OLMO_BASE, model_type="olmo3", sliding_window=5,
+                  rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
+                                                      "original_max_position_embeddings": 8},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}),
+})
 TINY_CONFIGS.update({
     "gemma3": _GEMMA3_BASE,
     "gemma3_softcap": dict(_GEMMA3_BASE, num_key_value_heads=1, final_logit_softcapping=3.0, sliding_window=3,

@@ -5,6 +5,7 @@ from flexsarathi.models.gemma import GemmaMath
 from flexsarathi.models.granite import GraniteMath
 from flexsarathi.models.llama import LlamaMath
 from flexsarathi.models.moe import MoeMath
+from flexsarathi.models.olmo import OlmoMath
 from flexsarathi.models.opt import OPTMath
 from flexsarathi.models.phi3 import Phi3Math
 
@@ -18,7 +19,9 @@ def build_model_math(config: ModelConfig) -> ModelMath:
         return Phi3Math(config)
     if config.model_type == "granite":
         return GraniteMath(config)
+    if config.is_olmo:
+        return OlmoMath(config)
     return MoeMath(config) if config.moe is not None else LlamaMath(config)
 
 
-__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "GraniteMath", "LlamaMath", "MoeMath", "OPTMath", "Phi3Math"]
+__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "GraniteMath", "LlamaMath", "MoeMath", "OlmoMath", "OPTMath", "Phi3Math"]
