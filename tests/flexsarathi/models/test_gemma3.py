@@ -91,7 +91,7 @@ def test_transformers_5_rope_parameters_read_as_transformers_reads_them():
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
     ({"layer_types": ["full_attention"] * 3}, "layer_types must list one of"),
     ({"layer_types": ["local"] * 62}, "layer_types must list one of"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope type 'dynamic' is not supported"),
 ])
 def test_what_is_not_gemma3_as_we_run_it_is_refused_by_name(change, match):
     with pytest.raises(SpecError, match=match):
