@@ -78,7 +78,7 @@ def test_every_placement_gives_the_all_on_device_tokens():
 
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (3, 13, 7, 20, 5)]
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)  # the kernel interpreted: few steps
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)  # interpreted: few steps
     base = dict(gpu_batch_size=2, prefill_budget=6, compress_kv=True)
 
     def run(folder, **placement):
