@@ -41,13 +41,22 @@ def _as_transformers_reads_it(ours: HFConfig, text) -> None:
         text.num_key_value_heads, text.head_dim, text.intermediate_size, text.rms_norm_eps,
         text.max_position_embeddings)
     assert ours.attention_scale == text.query_pre_attn_scalar ** -0.5
+    assert_layers_as_transformers(ours, text)
+    assert ours.tie_word_embeddings and ours.final_logit_softcap == text.final_logit_softcapping
+
+
+def assert_layers_as_transformers(ours: HFConfig, text) -> None:
+    """Each layer's window and RoPE equal what transformers' config `text` (layer_types, rope_parameters
+    per kind of layer) gives it."""
     assert ours.layer_windows == tuple(text.sliding_window if kind == "sliding_attention" else None
                                        for kind in text.layer_types)
     for layer, kind in enumerate(text.layer_types):
         rope, params = ours.rope_of(layer), text.rope_parameters[kind]
         assert (rope.theta, rope.kind, rope.factor) == (params["rope_theta"], params["rope_type"],
                                                          params.get("factor", 1.0))
-    assert ours.tie_word_embeddings and ours.final_logit_softcap == text.final_logit_softcapping
+        if rope.kind == "yarn":
+            assert (rope.attention_factor, rope.original_max_position_embeddings) == (
+                params["attention_factor"], params["original_max_position_embeddings"])
 
 
 def test_defaults_are_transformers_gemma3_text_defaults():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from policy_search.hf_config import HFConfig
+from tests.flexsarathi.models.test_gemma3 import assert_layers_as_transformers
 
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "attention_factor": 1.2,
         "beta_fast": 32.0, "beta_slow": 1.0}
@@ -27,16 +28,8 @@ LEGACY = {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "hidden_
 def test_an_olmo3_config_reads_as_transformers_reads_it(cfg):
     from transformers import Olmo3Config
 
-    ours, theirs = HFConfig.parse(dict(cfg)), Olmo3Config(**cfg)
-    assert ours.layer_windows == tuple(theirs.sliding_window if kind == "sliding_attention" else None
-                                       for kind in theirs.layer_types)
-    for layer, kind in enumerate(theirs.layer_types):
-        rope, params = ours.rope_of(layer), theirs.rope_parameters[kind]
-        assert (rope.kind, rope.theta, rope.factor) == (params["rope_type"], params["rope_theta"],
-                                                        params.get("factor", 1.0))
-        if rope.kind == "yarn":
-            assert (rope.attention_factor, rope.original_max_position_embeddings) == (
-                params["attention_factor"], params["original_max_position_embeddings"])
+    ours = HFConfig.parse(dict(cfg))
+    assert_layers_as_transformers(ours, Olmo3Config(**cfg))
     assert ours.is_olmo and ours.qk_norm and ours.attention_scale is None
 
 
