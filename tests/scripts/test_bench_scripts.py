@@ -64,17 +64,36 @@ def test_shared_modules_import_no_bench_script(path):
     assert not sorted(name for name in _imported_modules(path) if name.startswith("bench_"))
 
 
+# Runs each script as __main__ with --help in one process (torch imported once, not once a script):
+# prints {script: (exit code, its output's tail)} as JSON.
+_HELP_ALL = """
+import contextlib, io, json, os, runpy, sys, traceback
+found = {}
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # as `python scripts/X.py` puts its folder first
+for path in sys.argv[1:]:
+    out, code = io.StringIO(), None
+    sys.argv = [path, "--help"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException:
+            traceback.print_exc(file=out)
+            code = 1
+    found[path] = (code, out.getvalue()[-600:])
+print(json.dumps(found))
+"""
+
+
 def test_every_bench_script_imports_and_parses_its_arguments():
     env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent), OMP_NUM_THREADS="1")
-    procs = {path.name: subprocess.Popen([sys.executable, str(path), "--help"], cwd=SCRIPTS.parent, env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for path in BENCHES}
-    failed = {}
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=300)
-        if proc.returncode != 0 or "--json PATH" not in out:
-            failed[name] = out[-600:]
-    assert not failed, failed
+    done = subprocess.run([sys.executable, "-c", _HELP_ALL, *map(str, BENCHES)], cwd=SCRIPTS.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    failed = {Path(p).name: out for p, (code, out) in found.items() if code not in (0, None) or "--json PATH" not in out}
+    assert len(found) == len(BENCHES) and not failed, failed
 
 
 def test_bench_flexgen_gpu_plans_without_a_gpu(tmp_path):
