@@ -92,7 +92,8 @@ def test_every_bench_script_imports_and_parses_its_arguments():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.splitlines()[-1])
-    failed = {Path(p).name: out for p, (code, out) in found.items() if code not in (0, None) or "--json PATH" not in out}
+    failed = {Path(p).name: out for p, (code, out) in found.items()
+              if code not in (0, None) or "--json PATH" not in out}
     assert len(found) == len(BENCHES) and not failed, failed
 
 
