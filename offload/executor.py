@@ -463,10 +463,10 @@ class PassExecutor:
 
     def _attend_part(self, layer: int, window: int | None, kind: str, q_on: dict, group: AttentionGroup, part,
                      context, k, v, rows, written: bool, v_read_back: bool = False, v_codes=None):
-        """(out, lse) pairs of the group's queries against one part's keys, on the compute device
-        (lse None where the part is the group's only one: nothing to merge), within the layer's sliding
-        `window`, the way `kind` (_attend_kind) says. k, v: the micro-batch's new K/V, the group's at `rows` (v_read_back: V as
-        it reads back from a compressed pool); written: they are in the pool already, so a gathered
+        """(out, lse) pairs of the group's queries against one part's keys, on the compute device (lse None
+        where the part is the group's only one: nothing to merge), within the layer's sliding `window`, the
+        way `kind` (_attend_kind) says. k, v: the micro-batch's new K/V, the group's at `rows` (v_read_back:
+        V as it reads back from a compressed pool); written: they are in the pool already, so a gathered
         context holds them; v_codes: the micro-batch's V codes (compressed pools)."""
         pool = self.kv_pools[part.tier]
         if kind is IN_POOL_TRITON:  # on the pool's device: the compute device

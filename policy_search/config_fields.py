@@ -83,7 +83,8 @@ def parse_rope(cfg: dict, source: str) -> RopeConfig:
                          cfg.get("max_position_embeddings") if kind == "yarn" else 8192, low=1)
     factor = param("factor", float, None, above=0.0)
     if factor is None:  # yarn without one: max_position_embeddings over the original (DeepSeek-V3's rule)
-        factor = cfg["max_position_embeddings"] / original if kind == "yarn" and cfg.get("max_position_embeddings") else 1.0
+        longest = cfg.get("max_position_embeddings") if kind == "yarn" else None
+        factor = longest / original if longest else 1.0
     return RopeConfig(
         theta=typed({"rope_theta": theta}, "rope_theta", source, float, 10000.0, above=0.0), kind=kind,
         factor=factor, low_freq_factor=param("low_freq_factor", float, 1.0, above=0.0),
@@ -92,7 +93,8 @@ def parse_rope(cfg: dict, source: str) -> RopeConfig:
 
 
 def _yarn_fields(param) -> dict:
-    return dict(beta_fast=param("beta_fast", float, 32.0, above=0.0), beta_slow=param("beta_slow", float, 1.0, above=0.0),
+    return dict(beta_fast=param("beta_fast", float, 32.0, above=0.0),
+                beta_slow=param("beta_slow", float, 1.0, above=0.0),
                 mscale=param("mscale", float, None), mscale_all_dim=param("mscale_all_dim", float, None),
                 attention_factor=param("attention_factor", float, None, above=0.0),
                 truncate=param("truncate", bool, True))

@@ -58,7 +58,8 @@ def rope_per_kind(cfg: dict, source: str, thetas: dict = _THETA, local_key: str 
             params = per_kind.get(kind) or {}
             if not isinstance(params, dict):
                 raise SpecError(f"{source}: rope_parameters.{kind} must be an object, got {params!r}")
-            theta = params.get("rope_theta") or (theta_key and cfg.get(theta_key)) or thetas[kind]  # transformers' setdefault
+            # as transformers' setdefault: the kind's own base, else the config's field, else the default
+            theta = params.get("rope_theta") or (theta_key and cfg.get(theta_key)) or thetas[kind]
             ropes.append(parse_rope({"rope_parameters": {**params, "rope_theta": theta},
                                      "max_position_embeddings": cfg.get("max_position_embeddings")},
                                     f"{source}: rope_parameters.{kind}"))

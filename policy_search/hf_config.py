@@ -28,8 +28,9 @@ FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"
             "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama",
             "phi3": "llama", "mistral3": "llama", "granite": "llama", "olmo2": "llama", "olmo3": "llama"}
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# RMSNorm of q and k before RoPE (over each head; OLMo's over the whole projection)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3")
-OLMO_MODEL_TYPES = ("olmo2", "olmo3")  # q / k normalised whole; post-norms instead of pre-norms  # RMSNorm over each head of q and k before RoPE
+OLMO_MODEL_TYPES = ("olmo2", "olmo3")  # q / k normalised whole; post-norms instead of pre-norms
 _QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma3")  # gemma3: the multimodal checkpoint, read for its text model
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -31,13 +31,14 @@ llama.cpp
 torch, oneDNN and the int8 kernel held to AVX2): the header's capability line says so.
 
 Ours: `LLM(<the GGUF>, compress_head=True)`, the same file loaded as it is (its Q4_0 layers, token
-embedding and output matrix kept as their codes; gemma3's tied head is the embedding's codes); `--ours-weights dummy`: `LLM("dummy:<model>",
-dummy_weight_codes=True, compress_head=True)` (the same kind of random 4-bit codes), dtype
---dtype (auto: what this CPU computes fastest), decode-maximal with all N running, prefill budget
-512 prompt tokens per pass, greedy with ignore_eos; timed generate() end to end after a one-pass
-warm-up. Prompt and generation rates are split by pass: passes carrying prompt tokens vs decode-only;
-ours' seconds are printed by phase too (prompt passes, decode passes, the head and attention inside
-each, sampling), with what the engine holds after the load and each engine's peak RSS.
+embedding and output matrix kept as their codes; gemma3's tied head is the embedding's codes);
+`--ours-weights dummy`: `LLM("dummy:<model>", dummy_weight_codes=True, compress_head=True)` (the same
+kind of random 4-bit codes), dtype --dtype (auto: what this CPU computes fastest), decode-maximal with
+all N running, prefill budget 512 prompt tokens per pass, greedy with ignore_eos; timed generate() end
+to end after a one-pass warm-up. Prompt and generation rates are split by pass: passes carrying prompt
+tokens vs decode-only; ours' seconds are printed by phase too (prompt passes, decode passes, the head
+and attention inside each, sampling), with what the engine holds after the load and each engine's peak
+RSS.
 
 Regimes
 * ram: the whole model in memory (no memory group). llama.cpp with its defaults (mmap, weights repacked for its

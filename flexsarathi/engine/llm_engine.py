@@ -596,7 +596,8 @@ class LLMEngine:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = sorted(t for t in ids if t >= vocab)
             if outside:
                 raise FlexSarathiError(f"SamplingParams.{name} names token ids {outside[:5]} outside the "

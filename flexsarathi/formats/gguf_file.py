@@ -245,8 +245,8 @@ def _gemma3_fields(gguf: GGUFFile, cfg: dict, get) -> dict:
         else "full_attention" for flag in sliding]}
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     scalar = cfg["hidden_size"] // heads if layers == 62 else cfg["head_dim"]
-    softcap = metadata_value(gguf, "gemma3.final_logit_softcapping", gguf.metadata.get("gemma3.final_logit_softcapping"),
-                             float)
+    key = "gemma3.final_logit_softcapping"
+    softcap = metadata_value(gguf, key, gguf.metadata.get(key), float)
     return {"sliding_window": get("attention.sliding_window"), "sliding_window_pattern": 6, **kinds,
             "rope_local_base_freq": _decimal(get("rope.freq_base_swa", 10000.0, float)),
             "query_pre_attn_scalar": scalar, "final_logit_softcapping": None if softcap is None else _decimal(softcap),

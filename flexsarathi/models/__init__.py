@@ -24,4 +24,5 @@ def build_model_math(config: ModelConfig) -> ModelMath:
     return MoeMath(config) if config.moe is not None else LlamaMath(config)
 
 
-__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "GraniteMath", "LlamaMath", "MoeMath", "OlmoMath", "OPTMath", "Phi3Math"]
+__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "GraniteMath", "LlamaMath", "MoeMath", "OlmoMath",
+           "OPTMath", "Phi3Math"]

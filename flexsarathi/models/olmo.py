@@ -20,7 +20,8 @@ from flexsarathi.models.llama import LlamaMath
 class OlmoMath(LlamaMath):
     def attention_shapes(self):
         c = self.config
-        shapes = {k: v for k, v in super().attention_shapes().items() if k not in ("attn_norm.weight", "mlp_norm.weight")}
+        pre_norms = ("attn_norm.weight", "mlp_norm.weight")  # OLMo has none
+        shapes = {k: v for k, v in super().attention_shapes().items() if k not in pre_norms}
         return {**shapes, "q_norm.weight": (c.q_size,), "k_norm.weight": (c.kv_size,),
                 "post_attn_norm.weight": (c.hidden_size,), "post_mlp_norm.weight": (c.hidden_size,)}
 

@@ -23,8 +23,9 @@ from tests.prompt_logits import prompt_logits
 HUB_27B = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
            "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
            "model_type": "gemma3",
-           "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
-                           "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+           "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                           "model_type": "gemma3_text", "num_attention_heads": 32, "num_hidden_layers": 62,
+                           "num_key_value_heads": 16,
                            "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                            "sliding_window": 1024},
            "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
@@ -116,7 +117,8 @@ def test_the_planner_counts_the_weights_the_engine_holds():
 
     config = ModelConfig.parse(HUB_27B)
     math = build_model_math(config)
-    shapes = [*math.global_shapes().values()] + [s for i in range(config.num_layers) for s in math.layer_shapes(i).values()]
+    shapes = [*math.global_shapes().values(),
+              *(s for i in range(config.num_layers) for s in math.layer_shapes(i).values())]
     assert ModelSpec.from_hf(config, "gemma-3-27b").num_params == sum(torch.Size(s).numel() for s in shapes)
 
 
@@ -150,8 +152,9 @@ def test_the_multimodal_checkpoint_runs_its_text_model(tmp_path, naming):
     stored = load_file(weights)
     assert any(n.startswith("vision_tower.") for n in stored) and "language_model.model.norm.weight" in stored
     if naming == "transformers 5":
-        save_file({n.replace("language_model.model.", "model.language_model.").replace("vision_tower.", "model.vision_tower.")
-                   : t for n, t in stored.items()}, weights, metadata={"format": "pt"})
+        renamed = {n.replace("language_model.model.", "model.language_model.")
+                   .replace("vision_tower.", "model.vision_tower."): t for n, t in stored.items()}
+        save_file(renamed, weights, metadata={"format": "pt"})
     llm = LLM(str(tmp_path), dtype="float32")
     prompts = _prompts(120, lengths=(3, 9, 14))
     for ids, logits in zip(prompts, prompt_logits(llm, prompts)):

@@ -12,8 +12,9 @@ from tests.flexsarathi.models.test_gemma3 import assert_layers_as_transformers
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "attention_factor": 1.2,
         "beta_fast": 32.0, "beta_slow": 1.0}
 # an OLMo-3-7B-shaped config as transformers 4 wrote them (rope_theta and rope_scaling at the top level)
-LEGACY = {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
-          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 65536,
+LEGACY = {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "hidden_size": 4096,
+          "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+          "max_position_embeddings": 65536,
           "rms_norm_eps": 1e-6, "rope_theta": 500000, "rope_scaling": YARN, "sliding_window": 4096,
           "vocab_size": 100278, "eos_token_id": 100257, "pad_token_id": 100277, "tie_word_embeddings": False,
           "torch_dtype": "bfloat16"}
@@ -23,7 +24,8 @@ LEGACY = {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "hidden_
     LEGACY,
     {**LEGACY, "rope_scaling": None, "layer_types": ["sliding_attention", "full_attention"] * 16},
     {**{k: v for k, v in LEGACY.items() if k not in ("rope_theta", "rope_scaling")},
-     "rope_parameters": {"full_attention": {**YARN, "rope_theta": 250000.0}, "sliding_attention": {"rope_type": "default"}}},
+     "rope_parameters": {"full_attention": {**YARN, "rope_theta": 250000.0},
+                         "sliding_attention": {"rope_type": "default"}}},
 ], ids=["transformers 4", "layer_types", "transformers 5"])
 def test_an_olmo3_config_reads_as_transformers_reads_it(cfg):
     from transformers import Olmo3Config
@@ -40,5 +42,6 @@ def test_the_planner_counts_the_weights_the_engine_holds():
 
     config = ModelConfig.parse({**LEGACY, "num_key_value_heads": 8})
     math = build_model_math(config)
-    shapes = [*math.global_shapes().values()] + [s for i in range(config.num_layers) for s in math.layer_shapes(i).values()]
+    shapes = [*math.global_shapes().values(),
+              *(s for i in range(config.num_layers) for s in math.layer_shapes(i).values())]
     assert ModelSpec.from_hf(config, "olmo-3").num_params == sum(torch.Size(s).numel() for s in shapes)
