@@ -1,6 +1,6 @@
-"""Typed fields of an HF `config.json` and its RoPE: what hf_config.py (the parser) and
-gemma3_config.py (Gemma 3's additions) both read with. Errors are SpecErrors naming the source and
-the field."""
+"""Typed fields of an HF `config.json`, its RoPE and its kinds of layer (sliding or full): what
+hf_config.py (the parser), gemma3_config.py and olmo_config.py (their families' additions) read with.
+Errors are SpecErrors naming the source and the field."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from policy_search.errors import SpecError
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LAYER_KINDS = ("sliding_attention", "full_attention")  # transformers' layer_types
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,41 @@ def _yarn_fields(param) -> dict:
                 mscale=param("mscale", float, None), mscale_all_dim=param("mscale_all_dim", float, None),
                 attention_factor=param("attention_factor", float, None, above=0.0),
                 truncate=param("truncate", bool, True))
+
+
+def layer_kinds(cfg: dict, source: str, num_layers: int, every: int) -> tuple[str, ...]:
+    """Each layer's kind: layer_types, else every `every`-th layer full (sliding_window_pattern)."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        pattern = typed(cfg, "sliding_window_pattern", source, int, every, low=1)
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in LAYER_KINDS for k in kinds):
+        raise SpecError(f"{source}: layer_types must list one of {', '.join(LAYER_KINDS)} for each of the "
+                        f"{num_layers} layers, got {kinds!r}")
+    return tuple(kinds)
+
+
+def rope_per_kind(cfg: dict, source: str, thetas: dict, local_key: str | None) -> tuple[RopeConfig, RopeConfig]:
+    """(full layers' rope, sliding layers' rope) of a model with both kinds of layer (Gemma 3, OLMo 3):
+    transformers 5 writes `rope_parameters` {"sliding_attention": {...}, "full_attention": {...}},
+    transformers 4 `rope_theta` and `rope_scaling` (full layers) and, for some, a field of the sliding
+    layers' base (local_key; None: there is none). thetas: the bases where the config names none."""
+    per_kind = cfg.get("rope_parameters")
+    if isinstance(per_kind, dict) and per_kind and set(per_kind) <= set(LAYER_KINDS):  # transformers 5
+        ropes = []
+        for kind, theta_key in (("full_attention", "rope_theta"), ("sliding_attention", local_key)):
+            params = per_kind.get(kind) or {}
+            if not isinstance(params, dict):
+                raise SpecError(f"{source}: rope_parameters.{kind} must be an object, got {params!r}")
+            # as transformers' setdefault: the kind's own base, else the config's field, else the default
+            theta = params.get("rope_theta") or (theta_key and cfg.get(theta_key)) or thetas[kind]
+            ropes.append(parse_rope({"rope_parameters": {**params, "rope_theta": theta},
+                                     "max_position_embeddings": cfg.get("max_position_embeddings")},
+                                    f"{source}: rope_parameters.{kind}"))
+        return ropes[0], ropes[1]
+    full = parse_rope({"rope_theta": cfg.get("rope_theta") or thetas["full_attention"],
+                       "rope_scaling": cfg.get("rope_scaling"), "rope_parameters": per_kind,
+                       "max_position_embeddings": cfg.get("max_position_embeddings")}, source)
+    local = RopeConfig(theta=typed(cfg, local_key, source, float, thetas["sliding_attention"], above=0.0)
+                       if local_key else thetas["sliding_attention"])
+    return full, local

@@ -4,7 +4,7 @@ before their residual adds (no pre-norms); OLMo 3's sliding layers (every 4th fu
 with the full layers' RoPE scaling (YaRN in its long-context models) and the sliding ones unscaled."""
 from __future__ import annotations
 
-from policy_search.gemma3_config import layer_kinds, rope_per_kind
+from policy_search.config_fields import layer_kinds, rope_per_kind
 
 # Olmo3Config: where a config names no base, both kinds rotate by default_theta; a transformers 4
 # config's rope_theta goes to the full layers only (its sliding layers keep default_theta)

@@ -54,14 +54,3 @@ class GemmaMath(LlamaMath):
         hidden = hidden + self.norm(linear(attn, w["o_proj.weight"], w.get("o_proj.bias")), w["post_attn_norm.weight"])
         mlp = gelu_glu(self.norm(hidden, w["mlp_norm.weight"]), w["gate_up_proj.weight"], w["down_proj.weight"])
         return hidden.add_(self.norm(mlp, w["post_mlp_norm.weight"]))
-
-    def final_hidden(self, g: Weights, hidden):
-        return self.norm(hidden, g["final_norm.weight"])
-
-    def logits(self, g: Weights, hidden):
-        head = g["lm_head.weight"] if "lm_head.weight" in g else g["embed_tokens.weight"]
-        logits = linear(self.final_hidden(g, hidden), head)  # [rows, vocab] in the compute dtype, as transformers
-        cap = self.config.final_logit_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()

@@ -2,7 +2,7 @@
 config's multipliers, as transformers' GraniteForCausalLM: the embedding's rows times
 embedding_multiplier, scores by attention_multiplier (ModelMath.scale, from the config), attention's
 and the MLP's outputs times residual_multiplier before their residual adds, logits divided by
-logits_scaling (in the compute dtype, before fp32)."""
+logits_scaling (LlamaMath.logits: in the compute dtype, before fp32)."""
 from __future__ import annotations
 
 from flexsarathi.models.base import Weights
@@ -20,7 +20,3 @@ class GraniteMath(LlamaMath):
         mlp = swiglu(self.norm(hidden, w["mlp_norm.weight"]), w["gate_up_proj.weight"], w["down_proj.weight"],
                      w.get("gate_up_proj.bias"), w.get("down_proj.bias"))
         return hidden.add_(mlp * scale)
-
-    def logits(self, g: Weights, hidden):
-        head = g["lm_head.weight"] if "lm_head.weight" in g else g["embed_tokens.weight"]
-        return (linear(self.final_hidden(g, hidden), head) / self.config.logits_scaling).float()  # [rows, vocab]

@@ -144,14 +144,22 @@ class LlamaMath(ModelMath):
 
     def post_attention(self, w: Weights, hidden, attn):
         hidden = hidden + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
-        x = rms_norm(hidden, w["mlp_norm.weight"], self.config.norm_eps)
+        x = self.norm(hidden, w["mlp_norm.weight"])
         return hidden.add_(swiglu(x, w["gate_up_proj.weight"], w["down_proj.weight"],  # this call's own sum
                                   w.get("gate_up_proj.bias"), w.get("down_proj.bias")))
 
     def final_hidden(self, g: Weights, hidden):
-        """transformers' last_hidden_state: the final norm."""
-        return rms_norm(hidden, g["final_norm.weight"], self.config.norm_eps)
+        """transformers' last_hidden_state: the final norm (the family's)."""
+        return self.norm(hidden, g["final_norm.weight"])
 
     def logits(self, g: Weights, hidden):
+        """[rows, vocab] fp32; divided by logits_scaling (Granite's) and soft-capped (Gemma's, where the
+        config says) in the compute dtype first, as transformers does."""
+        c = self.config
         head = g["lm_head.weight"] if "lm_head.weight" in g else g["embed_tokens.weight"]
-        return linear(self.final_hidden(g, hidden), head).float()  # [rows, vocab]
+        logits = linear(self.final_hidden(g, hidden), head)
+        if c.logits_scaling != 1.0:
+            logits = logits / c.logits_scaling
+        if c.final_logit_softcap is not None:
+            logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
+        return logits.float()

@@ -9,7 +9,6 @@ transformers' Olmo2/Olmo3 layers compute them:
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from flexsarathi.models.base import Weights
@@ -48,10 +47,3 @@ class OlmoMath(LlamaMath):
         mlp = swiglu(hidden, w["gate_up_proj.weight"], w["down_proj.weight"], w.get("gate_up_proj.bias"),
                      w.get("down_proj.bias"))
         return hidden.add_(self.norm(mlp, w["post_mlp_norm.weight"]))
-
-    def final_hidden(self, g: Weights, hidden):
-        return self.norm(hidden, g["final_norm.weight"])
-
-    def logits(self, g: Weights, hidden) -> torch.Tensor:
-        head = g["lm_head.weight"] if "lm_head.weight" in g else g["embed_tokens.weight"]
-        return linear(self.final_hidden(g, hidden), head).float()  # [rows, vocab]
