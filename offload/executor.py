@@ -88,6 +88,8 @@ class PassExecutor:
         # last micro-batch computes (gathers_ahead): (layer, id(micro-batch)) -> contexts, and its future
         self._gathered: dict[tuple[int, int], list] = {}
         self._ahead: "Future | None" = None
+        # attention sinks (gpt-oss): every part's output with its lse, merged with the layer's sinks
+        self.sinks = model.config.attention_sinks
         # where one fused call attends grouped whole prompts: plain pools (a causal call), compressed
         # ones (a masked call per block); _causal_calls_read_in_place
         self.causal_calls = _causal_calls_read_in_place(self.device, dtype, model.config, masked=False)
@@ -362,7 +364,8 @@ class PassExecutor:
                 outs = [out for kind, part, context in zip(step.kinds, step.group.parts, group_contexts)
                         for out in self._attend_part(layer, window, kind, q_on, step.group, part, context, k,
                                                      v_seen, step.rows, written, read_back, v_codes)]
-                merged = outs[0][0] if len(outs) == 1 else self.model.merge_attention(outs)
+                # with attention sinks every output comes with its lse, merged with the layer's sinks
+                merged = outs[0][0] if len(outs) == 1 and not self.sinks else self.model.merge_attention(outs, w)
             if whole:
                 attn = merged.reshape(mb.num_tokens, -1)  # [T, heads * d]: a view where the layout allows
             else:
@@ -508,7 +511,8 @@ class PassExecutor:
         one fused attention call with the pass's mask (no lse: None)."""
         dev = keys.device
         q = self._q_on(q_on, dev)
-        if alone and group.is_decode and key_rule is None and dev.type == self.device.type:  # "cuda" is "cuda:0"
+        if (alone and not self.sinks and group.is_decode and key_rule is None
+                and dev.type == self.device.type):  # "cuda" is "cuda:0"
             bias = self._decode_bias(group, part, keys.shape[1], q.dtype, window)
             return self.model.attend_decode(q, keys, values, bias), None
         meta_group, meta_part = (host_of(group), host_of(part)) if dev.type == "cpu" else (group, part)
@@ -519,7 +523,10 @@ class PassExecutor:
     def _decode_biases(self, batches: list[MicroBatch]) -> dict[int, dict]:
         """id(part) -> {sliding window: its attention mask}, for each decode group of one part attended
         on the compute device (_attend's fused call) and not read in its pool (the pass's routes,
-        _context_routes): the same for every layer of a window, so built once per pass and window."""
+        _context_routes): the same for every layer of a window, so built once per pass and window. None
+        with attention sinks (that call gives no lse to merge them with)."""
+        if self.sinks:
+            return {}
         return {id(part): {window: self._new_bias(g, part, part.kv_slots.shape[1], self.dtype, window)
                            for window in self.model.config.windows}
                 for mb in batches for g in mb.groups if g.is_decode and len(g.parts) == 1
@@ -618,7 +625,10 @@ def _causal_calls_read_in_place(device: torch.device, dtype: torch.dtype, config
     """Where scaled_dot_product_attention's causal (or masked) call runs a fused kernel (K and V read
     in place, no score buffer): the CPU's flash kernel in any dtype; CUDA's in half precision, with
     grouped-query heads only in the flash kernel (sm80 on), which takes no mask; elsewhere it would
-    fall back to the math route, which builds the scores."""
+    fall back to the math route, which builds the scores. Never for a model with attention sinks:
+    their merge needs every part's log-sum-exp, which these calls do not give."""
+    if config.attention_sinks:
+        return False
     if device.type == "cpu":
         return True
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):

@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 from policy_search.config_fields import RopeConfig, parse_rope, typed, typed_value  # noqa: F401
 from policy_search.errors import SpecError
 from policy_search.gemma3_config import gemma3_attention
+from policy_search.gpt_oss_config import gpt_oss_attention, gpt_oss_experts
 from policy_search.olmo_config import olmo3_attention
 from policy_search.text_model_config import NESTED, TEXT_DEFAULTS, text_model_config
 
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
             "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama",
-            "phi3": "llama", "mistral3": "llama", "granite": "llama", "olmo2": "llama", "olmo3": "llama"}
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+            "phi3": "llama", "mistral3": "llama", "granite": "llama", "olmo2": "llama", "olmo3": "llama",
+            "gpt_oss": "llama"}
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 # RMSNorm of q and k before RoPE (over each head; OLMo's over the whole projection)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3")
 OLMO_MODEL_TYPES = ("olmo2", "olmo3")  # q / k normalised whole; post-norms instead of pre-norms
@@ -57,6 +59,12 @@ class MoEConfig:
     shared_expert_ffn_size: int = 0  # qwen2_moe: an always-on expert with a sigmoid gate; 0: none
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (those keep a dense MLP)
+    # gpt_oss (policy_search/gpt_oss_config.py): biased router and experts, softmax over the top-k
+    # logits, and the clamped GLU (up + 1) * gate * sigmoid(glu_alpha * gate) where glu_limit is set
+    biases: bool = False
+    softmax_after_top_k: bool = False
+    glu_limit: float | None = None  # None: the SwiGLU silu(gate) * up
+    glu_alpha: float = 1.0
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) has experts, as transformers decides it."""
@@ -114,6 +122,7 @@ class HFConfig:
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); (): sliding_window
     local_rope: RopeConfig | None = None  # the sliding layers' rope; None: `rope` in every layer
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    attention_sinks: bool = False  # gpt_oss: a learned logit per head in each softmax's denominator
     # Granite (its config's multipliers; 1: none)
     embedding_multiplier: float = 1.0  # the token embedding's rows times this
     residual_multiplier: float = 1.0  # attention's and the MLP's outputs times this before each residual add
@@ -269,7 +278,7 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
                         f"num_kv_heads={kv_heads} (num_key_value_heads)")
     model_type = cfg.get("model_type")
     flag = functools.partial(typed, cfg, source=source, kind=bool)
-    attention_bias = flag(key="attention_bias", default=False)
+    attention_bias = flag(key="attention_bias", default=model_type == "gpt_oss")
     _refuse_partial_rotary(cfg, source)
     if model_type in _QWEN_TYPES and not flag(key="use_sliding_window", default=False):
         window = None  # qwen: sliding_window is read only with use_sliding_window
@@ -281,12 +290,15 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
         attention = gemma3_attention(cfg, source, need("num_hidden_layers"))
     elif model_type == "olmo3":
         attention = olmo3_attention(cfg, source, need("num_hidden_layers"), window)
+    elif model_type == "gpt_oss":
+        attention = gpt_oss_attention(cfg, source, need("num_hidden_layers"))
     else:
         attention = dict(rope=parse_rope(cfg, source), sliding_window=window,
                          **(_granite_fields(cfg, source) if model_type == "granite" else {}))
     return dict(num_kv_heads=kv_heads, head_dim=typed(cfg, "head_dim", source, int, hidden // heads, low=1),
                 intermediate_size=need("intermediate_size"),
-                norm_eps=typed(cfg, "rms_norm_eps", source, float, 1e-6, above=0.0),
+                norm_eps=typed(cfg, "rms_norm_eps", source, float, 1e-5 if model_type == "gpt_oss" else 1e-6,
+                               above=0.0),
                 tie_word_embeddings=flag(key="tie_word_embeddings", default=False),
                 qkv_bias=qkv_bias, o_bias=attention_bias,
                 mlp_bias=flag(key="mlp_bias", default=False), **attention,
@@ -337,6 +349,9 @@ def _parse_moe(cfg: dict, need, source: str) -> MoEConfig:
     if model_type == "mixtral":  # every layer sparse, experts as wide as intermediate_size, top-k renormalised
         return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=need("intermediate_size"),
                          norm_topk_prob=True)
+    if model_type == "gpt_oss":  # every layer sparse, experts as wide as intermediate_size
+        return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=need("intermediate_size"),
+                         norm_topk_prob=False, **gpt_oss_experts(cfg, source))
     step = need("decoder_sparse_step") if cfg.get("decoder_sparse_step") is not None else 1
     if step < 1:
         raise SpecError(f"{source}: decoder_sparse_step must be >= 1, got {step}")

@@ -94,6 +94,21 @@ def _gemma3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, head_
             "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106], "torch_dtype": "bfloat16"}
 
 
+def _gpt_oss(layers: int, experts: int) -> dict:
+    # openai/gpt-oss-20b and -120b config.json (cross-checked with copies found by the project's code
+    # search): hidden and expert width 2880, 64 heads (8 KV) of 64, top 4, windows of 128 on even layers,
+    # YaRN x32 over 4096 positions, base 150000; the experts MXFP4 there, bfloat16 here
+    return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088,
+            "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": layers, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": experts, "num_experts_per_tok": 4,
+            "sliding_window": 128, "attention_bias": True, "hidden_act": "silu", "swiglu_limit": 7.0,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 4096},
+            "tie_word_embeddings": False, "pad_token_id": 199999, "eos_token_id": 200002, "torch_dtype": "bfloat16"}
+
+
 _GEMMA3_SCALING = {"rope_type": "linear", "factor": 8.0}
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -146,12 +161,14 @@ KNOWN_MODELS: dict[str, dict] = {
     "phi-4": _llama(5120, 40, 40, 10, 17920, vocab=100352, max_pos=16384, theta=250000.0, bos=100257,
                     eos=100257) | {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "sliding_window": None,
                                    "original_max_position_embeddings": 16384, "torch_dtype": "bfloat16"},
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    "gpt-oss-120b": _gpt_oss(36, 128),
 }
 
 
 def _normalise(name: str) -> str:
     name = name.strip().lower()
-    for prefix in ("dummy:", "facebook/", "meta-llama/", "mistralai/", "qwen/"):
+    for prefix in ("dummy:", "facebook/", "meta-llama/", "mistralai/", "qwen/", "openai/"):
         if name.startswith(prefix):
             name = name[len(prefix):]
     return name.replace("llama-2-7b-hf", "llama-2-7b").removesuffix("-v0.1")
@@ -170,7 +187,7 @@ def known_config(name: str) -> dict:
         if layers > base["num_hidden_layers"]:
             raise KeyError(f"model name {name!r}: {cut[1]} has {base['num_hidden_layers']} layers, so "
                            f"<name>-<N>l takes N from 1 to {base['num_hidden_layers']}")
-        return {**copy.deepcopy(base), "num_hidden_layers": layers}
+        return _cut(base, layers)
     if key not in KNOWN_MODELS:
         raise KeyError(f"unknown model name {name!r}; known: {', '.join(KNOWN_MODELS)} "
                        f"(or one of them cut to its first N layers: <name>-<N>l)")
@@ -197,5 +214,13 @@ def register_variant(base: str, layers: int | None = None, small: dict | None = 
     if layers is None or layers == known_config(base)["num_hidden_layers"]:
         return base
     name = f"{base}-{layers}l"
-    KNOWN_MODELS[name] = {**known_config(base), "num_hidden_layers": layers}
+    KNOWN_MODELS[name] = _cut(known_config(base), layers)
     return name
+
+
+def _cut(config: dict, layers: int) -> dict:
+    """A copy of `config` with its first `layers` layers (its per-layer lists cut alike)."""
+    cut = {**copy.deepcopy(config), "num_hidden_layers": layers}
+    if isinstance(cut.get("layer_types"), list):
+        cut["layer_types"] = cut["layer_types"][:layers]
+    return cut

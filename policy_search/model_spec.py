@@ -44,6 +44,8 @@ class ModelSpec:
     tie_embeddings: bool = True  # LM head shares the token embedding
     linear_bias: bool = False  # OPT: every linear layer has a bias
     qkv_bias: bool = False  # qwen2
+    o_bias: bool = False  # llama's attention_bias (gpt-oss): o_proj biased too
+    attention_sinks: bool = False  # gpt-oss: a sink logit per head in every layer
     layer_norm_bias: bool = False  # LayerNorm (OPT) has a bias, RMSNorm (LLaMA) does not
     weight_format: WeightFormat = WEIGHT_FORMAT  # compressed weights (the engine's weight_quant)
     kv_format: KVFormat = KV_FORMAT  # compressed KV cache (the engine's kv_bits, block, kv_value_group)
@@ -64,6 +66,7 @@ class ModelSpec:
     expert_ffn_size: int = 0  # one expert's gated FFN width
     shared_expert_ffn_size: int = 0  # qwen2_moe: an expert every token uses, gated by sigmoid(h . g)
     sparse_layers: int = 0  # layers with experts; the other num_layers - sparse_layers keep ffn_size
+    expert_biases: bool = False  # gpt-oss: the router and every expert's projections biased
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -185,6 +188,9 @@ class ModelSpec:
             biases += self.q_dim + 2 * self.kv_dim + h + self.ffn_size + h
         elif self.qkv_bias:
             biases += self.q_dim + 2 * self.kv_dim
+        biases += (h if self.o_bias else 0) + (self.num_heads if self.attention_sinks else 0)
+        if self.expert_biases:  # router, gate/up and down of every expert
+            biases += self._per_layer(self.num_experts * (1 + 2 * self.expert_ffn_size + h), 0)
         return norms + biases
 
     @property
@@ -371,7 +377,8 @@ class ModelSpec:
                    bytes_per_value=DTYPE_BYTES[c.dtype_name] if bytes_per_value is None else bytes_per_value,
                    embed_dim=c.word_embed_proj_dim or 0, max_positions=c.max_position_embeddings,
                    learned_positions=opt, tie_embeddings=c.tie_word_embeddings,
-                   linear_bias=c.linear_bias, qkv_bias=c.qkv_bias, layer_norm_bias=opt,
+                   linear_bias=c.linear_bias, qkv_bias=c.qkv_bias, o_bias=c.o_bias and not opt,
+                   attention_sinks=c.attention_sinks, expert_biases=moe is not None and moe.biases, layer_norm_bias=opt,
                    qk_norm=c.qk_norm, sandwich_norms=c.is_gemma, qk_norm_whole=c.is_olmo, **experts)
 
     @classmethod

@@ -152,6 +152,16 @@ TINY_CONFIGS.update({
     "gemma3_softcap": dict(_GEMMA3_BASE, num_key_value_heads=1, final_logit_softcapping=3.0, sliding_window=3,
                            layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"]),
 })
+# gpt-oss: sinks, alternating windows (4), YaRN; 4 experts of width 64 (MXFP4 rows: multiples of 32), the GLU's
+# clamp low enough to bite on these weights
+_GPT_OSS_BASE = dict(model_type="gpt_oss", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                     num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64, swiglu_limit=0.5,
+                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False, "original_max_position_embeddings": 16,
+                                      "rope_theta": 150000.0},
+                     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TINY_CONFIGS.update({"gpt_oss": _GPT_OSS_BASE})
 MOE_KINDS = ["qwen3_moe", "qwen3_moe_dense_layer", "mixtral", "mixtral_top1_tied", "qwen2_moe",
              "qwen2_moe_norm_tied"]
 # Deeper variants for placement tests: with 6 layers, two working buffers are a third of the layers.
@@ -159,6 +169,7 @@ TINY_CONFIGS["opt_deep"] = dict(TINY_CONFIGS["opt"], num_hidden_layers=6)
 TINY_CONFIGS["llama_deep"] = dict(TINY_CONFIGS["llama_gqa_untied"], num_hidden_layers=6)
 TINY_CONFIGS["mixtral_deep"] = dict(TINY_CONFIGS["mixtral"], num_hidden_layers=6)
 TINY_CONFIGS["qwen2_moe_deep"] = dict(TINY_CONFIGS["qwen2_moe"], num_hidden_layers=6)
+TINY_CONFIGS["gpt_oss_deep"] = dict(TINY_CONFIGS["gpt_oss"], num_hidden_layers=6)
 TINY_CONFIGS["gemma3_deep"] = dict(TINY_CONFIGS["gemma3"], num_hidden_layers=6,
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
 # Every weight a whole number of 64-row blocks and 64-value groups: what the CPU int4 kernel covers.

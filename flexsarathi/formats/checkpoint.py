@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
+from flexsarathi.formats import stacked_experts
 from flexsarathi.formats.safetensors_pread import PreadReader
 from flexsarathi.formats.worker_pools import worker_pool
 from flexsarathi.models import ModelMath, Weights, build_model_math
@@ -289,8 +290,13 @@ class SafetensorsCheckpoint(WeightSource):
         expected = [(self.model.hf_global_names(), self.model.global_shapes())]
         expected += [(self.model.hf_layer_names(i), self.model.layer_shapes(i))
                      for i in range(self.config.num_layers)]
-        for names, shapes in expected:
+        for layer in range(self.config.num_layers):
+            self._validate_stacked(layer)
+        for layer_or_globals, (names, shapes) in enumerate(expected):
+            stacked = self.model.stacked_experts(layer_or_globals - 1) if layer_or_globals else {}
             for canonical, parts in names.items():
+                if canonical in stacked:
+                    continue
                 rows = 0
                 for hf_name in parts:
                     name = self._resolve(hf_name)
@@ -310,10 +316,33 @@ class SafetensorsCheckpoint(WeightSource):
                         f"tensor(s) {', '.join(parts)} in {self.folder} have {rows} rows in total, but "
                         f"config.json implies {shapes[canonical][0]} ({canonical})")
 
+    def _validate_stacked(self, layer: int) -> None:
+        """The shapes of the layer's expert stacks (StackedExperts) as stored, floats or MXFP4."""
+        names, shapes = self.model.hf_layer_names(layer), self.model.layer_shapes(layer)
+        for canonical, how in self.model.stacked_experts(layer).items():
+            (hf_name,) = names[canonical]
+            form = stacked_experts.stored_form(hf_name, self._file_of, how)
+            for suffix, want in stacked_experts.stored_shapes(how, form, self.config.moe.num_experts,
+                                                              shapes[canonical]).items():
+                name, path = hf_name + suffix, self._file_of[hf_name + suffix]
+                info = self._open(path).get_slice(name)
+                if form == "float":
+                    require_float_kind(info.get_dtype(), name, path)
+                elif info.get_dtype() != "U8":
+                    raise CheckpointError(f"{path}: MXFP4 tensor {name} is stored as {info.get_dtype()}, not U8")
+                if tuple(info.get_shape()) != want:
+                    raise CheckpointError(f"{path}: tensor {name} has shape {list(info.get_shape())}, which does not "
+                                          f"match config.json (expected {list(want)} for {canonical})")
+
     def _read_names(self) -> set[str]:
         """The HF names of every tensor the model reads (before `_resolve`'s prefix fallback)."""
         groups = [self.model.hf_global_names(), *(self.model.hf_layer_names(i) for i in range(self.config.num_layers))]
-        return {hf for names in groups for parts in names.values() for hf in parts}
+        names = {hf for names in groups for parts in names.values() for hf in parts}
+        for layer in range(self.config.num_layers):  # an expert stack's MXFP4 form
+            hf_names = self.model.hf_layer_names(layer)
+            names |= {hf_names[c][0] + suffix for c, how in self.model.stacked_experts(layer).items() if not how.bias
+                      for suffix in (stacked_experts.BLOCKS, stacked_experts.SCALES)}
+        return names
 
     def _refuse_unused(self) -> None:
         """One CheckpointError when the files hold tensors the model config.json describes does not
@@ -339,10 +368,14 @@ class SafetensorsCheckpoint(WeightSource):
                               f"config.json describes ({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}): "
                               f"{cause}; refusing to run a model other than the one saved")
 
-    def _read(self, names: dict[str, list[str]], dtype: torch.dtype, unchecked: frozenset[str] = frozenset()) -> Weights:
+    def _read(self, names: dict[str, list[str]], dtype: torch.dtype, unchecked: frozenset[str] = frozenset(),
+              stacked: dict | None = None) -> Weights:
         out = {}
         for canonical, parts in names.items():
             check = require_finite if canonical not in unchecked else _as_read
+            if stacked and canonical in stacked:
+                out[canonical] = self._read_stacked(parts[0], stacked[canonical], dtype, check)
+                continue
             tensors = []
             for hf_name in parts:
                 name = self._resolve(hf_name)
@@ -355,6 +388,21 @@ class SafetensorsCheckpoint(WeightSource):
                 tensors.append(check(value, name, self._file_of[name], read))
             out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         return out
+
+    def _read_stacked(self, hf_name: str, how, dtype: torch.dtype, check) -> torch.Tensor:
+        """An expert stack (StackedExperts) from its stored form, in `dtype`."""
+        form = stacked_experts.stored_form(hf_name, self._file_of, how)
+        suffixes = ("",) if form == "float" else (stacked_experts.BLOCKS, stacked_experts.SCALES)
+        parts = {}
+        for suffix in suffixes:
+            name = hf_name + suffix
+            try:
+                parts[suffix] = self._pread.get(self._file_of[name], name)
+            except OSError as exc:
+                raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: {exc}") from None
+        value = stacked_experts.assemble(how, form, parts, self.config.moe.num_experts, dtype)
+        name = hf_name + suffixes[0]
+        return check(value, name, self._file_of[name])
 
     def global_weights(self, dtype):
         return self._read(self.model.hf_global_names(), dtype)
@@ -369,7 +417,7 @@ class SafetensorsCheckpoint(WeightSource):
         return most
 
     def layer_weights(self, layer, dtype, unchecked=frozenset()):
-        return self._read(self.model.hf_layer_names(layer), dtype, unchecked)
+        return self._read(self.model.hf_layer_names(layer), dtype, unchecked, self.model.stacked_experts(layer))
 
 
 DRAW_CHUNK = 1 << 24  # values of a dummy tensor drawn from one generator (DummyWeights._make)

@@ -63,10 +63,21 @@ def open_weight_source(model: str, codes: QuantConfig | None = None, lora: str |
         return DummyWeights(model[len(DUMMY_PREFIX):], codes=codes)
     if codes is not None:
         raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
-    if read_quantization_config(model) is not None:  # GPTQ, AWQ, compressed-tensors
+    quantization = read_quantization_config(model)
+    if quantization is not None and not _mxfp4(quantization):  # GPTQ, AWQ, compressed-tensors
         _refuse_adapter(lora, model, "a pre-quantized checkpoint's")
         return QuantizedCheckpoint(model)
-    return SafetensorsCheckpoint(model, adapter=None if lora is None else open_adapter(lora))
+    source = SafetensorsCheckpoint(model, adapter=None if lora is None else open_adapter(lora))
+    if quantization is not None and not source.model.stacked_experts(0):
+        raise CheckpointError(f"{model}: quantization_config mxfp4 is read for gpt-oss's expert weights only, and "
+                              f"this is a {source.config.model_type} model")
+    return source
+
+
+def _mxfp4(quantization) -> bool:
+    """An MXFP4 checkpoint (gpt-oss as OpenAI releases it): its experts' blocks are decoded as they are
+    read (formats/stacked_experts.py), every other weight is floats."""
+    return isinstance(quantization, dict) and str(quantization.get("quant_method", "")).lower() == "mxfp4"
 
 
 def _refuse_path(model: str) -> None:

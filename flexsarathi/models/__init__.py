@@ -2,6 +2,7 @@
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.models.base import ModelMath, Weights
 from flexsarathi.models.gemma import GemmaMath
+from flexsarathi.models.gpt_oss import GptOssMath
 from flexsarathi.models.granite import GraniteMath
 from flexsarathi.models.llama import LlamaMath
 from flexsarathi.models.moe import MoeMath
@@ -21,8 +22,10 @@ def build_model_math(config: ModelConfig) -> ModelMath:
         return GraniteMath(config)
     if config.is_olmo:
         return OlmoMath(config)
+    if config.model_type == "gpt_oss":
+        return GptOssMath(config)
     return MoeMath(config) if config.moe is not None else LlamaMath(config)
 
 
-__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "GraniteMath", "LlamaMath", "MoeMath", "OlmoMath",
-           "OPTMath", "Phi3Math"]
+__all__ = ["ModelMath", "Weights", "build_model_math", "GemmaMath", "GptOssMath", "GraniteMath", "LlamaMath", "MoeMath",
+           "OlmoMath", "OPTMath", "Phi3Math"]

@@ -257,14 +257,20 @@ def _attend_matmul(q, k, v, visible, scale: float) -> tuple[torch.Tensor, torch.
     return out.to(q.dtype), lse
 
 
-def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]],
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact softmax over a union of disjoint key sets from per-part (out, lse) pairs.
 
     out: [..., heads, d], lse: [..., heads]. out = sum_i exp(lse_i - lse) * out_i, where
-    lse = logsumexp_i(lse_i).
+    lse = logsumexp_i(lse_i). sinks [heads] (gpt-oss's learned logits): one more term per head in
+    every row's softmax denominator (lse), with no value: a key that only takes weight away.
     """
     lses = torch.stack([lse for _, lse in parts])  # [P, ..., heads]
-    total = torch.logsumexp(lses, dim=0)
+    if sinks is not None:  # [1, ..., heads]: the sink as a part whose output is 0
+        lses_and_sink = torch.cat((lses, sinks.float().expand(lses.shape[1:])[None]))
+        total = torch.logsumexp(lses_and_sink, dim=0)
+    else:
+        total = torch.logsumexp(lses, dim=0)
     weights = torch.nan_to_num(torch.exp(lses - total), nan=0.0)  # rows seeing no key weigh 0
     merged = sum(w.unsqueeze(-1) * o.float() for w, (o, _) in zip(weights, parts))
     return merged.to(parts[0][0].dtype)

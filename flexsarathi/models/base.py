@@ -16,6 +16,7 @@ fused at load time so that each layer moves as few tensors as possible.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,17 @@ Weights = dict[str, torch.Tensor]
 _NESTED = (("model.", ("language_model.model.", "model.language_model.")),
            ("lm_head.", ("language_model.lm_head.",)))
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """How a checkpoint stores a layer weight as one tensor over all E experts (transformers'
+    gpt-oss) rather than as the row blocks hf_layer_names concatenates: a weight as [E, in, out] (or
+    MXFP4: `<name>_blocks` [E, out, in / 32, 16] and `<name>_scales` [E, out, in / 32]), a bias as
+    [E, out]. Read as E row blocks [out, in] (biases [out]) one after the other, each expert's rows
+    de-interleaved where `interleaved` (its gate and up rows alternate: rows 0, 2, 4, ... then 1, 3, ...)."""
+    bias: bool = False
+    interleaved: bool = False
 
 
 class ModelMath(ABC):
@@ -80,6 +92,11 @@ class ModelMath(ABC):
     @abstractmethod
     def hf_global_names(self) -> dict[str, list[str]]:
         ...
+
+    def stacked_experts(self, layer: int) -> dict[str, StackedExperts]:
+        """Canonical layer weights stored as one tensor over all experts (their one hf_layer_names
+        name): how (StackedExperts). Empty for most families."""
+        return {}
 
     def stored_names(self, hf_name: str) -> tuple[str, ...]:
         """Where a checkpoint may store the tensor hf_layer_names / hf_global_names call `hf_name`,
@@ -146,8 +163,8 @@ class ModelMath(ABC):
     def attend_own_rows_by_block(self, q, k_before, k_same, v, block_size):
         return attention.attend_own_rows_by_block(q, k_before, k_same, v, block_size, self.scale)
 
-    @staticmethod
-    def merge_attention(parts):
+    def merge_attention(self, parts, w: Weights | None = None):
+        """The parts' (out, lse) merged; w: the layer's weights (a family with attention sinks reads them)."""
         return attention.merge_partial_attention(parts)
 
     def _qkv_heads(self, qkv: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,10 @@ class MoeMath(LlamaMath):
             top_weight = top_weight.to(logits.dtype)
         return Routing(top_index, top_weight, self.moe.num_experts)
 
+    def expert(self, w: Weights, e: int, x: torch.Tensor, gate_up, down) -> torch.Tensor:
+        """Expert e on its rows x (on x's device), given its two weights there: a SwiGLU MLP."""
+        return swiglu(x, gate_up, down)
+
     def sparse_mlp(self, w: Weights, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Routed experts (one matmul per expert over its rows) plus the gated shared expert."""
         out = self.run_experts(w, x, routing)
@@ -164,10 +168,10 @@ class MoeMath(LlamaMath):
             for e, first, last in routing.experts():
                 tokens = routing.tokens[first:last]
                 if e in on_cpu:
-                    y = swiglu(x[tokens].to(CPU), on_cpu[e][GATE_UP], on_cpu[e][DOWN]).to(x.device)
+                    y = self.expert(w, e, x[tokens].to(CPU), on_cpu[e][GATE_UP], on_cpu[e][DOWN]).to(x.device)
                 else:
                     reads.ready(e)
-                    y = swiglu(x[tokens], weight_rows(w[GATE_UP], e * f2, (e + 1) * f2),
-                               weight_rows(w[DOWN], e * h, (e + 1) * h))
+                    y = self.expert(w, e, x[tokens], weight_rows(w[GATE_UP], e * f2, (e + 1) * f2),
+                                    weight_rows(w[DOWN], e * h, (e + 1) * h))
                 out.index_add_(0, tokens, (y * routing.weights[first:last, None]).to(out.dtype))
         return out
