@@ -368,14 +368,10 @@ class SafetensorsCheckpoint(WeightSource):
                               f"config.json describes ({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}): "
                               f"{cause}; refusing to run a model other than the one saved")
 
-    def _read(self, names: dict[str, list[str]], dtype: torch.dtype, unchecked: frozenset[str] = frozenset(),
-              stacked: dict | None = None) -> Weights:
+    def _read(self, names: dict[str, list[str]], dtype: torch.dtype, unchecked: frozenset[str] = frozenset()) -> Weights:
         out = {}
         for canonical, parts in names.items():
             check = require_finite if canonical not in unchecked else _as_read
-            if stacked and canonical in stacked:
-                out[canonical] = self._read_stacked(parts[0], stacked[canonical], dtype, check)
-                continue
             tensors = []
             for hf_name in parts:
                 name = self._resolve(hf_name)
@@ -417,7 +413,12 @@ class SafetensorsCheckpoint(WeightSource):
         return most
 
     def layer_weights(self, layer, dtype, unchecked=frozenset()):
-        return self._read(self.model.hf_layer_names(layer), dtype, unchecked, self.model.stacked_experts(layer))
+        names, stacked = self.model.hf_layer_names(layer), self.model.stacked_experts(layer)
+        read = self._read({k: v for k, v in names.items() if k not in stacked}, dtype, unchecked)
+        for canonical, how in stacked.items():
+            check = require_finite if canonical not in unchecked else _as_read
+            read[canonical] = self._read_stacked(names[canonical][0], how, dtype, check)
+        return {k: read[k] for k in names}
 
 
 DRAW_CHUNK = 1 << 24  # values of a dummy tensor drawn from one generator (DummyWeights._make)
