@@ -52,11 +52,14 @@ def describe_source(source) -> SourceDescription:
         files = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
     dtype = str(source.config.checkpoint_dtype).removeprefix("torch.")
     codes = getattr(source, "codes", None)  # dummy weights drawn as codes
-    kinds = tuple(TensorKind(name, f"{codes.bits}-bit codes drawn" if codes else dtype, None,
+    mxfp4, formats = getattr(source, "mxfp4_kinds", frozenset()), source.quantized_formats() or {}
+    kinds = tuple(TensorKind(name, "mxfp4", formats[name], "decoded exactly into 8-bit codes") if name in mxfp4 else
+                  TensorKind(name, f"{codes.bits}-bit codes drawn" if codes else dtype, None,
+                             "as is" if mxfp4 else
                              "quantized by the engine when the policy compresses weights")
                   for name, shape in source.model.weight_kinds().items() if len(shape) == 2)
-    fmt = "dummy" if folder is None else "safetensors"
-    return SourceDescription(fmt, f"{dtype}, full precision", kinds, files)
+    fmt = "dummy" if folder is None else "safetensors, experts mxfp4" if mxfp4 else "safetensors"
+    return SourceDescription(fmt, f"{dtype}, full precision" + (" but the experts" if mxfp4 else ""), kinds, files)
 
 
 def inspect_lines(model: str, source, dtype: torch.dtype) -> list[str]:

@@ -21,6 +21,8 @@ from safetensors import SafetensorError, safe_open
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.formats import stacked_experts
+from flexsarathi.formats.prequantized import ConversionLog
+from flexsarathi.formats.stacked_experts import BLOCKS, SCALES
 from flexsarathi.formats.safetensors_pread import PreadReader
 from flexsarathi.formats.worker_pools import worker_pool
 from flexsarathi.models import ModelMath, Weights, build_model_math
@@ -214,6 +216,8 @@ class SafetensorsCheckpoint(WeightSource):
             self.model = build_model_math(self.config)
         self._validate_shapes()
         self._refuse_unused()
+        self.mxfp4_kinds = self._mxfp4_kinds()
+        self.log = ConversionLog(self.config.num_layers, f"MXFP4 checkpoint {folder}")
         if adapter is not None:
             adapter.check_targets(self._part_shapes)
 
@@ -334,6 +338,27 @@ class SafetensorsCheckpoint(WeightSource):
                     raise CheckpointError(f"{path}: tensor {name} has shape {list(info.get_shape())}, which does not "
                                           f"match config.json (expected {list(want)} for {canonical})")
 
+    def _mxfp4_kinds(self) -> frozenset[str]:
+        """The expert stacks the checkpoint holds as MXFP4 blocks (the same kinds in every layer)."""
+        per_layer = set()
+        for layer in range(self.config.num_layers):
+            names = self.model.hf_layer_names(layer)
+            per_layer.add(frozenset(c for c, how in self.model.stacked_experts(layer).items()
+                                    if stacked_experts.stored_form(names[c][0], self._file_of, how) == "mxfp4"))
+        if len(per_layer) > 1:
+            raise CheckpointError(f"{self.folder}: some layers hold their experts as MXFP4 blocks, others as floats; "
+                                  "one format per tensor kind is supported")
+        return per_layer.pop() if per_layer else frozenset()
+
+    def quantized_formats(self) -> dict[str, QuantConfig | None] | None:
+        """An MXFP4 checkpoint's expert stacks come as exact 8-bit codes (stacked_experts.MXFP4_CODES),
+        its other 2-D layer weights in the compute dtype; None for a float checkpoint."""
+        if not self.mxfp4_kinds:
+            return None
+        resident = self.model.resident_weights()
+        return {name: stacked_experts.MXFP4_CODES if name in self.mxfp4_kinds else None
+                for name, shape in self.model.weight_kinds().items() if len(shape) == 2 and name not in resident}
+
     def _read_names(self) -> set[str]:
         """The HF names of every tensor the model reads (before `_resolve`'s prefix fallback)."""
         groups = [self.model.hf_global_names(), *(self.model.hf_layer_names(i) for i in range(self.config.num_layers))]
@@ -385,8 +410,8 @@ class SafetensorsCheckpoint(WeightSource):
             out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         return out
 
-    def _read_stacked(self, hf_name: str, how, dtype: torch.dtype, check) -> torch.Tensor:
-        """An expert stack (StackedExperts) from its stored form, in `dtype`."""
+    def _read_stacked(self, canonical: str, hf_name: str, how, dtype: torch.dtype, check) -> torch.Tensor | QTensor:
+        """An expert stack (StackedExperts) from its stored form: floats in `dtype`, MXFP4 as 8-bit codes."""
         form = stacked_experts.stored_form(hf_name, self._file_of, how)
         suffixes = ("",) if form == "float" else (stacked_experts.BLOCKS, stacked_experts.SCALES)
         parts = {}
@@ -396,9 +421,12 @@ class SafetensorsCheckpoint(WeightSource):
                 parts[suffix] = self._pread.get(self._file_of[name], name)
             except OSError as exc:
                 raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: {exc}") from None
-        value = stacked_experts.assemble(how, form, parts, self.config.moe.num_experts, dtype)
         name = hf_name + suffixes[0]
-        return check(value, name, self._file_of[name])
+        if form == "mxfp4":  # exact 8-bit codes: nothing non-finite but a NaN scale, which this refuses
+            codes, error = stacked_experts.mxfp4_codes(parts[BLOCKS], parts[SCALES], how, dtype, hf_name)
+            self.log.record(canonical, error, "MXFP4 -> 8-bit codes")
+            return codes
+        return check(stacked_experts.assemble(how, parts[""], dtype), name, self._file_of[name])
 
     def global_weights(self, dtype):
         return self._read(self.model.hf_global_names(), dtype)
@@ -417,7 +445,8 @@ class SafetensorsCheckpoint(WeightSource):
         read = self._read({k: v for k, v in names.items() if k not in stacked}, dtype, unchecked)
         for canonical, how in stacked.items():
             check = require_finite if canonical not in unchecked else _as_read
-            read[canonical] = self._read_stacked(names[canonical][0], how, dtype, check)
+            read[canonical] = self._read_stacked(canonical, names[canonical][0], how, dtype, check)
+        self.log.layer_done(layer)
         return {k: read[k] for k in names}
 
 
