@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from datetime import datetime
 
 from flexsarathi.errors import FlexSarathiError
 
@@ -84,13 +85,25 @@ def _environment():
     def raise_exception(message):
         raise FlexSarathiError(f"the chat template refused these messages: {message}")
 
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)  # as transformers
+    # as transformers' environment: loop controls ({% break %}), its globals and its tojson
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     # Filters are called directly, not through call(): each one checked the same way (`indent`'s
     # width, `format`'s "%1000000000d").
     env.filters = {name: _bounded(name, f) for name, f in env.filters.items()}
     return env
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' tojson: JSON as json.dumps writes it (no HTML escaping), its options too."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    """Now, formatted: today's date in a system prompt (Llama 3.x's and gpt-oss's templates)."""
+    return datetime.now().strftime(format)
 
 
 _FORMATTERS = ("format", "format_map")  # str methods whose format string can ask for any width

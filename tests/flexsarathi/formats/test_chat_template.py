@@ -75,6 +75,22 @@ def test_what_templates_really_do_renders_as_jinja2_renders_it():
     assert expected.startswith("ababab|1024|x    |    3|   1|  hello hello|")
 
 
+def test_transformers_template_globals_render_as_transformers_renders_them():
+    """Loop controls, strftime_now and tojson's options: what real templates use (Llama 3.x's date,
+    gpt-oss's, compact tool schemas)."""
+    from datetime import datetime
+
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    source = ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% if m.skip %}{% continue %}"
+              "{% endif %}{{ m.content }};{% endfor %}{{ strftime_now('%Y-%m') }}|"
+              "{{ messages | tojson(separators=(',', ':'), sort_keys=true) }}|{{ 'é' | tojson(ensure_ascii=true) }}")
+    messages = [{"content": "a", "skip": False}, {"content": "b", "skip": True}, {"content": "c", "skip": False}]
+    ours = render(compile_template(source), {"messages": messages})
+    assert ours == _compile_jinja_template(source).render(messages=messages)
+    assert ours.startswith(f"a;{datetime.now():%Y-%m}|[{{\"content\":\"a\",\"skip\":false}}")
+
+
 def test_a_template_that_is_not_jinja2_is_named():
     with pytest.raises(FlexSarathiError, match="^chat_template is not valid jinja2"):
         compile_template("{% for %}", "chat_template")
