@@ -30,6 +30,7 @@ from flexsarathi.errors import FlexSarathiError
 from flexsarathi.cli.result_file import ResultFile
 from flexsarathi.engine.pooling import PoolingParams
 from flexsarathi.engine.sampling import SamplingParams
+from flexsarathi.formats.harmony import speaks_harmony
 from flexsarathi.formats.tool_calls import PARSERS
 
 PACKAGE_PREFIX = "pkg:"  # --input pkg:NAME reads a prompt set shipped in flexsarathi/prompts/
@@ -388,6 +389,8 @@ def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int,
                 raise FlexSarathiError("this model has no tokenizer.json, so no chat template")
             if req.tools is not None:
                 req.tools = req.tools.with_parser(tool_parser, tokenizer.chat_template)
+            req.harmony = speaks_harmony(tokenizer.chat_template) or (req.tools is not None and
+                                                                      req.tools.parser == "harmony")
             req.prompt_token_ids = tokenizer.apply_chat_template(
                 req.messages, **req.chat_options, tools=list(req.tools.tools) if req.tools else None)
         elif req.prompt is not None:

@@ -24,6 +24,7 @@ from flexsarathi.cli.file_checks import read_text_file
 from flexsarathi.cli.embedding_requests import (EMBEDDING_BODY_FIELDS, EMBEDDINGS_URL, EmbeddingAsk, embedding_body,
                                                 read_embedding_body)
 from flexsarathi.errors import FlexSarathiError
+from flexsarathi.formats.harmony import read_harmony
 from flexsarathi.formats.tool_calls import ToolRequest
 
 FORMATS = ("text", "jsonl", "openai")
@@ -90,6 +91,7 @@ class BatchRequest:
     model: str | None = None  # the model it names (a --lora-modules name selects that adapter)
     lora: str | None = None  # the --lora-modules adapter it runs with (set by the job from `model`)
     chat: bool = False  # OpenAI chat completion (the output is a chat.completion object)
+    harmony: bool = False  # its chat template writes harmony messages: replies read as such (formats/harmony.py)
     logprobs_style: str | None = None  # "completions" / "chat" when OpenAI logprobs were asked
     error: str | None = None
     fingerprint: str | None = None  # of what it asks (request_fingerprint): set by read_requests
@@ -503,36 +505,56 @@ def result_record(fmt: str, req: BatchRequest, output, model: str, decode) -> di
     if output.prompt_logprobs is not None:
         record["prompt_logprobs"] = [step and {str(t): lp.logprob for t, lp in step.items()}
                                      for step in output.prompt_logprobs]
-    if req.tools is not None and req.tools.choice != "none":
-        _, record["tool_calls"], record["finish_reason"] = tool_reply(req, first, decode)
+    _read_reply(record, req, first, decode)
     if len(output.outputs) > 1:
         record["outputs"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                               "finish_reason": c.finish_reason} for c in output.outputs]
-        if "tool_calls" in record:
-            for entry, c in zip(record["outputs"], output.outputs):
-                _, entry["tool_calls"], entry["finish_reason"] = tool_reply(req, c, decode)
+        for entry, c in zip(record["outputs"], output.outputs):
+            _read_reply(entry, req, c, decode)
     return _fingerprinted(record, req)
 
 
-def tool_reply(req: BatchRequest, completion, decode) -> tuple[str | None, list[dict], str]:
-    """(the message's content, its tool calls in OpenAI's shape, the finish reason) of a completion:
-    "tool_calls" where a reply free to call ("auto", "required") ended by calling, as vLLM and
-    OpenAI say it; a forced function's reply keeps "stop". Call ids are derived from the request,
-    so a resumed file reads like an uninterrupted one; mistral's templates take 9-character ids."""
-    tools = req.tools
-    if tools is None or tools.choice == "none":
-        return completion.text, [], completion.finish_reason
+def _read_reply(entry: dict, req: BatchRequest, completion, decode) -> None:
+    """A JSONL record's (or one of its outputs') reply as read: its tool calls where tools were offered,
+    a harmony reply's content as its text and the rest as its reasoning."""
+    if not req.harmony and (req.tools is None or req.tools.choice == "none"):
+        return
+    content, reasoning, calls, finish = tool_reply(req, completion, decode)
+    if req.harmony:
+        entry["text"], entry["reasoning"] = content, reasoning
+    if req.tools is not None and req.tools.choice != "none":
+        entry["tool_calls"], entry["finish_reason"] = calls, finish
+
+
+def tool_reply(req: BatchRequest, completion, decode) -> tuple[str | None, str | None, list[dict], str]:
+    """(the message's content, its reasoning, its tool calls in OpenAI's shape, the finish reason) of a
+    completion: "tool_calls" where a reply free to call ("auto", "required") ended by calling, as vLLM
+    and OpenAI say it; a forced function's reply keeps "stop". A harmony reply is read as its messages
+    (reasoning: what it wrote outside the final channel); other replies have none. Call ids are
+    derived from the request, so a resumed file reads like an uninterrupted one; mistral's templates
+    take 9-character ids."""
+    tools, reasoning = req.tools, None
+    free = tools is None or tools.choice in ("none", "auto")  # a forced choice's reply is JSON, not messages
     specials = (decode(list(completion.token_ids), skip_special_tokens=False)
-                if tools.parser == "mistral" and decode else completion.text)
-    content, calls = tools.read(completion.text, specials)
+                if decode and (req.harmony and free or tools is not None and tools.parser == "mistral")
+                else completion.text)
+    reply = read_harmony(specials, read_calls=tools is not None and tools.choice == "auto") \
+        if req.harmony and free else None
+    if reply is not None:
+        content, reasoning, calls = reply.content, reply.reasoning, reply.calls
+        calls = calls if tools is None or tools.parallel else calls[:1]
+    elif tools is None or tools.choice == "none":
+        return completion.text, None, [], completion.finish_reason
+    else:
+        content, calls = tools.read(completion.text, specials)
     finish = completion.finish_reason
     if calls and finish == "stop" and tools.choice in ("auto", "required"):
         finish = "tool_calls"
-    length = 9 if tools.parser == "mistral" else 24
+    length = 9 if tools is not None and tools.parser == "mistral" else 24
     listed = [{"id": ("" if length == 9 else "call_") + _stable_id("", f"{req.key}/{completion.index}/{k}")[:length],
                "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
               for k, call in enumerate(calls)]
-    return content, listed, finish
+    return content, reasoning, listed, finish
 
 
 def error_record(fmt: str, req: BatchRequest, message: str, code: str = "invalid_request") -> dict:
@@ -574,11 +596,13 @@ def _openai_result(req: BatchRequest, output, model: str, decode) -> dict:
         return _openai_line(req, None, embedding_body(output, model, req.embedding.encoding_format))
     choices = []
     for c in output.outputs:
-        content, calls, finish = tool_reply(req, c, decode)
+        content, reasoning, calls, finish = tool_reply(req, c, decode)
         choice = {"index": c.index, "logprobs": _openai_choice_logprobs(req, output, c, decode),
                   "finish_reason": finish}
-        if req.chat:
-            choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        if req.chat:  # reasoning_content: vLLM's field for a reasoning model's thinking
+            choice["message"] = {"role": "assistant", "content": content,
+                                 **({"reasoning_content": reasoning} if req.harmony else {}),
+                                 **({"tool_calls": calls} if calls else {})}
         else:
             choice["text"] = c.text
         choices.append(choice)

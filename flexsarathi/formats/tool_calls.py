@@ -9,7 +9,8 @@ Formats (vLLM's parser names), told from the chat template or named by the user:
 - llama3_json: the reply is one JSON object `{"name": ..., "parameters": {...}}`, or several joined
   by ";", optionally after `<|python_tag|>` (Llama 3.1 / 3.2 JSON tool calling);
 - mistral: `[TOOL_CALLS]` (a special token: read from the text with special tokens kept) and a JSON
-  array of `{"name", "arguments"}` (Mistral 7B v0.3, Mixtral 8x22B, Mistral NeMo).
+  array of `{"name", "arguments"}` (Mistral 7B v0.3, Mixtral 8x22B, Mistral NeMo);
+- harmony: gpt-oss's messages, a call one addressed `to=functions.NAME` (flexsarathi/formats/harmony.py).
 A reply that does not hold well-formed calls is the message's content, as vLLM returns it: no call
 is invented or half-read.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from flexsarathi.errors import FlexSarathiError
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "harmony")  # harmony: gpt-oss's messages (formats/harmony.py)
 CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128  # OpenAI's limit: a "required" grammar over thousands of functions would compile for minutes
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -30,7 +31,7 @@ _TOOL_FIELDS = {"type", "function"}
 _FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function that takes no arguments
 # What a chat template writes when it teaches each format (a template that names none teaches none).
-_TEMPLATE_MARKS = (("hermes", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)),
+_TEMPLATE_MARKS = (("harmony", ("<|channel|>",)), ("hermes", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)),
                    ("llama3_json", ("<|python_tag|>", '{"name": function name, "parameters"')))
 _HERMES_START, _PYTHON_TAG, _MISTRAL_START = "<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
@@ -98,8 +99,8 @@ class ToolRequest:
         if self.choice == "required":
             calls = _required_calls(text)
             return (None, calls) if calls else (text, [])
-        if self.parser is None:  # not read (with_parser refuses "auto" without a format)
-            return text, []
+        if self.parser in (None, "harmony"):  # not read (with_parser refuses "auto" without a format); harmony's
+            return text, []  # replies are read as messages (formats/harmony.py), this only where one is not
         content, calls = read_tool_calls(text_with_specials if self.parser == "mistral" else text, self.parser)
         return content, calls if self.parallel else calls[:1]
 

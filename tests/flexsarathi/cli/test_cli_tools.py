@@ -171,7 +171,7 @@ def test_mistral_calls_are_read_with_the_special_token_kept(stories_dir, tmp_pat
     assert "[TOOL_CALLS]" not in text
     completion = CompletionOutput(index=0, text=text, token_ids=ids, finish_reason="stop")
     req = BatchRequest(line=1, id="m", tools=ToolRequest.of(TOOLS).with_parser("mistral", None))
-    content, calls, finish = tool_reply(req, completion, tok.decode)
-    assert content is None and finish == "tool_calls"
+    content, reasoning, calls, finish = tool_reply(req, completion, tok.decode)
+    assert content is None and reasoning is None and finish == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", args)]
     assert re.fullmatch(r"[0-9a-f]{9}", calls[0]["id"])
