@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from policy_search.config_fields import RopeConfig, parse_rope, typed, typed_value  # noqa: F401
 from policy_search.errors import SpecError
 from policy_search.gemma3_config import gemma3_attention
+from policy_search.glm_config import glm4_moe_experts, mtp_layers
 from policy_search.gpt_oss_config import gpt_oss_attention, gpt_oss_experts
 from policy_search.olmo_config import olmo3_attention
 from policy_search.text_model_config import NESTED, TEXT_DEFAULTS, text_model_config
@@ -28,8 +29,11 @@ from policy_search.text_model_config import NESTED, TEXT_DEFAULTS, text_model_co
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
             "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama",
             "phi3": "llama", "mistral3": "llama", "granite": "llama", "olmo2": "llama", "olmo3": "llama",
-            "gpt_oss": "llama"}
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+            "gpt_oss": "llama", "glm4_moe": "llama"}
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")
+# RoPE over part of each head where the config says so (partial_rotary_factor): the model types whose
+# transformers layers rotate the first dims only (the others would be another model: refused)
+_PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0}  # -> the factor where the config names none
 # RMSNorm of q and k before RoPE (over each head; OLMo's over the whole projection)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3")
 OLMO_MODEL_TYPES = ("olmo2", "olmo3")  # q / k normalised whole; post-norms instead of pre-norms
@@ -65,6 +69,13 @@ class MoEConfig:
     softmax_after_top_k: bool = False
     glu_limit: float | None = None  # None: the SwiGLU silu(gate) * up
     glu_alpha: float = 1.0
+    # glm4_moe (policy_search/glm_config.py): sigmoid scores, a correction bias that only chooses, the
+    # best top_groups of `groups` expert groups, weights times routed_scaling; a shared expert ungated
+    scoring: str = "softmax"  # "softmax" over all experts, or "sigmoid" per expert
+    groups: int = 1
+    top_groups: int = 1
+    routed_scaling: float = 1.0
+    shared_expert_gate: bool = True  # qwen2_moe's sigmoid gate on the shared expert
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) has experts, as transformers decides it."""
@@ -123,6 +134,8 @@ class HFConfig:
     local_rope: RopeConfig | None = None  # the sliding layers' rope; None: `rope` in every layer
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     attention_sinks: bool = False  # gpt_oss: a learned logit per head in each softmax's denominator
+    rotary_dim: int | None = None  # RoPE over each head's first rotary_dim dims (glm4_moe: half); None: all
+    unread_layers: int = 0  # glm4_moe's multi-token-prediction layers, stored after the last one
     # Granite (its config's multipliers; 1: none)
     embedding_multiplier: float = 1.0  # the token embedding's rows times this
     residual_multiplier: float = 1.0  # attention's and the MLP's outputs times this before each residual add
@@ -202,6 +215,7 @@ _SIZE_RANGES = {"vocab_size": (1, None), "hidden_size": (1, None), "num_hidden_l
                 "num_attention_heads": (1, None), "max_position_embeddings": (1, None),
                 "intermediate_size": (1, None), "ffn_dim": (1, None), "num_experts": (1, None),
                 "num_local_experts": (1, None), "num_experts_per_tok": (1, None), "moe_intermediate_size": (1, None),
+                "n_routed_experts": (1, None),
                 "shared_expert_intermediate_size": (0, None), "decoder_sparse_step": (1, None)}
 
 
@@ -279,7 +293,7 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
     model_type = cfg.get("model_type")
     flag = functools.partial(typed, cfg, source=source, kind=bool)
     attention_bias = flag(key="attention_bias", default=model_type == "gpt_oss")
-    _refuse_partial_rotary(cfg, source)
+    head_dim = typed(cfg, "head_dim", source, int, hidden // heads, low=1)
     if model_type in _QWEN_TYPES and not flag(key="use_sliding_window", default=False):
         window = None  # qwen: sliding_window is read only with use_sliding_window
     else:
@@ -295,14 +309,16 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
     else:
         attention = dict(rope=parse_rope(cfg, source), sliding_window=window,
                          **(_granite_fields(cfg, source) if model_type == "granite" else {}))
-    return dict(num_kv_heads=kv_heads, head_dim=typed(cfg, "head_dim", source, int, hidden // heads, low=1),
-                intermediate_size=need("intermediate_size"),
+    glm = model_type == "glm4_moe"
+    return dict(num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=need("intermediate_size"),
+                rotary_dim=_rotary_dim(cfg, source, model_type, head_dim),
+                unread_layers=mtp_layers(cfg, source) if glm else 0,
                 norm_eps=typed(cfg, "rms_norm_eps", source, float, 1e-5 if model_type == "gpt_oss" else 1e-6,
                                above=0.0),
                 tie_word_embeddings=flag(key="tie_word_embeddings", default=False),
-                qkv_bias=qkv_bias, o_bias=attention_bias,
+                qkv_bias=qkv_bias, o_bias=attention_bias and not glm,  # glm4_moe: q, k, v only
                 mlp_bias=flag(key="mlp_bias", default=False), **attention,
-                qk_norm=model_type in QK_NORM_MODEL_TYPES,
+                qk_norm=model_type in QK_NORM_MODEL_TYPES or (glm and flag(key="use_qk_norm", default=False)),
                 moe=_parse_moe(cfg, need, source) if model_type in MOE_MODEL_TYPES else None)
 
 
@@ -314,13 +330,23 @@ def _granite_fields(cfg: dict, source: str) -> dict:
                 attention_scale=number(key="attention_multiplier"))
 
 
-def _refuse_partial_rotary(cfg: dict, source: str) -> None:
-    """Rotary embedding over part of each head (Phi-4-mini's 0.75) is not computed here: refused by name."""
+def _rotary_dim(cfg: dict, source: str, model_type: str, head_dim: int) -> int | None:
+    """The dims of each head RoPE rotates (the first ones; transformers' int(head_dim * factor)), None
+    where it is all of them; refused by name for model types whose layers rotate every dim."""
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    factor = typed({"partial_rotary_factor": cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))},
-                   "partial_rotary_factor", source, float, 1.0, above=0.0)
-    if factor != 1.0:
-        raise SpecError(f"{source}: partial_rotary_factor={factor} (RoPE over part of each head) is not supported")
+    given = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    factor = typed({"partial_rotary_factor": given}, "partial_rotary_factor", source, float,
+                   _PARTIAL_ROTARY.get(model_type, 1.0), above=0.0, high=1.0)
+    if factor == 1.0:
+        return None
+    if model_type not in _PARTIAL_ROTARY:
+        raise SpecError(f"{source}: partial_rotary_factor={factor} (RoPE over part of each head) is not supported "
+                        f"for {model_type}")
+    dims = int(head_dim * factor)
+    if dims < 2 or dims % 2:
+        raise SpecError(f"{source}: partial_rotary_factor={factor} rotates {dims} of {head_dim} dims; RoPE needs an "
+                        "even number")
+    return dims
 
 
 # Router options of other MoE families that change the routing math: accepted only at the value
@@ -339,8 +365,10 @@ def _check_router(cfg: dict, source: str) -> None:
 
 
 def _parse_moe(cfg: dict, need, source: str) -> MoEConfig:
-    """The experts of a mixtral / qwen2_moe / qwen3_moe config; errors name the field."""
+    """The experts of a mixtral / qwen2_moe / qwen3_moe / gpt_oss / glm4_moe config; errors name the field."""
     model_type = cfg["model_type"]
+    if model_type == "glm4_moe":  # its own router options (n_group, topk_group, routed_scaling_factor)
+        return MoEConfig(**glm4_moe_experts(cfg, need, source))
     _check_router(cfg, source)
     key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
     experts, top_k = need(key), need("num_experts_per_tok")

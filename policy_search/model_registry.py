@@ -109,6 +109,18 @@ def _gpt_oss(layers: int, experts: int) -> dict:
             "tie_word_embeddings": False, "pad_token_id": 199999, "eos_token_id": 200002, "torch_dtype": "bfloat16"}
 
 
+def _glm4_moe(hidden: int, layers: int, experts: int, ffn: int, expert_ffn: int, dense: int, **extra) -> dict:
+    # zai-org GLM-4.5-Air and GLM-4.7 config.json (copies found by the project's code search): 96 heads (8 KV)
+    # of 128, RoPE over half of each, base 1e6; 8 of the experts and one shared; one MTP layer; bfloat16
+    return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552,
+            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": 96,
+            "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 1000000,
+            "attention_bias": True, "n_routed_experts": experts, "num_experts_per_tok": 8, "n_shared_experts": 1,
+            "moe_intermediate_size": expert_ffn, "first_k_dense_replace": dense, "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": True, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+            "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "torch_dtype": "bfloat16", **extra}
+
+
 _GEMMA3_SCALING = {"rope_type": "linear", "factor": 8.0}
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -161,6 +173,10 @@ KNOWN_MODELS: dict[str, dict] = {
     "phi-4": _llama(5120, 40, 40, 10, 17920, vocab=100352, max_pos=16384, theta=250000.0, bos=100257,
                     eos=100257) | {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "sliding_window": None,
                                    "original_max_position_embeddings": 16384, "torch_dtype": "bfloat16"},
+    "glm-4.5-air": _glm4_moe(4096, 46, 128, 10944, 1408, 1, max_position_embeddings=131072,
+                             routed_scaling_factor=1.0, use_qk_norm=False),
+    "glm-4.7": _glm4_moe(5120, 92, 160, 12288, 1536, 3, max_position_embeddings=202752, routed_scaling_factor=2.5,
+                         use_qk_norm=True),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
 }
@@ -168,7 +184,7 @@ KNOWN_MODELS: dict[str, dict] = {
 
 def _normalise(name: str) -> str:
     name = name.strip().lower()
-    for prefix in ("dummy:", "facebook/", "meta-llama/", "mistralai/", "qwen/", "openai/"):
+    for prefix in ("dummy:", "facebook/", "meta-llama/", "mistralai/", "qwen/", "openai/", "zai-org/"):
         if name.startswith(prefix):
             name = name[len(prefix):]
     return name.replace("llama-2-7b-hf", "llama-2-7b").removesuffix("-v0.1")

@@ -67,6 +67,8 @@ class ModelSpec:
     shared_expert_ffn_size: int = 0  # qwen2_moe: an expert every token uses, gated by sigmoid(h . g)
     sparse_layers: int = 0  # layers with experts; the other num_layers - sparse_layers keep ffn_size
     expert_biases: bool = False  # gpt-oss: the router and every expert's projections biased
+    shared_expert_gate: bool = True  # qwen2_moe's shared expert has a sigmoid gate (hidden x 1); glm4_moe's none
+    router_correction_bias: bool = False  # glm4_moe: a bias per expert added to the scores that choose
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -133,7 +135,11 @@ class ModelSpec:
         """What every token of a sparse layer multiplies besides its experts: the router (hidden x
         experts) and the shared expert with its gate (hidden x 1)."""
         h, shared = self.hidden_size, self.shared_expert_ffn_size
-        return h * self.num_experts + (3 * h * shared + h if shared else 0)
+        return h * self.num_experts + (3 * h * shared + self._shared_gate_params if shared else 0)
+
+    @property
+    def _shared_gate_params(self) -> int:
+        return self.hidden_size if self.shared_expert_ffn_size and self.shared_expert_gate else 0
 
     def _per_layer(self, sparse: float, dense: float) -> float:
         """Mean over the layers of a quantity that is `sparse` in a layer with experts, else `dense`."""
@@ -191,6 +197,8 @@ class ModelSpec:
         biases += (h if self.o_bias else 0) + (self.num_heads if self.attention_sinks else 0)
         if self.expert_biases:  # router, gate/up and down of every expert
             biases += self._per_layer(self.num_experts * (1 + 2 * self.expert_ffn_size + h), 0)
+        if self.router_correction_bias:
+            biases += self._per_layer(self.num_experts, 0)
         return norms + biases
 
     @property
@@ -250,7 +258,7 @@ class ModelSpec:
         (ModelMath.resident_weights), as every token needs them before any expert."""
         if not self.num_experts:
             return 0
-        return self.hidden_size * self.num_experts + (self.hidden_size if self.shared_expert_ffn_size else 0)
+        return self.hidden_size * self.num_experts + self._shared_gate_params
 
     @property
     def layer_resident_bytes(self) -> float:
@@ -369,7 +377,9 @@ class ModelSpec:
         moe = c.moe
         experts = {} if moe is None else dict(
             num_experts=moe.num_experts, experts_per_token=moe.top_k, expert_ffn_size=moe.expert_ffn_size,
-            shared_expert_ffn_size=moe.shared_expert_ffn_size, sparse_layers=moe.sparse_layers(c.num_layers))
+            shared_expert_ffn_size=moe.shared_expert_ffn_size, sparse_layers=moe.sparse_layers(c.num_layers),
+            expert_biases=moe.biases, shared_expert_gate=moe.shared_expert_gate,
+            router_correction_bias=moe.scoring == "sigmoid")
         return cls(name=name,
                    num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
                    num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=c.intermediate_size,
@@ -378,7 +388,7 @@ class ModelSpec:
                    embed_dim=c.word_embed_proj_dim or 0, max_positions=c.max_position_embeddings,
                    learned_positions=opt, tie_embeddings=c.tie_word_embeddings,
                    linear_bias=c.linear_bias, qkv_bias=c.qkv_bias, o_bias=c.o_bias and not opt,
-                   attention_sinks=c.attention_sinks, expert_biases=moe is not None and moe.biases, layer_norm_bias=opt,
+                   attention_sinks=c.attention_sinks, layer_norm_bias=opt,
                    qk_norm=c.qk_norm, sandwich_norms=c.is_gemma, qk_norm_whole=c.is_olmo, **experts)
 
     @classmethod

@@ -121,6 +121,10 @@ TINY_CONFIGS.update({
     "phi3": dict(model_type="phi3", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=250000.0,
                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "phi3_partial_rotary": dict(model_type="phi3", vocab_size=128, hidden_size=32, intermediate_size=48,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=64, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "phi3_window": dict(model_type="phi3", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, sliding_window=6,
                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -162,6 +166,17 @@ _GPT_OSS_BASE = dict(model_type="gpt_oss", vocab_size=128, hidden_size=32, inter
                                       "rope_theta": 150000.0},
                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 TINY_CONFIGS.update({"gpt_oss": _GPT_OSS_BASE})
+# GLM-4.5 / 4.7: RoPE over half of each head, biased q/k/v (not o), a dense first layer, sigmoid routing
+# with a correction bias within the best of two groups, scaled, a shared expert; the Air's plain variant
+_GLM_BASE = dict(model_type="glm4_moe", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=24,
+                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                 attention_bias=True, partial_rotary_factor=0.5, max_position_embeddings=64, rope_theta=10000.0,
+                 tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TINY_CONFIGS.update({
+    "glm4_moe": dict(_GLM_BASE, use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=2.5),
+    "glm4_moe_air": dict(_GLM_BASE, use_qk_norm=False, n_shared_experts=2, norm_topk_prob=False),
+})
 MOE_KINDS = ["qwen3_moe", "qwen3_moe_dense_layer", "mixtral", "mixtral_top1_tied", "qwen2_moe",
              "qwen2_moe_norm_tied"]
 # Deeper variants for placement tests: with 6 layers, two working buffers are a third of the layers.
@@ -170,6 +185,7 @@ TINY_CONFIGS["llama_deep"] = dict(TINY_CONFIGS["llama_gqa_untied"], num_hidden_l
 TINY_CONFIGS["mixtral_deep"] = dict(TINY_CONFIGS["mixtral"], num_hidden_layers=6)
 TINY_CONFIGS["qwen2_moe_deep"] = dict(TINY_CONFIGS["qwen2_moe"], num_hidden_layers=6)
 TINY_CONFIGS["gpt_oss_deep"] = dict(TINY_CONFIGS["gpt_oss"], num_hidden_layers=6)
+TINY_CONFIGS["glm4_moe_deep"] = dict(TINY_CONFIGS["glm4_moe"], num_hidden_layers=6, first_k_dense_replace=2)
 TINY_CONFIGS["gemma3_deep"] = dict(TINY_CONFIGS["gemma3"], num_hidden_layers=6,
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
 # Every weight a whole number of 64-row blocks and 64-value groups: what the CPU int4 kernel covers.
@@ -268,6 +284,9 @@ def build_hf_model(kind: str, seed: int = 0):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.1 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # a router's learned bias kept as a buffer (glm4_moe)
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     return model
 
 

@@ -110,8 +110,10 @@ class ModelMath(ABC):
 
     def unread_prefixes(self) -> tuple[str, ...]:
         """Name prefixes of a checkpoint's tensors this model never reads (a multimodal one's vision tower
-        and projector)."""
-        return _VISION if self.config.nests_text_model else ()
+        and projector; glm4_moe's multi-token-prediction layers after the last layer)."""
+        c = self.config
+        mtp = tuple(f"model.layers.{c.num_layers + i}." for i in range(c.unread_layers))
+        return (_VISION if c.nests_text_model else ()) + mtp
 
     # A *ForSequenceClassification checkpoint's head: transformers' `score` linear over the final
     # hidden state (OPT's after project_out), no bias, read as a global weight.

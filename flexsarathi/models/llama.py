@@ -15,9 +15,11 @@ ROPE_REMEMBERED = 4  # micro-batches of one pass whose rope tables are kept (Fle
 class LlamaMath(ModelMath):
     def __init__(self, config):
         super().__init__(config)
-        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)  # [head_dim / 2] fp32, CPU
+        # RoPE rotates each head's first `rotary` dims (all but for glm4_moe's partial rotary)
+        self.rotary = config.rotary_dim or config.head_dim
+        self.inv_freq = rope_inv_freq(config.rope, self.rotary)  # [rotary / 2] fp32, CPU
         # gemma3's sliding layers rotate by another base: (they, the others) take (local, global)
-        self.local_inv_freq = None if config.local_rope is None else rope_inv_freq(config.local_rope, config.head_dim)
+        self.local_inv_freq = None if config.local_rope is None else rope_inv_freq(config.local_rope, self.rotary)
         self._rope_scale = {False: rope_attention_factor(config.rope),  # YaRN's cos / sin factor (1 otherwise)
                             True: 1.0 if config.local_rope is None else rope_attention_factor(config.local_rope)}
         # One copy per device, made once: `inv_freq.to(cuda)` in every layer would be two blocking
@@ -119,11 +121,16 @@ class LlamaMath(ModelMath):
             q, k, v = self._split_heads(heads)
             q, k = self.norm(q, w["q_norm.weight"]), self.norm(k, w["k_norm.weight"])
             cos, sin = self.rope_on(positions, q.dtype, self._local_rope(layer))
+            if self.rotary < c.head_dim:  # the first dims rotated, the rest as they are
+                q, k = q.clone(), k.clone()
+                apply_rope_(q[..., :self.rotary], cos, sin), apply_rope_(k[..., :self.rotary], cos, sin)
+                return q, k, v
             return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
         # q's and k's heads lie side by side: rotated together, in place, so K stays beside V (the
         # pool writes the pair at once)
         cos, sin = self.rope_on(positions, heads.dtype, self._local_rope(layer))
-        apply_rope_(heads.narrow(1, 0, c.num_heads + c.num_kv_heads), cos, sin)
+        rotated = heads.narrow(1, 0, c.num_heads + c.num_kv_heads)
+        apply_rope_(rotated if self.rotary == c.head_dim else rotated.narrow(2, 0, self.rotary), cos, sin)
         return self._split_heads(heads)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

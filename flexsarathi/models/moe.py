@@ -1,7 +1,9 @@
-"""Mixture-of-experts LLaMA-family models (mixtral, qwen2_moe, qwen3_moe): a sparse layer's MLP is
-a router and `E` experts (each a SwiGLU MLP of the expert width), qwen2_moe adding one shared
-expert behind a sigmoid gate; dense layers (`mlp_only_layers`, `decoder_sparse_step`) keep the
-LLaMA MLP. Everything up to the MLP is LlamaMath's (qwen3_moe: with its q/k norms).
+"""Mixture-of-experts LLaMA-family models (mixtral, qwen2_moe, qwen3_moe, glm4_moe; gpt_oss in
+gpt_oss.py): a sparse layer's MLP is a router and `E` experts (each a SwiGLU MLP of the expert
+width), qwen2_moe adding one shared expert behind a sigmoid gate, glm4_moe one without (its router
+sigmoid-scored, grouped, with a correction bias); dense layers (`mlp_only_layers`,
+`decoder_sparse_step`) keep the LLaMA MLP. Everything up to the MLP is LlamaMath's (qwen3_moe: with
+its q/k norms; glm4_moe: RoPE over half of each head).
 
 The experts of a layer are stacked by rows into two weights, `experts.gate_up_proj.weight`
 [E * 2F, hidden] (expert e's gate rows then its up rows) and `experts.down_proj.weight`
@@ -26,6 +28,7 @@ from offload.weights import ROW_BLOCKS
 
 GATE_UP, DOWN = "experts.gate_up_proj.weight", "experts.down_proj.weight"
 ROUTER, SHARED_GATE = "router.weight", "shared_expert_gate.weight"
+CORRECTION = "router.correction_bias"  # glm4_moe's e_score_correction_bias: added to the scores that choose
 CPU = torch.device("cpu")
 
 
@@ -86,10 +89,12 @@ class MoeMath(LlamaMath):
         c, m = self.config, self.moe
         h, f, e = c.hidden_size, m.expert_ffn_size, m.num_experts
         shapes = {**self.attention_shapes(), ROUTER: (e, h), GATE_UP: (e * 2 * f, h), DOWN: (e * h, f)}
+        if m.scoring == "sigmoid":
+            shapes[CORRECTION] = (e,)
         if m.shared_expert_ffn_size:
             s = m.shared_expert_ffn_size
-            shapes.update({"shared_expert.gate_up_proj.weight": (2 * s, h),
-                           "shared_expert.down_proj.weight": (h, s), SHARED_GATE: (1, h)})
+            shapes.update({"shared_expert.gate_up_proj.weight": (2 * s, h), "shared_expert.down_proj.weight": (h, s),
+                           **({SHARED_GATE: (1, h)} if m.shared_expert_gate else {})})
         return shapes
 
     def expert_stacks(self):
@@ -111,11 +116,14 @@ class MoeMath(LlamaMath):
         names[ROUTER] = [mlp + "gate.weight"]
         names[GATE_UP] = [mlp + f"experts.{e}.{x}.weight" for e in experts for x in (gate, up)]
         names[DOWN] = [mlp + f"experts.{e}.{down}.weight" for e in experts]
-        if self.moe.shared_expert_ffn_size:
-            names["shared_expert.gate_up_proj.weight"] = [mlp + "shared_expert.gate_proj.weight",
-                                                          mlp + "shared_expert.up_proj.weight"]
-            names["shared_expert.down_proj.weight"] = [mlp + "shared_expert.down_proj.weight"]
-            names[SHARED_GATE] = [mlp + "shared_expert_gate.weight"]
+        if self.moe.scoring == "sigmoid":
+            names[CORRECTION] = [mlp + "gate.e_score_correction_bias"]
+        if self.moe.shared_expert_ffn_size:  # qwen2_moe's one gated expert; glm4_moe's shared_experts
+            shared = mlp + ("shared_expert." if self.moe.shared_expert_gate else "shared_experts.")
+            names["shared_expert.gate_up_proj.weight"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
+            names["shared_expert.down_proj.weight"] = [shared + "down_proj.weight"]
+            if self.moe.shared_expert_gate:
+                names[SHARED_GATE] = [mlp + "shared_expert_gate.weight"]
         return names
 
     # ---- math ----------------------------------------------------------------------------------
@@ -129,7 +137,9 @@ class MoeMath(LlamaMath):
     def route(self, w: Weights, x: torch.Tensor) -> Routing:
         """The router as transformers computes it: fp32 softmax over all experts, top-k, renormalised
         where norm_topk_prob; qwen casts the weights back to the activations' dtype, mixtral keeps
-        them fp32 (its experts' products are then fp32, cast when summed)."""
+        them fp32 (its experts' products are then fp32, cast when summed). glm4_moe: route_sigmoid."""
+        if self.moe.scoring == "sigmoid":
+            return self.route_sigmoid(w, x)
         logits = F.linear(x, w[ROUTER])  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_weight, top_index = torch.topk(probs, self.moe.top_k, dim=-1)  # [T, k]
@@ -143,12 +153,31 @@ class MoeMath(LlamaMath):
         """Expert e on its rows x (on x's device), given its two weights there: a SwiGLU MLP."""
         return swiglu(x, gate_up, down)
 
+    def route_sigmoid(self, w: Weights, x: torch.Tensor) -> Routing:
+        """glm4_moe's router (DeepSeek-V3's): fp32 sigmoid scores; the correction bias added to choose
+        the best `top_groups` groups (each scored by its two best) and the top-k within them; their
+        scores (without the bias) renormalised where norm_topk_prob, times routed_scaling; fp32."""
+        m = self.moe
+        scores = torch.sigmoid(F.linear(x.float(), w[ROUTER].float()))  # [T, E]
+        choice = scores + w[CORRECTION].float()
+        if m.top_groups < m.groups:  # experts outside the chosen groups cannot be chosen
+            grouped = choice.view(-1, m.groups, m.num_experts // m.groups)  # [T, G, E / G]
+            best = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), m.top_groups, dim=-1, sorted=False)[1]
+            kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+            choice = grouped.masked_fill(~kept[..., None], float("-inf")).view(-1, m.num_experts)
+        top_index = torch.topk(choice, m.top_k, dim=-1, sorted=False)[1]  # [T, k]
+        top_weight = scores.gather(1, top_index)
+        if m.norm_topk_prob:
+            top_weight = top_weight / (top_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(top_index, top_weight * m.routed_scaling, m.num_experts)
+
     def sparse_mlp(self, w: Weights, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Routed experts (one matmul per expert over its rows) plus the gated shared expert."""
+        """Routed experts (one matmul per expert over its rows) plus the shared expert (qwen2_moe's
+        behind its sigmoid gate)."""
         out = self.run_experts(w, x, routing)
         if "shared_expert.gate_up_proj.weight" in w:
             shared = swiglu(x, w["shared_expert.gate_up_proj.weight"], w["shared_expert.down_proj.weight"])
-            out = out + torch.sigmoid(F.linear(x, w[SHARED_GATE])) * shared
+            out = out + (torch.sigmoid(F.linear(x, w[SHARED_GATE])) * shared if SHARED_GATE in w else shared)
         return out
 
     def run_experts(self, w: Weights, x: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -11,7 +11,7 @@ from policy_search import Policy
 from tests.prompt_logits import prompt_logits
 
 KINDS = ["opt", "opt350m", "llama_gqa_untied", "llama_tied_headdim", "qwen2", "mistral", "gemma3", "gemma3_softcap",
-         "phi3", "phi3_window", "granite", "granite_untied", "qwen3_yarn", "llama_yarn_mscale",
+         "phi3", "phi3_window", "phi3_partial_rotary", "granite", "granite_untied", "qwen3_yarn", "llama_yarn_mscale",
          "olmo2", "olmo3"]
 
 
