@@ -29,13 +29,16 @@ from policy_search.text_model_config import NESTED, TEXT_DEFAULTS, text_model_co
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
             "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gemma3_text": "llama", "gemma3": "llama",
             "phi3": "llama", "mistral3": "llama", "granite": "llama", "olmo2": "llama", "olmo3": "llama",
-            "gpt_oss": "llama", "glm4_moe": "llama"}
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")
+            "gpt_oss": "llama", "glm4_moe": "llama", "minimax_m2": "llama"}
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "minimax_m2")
 # RoPE over part of each head where the config says so (partial_rotary_factor): the model types whose
 # transformers layers rotate the first dims only (the others would be another model: refused)
-_PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0}  # -> the factor where the config names none
+_PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0, "minimax_m2": 1.0}  # -> the factor where the config names none
+# transformers' default_theta of the model types whose RoPE base is not 10000 where the config names none
+_DEFAULT_THETA = {"minimax_m2": 5_000_000.0}
 # RMSNorm of q and k before RoPE (over each head; OLMo's over the whole projection)
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3", "minimax_m2")
+QK_NORM_WHOLE_TYPES = ("olmo2", "olmo3", "minimax_m2")  # q / k normalised over the whole projection
 OLMO_MODEL_TYPES = ("olmo2", "olmo3")  # q / k normalised whole; post-norms instead of pre-norms
 _QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma3")  # gemma3: the multimodal checkpoint, read for its text model
@@ -76,6 +79,8 @@ class MoEConfig:
     top_groups: int = 1
     routed_scaling: float = 1.0
     shared_expert_gate: bool = True  # qwen2_moe's sigmoid gate on the shared expert
+    router_fp32: bool = True  # sigmoid scoring: logits from fp32 x and weight (glm4_moe), else in the weight's
+    # dtype, then fp32 (minimax_m2)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) has experts, as transformers decides it."""
@@ -149,6 +154,11 @@ class HFConfig:
     def is_olmo(self) -> bool:
         """OLMo 2 / 3: q and k normalised over the whole projection; outputs normalised, not inputs."""
         return self.model_type in OLMO_MODEL_TYPES
+
+    @property
+    def qk_norm_whole(self) -> bool:
+        """q and k normalised over the whole projection (every head at once), not per head."""
+        return self.model_type in QK_NORM_WHOLE_TYPES
 
     @property
     def nests_text_model(self) -> bool:
@@ -307,7 +317,9 @@ def _llama_fields(cfg: dict, need, source: str, hidden: int, heads: int) -> dict
     elif model_type == "gpt_oss":
         attention = gpt_oss_attention(cfg, source, need("num_hidden_layers"))
     else:
-        attention = dict(rope=parse_rope(cfg, source), sliding_window=window,
+        theta = _DEFAULT_THETA.get(model_type)
+        rope_cfg = cfg if theta is None or _names_theta(cfg) else {**cfg, "rope_theta": theta}
+        attention = dict(rope=parse_rope(rope_cfg, source), sliding_window=window,
                          **(_granite_fields(cfg, source) if model_type == "granite" else {}))
     glm = model_type == "glm4_moe"
     return dict(num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=need("intermediate_size"),
@@ -330,11 +342,18 @@ def _granite_fields(cfg: dict, source: str) -> dict:
                 attention_scale=number(key="attention_multiplier"))
 
 
+def _names_theta(cfg: dict) -> bool:
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    return cfg.get("rope_theta") is not None or rope.get("rope_theta") is not None
+
+
 def _rotary_dim(cfg: dict, source: str, model_type: str, head_dim: int) -> int | None:
     """The dims of each head RoPE rotates (the first ones; transformers' int(head_dim * factor)), None
     where it is all of them; refused by name for model types whose layers rotate every dim."""
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     given = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if given is None and cfg.get("rotary_dim") is not None:  # MiniMax's: the dims themselves
+        given = typed(cfg, "rotary_dim", source, int, low=2, high=head_dim) / head_dim
     factor = typed({"partial_rotary_factor": given}, "partial_rotary_factor", source, float,
                    _PARTIAL_ROTARY.get(model_type, 1.0), above=0.0, high=1.0)
     if factor == 1.0:
@@ -369,6 +388,12 @@ def _parse_moe(cfg: dict, need, source: str) -> MoEConfig:
     model_type = cfg["model_type"]
     if model_type == "glm4_moe":  # its own router options (n_group, topk_group, routed_scaling_factor)
         return MoEConfig(**glm4_moe_experts(cfg, need, source))
+    if model_type == "minimax_m2":  # sigmoid scores, correction bias, renormalised; every layer sparse
+        experts, top_k = need("num_local_experts"), need("num_experts_per_tok")
+        if top_k > experts:
+            raise SpecError(f"{source}: num_experts_per_tok={top_k} must be in [1, num_local_experts={experts}]")
+        return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=need("intermediate_size"),
+                         norm_topk_prob=True, scoring="sigmoid", router_fp32=False)
     _check_router(cfg, source)
     key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
     experts, top_k = need(key), need("num_experts_per_tok")

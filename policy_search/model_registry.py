@@ -177,6 +177,14 @@ KNOWN_MODELS: dict[str, dict] = {
                              routed_scaling_factor=1.0, use_qk_norm=False),
     "glm-4.7": _glm4_moe(5120, 92, 160, 12288, 1536, 3, max_position_embeddings=202752, routed_scaling_factor=2.5,
                          use_qk_norm=True),
+    # MiniMaxAI/MiniMax-M2 config.json (transformers' MiniMaxM2Config defaults are its values): 62 layers of
+    # 256 experts (top 8) of 1536, 48 heads (8 KV) of 128, RoPE over 64 dims of each, base 5e6
+    "minimax-m2": {"model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 200064,
+                   "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48,
+                   "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64, "num_local_experts": 256,
+                   "num_experts_per_tok": 8, "max_position_embeddings": 196608, "rope_theta": 5000000,
+                   "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 200034, "eos_token_id": 200020,
+                   "torch_dtype": "bfloat16"},
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
 }
@@ -184,7 +192,7 @@ KNOWN_MODELS: dict[str, dict] = {
 
 def _normalise(name: str) -> str:
     name = name.strip().lower()
-    for prefix in ("dummy:", "facebook/", "meta-llama/", "mistralai/", "qwen/", "openai/", "zai-org/"):
+    for prefix in ("dummy:", "facebook/", "meta-llama/", "mistralai/", "qwen/", "openai/", "zai-org/", "minimaxai/"):
         if name.startswith(prefix):
             name = name[len(prefix):]
     return name.replace("llama-2-7b-hf", "llama-2-7b").removesuffix("-v0.1")

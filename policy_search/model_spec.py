@@ -389,7 +389,7 @@ class ModelSpec:
                    learned_positions=opt, tie_embeddings=c.tie_word_embeddings,
                    linear_bias=c.linear_bias, qkv_bias=c.qkv_bias, o_bias=c.o_bias and not opt,
                    attention_sinks=c.attention_sinks, layer_norm_bias=opt,
-                   qk_norm=c.qk_norm, sandwich_norms=c.is_gemma, qk_norm_whole=c.is_olmo, **experts)
+                   qk_norm=c.qk_norm, sandwich_norms=c.is_gemma, qk_norm_whole=c.qk_norm_whole, **experts)
 
     @classmethod
     def from_name(cls, name: str, bytes_per_value: int | None = None) -> "ModelSpec":

@@ -177,6 +177,11 @@ TINY_CONFIGS.update({
     "glm4_moe": dict(_GLM_BASE, use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=2.5),
     "glm4_moe_air": dict(_GLM_BASE, use_qk_norm=False, n_shared_experts=2, norm_topk_prob=False),
 })
+# MiniMax-M2: q/k normalised over the whole projection, RoPE over 8 of 16 dims (its rotary_dim), sigmoid routing
+TINY_CONFIGS["minimax_m2"] = dict(model_type="minimax_m2", vocab_size=128, hidden_size=32, intermediate_size=24,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_local_experts=8, num_experts_per_tok=2, rotary_dim=8, max_position_embeddings=64,
+                                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MOE_KINDS = ["qwen3_moe", "qwen3_moe_dense_layer", "mixtral", "mixtral_top1_tied", "qwen2_moe",
              "qwen2_moe_norm_tied"]
 # Deeper variants for placement tests: with 6 layers, two working buffers are a third of the layers.

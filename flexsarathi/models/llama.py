@@ -69,8 +69,9 @@ class LlamaMath(ModelMath):
             shapes["qkv_proj.bias"] = (qkv_out,)
         if c.o_bias:
             shapes["o_proj.bias"] = (c.hidden_size,)
-        if c.qk_norm:
-            shapes["q_norm.weight"] = shapes["k_norm.weight"] = (c.head_dim,)
+        if c.qk_norm:  # over each head, or the whole projection (minimax_m2)
+            shapes["q_norm.weight"], shapes["k_norm.weight"] = (
+                ((c.q_size,), (c.kv_size,)) if c.qk_norm_whole else ((c.head_dim,), (c.head_dim,)))
         return shapes
 
     def dense_mlp_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -117,9 +118,13 @@ class LlamaMath(ModelMath):
         c = self.config
         x = self.norm(hidden, w["attn_norm.weight"])
         heads = self._qkv_heads(linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")))  # [T, h + 2 kvh, d]
-        if "q_norm.weight" in w:  # qwen3, gemma3: per head, over head_dim
+        if "q_norm.weight" in w:  # qwen3, gemma3: per head, over head_dim; minimax_m2: over all heads
             q, k, v = self._split_heads(heads)
-            q, k = self.norm(q, w["q_norm.weight"]), self.norm(k, w["k_norm.weight"])
+            if c.qk_norm_whole:
+                q = self.norm(q.reshape(q.shape[0], -1), w["q_norm.weight"]).view(q.shape)
+                k = self.norm(k.reshape(k.shape[0], -1), w["k_norm.weight"]).view(k.shape)
+            else:
+                q, k = self.norm(q, w["q_norm.weight"]), self.norm(k, w["k_norm.weight"])
             cos, sin = self.rope_on(positions, q.dtype, self._local_rope(layer))
             if self.rotary < c.head_dim:  # the first dims rotated, the rest as they are
                 q, k = q.clone(), k.clone()

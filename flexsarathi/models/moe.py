@@ -1,4 +1,4 @@
-"""Mixture-of-experts LLaMA-family models (mixtral, qwen2_moe, qwen3_moe, glm4_moe; gpt_oss in
+"""Mixture-of-experts LLaMA-family models (mixtral, qwen2_moe, qwen3_moe, glm4_moe, minimax_m2; gpt_oss in
 gpt_oss.py): a sparse layer's MLP is a router and `E` experts (each a SwiGLU MLP of the expert
 width), qwen2_moe adding one shared expert behind a sigmoid gate, glm4_moe one without (its router
 sigmoid-scored, grouped, with a correction bias); dense layers (`mlp_only_layers`,
@@ -81,6 +81,7 @@ class MoeMath(LlamaMath):
         self.moe = config.moe
         self.sparse = frozenset(i for i in range(config.num_layers) if self.moe.is_sparse(i))
         self.mixtral = config.model_type == "mixtral"
+        self.mixtral_names = config.model_type in ("mixtral", "minimax_m2")  # block_sparse_moe, w1/w3/w2
 
     # ---- shapes and names --------------------------------------------------------------------
     def layer_shapes(self, layer=0):
@@ -108,7 +109,7 @@ class MoeMath(LlamaMath):
         if layer not in self.sparse:
             return names
         p = f"model.layers.{layer}."
-        if self.mixtral:  # w1: gate, w3: up, w2: down
+        if self.mixtral_names:  # w1: gate, w3: up, w2: down
             mlp, gate, up, down = p + "block_sparse_moe.", "w1", "w3", "w2"
         else:
             mlp, gate, up, down = p + "mlp.", "gate_proj", "up_proj", "down_proj"
@@ -116,8 +117,9 @@ class MoeMath(LlamaMath):
         names[ROUTER] = [mlp + "gate.weight"]
         names[GATE_UP] = [mlp + f"experts.{e}.{x}.weight" for e in experts for x in (gate, up)]
         names[DOWN] = [mlp + f"experts.{e}.{down}.weight" for e in experts]
-        if self.moe.scoring == "sigmoid":
-            names[CORRECTION] = [mlp + "gate.e_score_correction_bias"]
+        if self.moe.scoring == "sigmoid":  # glm4_moe keeps it in the gate, minimax_m2 in the block
+            names[CORRECTION] = [mlp + ("e_score_correction_bias" if self.mixtral_names else
+                                        "gate.e_score_correction_bias")]
         if self.moe.shared_expert_ffn_size:  # qwen2_moe's one gated expert; glm4_moe's shared_experts
             shared = mlp + ("shared_expert." if self.moe.shared_expert_gate else "shared_experts.")
             names["shared_expert.gate_up_proj.weight"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
@@ -154,11 +156,13 @@ class MoeMath(LlamaMath):
         return swiglu(x, gate_up, down)
 
     def route_sigmoid(self, w: Weights, x: torch.Tensor) -> Routing:
-        """glm4_moe's router (DeepSeek-V3's): fp32 sigmoid scores; the correction bias added to choose
+        """glm4_moe's and minimax_m2's router (DeepSeek-V3's): fp32 sigmoid scores; the correction bias added to choose
         the best `top_groups` groups (each scored by its two best) and the top-k within them; their
         scores (without the bias) renormalised where norm_topk_prob, times routed_scaling; fp32."""
         m = self.moe
-        scores = torch.sigmoid(F.linear(x.float(), w[ROUTER].float()))  # [T, E]
+        router = w[ROUTER]
+        logits = F.linear(x.float(), router.float()) if m.router_fp32 else F.linear(x.to(router.dtype), router).float()
+        scores = torch.sigmoid(logits)  # [T, E]
         choice = scores + w[CORRECTION].float()
         if m.top_groups < m.groups:  # experts outside the chosen groups cannot be chosen
             grouped = choice.view(-1, m.groups, m.num_experts // m.groups)  # [T, G, E / G]

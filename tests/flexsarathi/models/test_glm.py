@@ -94,3 +94,30 @@ def test_placement_gives_reference_tokens(references, case, tmp_path):  # noqa: 
 
 def test_compressed_placement_gives_compressed_reference_tokens(references, tmp_path):  # noqa: F811
     _check(references, "glm4_moe_deep", True, CASES["weights_30_40_30"], tmp_path)
+
+
+# ---- MiniMax-M2: the same router (no groups, no shared expert), q/k normalised whole, RoPE over its rotary_dim
+def test_a_minimax_m2_config_reads_as_transformers_reads_it():
+    from transformers import MiniMaxM2Config
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RotaryEmbedding
+
+    cfg = known_config("minimax-m2")
+    theirs, ours = MiniMaxM2Config(**cfg), ModelConfig.parse(dict(cfg))
+    inv_freq, _ = MiniMaxM2RotaryEmbedding.compute_default_rope_parameters(theirs)
+    torch.testing.assert_close(build_model_math(ours).inv_freq, inv_freq, rtol=1e-6, atol=0)
+    assert ours.rotary_dim == 64 and ours.qk_norm and ours.qk_norm_whole and not ours.qkv_bias
+    no_theta = ModelConfig.parse({k: v for k, v in cfg.items() if k != "rope_theta"})  # transformers' default base
+    assert no_theta.rope.theta == MiniMaxM2Config(**{k: v for k, v in cfg.items() if k != "rope_theta"}
+                                                  ).rope_parameters["rope_theta"] == 5e6
+    moe = ours.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn_size, moe.scoring, moe.shared_expert_ffn_size) == (
+        theirs.num_local_experts, theirs.num_experts_per_tok, theirs.intermediate_size, "sigmoid", 0)
+
+
+def test_the_planner_counts_minimax_m2_s_weights_as_the_engine_holds_them():
+    config = ModelConfig.parse(known_config("minimax-m2-2l"))
+    math = build_model_math(config)
+    shapes = [*math.global_shapes().values(),
+              *(s for i in range(config.num_layers) for s in math.layer_shapes(i).values())]
+    assert ModelSpec.from_hf(config, "minimax").num_params == sum(torch.Size(s).numel() for s in shapes)
+    assert round(ModelSpec.from_name("minimax-m2").num_params / 1e9) == 229  # MiniMax's 230B (229B counted)

@@ -19,7 +19,7 @@ from tests.flexsarathi.models.test_models import (GREEDY, _prompts, assert_chunk
 from tests.offload.test_policy_matrix import CASES, _check, references, stories_dir_or_none  # noqa: F401 (fixtures)
 from tests.prompt_logits import prompt_logits
 
-KINDS = ["qwen3", "qwen3_tied", "gpt_oss", "glm4_moe", "glm4_moe_air"] + MOE_KINDS
+KINDS = ["qwen3", "qwen3_tied", "gpt_oss", "glm4_moe", "glm4_moe_air", "minimax_m2"] + MOE_KINDS
 
 
 @pytest.fixture(scope="module")
