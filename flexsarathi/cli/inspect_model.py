@@ -53,13 +53,18 @@ def describe_source(source) -> SourceDescription:
     dtype = str(source.config.checkpoint_dtype).removeprefix("torch.")
     codes = getattr(source, "codes", None)  # dummy weights drawn as codes
     mxfp4, formats = getattr(source, "mxfp4_kinds", frozenset()), source.quantized_formats() or {}
+    fp8 = getattr(source, "fp8_block", None)  # block-wise FP8: its matrices dequantized as they are read
+    stored = f"fp8 e4m3 in blocks of {fp8[0]}x{fp8[1]}" if fp8 else dtype
     kinds = tuple(TensorKind(name, "mxfp4", formats[name], "decoded exactly into 8-bit codes") if name in mxfp4 else
-                  TensorKind(name, f"{codes.bits}-bit codes drawn" if codes else dtype, None,
+                  TensorKind(name, f"{codes.bits}-bit codes drawn" if codes else stored, None,
                              "as is" if mxfp4 else
+                             ("times its blocks' factors; " if fp8 else "") +
                              "quantized by the engine when the policy compresses weights")
                   for name, shape in source.model.weight_kinds().items() if len(shape) == 2)
-    fmt = "dummy" if folder is None else "safetensors, experts mxfp4" if mxfp4 else "safetensors"
-    return SourceDescription(fmt, f"{dtype}, full precision" + (" but the experts" if mxfp4 else ""), kinds, files)
+    fmt = ("dummy" if folder is None else "safetensors, experts mxfp4" if mxfp4 else
+           "safetensors, fp8 blocks" if fp8 else "safetensors")
+    detail = f"{dtype}, full precision" + (" but the experts" if mxfp4 else " but the fp8 matrices" if fp8 else "")
+    return SourceDescription(fmt, detail, kinds, files)
 
 
 def inspect_lines(model: str, source, dtype: torch.dtype) -> list[str]:

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
-from flexsarathi.formats import stacked_experts
+from flexsarathi.formats import fp8_blocks, stacked_experts
 from flexsarathi.formats.prequantized import ConversionLog
 from flexsarathi.formats.stacked_experts import BLOCKS, SCALES
 from flexsarathi.formats.safetensors_pread import PreadReader
@@ -43,8 +43,9 @@ def require_float_kind(kind: str, name: str, path: str) -> None:
     if kind in _FLOAT_KINDS:
         return
     if str(kind).startswith("F8"):
-        raise CheckpointError(f"{path}: tensor {name} is stored as {kind}: fp8 checkpoints (with their "
-                              "*.weight_scale tensors) are not supported; use a float16/bfloat16 checkpoint")
+        raise CheckpointError(f"{path}: tensor {name} is stored as {kind}: fp8 checkpoints are read where "
+                              "config.json's quantization_config says block-wise fp8 (quant_method fp8, "
+                              "weight_block_size) and each weight has its *.weight_scale_inv; this one's does not")
     raise CheckpointError(f"{path}: tensor {name} is stored as {kind}, not as floats ({', '.join(_FLOAT_KINDS)}): "
                           "a checkpoint without a quantization_config in config.json must hold float weights")
 
@@ -208,6 +209,7 @@ class SafetensorsCheckpoint(WeightSource):
         self._handles: dict[str, object] = {}  # file path -> open safetensors handle (headers only)
         self._pread = PreadReader()  # tensors' bytes: read into fresh memory, not mapped (safetensors_pread.py)
         self._file_of = self._index_tensors()  # HF tensor name -> file path
+        self.fp8_block = fp8_blocks.fp8_blocks(folder)  # a block-wise FP8 checkpoint's blocks, else None
         self.model = build_model_math(self.config)
         heads = ("lm_head.", *{name.removesuffix("weight") for name in self.model.stored_names("lm_head.weight")})
         if not self.config.tie_word_embeddings and not any(n.startswith(heads) for n in self._file_of):
@@ -306,8 +308,11 @@ class SafetensorsCheckpoint(WeightSource):
                     name = self._resolve(hf_name)
                     path = self._file_of[name]
                     info = self._open(path).get_slice(name)
-                    require_float_kind(info.get_dtype(), name, path)
                     shape = self._part_shapes[hf_name] = tuple(info.get_shape())
+                    if info.get_dtype() in fp8_blocks.FP8_KINDS and self.fp8_block is not None:
+                        self._validate_fp8_scale(name, shape)
+                    else:
+                        require_float_kind(info.get_dtype(), name, path)
                     want = list(shapes[canonical])
                     if len(shape) != len(want) or list(shape[1:]) != want[1:]:
                         raise CheckpointError(
@@ -338,6 +343,18 @@ class SafetensorsCheckpoint(WeightSource):
                     raise CheckpointError(f"{path}: tensor {name} has shape {list(info.get_shape())}, which does not "
                                           f"match config.json (expected {list(want)} for {canonical})")
 
+    def _validate_fp8_scale(self, name: str, shape: tuple[int, ...]) -> None:
+        """An FP8 weight's factors are there, float32, one per block."""
+        scale = name + fp8_blocks.SCALE
+        if scale not in self._file_of:
+            raise CheckpointError(f"{self._file_of[name]}: FP8 tensor {name} has no {scale} (its blocks' factors)")
+        info = self._open(self._file_of[scale]).get_slice(scale)
+        want = fp8_blocks.scale_shape(shape, self.fp8_block) if len(shape) == 2 else None
+        if info.get_dtype() != "F32" or tuple(info.get_shape()) != want:
+            raise CheckpointError(f"{self._file_of[scale]}: {scale} is {info.get_dtype()} {list(info.get_shape())}; "
+                                  f"FP8 tensor {name} {list(shape)} in blocks of {list(self.fp8_block)} needs F32 "
+                                  f"{list(want) if want else '[rows, cols] (a matrix)'}")
+
     def _mxfp4_kinds(self) -> frozenset[str]:
         """The expert stacks the checkpoint holds as MXFP4 blocks (the same kinds in every layer)."""
         per_layer = set()
@@ -363,6 +380,8 @@ class SafetensorsCheckpoint(WeightSource):
         """The HF names of every tensor the model reads (before `_resolve`'s prefix fallback)."""
         groups = [self.model.hf_global_names(), *(self.model.hf_layer_names(i) for i in range(self.config.num_layers))]
         names = {hf for names in groups for parts in names.values() for hf in parts}
+        if self.fp8_block is not None:  # an FP8 weight's factors
+            names |= {name + fp8_blocks.SCALE for name in names}
         for layer in range(self.config.num_layers):  # an expert stack's MXFP4 form
             hf_names = self.model.hf_layer_names(layer)
             names |= {hf_names[c][0] + suffix for c, how in self.model.stacked_experts(layer).items() if not how.bias
@@ -405,6 +424,9 @@ class SafetensorsCheckpoint(WeightSource):
                 except OSError as exc:
                     raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: "
                                           f"{exc}") from None
+                if read.dtype == torch.float8_e4m3fn:  # a block-wise FP8 weight (validated): times its factors
+                    read = fp8_blocks.dequantize(read, self._pread.get(self._file_of[name + fp8_blocks.SCALE],
+                                                                       name + fp8_blocks.SCALE), self.fp8_block)
                 value = read.to(dtype) if self.adapter is None else self.adapter.merged(hf_name, read, dtype)
                 tensors.append(check(value, name, self._file_of[name], read))
             out[canonical] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
@@ -433,9 +455,11 @@ class SafetensorsCheckpoint(WeightSource):
 
     def read_buffer_bytes(self, dtype: torch.dtype) -> int:
         """The largest tensor's bytes in its file where they are cast to `dtype` (read whole, then
-        cast; a tensor already in `dtype` is given as read)."""
+        cast; a tensor already in `dtype` is given as read); an FP8 weight's with its float32 product
+        (4 bytes a value beside its 1, and as many again where its last blocks are padded)."""
         extents = (self._pread.extent(path, name) for name, path in self._file_of.items())
-        most = max((nbytes for _, _, nbytes, kind, _ in extents if kind != _SAFETENSORS_DTYPES.get(dtype)), default=0)
+        most = max((nbytes * (9 if kind in fp8_blocks.FP8_KINDS else 1) for _, _, nbytes, kind, _ in extents
+                    if kind != _SAFETENSORS_DTYPES.get(dtype)), default=0)
         if self.adapter is not None:  # a merge holds the weight in fp32 and its cast beside the read
             most += self.adapter.merge_bytes()
         return most

@@ -64,14 +64,21 @@ def open_weight_source(model: str, codes: QuantConfig | None = None, lora: str |
     if codes is not None:
         raise CheckpointError(f"weights drawn as quantized codes are for dummy models only, not {model}")
     quantization = read_quantization_config(model)
-    if quantization is not None and not _mxfp4(quantization):  # GPTQ, AWQ, compressed-tensors
+    if quantization is not None and not _read_as_floats(quantization):  # GPTQ, AWQ, compressed-tensors
         _refuse_adapter(lora, model, "a pre-quantized checkpoint's")
         return QuantizedCheckpoint(model)
     source = SafetensorsCheckpoint(model, adapter=None if lora is None else open_adapter(lora))
-    if quantization is not None and not source.model.stacked_experts(0):
+    if _mxfp4(quantization) and not source.model.stacked_experts(0):
         raise CheckpointError(f"{model}: quantization_config mxfp4 is read for gpt-oss's expert weights only, and "
                               f"this is a {source.config.model_type} model")
     return source
+
+
+def _read_as_floats(quantization) -> bool:
+    """A quantization SafetensorsCheckpoint reads: MXFP4 experts (their exact 8-bit codes) and
+    block-wise FP8 (formats/fp8_blocks.py: times their factors, then the run dtype)."""
+    return _mxfp4(quantization) or (isinstance(quantization, dict) and
+                                    str(quantization.get("quant_method", "")).lower() == "fp8")
 
 
 def _mxfp4(quantization) -> bool:
