@@ -30,7 +30,7 @@ def counted_profiles(monkeypatch, tmp_path):
     return calls
 
 
-def test_auto_without_hardware_plans_for_this_machine_measured_once_and_cached(stories_dir, tmp_path,
+def test_auto_without_hardware_plans_for_this_machine_measured_once_and_cached(stories_dir, tmp_path, monkeypatch,
                                                                           counted_profiles):
     offload = str(tmp_path / "offload")
     short = Workload(prompt_len=64, gen_len=16)  # the default plans 512 + 32 tokens: beyond stories260K's context
@@ -69,8 +69,10 @@ def test_auto_without_hardware_plans_for_this_machine_measured_once_and_cached(s
     assert abs(again.disk_memory - shutil.disk_usage(offload).free) < 1 << 30  # read now, not the cached 1 byte
     with open(path, "w") as f:
         f.write("{not json")
+    # measured again: the call counted, its measurement (the real one ran above) not repeated (30 s)
+    monkeypatch.setattr(profiler, "profile_machine", lambda *args, **kwargs: (counted_profiles.append(args), first)[1])
     this_machine(LLM, offload, torch.float32)
-    assert len(counted_profiles) == 2
+    assert len(counted_profiles) == 2 and json.load(open(path))["entries"]  # the damaged file rewritten
 
 
 IN_A_GROUP = """
