@@ -391,6 +391,9 @@ def _prepare(req: BatchRequest, tokenizer, defaults: dict, seed: int,
                 req.tools = req.tools.with_parser(tool_parser, tokenizer.chat_template)
             req.harmony = speaks_harmony(tokenizer.chat_template) or (req.tools is not None and
                                                                       req.tools.parser == "harmony")
+            if req.reasoning_effort is not None and "reasoning_effort" not in (tokenizer.chat_template or ""):
+                raise FlexSarathiError("body.reasoning_effort is handed to the chat template, and this model's "
+                                       "does not read it")
             req.prompt_token_ids = tokenizer.apply_chat_template(
                 req.messages, **req.chat_options, tools=list(req.tools.tools) if req.tools else None)
         elif req.prompt is not None:

@@ -51,8 +51,9 @@ _LINE_END = re.compile(r"\r\n|\r|\n")
 # OpenAI body fields we cannot honour: refused when set to anything but their neutral value.
 _UNSUPPORTED_OPENAI = {"best_of": 1, "echo": False, "suffix": None, "stream": False, "functions": None,
                        "function_call": "none", "modalities": ["text"],
-                       "audio": None, "prediction": None, "web_search_options": None, "reasoning_effort": None,
-                       "verbosity": None}
+                       "audio": None, "prediction": None, "web_search_options": None, "verbosity": None}
+# OpenAI's reasoning_effort, as vLLM passes it: to the chat template (gpt-oss's reads it), where it reads it
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 # OpenAI's body fields that do not change what is generated (who asks, how it is billed or stored):
 # accepted and ignored. `stream_options` only acts with streaming.
 _IGNORED_OPENAI = ("model", "user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -64,7 +65,8 @@ OPENAI_BODY_FIELDS = {
     url: frozenset((prompt, "logprobs", *extra, "max_completion_tokens", "response_format", *SAMPLING_FIELDS,
                     "cache_salt", *_UNSUPPORTED_OPENAI, *_IGNORED_OPENAI))
     for url, prompt, extra in ((COMPLETIONS_URL, "prompt", ()),
-                               (CHAT_URL, "messages", ("top_logprobs", *CHAT_OPTIONS, *TOOL_FIELDS)))}
+                               (CHAT_URL, "messages", ("top_logprobs", "reasoning_effort", *CHAT_OPTIONS,
+                                                        *TOOL_FIELDS)))}
 OPENAI_BODY_FIELDS[EMBEDDINGS_URL] = EMBEDDING_BODY_FIELDS
 URLS = (COMPLETIONS_URL, CHAT_URL, EMBEDDINGS_URL)
 # The record's "request_fingerprint": a hash of the request it answers, so a resume can tell a
@@ -92,6 +94,7 @@ class BatchRequest:
     lora: str | None = None  # the --lora-modules adapter it runs with (set by the job from `model`)
     chat: bool = False  # OpenAI chat completion (the output is a chat.completion object)
     harmony: bool = False  # its chat template writes harmony messages: replies read as such (formats/harmony.py)
+    reasoning_effort: str | None = None  # OpenAI's, handed to the chat template (which must read it)
     logprobs_style: str | None = None  # "completions" / "chat" when OpenAI logprobs were asked
     error: str | None = None
     fingerprint: str | None = None  # of what it asks (request_fingerprint): set by read_requests
@@ -401,7 +404,23 @@ def _openai_body(req: BatchRequest, obj: dict) -> str | None:
     if "max_completion_tokens" in body:  # chat's name for max_tokens (vLLM takes it on both urls)
         req.sampling["max_tokens"] = body["max_completion_tokens"]
     error = _openai_logprobs(req, body) or _openai_response_format(req, body) or _set_salt_and_model(req, body, "body.")
-    return error or _set_prompt(req, body, ("messages",) if req.chat else ("prompt",))
+    return error or _set_prompt(req, body, ("messages",) if req.chat else ("prompt",)) or _reasoning_effort(req, body)
+
+
+def _reasoning_effort(req: BatchRequest, body: dict) -> str | None:
+    """body.reasoning_effort as the chat template's `reasoning_effort` (whether the template reads it is
+    checked once it is known: generate._prepare); an error message where it cannot be."""
+    effort = body.get("reasoning_effort")
+    if effort is None:  # (a /v1/completions body has no such field: _unknown_body_fields says so)
+        return None
+    if effort not in REASONING_EFFORTS:
+        return f"line {req.line}: body.reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}"
+    kwargs = req.chat_options.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or kwargs.get("reasoning_effort", effort) != effort:
+        return f"line {req.line}: body.reasoning_effort and chat_template_kwargs.reasoning_effort differ"
+    req.chat_options["chat_template_kwargs"] = {**kwargs, "reasoning_effort": effort}
+    req.reasoning_effort = effort
+    return None
 
 
 def _embedding_body(req: BatchRequest, body: dict) -> str | None:

@@ -22,8 +22,10 @@ THINK = "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
 ANSWER = "<|start|>assistant<|channel|>final<|message|>It is sunny in Rome.<|return|>"
 CALL = ('<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>'
         '{"city": "rome"}<|call|>')
-# gpt-oss's template in miniature: earlier replies on the final channel, the reply opened after <|start|>assistant
-TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+# gpt-oss's template in miniature: a system message saying the reasoning effort, earlier replies on the final
+# channel, the reply opened after <|start|>assistant
+TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+            "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
             "<|message|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -108,3 +110,27 @@ def test_a_chat_request_is_read_as_harmony_where_the_template_writes_it(harmony_
     harmony, plain = BatchRequest(line=1, id="h", messages=messages), BatchRequest(line=2, id="p", messages=messages)
     assert _prepare(harmony, harmony_tokenizer, {"max_tokens": 4}, 0) is not None and harmony.harmony
     assert _prepare(plain, Tokenizer.from_folder(chat_dir), {"max_tokens": 4}, 0) is not None and not plain.harmony
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(harmony_tokenizer, chat_dir, tmp_path):  # noqa: F811
+    """OpenAI's body.reasoning_effort goes to the chat template as vLLM hands it over; a template that
+    does not read it, a value OpenAI does not have, a completions body or a clash are each the line's error."""
+    from flexsarathi.cli.generate import _prepare
+    from tests.flexsarathi.cli.test_request_files import _body
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    high = _body(tmp_path, {**chat, "reasoning_effort": "high"}, "/v1/chat/completions")
+    plain = _body(tmp_path, chat, "/v1/chat/completions")
+    assert high.error is None and high.fingerprint != plain.fingerprint
+    assert _prepare(high, harmony_tokenizer, {"max_tokens": 4}, 0) is not None
+    assert "Reasoning: high" in harmony_tokenizer.decode(high.prompt_token_ids, skip_special_tokens=False)
+    elsewhere = _body(tmp_path, {**chat, "reasoning_effort": "high"}, "/v1/chat/completions")
+    assert _prepare(elsewhere, Tokenizer.from_folder(chat_dir), {"max_tokens": 4}, 0) is None
+    assert "this model's does not read it" in elsewhere.error
+    for body, url, message in [
+        ({**chat, "reasoning_effort": "max"}, "/v1/chat/completions", "must be one of minimal, low, medium, high"),
+        ({"prompt": "hi", "reasoning_effort": "low"}, "/v1/completions", "belongs to a /v1/chat/completions body"),
+        ({**chat, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+         "/v1/chat/completions", "differ"),
+    ]:
+        assert message in _body(tmp_path, body, url).error
