@@ -311,6 +311,18 @@ def tiny_checkpoint(tmp_path_factory):
     return make
 
 
+def checkpoint_to_rewrite(tiny_checkpoint, kind: str, folder: Path):
+    """The tiny `kind` checkpoint copied to `folder` (for a test to store some tensors otherwise), its
+    tensors, and a copy of transformers' model to give the values the rewritten ones stand for."""
+    from safetensors.torch import load_file
+
+    source, model = tiny_checkpoint(kind)
+    shutil.copytree(source, folder)
+    reference = type(model)(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    return folder, load_file(folder / "model.safetensors"), reference
+
+
 def with_chat_template(stories_dir: str, folder: Path, template: str) -> str:
     """stories260K copied to `folder` with `template` as its chat template (it ships none)."""
     shutil.copytree(stories_dir, folder)

@@ -4,7 +4,6 @@ transformers computes from those values, and each fault one error naming the ten
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from flexsarathi import LLM
 from flexsarathi.errors import CheckpointError
 from flexsarathi.formats.fp8_blocks import dequantize
+from tests.conftest import checkpoint_to_rewrite
 from tests.flexsarathi.models.test_models import _prompts, hf_logits
 from tests.prompt_logits import prompt_logits
 
@@ -61,12 +61,7 @@ def test_partial_last_blocks_take_their_blocks_factors():
 def _fp8_checkpoint(tiny_checkpoint, tmp_path, block=(16, 16)):
     """The tiny llama checkpoint with its layers' matrices as e4m3 blocks and their factors, and
     transformers' model holding the values they dequantize to."""
-    folder, model = tiny_checkpoint("llama_gqa_untied")
-    out = tmp_path / "fp8"
-    shutil.copytree(folder, out)
-    tensors = load_file(out / "model.safetensors")
-    reference = type(model)(model.config).eval()
-    reference.load_state_dict(model.state_dict())
+    out, tensors, reference = checkpoint_to_rewrite(tiny_checkpoint, "llama_gqa_untied", tmp_path / "fp8")
     for name in [n for n in tensors if n.endswith("_proj.weight")]:
         codes, scale = _quantized(tensors[name], block)
         tensors[name], tensors[name + "_scale_inv"] = codes, scale

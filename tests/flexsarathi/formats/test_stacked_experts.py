@@ -16,6 +16,7 @@ from flexsarathi.formats.checkpoint import SafetensorsCheckpoint
 from flexsarathi.formats.stacked_experts import MXFP4_CODES, mxfp4_codes
 from flexsarathi.models.base import StackedExperts
 from quant import QTensor, dequantize
+from tests.conftest import checkpoint_to_rewrite
 from tests.flexsarathi.models.test_models import _prompts, hf_logits
 from tests.prompt_logits import prompt_logits
 
@@ -60,14 +61,9 @@ def test_a_release_s_scales_give_exact_codes():
 def _mxfp4_checkpoint(tiny_checkpoint, tmp_path, seed: int = 0):
     """The tiny gpt_oss checkpoint with its experts' weights as MXFP4 blocks and scales (as OpenAI's
     release stores them), and transformers' model with the values they decode to."""
-    folder, model = tiny_checkpoint("gpt_oss")
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    out = tmp_path / "mxfp4"
-    shutil.copytree(folder, out)
-    tensors = load_file(out / "model.safetensors")
-    reference = type(model)(model.config).eval()
-    reference.load_state_dict(model.state_dict())
+    out, tensors, reference = checkpoint_to_rewrite(tiny_checkpoint, "gpt_oss", tmp_path / "mxfp4")
     gen = torch.Generator().manual_seed(seed)
     for name in [n for n in tensors if n.endswith(PROJECTIONS)]:
         experts, cols, rows = tensors.pop(name).shape  # [E, in, out]
