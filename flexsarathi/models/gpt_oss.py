@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from flexsarathi.models import attention
 from flexsarathi.models.base import StackedExperts, Weights
-from flexsarathi.models.layers import linear
+from flexsarathi.models.layers import linear, rms_norm_scaled_in_fp32
 from flexsarathi.models.llama import LlamaMath
 from flexsarathi.models.moe import DOWN, GATE_UP, ROUTER, MoeMath, Routing
 
@@ -53,7 +53,7 @@ class GptOssMath(MoeMath):
         return super().part_rows(name, layer) if name == "qkv_proj.weight" else (self.layer_shapes(layer)[name][0],)
 
     def norm(self, x, weight):
-        return (weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.norm_eps)).to(x.dtype)
+        return rms_norm_scaled_in_fp32(x, weight, self.config.norm_eps)
 
     def merge_attention(self, parts, w=None):
         return attention.merge_partial_attention(parts, w[SINKS])

@@ -78,6 +78,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def rms_norm_scaled_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm that scales by the weight in fp32, then casts back (OLMo's, gpt-oss's; LLaMA's casts
+    first, then scales)."""
+    return (weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps)).to(x.dtype)
+
+
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm, as HF's Gemma3RMSNorm: normalise and scale by (1 + weight) in fp32, then cast
     back (LLaMA's casts before it scales)."""

@@ -128,7 +128,8 @@ class LlamaMath(ModelMath):
             cos, sin = self.rope_on(positions, q.dtype, self._local_rope(layer))
             if self.rotary < c.head_dim:  # the first dims rotated, the rest as they are
                 q, k = q.clone(), k.clone()
-                apply_rope_(q[..., :self.rotary], cos, sin), apply_rope_(k[..., :self.rotary], cos, sin)
+                apply_rope_(q[..., :self.rotary], cos, sin)
+                apply_rope_(k[..., :self.rotary], cos, sin)
                 return q, k, v
             return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
         # q's and k's heads lie side by side: rotated together, in place, so K stays beside V (the

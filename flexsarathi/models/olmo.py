@@ -9,10 +9,9 @@ transformers' Olmo2/Olmo3 layers compute them:
 """
 from __future__ import annotations
 
-import torch.nn.functional as F
 
 from flexsarathi.models.base import Weights
-from flexsarathi.models.layers import apply_rope, linear, swiglu
+from flexsarathi.models.layers import apply_rope, linear, rms_norm_scaled_in_fp32, swiglu
 from flexsarathi.models.llama import LlamaMath
 
 
@@ -31,7 +30,7 @@ class OlmoMath(LlamaMath):
         return {k: v for k, v in names.items() if k in self.layer_shapes(layer)}
 
     def norm(self, x, weight):
-        return (weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.norm_eps)).to(x.dtype)
+        return rms_norm_scaled_in_fp32(x, weight, self.config.norm_eps)
 
     def qkv(self, w: Weights, hidden, positions, layer=0):
         c = self.config
