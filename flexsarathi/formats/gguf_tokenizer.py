@@ -27,6 +27,9 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
                         "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
                         "deepseek-r1-qwen": _QWEN2_SPLIT}
+# names under which llama.cpp splits by GPT-2's own regex (the ByteLevel pre-tokenizer's); a file without
+# the key gets it too, as in llama.cpp
+GPT2_SPLIT_NAMES = ("default", "gpt-2", "gpt2")
 SUPPORTED_MODELS = ("llama", "gpt2")
 
 
@@ -175,7 +178,12 @@ def _byte_level_backend(meta: dict, tokens: list[str], where: str) -> HFTokenize
              for i, t in enumerate(tokens)}
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=_file_merges(meta, vocab, where) or [], fuse_unk=False,
                                      continuing_subword_prefix="", end_of_word_suffix=""))
-    split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre is not None and pre not in PRE_TOKENIZER_SPLITS and pre not in GPT2_SPLIT_NAMES:
+        # another split regex would encode every prompt into other tokens than the model learned
+        raise CheckpointError(f"{where}: tokenizer.ggml.pre {pre!r} (the split its merges were learned with) is not "
+                              f"known here; known: {', '.join([*PRE_TOKENIZER_SPLITS, *GPT2_SPLIT_NAMES])}")
+    split = PRE_TOKENIZER_SPLITS.get(pre)
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:

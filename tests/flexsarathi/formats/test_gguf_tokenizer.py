@@ -201,3 +201,19 @@ def test_a_bad_gguf_vocabulary_is_one_error_naming_the_key(case, stories_dir, st
     write_gguf(stories_hf, tmp_path / "bad.gguf", tokenizer=tokenizer)
     with pytest.raises(CheckpointError, match=r"bad\.gguf: " + message):
         load_gguf_tokenizer(str(tmp_path / "bad.gguf"))
+
+
+def test_an_unknown_pre_tokenizer_is_refused_not_guessed(tinystories_text, tmp_path):
+    """A byte-level vocabulary whose tokenizer.ggml.pre names a split this engine does not know: refused
+    (GPT-2's split in its place would encode prompts into tokens the model never saw), as llama.cpp does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flexsarathi.errors import CheckpointError
+
+    meta = {**bpe_tokenizer_metadata(tinystories_text), "tokenizer.ggml.pre": "glm4"}
+    config = AutoConfig.for_model("qwen2", vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True)
+    write_gguf(AutoModelForCausalLM.from_config(config), tmp_path / "glm.gguf", tokenizer=meta)
+    with pytest.raises(CheckpointError, match=r"glm\.gguf: tokenizer\.ggml\.pre 'glm4' .* is not known here"):
+        load_gguf_tokenizer(str(tmp_path / "glm.gguf"))
