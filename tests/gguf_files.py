@@ -34,7 +34,10 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
 # transformers' model_type -> llama.cpp's general.architecture
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
              "mixtral": "llama", "gemma3_text": "gemma3", "phi3": "phi3",
-             "granite": "granite"}
+             "granite": "granite", "glm4_moe": "glm4moe"}
+# glm4moe (llama.cpp's Glm4MoeModel): its MLP norm's name, the shared experts'; the router's correction bias
+GLM4_MOE_NAMES = {"post_attention_layernorm": "post_attention_norm", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+                  "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 # gemma3 (llama.cpp's Gemma3Model): its sandwich norms' names, every norm stored as 1 + w
 GEMMA3_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
@@ -77,6 +80,12 @@ GGUF_CONFIGS.update({
                     attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0),
     # Phi-3 (Phi3MiniModel's file): attn_qkv and ffn_up (gate and up) fused as in the checkpoint; a window
     "phi3": dict(_SMALL, model_type="phi3", sliding_window=6, tie_word_embeddings=False, pad_token_id=0),
+    # GLM-4.5 (Glm4MoeModel's file): RoPE over half of each head, a dense first layer, sigmoid routing with its
+    # correction bias (exp_probs_b), scaled, a shared expert, q/k/v biased
+    "glm4_moe": dict(_SMALL, model_type="glm4_moe", num_hidden_layers=3, head_dim=64, moe_intermediate_size=64,
+                     n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                     attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, routed_scaling_factor=2.5,
+                     norm_topk_prob=True, tie_word_embeddings=False),
     "gemma3": dict(_SMALL, model_type="gemma3_text", num_hidden_layers=6, head_dim=64, query_pre_attn_scalar=64,
                    sliding_window=5, rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=True),
 })
@@ -94,6 +103,9 @@ def build_model(kind: str, seed: int = 0):
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.05 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # glm4_moe's router correction bias
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     return model
 
 
@@ -178,7 +190,11 @@ def _write_metadata(writer, cfg) -> None:
         writer.add_rope_scaling_type(gguf_rope_scaling(full["rope_type"]))
         writer.add_rope_scaling_factor(full.get("factor", 1.0))
         cfg = _with_theta(cfg, full["rope_theta"])
-    writer.add_block_count(cfg.num_hidden_layers)
+    # glm4moe: block_count counts the MTP layer(s) stored after the model's own (Glm4MoeModel)
+    nextn = (getattr(cfg, "num_nextn_predict_layers", 0) or 0) if cfg.model_type == "glm4_moe" else 0
+    if nextn:
+        writer.add_nextn_predict_layers(nextn)
+    writer.add_block_count(cfg.num_hidden_layers + nextn)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -188,7 +204,8 @@ def _write_metadata(writer, cfg) -> None:
     rope = getattr(cfg, "rope_parameters", None) or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
+    partial = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    writer.add_rope_dimension_count(int(head_dim * partial))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
@@ -218,6 +235,14 @@ def _write_moe_metadata(writer, cfg) -> None:
         return
     writer.add_expert_count(experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if cfg.model_type == "glm4_moe":  # Glm4MoeModel's
+        import gguf
+
+        writer.add_expert_shared_count(cfg.n_shared_experts)
+        writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if getattr(cfg, "moe_intermediate_size", None):
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", None):
@@ -282,8 +307,12 @@ def _tensors(model, state: dict | None = None, per_expert: bool = False):
     yield "output_norm.weight", state["model.norm.weight"]
     if not cfg.tie_word_embeddings:
         yield "output.weight", state["lm_head.weight"]
+    own = {"gemma3_text": GEMMA3_NAMES, "glm4_moe": GLM4_MOE_NAMES}.get(cfg.model_type, {})
     for i in range(cfg.num_hidden_layers):
-        for hf, short in ({**LAYER_NAMES, **GEMMA3_NAMES} if gemma else LAYER_NAMES).items():
+        correction = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        if correction in state:
+            yield f"blk.{i}.exp_probs_b.bias", state[correction]
+        for hf, short in {**LAYER_NAMES, **own}.items():
             for kind in ("weight", "bias"):
                 key = f"model.layers.{i}.{hf}.{kind}"
                 if key not in state:

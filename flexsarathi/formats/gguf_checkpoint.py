@@ -101,7 +101,8 @@ class GGUFCheckpoint(WeightSource):
         """One CheckpointError when the file holds tensors the model its metadata describes does not
         read (names only): e.g. {arch}.block_count 3 over 5 blocks would run as another model."""
         read = {t.name for t, _ in self._parts(hf_names)} | {"rope_freqs.weight"}
-        unused = sorted(n for n in self.gguf.tensors if n not in read)
+        mtp = tuple(f"blk.{self.config.num_layers + i}." for i in range(self.config.unread_layers))  # glm4moe's
+        unused = sorted(n for n in self.gguf.tensors if n not in read and not n.startswith(mtp))
         if not unused:
             return
         blocks = [int(n.split(".")[1]) for n in unused if n.startswith("blk.") and n.split(".")[1].isdigit()]

@@ -25,8 +25,9 @@ SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf
 # llama.cpp writes Mixtral as `llama` with `llama.expert_count` experts (`model_type`)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
                  "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "phi3": "phi3",
-                 "granite": "granite"}
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+                 "granite": "granite", "glm4moe": "glm4_moe"}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+SIGMOID_GATING = 2  # gguf.ExpertGatingFuncType.SIGMOID: glm4moe's (llama.cpp's default for it)
 # Model types whose q/k rows llama.cpp's converter permutes into the interleaved RoPE layout: its
 # LlamaModel's (Mixtral included); qwen2/qwen3 keep HF's row order.
 PERMUTED_QK = ("llama", "mixtral", "granite")  # granite: convert_hf_to_gguf.py's GraniteModel is a LlamaModel
@@ -201,13 +202,15 @@ def hf_config(gguf: GGUFFile) -> dict:
         "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon", 1e-5, float)),
         "rope_theta": _decimal(get("rope.freq_base", 10000.0, float)),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in gguf.tensors,
+        "attention_bias": arch in ("llama", "glm4moe") and "blk.0.attn_q.bias" in gguf.tensors,
         "torch_dtype": _checkpoint_dtype(gguf),
         "bos_token_id": token["bos"],
         # end of generation: EOS, and the end-of-turn tokens chat models stop at (llama-3's <|eot_id|>)
         "eos_token_id": list(dict.fromkeys(token[k] for k in ("eos", "eot", "eom") if token[k] is not None)),
     }
     cfg.update(_rope_scaling(gguf, arch))
+    if arch == "glm4moe":
+        cfg.update(_glm4_moe_fields(gguf, cfg, get))
     if model_type in MOE_TYPES:
         cfg.update(_moe_fields(gguf, arch, get))
     if arch == "gemma3":
@@ -219,6 +222,19 @@ def hf_config(gguf: GGUFFile) -> dict:
             ("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
             ("logits_scaling", "logit_scale"), ("attention_multiplier", "attention.scale"))})
     return cfg
+
+
+def _glm4_moe_fields(gguf: GGUFFile, cfg: dict, get) -> dict:
+    """GLM-4.5 (convert_hf_to_gguf.py's Glm4MoeModel; llama.cpp's glm4moe graph): block_count counts the
+    MTP layer(s) after the model's own (`nextn_predict_layers`), left unread; RoPE over
+    `rope.dimension_count` of each head; q/k norms where the file has them."""
+    nextn = get("nextn_predict_layers", 0)
+    if not 0 <= nextn < cfg["num_hidden_layers"]:
+        raise CheckpointError(f"{gguf.path}: metadata glm4moe.nextn_predict_layers={nextn} leaves no layer of "
+                              f"glm4moe.block_count={cfg['num_hidden_layers']}")
+    return {"num_hidden_layers": cfg["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
+            "partial_rotary_factor": get("rope.dimension_count", cfg["head_dim"]) / cfg["head_dim"],
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in gguf.tensors}
 
 
 def _phi3_fields(gguf: GGUFFile, cfg: dict, get) -> dict:
@@ -290,15 +306,17 @@ def _moe_fields(gguf: GGUFFile, arch: str, get) -> dict:
     """The experts as the HF config has them. A layer is sparse where it has a router; the dense
     ones become `mlp_only_layers` (decoder_sparse_step 1), so the engine plans each layer as the
     file has it. Widths from the metadata llama.cpp writes, else from the tensors."""
-    experts, layers = get("expert_count"), get("block_count")
+    experts, layers = get("expert_count"), get("block_count") - get("nextn_predict_layers", 0)
     sparse = sparse_layers(gguf, layers)
     if experts < 1 or not sparse:
         raise CheckpointError(f"{gguf.path}: metadata {arch}.expert_count={experts} but no layer has experts "
                               f"(tensors blk.N.ffn_gate_inp.weight, blk.N.ffn_*_exps.weight)")
-    gating = get("expert_gating_func", SOFTMAX_GATING)
-    if gating != SOFTMAX_GATING:
-        raise CheckpointError(f"{gguf.path}: metadata {arch}.expert_gating_func={gating} is not supported "
-                              f"(only {SOFTMAX_GATING}: softmax over the experts, then top-k)")
+    scoring = SIGMOID_GATING if arch == "glm4moe" else SOFTMAX_GATING  # what these model types compute
+    gating = get("expert_gating_func", scoring)
+    if gating != scoring:
+        raise CheckpointError(f"{gguf.path}: metadata {arch}.expert_gating_func={gating} is not supported for "
+                              f"{arch} (only {scoring}: {'sigmoid' if scoring == SIGMOID_GATING else 'softmax'} "
+                              "scores)")
     first = sparse[0]
     width = metadata_value(gguf, f"{arch}.expert_feed_forward_length",
                            gguf.metadata.get(f"{arch}.expert_feed_forward_length"), int)
@@ -306,6 +324,15 @@ def _moe_fields(gguf: GGUFFile, arch: str, get) -> dict:
         width = resolve_part(gguf, GGUFPart(f"blk.{first}.ffn_gate_exps.weight", 0))[0].shape[-2]
     width = int(width)
     fields = {"num_experts_per_tok": get("expert_used_count")}
+    if arch == "glm4moe":  # its leading dense layers, the others sparse; weights scaled, maybe renormalised
+        dense = get("leading_dense_block_count", 0)
+        if sparse != list(range(dense, layers)):
+            raise CheckpointError(f"{gguf.path}: metadata {arch}.leading_dense_block_count={dense} says layers "
+                                  f"{dense}..{layers - 1} have experts; the file's are {sparse}")
+        return {**fields, "n_routed_experts": experts, "moe_intermediate_size": width, "first_k_dense_replace": dense,
+                "n_shared_experts": get("expert_shared_count", 0),
+                "norm_topk_prob": get("expert_weights_norm", False, bool),
+                "routed_scaling_factor": _decimal(get("expert_weights_scale", 1.0, float))}
     if arch == "llama":  # Mixtral: every layer sparse, the experts as wide as intermediate_size
         if len(sparse) != layers:
             raise CheckpointError(f"{gguf.path}: mixtral (llama with experts) needs experts in every layer; "
@@ -363,9 +390,14 @@ _LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "s
 # that llama.cpp stacks every expert of the layer into.
 _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
-# gemma3's own: its sandwich norms (llama.cpp's gemma3 tensors; ffn_norm is the pre-MLP norm there too)
-_GEMMA3_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                       "post_feedforward_layernorm": "post_ffw_norm"}
+# Model types' own names beside those: gemma3's sandwich norms (llama.cpp's gemma3 tensors; ffn_norm is the
+# pre-MLP norm there too); glm4moe's MLP norm and shared experts (its router's correction bias: _CORRECTION_BIAS)
+_OWN_LAYER_NAMES = {
+    "gemma3_text": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"},
+    "glm4_moe": {"post_attention_layernorm": "post_attention_norm", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+                 "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}}
+_CORRECTION_BIAS = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
 
@@ -382,11 +414,13 @@ def gguf_part(hf_name: str, model_type: str = "llama") -> GGUFPart:
     `model.layers.3.mlp.experts.5.up_proj.weight` -> expert 5 of blk.3.ffn_up_exps.weight."""
     if hf_name in _GLOBAL_NAMES:
         return GGUFPart(_GLOBAL_NAMES[hf_name])
+    if correction := _CORRECTION_BIAS.match(hf_name):
+        return GGUFPart(f"blk.{correction[1]}.exp_probs_b.bias")
     match = _LAYER_RE.match(hf_name)
     expert = _EXPERT_RE.match(match[2]) if match else None
     if expert and expert[2] in _EXPERT_NAMES:
         return GGUFPart(f"blk.{match[1]}.{_EXPERT_NAMES[expert[2]]}.{match[3]}", int(expert[1]))
-    names = {**_LAYER_NAMES, **_GEMMA3_LAYER_NAMES} if model_type == "gemma3_text" else _LAYER_NAMES
+    names = {**_LAYER_NAMES, **_OWN_LAYER_NAMES.get(model_type, {})}
     if not match or match[2] not in names:
         raise CheckpointError(f"no GGUF tensor corresponds to {hf_name}")
     return GGUFPart(f"blk.{match[1]}.{names[match[2]]}.{match[3]}")

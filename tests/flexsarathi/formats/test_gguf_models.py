@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -207,12 +208,35 @@ def written_model(tmp_path_factory):
 @pytest.mark.parametrize("kind,weight_type", [("qwen3", "F32"), ("qwen3", "Q8_0"), ("qwen3_moe", "F32"),
                                               ("qwen3_moe", "Q4_0"), ("qwen2_moe", "F32"), ("qwen2_moe", "Q8_0"),
                                               ("mixtral", "F32"), ("mixtral", "Q4_0"), ("qwen3_moe_k", "Q4_K"),
-                                              ("qwen3_moe_k", "Q6_K")])
+                                              ("qwen3_moe_k", "Q6_K"), ("glm4_moe", "F32"), ("glm4_moe", "Q4_0")])
 def test_qwen3_and_moe_match_the_model_written(written_model, kind, weight_type):
     """qwen3 (head_dim not hidden / heads, q/k norms), qwen3moe, qwen2moe (shared expert, layer 0
-    dense), Mixtral (arch llama with experts, q/k permuted): logits to fp32 rounding, greedy tokens."""
+    dense), Mixtral (arch llama with experts, q/k permuted), glm4moe (RoPE over half of each head, sigmoid
+    routing with its correction bias, a shared expert, the MTP layer counted in block_count): logits to
+    fp32 rounding, greedy tokens."""
     path, ref = written_model(kind, weight_type)
     _assert_logits_and_greedy_match(LLM(path, dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT), ref)
+
+
+@pytest.mark.parametrize("nextn", [1, 0])
+def test_a_glm4moe_file_s_mtp_layer_is_left_unread(tmp_path, nextn):
+    """The MTP layer's tensors after the model's blocks (blk.3.*, blk.3.nextn.*) load unread where
+    nextn_predict_layers counts them; where the metadata does not, they are refused, naming the block."""
+    from flexsarathi.errors import CheckpointError
+
+    model = build_model("glm4_moe")
+    model.config.num_nextn_predict_layers = nextn
+    extra = {"blk.3.attn_norm.weight": np.ones(128, dtype=np.float32),
+             "blk.3.nextn.eh_proj.weight": np.zeros((128, 256), dtype=np.float32)}
+    path = tmp_path / "glm.gguf"
+    write_gguf(model, path, extra=extra)
+    if nextn:
+        llm = LLM(str(path), dtype="float32", device="cpu", cpu_matmul=EXACT_PRODUCT)
+        assert llm.engine.config.num_layers == 3 and llm.engine.config.unread_layers == 1
+        _assert_logits_and_greedy_match(llm, dequantized_model(model, path))
+    else:
+        with pytest.raises(CheckpointError, match="block_count is 3, but the file holds block 3"):
+            LLM(str(path), dtype="float32", device="cpu")
 
 
 @pytest.mark.parametrize("weight_type", ["F32", "Q4_0", "Q8_0"])
