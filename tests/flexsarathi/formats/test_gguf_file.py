@@ -129,7 +129,7 @@ def test_unsupported_architecture_and_tensor_type(tmp_path):
         step()
     writer.close()
     assert "GGUF architecture 'mamba' is not supported; supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma3, " \
-        "phi3, granite (llama with experts: mixtral)" in _one_line_error(tmp_path / "mamba.gguf")
+        "phi3, granite, glm4moe (llama with experts: mixtral)" in _one_line_error(tmp_path / "mamba.gguf")
 
     model = build_model("llama")
     path = tmp_path / "iq2.gguf"
