@@ -121,3 +121,19 @@ def test_the_planner_counts_minimax_m2_s_weights_as_the_engine_holds_them():
               *(s for i in range(config.num_layers) for s in math.layer_shapes(i).values())]
     assert ModelSpec.from_hf(config, "minimax").num_params == sum(torch.Size(s).numel() for s in shapes)
     assert round(ModelSpec.from_name("minimax-m2").num_params / 1e9) == 229  # MiniMax's 230B (229B counted)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"n_group": 3}, r"n_routed_experts=128 in n_group=3 groups, of which topk_group=1 are chosen, cannot give"),
+    ({"n_group": 8, "topk_group": 9}, r"of which topk_group=9 are chosen"),
+    ({"n_group": 64, "topk_group": 2}, r"cannot give num_experts_per_tok=8 experts"),
+    ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor must be a finite number > 0.0 and <= 1.0, got 1.5"),
+    ({"partial_rotary_factor": 0.01}, r"partial_rotary_factor=0.01 rotates 1 of 128 dims; RoPE needs an even number"),
+    ({"first_k_dense_replace": 47}, r"first_k_dense_replace must be an integer >= 0 and <= 46, got 47"),
+    ({"routed_scaling_factor": 0}, r"routed_scaling_factor must be a finite number > 0.0, got 0"),
+])
+def test_a_bad_glm_config_is_one_error_naming_the_field(edit, message):
+    from policy_search.errors import SpecError
+
+    with pytest.raises(SpecError, match=message):
+        ModelConfig.parse({**known_config("glm-4.5-air"), **edit})
