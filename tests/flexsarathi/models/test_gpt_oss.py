@@ -100,3 +100,15 @@ def test_the_gpus_decode_route_merges_the_sinks_too(tiny_checkpoint, compressed)
         assert outputs == [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     else:
         assert outputs == [hf_greedy(model, ids, GREEDY.max_tokens) for ids in prompts]
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"layer_types": ["sliding_attention"] * 3}, r"layer_types must list one of .* for each of the 24 layers"),
+    ({"swiglu_limit": 0}, r"swiglu_limit must be a finite number > 0.0, got 0"),
+    ({"sliding_window": 0}, r"sliding_window must be an integer >= 1, got 0"),
+])
+def test_a_bad_gpt_oss_config_is_one_error_naming_the_field(edit, message):
+    from policy_search.errors import SpecError
+
+    with pytest.raises(SpecError, match=message):
+        ModelConfig.parse({**known_config("gpt-oss-20b"), **edit})
