@@ -55,11 +55,14 @@ def describe_source(source) -> SourceDescription:
     mxfp4, formats = getattr(source, "mxfp4_kinds", frozenset()), source.quantized_formats() or {}
     fp8 = getattr(source, "fp8_block", None)  # block-wise FP8: its matrices dequantized as they are read
     stored = f"fp8 e4m3 in blocks of {fp8[0]}x{fp8[1]}" if fp8 else dtype
+    resident = source.model.resident_weights()  # routers: never compressed
+
+    def how(name: str) -> str:
+        return (("times its blocks' factors; " if fp8 else "") +
+                ("kept as is on the compute device: a router" if name in resident else "as is" if mxfp4
+                 else "quantized by the engine when the policy compresses weights"))
     kinds = tuple(TensorKind(name, "mxfp4", formats[name], "decoded exactly into 8-bit codes") if name in mxfp4 else
-                  TensorKind(name, f"{codes.bits}-bit codes drawn" if codes else stored, None,
-                             "as is" if mxfp4 else
-                             ("times its blocks' factors; " if fp8 else "") +
-                             "quantized by the engine when the policy compresses weights")
+                  TensorKind(name, f"{codes.bits}-bit codes drawn" if codes else stored, None, how(name))
                   for name, shape in source.model.weight_kinds().items() if len(shape) == 2)
     fmt = ("dummy" if folder is None else "safetensors, experts mxfp4" if mxfp4 else
            "safetensors, fp8 blocks" if fp8 else "safetensors")
