@@ -24,9 +24,11 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the split regex its merges were learned with (llama.cpp's llama-vocab.cpp)
+# (glm4 / chatglm-bpe: llama.cpp's CHATGLM4 split, llama 3's with the contractions' case folded by hand)
 PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
                         "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
-                        "deepseek-r1-qwen": _QWEN2_SPLIT}
+                        "deepseek-r1-qwen": _QWEN2_SPLIT, "glm4": _LLAMA3_SPLIT, "chatglm-bpe": _LLAMA3_SPLIT}
+NO_BOS_PRE = ("glm4", "chatglm-bpe")  # llama.cpp adds no BOS for these, whatever add_bos_token says
 # names under which llama.cpp splits by GPT-2's own regex (the ByteLevel pre-tokenizer's); a file without
 # the key gets it too, as in llama.cpp
 GPT2_SPLIT_NAMES = ("default", "gpt-2", "gpt2")
@@ -72,6 +74,7 @@ def build_gguf_tokenizer(meta: dict, where: str):
                                                    ("unk_token", "unknown_token_id"),
                                                    ("pad_token", "padding_token_id")) if token(key) is not None}
     add_bos = _flag(meta, "tokenizer.ggml.add_bos_token", kind == "llama", where)  # llama.cpp's defaults
+    add_bos = add_bos and meta.get("tokenizer.ggml.pre") not in NO_BOS_PRE
     return Tokenizer(backend, add_bos, _flag(meta, "tokenizer.ggml.add_eos_token", False, where),
                      meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
                      meta.get("tokenizer.chat_template") or None, specials)

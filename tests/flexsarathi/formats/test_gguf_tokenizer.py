@@ -210,10 +210,27 @@ def test_an_unknown_pre_tokenizer_is_refused_not_guessed(tinystories_text, tmp_p
 
     from flexsarathi.errors import CheckpointError
 
-    meta = {**bpe_tokenizer_metadata(tinystories_text), "tokenizer.ggml.pre": "glm4"}
+    meta = {**bpe_tokenizer_metadata(tinystories_text), "tokenizer.ggml.pre": "o200k-unknown"}
     config = AutoConfig.for_model("qwen2", vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=64,
                                   intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                                   num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True)
     write_gguf(AutoModelForCausalLM.from_config(config), tmp_path / "glm.gguf", tokenizer=meta)
-    with pytest.raises(CheckpointError, match=r"glm\.gguf: tokenizer\.ggml\.pre 'glm4' .* is not known here"):
+    with pytest.raises(CheckpointError, match=r"glm\.gguf: tokenizer\.ggml\.pre 'o200k-unknown' .* is not known here"):
         load_gguf_tokenizer(str(tmp_path / "glm.gguf"))
+
+
+def test_a_glm4_vocabulary_splits_digits_in_threes_and_adds_no_bos(tinystories_text, tmp_path):
+    """tokenizer.ggml.pre glm4 (GLM-4.5's files): llama.cpp's CHATGLM4 split, digits in runs of at most three
+    (qwen2's split takes them one by one), and no BOS even where the file asks for one, as llama.cpp."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    meta = {**bpe_tokenizer_metadata(tinystories_text), "tokenizer.ggml.pre": "glm4",
+            "tokenizer.ggml.add_bos_token": True}
+    config = AutoConfig.for_model("qwen2", vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True)
+    write_gguf(AutoModelForCausalLM.from_config(config), tmp_path / "glm.gguf", tokenizer=meta)
+    tok = load_gguf_tokenizer(str(tmp_path / "glm.gguf"))
+    pieces = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("Tom had 12345 cats")]
+    assert pieces == ["Tom", "Ġhad", "Ġ", "123", "45", "Ġcats"]
+    assert tok.encode("Tom had") == tok.encode("Tom had", add_special_tokens=False)  # no BOS
