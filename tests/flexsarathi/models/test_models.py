@@ -129,8 +129,9 @@ def test_prompt_logprobs_match_transformers(tiny_checkpoint):
         assert abs(step[token].logprob - float(row[token])) < 1e-4
 
 
-def test_bf16_compute_stays_close_to_fp32(tiny_checkpoint):
-    folder, model = tiny_checkpoint("llama_gqa_untied")
+@pytest.mark.parametrize("kind", ["llama_gqa_untied", "gpt_oss", "glm4_moe"])  # + sinks, sigmoid routing in bf16
+def test_bf16_compute_stays_close_to_fp32(tiny_checkpoint, kind):
+    folder, model = tiny_checkpoint(kind)
     ids = _prompts(model.config.vocab_size, lengths=(12,))[0]
     logits = prompt_logits(LLM(folder, dtype="bfloat16"), [ids])[0]
     ref = hf_logits(model, ids)
