@@ -30,6 +30,6 @@ def gpt_oss_attention(cfg: dict, source: str, num_layers: int) -> dict:
 
 def gpt_oss_experts(cfg: dict, source: str) -> dict:
     """MoEConfig's fields of a gpt_oss config beyond the expert counts."""
-    return dict(biases=True, softmax_after_top_k=True,
+    return dict(biases=True,
                 glu_limit=typed(cfg, "swiglu_limit", source, float, 7.0, above=0.0),
                 glu_alpha=typed(cfg, "swiglu_alpha", source, float, 1.702, above=0.0))

@@ -66,10 +66,9 @@ class MoEConfig:
     shared_expert_ffn_size: int = 0  # qwen2_moe: an always-on expert with a sigmoid gate; 0: none
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (those keep a dense MLP)
-    # gpt_oss (policy_search/gpt_oss_config.py): biased router and experts, softmax over the top-k
-    # logits, and the clamped GLU (up + 1) * gate * sigmoid(glu_alpha * gate) where glu_limit is set
+    # gpt_oss (policy_search/gpt_oss_config.py): biased router and experts, and the clamped GLU
+    # (up + 1) * gate * sigmoid(glu_alpha * gate) where glu_limit is set (its router: models/gpt_oss.py)
     biases: bool = False
-    softmax_after_top_k: bool = False
     glu_limit: float | None = None  # None: the SwiGLU silu(gate) * up
     glu_alpha: float = 1.0
     # glm4_moe (policy_search/glm_config.py): sigmoid scores, a correction bias that only chooses, the

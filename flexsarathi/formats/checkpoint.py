@@ -22,7 +22,6 @@ from flexsarathi.errors import CheckpointError
 from flexsarathi.models.model_config import ModelConfig
 from flexsarathi.formats import fp8_blocks, stacked_experts
 from flexsarathi.formats.prequantized import ConversionLog
-from flexsarathi.formats.stacked_experts import BLOCKS, SCALES
 from flexsarathi.formats.safetensors_pread import PreadReader
 from flexsarathi.formats.worker_pools import worker_pool
 from flexsarathi.models import ModelMath, Weights, build_model_math
@@ -293,13 +292,13 @@ class SafetensorsCheckpoint(WeightSource):
         """Check every tensor's shape from the headers before any weight is read; keeps them by the
         HF name the model reads (`_part_shapes`)."""
         self._part_shapes: dict[str, tuple[int, ...]] = {}
-        expected = [(self.model.hf_global_names(), self.model.global_shapes())]
-        expected += [(self.model.hf_layer_names(i), self.model.layer_shapes(i))
+        # (names, shapes, the stacks _validate_stacked checks instead) of the globals, then of each layer
+        expected = [(self.model.hf_global_names(), self.model.global_shapes(), {})]
+        expected += [(self.model.hf_layer_names(i), self.model.layer_shapes(i), self.model.stacked_experts(i))
                      for i in range(self.config.num_layers)]
         for layer in range(self.config.num_layers):
             self._validate_stacked(layer)
-        for layer_or_globals, (names, shapes) in enumerate(expected):
-            stacked = self.model.stacked_experts(layer_or_globals - 1) if layer_or_globals else {}
+        for names, shapes, stacked in expected:
             for canonical, parts in names.items():
                 if canonical in stacked:
                     continue
@@ -445,7 +444,8 @@ class SafetensorsCheckpoint(WeightSource):
                 raise CheckpointError(f"cannot read tensor {name} from {self._file_of[name]}: {exc}") from None
         name = hf_name + suffixes[0]
         if form == "mxfp4":  # exact 8-bit codes: nothing non-finite but a NaN scale, which this refuses
-            codes, error = stacked_experts.mxfp4_codes(parts[BLOCKS], parts[SCALES], how, dtype, hf_name)
+            codes, error = stacked_experts.mxfp4_codes(parts[stacked_experts.BLOCKS], parts[stacked_experts.SCALES],
+                                                       how, dtype, hf_name)
             self.log.record(canonical, error, "MXFP4 -> 8-bit codes")
             return codes
         return check(stacked_experts.assemble(how, parts[""], dtype), name, self._file_of[name])

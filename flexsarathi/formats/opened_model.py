@@ -77,14 +77,18 @@ def open_weight_source(model: str, codes: QuantConfig | None = None, lora: str |
 def _read_as_floats(quantization) -> bool:
     """A quantization SafetensorsCheckpoint reads: MXFP4 experts (their exact 8-bit codes) and
     block-wise FP8 (formats/fp8_blocks.py: times their factors, then the run dtype)."""
-    return _mxfp4(quantization) or (isinstance(quantization, dict) and
-                                    str(quantization.get("quant_method", "")).lower() == "fp8")
+    return _method(quantization) in ("mxfp4", "fp8")
 
 
 def _mxfp4(quantization) -> bool:
     """An MXFP4 checkpoint (gpt-oss as OpenAI releases it): its experts' blocks are decoded as they are
     read (formats/stacked_experts.py), every other weight is floats."""
-    return isinstance(quantization, dict) and str(quantization.get("quant_method", "")).lower() == "mxfp4"
+    return _method(quantization) == "mxfp4"
+
+
+def _method(quantization) -> str | None:
+    """A quantization_config's quant_method, lower-cased (None: not a config object)."""
+    return str(quantization.get("quant_method", "")).lower() if isinstance(quantization, dict) else None
 
 
 def _refuse_path(model: str) -> None:

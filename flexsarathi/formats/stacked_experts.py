@@ -65,15 +65,13 @@ def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor, how: StackedExperts,
     of MXFP4_CODES [E * out, in] (rows de-interleaved as `assemble`'s), and the largest difference from
     the decoded values (0.0: exact). A NaN scale, or one beyond 2 ** 13, is one CheckpointError naming the
     tensor."""
-    if bool((scales == _NAN_SCALE).any()):
-        first = tuple(torch.nonzero(scales == _NAN_SCALE)[0].tolist())
+    if (first := _first(scales == _NAN_SCALE)) is not None:
         raise CheckpointError(f"tensor {name}{SCALES} has non-finite weights (scale byte 255, E8M0's NaN, the first at "
                               f"{list(first)}): the checkpoint is damaged; the engine would compute NaN logits from it")
-    if bool((scales > _LARGEST_SCALE).any()):  # fp16 holds no such minimum: refused, not held as inf
-        first = tuple(torch.nonzero(scales > _LARGEST_SCALE)[0].tolist())
-        raise CheckpointError(f"tensor {name}{SCALES} scales a group by 2 ** {int(scales[first]) - 127} (at {list(first)}), "
-                              "beyond the 2 ** 13 whose values the engine's 8-bit codes hold (fp16 scales and minimums): "
-                              "the checkpoint is damaged or not gpt-oss's")
+    if (first := _first(scales > _LARGEST_SCALE)) is not None:  # fp16 holds no such minimum: refused, not inf
+        raise CheckpointError(f"tensor {name}{SCALES} scales a group by 2 ** {int(scales[first]) - 127} (at "
+                              f"{list(first)}), beyond the 2 ** 13 whose values the engine's 8-bit codes hold (fp16 "
+                              "scales and minimums): the checkpoint is damaged or not gpt-oss's")
     experts, out = blocks.shape[:2]
     nibbles = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [E, out, G, 16, 2]: low nibble first
     codes = _GRID_CODES[nibbles].reshape(experts, out, -1)  # [E, out, in]
@@ -81,6 +79,12 @@ def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor, how: StackedExperts,
     codes, scale = _deinterleaved(codes, how), _deinterleaved(scale, how)
     return codes_to_qtensor(codes.reshape(experts * out, -1), scale.reshape(experts * out, -1), 12, MXFP4_CODES,
                             dtype)
+
+
+def _first(mask: torch.Tensor) -> tuple[int, ...] | None:
+    """The index of the first True of `mask`, None where there is none."""
+    found = torch.nonzero(mask)
+    return tuple(found[0].tolist()) if found.numel() else None
 
 
 def assemble(how: StackedExperts, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
